@@ -1,0 +1,60 @@
+"""Which implementation runs a primitive: the documented switch for tests and users.
+
+The default is the fastest backend for the tensors' device (Numba on CPU). Inside
+``with detsum.backend(name):`` every detsum primitive called from this thread (or asyncio
+task) uses ``name`` instead. The choice is read when the operator runs, not when it is traced,
+so it also applies to compiled functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+BACKENDS: tuple[str, ...] = ("numba", "reference", "triton")
+
+_DEFAULT_BY_DEVICE = {"cpu": "numba", "cuda": "triton"}
+
+_forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "detsum_forced_backend", default=None
+)
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force every detsum primitive in the block to run on backend ``name``.
+
+    Args:
+        name: ``"numba"`` (CPU kernels), ``"reference"`` (slow Python loops from the
+            determinism contract; for tests) or ``"triton"`` (GPU kernels; on CPU tensors
+            only under ``TRITON_INTERPRET=1``).
+
+    Every backend gives the same bits for the "fp32" and "kahan" modes; that is what the test
+    suite checks by running each case under each backend.
+
+    Example:
+        >>> import torch, detsum
+        >>> with detsum.backend("reference"):
+        ...     detsum.segment_sum(torch.ones(3, 2), torch.tensor([0, 1, 3]))
+        tensor([[1., 1.],
+                [2., 2.]])
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"detsum.backend: name={name!r} is not a backend; expected one of {BACKENDS}")
+    token = _forced_backend.set(name)
+    try:
+        yield
+    finally:
+        _forced_backend.reset(token)
+
+
+def current_backend(device_type: str) -> str:
+    """The backend that runs now for tensors on ``device_type``."""
+    forced = _forced_backend.get()
+    if forced is not None:
+        return forced
+    try:
+        return _DEFAULT_BY_DEVICE[device_type]
+    except KeyError:
+        raise NotImplementedError(f"detsum has no backend for {device_type!r} tensors") from None

@@ -1,0 +1,1 @@
+"""One module per primitive: operator registration, fake kernel, autograd, public function."""

@@ -1,0 +1,175 @@
+"""index_add / index_add_: torch.index_add semantics with a chosen, deterministic order."""
+
+from __future__ import annotations
+
+import torch
+
+from detsum import _segments, _validation, reference
+from detsum.backend import current_backend
+from detsum.modes import Mode, parse_mode, rule_for
+
+_CALLER = "detsum.index_add"
+
+
+# ---- operators: out of place and in place -------------------------------------------------------
+
+def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
+         alpha: float, mode: str, out3: torch.Tensor | None) -> torch.Tensor:
+    """The shared body: validate index values, plan, launch. Writes ``out3`` when given."""
+    num_segments = input.shape[dim]
+    order, offsets = _segments.plan_from_index(
+        _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
+        promised_sorted=False)
+    backend_name = current_backend(input.device.type)
+    if backend_name == "reference":
+        result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
+        if out3 is None:
+            return result
+        out3.copy_(_segments.rows_view(result, dim))
+        return out3
+    input3 = _segments.rows_view(input, dim)
+    if out3 is None:
+        out3 = _segments.new_output(input3, num_segments)
+    _segments.launch(backend_name, _segments.rows_view(source, dim), order, offsets, input3, out3,
+                     reduce="sum", rule=rule_for(Mode(mode), "sum", input.device.type),
+                     alpha=alpha, include_base=True)
+    return out3
+
+
+@torch.library.custom_op("detsum::index_add", mutates_args=())
+def index_add_op(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
+                 alpha: float, acc_mode: str) -> torch.Tensor:
+    return _run(input, dim, index, source, alpha, acc_mode, None).view(input.shape)
+
+
+@index_add_op.register_fake
+def _(input, dim, index, source, alpha, acc_mode):
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
+def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
+                         source: torch.Tensor, alpha: float, acc_mode: str) -> None:
+    if input.is_contiguous():
+        # The kernels read every element of input before the same thread writes it, so the
+        # result can go straight into input's storage.
+        _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim))
+    else:
+        input.copy_(_run(input, dim, index, source, alpha, acc_mode, None).view(input.shape))
+
+
+@index_add_inplace_op.register_fake
+def _(input, dim, index, source, alpha, acc_mode):
+    return None
+
+
+# ---- autograd: input passes through, source gathers its target rows ---------------------------
+
+def _setup_context(ctx, inputs, output):
+    _, dim, index, _, alpha, _ = inputs
+    ctx.save_for_backward(index)
+    ctx.dim, ctx.alpha = dim, alpha
+
+
+def _backward(ctx, grad):
+    (index,) = ctx.saved_tensors
+    grad_source = grad.index_select(ctx.dim, index)
+    if ctx.alpha != 1.0:
+        grad_source = grad_source * ctx.alpha
+    return grad, None, None, grad_source, None, None
+
+
+index_add_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---- public functions ---------------------------------------------------------------------------
+
+def _check(input, dim, index, source, alpha, mode, caller):
+    mode = parse_mode(mode, caller=caller)
+    _validation.check_float(caller, "input", input)
+    _validation.check_float(caller, "source", source)
+    _validation.check_index(caller, "index", index, one_d=True)
+    dim = _validation.check_dim(caller, dim, input.dim())
+    alpha = _validation.check_alpha(caller, alpha)
+    _validation.check_same_dtype(caller, "input", input, "source", source)
+    _validation.check_shapes_except_dim(caller, "input", input, "source", source, dim)
+    if index.shape[0] != source.shape[dim]:
+        raise ValueError(f"{caller}: index has length {index.shape[0]}; expected "
+                         f"source.size({dim}) = {source.shape[dim]}")
+    _validation.check_same_device(caller, input=input, index=index, source=source)
+    return dim, alpha, mode
+
+
+_ORDER_DOC = """
+    Summation order and rounding. Output row ``i`` starts from ``input[i]`` and adds the rows
+    ``source[k]`` with ``index[k] == i`` in increasing ``k`` (order of appearance; the order a
+    stable sort of ``index`` gives), each scaled by ``alpha`` first:
+
+    - ``"fp32"`` (default): accumulate in fp32 (fp64 for float64) from ``input[i]``,
+      ``term = fp32(source[k]) * alpha`` rounded to fp32 on its own (never fused into the
+      add), round to the dtype once at the end.
+    - ``"kahan"``: the same terms, Neumaier-compensated sum in the accumulator, rounded once:
+      within 1 ulp of the exact result.
+    - ``"autograd"``: PyTorch's own arithmetic on the device, bit for bit:
+      ``input.index_put_(indices, source * alpha, accumulate=True)``, which is what autograd
+      computes for the gradient of ``x[index]``. On CPU that rounds ``source * alpha`` to the
+      dtype, then rounds to the dtype after every add.
+
+    **This operation is fully deterministic**: the same inputs give the same bits on every
+    run, for every thread count and every backend that implements the mode. (PyTorch's own
+    ``index_add_`` uses atomics on CUDA and an order-dependent fp32 buffer on CPU.)
+
+    Gradient: ``input`` receives ``grad``; ``source`` receives
+    ``grad.index_select(dim, index) * alpha`` (a gather; exact when ``alpha == 1``).
+"""
+
+
+def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
+              alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
+    """Out-of-place ``torch.index_add``: ``out[..., index[k], ...] += alpha * source[..., k, ...]``.
+
+    Args:
+        input: the tensor added to; float32, float16, bfloat16 or float64, any strides.
+        dim: the dimension along which to index (negative counts from the end).
+        index: 1-D int32/int64 with ``len(index) == source.size(dim)``, values in
+            ``[0, input.size(dim))``.
+        source: ``input``'s dtype and shape except ``source.size(dim) == len(index)``.
+        alpha: scale of ``source``.
+        mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
+
+    Returns:
+        A new contiguous tensor of ``input``'s shape and dtype.
+    """ + _ORDER_DOC + """
+    Example:
+        >>> import torch, detsum
+        >>> g = torch.tensor([[1.0], [2.0], [4.0]], dtype=torch.bfloat16)
+        >>> detsum.index_add(torch.zeros(2, 1, dtype=torch.bfloat16), 0,
+        ...                  torch.tensor([1, 0, 1]), g, mode="autograd")
+        tensor([[2.],
+                [5.]], dtype=torch.bfloat16)
+    """
+    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, _CALLER)
+    return index_add_op(input, dim, index, source, alpha, mode.value)
+
+
+def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
+               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
+    """In-place :func:`index_add`: writes into ``input`` and returns it.
+
+    Arguments, order and rounding as :func:`index_add`. Every argument is checked before
+    anything is written, so a call that raises leaves ``input`` untouched.
+    """ + _ORDER_DOC + """
+    Example:
+        >>> import torch, detsum
+        >>> x = torch.zeros(3)
+        >>> detsum.index_add_(x, 0, torch.tensor([2, 2]), torch.tensor([0.5, 0.25]))
+        tensor([0.0000, 0.0000, 0.7500])
+    """
+    caller = "detsum.index_add_"
+    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, caller)
+    if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
+        # The in-place operator has no autograd formula of its own; copying the out-of-place
+        # result in keeps the graph correct (copy_ is differentiable) at the cost of one pass.
+        return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value))
+    index_add_inplace_op(input, dim, index, source, alpha, mode.value)
+    return input

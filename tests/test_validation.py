@@ -1,0 +1,120 @@
+"""Every class of bad input raises the documented exception, names what is wrong, writes nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import detsum
+
+
+def _index_add_args():
+    return (torch.zeros(4, 3), 0, torch.tensor([0, 3, 1]), torch.ones(3, 3))
+
+
+def _bad_calls():
+    """(id, callable, exception, words the message must contain)."""
+    x, dim, idx, src = _index_add_args()
+    calls = [
+        ("index_out_of_range", lambda: detsum.index_add(x, 0, torch.tensor([0, 4, 1]), src),
+         IndexError, ["index[1] = 4", "input.size(0) = 4"]),
+        ("index_negative", lambda: detsum.index_add(x, 0, torch.tensor([0, 1, -1]), src),
+         IndexError, ["index[2] = -1"]),
+        ("index_float", lambda: detsum.index_add(x, 0, torch.tensor([0.0, 1.0, 2.0]), src),
+         TypeError, ["index", "float32"]),
+        ("data_int", lambda: detsum.index_add(torch.zeros(4, 3, dtype=torch.int32), 0, idx,
+                                              torch.ones(3, 3, dtype=torch.int32)),
+         TypeError, ["input", "int32"]),
+        ("mode_unknown", lambda: detsum.index_add(x, 0, idx, src, mode="fast"),
+         ValueError, ["'fast'", "autograd", "kahan", "fp32"]),
+        ("index_length", lambda: detsum.index_add(x, 0, torch.tensor([0, 1]), src),
+         ValueError, ["length 2", "source.size(0) = 3"]),
+        ("source_shape", lambda: detsum.index_add(x, 0, idx, torch.ones(3, 2)),
+         ValueError, ["(3, 2)", "(4, 3)"]),
+        ("dtype_mismatch", lambda: detsum.index_add(x, 0, idx, src.double()),
+         ValueError, ["float64", "float32"]),
+        ("dim_out_of_range", lambda: detsum.index_add(x, 2, idx, src),
+         IndexError, ["dim=2"]),
+        ("index_2d", lambda: detsum.index_add(x, 0, idx.view(3, 1), src),
+         ValueError, ["1-D"]),
+        ("alpha_not_number", lambda: detsum.index_add(x, 0, idx, src, alpha="2"),
+         TypeError, ["alpha"]),
+        ("meta_device", lambda: detsum.index_add(x, 0, idx, src.to("meta")),
+         ValueError, ["device", "meta"]),
+        ("reduce_unknown", lambda: detsum.scatter_reduce(x, 0, idx, src, "median"),
+         ValueError, ["'median'", "amax"]),
+        ("scatter_index_shape", lambda: detsum.scatter_reduce(x, 0, idx.view(3, 1), src, "sum"),
+         ValueError, ["(3, 1)", "(3, 3)"]),
+        ("scatter_out_of_range_elementwise",
+         lambda: detsum.scatter_reduce(x, 0, torch.tensor([[0, 1, 2], [3, 4, 0], [0, 0, 0]]),
+                                       src, "sum"),
+         IndexError, ["index[1, 1] = 4"]),
+        ("sorted_but_unsorted",
+         lambda: detsum.scatter_reduce(x, 0, torch.tensor([0, 2, 1]), src, "sum", sorted=True),
+         ValueError, ["sorted=True", "position 2"]),
+        ("sorted_elementwise",
+         lambda: detsum.scatter_reduce(x, 0, torch.zeros(3, 3, dtype=torch.long), src, "sum",
+                                       sorted=True),
+         ValueError, ["sorted=True", "1-D"]),
+        ("offsets_start", lambda: detsum.segment_sum(src, torch.tensor([1, 3])),
+         ValueError, ["offsets[0] = 1", "expected 0"]),
+        ("offsets_end", lambda: detsum.segment_sum(src, torch.tensor([0, 2])),
+         ValueError, ["offsets[-1] = 2", "= 3"]),
+        ("offsets_decreasing", lambda: detsum.segment_sum(src, torch.tensor([0, 2, 1, 3])),
+         ValueError, ["decrease", "position 2"]),
+        ("offsets_dtype", lambda: detsum.segment_sum(src, torch.tensor([0.0, 3.0])),
+         ValueError, ["offsets", "float32"]),
+        ("offsets_empty", lambda: detsum.segment_sum(src, torch.tensor([], dtype=torch.long)),
+         ValueError, ["offsets"]),
+        ("perm_out_of_range",
+         lambda: detsum.segment_sum(src, torch.tensor([0, 3]), perm=torch.tensor([0, 3, 1])),
+         IndexError, ["perm[1] = 3"]),
+        ("perm_length",
+         lambda: detsum.segment_sum(src, torch.tensor([0, 3]), perm=torch.tensor([0, 1])),
+         ValueError, ["perm", "length 2"]),
+        ("zero_dim", lambda: detsum.segment_sum(torch.tensor(1.0), torch.tensor([0, 1])),
+         ValueError, ["0-dimensional"]),
+        ("backend_unknown", lambda: detsum.backend("cuda-graphs").__enter__(),
+         ValueError, ["'cuda-graphs'", "numba"]),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("call,exception,words", [c[1:] for c in _bad_calls()],
+                         ids=[c[0] for c in _bad_calls()])
+def test_bad_input_raises_clear_error(call, exception, words):
+    with pytest.raises(exception) as raised:
+        call()
+    message = str(raised.value)
+    for word in words:
+        assert word in message, f"{word!r} missing from {message!r}"
+
+
+@pytest.mark.parametrize("bad_index", [torch.tensor([0, 4, 1]), torch.tensor([-1, 0, 1])],
+                         ids=["too_large", "negative"])
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "transposed"])
+def test_failing_inplace_call_leaves_input_untouched(bad_index, contiguous):
+    x = torch.arange(12, dtype=torch.float32).view(4, 3)
+    if not contiguous:
+        x = torch.arange(12, dtype=torch.float32).view(3, 4).t()
+    before = x.clone()
+    with pytest.raises(IndexError):
+        detsum.index_add_(x, 0, bad_index, torch.ones(3, 3), mode="kahan")
+    assert torch.equal(x, before)
+
+
+def test_mode_accepts_enum_members():
+    x, dim, idx, src = _index_add_args()
+    for mode in detsum.Mode:
+        assert torch.equal(detsum.index_add(x, dim, idx, src, mode=mode),
+                           detsum.index_add(x, dim, idx, src, mode=mode.value))
+    assert detsum.MODES == ("autograd", "kahan", "fp32")
+
+
+def test_out_of_range_value_at_the_last_position_is_found():
+    """The one pass over the index reaches its end before anything is launched."""
+    n = 10_000
+    index = torch.zeros(n, dtype=torch.long)
+    index[-1] = 7
+    with pytest.raises(IndexError, match=rf"index\[{n - 1}\] = 7"):
+        detsum.index_add(torch.zeros(7, 2), 0, index, torch.ones(n, 2))

@@ -53,14 +53,16 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def rule_for(mode: Mode, reduce: str, device_type: str) -> int:
     """The kernel rule that implements ``mode`` for ``reduce`` on ``device_type``.
 
-    Only ``sum`` has device-dependent "autograd" arithmetic (torch's index_put_ rounds to the
-    dtype after every add on CPU). ``mean`` and ``prod`` in "autograd" mode follow torch's CPU
-    ``scatter_reduce`` fp32 buffer, which is the wide rule; ``amax``/``amin`` are exact in every
-    mode, so their rule is irrelevant.
+    "autograd" mode reproduces torch on the device: for ``sum`` that is index_put_'s
+    accumulation (on CPU: round to the dtype after every add); for ``mean`` it is torch's
+    ``scatter_reduce``, which rounds the fp32 sum to the dtype before dividing (the kernels'
+    ROUND_EACH applied to a mean). ``prod`` is the wide serial product in every mode (torch's
+    CPU ``scatter_reduce`` computes exactly that); ``amax``/``amin`` are exact, so their rule
+    is irrelevant.
     """
     if mode is Mode.KAHAN and reduce in ("sum", "mean"):
         return kernels.KAHAN
-    if mode is Mode.AUTOGRAD and reduce == "sum":
+    if mode is Mode.AUTOGRAD and reduce in ("sum", "mean"):
         if device_type == "cpu":
             return kernels.ROUND_EACH
         raise NotImplementedError(

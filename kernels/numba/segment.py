@@ -19,4 +19,456 @@ CONTRACT (shared by every backend; the Triton launcher will have the same signat
   False: an empty segment writes the base row unchanged (0 when base is None); a nonempty one
   starts from the reduction's identity (+0.0 for SUM/MEAN, 1 for PROD, the first term for
   AMAX/AMIN).
+
+IMPLEMENTATION NOTES (this backend):
+
+- Arithmetic per output element, in the canonical order of its segment (``A`` = acc type,
+  fp64 for fp64 data and fp32 otherwise; ``RN_A`` / ``RN_D`` round to nearest even to ``A`` /
+  to the data dtype): ``term(x) = A(x)`` if alpha == 1 else ``RN_A(A(x) * A(alpha))``, and
+  under ROUND_EACH additionally ``RN_D(term)``.
+
+  - SUM, WIDE: ``acc = A(base)`` or +0.0; ``acc = RN_A(acc + term)``; ``out = RN_D(acc)``.
+  - SUM, KAHAN (Neumaier): ``s = A(base)`` or +0.0, ``c = 0``; per term ``u = s + t``,
+    ``c += (s - u) + t`` if ``|s| >= |t|`` else ``(t - u) + s``, ``s = u``;
+    ``out = RN_D(s)`` if s is not finite else ``RN_D(RN_A(s + c))``.
+  - SUM, ROUND_EACH: ``acc = base`` or +0.0; ``acc = RN_D(A(acc) + term)``; ``out = acc``
+    (identical to WIDE for fp32/fp64 data).
+  - MEAN: ``count`` = number of terms (+1 with the base row); the sum as SUM/WIDE
+    (ROUND_EACH also sums WIDE) or SUM/KAHAN gives ``v`` in A (KAHAN: ``s`` if not finite,
+    else ``RN_A(s + c)``); ``out = RN_D(RN_A(v / A(count)))``.
+  - PROD (rule ignored): ``acc = A(base)`` or 1; ``acc = RN_A(acc * A(x))``; ``out = RN_D(acc)``.
+  - AMAX / AMIN (rule ignored, exact): ``acc`` = base row or first term; then
+    ``acc = x if (isnan(x) or x > acc [amin: x < acc]) and not isnan(acc) else acc``: the
+    earlier of +0.0 / -0.0 stays, NaN propagates (what torch's CPU scatter_reduce does).
+  - base None means there is no base row: include_base is then ignored (treated as False),
+    and an empty segment writes 0.
+
+- Determinism: the work is split into items (outer index, segment, chunk of columns) and only
+  items are distributed over threads (``prange`` over blocks of consecutive items); each
+  output element is produced by one item, serially over its terms in the order above. The
+  result is therefore independent of the thread count, the chunk width and the schedule
+  (tests/test_kernels_numba.py compares 1 and 2 threads).
+
+- No fused multiply-add: Numba compiles without fastmath, so LLVM never gets the ``contract``
+  flag and cannot fuse ``acc + x * alpha`` (tests/test_kernels_numba.py checks alpha=0.3
+  against torch ops done one by one). With alpha == 1 the multiply is exact, so the same
+  loops serve both.
+
+- No copies: every tensor reaches the kernel as a flat 1-D NumPy view starting at its first
+  element plus its strides, so one compiled specialisation per dtype serves every layout
+  (transposed, sliced, expanded). Rows with unit column stride are read in place; others are
+  gathered into a scratch row first. bf16 and fp16 travel as uint16 bit patterns (torch
+  ``view(int16)``) and are converted by ``detsum.kernels.rounding``.
+
+- Speed: the terms of a segment are rows scattered over ``src`` (``order`` is a permutation),
+  so the kernel prefetches the start of the rows it will read a few rows ahead; the loops
+  are vectorised, with the rule and dtype branches outside them.
+
+- Compilation: one kernel per dtype, compiled on first use (about 10-20 s each) and cached on
+  disk (``cache=True``). Numba checks only this file's timestamp: after editing
+  ``rounding.py``, delete ``kernels/numba/__pycache__`` to drop stale kernels.
 """
+
+import numba
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .. import AMAX, AMIN, KAHAN, MEAN, PROD, ROUND_EACH, SUM
+from ..rounding import (
+    bf16_bits_to_f32,
+    f16_bits_to_f32,
+    f32_to_bf16_bits,
+    f32_to_f16_bits,
+    round_f32_to_bf16,
+    round_f32_to_f16,
+)
+
+__all__ = ["segment_reduce"]
+
+# Columns per work item. Chunking columns changes nothing in any element's order; it bounds
+# the scratch rows (kept in L1) and gives every thread items when there are few output rows.
+_CHUNK = 1024
+_MIN_CHUNK = 64
+# Prefetch: the first _PF_LINES cache lines (enough to start the hardware prefetcher on the
+# rest) of the term row about _PF_AHEAD bytes of rows ahead of the one being combined, i.e.
+# 3 rows of 1024 fp32 or 6 of 1024 bf16 (at most _PF_MAX_DIST rows). Chosen by timing the
+# benchmark shape; they only affect speed.
+_PF_LINES = 8
+_PF_AHEAD = 12288
+_PF_MAX_DIST = 64
+
+# Row operations (see row_op).
+_OP_ADD = 0
+_OP_ADD_ROUND = 1
+_OP_ADD_ROUND_SCALED = 2
+_OP_KAHAN = 3
+_OP_MUL = 4
+_OP_MAX = 5
+_OP_MIN = 6
+
+
+@intrinsic
+def _prefetch(typingctx, arr, i):
+    """Hint the cache to fetch the line holding arr[i] (1-D array); never changes a result."""
+    if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(i, types.Integer):
+        return None
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        idx = context.cast(builder, args[1], signature.args[1], types.intp)
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        # (address, read, keep in all cache levels, data cache)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _f32(x):
+    return np.float32(x)
+
+
+@njit(inline="always")
+def _f64(x):
+    return np.float64(x)
+
+
+def _make_block(dec, rnd, enc, cvt):
+    """The work of one thread block, for one data format.
+
+    ``dec`` turns a data element into the acc type, ``rnd`` rounds an acc value to the data
+    dtype (staying in the acc type), ``enc`` turns an acc value into a data element and ``cvt``
+    converts a number to the acc type. They are compile-time constants of the closures below
+    (as arguments they would become runtime pointers, and stop on-disk caching), so each
+    format compiles only its own code and every column loop is a straight, vectorisable loop
+    with the mode branches outside it.
+
+    Arrays arrive flat (1-D, contiguous, starting at the tensor's first element) with their
+    element strides beside them: one compiled specialisation serves every layout. Rows with
+    unit column stride are read in place; others are first gathered into a scratch row.
+    Per term row there is no function call, no array slice and no division: at about 8 rows
+    per segment that overhead was a fifth of the running time.
+    """
+
+    @njit(inline="always")
+    def neumaier(s, c, t):
+        u = s + t
+        # Both sides are computed and one selected: the column loop stays branch-free.
+        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
+        return u, c + d
+
+    @njit(inline="always")
+    def row_op(op, acc, comp, a, start, w, alpha):
+        """Combine the row a[start:start + w] into acc (and comp).
+
+        Indices are unsigned so that Numba adds no negative-index fix-up and the loops
+        vectorise. term(x) = RN_A(A(x) * A(alpha)) is a multiply of its own, never fused with
+        the add that follows (no fastmath, so LLVM may not contract); with alpha == 1 it is
+        exactly A(x), so one loop serves both.
+        """
+        u = np.uint64(start)
+        if op == _OP_ADD:
+            for j in range(w):
+                acc[j] = acc[j] + dec(a[u + np.uint64(j)]) * alpha
+        elif op == _OP_ADD_ROUND:
+            # alpha == 1: A(x) is a data-dtype value already.
+            for j in range(w):
+                acc[j] = rnd(acc[j] + dec(a[u + np.uint64(j)]))
+        elif op == _OP_ADD_ROUND_SCALED:
+            # torch rounds source * alpha to the dtype before adding.
+            for j in range(w):
+                acc[j] = rnd(acc[j] + rnd(dec(a[u + np.uint64(j)]) * alpha))
+        elif op == _OP_KAHAN:
+            for j in range(w):
+                acc[j], comp[j] = neumaier(acc[j], comp[j], dec(a[u + np.uint64(j)]) * alpha)
+        elif op == _OP_MUL:
+            for j in range(w):
+                acc[j] = acc[j] * dec(a[u + np.uint64(j)])
+        elif op == _OP_MAX:
+            for j in range(w):
+                x = dec(a[u + np.uint64(j)])
+                y = acc[j]
+                acc[j] = x if (x != x or x > y) and y == y else y
+        else:
+            for j in range(w):
+                x = dec(a[u + np.uint64(j)])
+                y = acc[j]
+                acc[j] = x if (x != x or x < y) and y == y else y
+
+    @njit
+    def load(acc, a, start, step, w):
+        """acc = A(a[start + j * step]), j < w."""
+        if step == 1:
+            u = np.uint64(start)
+            for j in range(w):
+                acc[j] = dec(a[u + np.uint64(j)])
+        else:
+            for j in range(w):
+                acc[j] = dec(a[start + j * step])
+
+    @njit(inline="always")
+    def prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end):
+        """Prefetch the term row at the cursor and move the cursor one row on.
+
+        Rows of a segment lie anywhere in src: asking for a row while earlier ones are being
+        combined hides the latency of the random gather, which the hardware cannot predict.
+        The cursor walks the block's term rows in reading order, pf_dist rows ahead of the
+        reader: cur = [item, position, end of the item's positions, item's row offset, item's
+        width].
+        """
+        while cur[1] >= cur[2]:
+            it = cur[0] + 1
+            if it >= i_end:
+                return
+            nseg = shape[1]
+            nchunks = (shape[2] + chunk - 1) // chunk
+            s = (it // nchunks) % nseg
+            cur[0] = it
+            cur[1] = offsets[s * fst]
+            cur[2] = offsets[(s + 1) * fst]
+            j0 = (it % nchunks) * chunk
+            cur[3] = (it // nchunks // nseg) * ss[0] + j0 * ss[2]
+            cur[4] = min(chunk, shape[2] - j0)
+        p = cur[1]
+        cur[1] = p + 1
+        if ss[2] == 1:
+            start = cur[3] + (order[p * ost] if ost >= 0 else p) * ss[1]
+            step = 64 // src.itemsize
+            for j in range(0, min(cur[4], _PF_LINES * step), step):
+                _prefetch(src, start + j)
+
+    @njit
+    def item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1, reduce, op,
+             alpha, use_base, has_base, acc, comp, tmp, cur, shape, chunk, i_end):
+        w = j1 - j0
+        p0 = offsets[s * fst]
+        p1 = offsets[(s + 1) * fst]
+        ostart = o * us[0] + s * us[1] + j0 * us[2]
+        if p1 == p0 and not use_base:
+            # Empty segment: the base row unchanged (a bit copy), or zero.
+            if has_base:
+                bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
+                for j in range(w):
+                    out[ostart + j * us[2]] = base[bstart + j * bs[2]]
+            else:
+                zero = enc(cvt(0.0))
+                for j in range(w):
+                    out[ostart + j * us[2]] = zero
+            return
+
+        rstart = o * ss[0] + j0 * ss[2]
+        p = p0
+        if use_base:
+            load(acc, base, o * bs[0] + s * bs[1] + j0 * bs[2], bs[2], w)
+        elif op == _OP_MAX or op == _OP_MIN:
+            # amax/amin start from the first term itself.
+            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
+            load(acc, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
+            p += 1
+        else:
+            ident = cvt(1.0) if op == _OP_MUL else cvt(0.0)
+            for j in range(w):
+                acc[j] = ident
+        if op == _OP_KAHAN:
+            zero = cvt(0.0)
+            for j in range(w):
+                comp[j] = zero
+
+        while p < p1:
+            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
+            start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
+            a = src
+            if ss[2] != 1:
+                for j in range(w):
+                    tmp[j] = src[start + j * ss[2]]
+                a = tmp
+                start = 0
+            row_op(op, acc, comp, a, start, w, alpha)
+            p += 1
+
+        if op == _OP_KAHAN:
+            # inf/nan in s propagate as in a plain sum; the compensation (possibly the nan of
+            # inf - inf) is only added to a finite s.
+            for j in range(w):
+                sj = acc[j]
+                acc[j] = sj + comp[j] if np.isfinite(sj) else sj
+        if reduce == MEAN:
+            count = cvt((p1 - p0) + (1 if use_base else 0))
+            for j in range(w):
+                acc[j] = acc[j] / count
+        if us[2] == 1:
+            u = np.uint64(ostart)
+            for j in range(w):
+                out[u + np.uint64(j)] = enc(acc[j])
+        else:
+            for j in range(w):
+                out[ostart + j * us[2]] = enc(acc[j])
+
+    @njit
+    def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce, rule,
+              alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
+              pf_dist):
+        """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows."""
+        outer, nseg, inner = shape
+        use_base = has_base and include_base
+        if reduce == PROD:
+            op = _OP_MUL
+        elif reduce == AMAX:
+            op = _OP_MAX
+        elif reduce == AMIN:
+            op = _OP_MIN
+        elif rule == KAHAN:
+            op = _OP_KAHAN
+        elif rule == ROUND_EACH and reduce == SUM:
+            op = _OP_ADD_ROUND if alpha == 1.0 else _OP_ADD_ROUND_SCALED
+        else:
+            # WIDE, and MEAN under ROUND_EACH (a mean rounds once, after the division).
+            op = _OP_ADD
+        a = cvt(alpha)
+        nchunks = (inner + chunk - 1) // chunk
+        n_items = outer * nseg * nchunks
+        n_blocks = acc_scratch.shape[0]
+        acc = acc_scratch[b, 0]
+        comp = acc_scratch[b, 1]
+        tmp = data_scratch[b]
+        i_begin = b * n_items // n_blocks
+        i_end = (b + 1) * n_items // n_blocks
+        # The prefetch cursor starts before the block's first row and runs pf_dist rows
+        # ahead of the reader.
+        cur = cursors[b]
+        cur[0] = i_begin - 1
+        cur[1] = 0
+        cur[2] = 0
+        for _ in range(pf_dist):
+            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
+        for it in range(i_begin, i_end):
+            c = it % nchunks
+            s = (it // nchunks) % nseg
+            o = it // nchunks // nseg
+            j0 = c * chunk
+            j1 = min(j0 + chunk, inner)
+            item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1,
+                 reduce, op, a, use_base, has_base, acc, comp, tmp, cur, shape, chunk, i_end)
+
+    return block
+
+
+_block_f32 = _make_block(_f32, _f32, _f32, _f32)
+_block_f64 = _make_block(_f64, _f64, _f64, _f64)
+_block_bf16 = _make_block(bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32)
+_block_f16 = _make_block(f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32)
+
+# One parallel kernel per format, each compiling only its own format's code. Threads take
+# whole blocks of items (a block reuses one set of scratch rows); which thread runs a block
+# never matters: an item owns its output elements outright and sums each of them serially in
+# the segment's order.
+
+
+@njit(parallel=True, cache=True)
+def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
+            pf_dist)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
+            pf_dist)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
+            pf_dist)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
+            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
+            pf_dist)
+
+
+_KERNELS = {
+    torch.float32: (_kernel_f32, np.float32),
+    torch.float64: (_kernel_f64, np.float64),
+    torch.bfloat16: (_kernel_bf16, np.float32),
+    torch.float16: (_kernel_f16, np.float32),
+}
+
+
+def _flat(t):
+    """(1-D NumPy view from t's first element over all of t, t's strides): no copy.
+
+    torch strides are never negative, so the first element has the lowest address and the
+    view spans 1 + sum((size - 1) * stride) elements. 16-bit floats come as uint16 bits.
+    """
+    t = t.detach()
+    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return flat.view(torch.int16).numpy().view(np.uint16), tuple(t.stride())
+    return flat.numpy(), tuple(t.stride())
+
+
+def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base):
+    """See the module docstring (the contract)."""
+    outer, _, inner = src.shape
+    nseg = offsets.shape[0] - 1
+    if outer == 0 or nseg <= 0 or inner == 0:
+        return
+    if src.dtype not in _KERNELS:
+        raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
+    if offsets.dtype != torch.int64 or (order is not None and order.dtype != torch.int64):
+        raise TypeError("segment_reduce: order and offsets must be int64")
+    kernel, acc_dtype = _KERNELS[src.dtype]
+    src_np, ss = _flat(src)
+    out_np, us = _flat(out)
+    offsets_np, (fst,) = _flat(offsets)
+    # An absent array is replaced by a present one of the same type (never read), so None
+    # and not-None share one compiled specialisation; order stride -1 means "no order".
+    base_np, bs = _flat(base) if base is not None else (out_np, us)
+    order_np, (ost,) = _flat(order) if order is not None else (offsets_np, (-1,))
+
+    nthreads = numba.get_num_threads()
+    rows = outer * nseg
+    # Equal column chunks of at most _CHUNK, in whole 64-byte lines where possible; with few
+    # output rows, narrower ones (down to _MIN_CHUNK), so that every thread gets items.
+    target = _CHUNK
+    while target > _MIN_CHUNK and rows * -(-inner // target) < 4 * nthreads:
+        target //= 2
+    pieces = -(-inner // target)
+    chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
+    n_items = rows * -(-inner // chunk)
+    n_blocks = min(n_items, 64 * nthreads)
+    acc_scratch = np.empty((n_blocks, 2, chunk), dtype=acc_dtype)
+    data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
+    cursors = np.empty((n_blocks, 5), dtype=np.int64)
+    pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
+    kernel(
+        src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
+        (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
+        base is not None, chunk, acc_scratch, data_scratch, cursors, pf_dist,
+    )

@@ -1,0 +1,109 @@
+"""Print a short table from a pytest-benchmark JSON written by the detsum benchmarks.
+
+    python benches/summarize.py benches/results/cpu-2026-11-21.json
+
+Columns: case, median ms, GB/s (fewest bytes / median), ratio to the torch baseline of the case
+(``torch.Tensor.index_add_`` for the MoE index_add cases; see ``baseline`` in extra_info), max
+ulps against the exact sum on sampled rows. Then the targets of the MoE case, from the medians
+of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _fmt(x, digits=2):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}" if abs(x) < 1e6 else f"{x:.2e}"
+    return str(x)
+
+
+def rows(data: dict) -> list[dict]:
+    out = []
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        name = b["name"].split("[", 1)[-1].rstrip("]") if "[" in b["name"] else b["name"]
+        out.append({
+            "case": f"{b['name'].split('[')[0].removeprefix('test_')}[{name}]",
+            "group": b.get("group"),
+            "impl": e.get("impl"),
+            "median_ms": 1e3 * b["stats"]["median"],
+            "gbps": e.get("gbps"),
+            "ratio": e.get("ratio_to_baseline"),
+            "baseline": e.get("baseline"),
+            "max_ulps": e.get("max_ulps"),
+        })
+    return out
+
+
+def targets(data: dict) -> list[str]:
+    """The MoE targets, one line each, from the medians of one run."""
+    by = {}
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("primitive") == "index_add":
+            by[(e["device"], e["dtype"], e["impl"])] = b["stats"]["median"]
+    lines = []
+    for device, dtype in sorted({(d, t) for d, t, _ in by}):
+        m = {impl: s for (d, t, impl), s in by.items() if (d, t) == (device, dtype)}
+
+        def check(label, num, den, limit):
+            if num in m and den in m:
+                r = m[num] / m[den]
+                ok = "met" if r <= limit else "MISSED"
+                lines.append(f"{device} {dtype}: {label}: {r:.2f} (target <= {limit:g}) {ok}")
+
+        check("fp32 / torch index_add_", "detsum-fp32", "torch-index_add_", 1.0)
+        check("autograd / torch index_add_", "detsum-autograd", "torch-index_add_", 1.0)
+        check("autograd / index_put_", "detsum-autograd", "torch-index_put_", 0.2)
+        check("kahan / fp32", "detsum-kahan", "detsum-fp32", 1.5)
+    return lines
+
+
+def table(data: dict) -> str:
+    rs = rows(data)
+    headers = ["case", "median ms", "GB/s", "ratio", "max ulps"]
+    cells = [[r["case"], _fmt(r["median_ms"], 2), _fmt(r["gbps"], 2), _fmt(r["ratio"], 2),
+              _fmt(r["max_ulps"], 0)] for r in rs]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h)
+              for i, h in enumerate(headers)]
+
+    def line(values):
+        return "  ".join(v.ljust(w) if i == 0 else v.rjust(w)
+                         for i, (v, w) in enumerate(zip(values, widths)))
+
+    machine = data.get("machine_info", {})
+    cpu = machine.get("cpu", {}).get("brand_raw", machine.get("processor", "?"))
+    out = [f"{data.get('datetime', '?')}  {machine.get('node', '?')}  {cpu}  "
+           f"python {machine.get('python_version', '?')}",
+           "ratio = median / median of the case's torch baseline (MoE: torch index_add_); "
+           "< 1 is faster", "", line(headers), line(["-" * w for w in widths])]
+    previous = None
+    for r, c in zip(rs, cells):
+        if previous is not None and r["group"] != previous:
+            out.append("")
+        previous = r["group"]
+        out.append(line(c))
+    t = targets(data)
+    if t:
+        out += ["", "MoE targets:"] + ["  " + x for x in t]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json_path")
+    args = parser.parse_args(argv)
+    with open(args.json_path) as f:
+        data = json.load(f)
+    print(table(data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

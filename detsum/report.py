@@ -1,0 +1,547 @@
+"""``python -m detsum report``: accuracy, agreement, determinism and speed on the present device.
+
+For every primitive (``segment_sum``, ``index_add``, ``scatter_reduce`` with ``"sum"``), every
+mode and every float dtype, one row:
+
+- **autograd**: in the ``"autograd"`` column only, whether detsum is bit-identical to what
+  PyTorch computes for the gradient: ``x.grad`` of ``x[index]`` for ``index_add`` (from zeros,
+  as in the README) and ``segment_sum`` (``index`` = segment of each row), and
+  ``input.index_put((index,), src, accumulate=True)`` for ``scatter_reduce``. torch runs with
+  ``torch.use_deterministic_algorithms(True)`` there: its default CPU fp32 ``index_put_`` uses
+  atomics from 32768 elements with more than one thread and has no fixed answer to agree with.
+- **ulps**: the largest error, in ulps of the dtype, against the exact sum rounded once
+  (``detsum.reference.exact_sum_rounded``) over a sample of output rows, on two data sets:
+  ``well`` (positive terms, condition number 1) and ``cancel`` (cancellation-heavy: terms come
+  in pairs ``+b, -RN(b (1 - 2^-j))`` whose exact sum is ``~b 2^-j``; see ``make_source``), for
+  detsum and for the matching torch op on the same inputs.
+- **det**: three runs give the same bits (detsum: Numba thread counts N, 1, N on CPU; torch:
+  its default settings, three times).
+- **time**: median wall time of detsum and of the torch op; ratio = detsum / torch.
+
+The torch op is the one a user would otherwise call: ``torch.segment_reduce(src, "sum",
+offsets=...)``, ``torch.index_add``, ``torch.scatter_reduce(..., "sum")`` for the "fp32" and
+"kahan" rows, and ``index_put(..., accumulate=True)`` (autograd's own path) for the
+"autograd" rows.
+
+The helpers here (data sets, exact references, ulps, timing) are also what ``benches/`` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+import torch
+
+import detsum
+from detsum import reference
+
+PRIMITIVES: tuple[str, ...] = ("segment_sum", "index_add", "scatter_reduce")
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "fp64": torch.float64,
+}
+DATASETS: tuple[str, ...] = ("well", "cancel")
+
+# Significand bits (with the implicit one) per dtype: how far a cancelling pair may be from
+# exact negation and still leave a difference that the dtype holds exactly.
+_PRECISION = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """One report's shapes: ``n_src`` source rows of ``h`` columns into ``n_out`` output rows."""
+
+    n_src: int
+    n_out: int
+    h: int
+    sample_rows: int  # output rows compared with the exact sum (Python fractions: slow)
+    reps: int  # timed runs per op; the median is reported
+
+
+# 16384 x 64 source elements (1M): past torch's 32768-element threshold for its parallel CPU
+# fp32 index_put_, so the torch "det" column shows what users get by default.
+FULL = Sizes(n_src=16384, n_out=2048, h=64, sample_rows=16, reps=7)
+QUICK = Sizes(n_src=384, n_out=24, h=8, sample_rows=6, reps=3)
+
+
+# ---- device helpers -----------------------------------------------------------------------------
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for queued device work; device kernels run asynchronously."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device | str, *, reps: int,
+                   warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones."""
+    return interleaved_medians([fn], device, reps=reps, warmup=warmup)[0]
+
+
+def interleaved_medians(fns: Sequence[Callable[[], object]], device: torch.device | str, *,
+                        reps: int, warmup: int = 1) -> list[float]:
+    """Median wall time of each function, timed in turns (f0, f1, f0, f1, ...).
+
+    Taking turns exposes every function to the same drift in machine load, so their ratio
+    holds up better than that of two medians taken one after the other.
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            ts.append(time.perf_counter() - start)
+    return [statistics.median(ts) for ts in times]
+
+
+@contextlib.contextmanager
+def torch_deterministic():
+    """torch with ``use_deterministic_algorithms(True)``: the arithmetic "autograd" mode copies."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality; NaNs compare by position (torch paths differ in NaN payloads)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a = a.masked_fill(nan_a, 0).contiguous().view(bits)
+    b = b.masked_fill(nan_b, 0).contiguous().view(bits)
+    return torch.equal(a, b)
+
+
+# ---- data ---------------------------------------------------------------------------------
+
+def skewed_index(n_src: int, n_out: int, gen: torch.Generator) -> torch.Tensor:
+    """Random destination rows with uneven segment lengths: index = floor(n_out u^1.5), so
+    low rows get the most terms (row 0 about ``n_src / n_out * n_out^(1/3)``, ~100 in the full
+    report, against a mean of ``n_src / n_out``): long segments and short ones mix."""
+    u = torch.rand(n_src, generator=gen, dtype=torch.float64)
+    return (u.pow(1.5) * n_out).long().clamp_(max=n_out - 1)
+
+
+def make_source(index: torch.Tensor, n_out: int, h: int, dtype: torch.dtype, dataset: str,
+                gen: torch.Generator) -> torch.Tensor:
+    """Source rows ``[len(index), h]`` of ``dtype`` (on the CPU) for one of ``DATASETS``.
+
+    ``well``: ``exp(0.5 z)``, z standard normal: positive, so the sum has condition number 1.
+    ``cancel``: inside each segment (rows with equal index, in order of appearance), the k-th
+    row from the front and the k-th from the back form a pair ``+b, -RN(b (1 - 2^-j))`` with
+    ``b = z 2^e``, ``e`` in [-4, 4], ``j`` in [2, min(p - 2, 12)] (p = the dtype's precision):
+    each pair sums exactly (Sterbenz) to about ``b 2^-j``, while partial sums in between carry
+    the full ``b``'s. A segment's middle row (odd lengths) is small, ``z 2^-6``.
+    """
+    n_src = index.numel()
+    if dataset == "well":
+        return torch.exp(0.5 * torch.randn(n_src, h, generator=gen, dtype=torch.float64)).to(dtype)
+    if dataset != "cancel":
+        raise ValueError(f"unknown dataset {dataset!r}; expected one of {DATASETS}")
+    order = torch.sort(index, stable=True).indices
+    counts = torch.bincount(index, minlength=n_out)
+    starts = torch.cumsum(counts, 0) - counts
+    seg = index[order]
+    rank = torch.arange(n_src) - starts[seg]  # position inside the segment, canonical order
+    length = counts[seg]
+    mirror = length - 1 - rank
+    first = order[rank < mirror]  # source rows opening a pair
+    partner = order[(starts[seg] + mirror)[rank < mirror]]  # the rows closing them
+    middle = order[rank == mirror]
+
+    out = torch.empty(n_src, h, dtype=torch.float64)
+    b = torch.randn(first.numel(), h, generator=gen, dtype=torch.float64)
+    b = (b * torch.exp2(torch.randint(-4, 5, (first.numel(), h), generator=gen).double()))
+    b = b.to(dtype).double()
+    j_max = min(_PRECISION[dtype] - 2, 12)
+    j = torch.randint(2, j_max + 1, (first.numel(), h), generator=gen).double()
+    out[first] = b
+    out[partner] = -(b * (1 - torch.exp2(-j))).to(dtype).double()
+    out[middle] = torch.randn(middle.numel(), h, generator=gen, dtype=torch.float64) / 64
+    return out.to(dtype)
+
+
+def make_init(n_out: int, h: int, dtype: torch.dtype, dataset: str,
+              gen: torch.Generator) -> torch.Tensor:
+    """The rows accumulated into (``input`` of index_add / scatter_reduce)."""
+    z = torch.randn(n_out, h, generator=gen, dtype=torch.float64)
+    return (torch.exp(0.5 * z) if dataset == "well" else z / 16).to(dtype)
+
+
+def sample_rows(index: torch.Tensor, n_out: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """``k`` output rows to check: the longest segment first, the rest at random."""
+    counts = torch.bincount(index, minlength=n_out)
+    longest = int(counts.argmax())
+    others = torch.randperm(n_out, generator=gen)
+    others = others[others != longest][: max(k - 1, 0)]
+    return torch.cat([torch.tensor([longest]), others]).sort().values
+
+
+def exact_rows(src: torch.Tensor, index: torch.Tensor, rows: torch.Tensor,
+               init: torch.Tensor | None = None, *, reduce: str = "sum") -> torch.Tensor:
+    """The exact ``sum`` (or ``mean``) of each row in ``rows``, rounded once to src's dtype.
+
+    Row ``r`` reduces ``init[r]`` (when given) and every ``src[k]`` with ``index[k] == r``.
+    Everything runs on the CPU in exact rational arithmetic.
+    """
+    src, index = src.cpu(), index.cpu()
+    init = None if init is None else init.cpu()
+    dtype = src.dtype
+    out = []
+    for r in rows.tolist():
+        terms = src[index == r]
+        if init is not None:
+            terms = torch.cat([init[r : r + 1], terms])
+        if reduce == "sum":
+            out.append(reference.exact_sum_rounded(terms, dtype, dim=0))
+        elif reduce == "mean":
+            count = terms.shape[0]
+            columns = terms.double().t().tolist()
+            out.append(torch.stack([
+                reference.round_exact(sum(map(Fraction, col), Fraction(0)) / max(count, 1), dtype)
+                for col in columns]))
+        else:
+            raise ValueError(f"exact_rows: reduce={reduce!r}; expected 'sum' or 'mean'")
+    return torch.stack(out)
+
+
+def max_ulps(out: torch.Tensor, rows: torch.Tensor, exact: torch.Tensor) -> float:
+    """Largest ulp distance between ``out[rows]`` and the exact rows."""
+    got = out.index_select(0, rows.to(out.device)).cpu()
+    return float(reference.ulp_distance(got, exact).max()) if got.numel() else 0.0
+
+
+# ---- one report row ---------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Case:
+    """Inputs of one (primitive, dtype, dataset) on the device, plus their exact sample rows."""
+
+    src: torch.Tensor
+    index: torch.Tensor  # destination row of each source row (sorted for segment_sum)
+    init: torch.Tensor | None  # None for segment_sum (segments start from 0)
+    offsets: torch.Tensor | None  # CSR offsets (segment_sum)
+    index2: torch.Tensor | None  # index expanded to src's shape (torch.scatter_reduce)
+    rows: torch.Tensor
+    exact: torch.Tensor
+
+
+def make_case(primitive: str, dtype: torch.dtype, dataset: str, sizes: Sizes,
+              device: torch.device, seed: int) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    index = skewed_index(sizes.n_src, sizes.n_out, gen)
+    if primitive == "segment_sum":
+        index = index.sort().values
+    src = make_source(index, sizes.n_out, sizes.h, dtype, dataset, gen)
+    init = None
+    if primitive != "segment_sum":
+        init = make_init(sizes.n_out, sizes.h, dtype, dataset, gen)
+    rows = sample_rows(index, sizes.n_out, sizes.sample_rows, gen)
+    exact = exact_rows(src, index, rows, init)
+    offsets = None
+    if primitive == "segment_sum":
+        counts = torch.bincount(index, minlength=sizes.n_out)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    index2 = index.view(-1, 1).expand(-1, sizes.h) if primitive == "scatter_reduce" else None
+    return Case(src=to(src), index=to(index), init=to(init), offsets=to(offsets),
+                index2=to(index2), rows=rows, exact=exact)
+
+
+def detsum_fn(primitive: str, case: Case, mode: str) -> Callable[[], torch.Tensor]:
+    if primitive == "segment_sum":
+        return lambda: detsum.segment_sum(case.src, case.offsets, mode=mode)
+    if primitive == "index_add":
+        return lambda: detsum.index_add(case.init, 0, case.index, case.src, mode=mode)
+    return lambda: detsum.scatter_reduce(case.init, 0, case.index, case.src, "sum", mode=mode)
+
+
+def torch_fn(primitive: str, case: Case, mode: str) -> tuple[str, Callable[[], torch.Tensor]]:
+    """The torch op a user would call instead, with its name."""
+    if mode == "autograd":
+        base = case.init
+        if base is None:
+            n_out = case.offsets.numel() - 1
+            base = case.src.new_zeros((n_out,) + tuple(case.src.shape[1:]))
+        return "index_put(acc)", lambda: base.index_put((case.index,), case.src, accumulate=True)
+    if primitive == "segment_sum":
+        return "segment_reduce", lambda: torch.segment_reduce(case.src, "sum", offsets=case.offsets)
+    if primitive == "index_add":
+        return "index_add", lambda: torch.index_add(case.init, 0, case.index, case.src)
+    return "scatter_reduce", lambda: torch.scatter_reduce(case.init, 0, case.index2, case.src,
+                                                          "sum")
+
+
+def autograd_truth(primitive: str, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(torch's bits, detsum's "autograd" bits) for the agreement column."""
+    with torch_deterministic():
+        if primitive == "scatter_reduce":
+            expected = case.init.index_put((case.index,), case.src, accumulate=True)
+        else:
+            n_out = case.init.shape[0] if case.init is not None else case.offsets.numel() - 1
+            x = torch.zeros((n_out,) + tuple(case.src.shape[1:]), dtype=case.src.dtype,
+                            device=case.src.device, requires_grad=True)
+            x[case.index].backward(case.src)
+            expected = x.grad
+    if primitive == "index_add":
+        got = detsum.index_add(torch.zeros_like(expected), 0, case.index, case.src, mode="autograd")
+    else:
+        got = detsum_fn(primitive, case, "autograd")()
+    return expected, got
+
+
+@contextlib.contextmanager
+def numba_threads(n: int | None):
+    """Run the block with ``n`` Numba threads (None: leave as is)."""
+    if n is None:
+        yield
+        return
+    import numba
+
+    previous = numba.get_num_threads()
+    numba.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(previous)
+
+
+def three_runs_equal(fn: Callable[[], torch.Tensor], thread_counts: Sequence[int | None]) -> bool:
+    outs = []
+    for n in thread_counts:
+        with numba_threads(n):
+            outs.append(fn())
+    return all(same_bits(outs[0], o) for o in outs[1:])
+
+
+def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case],
+               sizes: Sizes, device: torch.device) -> dict:
+    """Measure one (primitive, mode, dtype) on prepared cases (one per dataset)."""
+    row: dict = {"primitive": primitive, "mode": mode, "dtype": dtype_name}
+    well = cases["well"]
+    torch_name, _ = torch_fn(primitive, well, mode)
+    row["torch_op"] = torch_name
+
+    # torch's side: errors and determinism under its default settings (what users get).
+    for dataset, case in cases.items():
+        row[f"torch_ulps_{dataset}"] = max_ulps(torch_fn(primitive, case, mode)[1](), case.rows,
+                                                case.exact)
+    tfn = torch_fn(primitive, well, mode)[1]
+    row["torch_deterministic"] = three_runs_equal(tfn, (None, None, None))
+
+    dfn = detsum_fn(primitive, well, mode)
+    try:
+        dfn()  # compiles on first use; nothing below times it
+    except NotImplementedError as e:
+        row["error"] = str(e)
+        for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms", "ratio"):
+            row[key] = None
+        row["torch_ms"] = 1e3 * median_seconds(tfn, device, reps=sizes.reps)
+        return row
+    if mode == "autograd":
+        row["autograd_match"] = all(same_bits(*autograd_truth(primitive, c))
+                                    for c in cases.values())
+    else:
+        row["autograd_match"] = None
+    for dataset, case in cases.items():
+        row[f"ulps_{dataset}"] = max_ulps(detsum_fn(primitive, case, mode)(), case.rows, case.exact)
+    if device.type == "cpu":
+        import numba
+
+        n = numba.get_num_threads()
+        row["deterministic"] = three_runs_equal(dfn, (n, 1, n))
+    else:
+        row["deterministic"] = three_runs_equal(dfn, (None, None, None))
+    d_s, t_s = interleaved_medians([dfn, tfn], device, reps=sizes.reps)
+    row["ms"], row["torch_ms"] = 1e3 * d_s, 1e3 * t_s
+    row["ratio"] = d_s / t_s
+    return row
+
+
+# ---- the whole report ---------------------------------------------------------------------------
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment(device: torch.device) -> dict:
+    import numba
+
+    env = {
+        "device": str(device),
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"),
+        "torch": torch.__version__,
+        "detsum": _version("detsum"),
+        "numba": numba.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "numba_threads": numba.get_num_threads(),
+        "python": sys.version.split()[0],
+    }
+    return env
+
+
+def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
+        progress: Callable[[str], None] | None = None) -> dict:
+    """Every row of the report, with the environment; ``progress`` gets one line per row."""
+    device = device or default_device()
+    started = time.perf_counter()
+    rows = []
+    for p_i, primitive in enumerate(PRIMITIVES):
+        for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
+            seed = 1000 * p_i + 10 * d_i
+            cases = {ds: make_case(primitive, dtype, ds, sizes, device, seed + k)
+                     for k, ds in enumerate(DATASETS)}
+            for mode in detsum.MODES:
+                row = report_row(primitive, mode, dtype_name, cases, sizes, device)
+                rows.append(row)
+                if progress:
+                    progress(f"[{time.perf_counter() - started:6.1f}s] {primitive} {mode} "
+                             f"{dtype_name}: {_summary(row)}")
+    return {
+        "environment": environment(device),
+        "sizes": dataclasses.asdict(sizes),
+        "elapsed_s": time.perf_counter() - started,
+        "rows": rows,
+    }
+
+
+def _summary(row: dict) -> str:
+    if row.get("error"):
+        return f"detsum: {row['error']}"
+    return (f"ulps {_num(row['ulps_well'])}/{_num(row['ulps_cancel'])}, "
+            f"{_num(row['ms'], 3)} ms vs {row['torch_op']} {_num(row['torch_ms'], 3)} ms")
+
+
+def _num(x, digits: int | None = None) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if digits is None:
+        if math.isinf(x):
+            return "inf"
+        return f"{x:.0f}" if x < 1e6 else f"{x:.1e}"
+    return f"{x:.{digits}f}"
+
+
+COLUMNS = (
+    # (header, key, formatter)
+    ("primitive", "primitive", str),
+    ("mode", "mode", str),
+    ("dtype", "dtype", str),
+    ("autograd", "autograd_match", None),
+    ("ulps well", "ulps_well", _num),
+    ("ulps cancel", "ulps_cancel", _num),
+    ("det", "deterministic", _num),
+    ("ms", "ms", lambda x: _num(x, 3)),
+    ("torch op", "torch_op", str),
+    ("t.ulps well", "torch_ulps_well", _num),
+    ("t.ulps cancel", "torch_ulps_cancel", _num),
+    ("t.det", "torch_deterministic", _num),
+    ("t.ms", "torch_ms", lambda x: _num(x, 3)),
+    ("ratio", "ratio", lambda x: _num(x, 2)),
+)
+
+
+def format_table(report: dict) -> str:
+    env, sizes = report["environment"], report["sizes"]
+    lines = [
+        f"detsum report: device {env['device']} ({env['device_name']}), torch {env['torch']}, "
+        f"detsum {env['detsum']}, numba {env['numba']}, python {env['python']}, "
+        f"threads torch {env['torch_threads']} / numba {env['numba_threads']}",
+        f"shapes: {sizes['n_src']} source rows x {sizes['h']} -> {sizes['n_out']} output rows "
+        f"(uneven segments); ulps = max error vs the exact sum on {sizes['sample_rows']} "
+        f"sampled output rows; times: median of {sizes['reps']}, detsum and torch taking turns",
+        "",
+    ]
+    cells = []
+    for row in report["rows"]:
+        line = []
+        for _, key, fmt in COLUMNS:
+            if key == "autograd_match":
+                value = row[key]
+                line.append("-" if row["mode"] != "autograd" else ("n/a" if value is None
+                                                                     else _num(value)))
+            else:
+                line.append(fmt(row[key]))
+        cells.append(line)
+    headers = [h for h, _, _ in COLUMNS]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
+    left = {"primitive", "mode", "dtype", "torch op"}
+
+    def fmt_line(values):
+        return "  ".join(v.ljust(w) if h in left else v.rjust(w)
+                         for v, w, h in zip(values, widths, headers)).rstrip()
+
+    lines.append(fmt_line(headers))
+    lines.append(fmt_line(["-" * w for w in widths]))
+    previous = None
+    for row, line in zip(report["rows"], cells):
+        if previous is not None and row["primitive"] != previous:
+            lines.append("")
+        previous = row["primitive"]
+        lines.append(fmt_line(line))
+    errors = sorted({row["error"] for row in report["rows"] if row.get("error")})
+    lines += [
+        "",
+        "autograd: 'autograd' mode bit-identical to torch (x.grad of x[index] for segment_sum "
+        "and index_add, index_put(accumulate=True) for scatter_reduce; torch deterministic "
+        "algorithms on)",
+        "ulps well / cancel: positive terms / cancelling pairs (see detsum.report.make_source); "
+        "t.* = the torch op on the same inputs",
+        "det: 3 runs bitwise equal (detsum: numba threads N, 1, N; torch: default settings); "
+        "ratio = detsum ms / torch ms (< 1: detsum faster)",
+        f"total {report['elapsed_s']:.1f} s",
+    ]
+    lines += [f"n/a: {e}" for e in errors]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``report`` subcommand's options (``python -m detsum report``, see __main__)."""
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes (a few seconds once Numba's cache is warm)")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    report = run(QUICK if args.quick else FULL, progress=progress)
+    print(format_table(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+    return 0

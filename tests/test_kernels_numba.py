@@ -1,0 +1,341 @@
+"""The Numba CPU kernels (detsum.kernels.numba) against obviously correct torch loops.
+
+Every check is bit equality (NaNs by position): the reference below spells out the
+arithmetic of the segment_reduce contract one term at a time with torch ops, each of which
+rounds once (torch never fuses the separate ``*`` and ``+`` written here), so a kernel that
+contracted ``acc + x * alpha`` into an FMA, reordered a segment or skipped a rounding fails.
+Outputs are NaN-poisoned before each call, so an element the kernel forgot to write fails too.
+"""
+
+import itertools
+
+import numba
+import numpy as np
+import pytest
+import torch
+
+from detsum import kernels as K
+from detsum.kernels.numba.plan import check_sorted_offsets, counting_sort
+from detsum.kernels.numba.segment import segment_reduce
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+RULES = (K.WIDE, K.KAHAN, K.ROUND_EACH)
+REDUCES = (K.SUM, K.MEAN, K.PROD, K.AMAX, K.AMIN)
+RNAME = {v: k for k, v in K.REDUCE_CODES.items()}
+
+# Segment sizes with empty segments first, inside and last.
+COUNTS = (0, 3, 0, 4, 1, 5, 0)
+# inner: 1 (one column), 7 (shorter than a vector), 40 (vectors + tail),
+# 1100 (more than one column chunk of the kernel: items split a row).
+INNERS = (1, 7, 40, 1100)
+
+
+def acc_type(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def reference(src, order, offsets, base, *, reduce, rule, alpha, include_base):
+    """The contract, literally: one output row at a time, one term at a time."""
+    outer, _, inner = src.shape
+    nseg = offsets.numel() - 1
+    dt, A = src.dtype, acc_type(src.dtype)
+    out = torch.empty(outer, nseg, inner, dtype=dt)
+    rows = order if order is not None else torch.arange(src.shape[1])
+    use_base = base is not None and include_base
+    a = torch.tensor(alpha, dtype=A)
+    for o, s in itertools.product(range(outer), range(nseg)):
+        terms = [src[o, r] for r in rows[offsets[s]:offsets[s + 1]].tolist()]
+        if not terms and not use_base:
+            out[o, s] = base[o, s] if base is not None else 0
+            continue
+        if reduce in (K.AMAX, K.AMIN):
+            acc = base[o, s].to(A) if use_base else terms[0].to(A)
+            for x in terms if use_base else terms[1:]:
+                x = x.to(A)
+                better = x > acc if reduce == K.AMAX else x < acc
+                acc = torch.where((x.isnan() | better) & ~acc.isnan(), x, acc)
+            out[o, s] = acc.to(dt)
+            continue
+        if reduce == K.PROD:
+            acc = base[o, s].to(A) if use_base else torch.ones(inner, dtype=A)
+            for x in terms:
+                acc = acc * x.to(A)
+            out[o, s] = acc.to(dt)
+            continue
+
+        def term(x):
+            t = x.to(A) if alpha == 1 else x.to(A) * a
+            if rule == K.ROUND_EACH and reduce == K.SUM:
+                t = t.to(dt).to(A)
+            return t
+
+        acc = base[o, s].to(A) if use_base else torch.zeros(inner, dtype=A)
+        if rule == K.KAHAN:
+            c = torch.zeros(inner, dtype=A)
+            for x in terms:
+                t = term(x)
+                u = acc + t
+                c = c + torch.where(acc.abs() >= t.abs(), (acc - u) + t, (t - u) + acc)
+                acc = u
+            acc = torch.where(acc.isfinite(), acc + c, acc)
+        elif rule == K.ROUND_EACH and reduce == K.SUM:
+            for x in terms:
+                acc = (acc + term(x)).to(dt).to(A)
+        else:
+            for x in terms:
+                acc = acc + term(x)
+        if reduce == K.MEAN:
+            acc = acc / torch.tensor(len(terms) + int(use_base), dtype=A)
+        out[o, s] = acc.to(dt)
+    return out
+
+
+def assert_same_bits(actual, expected):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    nan_a, nan_e = actual.isnan(), expected.isnan()
+    assert torch.equal(nan_a, nan_e), f"NaN positions differ at {(nan_a != nan_e).nonzero()[:5]}"
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    a = actual.masked_fill(nan_a, 0).contiguous().view(bits)
+    e = expected.masked_fill(nan_e, 0).contiguous().view(bits)
+    if not torch.equal(a, e):
+        where = (a != e).nonzero()
+        first = tuple(where[0].tolist())
+        raise AssertionError(
+            f"{where.shape[0]} of {a.numel()} differ; first at {first}: "
+            f"{actual[first].item()!r} vs {expected[first].item()!r}"
+        )
+
+
+def make_src(shape, dtype, reduce, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    if reduce == K.PROD:
+        # Products of many randn values vanish; keep factors near 1 so rounding matters.
+        x = 1 + x / 8
+    else:
+        # Many binades and both signs: cancellation, rounding and compensation all show.
+        x = x * torch.exp2(torch.randint(-6, 7, shape, generator=g).double())
+    return x.to(dtype)
+
+
+def run(src, order, offsets, base, out=None, **kw):
+    if out is None:
+        out = torch.empty(src.shape[0], offsets.numel() - 1, src.shape[2], dtype=src.dtype)
+    out.fill_(float("nan"))
+    segment_reduce(src, order, offsets, base, out, **kw)
+    return out
+
+
+def offsets_of(counts):
+    return torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: K.RULE_NAMES[r])
+@pytest.mark.parametrize("reduce", REDUCES, ids=RNAME.get)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_against_reference(dtype, reduce, rule):
+    offsets = offsets_of(COUNTS)
+    n = int(offsets[-1])
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    for k, (inner, order, include_base, alpha, base_none) in enumerate(
+        itertools.product(INNERS, (None, perm), (True, False), (1.0, 0.3), (False, True))
+    ):
+        # The contract: alpha != 1 and base None only come with SUM.
+        if reduce != K.SUM and (alpha != 1.0 or base_none):
+            continue
+        src = make_src((2, n, inner), dtype, reduce, seed=k)
+        nseg = offsets.numel() - 1
+        base = None if base_none else make_src((2, nseg, inner), dtype, reduce, k + 99)
+        kw = dict(reduce=reduce, rule=rule, alpha=alpha, include_base=include_base)
+        expected = reference(src, order, offsets, base, **kw)
+        actual = run(src, order, offsets, base, **kw)
+        try:
+            assert_same_bits(actual, expected)
+        except AssertionError as e:
+            raise AssertionError(
+                f"inner={inner} order={'perm' if order is not None else None} "
+                f"include_base={include_base} alpha={alpha} "
+                f"base={'None' if base_none else 'given'}: {e}"
+            ) from None
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: K.RULE_NAMES[r])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_nonfinite(dtype, rule):
+    """inf and nan propagate as in a plain sum (Kahan never makes inf - inf = nan); amax/amin
+    propagate nan and keep the earlier of +0.0 / -0.0."""
+    offsets = offsets_of((2, 2, 2, 2, 4, 3))
+    inf, nan = float("inf"), float("nan")
+    src = torch.tensor(
+        [[1, 2, 3, 4, 5, 6],  # seg 0: finite
+         [inf, 1, -1, 0.0, -0.0, 2],
+         [inf, inf, 1, -0.0, 0.0, 3],  # seg 1: inf + inf; +0 / -0 ties
+         [1, -inf, 1, 0.0, -0.0, nan],
+         [inf, nan, 2, 0.0, 0.0, 1],  # seg 2: inf - inf = nan; nan first
+         [-inf, 1, nan, -0.0, -0.0, 1],
+         [1e30, 1, 1, 5, 5, 5],  # seg 3: overflow in fp16/bf16 only on the way out
+         [1e30, 1, 1, 5, 5, 5],
+         [nan, 1, 1, 1, 1, 1],  # seg 4: nan at every position
+         [1, nan, 1, 1, 1, 1],
+         [1, 1, nan, 1, 1, 1],
+         [1, 1, 1, 1, 1, nan],
+         [0.0, -0.0, 1, 2, 3, 4],  # seg 5: signed zeros
+         [-0.0, 0.0, 1, 2, 3, 4],
+         [-0.0, -0.0, 1, 2, 3, 4]],
+        dtype=torch.float64,
+    ).to(dtype)[None]
+    base = torch.tensor([[-0.0] * 6] * 6, dtype=torch.float64).to(dtype)[None]
+    # Also each segment reversed: the given order is followed, not assumed.
+    reverse = torch.cat([torch.arange(offsets[s + 1] - 1, offsets[s] - 1, -1) for s in range(6)])
+    for reduce, include_base, order in itertools.product(REDUCES, (True, False), (None, reverse)):
+        kw = dict(reduce=reduce, rule=rule, alpha=1.0, include_base=include_base)
+        assert_same_bits(run(src, order, offsets, base, **kw),
+                         reference(src, order, offsets, base, **kw))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inplace_and_noncontiguous(dtype):
+    """out may be base itself (index_add_); src, base and order may be strided views."""
+    offsets = offsets_of(COUNTS)
+    n, nseg = int(offsets[-1]), offsets.numel() - 1
+    for rule, reduce in itertools.product(RULES, (K.SUM, K.MEAN, K.AMAX)):
+        alpha = 0.3 if reduce == K.SUM else 1.0
+        kw = dict(reduce=reduce, rule=rule, alpha=alpha, include_base=True)
+        # In place.
+        src = make_src((2, n, 40), dtype, reduce, seed=5)
+        base = make_src((2, nseg, 40), dtype, reduce, seed=6)
+        expected = reference(src, None, offsets, base.clone(), **kw)
+        segment_reduce(src, None, offsets, base, base, **kw)
+        assert_same_bits(base, expected)
+        # Strided everything: src transposed and sliced, base transposed, order every other.
+        big = make_src((40 * 2, 2 * n, 3), dtype, reduce, seed=7)
+        src = big.permute(2, 1, 0)[:2, ::2, ::2]  # [2, n, 40], no unit stride anywhere
+        base = make_src((40, nseg, 2), dtype, reduce, seed=8).permute(2, 1, 0)
+        order = torch.randperm(2 * n, generator=torch.Generator().manual_seed(2))
+        order = order[order < n]
+        order = torch.stack([order, order]).t().reshape(-1)[::2]  # stride 2
+        assert not src.is_contiguous() and not base.is_contiguous() and order.stride(0) == 2
+        expected = reference(src, order, offsets, base, **kw)
+        assert_same_bits(run(src, order, offsets, base, **kw), expected)
+
+
+def test_expanded_order_and_src():
+    """Zero strides (expanded tensors) are read as they are: one row counted many times."""
+    src = torch.randn(1, 1, 8).expand(2, 5, 8)
+    order = torch.tensor([0]).expand(5)
+    offsets = torch.tensor([0, 2, 5])
+    for rule in RULES:
+        kw = dict(reduce=K.SUM, rule=rule, alpha=0.3, include_base=False)
+        assert_same_bits(run(src, order, offsets, None, **kw),
+                         reference(src, order, offsets, None, **kw))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_few_rows_many_columns(dtype):
+    """One output row: the kernel narrows its column chunks to feed every thread."""
+    src = make_src((1, 9, 1100), dtype, K.SUM, seed=3)
+    offsets = torch.tensor([0, 9])
+    base = make_src((1, 1, 1100), dtype, K.SUM, seed=4)
+    for rule in RULES:
+        kw = dict(reduce=K.SUM, rule=rule, alpha=0.3, include_base=True)
+        assert_same_bits(run(src, None, offsets, base, **kw),
+                         reference(src, None, offsets, base, **kw))
+
+
+def test_empty_shapes():
+    f32 = torch.float32
+    kw = dict(reduce=K.SUM, rule=K.WIDE, alpha=1.0, include_base=True)
+    # No segments, no columns, no outer: nothing to do, nothing touched.
+    segment_reduce(torch.empty(1, 3, 4), None, torch.zeros(1, dtype=torch.int64), None,
+                   torch.empty(1, 0, 4), **kw)
+    out = torch.full((1, 2, 0), float("nan"))
+    segment_reduce(torch.empty(1, 3, 0), None, torch.tensor([0, 1, 3]), None, out, **kw)
+    segment_reduce(torch.empty(0, 3, 4), None, torch.tensor([0, 3]), None,
+                   torch.empty(0, 1, 4), **kw)
+    # No source rows at all: every segment is empty -> base row, or zero.
+    offsets = torch.zeros(4, dtype=torch.int64)
+    base = torch.randn(2, 3, 5)
+    for reduce in REDUCES:
+        for include_base in (True, False):
+            k2 = dict(kw, reduce=reduce, include_base=include_base)
+            out = run(torch.empty(2, 0, 5), None, offsets, base, **k2)
+            assert_same_bits(out, reference(torch.empty(2, 0, 5), None, offsets, base, **k2))
+    out = run(torch.empty(2, 0, 5), None, offsets, None, **kw)
+    assert torch.equal(out, torch.zeros(2, 3, 5, dtype=f32))
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: K.RULE_NAMES[r])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
+def test_thread_count_does_not_matter(dtype, rule):
+    g = torch.Generator().manual_seed(11)
+    index = torch.randint(0, 300, (5000,), generator=g)
+    order, offsets, bad = counting_sort(index, 300)
+    assert bad == -1
+    src = make_src((1, 5000, 70), dtype, K.SUM, seed=12)
+    base = make_src((1, 300, 70), dtype, K.SUM, seed=13)
+    kw = dict(reduce=K.SUM, rule=rule, alpha=0.3, include_base=True)
+    old = numba.get_num_threads()
+    try:
+        outs = []
+        for threads in sorted({1, 2, numba.config.NUMBA_NUM_THREADS}):
+            numba.set_num_threads(threads)
+            outs.append(run(src, order, offsets, base, **kw))
+    finally:
+        numba.set_num_threads(old)
+    for other in outs[1:]:
+        assert_same_bits(other, outs[0])
+    assert_same_bits(outs[0], reference(src, order, offsets, base, **kw))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+def test_round_each_is_torch_index_put(dtype):
+    """ROUND_EACH is torch's CPU index_put_(accumulate=True) (what autograd runs)."""
+    g = torch.Generator().manual_seed(21)
+    index = torch.randint(0, 9, (400,), generator=g)
+    src = make_src((400, 33), dtype, K.SUM, seed=22)
+    base = make_src((9, 33), dtype, K.SUM, seed=23)
+    order, offsets, _ = counting_sort(index, 9)
+    out = run(src[None], order, offsets, base[None], reduce=K.SUM, rule=K.ROUND_EACH,
+              alpha=1.0, include_base=True)
+    assert_same_bits(out[0], base.clone().index_put_((index,), src, accumulate=True))
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@pytest.mark.parametrize("idx_dtype", (torch.int32, torch.int64), ids=str)
+def test_counting_sort(idx_dtype):
+    g = torch.Generator().manual_seed(31)
+    for n, nseg in ((0, 0), (0, 5), (1, 1), (1000, 7), (1000, 3000)):
+        index = torch.randint(0, max(nseg, 1), (n,), generator=g).to(idx_dtype)
+        order, offsets, bad = counting_sort(index, nseg)
+        assert bad == -1 and order.dtype == offsets.dtype == torch.int64
+        assert torch.equal(order, torch.sort(index, stable=True).indices)
+        counts = torch.bincount(index.long(), minlength=nseg)
+        zero = torch.zeros(1, dtype=torch.int64)
+        assert torch.equal(offsets, torch.cat([zero, counts.cumsum(0)]))
+    # Strided index.
+    index = torch.tensor([3, 9, 1, 9, 3, 9, 0, 9], dtype=idx_dtype)[::2]
+    order, offsets, bad = counting_sort(index, 4)
+    assert (order.tolist(), offsets.tolist(), bad) == ([3, 1, 0, 2], [0, 1, 2, 2, 4], -1)
+    # Out of range: the first bad position, nothing built.
+    for index, first in (([0, 1, 4, -1], 2), ([-1, 0], 0), ([0, 3], 1)):
+        order, offsets, bad = counting_sort(torch.tensor(index, dtype=idx_dtype), 3)
+        assert bad == first and order.numel() == 0 and offsets.numel() == 0
+
+
+@pytest.mark.parametrize("idx_dtype", (torch.int32, torch.int64), ids=str)
+def test_check_sorted_offsets(idx_dtype):
+    def check(index, nseg):
+        off, bad, unsorted = check_sorted_offsets(torch.tensor(index, dtype=idx_dtype), nseg)
+        return off.tolist(), bad, unsorted
+
+    assert check([0, 0, 2, 2, 2, 4], 5) == ([0, 2, 2, 5, 5, 6], -1, -1)
+    assert check([], 2) == ([0, 0, 0], -1, -1)
+    assert check([1, 0, 2], 3) == ([], -1, 1)
+    assert check([0, 5, 1], 3) == ([], 1, -1)
+    assert check([2, 1, 0, 7], 3) == ([], 3, 1)  # range errors are found past unsorted ones
+    assert check([-1], 3) == ([], 0, -1)
+    strided = torch.tensor([0, 9, 1, 9, 1, 9, 3], dtype=idx_dtype)[::2]
+    off, bad, unsorted = check_sorted_offsets(strided, 4)
+    assert (off.tolist(), bad, unsorted) == ([0, 1, 3, 3, 4], -1, -1)

@@ -77,7 +77,8 @@ def reference(src, order, offsets, base, *, reduce, rule, alpha, include_base):
                 u = acc + t
                 c = c + torch.where(acc.abs() >= t.abs(), (acc - u) + t, (t - u) + acc)
                 acc = u
-            acc = torch.where(acc.isfinite(), acc + c, acc)
+            # c == 0 is not added: a sum of -0.0 terms stays -0.0 (as detsum/reference.py).
+            acc = torch.where(acc.isfinite() & (c != 0), acc + c, acc)
         elif rule == K.ROUND_EACH and reduce == K.SUM:
             for x in terms:
                 acc = (acc + term(x)).to(dt).to(A)
@@ -85,6 +86,8 @@ def reference(src, order, offsets, base, *, reduce, rule, alpha, include_base):
             for x in terms:
                 acc = acc + term(x)
         if reduce == K.MEAN:
+            if rule == K.ROUND_EACH:
+                acc = acc.to(dt).to(A)  # torch's scatter_reduce mean: total rounded first
             acc = acc / torch.tensor(len(terms) + int(use_base), dtype=A)
         out[o, s] = acc.to(dt)
     return out
@@ -162,8 +165,9 @@ def test_against_reference(dtype, reduce, rule):
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: K.RULE_NAMES[r])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_nonfinite(dtype, rule):
-    """inf and nan propagate as in a plain sum (Kahan never makes inf - inf = nan); amax/amin
-    propagate nan and keep the earlier of +0.0 / -0.0."""
+    """inf and nan propagate as in a plain sum (Kahan never makes inf - inf = nan), sums of
+    -0.0 stay -0.0 under every rule; amax/amin propagate nan and keep the earlier of +0.0 and
+    -0.0."""
     offsets = offsets_of((2, 2, 2, 2, 4, 3))
     inf, nan = float("inf"), float("nan")
     src = torch.tensor(
@@ -180,7 +184,7 @@ def test_nonfinite(dtype, rule):
          [1, 1, nan, 1, 1, 1],
          [1, 1, 1, 1, 1, nan],
          [0.0, -0.0, 1, 2, 3, 4],  # seg 5: signed zeros
-         [-0.0, 0.0, 1, 2, 3, 4],
+         [-0.0, -0.0, 1, 2, 3, 4],  # column 1: all -0.0
          [-0.0, -0.0, 1, 2, 3, 4]],
         dtype=torch.float64,
     ).to(dtype)[None]
@@ -298,6 +302,26 @@ def test_round_each_is_torch_index_put(dtype):
     out = run(src[None], order, offsets, base[None], reduce=K.SUM, rule=K.ROUND_EACH,
               alpha=1.0, include_base=True)
     assert_same_bits(out[0], base.clone().index_put_((index,), src, accumulate=True))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+def test_torch_scatter_reduce_facts(dtype):
+    """What torch's CPU scatter_reduce computes, row-wise: sum = WIDE, mean = ROUND_EACH's
+    mean (total rounded to the dtype, then divided), prod/amax/amin as here."""
+    g = torch.Generator().manual_seed(41)
+    index = torch.randint(0, 7, (200,), generator=g)
+    src = make_src((200, 33), dtype, K.SUM, seed=42)
+    base = make_src((7, 33), dtype, K.SUM, seed=43)
+    order, offsets, _ = counting_sort(index, 7)
+    cases = (("sum", K.WIDE), ("mean", K.ROUND_EACH), ("prod", K.WIDE), ("amax", K.WIDE),
+             ("amin", K.WIDE))
+    for (name, rule), include_self in itertools.product(cases, (True, False)):
+        x = src if name != "prod" else make_src((200, 33), dtype, K.PROD, seed=44)
+        expected = base.scatter_reduce(0, index[:, None].expand(200, 33), x, name,
+                                       include_self=include_self)
+        out = run(x[None], order, offsets, base[None], reduce=K.REDUCE_CODES[name], rule=rule,
+                  alpha=1.0, include_base=include_self)
+        assert_same_bits(out[0], expected)
 
 
 # ----------------------------------------------------------------------------- plan

@@ -108,8 +108,9 @@ _ORDER_DOC = """
     - ``"fp32"`` (default): accumulate in fp32 (fp64 for float64) from ``input[i]``,
       ``term = fp32(source[k]) * alpha`` rounded to fp32 on its own (never fused into the
       add), round to the dtype once at the end.
-    - ``"kahan"``: the same terms, Neumaier-compensated sum in the accumulator, rounded once:
-      within 1 ulp of the exact result.
+    - ``"kahan"``: the same terms, Neumaier-compensated sum in the accumulator, rounded once
+      (``RN(s + c)``, or ``s`` itself when ``c == 0`` so that -0.0 stays -0.0): within 1 ulp
+      of the exact result except under extreme cancellation in fp32 data.
     - ``"autograd"``: PyTorch's own arithmetic on the device, bit for bit:
       ``input.index_put_(indices, source * alpha, accumulate=True)``, which is what autograd
       computes for the gradient of ``x[index]``. On CPU that rounds ``source * alpha`` to the

@@ -171,19 +171,23 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
       after every add).
     - ``"mean"``: ``sum / count`` with the sum kept in acc (Neumaier in ``"kahan"``), the
       division in acc, one rounding; count includes ``input`` when ``include_self``.
-      ``"autograd"`` is ``"fp32"`` here, which is what ``torch.scatter_reduce`` computes on
-      CPU for 1-D tensors and for 2-D tensors scattered along their first or last dim.
-    - ``"prod"``: serial product in acc, rounded once, in every mode (``"autograd"`` as for
-      ``"mean"``).
+      ``"autograd"``: what ``torch.scatter_reduce`` computes on CPU in every layout: the fp32
+      sum rounded to the dtype, then divided in fp32 and rounded again (for fp32 and fp64
+      data the same bits as ``"fp32"``).
+    - ``"prod"``: serial product in acc, rounded once, in every mode (torch's CPU
+      ``scatter_reduce`` computes the same).
     - ``"amax"``/``"amin"``: exact in every mode. NaN propagates; between equal values
       (``+0.0`` and ``-0.0``) the earlier one is kept, as torch does.
 
     **This operation is fully deterministic**: the same inputs give the same bits on every
     run, for every thread count and every backend that implements the mode.
 
-    Gradient: with respect to ``input`` and ``src``, as torch defines it (``amax``/``amin``
-    share the gradient evenly among all members equal to the result; ``prod`` gives each
-    member the product of the others, zeros included).
+    Gradient: with respect to ``input`` and ``src``: ``sum``/``mean`` pass the (divided)
+    gradient through; ``amax``/``amin`` share it evenly among all members equal to the result;
+    ``prod`` gives each member the product of the others, zeros included. With
+    ``include_self=False`` only the source members share an ``amax``/``amin`` gradient (torch
+    2.13 also counts an excluded input equal to the result, so its source gradients add up to
+    less than the incoming gradient).
 
     Example:
         >>> import torch, detsum

@@ -119,8 +119,9 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
     Summation order and rounding (each segment sums in the order ``p = offsets[s], ...``):
 
     - ``"fp32"``: accumulate in fp32 (fp64 for float64), round to the dtype once.
-    - ``"kahan"``: Neumaier-compensated sum in the same accumulator, rounded once; within
-      1 ulp of the exact sum.
+    - ``"kahan"``: Neumaier-compensated sum in the same accumulator, rounded once
+      (``RN(s + c)``, or ``s`` itself when ``c == 0`` so that -0.0 stays -0.0); within 1 ulp
+      of the exact sum except under extreme cancellation in fp32 data.
     - ``"autograd"``: what PyTorch's own accumulation gives on the device (on CPU: round to
       the dtype after every add, from 0), i.e. the gradient autograd computes for
       ``src[r(p)]`` rows gathered into these segments.

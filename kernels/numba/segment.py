@@ -30,12 +30,15 @@ IMPLEMENTATION NOTES (this backend):
   - SUM, WIDE: ``acc = A(base)`` or +0.0; ``acc = RN_A(acc + term)``; ``out = RN_D(acc)``.
   - SUM, KAHAN (Neumaier): ``s = A(base)`` or +0.0, ``c = 0``; per term ``u = s + t``,
     ``c += (s - u) + t`` if ``|s| >= |t|`` else ``(t - u) + s``, ``s = u``;
-    ``out = RN_D(s)`` if s is not finite else ``RN_D(RN_A(s + c))``.
+    ``out = RN_D(s)`` if s is not finite or ``c == 0`` (so a sum of -0.0 stays -0.0, as in
+    detsum/reference.py), else ``RN_D(RN_A(s + c))``.
   - SUM, ROUND_EACH: ``acc = base`` or +0.0; ``acc = RN_D(A(acc) + term)``; ``out = acc``
     (identical to WIDE for fp32/fp64 data).
-  - MEAN: ``count`` = number of terms (+1 with the base row); the sum as SUM/WIDE
-    (ROUND_EACH also sums WIDE) or SUM/KAHAN gives ``v`` in A (KAHAN: ``s`` if not finite,
-    else ``RN_A(s + c)``); ``out = RN_D(RN_A(v / A(count)))``.
+  - MEAN: ``count`` = number of terms (+1 with the base row); the sum as SUM/WIDE or
+    SUM/KAHAN gives ``v`` in A (KAHAN: ``s`` if not finite or ``c == 0``, else
+    ``RN_A(s + c)``); ``out = RN_D(RN_A(v / A(count)))``. ROUND_EACH sums WIDE too but
+    rounds the total first, ``out = RN_D(RN_A(A(RN_D(v)) / A(count)))``: what torch's CPU
+    ``scatter_reduce(..., "mean")`` computes (the same as WIDE for fp32/fp64 data).
   - PROD (rule ignored): ``acc = A(base)`` or 1; ``acc = RN_A(acc * A(x))``; ``out = RN_D(acc)``.
   - AMAX / AMIN (rule ignored, exact): ``acc`` = base row or first term; then
     ``acc = x if (isnan(x) or x > acc [amin: x < acc]) and not isnan(acc) else acc``: the
@@ -250,7 +253,7 @@ def _make_block(dec, rnd, enc, cvt):
 
     @njit
     def item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1, reduce, op,
-             alpha, use_base, has_base, acc, comp, tmp, cur, shape, chunk, i_end):
+             mean_round, alpha, use_base, has_base, acc, comp, tmp, cur, shape, chunk, i_end):
         w = j1 - j0
         p0 = offsets[s * fst]
         p1 = offsets[(s + 1) * fst]
@@ -298,15 +301,22 @@ def _make_block(dec, rnd, enc, cvt):
             p += 1
 
         if op == _OP_KAHAN:
-            # inf/nan in s propagate as in a plain sum; the compensation (possibly the nan of
-            # inf - inf) is only added to a finite s.
+            # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
+            # inf - inf) is only added to a finite s. A zero compensation is not added either:
+            # -0.0 + (+0.0) would turn a sum of -0.0 terms into +0.0, unlike a plain sum.
             for j in range(w):
                 sj = acc[j]
-                acc[j] = sj + comp[j] if np.isfinite(sj) else sj
+                cj = comp[j]
+                acc[j] = sj + cj if np.isfinite(sj) and cj != 0 else sj
         if reduce == MEAN:
             count = cvt((p1 - p0) + (1 if use_base else 0))
-            for j in range(w):
-                acc[j] = acc[j] / count
+            if mean_round:
+                # ROUND_EACH: torch's scatter_reduce rounds the total to the dtype first.
+                for j in range(w):
+                    acc[j] = rnd(acc[j]) / count
+            else:
+                for j in range(w):
+                    acc[j] = acc[j] / count
         if us[2] == 1:
             u = np.uint64(ostart)
             for j in range(w):
@@ -333,8 +343,9 @@ def _make_block(dec, rnd, enc, cvt):
         elif rule == ROUND_EACH and reduce == SUM:
             op = _OP_ADD_ROUND if alpha == 1.0 else _OP_ADD_ROUND_SCALED
         else:
-            # WIDE, and MEAN under ROUND_EACH (a mean rounds once, after the division).
+            # WIDE, and MEAN under ROUND_EACH (summed wide, see mean_round).
             op = _OP_ADD
+        mean_round = reduce == MEAN and rule == ROUND_EACH
         a = cvt(alpha)
         nchunks = (inner + chunk - 1) // chunk
         n_items = outer * nseg * nchunks
@@ -359,7 +370,8 @@ def _make_block(dec, rnd, enc, cvt):
             j0 = c * chunk
             j1 = min(j0 + chunk, inner)
             item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1,
-                 reduce, op, a, use_base, has_base, acc, comp, tmp, cur, shape, chunk, i_end)
+                 reduce, op, mean_round, a, use_base, has_base, acc, comp, tmp, cur, shape,
+                 chunk, i_end)
 
     return block
 

@@ -2,15 +2,34 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
 import detsum
 from detsum import _segments
+# Re-exported for the tests: torch's CPU fp32/fp64 index_put_ uses atomics from 32768 elements
+# with more than one thread; deterministic algorithms make it the serial sum SPEC names.
+from detsum.report import torch_deterministic  # noqa: F401
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = detsum.MODES
 HAS_CUDA = torch.cuda.is_available()
+
+N = None  # placeholder for the indexed / segmented / scattered dim in a layout's shape
+
+# Row layouts of index_add and segment_sum: (shape with N at dim, dim). "slice size" is the
+# number of elements after dim: the quantity that picks torch's (and detsum's) kernel regime.
+LAYOUTS = [
+    pytest.param((N,), 0, id="N-dim0"),  # 1-D: slice size 1, no outer dim
+    pytest.param((N, 1), 0, id="Nx1-dim0"),  # slice size 1 (CUDA stride-1 regime), 2-D
+    pytest.param((N, 8), 0, id="Nx8-dim0"),  # slice size 8 <= 32 (CUDA small-stride regime)
+    pytest.param((N, 40), 0, id="Nx40-dim0"),  # slice size 40 > 32 (per-row kernel regime)
+    pytest.param((5, N), 1, id="5xN-dim1"),  # last dim of 2-D: slice size 1, 5 outer rows
+    pytest.param((3, N, 11), -2, id="3xNx11-dim-2"),  # middle dim, negative: outer 3, slice 11
+    pytest.param((3, 4, N), -1, id="3x4xN-dim-1"),  # last dim, negative: slice 1, outer 12
+]
 
 
 @pytest.fixture(autouse=True)
@@ -54,3 +73,44 @@ def make_data(shape, dtype, *, seed=0, spread=False):
         max_exp = {torch.float16: 6, torch.bfloat16: 30, torch.float32: 30, torch.float64: 60}[dtype]
         x = x * torch.exp2(torch.randint(-max_exp, max_exp + 1, shape, generator=g).double())
     return x.to(dtype)
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def with_rows(template, rows: int, *, zero_columns: bool = False) -> tuple[int, ...]:
+    """``template`` with ``rows`` at the N dim; with ``zero_columns`` the last other dim is 0,
+    so every row is empty."""
+    shape = [rows if s is None else s for s in template]
+    if zero_columns:
+        last_other = max(d for d, s in enumerate(template) if s is not None)
+        shape[last_other] = 0
+    return tuple(shape)
+
+
+def strided_copy(t: torch.Tensor) -> torch.Tensor:
+    """Same values as ``t`` (not contiguous when it has >1 element): dims stored in reverse order,
+    every other element of a NaN-filled buffer in every dim, so a kernel that ignores strides
+    reads NaN."""
+    rev = list(range(t.dim()))[::-1]
+    stored = t.permute(rev)
+    fill = float("nan") if t.is_floating_point() else -1
+    buf = torch.full([2 * s for s in stored.shape], fill, dtype=t.dtype)
+    view = buf[(slice(None, None, 2),) * t.dim()]
+    view.copy_(stored)
+    return view.permute(rev)
+
+
+def case_params(layouts, cases):
+    """Every (layout, case) pair as a pytest.param, but "zero_columns" only where a layout has
+    another dim to empty."""
+    for layout in layouts:
+        for case in cases:
+            if case == "zero_columns" and len(layout.values[0]) == 1:
+                continue  # a 1-D tensor has no other dim to empty
+            yield pytest.param(*layout.values, case, id=f"{layout.id}-{case}")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import detsum
-from conftest import DTYPES, MODES, assert_same_bits, make_data
+from conftest import DTYPES, MODES, assert_same_bits, dtype_id, make_data, strided_copy
 
 FUZZ = settings(max_examples=50, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -61,17 +61,6 @@ def draw_values(g: torch.Generator, kind: str, shape, dtype) -> torch.Tensor:
         # Mostly ordinary numbers, a quarter specials.
         return torch.where(torch.rand(shape, generator=g) < 0.25, pool[picks], x).to(dtype)
     return make_data(shape, dtype, seed=seed, spread=kind == "spread")
-
-
-def strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """Same values as ``t`` with dims stored in reverse order, every other element of a buffer."""
-    rev = list(range(t.dim()))[::-1]
-    stored = t.permute(rev)
-    fill = float("nan") if t.is_floating_point() else -1
-    buf = torch.full([2 * s for s in stored.shape], fill, dtype=t.dtype)
-    view = buf[(slice(None, None, 2),) * t.dim()]
-    view.copy_(stored)
-    return view.permute(rev)
 
 
 @st.composite
@@ -193,7 +182,7 @@ def test_distributions_are_what_they_say():
     assert full.shape == (4, 5, 6) and full.min() >= 0 and full.max() < 3
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_special_values_draw_contains_specials(dtype):
     g = torch.Generator().manual_seed(1)
     x = draw_values(g, "special_values", (400,), dtype)

@@ -9,33 +9,18 @@ exactly rounded sum.
 
 from __future__ import annotations
 
-import contextlib
-import zlib
-
 import numba
 import pytest
 import torch
 
 import detsum
-from conftest import DTYPES, MODES, assert_same_bits, make_data
+from conftest import (
+    DTYPES, LAYOUTS, MODES, N, assert_same_bits, case_params, dtype_id, make_data, seed_of,
+    strided_copy, torch_deterministic, with_rows)
 from detsum import reference
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 N_OUT = 7  # output rows along dim in the generated cases
-N = None  # placeholder for the indexed dim in a layout's shape
-
-# (shape with N at the indexed dim, dim). "slice size" is the number of elements after the
-# indexed dim: the quantity that picks torch's (and detsum's) kernel regime.
-LAYOUTS = [
-    pytest.param((N,), 0, id="N-dim0"),  # 1-D: slice size 1, no outer dim
-    pytest.param((N, 1), 0, id="Nx1-dim0"),  # slice size 1 (CUDA stride-1 regime), 2-D
-    pytest.param((N, 8), 0, id="Nx8-dim0"),  # slice size 8 <= 32 (CUDA small-stride regime)
-    pytest.param((N, 40), 0, id="Nx40-dim0"),  # slice size 40 > 32 (per-row kernel regime)
-    pytest.param((5, N), 1, id="5xN-dim1"),  # last dim of 2-D: slice size 1, 5 outer rows
-    pytest.param((3, N, 11), -2, id="3xNx11-dim-2"),  # middle dim, negative: outer 3, slice 11
-    pytest.param((3, 4, N), -1, id="3x4xN-dim-1"),  # last dim, negative: slice 1, outer 12
-]
-
 # Cases: what the index and the tensors look like (see make_case).
 CASES = [
     "uniform",  # 37 source rows spread uniformly over 7 outputs
@@ -47,49 +32,6 @@ CASES = [
     "alpha",  # alpha = 0.3: the scaled term is rounded on its own, never fused into the add
     "int32_index",  # int32 index
 ]
-
-
-def dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-@contextlib.contextmanager
-def torch_deterministic():
-    """torch's CPU fp32/fp64 index_put_ uses atomics from 32768 elements with more than one
-    thread; deterministic algorithms make it the serial sum SPEC names."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
-def with_rows(template, rows: int, *, zero_columns: bool = False) -> tuple[int, ...]:
-    """``template`` with ``rows`` at the indexed dim; with ``zero_columns`` the last other dim
-    is 0, so every row is empty."""
-    shape = [rows if s is None else s for s in template]
-    if zero_columns:
-        last_other = max(d for d, s in enumerate(template) if s is not None)
-        shape[last_other] = 0
-    return tuple(shape)
-
-
-def strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """Same values as ``t`` (not contiguous when it has >1 element): dims stored in reverse order,
-    every other element of a NaN-filled buffer in every dim, so a kernel that ignores strides
-    reads NaN."""
-    rev = list(range(t.dim()))[::-1]
-    stored = t.permute(rev)
-    fill = float("nan") if t.is_floating_point() else -1
-    buf = torch.full([2 * s for s in stored.shape], fill, dtype=t.dtype)
-    view = buf[(slice(None, None, 2),) * t.dim()]
-    view.copy_(stored)
-    return view.permute(rev)
 
 
 def make_index(kind: str, n: int, n_out: int, seed: int) -> torch.Tensor:
@@ -146,15 +88,7 @@ def index_put_accumulate(input, dim, index, values):
 # ---------------------------------------------------------------------------------------------
 
 
-def _case_params():
-    for layout in LAYOUTS:
-        for case in CASES:
-            if case == "zero_columns" and len(layout.values[0]) == 1:
-                continue  # a 1-D tensor has no other dim to empty
-            yield pytest.param(*layout.values, case, id=f"{layout.id}-{case}")
-
-
-CASE_PARAMS = list(_case_params())
+CASE_PARAMS = list(case_params(LAYOUTS, CASES))
 
 
 @pytest.mark.parametrize("template,dim,case", CASE_PARAMS)

@@ -15,32 +15,18 @@ NaNs by position.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
-import zlib
 from fractions import Fraction
 
 import pytest
 import torch
 
-from conftest import DTYPES, assert_same_bits
+from conftest import DTYPES, assert_same_bits, seed_of, torch_deterministic
 from detsum import reference as ref
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 MAX_EXP = {torch.float16: 4, torch.bfloat16: 12, torch.float32: 12, torch.float64: 12}
-
-
-@contextlib.contextmanager
-def deterministic():
-    """torch's CPU fp32 index_put_ uses atomics (and is nondeterministic) from 32768 elements
-    with more than one thread unless deterministic algorithms are on."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
 
 
 def data(shape, dtype, seed):
@@ -108,13 +94,13 @@ def test_autograd_matches_cpu_index_put(dtype, shape, dim, kind, alpha):
     n_out = 6
     out_shape = list(shape)
     out_shape[dim] = n_out
-    seed = zlib.crc32(repr((dtype, shape, dim, kind)).encode())
+    seed = seed_of(dtype, shape, dim, kind)
     input = data(out_shape, dtype, seed)
     source = data(shape, dtype, seed + 1)
     index = indices(shape[dim], n_out, kind, seed + 2)
     # torch's index_add(alpha) and autograd both scale in the dtype first; so does "autograd".
     scaled = source * alpha if alpha != 1 else source
-    with deterministic():
+    with torch_deterministic():
         expected = index_put_accumulate(input, dim, index, scaled)
     actual = ref.index_add(input, dim, index, source, alpha=alpha, mode="autograd")
     assert_same_bits(actual, expected)
@@ -129,7 +115,7 @@ def test_autograd_matches_cpu_index_put_large_fp32():
     shape, n_out = (3000, 40), 50
     input, source = data((n_out, 40), torch.float32, 1), data(shape, torch.float32, 2)
     index = indices(shape[0], n_out, "uniform", 3)
-    with deterministic():
+    with torch_deterministic():
         expected = index_put_accumulate(input, 0, index, source)
     assert_same_bits(ref.index_add(input, 0, index, source, mode="autograd"), expected)
 
@@ -140,7 +126,7 @@ def test_autograd_matches_cpu_index_put_large_fp32():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_autograd_matches_cuda_index_put(dtype, slice_size, n):
     """SPEC's CUDA rows were read from Indexing.cu, not run: this is the check SPEC asks the
-    first GPU session for. n terms go to row 1, shuffled among 5 terms for rows 0 and 2; the
+    first GPU run for. n terms go to row 1, shuffled among 5 terms for rows 0 and 2; the
     reference runs on CPU with the CUDA rules (device_type="cuda")."""
     g = torch.Generator().manual_seed(n * 10_000 + slice_size)
     input = data((3, slice_size), dtype, 1)
@@ -181,7 +167,7 @@ def test_autograd_matches_gradient_of_indexing(dtype, shape, dim):
     grad_shape[dim] = n_terms
     index = indices(n_terms, shape[dim], "uniform", 7)
     grad = data(grad_shape, dtype, 8)
-    with deterministic():
+    with torch_deterministic():
         expected = _grad_of_indexing(shape, dim, index, grad, dtype)
     actual = ref.index_add(torch.zeros(shape, dtype=dtype), dim, index, grad, mode="autograd")
     assert_same_bits(actual, expected)
@@ -197,7 +183,7 @@ def test_autograd_matches_moe_gather_gradient(dtype, topk):
     tokens = gather_indices // topk
     X = torch.randn(seq_len, hidden, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(seq_len * topk, hidden, generator=g).to(dtype)
-    with deterministic():
+    with torch_deterministic():
         X[tokens].backward(grad)
     zeros = torch.zeros(seq_len, hidden, dtype=dtype)
     actual = ref.index_add(zeros, 0, tokens, grad, mode="autograd")

@@ -9,19 +9,18 @@ lets the later of a +0/-0 tie win in amax/amin (pinned in tests/test_reference.p
 
 from __future__ import annotations
 
-import zlib
-
 import numba
 import pytest
 import torch
 
 import detsum
-from conftest import DTYPES, MODES, assert_same_bits, make_data
+from conftest import (
+    DTYPES, MODES, N, assert_same_bits, case_params, dtype_id, make_data, seed_of, strided_copy,
+    with_rows)
 from detsum import reference
 
 REDUCES = ("sum", "mean", "prod", "amax", "amin")
 N_OUT = 7  # output rows along dim in the generated cases
-N = None  # placeholder for the scattered dim in a layout's shape
 
 # Row-wise index: (shape with N at dim, dim). "slice size" = elements after dim: the quantity
 # that picks the kernel regime for whole-row scatters.
@@ -62,35 +61,6 @@ CASES = [
 REDUCE_MODES = [(r, m) for r in ("sum", "mean") for m in MODES] + [
     (r, "fp32") for r in ("prod", "amax", "amin")]
 REDUCE_MODE_PARAMS = [pytest.param(r, m, id=f"{r}-{m}") for r, m in REDUCE_MODES]
-
-
-def dtype_id(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def with_rows(template, rows: int, *, zero_columns: bool = False) -> tuple[int, ...]:
-    shape = [rows if s is None else s for s in template]
-    if zero_columns:
-        last_other = max(d for d, s in enumerate(template) if s is not None)
-        shape[last_other] = 0
-    return tuple(shape)
-
-
-def strided_copy(t: torch.Tensor) -> torch.Tensor:
-    """Same values as ``t`` (not contiguous when it has >1 element): dims stored in reverse order,
-    every other element of a NaN-filled buffer in every dim, so a kernel that ignores strides
-    reads NaN."""
-    rev = list(range(t.dim()))[::-1]
-    stored = t.permute(rev)
-    fill = float("nan") if t.is_floating_point() else -1
-    buf = torch.full([2 * s for s in stored.shape], fill, dtype=t.dtype)
-    view = buf[(slice(None, None, 2),) * t.dim()]
-    view.copy_(stored)
-    return view.permute(rev)
 
 
 def near_one(shape, dtype, seed):
@@ -164,15 +134,7 @@ def torch_index(index, dim, src):
 # ---------------------------------------------------------------------------------------------
 
 
-def _case_params():
-    for layout in LAYOUTS:
-        for case in CASES:
-            if case == "zero_columns" and len(layout.values[0]) == 1:
-                continue  # a 1-D tensor has no other dim to empty
-            yield pytest.param(*layout.values, case, id=f"{layout.id}-{case}")
-
-
-CASE_PARAMS = list(_case_params())
+CASE_PARAMS = list(case_params(LAYOUTS, CASES))
 
 
 def both_include_self(check):

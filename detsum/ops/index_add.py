@@ -127,7 +127,25 @@ _ORDER_DOC = """
 
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
-    """Out-of-place ``torch.index_add``: ``out[..., index[k], ...] += alpha * source[..., k, ...]``.
+    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, _CALLER)
+    return index_add_op(input, dim, index, source, alpha, mode.value)
+
+
+def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
+               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
+    caller = "detsum.index_add_"
+    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, caller)
+    if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
+        # The in-place operator has no autograd formula of its own; copying the out-of-place
+        # result in keeps the graph correct (copy_ is differentiable) at the cost of one pass.
+        return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value))
+    index_add_inplace_op(input, dim, index, source, alpha, mode.value)
+    return input
+
+
+# The two functions share their account of order and rounding, so their docstrings are built
+# from one text.
+index_add.__doc__ = """Out-of-place ``torch.index_add``: ``out[..., index[k], ...] += alpha * source[..., k, ...]``.
 
     Args:
         input: the tensor added to; float32, float16, bfloat16 or float64, any strides.
@@ -140,7 +158,7 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.
-    """ + _ORDER_DOC + """
+""" + _ORDER_DOC + """
     Example:
         >>> import torch, detsum
         >>> g = torch.tensor([[1.0], [2.0], [4.0]], dtype=torch.bfloat16)
@@ -148,29 +166,16 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
         ...                  torch.tensor([1, 0, 1]), g, mode="autograd")
         tensor([[2.],
                 [5.]], dtype=torch.bfloat16)
-    """
-    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, _CALLER)
-    return index_add_op(input, dim, index, source, alpha, mode.value)
+"""
 
+index_add_.__doc__ = """In-place :func:`index_add`: writes into ``input`` and returns it.
 
-def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
-               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
-    """In-place :func:`index_add`: writes into ``input`` and returns it.
-
-    Arguments, order and rounding as :func:`index_add`. Every argument is checked before
-    anything is written, so a call that raises leaves ``input`` untouched.
-    """ + _ORDER_DOC + """
+    Arguments as :func:`index_add`. Every argument is checked before anything is written, so a
+    call that raises leaves ``input`` untouched.
+""" + _ORDER_DOC + """
     Example:
         >>> import torch, detsum
         >>> x = torch.zeros(3)
         >>> detsum.index_add_(x, 0, torch.tensor([2, 2]), torch.tensor([0.5, 0.25]))
         tensor([0.0000, 0.0000, 0.7500])
-    """
-    caller = "detsum.index_add_"
-    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, caller)
-    if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
-        # The in-place operator has no autograd formula of its own; copying the out-of-place
-        # result in keeps the graph correct (copy_ is differentiable) at the cost of one pass.
-        return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value))
-    index_add_inplace_op(input, dim, index, source, alpha, mode.value)
-    return input
+"""

@@ -97,11 +97,12 @@ def _backward(ctx, grad):
     dim, reduce, include_self = ctx.dim, ctx.reduce, ctx.include_self
     ones = torch.ones_like(src, dtype=torch.bool)
     if reduce in ("sum", "mean"):
-        scale = 1.0
+        share = grad
         if reduce == "mean":
-            scale = (_count(input, dim, index, ones) + int(include_self)).clamp_min(1)
-        grad_src = _take(grad / scale, dim, index).to(grad.dtype) if reduce == "mean" else _take(grad, dim, index)
-        grad_self = (grad / scale).to(grad.dtype) if include_self else None
+            count = (_count(input, dim, index, ones) + int(include_self)).clamp_min(1)
+            share = (grad / count).to(grad.dtype)
+        grad_src = _take(share, dim, index)
+        grad_self = share if include_self else None
     elif reduce in ("amax", "amin"):
         src_is_result = src == _take(result, dim, index)
         self_is_result = (input == result) if include_self else torch.zeros_like(input, dtype=torch.bool)
@@ -125,7 +126,8 @@ def _backward(ctx, grad):
         grad_src = _take(grad, dim, index) * others(
             src, _take(result, dim, index), _take(product_of_nonzeros, dim, index),
             _take(zero_members, dim, index))
-        grad_self = grad * others(input, result, product_of_nonzeros, zero_members) if include_self else None
+        grad_self = (grad * others(input, result, product_of_nonzeros, zero_members)
+                     if include_self else None)
     if not include_self:
         received = _count(input, dim, index, ones) > 0
         grad_self = grad.masked_fill(received, 0)

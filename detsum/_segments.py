@@ -63,6 +63,14 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     return order, offsets
 
 
+def plan_from_keys(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets) for 1-D ``keys`` already known to lie in ``[0, num_segments)``."""
+    from detsum.kernels.numba import plan
+
+    order, offsets, _ = plan.counting_sort(keys, num_segments)
+    return order, offsets
+
+
 def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
            offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
            reduce: str, rule: int, alpha: float, include_base: bool) -> None:

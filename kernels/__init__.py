@@ -10,9 +10,11 @@ integer codes below are the only thing the kernels see of it.
 
 #: acc = acc_type(init); acc = RN_acc(acc + term) per row; out = RN_dtype(acc).
 WIDE = 0
-#: Neumaier-compensated sum in the acc type; out = RN_dtype(s + c) (RN_dtype(s) if s is not finite).
+#: Neumaier-compensated sum in the acc type; out = RN_dtype(s + c), or RN_dtype(s) when s is not
+#: finite or c == 0 (so a sum of -0.0 stays -0.0).
 KAHAN = 1
 #: acc = init; acc = RN_dtype(acc + RN_dtype(term)) per row: what torch's CPU index_put_ does.
+#: For MEAN: the wide sum rounded to the dtype, then divided (torch's CPU scatter_reduce mean).
 ROUND_EACH = 2
 
 RULE_NAMES = {WIDE: "wide", KAHAN: "kahan", ROUND_EACH: "round_each"}

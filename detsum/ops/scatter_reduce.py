@@ -12,7 +12,6 @@ import torch
 
 from detsum import _segments, _validation, reference
 from detsum.backend import current_backend
-from detsum.kernels.numba import plan
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
 
 _CALLER = "detsum.scatter_reduce"
@@ -34,8 +33,7 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int
     outer_ids = torch.arange(outer, device=index.device).view(-1, 1, 1)
     inner_ids = torch.arange(inner, device=index.device).view(1, 1, -1)
     keys = ((outer_ids * num_segments + index3) * inner + inner_ids).reshape(-1)
-    order, offsets, _ = plan.counting_sort(keys, outer * num_segments * inner)
-    return order, offsets
+    return _segments.plan_from_keys(keys, outer * num_segments * inner)
 
 
 @torch.library.custom_op("detsum::scatter_reduce", mutates_args=())

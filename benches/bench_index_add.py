@@ -6,8 +6,10 @@ A mixture-of-experts layer with T tokens and top-k routing gathers ``x[gather_in
 ``torch.Tensor.index_put_((index,), source, accumulate=True)`` is what autograd runs there;
 ``torch.Tensor.index_add_`` is the fast, order-dependent alternative.
 
-Targets (reported, not asserted): "fp32" and "autograd" no slower than torch.index_add_;
-"autograd" at least 5x faster than index_put_(accumulate=True); "kahan" within 1.5x of "fp32".
+Targets (reported, not asserted; ``summarize.py`` checks them): on CPU "fp32" and "autograd" no
+slower than torch.index_add_, "autograd" at least 5x faster than index_put_(accumulate=True),
+"kahan" within 1.5x of "fp32"; on a GPU (H=4096) "fp32" and "autograd" within 1.1x of
+index_add_ and at 80% of the copy bandwidth or more, "kahan" within 1.2x of "fp32".
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import detsum
 from conftest import DEVICES, DTYPE_IDS, nbytes, run_case, skip_unsupported, sync
 from detsum import report
 
-T, TOPK, H = 16384, 8, 1024
+T, TOPK = 16384, 8
+# Hidden size: the GPU issue's shape on CUDA; a quarter of it on the 2-core CPU.
+HIDDEN = {"cpu": 1024, "cuda": 4096}
 N_EXPERTS = 64
 SAMPLE_ROWS = 32
 DTYPES = [torch.bfloat16, torch.float32]
@@ -44,8 +48,8 @@ def moe_data(device: str, dtype: torch.dtype) -> dict:
         gather_indices = torch.randint(0, N_EXPERTS, (T, TOPK), generator=gen).view(-1).argsort(
             stable=True)
         index = gather_indices // TOPK
-        source = torch.randn(T * TOPK, H, generator=gen).to(dtype)
-        init = torch.randn(T, H, generator=gen).to(dtype)
+        source = torch.randn(T * TOPK, HIDDEN[device], generator=gen).to(dtype)
+        init = torch.randn(T, HIDDEN[device], generator=gen).to(dtype)
         rows = torch.randperm(T, generator=gen)[:SAMPLE_ROWS].sort().values
         exact = report.exact_rows(source, index, rows, init)
         _data[key] = {"index": index.to(device), "source": source.to(device),
@@ -64,7 +68,7 @@ def _op(impl: str, work: torch.Tensor, d: dict):
 
 
 def _info(device: str, dtype: torch.dtype, d: dict) -> dict:
-    return {"primitive": "index_add", "case": f"moe T={T} topk={TOPK} H={H}",
+    return {"primitive": "index_add", "case": f"moe T={T} topk={TOPK} H={HIDDEN[device]}",
             "device": device, "dtype": DTYPE_IDS[dtype],
             # source read + input read + output written + index read
             "bytes": nbytes(d["source"], d["init"], d["init"], d["index"])}
@@ -100,7 +104,7 @@ def test_copy_yardstick(benchmark, baselines, device, dtype):
     d = moe_data(device, dtype)
     src = d["source"]
     dst = torch.empty_like(src)
-    info = {"primitive": "copy", "case": f"copy [{T * TOPK}, {H}]", "device": device,
+    info = {"primitive": "copy", "case": f"copy [{T * TOPK}, {HIDDEN[device]}]", "device": device,
             "dtype": DTYPE_IDS[dtype], "impl": "torch-copy_", "bytes": 2 * nbytes(src),
             "max_ulps": None}
     run_case(benchmark, lambda: dst.copy_(src), device, rounds=ROUNDS[device],

@@ -1,21 +1,46 @@
 #!/usr/bin/env bash
-# One command for a lent GPU machine (no package registry there; torch, triton, numba, pytest,
-# pytest-benchmark and hypothesis are preinstalled): install detsum in place, run the whole test
-# suite (the `cuda`-marked tests included), then every benchmark, writing everything to $OUT.
-#   bash benches/gpu_run.sh            # from the repository root
+# The whole GPU pass, for a lent GPU machine (no package registry there; torch, triton, numba,
+# pytest, pytest-benchmark and hypothesis are preinstalled). From the repository root:
+#
+#   bash benches/gpu_run.sh            # everything: tests, then benchmarks, then the report
+#   bash benches/gpu_run.sh tests      # one stage: tests | benches | report
+#
+# Each stage fits in one 10-minute device command; run them one by one when a session's device
+# time is short. Everything is written to $OUT (default benches/results/gpu-<date>/): the
+# environment (GPU name, torch, triton and CUDA versions, date), the test log and JUnit XML,
+# the pytest-benchmark JSON with its summary table and targets, and the report's JSON.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-benches/results}
+OUT=${OUT:-benches/results/gpu-$(date +%F)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+STAGES=${*:-tests benches report}
+
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || exit 1
 python3 - <<'PY' | tee "$OUT/gpu_env.txt"
-import datetime, torch, triton
+import datetime, numba, torch, triton
 print("date", datetime.date.today().isoformat())
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
+print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__,
+      "numba", numba.__version__)
 PY
-python3 -m pytest -q -x -p no:cacheprovider --junitxml="$OUT/tests.xml" 2>&1 | tail -n 40 | tee "$OUT/tests.txt"
-python3 -m pytest benches --benchmark-only -q -p no:cacheprovider \
-    --benchmark-json="$OUT/bench-gpu.json" 2>&1 | tail -n 20
-python3 benches/summarize.py "$OUT/bench-gpu.json" | tee "$OUT/bench-gpu.txt"
+
+status=0
+for stage in $STAGES; do
+    case $stage in
+    tests)
+        # The whole suite: the CPU tests, test_triton.py on CUDA tensors, the cuda-marked ones.
+        python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" --durations=20 \
+            2>&1 | tail -n 60 | tee "$OUT/tests.txt" || status=1 ;;
+    benches)
+        python3 -m pytest benches -k cuda --benchmark-only -q -p no:cacheprovider \
+            --benchmark-json="$OUT/bench-gpu.json" 2>&1 | tail -n 20 || status=1
+        python3 benches/summarize.py "$OUT/bench-gpu.json" | tee "$OUT/bench-gpu.txt" ;;
+    report)
+        python3 -m detsum report --json "$OUT/report-gpu.json" | tee "$OUT/report-gpu.txt" \
+            || status=1 ;;
+    *)
+        echo "unknown stage $stage (expected tests, benches or report)"; exit 2 ;;
+    esac
+done
+exit $status

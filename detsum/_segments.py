@@ -8,6 +8,7 @@ stable pass over the index (its order *is* the canonical order of the determinis
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -35,16 +36,18 @@ def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
 
 
 def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
-                    index_name: str, size_name: str, promised_sorted: bool
+                    index_name: str, size_name: str, promised_sorted: bool, backend_name: str
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(order, offsets) of the segments that a 1-D ``index`` defines, after checking its values.
 
-    One pass over the index validates the range (and, when the caller promised a sorted index,
-    its order) and counts; a stable counting sort then lists each segment's positions in order
-    of appearance. A promised-sorted index needs no order: its segments are contiguous.
+    The plan is built where the kernels run: the Numba backend takes a stable counting sort
+    that validates the index in the same pass; every other backend (the GPU first of all)
+    takes torch ops on the index's device (``_device_plan``). A promised-sorted index needs no
+    order: its segments are contiguous.
     """
-    if index.device.type != "cpu":
-        raise NotImplementedError(f"{caller}: {index.device.type!r} tensors are not supported yet")
+    if backend_name != "numba" or index.device.type != "cpu":
+        return _device_plan(caller, index, num_segments, index_name=index_name,
+                            size_name=size_name, promised_sorted=promised_sorted)
     from detsum.kernels.numba import plan
 
     if promised_sorted:
@@ -52,10 +55,7 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
         if first_bad >= 0:
             raise_index_out_of_range(caller, index_name, index, first_bad, num_segments, size_name)
         if first_unsorted >= 0:
-            raise ValueError(
-                f"{caller}: sorted=True but {index_name} decreases at position {first_unsorted} "
-                f"({int(index[first_unsorted - 1])} then {int(index[first_unsorted])}); "
-                f"expected a nondecreasing index, or pass sorted=False")
+            _raise_unsorted(caller, index_name, index, first_unsorted)
         return None, offsets
     order, offsets, first_bad = plan.counting_sort(index, num_segments)
     if first_bad >= 0:
@@ -63,8 +63,58 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     return order, offsets
 
 
-def plan_from_keys(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position: int):
+    raise ValueError(
+        f"{caller}: sorted=True but {index_name} decreases at position {position} "
+        f"({int(index[position - 1])} then {int(index[position])}); "
+        f"expected a nondecreasing index, or pass sorted=False")
+
+
+def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
+                 size_name: str, promised_sorted: bool
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The plan from torch ops on the index's device, with one host read (the validation).
+
+    ``torch.sort(stable=True)`` gives the canonical order (positions in order of appearance
+    within a value), and the sorted values give the offsets by a binary search per segment
+    boundary: neither needs the host. The sort already yields the smallest and largest
+    value, so validating costs no extra pass over the index, just the one read of those two
+    numbers; a promised-sorted index is checked by one fused reduction instead. Bad values are
+    located (a slower, second look) only to write the error message.
+    """
+    boundaries = torch.arange(num_segments + 1, dtype=index.dtype, device=index.device)
+    if index.numel() == 0:
+        return (None if promised_sorted else index.new_empty(0, dtype=torch.int64),
+                torch.zeros(num_segments + 1, dtype=torch.int64, device=index.device))
+    if promised_sorted:
+        out_of_range = ((index < 0) | (index >= num_segments)).any()
+        decreasing = (index[1:] < index[:-1]).any()
+        bad_range, bad_order = torch.stack([out_of_range, decreasing]).tolist()
+        if bad_range:
+            _raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+        if bad_order:
+            first = int((index[1:] < index[:-1]).nonzero()[0]) + 1
+            _raise_unsorted(caller, index_name, index, first)
+        return None, torch.searchsorted(index.contiguous(), boundaries)
+    values, order = torch.sort(index, stable=True)
+    low, high = values[[0, -1]].tolist()
+    if low < 0 or high >= num_segments:
+        _raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+    return order, torch.searchsorted(values, boundaries)
+
+
+def _raise_first_out_of_range(caller, index_name, index, num_segments, size_name):
+    bad = int(((index < 0) | (index >= num_segments)).nonzero()[0])
+    raise_index_out_of_range(caller, index_name, index, bad, num_segments, size_name)
+
+
+def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, offsets) for 1-D ``keys`` already known to lie in ``[0, num_segments)``."""
+    if backend_name != "numba" or keys.device.type != "cpu":
+        values, order = torch.sort(keys, stable=True)
+        boundaries = torch.arange(num_segments + 1, dtype=keys.dtype, device=keys.device)
+        return order, torch.searchsorted(values, boundaries)
     from detsum.kernels.numba import plan
 
     order, offsets, _ = plan.counting_sort(keys, num_segments)
@@ -80,7 +130,14 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
             raise ValueError(f"the numba backend runs CPU tensors only, got {src3.device}")
         from detsum.kernels.numba.segment import segment_reduce
     elif backend_name == "triton":
-        raise NotImplementedError("the triton backend is not implemented yet")
+        if src3.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("the triton backend runs CPU tensors only in Triton's interpreter: "
+                             "set TRITON_INTERPRET=1 before triton is first imported")
+        try:
+            from detsum.kernels.triton.segment import segment_reduce
+        except ImportError as error:
+            raise ImportError("the triton backend needs the triton package "
+                              "(pip install 'detsum[triton]')") from error
     else:
         raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
     segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],

@@ -50,22 +50,33 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def rule_for(mode: Mode, reduce: str, device_type: str) -> int:
+def rule_for(mode: Mode, reduce: str, device_type: str, slice_size: int) -> int:
     """The kernel rule that implements ``mode`` for ``reduce`` on ``device_type``.
 
+    ``slice_size`` is the number of elements after the reduced dim (1 for an element-wise
+    scatter): torch's CUDA ``index_put_`` picks its kernel, and so its arithmetic, by it.
+
     "autograd" mode reproduces torch on the device: for ``sum`` that is index_put_'s
-    accumulation (on CPU: round to the dtype after every add); for ``mean`` it is torch's
-    ``scatter_reduce``, which rounds the fp32 sum to the dtype before dividing (the kernels'
-    ROUND_EACH applied to a mean). ``prod`` is the wide serial product in every mode (torch's
-    CPU ``scatter_reduce`` computes exactly that); ``amax``/``amin`` are exact, so their rule
-    is irrelevant.
+    accumulation (CPU: round to the dtype after every add; CUDA: one of three kernels by slice
+    size, see ``detsum.kernels``); for ``mean`` it is torch's CPU ``scatter_reduce``, which
+    rounds the fp32 sum to the dtype before dividing (the kernels' ROUND_EACH applied to a
+    mean; used on CUDA too, where torch's own mean is atomic, so nondeterministic, unless
+    deterministic algorithms are on). ``prod``/``amax``/``amin`` have no rounding choice:
+    "autograd" keeps torch's unsplit serial order (ROUND_EACH), the other modes the chunked
+    canonical order (WIDE); ``amax``/``amin`` are exact either way.
     """
-    if mode is Mode.KAHAN and reduce in ("sum", "mean"):
+    if reduce not in ("sum", "mean"):
+        return kernels.ROUND_EACH if mode is Mode.AUTOGRAD else kernels.WIDE
+    if mode is Mode.KAHAN:
         return kernels.KAHAN
-    if mode is Mode.AUTOGRAD and reduce in ("sum", "mean"):
-        if device_type == "cpu":
-            return kernels.ROUND_EACH
-        raise NotImplementedError(
-            f"'autograd' mode on {device_type!r} tensors is not implemented yet"
-        )
-    return kernels.WIDE
+    if mode is Mode.FP32:
+        return kernels.WIDE
+    if device_type == "cpu" or reduce == "mean":
+        return kernels.ROUND_EACH
+    if device_type == "cuda":
+        if slice_size > 32:
+            return kernels.ROUND_EACH  # indexing_backward_kernel
+        if slice_size > 1:
+            return kernels.CUDA_SMALL_STRIDE  # indexing_backward_kernel_small_stride
+        return kernels.CUDA_STRIDE_1  # indexing_backward_kernel_stride_1
+    raise NotImplementedError(f"'autograd' mode on {device_type!r} tensors is not implemented")

@@ -16,6 +16,9 @@ Rules (SPEC's arithmetic per segment; ``sum_rule`` picks one per mode, device an
 - ``"wide"``: ``acc = acc_type(init); acc = RN_acc(acc + term)``; ``out = RN_dtype(acc)``.
 - ``"kahan"``: Neumaier compensation in the acc type, ``out = RN_dtype(s + c)`` (``RN_dtype(s)``
   when ``s`` is not finite or ``c == 0``, so a sum of -0.0 stays -0.0).
+- Both split a segment of more than ``CHUNK_TERMS`` terms into chunks folded in order (see
+  ``CHUNK_TERMS``); so does the product of the "fp32" and "kahan" modes. The rules below
+  reproduce torch and never split.
 - ``"round_each"``: ``acc = init; acc = RN_dtype(acc_type(acc) + acc_type(term))``: torch's CPU
   ``index_put_(accumulate=True)`` and CUDA ``indexing_backward_kernel`` (slice size > 32).
 - ``"cuda_small_stride"``: ``g = 0; g = RN_acc(g + term)``; ``out = RN_dtype(acc_type(init) + g)``:
@@ -107,26 +110,77 @@ def sum_rule(mode: str, dtype: torch.dtype, device_type: str, slice_size: int, n
 # ---------------------------------------------------------------------------------------------
 
 
-def _wide(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
+#: The chunk length of the "fp32" and "kahan" canonical order (also for prod): a segment of more
+#: than CHUNK_TERMS terms is cut into chunks of CHUNK_TERMS consecutive terms; the first chunk
+#: starts from the init, each later chunk from its own first term, and the chunk results are
+#: folded into the first serially, in order. (The kernels' copy of this number is
+#: ``detsum.kernels.CHUNK_TERMS``; a test checks that they agree.)
+CHUNK_TERMS = 256
+
+
+def _chunks(terms: Sequence[torch.Tensor]) -> list[Sequence[torch.Tensor]]:
+    if len(terms) <= CHUNK_TERMS:
+        return [terms]
+    return [terms[i:i + CHUNK_TERMS] for i in range(0, len(terms), CHUNK_TERMS)]
+
+
+def _serial_sum(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
     acc = init.clone()
     for t in terms:
         acc = acc + t  # one RN_acc per term
     return acc
 
 
-def _kahan(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
-    s = init.clone()
-    c = torch.zeros_like(s)
+def _wide(init: torch.Tensor, terms: Sequence[torch.Tensor], *, chunked: bool = True
+          ) -> torch.Tensor:
+    if not chunked:
+        return _serial_sum(init, terms)
+    first, *later = _chunks(terms)
+    acc = _serial_sum(init, first)
+    for chunk in later:
+        acc = acc + _serial_sum(chunk[0], chunk[1:])
+    return acc
+
+
+def _neumaier(s: torch.Tensor, c: torch.Tensor, terms: Sequence[torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     for t in terms:
         u = s + t
         # Neumaier: the error of u = s + t is recovered exactly from the larger operand. Both
         # branches are computed and one is kept per column; neither has side effects.
         c = c + torch.where(s.abs() >= t.abs(), (s - u) + t, (t - u) + s)
         s = u
+    return s, c
+
+
+def _kahan(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    first, *later = _chunks(terms)
+    s, c = _neumaier(init.clone(), torch.zeros_like(init), first)
+    for chunk in later:
+        chunk_s, chunk_c = _neumaier(chunk[0].clone(), torch.zeros_like(init), chunk[1:])
+        s, c = _neumaier(s, c, [chunk_s])
+        c = c + chunk_c
     # Once s is inf or nan, c is nan (inf - inf); adding it would turn an inf result into nan,
     # which torch never does, so a non-finite s is the answer as it is. With c == 0 the answer
     # is s too: s + (+0.0) would turn a -0.0 sum (all terms -0.0) into +0.0, unlike a plain sum.
     return torch.where(torch.isfinite(s) & (c != 0), s + c, s)
+
+
+def _serial_prod(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
+    acc = init.clone()
+    for t in terms:
+        acc = acc * t
+    return acc
+
+
+def _prod(init: torch.Tensor, terms: Sequence[torch.Tensor], *, chunked: bool) -> torch.Tensor:
+    if not chunked:
+        return _serial_prod(init, terms)
+    first, *later = _chunks(terms)
+    acc = _serial_prod(init, first)
+    for chunk in later:
+        acc = acc * _serial_prod(chunk[0], chunk[1:])
+    return acc
 
 
 def _round_each(init: torch.Tensor, terms: Sequence[torch.Tensor], dtype: torch.dtype
@@ -220,15 +274,16 @@ def _reduce_segment(base, rows, reduce, mode, *, alpha, include_self, device_typ
             return base.clone()
         init = (base if include_self else torch.zeros_like(base)).to(acc_t)
         terms = [x.to(acc_t) for x in rows]
-        total = _kahan(init, terms) if mode == "kahan" else _wide(init, terms)
+        # "autograd" reproduces torch's serial order: never chunked.
+        total = (_kahan(init, terms) if mode == "kahan"
+                 else _wide(init, terms, chunked=mode != "autograd"))
         if mode == "autograd":
             # torch's scatter_reduce mean rounds the fp32 sum to the dtype, then divides.
             total = total.to(dtype).to(acc_t)
         return (total / torch.tensor(float(count), dtype=acc_t, device=base.device)).to(dtype)
     if reduce == "prod":
-        acc = base.to(acc_t) if include_self else torch.ones_like(base, dtype=acc_t)
-        for x in rows:
-            acc = acc * x.to(acc_t)
+        init = base.to(acc_t) if include_self else torch.ones_like(base, dtype=acc_t)
+        acc = _prod(init, [x.to(acc_t) for x in rows], chunked=mode != "autograd")
         return acc.to(dtype)
     if reduce in ("amax", "amin"):
         values = ([base] if include_self else []) + list(rows)

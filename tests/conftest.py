@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. The choice is
+# read when triton is first imported, which detsum does lazily (on the first Triton launch), so
+# setting it here, before any test runs, is early enough.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import detsum
 from detsum import _segments

@@ -17,10 +17,10 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
          alpha: float, mode: str, out3: torch.Tensor | None) -> torch.Tensor:
     """The shared body: validate index values, plan, launch. Writes ``out3`` when given."""
     num_segments = input.shape[dim]
+    backend_name = current_backend(input.device.type)
     order, offsets = _segments.plan_from_index(
         _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
-        promised_sorted=False)
-    backend_name = current_backend(input.device.type)
+        promised_sorted=False, backend_name=backend_name)
     if backend_name == "reference":
         result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
         if out3 is None:
@@ -31,7 +31,8 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     if out3 is None:
         out3 = _segments.new_output(input3, num_segments)
     _segments.launch(backend_name, _segments.rows_view(source, dim), order, offsets, input3, out3,
-                     reduce="sum", rule=rule_for(Mode(mode), "sum", input.device.type),
+                     reduce="sum",
+                     rule=rule_for(Mode(mode), "sum", input.device.type, input3.shape[2]),
                      alpha=alpha, include_base=True)
     return out3
 

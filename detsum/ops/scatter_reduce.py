@@ -20,12 +20,12 @@ REDUCTIONS = ("sum", "mean", "prod", "amax", "amin")
 
 # ---- operator ---------------------------------------------------------------------------------
 
-def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int
+def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backend_name: str
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, offsets) over flattened elements, output element (o, index, i) per source (o, n, i)."""
     outer, num_segments, inner = input3.shape
-    low_high = torch.aminmax(index) if index.numel() else None
-    if low_high is not None and (int(low_high[0]) < 0 or int(low_high[1]) >= num_segments):
+    low, high = torch.stack(torch.aminmax(index)).tolist() if index.numel() else (0, 0)
+    if low < 0 or high >= num_segments:
         bad = int(((index < 0) | (index >= num_segments)).reshape(-1).nonzero()[0])
         _validation.raise_index_out_of_range(_CALLER, "index", index, bad, num_segments,
                                              f"input.size({dim})")
@@ -33,29 +33,30 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int
     outer_ids = torch.arange(outer, device=index.device).view(-1, 1, 1)
     inner_ids = torch.arange(inner, device=index.device).view(1, 1, -1)
     keys = ((outer_ids * num_segments + index3) * inner + inner_ids).reshape(-1)
-    return _segments.plan_from_keys(keys, outer * num_segments * inner)
+    return _segments.plan_from_keys(keys, outer * num_segments * inner, backend_name)
 
 
 @torch.library.custom_op("detsum::scatter_reduce", mutates_args=())
 def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                       reduce: str, include_self: bool, acc_mode: str, sorted: bool) -> torch.Tensor:
     input3 = _segments.rows_view(input, dim)
+    backend_name = current_backend(input.device.type)
     rowwise = index.dim() == 1
     if rowwise:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, input.shape[dim], index_name="index",
-            size_name=f"input.size({dim})", promised_sorted=sorted)
+            size_name=f"input.size({dim})", promised_sorted=sorted, backend_name=backend_name)
         src3, base3 = _segments.rows_view(src, dim), input3
     else:
-        order, offsets = _elementwise_plan(input3, index, dim)
+        order, offsets = _elementwise_plan(input3, index, dim, backend_name)
         src3, base3 = src.reshape(1, -1, 1), input3.reshape(1, -1, 1)
-    backend_name = current_backend(input.device.type)
     if backend_name == "reference":
         return reference.scatter_reduce(input, dim, index, src, reduce,
                                         include_self=include_self, mode=acc_mode)
     out3 = _segments.new_output(base3, base3.shape[1])
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
-                     rule=rule_for(Mode(acc_mode), reduce, input.device.type), alpha=1.0,
+                     rule=rule_for(Mode(acc_mode), reduce, input.device.type, base3.shape[2]),
+                     alpha=1.0,
                      include_base=include_self)
     return out3.view(input.shape)
 

@@ -13,24 +13,21 @@ _CALLER = "detsum.segment_sum"
 
 # ---- operator ---------------------------------------------------------------------------------
 
-def _check_offsets_values(offsets: torch.Tensor, num_rows: int) -> None:
-    first, last = int(offsets[0]), int(offsets[-1])
+def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int) -> None:
+    """Check offsets (and perm) with one fused reduction and one host read."""
+    checks = [offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).any().to(offsets.dtype)]
+    if perm is not None and perm.numel():
+        checks.append(((perm < 0) | (perm >= num_rows)).any().to(offsets.dtype))
+    first, last, decreasing, *perm_bad = torch.stack(checks).tolist()
     if first != 0:
         raise ValueError(f"{_CALLER}: offsets[0] = {first}; expected 0")
     if last != num_rows:
         raise ValueError(f"{_CALLER}: offsets[-1] = {last}; expected src.size(dim) = {num_rows}")
-    decreasing = (offsets[1:] < offsets[:-1]).nonzero()
-    if decreasing.numel():
-        s = int(decreasing[0])
+    if decreasing:
+        s = int((offsets[1:] < offsets[:-1]).nonzero()[0])
         raise ValueError(f"{_CALLER}: offsets decrease at position {s + 1} "
                          f"({int(offsets[s])} then {int(offsets[s + 1])}); expected nondecreasing")
-
-
-def _check_perm_values(perm: torch.Tensor, num_rows: int) -> None:
-    if perm.numel() == 0:
-        return
-    low, high = torch.aminmax(perm)
-    if int(low) < 0 or int(high) >= num_rows:
+    if perm_bad and perm_bad[0]:
         bad = int(((perm < 0) | (perm >= num_rows)).nonzero()[0])
         _validation.raise_index_out_of_range(_CALLER, "perm", perm, bad, num_rows, "src.size(dim)")
 
@@ -39,9 +36,7 @@ def _check_perm_values(perm: torch.Tensor, num_rows: int) -> None:
 def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
                    perm: torch.Tensor | None, acc_mode: str) -> torch.Tensor:
     num_rows = src.shape[dim]
-    _check_offsets_values(offsets, num_rows)
-    if perm is not None:
-        _check_perm_values(perm, num_rows)
+    _check_values(offsets, perm, num_rows)
     backend_name = current_backend(src.device.type)
     if backend_name == "reference":
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
@@ -49,7 +44,8 @@ def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
     out3 = _segments.new_output(src3, offsets.numel() - 1)
     order = None if perm is None else perm.to(torch.int64)
     _segments.launch(backend_name, src3, order, offsets.to(torch.int64), None, out3,
-                     reduce="sum", rule=rule_for(Mode(acc_mode), "sum", src.device.type),
+                     reduce="sum",
+                     rule=rule_for(Mode(acc_mode), "sum", src.device.type, src3.shape[2]),
                      alpha=1.0, include_base=False)
     return out3.view(_out_shape(src, dim, offsets))
 

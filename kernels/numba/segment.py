@@ -13,7 +13,11 @@ CONTRACT (shared by every backend; the Triton launcher will have the same signat
 - ``out``: tensor ``[outer, S, inner]`` of src's dtype, contiguous; may be the very same tensor
   as ``base`` (in-place index_add_): every element is read from base before it is written.
 - ``reduce``: one of kernels.SUM, MEAN, PROD, AMAX, AMIN.
-- ``rule``: kernels.WIDE, KAHAN or ROUND_EACH (see below).
+- ``rule``: kernels.WIDE, KAHAN or ROUND_EACH (see below); the Triton launcher also takes
+  CUDA_SMALL_STRIDE and CUDA_STRIDE_1 (torch's CUDA arithmetic, SUM only).
+- Chunks: under WIDE and KAHAN a segment of more than ``kernels.CHUNK_TERMS`` terms is reduced
+  in chunks of that many terms (``detsum/kernels/__init__.py`` defines the order); every
+  backend computes the same chunks, so the split is part of the result, not of the schedule.
 - ``alpha``: Python float, only != 1 with SUM.
 - ``include_base``: True: base row is the initial value of the segment (and counts for MEAN).
   False: an empty segment writes the base row unchanged (0 when base is None); a nonempty one
@@ -43,6 +47,12 @@ IMPLEMENTATION NOTES (this backend):
   - AMAX / AMIN (rule ignored, exact): ``acc`` = base row or first term; then
     ``acc = x if (isnan(x) or x > acc [amin: x < acc]) and not isnan(acc) else acc``: the
     earlier of +0.0 / -0.0 stays, NaN propagates (what torch's CPU scatter_reduce does).
+  - Chunks (WIDE and KAHAN, SUM / MEAN / PROD; AMAX / AMIN give the same bits either
+    way and are not split): the first chunk is reduced as above into ``acc``; each later one
+    into ``part`` starting from its first term (KAHAN: ``pc = 0``), then folded:
+    ``acc = RN_A(acc + part)``, KAHAN ``(s, c) = neumaier(s, c, part); c = RN_A(c + pc)``,
+    PROD ``acc = RN_A(acc * part)``. The final steps (KAHAN's ``s + c``, MEAN's division)
+    follow the fold.
   - base None means there is no base row: include_base is then ignored (treated as False),
     and an empty segment writes 0.
 
@@ -80,7 +90,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import AMAX, AMIN, KAHAN, MEAN, PROD, ROUND_EACH, SUM
+from .. import AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -251,9 +261,40 @@ def _make_block(dec, rnd, enc, cvt):
             for j in range(0, min(cur[4], _PF_LINES * step), step):
                 _prefetch(src, start + j)
 
+    @njit(inline="always")
+    def rows(op, acc, comp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk, i_end,
+             rstart, p, end, w, alpha):
+        """Combine the term rows at positions p .. end - 1 into acc (and comp), in order."""
+        while p < end:
+            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
+            start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
+            a = src
+            if ss[2] != 1:
+                for j in range(w):
+                    tmp[j] = src[start + j * ss[2]]
+                a = tmp
+                start = 0
+            row_op(op, acc, comp, a, start, w, alpha)
+            p += 1
+
+    @njit(inline="always")
+    def fold(op, acc, comp, part, pcomp, w):
+        """Fold a later chunk's result (part, and pcomp under KAHAN) into acc (and comp)."""
+        if op == _OP_KAHAN:
+            for j in range(w):
+                acc[j], c = neumaier(acc[j], comp[j], part[j])
+                comp[j] = c + pcomp[j]
+        elif op == _OP_MUL:
+            for j in range(w):
+                acc[j] = acc[j] * part[j]
+        else:
+            for j in range(w):
+                acc[j] = acc[j] + part[j]
+
     @njit
     def item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1, reduce, op,
-             mean_round, alpha, use_base, has_base, acc, comp, tmp, cur, shape, chunk, i_end):
+             mean_round, split, alpha, use_base, has_base, acc, comp, part, pcomp, tmp, cur,
+             shape, chunk, i_end):
         w = j1 - j0
         p0 = offsets[s * fst]
         p1 = offsets[(s + 1) * fst]
@@ -288,17 +329,21 @@ def _make_block(dec, rnd, enc, cvt):
             for j in range(w):
                 comp[j] = zero
 
-        while p < p1:
+        # The first chunk of terms (the whole segment unless it is split) goes into acc.
+        end = min(p1, p0 + CHUNK_TERMS) if split else p1
+        rows(op, acc, comp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk, i_end,
+             rstart, p, end, w, alpha)
+        # Later chunks: each reduces its own terms from its first term, then folds into acc.
+        while end < p1:
+            p = end
+            end = min(p1, p + CHUNK_TERMS)
             prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
-            start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
-            a = src
-            if ss[2] != 1:
-                for j in range(w):
-                    tmp[j] = src[start + j * ss[2]]
-                a = tmp
-                start = 0
-            row_op(op, acc, comp, a, start, w, alpha)
-            p += 1
+            load(part, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
+            for j in range(w):
+                pcomp[j] = 0.0
+            rows(op, part, pcomp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk,
+                 i_end, rstart, p + 1, end, w, alpha)
+            fold(op, acc, comp, part, pcomp, w)
 
         if op == _OP_KAHAN:
             # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
@@ -346,12 +391,16 @@ def _make_block(dec, rnd, enc, cvt):
             # WIDE, and MEAN under ROUND_EACH (summed wide, see mean_round).
             op = _OP_ADD
         mean_round = reduce == MEAN and rule == ROUND_EACH
+        # amax / amin give the same bits split or not, so only sums and products are split.
+        split = (rule == WIDE or rule == KAHAN) and op != _OP_MAX and op != _OP_MIN
         a = cvt(alpha)
         nchunks = (inner + chunk - 1) // chunk
         n_items = outer * nseg * nchunks
         n_blocks = acc_scratch.shape[0]
         acc = acc_scratch[b, 0]
         comp = acc_scratch[b, 1]
+        part = acc_scratch[b, 2]
+        pcomp = acc_scratch[b, 3]
         tmp = data_scratch[b]
         i_begin = b * n_items // n_blocks
         i_end = (b + 1) * n_items // n_blocks
@@ -370,8 +419,8 @@ def _make_block(dec, rnd, enc, cvt):
             j0 = c * chunk
             j1 = min(j0 + chunk, inner)
             item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1,
-                 reduce, op, mean_round, a, use_base, has_base, acc, comp, tmp, cur, shape,
-                 chunk, i_end)
+                 reduce, op, mean_round, split, a, use_base, has_base, acc, comp, part, pcomp,
+                 tmp, cur, shape, chunk, i_end)
 
     return block
 
@@ -455,6 +504,9 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
     if offsets.dtype != torch.int64 or (order is not None and order.dtype != torch.int64):
         raise TypeError("segment_reduce: order and offsets must be int64")
+    if rule not in (WIDE, KAHAN, ROUND_EACH):
+        raise ValueError(f"segment_reduce: rule {rule} is not implemented on the numba backend "
+                         f"(torch's CUDA rules run on the triton backend)")
     kernel, acc_dtype = _KERNELS[src.dtype]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)
@@ -475,7 +527,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
     n_items = rows * -(-inner // chunk)
     n_blocks = min(n_items, 64 * nthreads)
-    acc_scratch = np.empty((n_blocks, 2, chunk), dtype=acc_dtype)
+    acc_scratch = np.empty((n_blocks, 4, chunk), dtype=acc_dtype)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     cursors = np.empty((n_blocks, 5), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))

@@ -1,0 +1,363 @@
+"""The Triton backend: bit for bit the Numba backend (and the reference), on every primitive.
+
+Without a GPU these run Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1
+before triton is imported), on small shapes: the interpreter runs each program in Python, so
+a term row costs about a millisecond. On a GPU the same tests run the compiled kernels on CUDA
+tensors and compare them with Numba on CPU copies; "autograd" mode there follows torch's CUDA
+arithmetic, which the reference computes with ``device_type="cuda"``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import detsum
+from conftest import (
+    DTYPES, HAS_CUDA, LAYOUTS, MODES, N, assert_same_bits, case_params, dtype_id, make_data,
+    seed_of, strided_copy, with_rows)
+from detsum import kernels, reference
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+pytestmark = pytest.mark.skipif(
+    not HAS_TRITON or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton, and a GPU or TRITON_INTERPRET=1")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+N_OUT = 5
+CHUNK = kernels.CHUNK_TERMS
+
+
+def on_device(t):
+    return None if t is None else t.to(DEVICE)
+
+
+def triton_and_expected(fn, mode, *tensors):
+    """``fn(*tensors)`` on the triton backend (tensors on DEVICE) and the result it must equal:
+    the Numba backend on CPU, or, for "autograd" on CUDA, the reference's CUDA arithmetic."""
+    with detsum.backend("triton"):
+        got = fn(*[on_device(t) for t in tensors]).cpu()
+    if mode == "autograd" and DEVICE == "cuda":
+        return got, None
+    with detsum.backend("numba"):
+        expected = fn(*tensors)
+    return got, expected
+
+
+# ---- index_add: every layout, case, dtype and mode ---------------------------------------------
+
+CASES = [
+    "uniform",  # 13 source rows over 5 outputs
+    "empty_segments",  # only odd outputs receive rows
+    "zero_rows",  # an empty index
+    "zero_columns",  # every row has 0 elements
+    "noncontiguous",  # strided views with dims stored in reverse
+    "alpha",  # alpha = 0.3: the scaled term rounds on its own (no FMA)
+]
+
+
+def make_index_add_case(template, dim, dtype, case):
+    rows = 0 if case == "zero_rows" else 13
+    zero_columns = case == "zero_columns"
+    seed = seed_of("triton", template, dim, dtype, case)
+    input = make_data(with_rows(template, N_OUT, zero_columns=zero_columns), dtype, seed=seed,
+                      spread=True)
+    source = make_data(with_rows(template, rows, zero_columns=zero_columns), dtype,
+                       seed=seed + 1, spread=True)
+    g = torch.Generator().manual_seed(seed + 2)
+    index = torch.randint(0, N_OUT, (rows,), generator=g)
+    if case == "empty_segments":
+        index = 2 * torch.randint(0, N_OUT // 2, (rows,), generator=g) + 1
+    if case == "noncontiguous":
+        input, source, index = strided_copy(input), strided_copy(source), strided_copy(index)
+    return input, index, source, 0.3 if case == "alpha" else 1
+
+
+@pytest.mark.parametrize("template,dim,case", list(case_params(LAYOUTS, CASES)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_index_add(mode, dtype, template, dim, case):
+    input, index, source, alpha = make_index_add_case(template, dim, dtype, case)
+    got, expected = triton_and_expected(
+        lambda i, x, s: detsum.index_add(i, dim, x, s, alpha=alpha, mode=mode),
+        mode, input, index, source)
+    if expected is None:
+        expected = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode,
+                                       device_type="cuda")
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_index_add_inplace_and_special_values(dtype):
+    """NaN, +-inf and signed zeros, in place: outputs without terms keep their exact bits."""
+    pool = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), -float("inf"), 3.5])
+    g = torch.Generator().manual_seed(7)
+    input = pool[torch.randint(0, len(pool), (7, 6), generator=g)].to(dtype)
+    source = pool[torch.randint(0, len(pool), (20, 6), generator=g)].to(dtype)
+    index = torch.randint(0, 5, (20,), generator=g)
+    for mode in MODES:
+        got, expected = triton_and_expected(
+            lambda i, x, s: detsum.index_add_(i.clone(), 0, x, s, mode=mode), mode,
+            input, index, source)
+        if expected is None:
+            expected = reference.index_add(input, 0, index, source, mode=mode,
+                                           device_type="cuda")
+        assert_same_bits(got, expected)
+        assert_same_bits(got[5:], input[5:])
+
+
+# ---- segment_sum and scatter_reduce ------------------------------------------------------------
+
+@pytest.mark.parametrize("template,dim", [pytest.param(*p.values, id=p.id) for p in LAYOUTS])
+@pytest.mark.parametrize("with_perm", [False, True], ids=["offsets", "perm"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_segment_sum(mode, dtype, with_perm, template, dim):
+    seed = seed_of("triton-segment", template, dim, dtype, with_perm)
+    src = make_data(with_rows(template, 12), dtype, seed=seed, spread=True)
+    offsets = torch.tensor([0, 0, 5, 6, 6, 12])  # empty first, inner and last-but-one segments
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(seed)) if with_perm else None
+    got, expected = triton_and_expected(
+        lambda s, o, p: detsum.segment_sum(s, o, dim=dim, perm=p, mode=mode), mode,
+        src, offsets, perm)
+    if expected is None:
+        expected = reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=mode,
+                                         device_type="cuda")
+    assert_same_bits(got, expected)
+
+
+SCATTER_LAYOUTS = [
+    pytest.param((N, 3), 0, "rows", id="Nx3-dim0-rows"),  # 1-D index: whole rows
+    pytest.param((2, N, 3), 1, "elements", id="2xNx3-dim1-elements"),  # torch's own layout
+    pytest.param((N, 4), 0, "sorted", id="Nx4-dim0-sorted"),  # sorted=True: no order at all
+]
+
+
+@pytest.mark.parametrize("template,dim,kind", SCATTER_LAYOUTS)
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "amax", "amin"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_reduce(mode, dtype, reduce, template, dim, kind):
+    seed = seed_of("triton-scatter", template, dim, kind, dtype, reduce)
+    g = torch.Generator().manual_seed(seed)
+    src_shape = with_rows(template, 10)
+    src = make_data(src_shape, dtype, seed=seed, spread=reduce != "prod")
+    if reduce == "prod":
+        src = (1 + src.double() / 8).to(dtype)
+    input = make_data(with_rows(template, N_OUT), dtype, seed=seed + 1)
+    if kind == "elements":
+        index = torch.randint(0, N_OUT, src_shape, generator=g)
+    else:
+        index = torch.randint(0, N_OUT - 1, (10,), generator=g)  # the last output gets nothing
+        if kind == "sorted":
+            index = index.sort().values
+    for include_self in (True, False):
+        got, expected = triton_and_expected(
+            lambda i, x, s: detsum.scatter_reduce(i, dim, x, s, reduce,
+                                                  include_self=include_self, mode=mode,
+                                                  sorted=kind == "sorted"),
+            mode, input, index, src)
+        if expected is None:
+            expected = reference.scatter_reduce(input, dim, index, src, reduce,
+                                                include_self=include_self, mode=mode,
+                                                device_type="cuda")
+        assert_same_bits(got, expected)
+
+
+# ---- long segments: the chunked canonical order --------------------------------------------------
+
+LONG_CASES = [
+    # (source rows, rows per segment: the segments, in order)
+    pytest.param((CHUNK + 1,), id="one-segment-just-over-a-chunk"),
+    pytest.param((3, 2 * CHUNK + 5, 0, CHUNK), id="two-long-among-short-and-empty"),
+]
+
+
+LONG_REDUCTIONS = [
+    # (mode, reduce, dtype): every reduction the chunks apply to, in both chunked modes; and
+    # "autograd", whose order is never chunked (one program runs the whole segment).
+    ("fp32", "sum", torch.bfloat16),
+    ("fp32", "mean", torch.float32),
+    ("fp32", "prod", torch.float32),
+    ("fp32", "amax", torch.bfloat16),
+    ("kahan", "sum", torch.float32),
+    ("kahan", "mean", torch.bfloat16),
+    ("kahan", "amin", torch.float32),
+    ("autograd", "sum", torch.bfloat16),
+    ("autograd", "prod", torch.float32),
+]
+
+
+@pytest.mark.parametrize("sizes", LONG_CASES)
+@pytest.mark.parametrize("mode,reduce,dtype", LONG_REDUCTIONS,
+                         ids=[f"{m}-{r}-{dtype_id(d)}" for m, r, d in LONG_REDUCTIONS])
+def test_long_segments(mode, reduce, dtype, sizes):
+    """Segments beyond CHUNK_TERMS terms: chunk programs plus the fold launch, rows shuffled so
+    the chunks read scattered rows; with an outer dim so each chunk's workspace row is per
+    outer index."""
+    rows = sum(sizes)
+    seed = seed_of("triton-long", sizes, dtype, reduce)
+    g = torch.Generator().manual_seed(seed)
+    index = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    index = index[torch.randperm(rows, generator=g)]
+    src = make_data((2, rows, 2), dtype, seed=seed, spread=reduce != "prod")
+    if reduce == "prod":
+        src = (1 + src.double() / 256).to(dtype)
+    input = make_data((2, len(sizes), 2), dtype, seed=seed + 1)
+    got, expected = triton_and_expected(
+        lambda i, x, s: detsum.scatter_reduce(i, 1, x, s, reduce, mode=mode), mode,
+        input, index, src)
+    if expected is None:
+        expected = reference.scatter_reduce(input, 1, index, src, reduce, mode=mode,
+                                            device_type="cuda")
+    assert_same_bits(got, expected)
+
+
+def test_chunked_order_differs_from_serial():
+    """Guard for the tests above: on this data the chunked "fp32" sum is not the serial one,
+    so agreeing on it means the chunks are really there."""
+    src = torch.cat([torch.tensor([2.0**24]), torch.ones(2 * CHUNK - 1)]).view(-1, 1)
+    offsets = torch.tensor([0, src.shape[0]])
+    with detsum.backend("triton"):
+        got = detsum.segment_sum(on_device(src), on_device(offsets)).cpu()
+    # The first chunk absorbs its 255 ones (2**24 + 1 rounds back to 2**24); the second
+    # chunk's sum, 256, is exact and survives the fold.
+    assert got.item() == 2.0**24 + CHUNK
+    serial = torch.tensor(0.0)
+    for x in src.view(-1):
+        serial = serial + x
+    assert serial.item() == 2.0**24
+
+
+# ---- torch's CUDA "autograd" arithmetic, run through the launcher ------------------------------
+
+@pytest.mark.parametrize("slice_size", [1, 8, 32, 33])
+@pytest.mark.parametrize("n_terms", [1, 31, 32, 33, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_cuda_autograd_rules_match_reference(alpha, dtype, n_terms, slice_size):
+    """SPEC's three CUDA rows (stride 1 with its warp tree from 32 terms, small stride, one
+    rounding per add) against the reference on the same data, with an outer dim of 2 and a
+    segment that receives nothing."""
+    from detsum.kernels.triton.segment import segment_reduce
+
+    seed = seed_of("cuda-rule", slice_size, n_terms, dtype, alpha)
+    g = torch.Generator().manual_seed(seed)
+    source = make_data((2, n_terms + 3, slice_size), dtype, seed=seed, spread=True)
+    input = make_data((2, 3, slice_size), dtype, seed=seed + 1, spread=True)
+    index = torch.cat([torch.zeros(n_terms, dtype=torch.long), torch.ones(3, dtype=torch.long)])
+    index = index[torch.randperm(n_terms + 3, generator=g)]
+    expected = reference.index_add(input, 1, index, source, alpha=alpha, mode="autograd",
+                                   device_type="cuda")
+    order = torch.sort(index, stable=True).indices
+    offsets = torch.tensor([0, n_terms, n_terms + 3, n_terms + 3])
+    rule = detsum.modes.rule_for(detsum.Mode.AUTOGRAD, "sum", "cuda", slice_size)
+    out = on_device(torch.full_like(input, float("nan")))
+    segment_reduce(on_device(source), on_device(order), on_device(offsets), on_device(input),
+                   out, reduce=kernels.SUM, rule=rule, alpha=alpha, include_base=True)
+    assert_same_bits(out.cpu(), expected)
+
+
+# ---- only order-neutral parameters may change; validation happens before any write ----------
+
+def test_block_width_and_grid_caps_do_not_change_bits(monkeypatch):
+    """Narrow column blocks and a grid of one program per axis (the programs then loop over
+    every column block and outer index) give the same bits as the default launch."""
+    from detsum.kernels.triton import segment
+
+    source = make_data((2, CHUNK + 30, 40), torch.bfloat16, seed=3, spread=True)
+    input = make_data((2, 4, 40), torch.bfloat16, seed=4, spread=True)
+    index = torch.randint(0, 4, (CHUNK + 30,), generator=torch.Generator().manual_seed(5))
+    index[: CHUNK + 9] = 2  # one segment of two chunks
+
+    def run():
+        with detsum.backend("triton"):
+            return detsum.index_add(on_device(input), 1, on_device(index), on_device(source),
+                                    mode="kahan").cpu()
+
+    default = run()
+    monkeypatch.setattr(segment, "_ROW_BYTES", 32)
+    monkeypatch.setattr(segment, "_MAX_GRID_YZ", 1)
+    assert_same_bits(run(), default)
+    with detsum.backend("numba"):
+        assert_same_bits(detsum.index_add(input, 1, index, source, mode="kahan"), default)
+
+
+def test_bad_index_raises_before_writing():
+    input = torch.zeros(4, 3, device=DEVICE)
+    source = torch.ones(3, 3, device=DEVICE)
+    with detsum.backend("triton"):
+        with pytest.raises(IndexError, match=r"index\[1\] = 4 is out of range"):
+            detsum.index_add_(input, 0, torch.tensor([0, 4, -1], device=DEVICE), source)
+        assert not input.any()
+        with pytest.raises(ValueError, match="decreases at position 2"):
+            detsum.scatter_reduce(input, 0, torch.tensor([0, 2, 1], device=DEVICE), source,
+                                  "sum", sorted=True)
+
+
+# ---- GPU only: torch on CUDA, repeat runs, more than 2**31 elements ---------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("slice_size", [1, 8, 32, 33, 4096])
+@pytest.mark.parametrize("n_terms", [1, 31, 32, 33, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+def test_autograd_mode_matches_torch_on_cuda(dtype, n_terms, slice_size):
+    """"autograd" mode against index_put_(accumulate=True) run by torch on the GPU itself: the
+    check that SPEC's CUDA rows (read from torch's source) are what the hardware does."""
+    seed = seed_of("cuda-torch", slice_size, n_terms, dtype)
+    g = torch.Generator().manual_seed(seed)
+    source = make_data((n_terms + 5, slice_size), dtype, seed=seed, spread=True).cuda()
+    input = make_data((3, slice_size), dtype, seed=seed + 1, spread=True).cuda()
+    index = torch.cat([torch.zeros(n_terms, dtype=torch.long), torch.ones(5, dtype=torch.long)])
+    index = index[torch.randperm(n_terms + 5, generator=g)].cuda()
+    expected = torch.ops.aten.index_put_(input.clone(), [index], source, True)
+    got = detsum.index_add(input, 0, index, source, mode="autograd")
+    assert_same_bits(got.cpu(), expected.cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_repeated_runs_give_same_bits(mode):
+    """100 runs of a large, skewed index_add (a hot row with a third of all rows, the rest
+    Zipf-like) give one bit pattern."""
+    g = torch.Generator().manual_seed(11)
+    rows, table, cols = 200_000, 4096, 256
+    weights = 1.0 / torch.arange(1, table + 1, dtype=torch.float64)
+    index = torch.multinomial(weights, rows, replacement=True, generator=g)
+    index[torch.rand(rows, generator=g) < 0.33] = 17
+    source = make_data((rows, cols), torch.bfloat16, seed=12, spread=True).cuda()
+    input = make_data((table, cols), torch.bfloat16, seed=13).cuda()
+    index = index.cuda()
+    first = detsum.index_add(input, 0, index, source, mode=mode)
+    for _ in range(99):
+        assert_same_bits(detsum.index_add(input, 0, index, source, mode=mode), first)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_cuda_more_than_2_31_elements():
+    """A bf16 source of 2**31 + 2**20 elements (about 4 GiB): offsets and addresses past
+    2**31 must be 64-bit. Small integers make every sum exact in fp32, so the expected result
+    is the fp64 sum rounded once, whatever the order."""
+    cols = 4096
+    rows = (2**31 + 2**20) // cols
+    g = torch.Generator(device="cuda").manual_seed(0)
+    source = torch.randint(-2, 3, (rows, cols), device="cuda", generator=g).to(torch.bfloat16)
+    index = torch.randint(0, 64, (rows,), device="cuda", generator=g)
+    index[-10:] = 63  # the last rows, beyond 2**31 elements, all land in one output
+    got = detsum.index_add(torch.zeros(64, cols, dtype=torch.bfloat16, device="cuda"), 0,
+                           index, source)
+    expected = torch.zeros(64, cols, dtype=torch.float64, device="cuda").index_add_(
+        0, index, source.double()).to(torch.bfloat16)
+    assert_same_bits(got.cpu(), expected.cpu())
+    segments = detsum.segment_sum(source[-1000:], torch.tensor([0, 990, 1000], device="cuda"))
+    assert_same_bits(segments.cpu(),
+                     torch.stack([source[-1000:-10].double().sum(0),
+                                  source[-10:].double().sum(0)]).to(torch.bfloat16).cpu())

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import detsum
-from conftest import DEVICES, DTYPE_IDS, nbytes, run_case, skip_unsupported, sync
+from conftest import (
+    DEVICES, DTYPE_IDS, index_add_impl, nbytes, run_case, skip_unsupported, sync)
 from detsum import report
 
 ROWS, TABLE, H = 50_000, 32_768, 1024
@@ -52,13 +52,7 @@ def skew_data(device: str, dtype: torch.dtype) -> dict:
 
 
 def _op(impl: str, work: torch.Tensor, d: dict):
-    index, source = d["index"], d["source"]
-    if impl.startswith("detsum-"):
-        mode = impl.removeprefix("detsum-")
-        return lambda: detsum.index_add_(work, 0, index, source, mode=mode)
-    if impl == "torch-index_add_":
-        return lambda: work.index_add_(0, index, source)
-    return lambda: work.index_put_((index,), source, accumulate=True)
+    return index_add_impl(impl, work, d["index"], d["source"])
 
 
 @pytest.mark.parametrize("impl", IMPLS)

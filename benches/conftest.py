@@ -28,6 +28,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+import detsum
 from detsum import report
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -61,6 +62,18 @@ def skip_unsupported(fn: Callable[[], object]) -> object:
         return fn()
     except NotImplementedError as e:
         pytest.skip(f"detsum: {e}")
+
+
+def index_add_impl(impl: str, work: torch.Tensor, index: torch.Tensor, source: torch.Tensor
+                   ) -> Callable[[], object]:
+    """One in-place index_add into ``work`` by ``impl``: "detsum-<mode>", "torch-index_add_"
+    (atomics on CUDA) or "torch-index_put_" (accumulate=True: autograd's own path)."""
+    if impl.startswith("detsum-"):
+        mode = impl.removeprefix("detsum-")
+        return lambda: detsum.index_add_(work, 0, index, source, mode=mode)
+    if impl == "torch-index_add_":
+        return lambda: work.index_add_(0, index, source)
+    return lambda: work.index_put_((index,), source, accumulate=True)
 
 
 class Baselines:

@@ -6,6 +6,8 @@ preallocated output. The arithmetic of each rule is defined in SPEC terms in
 ``detsum/modes.py``; the integer codes below are the only thing the kernels see of it.
 """
 
+import torch
+
 # Arithmetic rules. A mode resolves to one rule per (reduction, dtype, device, slice size) in
 # detsum.modes. WIDE and KAHAN define the "fp32" and "kahan" modes and split long segments into
 # chunks (CHUNK_TERMS); the other rules reproduce torch and never split.
@@ -51,3 +53,13 @@ AMAX = 3
 AMIN = 4
 
 REDUCE_CODES = {"sum": SUM, "mean": MEAN, "prod": PROD, "amax": AMAX, "amin": AMIN}
+
+
+def has_work(src, order, offsets, supported_dtypes) -> bool:
+    """Check a launch's arguments against the contract; False when the output is empty."""
+    if src.dtype not in supported_dtypes:
+        raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
+    if offsets.dtype != torch.int64 or (order is not None and order.dtype != torch.int64):
+        raise TypeError("segment_reduce: order and offsets must be int64")
+    outer, _, inner = src.shape
+    return outer > 0 and offsets.shape[0] > 1 and inner > 0

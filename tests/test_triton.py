@@ -290,6 +290,13 @@ def test_block_width_and_grid_caps_do_not_change_bits(monkeypatch):
         assert_same_bits(detsum.index_add(input, 1, index, source, mode="kahan"), default)
 
 
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """The triton backend on CPU tensors outside the interpreter says how to get it."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with detsum.backend("triton"), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        detsum.segment_sum(torch.ones(3, 2), torch.tensor([0, 3]))
+
+
 def test_bad_index_raises_before_writing():
     input = torch.zeros(4, 3, device=DEVICE)
     source = torch.ones(3, 3, device=DEVICE)

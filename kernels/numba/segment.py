@@ -90,7 +90,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE
+from .. import AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -496,14 +496,10 @@ def _flat(t):
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base):
     """See the module docstring (the contract)."""
+    if not has_work(src, order, offsets, _KERNELS):
+        return
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
-    if outer == 0 or nseg <= 0 or inner == 0:
-        return
-    if src.dtype not in _KERNELS:
-        raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
-    if offsets.dtype != torch.int64 or (order is not None and order.dtype != torch.int64):
-        raise TypeError("segment_reduce: order and offsets must be int64")
     if rule not in (WIDE, KAHAN, ROUND_EACH):
         raise ValueError(f"segment_reduce: rule {rule} is not implemented on the numba backend "
                          f"(torch's CUDA rules run on the triton backend)")

@@ -58,6 +58,7 @@ from .. import (
     SPLIT_RULES,
     SUM,
     WIDE,
+    has_work,
 )
 
 __all__ = ["segment_reduce"]
@@ -368,8 +369,9 @@ def _fold_kernel(
 
 
 @triton.jit
-def _stride1_term(src_ptr, o_off, ss1, order_ptr, p, alpha, DATA: tl.constexpr,
-                  ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr):
+def _stride1_terms(src_ptr, o_off, ss1, order_ptr, p, alpha, DATA: tl.constexpr,
+                   ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr):
+    """The term(s) at position(s) p (a scalar or a vector of lanes), as torch adds them."""
     if HAS_ORDER:
         row = tl.load(order_ptr + p)
     else:
@@ -417,15 +419,9 @@ def _stride1_kernel(
                 lane_ids = tl.arange(0, _WARP).to(tl.int64)
                 lanes = tl.zeros([_WARP], ACC)
                 for i in range(passes):
-                    pos = p0 + i * _WARP + lane_ids
-                    if HAS_ORDER:
-                        rows = tl.load(order_ptr + pos)
-                    else:
-                        rows = pos
-                    t = _to_acc(tl.load(src_ptr + o_off + rows * ss1), DATA, ACC)
-                    if SCALED:
-                        t = _round_to_data(t * alpha, DATA)
-                    lanes = lanes + t
+                    lanes = lanes + _stride1_terms(src_ptr, o_off, ss1, order_ptr,
+                                                   p0 + i * _WARP + lane_ids, alpha, DATA, ACC,
+                                                   HAS_ORDER, SCALED)
                 lanes = _halve(lanes, 16)
                 lanes = _halve(lanes, 8)
                 lanes = _halve(lanes, 4)
@@ -433,8 +429,8 @@ def _stride1_kernel(
                 lane0, lane1 = tl.split(lanes)
                 g = lane0 + lane1
             for p in range(p0 + passes * _WARP, p1):
-                g = g + _stride1_term(src_ptr, o_off, ss1, order_ptr, p, alpha, DATA, ACC,
-                                      HAS_ORDER, SCALED)
+                g = g + _stride1_terms(src_ptr, o_off, ss1, order_ptr, p, alpha, DATA, ACC,
+                                       HAS_ORDER, SCALED)
             init = tl.zeros([], ACC)
             if USE_BASE:
                 init = _to_acc(tl.load(base_ptr + o * bs0 + seg * bs1), DATA, ACC)
@@ -462,14 +458,10 @@ def _tl_acc(dtype: torch.dtype):
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes."""
+    if not has_work(src, order, offsets, _DATA_CODES):
+        return
     outer, num_rows, inner = src.shape
     nseg = offsets.shape[0] - 1
-    if outer == 0 or nseg <= 0 or inner == 0:
-        return
-    if src.dtype not in _DATA_CODES:
-        raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
-    if offsets.dtype != torch.int64 or (order is not None and order.dtype != torch.int64):
-        raise TypeError("segment_reduce: order and offsets must be int64")
     if rule == CUDA_STRIDE_1 and (inner != 1 or reduce != SUM):
         raise ValueError("segment_reduce: CUDA_STRIDE_1 needs reduce SUM and inner size 1")
     if rule == CUDA_SMALL_STRIDE and reduce != SUM:

@@ -5,6 +5,7 @@ from detsum.modes import MODES, Mode
 from detsum.ops.index_add import index_add, index_add_
 from detsum.ops.scatter_reduce import scatter_reduce
 from detsum.ops.segment_sum import segment_sum
+from detsum import moe  # noqa: E402  (consumer: needs the ops above registered)
 
 __all__ = [
     "MODES",
@@ -12,6 +13,7 @@ __all__ = [
     "backend",
     "index_add",
     "index_add_",
+    "moe",
     "scatter_reduce",
     "segment_sum",
 ]

@@ -140,5 +140,11 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
                               "(pip install 'detsum[triton]')") from error
     else:
         raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
+    if src3.shape[2] == 1 and src3.shape[0] > 1 and rule != kernels.CUDA_STRIDE_1:
+        # One element per row (reducing the last dim): the outer index becomes the column index
+        # of a [1, rows, outer] view, so a kernel step combines `outer` elements instead of one.
+        # Each output element still sums its own terms in the same order: the same bits.
+        src3, out3 = src3.permute(2, 1, 0), out3.permute(2, 1, 0)
+        base3 = None if base3 is None else base3.permute(2, 1, 0)
     segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
                    rule=rule, alpha=alpha, include_base=include_base)

@@ -80,8 +80,19 @@ def make_index_add_case(template, dim, dtype, case):
     return input, index, source, 0.3 if case == "alpha" else 1
 
 
-@pytest.mark.parametrize("template,dim,case", list(case_params(LAYOUTS, CASES)))
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def _dtypes_for(case):
+    # fp32 and bf16 (the two data paths: native and integer-rounded bits) everywhere; fp16 and
+    # fp64 on the plain case, to keep the interpreter's time down.
+    return DTYPES if case == "uniform" else (torch.float32, torch.bfloat16)
+
+
+INDEX_ADD_PARAMS = [
+    pytest.param(*p.values, dtype, id=f"{p.id}-{dtype_id(dtype)}")
+    for p in case_params(LAYOUTS, CASES) for dtype in _dtypes_for(p.values[2])
+]
+
+
+@pytest.mark.parametrize("template,dim,case,dtype", INDEX_ADD_PARAMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_index_add(mode, dtype, template, dim, case):
     input, index, source, alpha = make_index_add_case(template, dim, dtype, case)

@@ -10,8 +10,10 @@ CONTRACT (shared by every backend; the Triton launcher will have the same signat
   ``offsets[s] .. offsets[s+1]-1`` themselves. Values are already validated to lie in [0, N).
 - ``offsets``: int64 ``[S+1]``, already validated (starts at 0, nondecreasing, ends at M or N).
 - ``base``: tensor ``[outer, S, inner]`` of src's dtype, or None (only with reduce == SUM).
-- ``out``: tensor ``[outer, S, inner]`` of src's dtype, contiguous; may be the very same tensor
-  as ``base`` (in-place index_add_): every element is read from base before it is written.
+- ``out``: tensor ``[outer, S, inner]`` of src's dtype, any non-overlapping strides (a
+  permuted view when ``_segments.launch`` turns one-element rows into columns); may be the
+  very same tensor as ``base`` (in-place index_add_): every element is read from base before
+  it is written.
 - ``reduce``: one of kernels.SUM, MEAN, PROD, AMAX, AMIN.
 - ``rule``: kernels.WIDE, KAHAN or ROUND_EACH (see below); the Triton launcher also takes
   CUDA_SMALL_STRIDE and CUDA_STRIDE_1 (torch's CUDA arithmetic, SUM only).
@@ -238,8 +240,12 @@ def _make_block(dec, rnd, enc, cvt):
         combined hides the latency of the random gather, which the hardware cannot predict.
         The cursor walks the block's term rows in reading order, pf_dist rows ahead of the
         reader: cur = [item, position, end of the item's positions, item's row offset, item's
-        width].
+        width]. Without an order the rows are consecutive, which the hardware prefetcher
+        predicts by itself: then the cursor is never used (it saves a step per row, which
+        matters when rows are a single element).
         """
+        if ost < 0:
+            return
         while cur[1] >= cur[2]:
             it = cur[0] + 1
             if it >= i_end:

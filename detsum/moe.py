@@ -1,0 +1,339 @@
+"""Mixture-of-experts token permutation with a backward that is deterministic and, on request,
+bit-identical to autograd.
+
+A top-k MoE layer sends each of ``T`` tokens to ``topk`` experts. ``route`` sorts the ``T * topk``
+(token, slot) pairs by expert; ``permute`` gathers the token rows in that order (each token
+``topk`` times); ``unpermute`` brings expert outputs back to (token, slot) order and, by
+default, combines each token's ``topk`` rows, weighted by the routing probabilities.
+
+Flat slot ``j = t * topk + k`` is slot ``k`` of token ``t``; ``gather_indices[p]`` is the flat slot
+at permuted position ``p``, so ``gather_indices // topk`` are the token ids of the permuted rows.
+
+This module owns no kernel: every sum is a ``detsum.segment_sum`` over the ``topk`` rows of a
+token, fetched through its ``perm`` argument (a gather inside the kernel, no copy of the rows).
+The modes mean what they mean for the primitives:
+
+- ``"autograd"``: bit-identical to autograd of the naive torch composition on the same device
+  (``x[gather_indices // topk]`` for ``permute``; ``index_copy`` then
+  ``(u.view(T, topk, H) * weights[..., None]).sum(1)`` for ``unpermute``);
+- ``"fp32"`` / ``"kahan"``: products and sums in fp32 (compensated for ``"kahan"``), one
+  rounding to the dtype: closer to the exact result than autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from detsum import _validation
+from detsum.modes import Mode, acc_dtype, parse_mode
+
+__all__ = ["permute", "route", "unpermute"]
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = True
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert: the permutation ``permute`` and ``unpermute`` use.
+
+    Args:
+        selected_experts: ``[T, topk]`` (or ``[T]`` for top-1) int32/int64 expert ids.
+        num_experts: the number of experts ``E``.
+        check: verify that every id lies in ``[0, E)`` (one host read of two numbers).
+
+    Returns:
+        ``(gather_indices, tokens_per_expert)``: ``gather_indices`` [T * topk] int64 is the
+        stable argsort of ``selected_experts.view(-1)`` (expert by expert; within an expert,
+        tokens in order), ``tokens_per_expert`` [E] int64 the rows each expert receives.
+        Computed on the tensor's device with no host synchronisation besides the check.
+
+    Example:
+        >>> import torch
+        >>> from detsum import moe
+        >>> moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
+        (tensor([1, 0, 2, 3]), tensor([1, 2, 1]))
+    """
+    caller = "detsum.moe.route"
+    _validation.check_index(caller, "selected_experts", selected_experts, one_d=False)
+    if selected_experts.dim() > 2:
+        raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
+                         f"{tuple(selected_experts.shape)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{caller}: num_experts={num_experts!r}; expected a positive int")
+    flat = selected_experts.reshape(-1)
+    experts, gather_indices = torch.sort(flat, stable=True)
+    if check and flat.numel():
+        low, high = experts[[0, -1]].tolist()
+        if low < 0 or high >= num_experts:
+            bad = int(((flat < 0) | (flat >= num_experts)).nonzero()[0])
+            _validation.raise_index_out_of_range(caller, "selected_experts", selected_experts,
+                                                 bad, num_experts, "num_experts")
+    boundaries = torch.arange(num_experts + 1, dtype=flat.dtype, device=flat.device)
+    starts = torch.searchsorted(experts, boundaries)
+    return gather_indices, starts[1:] - starts[:-1]
+
+
+# ---- shared index plumbing ----------------------------------------------------------------------
+
+def _slot_positions(gather_indices: torch.Tensor) -> torch.Tensor:
+    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits."""
+    n = gather_indices.numel()
+    positions = torch.empty(n, dtype=torch.int64, device=gather_indices.device)
+    return positions.scatter_(0, gather_indices.to(torch.int64),
+                              torch.arange(n, device=gather_indices.device))
+
+
+def _token_offsets(num_tokens: int, topk: int, device) -> torch.Tensor:
+    return torch.arange(num_tokens + 1, device=device) * topk
+
+
+def _check_permutation(caller: str, gather_indices: torch.Tensor, n: int) -> None:
+    """gather_indices must hold each of 0 .. n-1 once; one sort and one host read."""
+    if n == 0:
+        return
+    values = torch.sort(gather_indices).values
+    expected = torch.arange(n, dtype=values.dtype, device=values.device)
+    is_permutation = (values == expected).all().to(values.dtype)
+    low, high, is_permutation = torch.stack([values[0], values[-1], is_permutation]).tolist()
+    if low < 0 or high >= n:
+        bad = int(((gather_indices < 0) | (gather_indices >= n)).nonzero()[0])
+        _validation.raise_index_out_of_range(caller, "gather_indices", gather_indices, bad, n,
+                                             "T * topk")
+    if not is_permutation:
+        repeated = int(values[1:][values[1:] == values[:-1]][0])
+        raise ValueError(f"{caller}: gather_indices holds {repeated} more than once; expected a "
+                         f"permutation of 0 .. T * topk - 1 = {n - 1} (as route() returns)")
+
+
+def _check_topk(caller: str, topk: object) -> None:
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"{caller}: topk={topk!r}; expected a positive int")
+
+
+def _check_common(caller, rows_name, rows, gather_indices, mode, check, n_expected):
+    """Mode, rows, and gather_indices as a permutation of n_expected slots (topk checked)."""
+    mode = parse_mode(mode, caller=caller)
+    _validation.check_index(caller, "gather_indices", gather_indices, one_d=True)
+    if gather_indices.shape[0] != n_expected:
+        raise ValueError(f"{caller}: gather_indices has length {gather_indices.shape[0]}; "
+                         f"expected T * topk = {n_expected}")
+    _validation.check_same_device(caller, **{rows_name: rows, "gather_indices": gather_indices})
+    if check:
+        _check_permutation(caller, gather_indices, n_expected)
+    return mode
+
+
+# ---- permute ------------------------------------------------------------------------------------
+
+@torch.library.custom_op("detsum::moe_permute", mutates_args=())
+def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str
+               ) -> torch.Tensor:
+    return x.index_select(0, gather_indices // topk)
+
+
+@permute_op.register_fake
+def _(x, gather_indices, topk, acc_mode):
+    return x.new_empty((gather_indices.shape[0],) + tuple(x.shape[1:]))
+
+
+def _permute_setup(ctx, inputs, output):
+    x, gather_indices, topk, acc_mode = inputs
+    ctx.save_for_backward(gather_indices)
+    ctx.num_tokens, ctx.topk, ctx.acc_mode = x.shape[0], topk, acc_mode
+
+
+def _permute_backward(ctx, grad):
+    (gather_indices,) = ctx.saved_tensors
+    # Each token's topk rows in increasing permuted position: the order in which autograd's
+    # index_put_ meets them, and so the canonical order of every mode.
+    token_rows = _slot_positions(gather_indices).view(ctx.num_tokens, ctx.topk).sort(dim=1).values
+    grad_x = torch.ops.detsum.segment_sum(
+        grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device), 0, token_rows.view(-1),
+        ctx.acc_mode)
+    return grad_x, None, None, None
+
+
+permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
+            mode: str | Mode = "fp32", check: bool = True) -> torch.Tensor:
+    """Gather token rows into expert order: ``y[p] = x[gather_indices[p] // topk]``.
+
+    Args:
+        x: ``[T, ...]`` token rows, float32/float16/bfloat16/float64.
+        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
+        topk: slots per token.
+        mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
+            ``"kahan"`` or ``"autograd"``.
+        check: verify that ``gather_indices`` is a permutation (one sort, one host read);
+            pass False in a hot loop once the routing is known to be right.
+
+    Returns:
+        ``[T * topk, ...]``. Forward is an exact gather in every mode.
+
+    Backward: ``grad_x[t]`` sums the ``topk`` rows ``grad_y[p]`` with
+    ``gather_indices[p] // topk == t`` in increasing ``p`` (the order autograd meets them),
+    starting from 0: ``"autograd"`` rounds to the dtype after every add as torch's
+    ``index_put_`` does (on CUDA: torch's CUDA arithmetic, see the determinism contract), so
+    it is bit-identical to the gradient of ``x[gather_indices // topk]``; ``"fp32"``
+    accumulates in fp32 and rounds once; ``"kahan"`` compensates as well. Deterministic in
+    every mode.
+
+    Example:
+        >>> import torch
+        >>> from detsum import moe
+        >>> gather_indices, _ = moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
+        >>> moe.permute(torch.tensor([[1.0], [2.0]]), gather_indices, 2)
+        tensor([[1.],
+                [1.],
+                [2.],
+                [2.]])
+    """
+    caller = "detsum.moe.permute"
+    _check_topk(caller, topk)
+    _validation.check_float(caller, "x", x)
+    mode = _check_common(caller, "x", x, gather_indices, mode, check, x.shape[0] * topk)
+    return permute_op(x, gather_indices, topk, mode.value)
+
+
+# ---- unpermute ----------------------------------------------------------------------------------
+
+def _sum_mode(acc_mode: str) -> str:
+    # The naive composition sums the topk rows with torch's sum(dim=1): an fp32 accumulator,
+    # slot by slot, one rounding. That is the arithmetic of detsum's "fp32" mode.
+    return "fp32" if acc_mode == Mode.AUTOGRAD.value else acc_mode
+
+
+def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, acc_mode: str
+                   ) -> torch.Tensor:
+    """y[p] * w[p]: in the dtype for "autograd" (torch multiplies there), else in fp32."""
+    shape = (-1,) + (1,) * (y.dim() - 1)
+    if acc_mode == Mode.AUTOGRAD.value:
+        return y * position_weights.to(y.dtype).view(shape)
+    # An fp32 weight promotes the product to fp32 (y converted on the fly, exactly): one pass.
+    return y * position_weights.to(acc_dtype(y.dtype)).view(shape)
+
+
+@torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
+def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
+                 weights: torch.Tensor | None, reduce: bool, acc_mode: str) -> torch.Tensor:
+    positions = _slot_positions(gather_indices)
+    if not reduce:
+        return y.index_select(0, positions)
+    num_tokens = y.shape[0] // topk
+    rows = y
+    if weights is not None:
+        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), acc_mode)
+    out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
+                                       positions, _sum_mode(acc_mode))
+    return out.to(y.dtype)
+
+
+@unpermute_op.register_fake
+def _(y, gather_indices, topk, weights, reduce, acc_mode):
+    rows = y.shape[0] // topk if reduce else y.shape[0]
+    return y.new_empty((rows,) + tuple(y.shape[1:]))
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y, gather_indices, topk, weights, reduce, acc_mode = inputs
+    ctx.save_for_backward(y, gather_indices, weights)
+    ctx.topk, ctx.reduce, ctx.acc_mode = topk, reduce, acc_mode
+
+
+def _unpermute_backward(ctx, grad):
+    y, gather_indices, weights = ctx.saved_tensors
+    if not ctx.reduce:
+        return grad.index_select(0, gather_indices), None, None, None, None, None
+    # Every permuted row p received its token's gradient row (times its weight).
+    grad_rows = grad.index_select(0, gather_indices // ctx.topk)
+    if weights is None:
+        return grad_rows, None, None, None, None, None
+    position_weights = weights.reshape(-1).index_select(0, gather_indices)
+    # RN_dtype(g * w): one exact product rounded once, the same bits in every mode.
+    grad_y = grad_rows * position_weights.to(grad.dtype).view((-1,) + (1,) * (grad.dim() - 1))
+    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features, summed in order
+    # in fp32 ("kahan": compensated), rounded once; torch's own order there is unspecified.
+    # "autograd" rounds each product to the dtype first, as torch's broadcast multiply does.
+    acc = acc_dtype(y.dtype)
+    if ctx.acc_mode == Mode.AUTOGRAD.value:
+        products = (grad_rows * y).to(acc)
+    else:
+        products = grad_rows.to(acc).mul_(y)  # fp32 products of fp32-exact factors
+    products = products.reshape(y.shape[0], -1)
+    dots = torch.ops.detsum.segment_sum(
+        products, torch.arange(2, device=y.device) * products.shape[1], 1, None,
+        "kahan" if ctx.acc_mode == Mode.KAHAN.value else "fp32")
+    grad_weights = dots.view(-1).index_select(0, _slot_positions(gather_indices))
+    return grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None
+
+
+unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
+              weights: torch.Tensor | None = None, reduce: bool = True,
+              mode: str | Mode = "fp32", check: bool = True) -> torch.Tensor:
+    """Bring expert-ordered rows back to their tokens, and combine each token's ``topk`` rows.
+
+    Args:
+        y: ``[T * topk, ...]`` rows in expert order (as ``permute`` made them).
+        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
+        topk: slots per token.
+        weights: ``[T, topk]`` routing probabilities (any float dtype), or None for plain sums.
+            Only with ``reduce=True``.
+        reduce: True: ``[T, ...]``, ``out[t] = sum_k weights[t, k] * y[position of (t, k)]``.
+            False: ``[T * topk, ...]`` in (token, slot) order, ``out[gather_indices[p]] = y[p]``
+            (exact).
+        mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
+        check: verify that ``gather_indices`` is a permutation (one sort, one host read).
+
+    Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0):
+
+    - ``"autograd"``: what the naive composition computes,
+      ``u = torch.empty_like(y).index_copy(0, gather_indices, y)`` then
+      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``: each product rounded to the dtype,
+      the products summed in fp32, one rounding (checked bit for bit on CPU).
+    - ``"fp32"``: products and sum in fp32 (fp64 for float64), one rounding.
+    - ``"kahan"``: products in fp32, Neumaier-compensated sum, one rounding.
+
+    Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` rounded once to the dtype (bit-identical
+    to autograd's in every mode); ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product
+    over the features in order, summed in fp32 (``"kahan"``: compensated) and rounded once to
+    the weights' dtype, from exact fp32 products (``"autograd"``: products rounded to the dtype
+    first, as torch's broadcast multiply does). torch leaves the order of its own fp32 sum over
+    the features unspecified, so ``"autograd"`` can differ from autograd's weights gradient by
+    that sum's reordering (a few fp32 ulps of the sum of the products' magnitudes) before the
+    final rounding; ``tests/test_moe.py`` measures it.
+
+    **Deterministic in every mode.**
+
+    Example:
+        >>> import torch
+        >>> from detsum import moe
+        >>> gather_indices, _ = moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
+        >>> y = torch.tensor([[10.0], [20.0], [30.0], [40.0]])
+        >>> moe.unpermute(y, gather_indices, 2, weights=torch.tensor([[0.5, 0.5], [1.0, 0.0]]))
+        tensor([[15.],
+                [30.]])
+    """
+    caller = "detsum.moe.unpermute"
+    _check_topk(caller, topk)
+    _validation.check_float(caller, "y", y)
+    if y.shape[0] % topk:
+        raise ValueError(f"{caller}: y has {y.shape[0]} rows; expected a multiple of "
+                         f"topk = {topk} (T * topk rows)")
+    mode = _check_common(caller, "y", y, gather_indices, mode, check, y.shape[0])
+    if weights is not None:
+        if not reduce:
+            raise ValueError(f"{caller}: weights apply to the combined rows; pass reduce=True "
+                             f"or weights=None")
+        _validation.check_float(caller, "weights", weights)
+        expected = (y.shape[0] // topk, topk)
+        if tuple(weights.shape) != expected and not (topk == 1 and weights.dim() == 1
+                                                     and weights.shape[0] == expected[0]):
+            raise ValueError(f"{caller}: weights has shape {tuple(weights.shape)}; expected "
+                             f"[T, topk] = {list(expected)}")
+        _validation.check_same_device(caller, y=y, weights=weights)
+    return unpermute_op(y, gather_indices, topk, weights, bool(reduce), mode.value)

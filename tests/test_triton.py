@@ -379,3 +379,29 @@ def test_cuda_more_than_2_31_elements():
     assert_same_bits(segments.cpu(),
                      torch.stack([source[-1000:-10].double().sum(0),
                                   source[-10:].double().sum(0)]).to(torch.bfloat16).cpu())
+
+
+# ---- the compiled code: no FMA, IEEE division (no GPU needed to compile) ---------------------
+
+def test_compiled_ptx_has_no_fma_and_rounds_divisions():
+    """Compile the kernels for sm_90 (Hopper) and read the PTX: with the launcher's
+    ``enable_fp_fusion=False`` no multiply is fused into an add, and every division is
+    ``div.rn`` (IEEE). The control compile with fusion allowed does fuse, so the check can fail."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "ptx_check.py")],
+                         capture_output=True, text=True, env=env, timeout=600)
+    if run.returncode != 0 and "ptxas" in run.stderr:
+        pytest.skip(f"no ptxas to compile with: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    control = found.pop("control: bf16 sum wide alpha, fusion allowed")
+    assert control["fma"] > 0
+    for name, counts in found.items():
+        assert counts["fma"] == 0, name
+        assert all(d.startswith("div.rn.") for d in counts["divisions"]), (name, counts)
+    assert found["bf16 mean kahan"]["divisions"] == ["div.rn.f32"]
+    assert found["fp64 mean wide"]["divisions"] == ["div.rn.f64"]

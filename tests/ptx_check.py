@@ -1,0 +1,92 @@
+"""Compile detsum's Triton kernels for an H100/H200 (sm_90) without a GPU and count, in the PTX,
+the instructions that would break the contract: fused multiply-adds and non-IEEE divisions.
+
+Run by tests/test_triton.py in a subprocess without TRITON_INTERPRET (under the interpreter,
+``triton.jit`` gives interpreted functions, which cannot be compiled). Prints one JSON object:
+{config name: {"fma": count, "divisions": [kinds]}}.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from detsum import kernels
+from detsum.kernels.triton import segment
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def _ptx(fn, types: dict, constexprs: dict, *, fp_fusion: bool) -> str:
+    signature = dict(types, **{name: "constexpr" for name in constexprs})
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET,
+                              options={"num_warps": 4, "enable_fp_fusion": fp_fusion})
+    return compiled.asm["ptx"]
+
+
+def _segment_types(data: str, acc: str) -> dict:
+    ints = {name: "i64" for name in ("ss0", "ss1", "ss2", "bs0", "bs1", "bs2", "os0", "os1",
+                                     "os2", "work_rows", "outer", "nseg", "inner")}
+    return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
+                order_ptr="*i64", offsets_ptr="*i64", parts_cum_ptr="*i64",
+                work_ptr=f"*{acc}", alpha_ptr=f"*{acc}")
+
+
+def _segment_config(reduce, rule, data_code, acc, scaled, block):
+    return dict(REDUCE=reduce, RULE=rule, DATA=data_code, ACC=acc, HAS_ORDER=True,
+                HAS_BASE=True, USE_BASE=True, SCALED=scaled, SPLIT=rule in kernels.SPLIT_RULES,
+                FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
+                CHUNK=kernels.CHUNK_TERMS, BLOCK=block)
+
+
+def _count(ptx: str) -> dict:
+    return {"fma": len(re.findall(r"\bfma\.", ptx)),
+            "divisions": sorted(set(re.findall(r"\bdiv\.[a-z.]*f(?:32|64)", ptx)))}
+
+
+def main() -> dict:
+    found = {}
+    bf16 = _segment_types("i16", "fp32")
+    for name, (reduce, rule, scaled) in {
+        "bf16 sum wide alpha": (kernels.SUM, kernels.WIDE, True),
+        "bf16 sum kahan alpha": (kernels.SUM, kernels.KAHAN, True),
+        "bf16 sum round_each alpha": (kernels.SUM, kernels.ROUND_EACH, True),
+        "bf16 sum small_stride alpha": (kernels.SUM, kernels.CUDA_SMALL_STRIDE, True),
+        "bf16 mean kahan": (kernels.MEAN, kernels.KAHAN, False),
+    }.items():
+        config = _segment_config(reduce, rule, 1, tl.float32, scaled, 1024)
+        found[name] = _count(_ptx(segment._segment_kernel, bf16, config, fp_fusion=False))
+    config = _segment_config(kernels.MEAN, kernels.WIDE, 0, tl.float64, False, 256)
+    found["fp64 mean wide"] = _count(_ptx(segment._segment_kernel,
+                                          _segment_types("fp64", "fp64"), config,
+                                          fp_fusion=False))
+    fold_types = dict(offsets_ptr="*i64", parts_cum_ptr="*i64", out_ptr="*fp16",
+                      work_ptr="*fp32", **{n: "i64" for n in ("os0", "os1", "os2", "work_rows",
+                                                              "outer", "nseg", "inner")})
+    fold = dict(REDUCE=kernels.MEAN, RULE=kernels.KAHAN, DATA=2, ACC=tl.float32, USE_BASE=True,
+                NCOMP=2, CHUNK=kernels.CHUNK_TERMS, BLOCK=512)
+    found["fp16 fold mean kahan"] = _count(_ptx(segment._fold_kernel, fold_types, fold,
+                                                fp_fusion=False))
+    stride1_types = dict(src_ptr="*i16", base_ptr="*i16", out_ptr="*i16", order_ptr="*i64",
+                         offsets_ptr="*i64", alpha_ptr="*fp32",
+                         **{n: "i64" for n in ("ss0", "ss1", "bs0", "bs1", "os0", "os1",
+                                               "outer")})
+    stride1 = dict(DATA=1, ACC=tl.float32, HAS_ORDER=True, HAS_BASE=True, USE_BASE=True,
+                   SCALED=True)
+    found["bf16 stride1 alpha"] = _count(_ptx(segment._stride1_kernel, stride1_types, stride1,
+                                              fp_fusion=False))
+    # The control: Triton's default (fusion allowed) does contract the scaled sum, so a count
+    # of 0 above is the launch option's doing, not an accident of the code.
+    config = _segment_config(kernels.SUM, kernels.WIDE, 1, tl.float32, True, 1024)
+    found["control: bf16 sum wide alpha, fusion allowed"] = _count(
+        _ptx(segment._segment_kernel, bf16, config, fp_fusion=True))
+    return found
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

@@ -160,20 +160,11 @@ def _combine(acc, comp, x, alpha, REDUCE: tl.constexpr, RULE: tl.constexpr,
 
 @triton.jit
 def _fold(acc, comp, part, part_comp, REDUCE: tl.constexpr, RULE: tl.constexpr):
-    """Fold a later chunk's result into the running one (the contract's chunk fold)."""
-    if REDUCE == _PROD:
-        acc = acc * part
-    elif REDUCE == _AMAX:
-        acc = tl.where(((part != part) | (part > acc)) & (acc == acc), part, acc)
-    elif REDUCE == _AMIN:
-        acc = tl.where(((part != part) | (part < acc)) & (acc == acc), part, acc)
-    elif RULE == _KAHAN:
-        u = acc + part
-        comp = comp + tl.where(tl.abs(acc) >= tl.abs(part), (acc - u) + part, (part - u) + acc)
+    """Fold a later chunk's result into the running one (the contract's chunk fold): the
+    chunk's value is combined like one more term, and its Kahan compensation added."""
+    acc, comp = _combine(acc, comp, part, 1.0, REDUCE, RULE, _NATIVE, False)
+    if RULE == _KAHAN and (REDUCE == _SUM or REDUCE == _MEAN):
         comp = comp + part_comp
-        acc = u
-    else:
-        acc = acc + part
     return acc, comp
 
 

@@ -123,8 +123,10 @@ def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str
 
 def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
            offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
-           reduce: str, rule: int, alpha: float, include_base: bool) -> None:
-    """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3``."""
+           reduce: str, rule: int, alpha: float, include_base: bool,
+           carry3: torch.Tensor | None = None) -> None:
+    """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
+    ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
     if backend_name == "numba":
         if src3.device.type != "cpu":
             raise ValueError(f"the numba backend runs CPU tensors only, got {src3.device}")
@@ -146,5 +148,6 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
         # Each output element still sums its own terms in the same order: the same bits.
         src3, out3 = src3.permute(2, 1, 0), out3.permute(2, 1, 0)
         base3 = None if base3 is None else base3.permute(2, 1, 0)
+        carry3 = None if carry3 is None else carry3.permute(2, 1, 0)
     segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
-                   rule=rule, alpha=alpha, include_base=include_base)
+                   rule=rule, alpha=alpha, include_base=include_base, carry=carry3)

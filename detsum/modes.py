@@ -45,6 +45,16 @@ def parse_mode(mode: object, *, caller: str) -> Mode:
         ) from None
 
 
+def parse_ordered_mode(mode: object, *, caller: str, why_not_autograd: str) -> Mode:
+    """``parse_mode`` for the sums that torch never computes itself (a running sum, a batch
+    reduction): ``"autograd"`` has nothing to reproduce there and is refused, with the reason."""
+    mode = parse_mode(mode, caller=caller)
+    if mode is Mode.AUTOGRAD:
+        raise ValueError(f"{caller}: mode='autograd' has no meaning {why_not_autograd}; "
+                         f"use mode='fp32' or mode='kahan'")
+    return mode
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulator type of SPEC: fp64 for fp64 data, fp32 for everything narrower."""
     return torch.float64 if dtype == torch.float64 else torch.float32

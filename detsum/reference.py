@@ -44,6 +44,7 @@ __all__ = [
     "acc_dtype",
     "exact_sum_rounded",
     "index_add",
+    "resume_sum",
     "round_exact",
     "scatter_reduce",
     "segment_sum",
@@ -164,6 +165,26 @@ def _kahan(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:
     # which torch never does, so a non-finite s is the answer as it is. With c == 0 the answer
     # is s too: s + (+0.0) would turn a -0.0 sum (all terms -0.0) into +0.0, unlike a plain sum.
     return torch.where(torch.isfinite(s) & (c != 0), s + c, s)
+
+
+def resume_sum(s: torch.Tensor, c: torch.Tensor | None, terms: Sequence[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A running sum continued over ``terms`` in the chunked canonical order, without the
+    final step: ``"fp32"`` (``c`` None) returns ``(acc, None)``; ``"kahan"`` starts from the
+    compensation ``c`` instead of 0 and returns ``(s, c)`` before ``s + c``. ``s``, ``c`` and
+    the terms are acc-type tensors of one shape."""
+    first, *later = _chunks(terms)
+    if c is None:
+        acc = _serial_sum(s, first)
+        for chunk in later:
+            acc = acc + _serial_sum(chunk[0], chunk[1:])
+        return acc, None
+    s, c = _neumaier(s.clone(), c.clone(), first)
+    for chunk in later:
+        chunk_s, chunk_c = _neumaier(chunk[0].clone(), torch.zeros_like(s), chunk[1:])
+        s, c = _neumaier(s, c, [chunk_s])
+        c = c + chunk_c
+    return s, c
 
 
 def _serial_prod(init: torch.Tensor, terms: Sequence[torch.Tensor]) -> torch.Tensor:

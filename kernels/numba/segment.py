@@ -21,6 +21,12 @@ CONTRACT (shared by every backend; the Triton launcher will have the same signat
   in chunks of that many terms (``detsum/kernels/__init__.py`` defines the order); every
   backend computes the same chunks, so the split is part of the result, not of the schedule.
 - ``alpha``: Python float, only != 1 with SUM.
+- ``carry``: None, or (only with rule KAHAN, reduce SUM, a base and include_base, and data of
+  the acc type, fp32 or fp64) a tensor ``[outer, S, inner]`` of src's dtype holding the
+  Kahan compensation of a running sum: the base row is its ``s`` and ``carry`` its ``c``. The
+  sum resumes from ``(s, c)`` (instead of ``c = 0``) and stops before the final ``s + c``:
+  ``out`` receives ``s`` and ``carry`` the new ``c`` (in place). Consecutive launches then
+  compute what one launch over all their terms would, up to that final step.
 - ``include_base``: True: base row is the initial value of the segment (and counts for MEAN).
   False: an empty segment writes the base row unchanged (0 when base is None); a nonempty one
   starts from the reduction's identity (+0.0 for SUM/MEAN, 1 for PROD, the first term for
@@ -37,7 +43,8 @@ IMPLEMENTATION NOTES (this backend):
   - SUM, KAHAN (Neumaier): ``s = A(base)`` or +0.0, ``c = 0``; per term ``u = s + t``,
     ``c += (s - u) + t`` if ``|s| >= |t|`` else ``(t - u) + s``, ``s = u``;
     ``out = RN_D(s)`` if s is not finite or ``c == 0`` (so a sum of -0.0 stays -0.0, as in
-    detsum/reference.py), else ``RN_D(RN_A(s + c))``.
+    detsum/reference.py), else ``RN_D(RN_A(s + c))``. With a carry, ``c`` starts from it and
+    ``out = s``, ``carry = c``.
   - SUM, ROUND_EACH: ``acc = base`` or +0.0; ``acc = RN_D(A(acc) + term)``; ``out = acc``
     (identical to WIDE for fp32/fp64 data).
   - MEAN: ``count`` = number of terms (+1 with the base row); the sum as SUM/WIDE or
@@ -298,9 +305,9 @@ def _make_block(dec, rnd, enc, cvt):
                 acc[j] = acc[j] + part[j]
 
     @njit
-    def item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1, reduce, op,
-             mean_round, split, alpha, use_base, has_base, acc, comp, part, pcomp, tmp, cur,
-             shape, chunk, i_end):
+    def item(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, j0, j1,
+             reduce, op, mean_round, split, alpha, use_base, has_base, has_carry, acc, comp,
+             part, pcomp, tmp, cur, shape, chunk, i_end):
         w = j1 - j0
         p0 = offsets[s * fst]
         p1 = offsets[(s + 1) * fst]
@@ -330,7 +337,12 @@ def _make_block(dec, rnd, enc, cvt):
             ident = cvt(1.0) if op == _OP_MUL else cvt(0.0)
             for j in range(w):
                 acc[j] = ident
-        if op == _OP_KAHAN:
+        cstart = o * cs[0] + s * cs[1] + j0 * cs[2]
+        if has_carry:
+            # A running compensated sum resumes: the base row holds s, carry holds c.
+            for j in range(w):
+                comp[j] = carry[cstart + j * cs[2]]
+        elif op == _OP_KAHAN:
             zero = cvt(0.0)
             for j in range(w):
                 comp[j] = zero
@@ -351,7 +363,12 @@ def _make_block(dec, rnd, enc, cvt):
                  i_end, rstart, p + 1, end, w, alpha)
             fold(op, acc, comp, part, pcomp, w)
 
-        if op == _OP_KAHAN:
+        if has_carry:
+            # The sum runs on: s goes to out (exact, the data dtype is the acc type) and c to
+            # carry, without the final s + c.
+            for j in range(w):
+                carry[cstart + j * cs[2]] = comp[j]
+        elif op == _OP_KAHAN:
             # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
             # inf - inf) is only added to a finite s. A zero compensation is not added either:
             # -0.0 + (+0.0) would turn a sum of -0.0 terms into +0.0, unlike a plain sum.
@@ -377,9 +394,9 @@ def _make_block(dec, rnd, enc, cvt):
                 out[ostart + j * us[2]] = enc(acc[j])
 
     @njit
-    def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce, rule,
-              alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
-              pf_dist):
+    def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, reduce,
+              rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
+              cursors, pf_dist):
         """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows."""
         outer, nseg, inner = shape
         use_base = has_base and include_base
@@ -424,9 +441,9 @@ def _make_block(dec, rnd, enc, cvt):
             o = it // nchunks // nseg
             j0 = c * chunk
             j1 = min(j0 + chunk, inner)
-            item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1,
-                 reduce, op, mean_round, split, a, use_base, has_base, acc, comp, part, pcomp,
-                 tmp, cur, shape, chunk, i_end)
+            item(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, j0, j1,
+                 reduce, op, mean_round, split, a, use_base, has_base, has_carry, acc, comp,
+                 part, pcomp, tmp, cur, shape, chunk, i_end)
 
     return block
 
@@ -443,39 +460,43 @@ _block_f16 = _make_block(f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f3
 
 
 @njit(parallel=True, cache=True)
-def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
+        cursors, pf_dist):
     for b in prange(acc_scratch.shape[0]):
-        _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
-            pf_dist)
+        _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
+            data_scratch, cursors, pf_dist)
 
 
 @njit(parallel=True, cache=True)
-def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
+        cursors, pf_dist):
     for b in prange(acc_scratch.shape[0]):
-        _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
-            pf_dist)
+        _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
+            data_scratch, cursors, pf_dist)
 
 
 @njit(parallel=True, cache=True)
-def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
+        cursors, pf_dist):
     for b in prange(acc_scratch.shape[0]):
-        _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
-            pf_dist)
+        _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
+            data_scratch, cursors, pf_dist)
 
 
 @njit(parallel=True, cache=True)
-def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-        rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors, pf_dist):
+def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
+        cursors, pf_dist):
     for b in prange(acc_scratch.shape[0]):
-        _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, reduce,
-            rule, alpha, include_base, has_base, chunk, acc_scratch, data_scratch, cursors,
-            pf_dist)
+        _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
+            data_scratch, cursors, pf_dist)
 
 
 _KERNELS = {
@@ -500,7 +521,8 @@ def _flat(t):
     return flat.numpy(), tuple(t.stride())
 
 
-def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base):
+def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
+                   carry=None):
     """See the module docstring (the contract)."""
     if not has_work(src, order, offsets, _KERNELS):
         return
@@ -517,6 +539,9 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # and not-None share one compiled specialisation; order stride -1 means "no order".
     base_np, bs = _flat(base) if base is not None else (out_np, us)
     order_np, (ost,) = _flat(order) if order is not None else (offsets_np, (-1,))
+    # Without a carry, a one-element acc-type array stands in (never read).
+    carry_np, cs = (_flat(carry) if carry is not None
+                    else (np.zeros(1, dtype=acc_dtype), (0, 0, 0)))
 
     nthreads = numba.get_num_threads()
     rows = outer * nseg
@@ -534,7 +559,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     cursors = np.empty((n_blocks, 5), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
     kernel(
-        src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
+        src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
         (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
-        base is not None, chunk, acc_scratch, data_scratch, cursors, pf_dist,
+        base is not None, carry is not None, chunk, acc_scratch, data_scratch, cursors, pf_dist,
     )

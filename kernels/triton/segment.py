@@ -223,12 +223,13 @@ def _find_segment(parts_cum_ptr, nseg, e):
 @triton.jit
 def _segment_kernel(
     src_ptr, ss0, ss1, ss2, order_ptr, offsets_ptr, parts_cum_ptr,
-    base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, work_ptr, work_rows, alpha_ptr,
-    outer, nseg, inner,
+    base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
+    work_ptr, work_rows, alpha_ptr, outer, nseg, inner,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
-    SCALED: tl.constexpr, SPLIT: tl.constexpr, FIRST_TERM_START: tl.constexpr,
-    NCOMP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
+    FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Whole segments (slot < nseg) and chunks of long segments (the slots after)."""
     slot = tl.program_id(0).to(tl.int64)
@@ -288,6 +289,11 @@ def _segment_kernel(
                     init = _to_acc(tl.load(base_ptr + o * bs0 + seg * bs1 + cols * bs2,
                                            mask=mask, other=0), DATA, ACC)
                 comp = tl.zeros([BLOCK], ACC)
+                carry_at = carry_ptr + o * cs0 + seg * cs1 + cols * cs2
+                if HAS_CARRY:
+                    if j == 0:
+                        # A running compensated sum resumes from (base row, carry).
+                        comp = tl.load(carry_at, mask=mask, other=0)
                 p = p_begin
                 if from_first:
                     first_row = p_begin
@@ -312,6 +318,9 @@ def _segment_kernel(
                     tl.store(work_at, acc, mask=mask)
                     if NCOMP == 2:
                         tl.store(work_at + inner, comp, mask=mask)
+                elif HAS_CARRY:
+                    tl.store(out_at, acc, mask=mask)  # s, exact: the data is the acc type
+                    tl.store(carry_at, comp, mask=mask)
                 else:
                     value = _finish(acc, comp, init, count, REDUCE, RULE, DATA, ACC)
                     tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
@@ -319,10 +328,11 @@ def _segment_kernel(
 
 @triton.jit
 def _fold_kernel(
-    offsets_ptr, parts_cum_ptr, out_ptr, os0, os1, os2, work_ptr, work_rows,
-    outer, nseg, inner,
+    offsets_ptr, parts_cum_ptr, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
+    work_ptr, work_rows, outer, nseg, inner,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
-    USE_BASE: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    USE_BASE: tl.constexpr, HAS_CARRY: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Fold the chunks of each long segment, in order; the program of its first chunk does it."""
     e = tl.program_id(0).to(tl.int64)
@@ -354,9 +364,13 @@ def _fold_kernel(
                 if NCOMP == 2:
                     part_comp = tl.load(part_at + inner, mask=mask, other=0)
                 acc, comp = _fold(acc, comp, part, part_comp, REDUCE, RULE)
-            value = _finish(acc, comp, acc, count, REDUCE, RULE, DATA, ACC)
-            tl.store(out_ptr + o * os0 + seg * os1 + cols * os2,
-                     _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
+            out_at = out_ptr + o * os0 + seg * os1 + cols * os2
+            if HAS_CARRY:
+                tl.store(out_at, acc, mask=mask)
+                tl.store(carry_ptr + o * cs0 + seg * cs1 + cols * cs2, comp, mask=mask)
+            else:
+                value = _finish(acc, comp, acc, count, REDUCE, RULE, DATA, ACC)
+                tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -447,7 +461,8 @@ def _tl_acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base):
+def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
+                   carry=None):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes."""
     if not has_work(src, order, offsets, _DATA_CODES):
         return
@@ -469,6 +484,8 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     alpha_t = torch.full((1,), float(alpha), dtype=acc_dtype, device=src.device) if scaled else out
     src_s, out_s = _as_stored(src), _as_stored(out)
     base_s = _as_stored(base) if has_base else out_s  # never read without HAS_BASE
+    has_carry = carry is not None
+    carry_s = carry if has_carry else out_s  # never touched without HAS_CARRY
     acc_tl = _tl_acc(src.dtype)
 
     if rule == CUDA_STRIDE_1:
@@ -506,13 +523,14 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
                   enable_fp_fusion=False)
     _segment_kernel[(nseg + work_rows, *grid_yz)](
         src_s, *src_s.stride(), order, offsets, parts_cum,
-        base_s, *base_s.stride(), out_s, *out_s.stride(), work, work_rows, alpha_t,
-        outer, nseg, inner,
-        HAS_ORDER=has_order, HAS_BASE=has_base, USE_BASE=use_base, SCALED=scaled,
+        base_s, *base_s.stride(), out_s, *out_s.stride(), carry_s, *carry_s.stride(),
+        work, work_rows, alpha_t, outer, nseg, inner,
+        HAS_ORDER=has_order, HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry,
+        SCALED=scaled,
         SPLIT=split, FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), **common,
     )
     if split and work_rows > 0:
         _fold_kernel[(work_rows, *grid_yz)](
-            offsets, parts_cum, out_s, *out_s.stride(), work, work_rows, outer, nseg, inner,
-            USE_BASE=use_base, **common,
+            offsets, parts_cum, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
+            work_rows, outer, nseg, inner, USE_BASE=use_base, HAS_CARRY=has_carry, **common,
         )

@@ -31,15 +31,18 @@ def _ptx(fn, types: dict, constexprs: dict, *, fp_fusion: bool) -> str:
 
 def _segment_types(data: str, acc: str) -> dict:
     ints = {name: "i64" for name in ("ss0", "ss1", "ss2", "bs0", "bs1", "bs2", "os0", "os1",
-                                     "os2", "work_rows", "outer", "nseg", "inner")}
+                                     "os2", "cs0", "cs1", "cs2", "work_rows", "outer", "nseg",
+                                     "inner")}
     return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
+                carry_ptr=f"*{acc}",
                 order_ptr="*i64", offsets_ptr="*i64", parts_cum_ptr="*i64",
                 work_ptr=f"*{acc}", alpha_ptr=f"*{acc}")
 
 
-def _segment_config(reduce, rule, data_code, acc, scaled, block):
+def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False):
     return dict(REDUCE=reduce, RULE=rule, DATA=data_code, ACC=acc, HAS_ORDER=True,
-                HAS_BASE=True, USE_BASE=True, SCALED=scaled, SPLIT=rule in kernels.SPLIT_RULES,
+                HAS_BASE=True, USE_BASE=True, HAS_CARRY=carry, SCALED=scaled,
+                SPLIT=rule in kernels.SPLIT_RULES,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
                 CHUNK=kernels.CHUNK_TERMS, BLOCK=block)
 
@@ -65,11 +68,16 @@ def main() -> dict:
     found["fp64 mean wide"] = _count(_ptx(segment._segment_kernel,
                                           _segment_types("fp64", "fp64"), config,
                                           fp_fusion=False))
+    config = _segment_config(kernels.SUM, kernels.KAHAN, 0, tl.float32, False, 512, carry=True)
+    found["fp32 sum kahan carry"] = _count(_ptx(segment._segment_kernel,
+                                                _segment_types("fp32", "fp32"), config,
+                                                fp_fusion=False))
     fold_types = dict(offsets_ptr="*i64", parts_cum_ptr="*i64", out_ptr="*fp16",
-                      work_ptr="*fp32", **{n: "i64" for n in ("os0", "os1", "os2", "work_rows",
-                                                              "outer", "nseg", "inner")})
+                      carry_ptr="*fp32", work_ptr="*fp32",
+                      **{n: "i64" for n in ("os0", "os1", "os2", "cs0", "cs1", "cs2",
+                                            "work_rows", "outer", "nseg", "inner")})
     fold = dict(REDUCE=kernels.MEAN, RULE=kernels.KAHAN, DATA=2, ACC=tl.float32, USE_BASE=True,
-                NCOMP=2, CHUNK=kernels.CHUNK_TERMS, BLOCK=512)
+                HAS_CARRY=False, NCOMP=2, CHUNK=kernels.CHUNK_TERMS, BLOCK=512)
     found["fp16 fold mean kahan"] = _count(_ptx(segment._fold_kernel, fold_types, fold,
                                                 fp_fusion=False))
     stride1_types = dict(src_ptr="*i16", base_ptr="*i16", out_ptr="*i16", order_ptr="*i64",

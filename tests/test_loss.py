@@ -1,7 +1,9 @@
-"""detsum.loss.reduce and detsum.explain (the first part of the batch-loss consumer)."""
+"""detsum.loss (reduce, per-sample gradients, GradAccumulator, batch_grad) and detsum.explain."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 from fractions import Fraction
 
 import pytest
@@ -83,13 +85,13 @@ def test_reduce_rejects_bad_input():
 
 # ---- explain ----------------------------------------------------------------------------------
 
-def per_sample_grads(seed=0, batch=16, features=8):
+def random_per_sample_grads(seed=0, batch=16, features=8):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, features, generator=g)
 
 
 def test_explain_tells_rounding_from_a_bug():
-    grads = per_sample_grads()
+    grads = random_per_sample_grads()
     serial = torch.zeros(8)
     for row in grads:  # one order ...
         serial = serial + row
@@ -108,7 +110,7 @@ def test_explain_tells_rounding_from_a_bug():
 
 
 def test_explain_names_a_scale_mismatch():
-    grads = per_sample_grads()
+    grads = random_per_sample_grads()
     report = detsum.explain(grads.sum(0), grads.mean(0))
     assert report.verdict == "not rounding" and report.constant_ratio == 16
     assert "scale mismatch" in str(report)
@@ -124,3 +126,183 @@ def test_explain_bound_is_the_documented_formula():
     assert report.verdict == "rounding" and report.max_ulps == 1
     with pytest.raises(ValueError, match="expected the same shape and dtype"):
         detsum.explain(a, a.double())
+
+
+# ---- per-sample gradients, GradAccumulator, batch_grad ----------------------------------------
+
+def mlp_problem(batch, *, seed=0, dtype=torch.float32, features=6, hidden=8, classes=3):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(features, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, classes)).to(dtype).eval()
+    inputs = torch.randn(batch, features, generator=g).to(dtype)
+    targets = torch.randint(0, classes, (batch,), generator=g)
+    return model, inputs, targets
+
+
+PER_SAMPLE_LOSS = torch.nn.CrossEntropyLoss(reduction="none")
+
+
+def assert_same_grads(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for name in a:
+        assert_same_bits(a[name], b[name])
+
+
+def test_per_sample_grads_are_each_samples_gradient():
+    model, x, y = mlp_problem(5)
+    grads = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
+    assert list(grads) == [name for name, _ in model.named_parameters()]
+    model64 = mlp_problem(5, dtype=torch.float64)[0]
+    for i in range(5):
+        model64.zero_grad()
+        PER_SAMPLE_LOSS(model64(x[i:i + 1].double()), y[i:i + 1]).sum().backward()
+        for name, p in model64.named_parameters():
+            assert grads[name].shape == (5, *p.shape) and grads[name].dtype == torch.float32
+            torch.testing.assert_close(grads[name][i], p.grad.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_per_sample_grads_skip_frozen_parameters():
+    model, x, y = mlp_problem(3)
+    model[0].bias.requires_grad_(False)
+    assert list(loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)) == [
+        "0.weight", "2.weight", "2.bias"]
+
+
+def test_a_chunk_gives_a_sample_the_same_bits_in_any_batch():
+    """With chunk_size every evaluation has chunk_size samples (padded): sample i's gradient
+    alone equals its row of the whole batch's, and no padding row comes back."""
+    model, x, y = mlp_problem(11, seed=1)
+    whole = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=4)
+    assert all(g.shape[0] == 11 for g in whole.values())
+    for i in range(11):
+        alone = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[i:i + 1], y[i:i + 1],
+                                      chunk_size=4)
+        assert_same_grads(alone, {name: g[i:i + 1] for name, g in whole.items()})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_batch_grad_is_the_canonical_sum_of_per_sample_grads(mode, dtype):
+    """batch_grad = one segment_sum over the samples (then / B), for every micro-batch size."""
+    model, x, y = mlp_problem(37, seed=2, dtype=dtype)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=8)
+    offsets = torch.tensor([0, 37])
+    summed = {name: detsum.segment_sum(g, offsets, mode=mode)[0]
+              for name, g in per_sample.items()}
+    for microbatch in (1, 3, 8, 37, None):
+        got = loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, reduction="sum", mode=mode,
+                              microbatch_size=microbatch, chunk_size=8)
+        assert_same_grads(got, summed)
+    mean = loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode=mode, chunk_size=8)
+    for name, g in per_sample.items():
+        want = detsum.scatter_reduce(torch.zeros_like(g[:1]), 0, torch.zeros_like(g, dtype=torch.long),
+                                     g, "mean", include_self=False, mode=mode)[0]
+        assert_same_bits(mean[name], want)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_batch_grad_over_more_than_one_chunk_of_samples(mode):
+    """300 samples cross the 256-term chunk boundary of the canonical order."""
+    model = torch.nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, 4, generator=g) * torch.logspace(-2, 2, 300).view(300, 1)
+    y = torch.randint(0, 3, (300,), generator=g)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=16)
+    want = {name: detsum.segment_sum(g, torch.tensor([0, 300]), mode=mode)[0]
+            for name, g in per_sample.items()}
+    for microbatch in (7, 256, None):
+        assert_same_grads(loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, reduction="sum",
+                                          mode=mode, microbatch_size=microbatch,
+                                          chunk_size=16), want)
+
+
+def test_grad_accumulator_any_chunking_same_bits():
+    model, x, y = mlp_problem(20, seed=4)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
+    results = []
+    for step in (1, 6, 20):
+        accumulator = loss.GradAccumulator(model.named_parameters(), mode="kahan")
+        for start in range(0, 20, step):
+            accumulator.add({name: g[start:start + step] for name, g in per_sample.items()})
+        assert accumulator.count == 20
+        results.append((accumulator.result("sum"), accumulator.result("mean")))
+    for sums, means in results[1:]:
+        assert_same_grads(sums, results[0][0])
+        assert_same_grads(means, results[0][1])
+
+
+def test_grad_accumulator_refuses_bad_chunks_and_changes_nothing():
+    model, x, y = mlp_problem(4)
+    grads = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
+    accumulator = loss.GradAccumulator(model.named_parameters())
+    accumulator.add(grads)
+    before = accumulator.result("sum")
+    with pytest.raises(ValueError, match=r"missing \['2.bias'\], unexpected \[\]"):
+        accumulator.add({name: g for name, g in grads.items() if name != "2.bias"})
+    uneven = dict(grads, **{"2.bias": grads["2.bias"][:3]})
+    with pytest.raises(ValueError, match="the same number of samples"):
+        accumulator.add(uneven)
+    wrong = dict(grads, **{"2.bias": grads["2.bias"].double()})
+    with pytest.raises(ValueError, match=r"per_sample_grads\['2.bias'\] is torch.float64"):
+        accumulator.add(wrong)
+    with pytest.raises(TypeError, match="must be a dict"):
+        accumulator.add(list(grads.values()))
+    assert accumulator.count == 4
+    assert_same_grads(accumulator.result("sum"), before)
+    with pytest.raises(ValueError, match="reduction='max'"):
+        accumulator.result("max")
+    with pytest.raises(ValueError, match="no samples were added"):
+        loss.GradAccumulator(model.named_parameters()).result()
+
+
+def test_gradient_functions_reject_bad_input():
+    model, x, y = mlp_problem(4)
+    mean_loss = torch.nn.CrossEntropyLoss()  # a scalar, not one loss per sample
+    with pytest.raises(ValueError, match=r"loss_fn returned shape \(\) for a batch of 1 sample; "
+                                         r"expected one loss per sample"):
+        loss.per_sample_grads(model, mean_loss, x, y)
+    with pytest.raises(ValueError, match="loss_fn returned shape"):
+        loss.batch_grad(model, mean_loss, x, y)
+    with pytest.raises(ValueError, match="inputs has 4 samples but targets has 3"):
+        loss.batch_grad(model, PER_SAMPLE_LOSS, x, y[:3])
+    with pytest.raises(ValueError, match="the batch is empty"):
+        loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[:0], y[:0])
+    with pytest.raises(ValueError, match="reduction='none'; expected one of"):
+        loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, reduction="none")
+    with pytest.raises(ValueError, match="mode='autograd' has no meaning"):
+        loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode="autograd")
+    with pytest.raises(ValueError, match="chunk_size=0; expected a positive int or None"):
+        loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=0)
+    with pytest.raises(ValueError, match="microbatch_size=-1"):
+        loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, microbatch_size=-1)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        loss.per_sample_grads(lambda t: t, PER_SAMPLE_LOSS, x, y)
+    with pytest.raises(TypeError, match="targets must be a torch.Tensor"):
+        loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, [0, 1, 2, 3])
+    frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        loss.per_sample_grads(frozen, PER_SAMPLE_LOSS, torch.ones(2, 2), torch.zeros(2).long())
+
+
+def test_seed_scenario_example(capsys):
+    """docs/loss_example.py: the careless way is "not rounding" and named; the careful ones are
+    rounding; with detsum.loss every way and micro-batch size gives the same bits."""
+    path = pathlib.Path(__file__).parents[1] / "docs" / "loss_example.py"
+    spec = importlib.util.spec_from_file_location("loss_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    results = example.main()
+    out = capsys.readouterr().out
+    verdicts = results["torch"]
+    careless = verdicts["4. one at a time (careless)"]
+    assert careless.verdict == "not rounding" and careless.max_abs > 1e-3
+    assert "view across zero_grad()" in out
+    for name, report in verdicts.items():
+        if name != "4. one at a time (careless)":
+            assert report.verdict in ("identical", "rounding"), (name, str(report))
+    assert any(r.verdict == "rounding" for r in verdicts.values())  # torch's ways do differ
+    for mode, result in results["detsum"].items():
+        assert all(result["same_bits"].values()), (mode, result["same_bits"])
+        assert len(result["ways"]) == 7
+        assert result["against_autograd"].verdict in ("identical", "rounding")

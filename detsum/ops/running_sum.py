@@ -107,7 +107,7 @@ class RunningSum:
                              f"[k, {', '.join(map(str, self.shape))}]")
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
-        flat = rows.reshape(rows.shape[0], -1).to(self._total.dtype)
+        flat = rows.reshape(rows.shape[0], self._total.numel()).to(self._total.dtype)
         start = 0
         while start < flat.shape[0]:
             filled = self.count % CHUNK_TERMS

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import subprocess
 import sys
 
@@ -108,17 +107,20 @@ def measure_peak_mib(device: str, chunk_size: int, mode: str) -> float:
         return (torch.cuda.max_memory_allocated() - before) / 2**20
     # Warm-up on 2 samples first, so that Numba's compiled kernels are not counted.
     loss.batch_grad(model, PER_SAMPLE_LOSS, x[:2], y[:2], mode=mode, chunk_size=2)
-    before_kib = _current_rss_kib()
+    before_kib = _status_kib("VmRSS")
     loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode=mode, chunk_size=chunk_size)
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before_kib) / 1024
+    return (_status_kib("VmHWM") - before_kib) / 1024
 
 
-def _current_rss_kib() -> int:
+def _status_kib(field: str) -> int:
+    """A memory figure of this process from /proc: VmRSS (now) or VmHWM (its peak). Not
+    getrusage's ru_maxrss: Linux carries the parent's peak into a child across fork and exec,
+    while VmHWM belongs to the process's own address space, new at exec."""
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def peaks(device: str, mode: str) -> dict:

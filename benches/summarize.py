@@ -58,8 +58,37 @@ TARGETS = {
 }
 
 
+#: The batch-loss issue's target: the deterministic reduction is under this share of
+#: batch_grad's time (bench_loss.py's reduction-<mode> case over its detsum-<mode> case).
+LOSS_REDUCTION_SHARE = 0.10
+
+
+def loss_targets(data: dict) -> list[str]:
+    """bench_loss.py: the reduction's share of batch_grad, and its peak memory, per device."""
+    by = {}
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("primitive") == "loss.batch_grad":
+            by[(e["device"], e["impl"])] = (b["stats"]["median"], e)
+    lines = []
+    for device in sorted({d for d, _ in by}):
+        for mode in ("fp32", "kahan"):
+            whole, reduction = by.get((device, f"detsum-{mode}")), by.get((device, f"reduction-{mode}"))
+            if whole is None or reduction is None:
+                continue
+            share = reduction[0] / whole[0]
+            lines.append(f"{device} {mode}: reduction / batch_grad: {share:.2f} (target <= "
+                         f"{LOSS_REDUCTION_SHARE:g}) {'met' if share <= LOSS_REDUCTION_SHARE else 'MISSED'}")
+            peaks = whole[1].get("peak_mib")
+            if peaks:
+                listed = ", ".join(f"chunk {c}: {mib:.0f} MiB" for c, mib in peaks.items())
+                lines.append(f"{device} {mode}: batch_grad peak memory {listed} (all per-sample "
+                             f"gradients at once: {whole[1]['unchunked_per_sample_mib']:.0f} MiB)")
+    return lines
+
+
 def targets(data: dict) -> list[str]:
-    """The MoE targets, one line each, from the medians of one run."""
+    """The MoE and batch-loss targets, one line each, from the medians of one run."""
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -82,7 +111,7 @@ def targets(data: dict) -> list[str]:
                 ok = r >= limit
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
-    return lines
+    return lines + loss_targets(data)
 
 
 def table(data: dict) -> str:
@@ -111,7 +140,7 @@ def table(data: dict) -> str:
         out.append(line(c))
     t = targets(data)
     if t:
-        out += ["", "MoE targets:"] + ["  " + x for x in t]
+        out += ["", "Targets:"] + ["  " + x for x in t]
     return "\n".join(out)
 
 

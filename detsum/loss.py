@@ -1,11 +1,16 @@
-"""Deterministic batch-loss reduction.
+"""Deterministic batch-loss and per-sample-gradient reduction (docs/loss.md).
 
-Every sum here is a ``detsum.segment_sum`` in index order, so the result has one order, the
-canonical one, on every run, thread count and device; ``torch.sum`` picks its own order (a
-vectorised cascade on CPU, a tree on GPU) and so does matmul inside autograd. ``"autograd"``
-mode has no meaning here (autograd's batch reduction order lives inside matmul kernels), and is
-refused.
-"""
+- ``reduce``: a batch's losses summed or averaged in index order;
+- ``per_sample_grads``: every sample's gradient, by ``torch.func``;
+- ``GradAccumulator``: per-sample gradients summed over samples in order, in chunks of any size;
+- ``batch_grad``: the reduced loss's gradient as that ordered sum, the same bits for every
+  micro-batch split.
+
+Every sum here goes through detsum's kernels in the canonical order (``segment_sum``, or a
+``RunningSum`` that continues it across calls), so the result has one order on every run,
+thread count and device; ``torch.sum`` picks its own order (a vectorised cascade on CPU, a
+tree on GPU) and so does matmul inside autograd. ``"autograd"`` mode has no meaning here
+(autograd's batch reduction order lives inside matmul kernels), and is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 
 from detsum import _validation
 from detsum.modes import Mode, acc_dtype, parse_ordered_mode
+from detsum.ops.running_sum import RunningSum
 
 __all__ = ["GradAccumulator", "batch_grad", "per_sample_grads", "reduce"]
 
@@ -246,8 +252,6 @@ class GradAccumulator:
         if not params:
             raise ValueError(f"{caller}: named_parameters holds no tensor with "
                              f"requires_grad=True")
-        from detsum.ops.running_sum import RunningSum
-
         self._sums = {name: RunningSum(p.shape, dtype=p.dtype, device=p.device, mode=self.mode)
                       for name, p in params.items()}
         #: Samples added so far.

@@ -25,6 +25,10 @@ IMPLEMENTATION NOTES (this backend):
   the same on every run, for every grid, block width and number of SMs. Only the column block
   width and the warp count are tuned, and neither takes part in any element's arithmetic.
 
+- Carry (a running Kahan sum, see the contract): the program of a segment's first chunk starts
+  ``c`` from ``carry``; the program that writes the segment's row (its whole-segment slot, or
+  the fold) writes ``s`` to ``out`` and ``c`` back to ``carry`` instead of the final ``s + c``.
+
 - bf16 travels as int16 bits and is converted with integer operations (SPEC: the Triton
   interpreter's ``.to(tl.bfloat16)`` truncates, and it has no bf16 arithmetic). fp16 uses
   ``.to``, which rounds to nearest even on the GPU and in the interpreter.

@@ -149,10 +149,11 @@ def test_batch_grad(benchmark, device, impl):
     parameters = sum(p.numel() for p in model.parameters())
     info = {"primitive": "loss.batch_grad", "device": device, "dtype": "fp32", "impl": impl,
             "case": f"MLP {parameters} parameters, batch {BATCH}, chunk {CHUNK}"}
-    baseline, baseline_case = "loss.mean().backward()", f"test_batch_grad[{device}-torch-mean-backward]"
+    baseline = "loss.mean().backward()"
+    baseline_case = f"test_batch_grad[{device}-torch-mean-backward]"
     if impl.startswith("reduction-"):
-        mode = impl.split("-", 1)[1]
-        baseline, baseline_case = "batch_grad (share)", f"test_batch_grad[{device}-detsum-{mode}]"
+        baseline = "batch_grad (the reduction's share of it)"
+        baseline_case = f"test_batch_grad[{device}-detsum-{impl.split('-', 1)[1]}]"
     if impl.startswith("detsum-"):
         info["peak_mib"] = peaks(device, impl.split("-", 1)[1])
         info["unchunked_per_sample_mib"] = BATCH * parameters * 4 / 2**20

@@ -208,7 +208,9 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
     if not params:
         raise ValueError(f"{caller}: model has no parameter with requires_grad=True")
     gradient = _gradient_function(caller, model, loss_fn)
-    blocks = [{name: g[:real] for name, g in gradient(params, x, y).items()}
+    # A padded block's rows are copied out, so the padding's memory is not kept alive.
+    blocks = [{name: g if real == g.shape[0] else g[:real].clone()
+               for name, g in gradient(params, x, y).items()}
               for x, y, real in _blocks(inputs, targets, width)]
     if len(blocks) == 1:
         return blocks[0]
@@ -241,7 +243,8 @@ class GradAccumulator:
         ...     accumulator.add(loss.per_sample_grads(model, lossf, x[start:start + 4],
         ...                                           y[start:start + 4], chunk_size=4))
         >>> mean = accumulator.result("mean")
-        >>> torch.equal(mean["weight"], loss.batch_grad(model, lossf, x, y, chunk_size=4)["weight"])
+        >>> at_once = loss.batch_grad(model, lossf, x, y, chunk_size=4)
+        >>> torch.equal(mean["weight"], at_once["weight"])
         True
     """
 

@@ -196,8 +196,9 @@ def test_batch_grad_is_the_canonical_sum_of_per_sample_grads(mode, dtype):
         assert_same_grads(got, summed)
     mean = loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode=mode, chunk_size=8)
     for name, g in per_sample.items():
-        want = detsum.scatter_reduce(torch.zeros_like(g[:1]), 0, torch.zeros_like(g, dtype=torch.long),
-                                     g, "mean", include_self=False, mode=mode)[0]
+        all_in_one = torch.zeros_like(g, dtype=torch.long)
+        want = detsum.scatter_reduce(torch.zeros_like(g[:1]), 0, all_in_one, g, "mean",
+                                     include_self=False, mode=mode)[0]
         assert_same_bits(mean[name], want)
 
 
@@ -306,3 +307,20 @@ def test_seed_scenario_example(capsys):
         assert all(result["same_bits"].values()), (mode, result["same_bits"])
         assert len(result["ways"]) == 7
         assert result["against_autograd"].verdict in ("identical", "rounding")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_batch_grad_split_invariant_on_cuda(mode):
+    """On the GPU: the Triton carry path, and cuBLAS giving a sample the same bits wherever it
+    sits in a fixed-width block."""
+    model, x, y = mlp_problem(37, seed=5)
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=8)
+    offsets = torch.tensor([0, 37], device="cuda")
+    summed = {name: detsum.segment_sum(g, offsets, mode=mode)[0]
+              for name, g in per_sample.items()}
+    for microbatch in (1, 3, None):
+        assert_same_grads(loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, reduction="sum",
+                                          mode=mode, microbatch_size=microbatch, chunk_size=8),
+                          summed)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import zlib
 
 import pytest
@@ -121,3 +123,13 @@ def case_params(layouts, cases):
             if case == "zero_columns" and len(layout.values[0]) == 1:
                 continue  # a 1-D tensor has no other dim to empty
             yield pytest.param(*layout.values, case, id=f"{layout.id}-{case}")
+
+
+def run_docs_example(name: str):
+    """Import ``docs/<name>.py`` (a worked example shipped with the docs) and return its
+    ``main()``'s result; what it prints goes to the test's captured stdout."""
+    path = pathlib.Path(__file__).parents[1] / "docs" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.main()

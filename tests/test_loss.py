@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 from fractions import Fraction
 
 import pytest
 import torch
 
 import detsum
-from conftest import assert_same_bits, dtype_id, make_data
+from conftest import assert_same_bits, dtype_id, make_data, run_docs_example
 from detsum import loss, reference
 
 
@@ -289,11 +287,7 @@ def test_gradient_functions_reject_bad_input():
 def test_seed_scenario_example(capsys):
     """docs/loss_example.py: the careless way is "not rounding" and named; the careful ones are
     rounding; with detsum.loss every way and micro-batch size gives the same bits."""
-    path = pathlib.Path(__file__).parents[1] / "docs" / "loss_example.py"
-    spec = importlib.util.spec_from_file_location("loss_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    results = example.main()
+    results = run_docs_example("loss_example")
     out = capsys.readouterr().out
     verdicts = results["torch"]
     careless = verdicts["4. one at a time (careless)"]

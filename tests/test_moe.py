@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import pytest
 import torch
 
 import detsum
-from conftest import HAS_CUDA, assert_same_bits, dtype_id
+from conftest import HAS_CUDA, assert_same_bits, dtype_id, run_docs_example
 from detsum import moe, reference
 
 HALF = (torch.float16, torch.bfloat16)
@@ -249,11 +247,7 @@ def test_bad_arguments_raise_clear_errors():
 # ---- the worked example ships in docs/ and runs here -----------------------------------------
 
 def test_worked_example(capsys):
-    path = pathlib.Path(__file__).parents[1] / "docs" / "moe_example.py"
-    spec = importlib.util.spec_from_file_location("moe_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    rows = example.main()
+    rows = run_docs_example("moe_example")
     out = capsys.readouterr().out
     assert "naive" in out and "autograd" in out
     for row in rows:

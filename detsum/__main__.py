@@ -1,4 +1,4 @@
-"""Command line: ``python -m detsum report [--quick] [--json PATH]``."""
+"""Command line: ``python -m detsum report [--quick] [--json PATH] [--plot PATH]``."""
 
 from __future__ import annotations
 

@@ -527,9 +527,57 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict, path: str) -> None:
+    """Draw the report as a PNG: per primitive, the error of each mode and of the torch op
+    (max ulps, well-conditioned and cancelling data) and detsum's time over torch's.
+
+    matplotlib is imported here, not with the module: the report itself does not need it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report["rows"] if not r.get("error")]
+    primitives = list(dict.fromkeys(r["primitive"] for r in rows))
+    fig, axes = plt.subplots(2, len(primitives), figsize=(5 * len(primitives), 7.5),
+                             squeeze=False)
+    for column, primitive in enumerate(primitives):
+        mine = [r for r in rows if r["primitive"] == primitive]
+        labels = [f"{r['mode']} {r['dtype']}" for r in mine]
+        x = range(len(mine))
+        errors = axes[0][column]
+        width = 0.2
+        for offset, (key, name) in enumerate((("ulps_well", "detsum, well-conditioned"),
+                                              ("ulps_cancel", "detsum, cancelling"),
+                                              ("torch_ulps_well", "torch, well-conditioned"),
+                                              ("torch_ulps_cancel", "torch, cancelling"))):
+            # ulps + 1 on a log axis: 0 ulps (exact) stays visible at the bottom.
+            values = [(r[key] if r[key] is not None else float("nan")) + 1 for r in mine]
+            errors.bar([i + (offset - 1.5) * width for i in x], values, width, label=name)
+        errors.set_yscale("log")
+        errors.set_title(f"{primitive}: max error (vs {mine[0]['torch_op']})")
+        errors.set_ylabel("max ulps + 1 (1 = exact)")
+        errors.set_xticks(list(x), labels, fontsize=7, rotation=60)
+        times = axes[1][column]
+        times.bar(list(x), [r["ratio"] if r["ratio"] is not None else float("nan")
+                            for r in mine], color="tab:gray")
+        times.axhline(1.0, color="black", linewidth=0.8)
+        times.set_title(f"{primitive}: detsum time / torch time (< 1: faster)")
+        times.set_xticks(list(x), labels, fontsize=7, rotation=60)
+    axes[0][0].legend(fontsize=7)
+    env = report["environment"]
+    fig.suptitle(f"detsum report: {env['device']} ({env['device_name']}), torch {env['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``report`` subcommand's options (``python -m detsum report``, see __main__)."""
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument("--plot", metavar="PATH",
+                        help="also draw the report as a PNG at PATH (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes (a few seconds once Numba's cache is warm)")
 
@@ -544,4 +592,6 @@ def run_command(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
             f.write("\n")
+    if args.plot:
+        plot(report, args.plot)
     return 0

@@ -16,10 +16,13 @@ from detsum import report
 
 @pytest.fixture(scope="module")
 def quick_report(tmp_path_factory):
-    path = tmp_path_factory.mktemp("report") / "report.json"
-    command = [sys.executable, "-m", "detsum", "report", "--quick", "--json", str(path)]
+    folder = tmp_path_factory.mktemp("report")
+    path, picture = folder / "report.json", folder / "report.png"
+    command = [sys.executable, "-m", "detsum", "report", "--quick", "--json", str(path),
+               "--plot", str(picture)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
+    assert picture.read_bytes().startswith(b"\x89PNG"), "--plot wrote no PNG"
     return proc, json.loads(path.read_text())
 
 

@@ -8,10 +8,10 @@ Two PNG files, drawn with matplotlib:
   CPU. One panel per dtype (bf16, fp16, fp32) and data set (well-conditioned,
   cancellation-heavy). It answers "why do my bf16 gradients differ": torch's CPU gradient of
   ``x[index]`` (``index_put_(accumulate=True)``) rounds to bf16 after every add, so a long
-  segment of positive terms stops growing once the sum's ulp passes twice the terms.
+  segment of positive terms stops growing once half the sum's ulp exceeds the terms.
 - ``speed.png``: achieved GB/s of every benchmark case in committed pytest-benchmark JSON
-  (``benches/results``), detsum's modes next to the torch ops, with the copy bandwidth
-  (``torch-copy_``) measured in the same run as the line to compare against.
+  (``benches/results``), detsum's modes next to the torch ops, with the machine's copy
+  bandwidth (``torch-copy_``, same device and dtype) as the line to compare against.
 
 matplotlib is imported only inside the ``plot_*`` functions: the data functions, and importing
 this module (the test suite collects every module for doctests), work without it.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -61,9 +62,10 @@ METHODS: dict[str, str] = {
 
 MAX_COLUMNS = 64
 # The exact reference sums with Python fractions, about 3-4 us per term: at most 2**19 terms
-# per length (64 columns up to 2**13 terms, 8 columns at 2**16) keeps the full picture near one
-# minute on 2 CPU cores. Stagnation and cancellation errors vary little between columns, so a
-# max over 8 of them still shows the trend.
+# per length (64 columns up to 2**13 terms, 8 columns at 2**16) keeps the full picture under
+# 1.5 minutes on 2 CPU cores. Stagnation is alike in every column, so 8 columns show it fully;
+# cancellation errors vary more between columns, and their max over fewer columns comes out a
+# little lower (the curves' last points understate the worst case somewhat).
 TERMS_PER_LENGTH = 2**19
 FULL_MAX_EXPONENT = 16
 QUICK_MAX_EXPONENT = 10
@@ -110,9 +112,9 @@ def make_terms(dataset: str, length: int, columns: int, dtype: torch.dtype,
     """``[length, columns]`` terms of ``dtype`` for one of ``DATASETS``.
 
     The draws depend on (seed, dataset, length) only, so every dtype rounds the same fp64
-    values. ``"cancellation-heavy"`` removes each column's mean before rounding: the exact sum
-    and adds ``CANCEL_OFFSET`` before rounding: the terms have both signs, and their exact sum,
-    about ``CANCEL_OFFSET * length``, is about 100 times smaller than the sum of their magnitudes.
+    values. ``"cancellation-heavy"`` removes each column's mean and adds ``CANCEL_OFFSET``, in
+    fp64, before rounding: the terms have both signs, and their exact sum, about
+    ``CANCEL_OFFSET * length``, is about 100 times smaller than the sum of their magnitudes.
 
     >>> t = make_terms("well-conditioned", 4, 3, torch.bfloat16)
     >>> t.shape, t.dtype, bool(((t >= 0.5) & (t <= 1)).all())
@@ -140,8 +142,9 @@ def method_sums(terms: torch.Tensor) -> dict[str, torch.Tensor]:
     sums = {mode: detsum.segment_sum(terms, offsets, mode=mode)[0]
             for mode in ("fp32", "kahan", "autograd")}
     index = torch.zeros(length, dtype=torch.int64)
-    # With more than one thread torch's CPU index_put_ adds with atomics past 32768 elements,
-    # in no fixed order; its deterministic path is the serial sum that autograd's gradient is.
+    # Past 32768 elements and with more than one thread, torch's CPU index_put_ adds with
+    # atomics, in no fixed order; deterministic algorithms give its serial sum in order of
+    # appearance, the arithmetic that "autograd" mode reproduces.
     with report.torch_deterministic():
         sums["index_put_"] = terms.new_zeros(1, columns).index_put_(
             (index,), terms, accumulate=True)[0]
@@ -160,7 +163,8 @@ def accuracy_data(quick: bool = False, *,
     ``reference.exact_sum_rounded`` of that column.
 
     Args:
-        quick: lengths up to 2**10 instead of 2**16 (seconds instead of about a minute).
+        quick: lengths up to 2**10 instead of 2**16 (about 5 s instead of 75 s on 2 CPU
+            cores).
         progress: called with one line per (dtype, data set).
 
     Returns:
@@ -288,7 +292,7 @@ def _ulp_label(value: float, _position) -> str:
     """Tick labels of the symlog ulps axis: plain integers, powers of ten from 10**4."""
     if abs(value) < 1e4:
         return f"{value:.0f}"
-    return f"$10^{{{len(str(round(abs(value)))) - 1}}}$"
+    return f"$10^{{{round(math.log10(abs(value)))}}}$"
 
 
 # ---- speed: data ------------------------------------------------------------------------------
@@ -341,7 +345,7 @@ def speed_data(json_paths: Sequence[str | Path] | None = None) -> dict:
                 continue
             device = str(info.get("device", "?")).split(":")[0]
             dtype = info.get("dtype", "?")
-            machine = info.get("device_name") or (cpu_name if device == "cpu" else device)
+            machine = info.get("device_name") or (cpu_name if device == "cpu" else None)
             if machine and machine not in machines.setdefault(device, []):
                 machines[device].append(machine)
             impl = info.get("impl", bench.get("name", "?"))
@@ -381,11 +385,10 @@ def _bar_order(bar: dict) -> tuple[int, int]:
 # ---- speed: picture ---------------------------------------------------------------------------
 
 def _impl_color(impl: str, assigned: dict[str, str]) -> str:
-    key = impl.removeprefix("detsum-").removeprefix("torch-")
-    if impl.startswith("detsum-") and key in _COLORS:
-        return _COLORS[key]
-    if impl.startswith("torch-") and key in _COLORS:
-        return _COLORS[key]
+    """The accuracy picture's colour for a sum both pictures show, else the next spare one."""
+    owner, _, name = impl.partition("-")
+    if owner in ("detsum", "torch") and name in _COLORS:
+        return _COLORS[name]
     if impl not in assigned:
         assigned[impl] = _OTHER_TORCH_COLORS[len(assigned) % len(_OTHER_TORCH_COLORS)]
     return assigned[impl]
@@ -394,7 +397,8 @@ def _impl_color(impl: str, assigned: dict[str, str]) -> str:
 def plot_speed(data: dict, path: str | Path) -> None:
     """Draw ``speed_data``'s result to the PNG file ``path``: one panel per device, a group of
     bars (GB/s, log scale) per benchmark case and dtype, and the copy bandwidth of the same
-    device and dtype as a dashed line over each group."""
+    device and dtype as a line over each group: dashed when the copy ran in the same file as
+    the group's bars, dotted when it comes from another file."""
     devices = data["devices"]
     if not devices:
         raise ValueError(f"no benchmark with gbps in {data['sources']}")
@@ -402,12 +406,13 @@ def plot_speed(data: dict, path: str | Path) -> None:
 
     most_cases = max(len(d["cases"]) for d in devices.values())
     most_bars = max(len(c["bars"]) for d in devices.values() for c in d["cases"])
+    height = 4.6 * len(devices) + 1
     fig, axes = plt.subplots(len(devices), 1, squeeze=False,
-                             figsize=(max(8.0, 0.85 * most_cases + 1.5), 4.6 * len(devices) + 1))
+                             figsize=(max(8.0, 0.85 * most_cases + 1.5), height))
     width = 0.84 / most_bars
     colors: dict[str, str] = {}
     handles: dict[str, object] = {}
-    copy_handle = None
+    copy_handles: dict[str, object] = {}
     for ax, (device, entry) in zip(axes[:, 0], devices.items()):
         cases = entry["cases"]
         for x, case in enumerate(cases):
@@ -417,35 +422,48 @@ def plot_speed(data: dict, path: str | Path) -> None:
                     x + (k - (n - 1) / 2) * width, bar["gbps"], width * 0.92,
                     color=_impl_color(bar["impl"], colors), label=bar["label"])
             if case["copy_gbps"]:
-                copy_handle = ax.hlines(case["copy_gbps"], x - 0.46, x + 0.46, colors="black",
-                                        linestyles="--", linewidth=1.2)
+                # A copy timed in another file (another run) is a weaker yardstick: dotted.
+                same_run = all(b["source"] == case["copy_source"] for b in case["bars"])
+                label = ("torch copy_, same run" if same_run
+                         else "torch copy_, another run on this device")
+                copy_handles[label] = ax.hlines(
+                    case["copy_gbps"], x - 0.46, x + 0.46, colors="black",
+                    linestyles="--" if same_run else ":", linewidth=1.2)
         ax.set_yscale("log")
+        heights = [b["gbps"] for c in cases for b in c["bars"]]
+        heights += [c["copy_gbps"] for c in cases if c["copy_gbps"]]
+        ax.set_ylim(min(heights) / 1.6, max(heights) * 1.8)
         ax.set_xticks(range(len(cases)))
-        ax.set_xticklabels([f"{c['primitive']}\n{c['dtype']}" for c in cases], fontsize=8)
+        ax.set_xticklabels(["\n".join(c["primitive"].split() + [c["dtype"]]) for c in cases],
+                           fontsize=8)
         ax.set_xlim(-0.6, len(cases) - 0.4)
         ax.set_ylabel("GB/s (fewest bytes / median time)")
         ax.grid(True, axis="y", which="both", linewidth=0.4, alpha=0.5)
         ax.set_title(f"{device}: {entry['machine']}" if entry["machine"] else device,
                      fontsize=11)
-        shapes = {}
-        for c in cases:
-            shapes.setdefault(c["case"], []).append(c["primitive"])
-        ax.text(0, -0.22, "cases: " + "; ".join(
-            f"{' / '.join(dict.fromkeys(p.split()[0] for p in prims))}: {shape}"
-            for shape, prims in shapes.items()),
-            transform=ax.transAxes, fontsize=8, va="top")
+        ax.set_xlabel(_shapes_note(cases), fontsize=8)
     labels = list(handles)
     legend_handles = [handles[k] for k in labels]
-    if copy_handle is not None:
-        labels.append("torch copy_ (same device and dtype, same run)")
-        legend_handles.append(copy_handle)
-    fig.legend(legend_handles, labels, loc="upper center", ncol=min(5, len(labels)),
+    for label in sorted(copy_handles, key=lambda k: "another" in k):
+        labels.append(f"{label} (same dtype)")
+        legend_handles.append(copy_handles[label])
+    fig.suptitle("Achieved bandwidth per benchmark case (pytest-benchmark medians; "
+                 "higher is faster)", fontsize=11)
+    legend_rows = -(-len(labels) // 5)
+    fig.legend(legend_handles, labels, loc="lower center", ncol=min(5, len(labels)),
                frameon=False, fontsize=9)
-    fig.suptitle("Achieved bandwidth per benchmark case (pytest-benchmark medians)",
-                 fontsize=11, y=0.995)
-    fig.tight_layout(rect=(0, 0, 1, 0.9))
+    fig.tight_layout(rect=(0, (0.2 + 0.22 * legend_rows) / height, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _shapes_note(cases: Sequence[dict]) -> str:
+    """One line naming each benchmark shape and the primitives measured on it."""
+    shapes: dict[str, dict[str, None]] = {}
+    for c in cases:
+        shapes.setdefault(c["case"], {})[c["primitive"].split()[0]] = None
+    return "shapes: " + "; ".join(f"{' / '.join(prims)}: {shape}"
+                                  for shape, prims in shapes.items())
 
 
 # ---- command line -----------------------------------------------------------------------------
@@ -454,7 +472,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``figures`` subcommand's options (``python -m detsum figures``, see __main__)."""
     parser.add_argument("--quick", action="store_true",
                         help=f"accuracy up to 2**{QUICK_MAX_EXPONENT} terms (seconds) "
-                             f"instead of 2**{FULL_MAX_EXPONENT} (about a minute)")
+                             f"instead of 2**{FULL_MAX_EXPONENT} (1.5 minutes on 2 cores)")
     parser.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                         help=f"where accuracy.png and speed.png go (default: {DEFAULT_OUT})")
     parser.add_argument("--json", metavar="PATH", help="also write the pictures' data to PATH")

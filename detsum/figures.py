@@ -215,7 +215,7 @@ def accuracy_data(quick: bool = False, *,
 
 # ---- accuracy: picture ------------------------------------------------------------------------
 
-def _pyplot():
+def pyplot_agg():
     """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     try:
         import matplotlib
@@ -245,7 +245,7 @@ def plot_accuracy(data: dict, path: str | Path) -> None:
 
     The y axis is symlog (linear up to 1 ulp, logarithmic above), so 0 ulps shows.
     """
-    plt = _pyplot()
+    plt = pyplot_agg()
     from matplotlib.ticker import FuncFormatter
 
     dtypes, datasets, lengths = data["dtypes"], list(data["datasets"]), data["lengths"]
@@ -402,7 +402,7 @@ def plot_speed(data: dict, path: str | Path) -> None:
     devices = data["devices"]
     if not devices:
         raise ValueError(f"no benchmark with gbps in {data['sources']}")
-    plt = _pyplot()
+    plt = pyplot_agg()
 
     most_cases = max(len(d["cases"]) for d in devices.values())
     most_bars = max(len(c["bars"]) for d in devices.values() for c in d["cases"])

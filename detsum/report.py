@@ -533,10 +533,9 @@ def plot(report: dict, path: str) -> None:
 
     matplotlib is imported here, not with the module: the report itself does not need it.
     """
-    import matplotlib
+    from detsum.figures import pyplot_agg
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot_agg()
 
     rows = [r for r in report["rows"] if not r.get("error")]
     primitives = list(dict.fromkeys(r["primitive"] for r in rows))

@@ -1,5 +1,10 @@
 """Sphinx configuration: the API reference comes from the docstrings (autodoc + napoleon, for
-their Google-style sections), the pages are Markdown (MyST). Build: ``make docs``."""
+their Google-style sections), the pages are Markdown (MyST). Build: ``make docs``.
+
+Why Sphinx rather than mkdocs + mkdocstrings: autodoc imports the package and documents the
+objects as they are at run time. Several public functions get their docstring after
+definition (``detsum.index_add``'s is assigned beside the custom op it wraps), which a
+static reader of the source would not see."""
 
 project = "detsum"
 author = "the detsum developers"

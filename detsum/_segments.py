@@ -35,6 +35,12 @@ def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
     return out
 
 
+def one_segment(num_rows: int, device: torch.device) -> torch.Tensor:
+    """Offsets ``[0, num_rows]``: every row in one segment. Built on the device by a kernel, not
+    copied from the host: a host-to-device copy would wait for the stream on every call."""
+    return torch.arange(2, dtype=torch.int64, device=device) * num_rows
+
+
 def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
                     index_name: str, size_name: str, promised_sorted: bool, backend_name: str
                     ) -> tuple[torch.Tensor | None, torch.Tensor]:

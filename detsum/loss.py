@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _validation
+from detsum import _segments, _validation
 from detsum.modes import Mode, acc_dtype, parse_ordered_mode
 from detsum.ops.running_sum import RunningSum
 
@@ -42,7 +42,7 @@ def _check_float_tensor(caller: str, name: str, t: object) -> None:
 def _ordered_sum(values: torch.Tensor, mode: Mode) -> torch.Tensor:
     """0-dim sum of a 1-D acc-type tensor, in index order, in ``mode`` (no final rounding
     beyond the acc type)."""
-    offsets = torch.arange(2, device=values.device) * values.shape[0]
+    offsets = _segments.one_segment(values.shape[0], values.device)
     return torch.ops.detsum.segment_sum(values, offsets, 0, None, mode.value).view(())
 
 

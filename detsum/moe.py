@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _validation
+from detsum import _segments, _validation
 from detsum.modes import Mode, acc_dtype, parse_mode
 
 __all__ = ["permute", "route", "unpermute"]
@@ -263,7 +263,7 @@ def _unpermute_backward(ctx, grad):
         products = grad_rows.to(acc).mul_(y)  # fp32 products of fp32-exact factors
     products = products.reshape(y.shape[0], -1)
     dots = torch.ops.detsum.segment_sum(
-        products, torch.arange(2, device=y.device) * products.shape[1], 1, None,
+        products, _segments.one_segment(products.shape[1], y.device), 1, None,
         "kahan" if ctx.acc_mode == Mode.KAHAN.value else "fp32")
     grad_weights = dots.view(-1).index_select(0, _slot_positions(gather_indices))
     return grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None

@@ -35,11 +35,11 @@ def _resume(total: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tensor) 
         if comp is not None:
             comp.copy_(c)
         return
-    offsets = torch.tensor([0, n], dtype=torch.int64, device=total.device)
     state3 = total.view(1, 1, -1)
-    _segments.launch(backend_name, rows.unsqueeze(0), None, offsets, state3, state3,
-                     reduce="sum", rule=KAHAN if comp is not None else WIDE, alpha=1.0,
-                     include_base=True, carry3=None if comp is None else comp.view(1, 1, -1))
+    _segments.launch(backend_name, rows.unsqueeze(0), None, _segments.one_segment(n, total.device),
+                     state3, state3, reduce="sum", rule=KAHAN if comp is not None else WIDE,
+                     alpha=1.0, include_base=True,
+                     carry3=None if comp is None else comp.view(1, 1, -1))
 
 
 class RunningSum:

@@ -152,9 +152,26 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
     output_json["detsum_targets"] = targets(output_json)
     # Other processes on the machine move the numbers: keep the load next to them.
     output_json["detsum_load_average"] = {"start": _LOAD.get("start"), "end": _loadavg()}
+    output_json["detsum_environment"] = _environment()
 
 
 _LOAD: dict = {}
+
+
+def _environment() -> dict:
+    """What the numbers were measured with: pytest-benchmark's machine_info names the CPU only."""
+    import numba
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+        "numba": numba.__version__,
+    }
 
 
 def _loadavg():

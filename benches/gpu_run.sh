@@ -30,8 +30,10 @@ for stage in $STAGES; do
     case $stage in
     tests)
         # The whole suite: the CPU tests, test_triton.py on CUDA tensors, the cuda-marked ones.
+        # The whole log goes to tests-full.txt as it is written, so a run stopped at the device's
+        # time limit still leaves what it printed.
         python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" --durations=20 \
-            2>&1 | tail -n 60 | tee "$OUT/tests.txt" || status=1 ;;
+            2>&1 | tee "$OUT/tests-full.txt" | tail -n 60 | tee "$OUT/tests.txt" || status=1 ;;
     benches)
         python3 -m pytest benches -k cuda --benchmark-only -q -p no:cacheprovider \
             --benchmark-json="$OUT/bench-gpu.json" 2>&1 | tail -n 20 || status=1

@@ -338,6 +338,7 @@ def speed_data(json_paths: Sequence[str | Path] | None = None) -> dict:
         with open(path) as f:
             results = json.load(f)
         cpu_name = results.get("machine_info", {}).get("cpu", {}).get("brand_raw")
+        gpu_name = results.get("detsum_environment", {}).get("gpu")
         for bench in results.get("benchmarks", []):
             info = bench.get("extra_info", {})
             gbps = info.get("gbps")
@@ -345,7 +346,7 @@ def speed_data(json_paths: Sequence[str | Path] | None = None) -> dict:
                 continue
             device = str(info.get("device", "?")).split(":")[0]
             dtype = info.get("dtype", "?")
-            machine = info.get("device_name") or (cpu_name if device == "cpu" else None)
+            machine = {"cpu": cpu_name, "cuda": gpu_name}.get(device)
             if machine and machine not in machines.setdefault(device, []):
                 machines[device].append(machine)
             impl = info.get("impl", bench.get("name", "?"))

@@ -30,3 +30,7 @@ def test_figures_command_draws_both_pictures(tmp_path):
     # The stagnation the picture shows: bf16 rounding after every add, positive terms.
     well = accuracy["ulps"]["bf16"]["well-conditioned"]
     assert well["autograd"]["max"][-1] > 10 and well["fp32"]["max"][-1] == 0
+    # Each panel names its machine: the CPU from pytest-benchmark's machine_info, the GPU from
+    # the environment the benchmark conftest records.
+    for device, panel in data["speed"]["devices"].items():
+        assert panel["machine"], device

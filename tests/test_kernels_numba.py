@@ -363,3 +363,67 @@ def test_check_sorted_offsets(idx_dtype):
     strided = torch.tensor([0, 9, 1, 9, 1, 9, 3], dtype=idx_dtype)[::2]
     off, bad, unsorted = check_sorted_offsets(strided, 4)
     assert (off.tolist(), bad, unsorted) == ([0, 1, 3, 3, 4], -1, -1)
+
+
+# ---- the on-disk cache: a kernel keeps its own format's code ------------------------------------
+
+def _compiled_closures(dispatcher, found):
+    """Every Numba dispatcher reachable from ``dispatcher`` through closure cells."""
+    for cell in dispatcher.py_func.__closure__ or ():
+        inner = cell.cell_contents
+        if isinstance(inner, numba.core.registry.CPUDispatcher) and inner not in found:
+            found.add(inner)
+            _compiled_closures(inner, found)
+    return found
+
+
+def test_format_closures_have_their_own_names():
+    """Numba names a compiled function by module, qualname, argument types and a per-process
+    counter; two formats' closures with one qualname and the same argument types (bf16 and
+    fp16 both take uint16 bits) then differ only by that counter, which another process
+    numbers differently. So no two distinct compiled closures may share a qualname."""
+    from detsum.kernels.numba import segment
+
+    owners = {}
+    for block in (segment._block_f32, segment._block_f64, segment._block_bf16,
+                  segment._block_f16):
+        for dispatcher in _compiled_closures(block, {block}):
+            owners.setdefault(dispatcher.py_func.__qualname__, set()).add(dispatcher.py_func)
+    shared = {name: len(funcs) for name, funcs in owners.items() if len(funcs) > 1}
+    assert not shared, f"closures of different formats share a qualname: {shared}"
+
+
+_SUM_IN_A_FRESH_PROCESS = """
+import sys, torch, detsum
+for name in sys.argv[1:]:
+    src = (torch.randn(64, 8, generator=torch.Generator().manual_seed(1)) * 100).to(
+        getattr(torch, name))
+    offsets = torch.tensor([0, 20, 64])
+    with detsum.backend("numba"):
+        got = detsum.segment_sum(src, offsets)
+    with detsum.backend("reference"):
+        want = detsum.segment_sum(src, offsets)
+    print(name, torch.equal(got.view(torch.int16), want.view(torch.int16)))
+"""
+
+
+def test_cached_kernels_keep_their_format(tmp_path):
+    """Two processes share one on-disk cache: the first compiles bf16 alone, the second
+    compiles fp16 and then loads bf16 from the cache. Before the closures were named per
+    format, that bf16 kernel was linked to the fp16 code and every bf16 sum was wrong, in the
+    second process and in every later one (first seen on a GPU machine's 12-worker test run)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+
+    def sums_in_fresh_process(*dtype_names):
+        run = subprocess.run([sys.executable, "-c", _SUM_IN_A_FRESH_PROCESS, *dtype_names],
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.split()
+
+    assert sums_in_fresh_process("bfloat16") == ["bfloat16", "True"]
+    assert sums_in_fresh_process("float16", "bfloat16") == [
+        "float16", "True", "bfloat16", "True"]

@@ -20,18 +20,16 @@ def exact_fp32_sum(values: torch.Tensor) -> Fraction:
 
 def test_kahan_reduce_within_one_ulp_of_exact():
     """10**6 positive fp32 losses spanning 8 orders of magnitude: "kahan" is within 1 ulp of
-    the exact sum. Measured here: kahan 0 ulps, torch.sum (pairwise blocks) 1, the serial
-    "fp32" order 11."""
+    the exact sum, and closer than the serial "fp32" order (measured: kahan 0 ulps, "fp32" 11).
+    torch.sum is not ranked: its blocks follow the thread count (1 ulp on 2 threads, 0 on 16)."""
     g = torch.Generator().manual_seed(0)
     losses = torch.pow(10.0, torch.rand(10**6, generator=g, dtype=torch.float64) * 8 - 4).float()
     exact = reference.round_exact(exact_fp32_sum(losses), torch.float32)
     kahan = loss.reduce(losses, "sum", mode="kahan")
     fp32 = loss.reduce(losses, "sum", mode="fp32")
-    torch_sum = losses.sum()
-    ulps = {name: reference.ulp_distance(v, exact).item()
-            for name, v in (("kahan", kahan), ("fp32", fp32), ("torch.sum", torch_sum))}
-    assert ulps["kahan"] <= 1
-    assert ulps["kahan"] < ulps["torch.sum"] < ulps["fp32"]
+    kahan_ulps = reference.ulp_distance(kahan, exact).item()
+    assert kahan_ulps <= 1
+    assert kahan_ulps < reference.ulp_distance(fp32, exact).item()
     mean_exact = reference.round_exact(exact_fp32_sum(losses) / 10**6, torch.float32)
     assert reference.ulp_distance(loss.reduce(losses, mode="kahan"), mean_exact).item() <= 1
 

@@ -200,7 +200,9 @@ def test_triton_backend_gives_numba_bits():
 
     def run(device):
         to = lambda t: t.to(device)  # noqa: E731
-        x_leaf, w_leaf = to(x).requires_grad_(), to(weights).requires_grad_()
+        # detach: on another device, .to() of a tensor that requires grad is not a leaf.
+        x_leaf = to(x).detach().requires_grad_()
+        w_leaf = to(weights).detach().requires_grad_()
         moe.permute(x_leaf, to(gather_indices), 4, mode="kahan").backward(to(grad_y))
         y = to(x.repeat_interleave(4, 0)[gather_indices])
         moe.unpermute(y, to(gather_indices), 4, weights=w_leaf, mode="fp32").backward(

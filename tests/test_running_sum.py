@@ -6,13 +6,15 @@ import pytest
 import torch
 
 import detsum
-from conftest import DTYPES, assert_same_bits, dtype_id, make_data
+from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, make_data
 from detsum import _segments, reference
 from detsum.kernels import CHUNK_TERMS, KAHAN
 
 SPLIT_MODES = ("fp32", "kahan")
 # 600 rows: chunk 0, a whole later chunk and a partial one.
 ROWS = 2 * CHUNK_TERMS + 88
+# The triton backend runs CUDA tensors on a GPU, CPU tensors in the interpreter (conftest).
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
 def rows_over_many_binades(n, shape, dtype, seed):
@@ -74,22 +76,37 @@ def test_carried_compensation_launch_matches_the_reference(dtype):
     except ImportError:
         pass
     for backend_name in backends:
-        out = torch.full((1, 1, 6), float("nan"), dtype=dtype)
-        carry = c0.clone().view(1, 1, 6)
-        _segments.launch(backend_name, rows.unsqueeze(0), None, torch.tensor([0, ROWS]),
-                         s0.view(1, 1, 6), out, reduce="sum", rule=KAHAN, alpha=1.0,
-                         include_base=True, carry3=carry)
-        assert_same_bits(out.view(6), want_s)
-        assert_same_bits(carry.view(6), want_c)
+        device = TRITON_DEVICE if backend_name == "triton" else "cpu"
+        out = torch.full((1, 1, 6), float("nan"), dtype=dtype, device=device)
+        carry = c0.clone().view(1, 1, 6).to(device)
+        _segments.launch(backend_name, rows.unsqueeze(0).to(device), None,
+                         torch.tensor([0, ROWS], device=device), s0.view(1, 1, 6).to(device), out,
+                         reduce="sum", rule=KAHAN, alpha=1.0, include_base=True, carry3=carry)
+        assert_same_bits(out.view(6).cpu(), want_s)
+        assert_same_bits(carry.view(6).cpu(), want_c)
 
 
 @pytest.mark.parametrize("mode", SPLIT_MODES)
-def test_triton_interpreter_running_sum(mode):
+def test_triton_running_sum(mode):
     pytest.importorskip("triton")
     rows = rows_over_many_binades(ROWS, (3,), torch.float32, seed=5)
     whole = detsum.segment_sum(rows, torch.tensor([0, ROWS]), mode=mode)[0]
     with detsum.backend("triton"):
-        assert_same_bits(add_in_pieces(rows, 300, mode).sum(), whole)
+        pieces = add_in_pieces(rows.to(TRITON_DEVICE), 300, mode, device=TRITON_DEVICE)
+        assert_same_bits(pieces.sum().cpu(), whole)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", "cuda", "cuda:0"])
+def test_a_device_named_without_or_with_an_index_takes_its_rows(device):
+    """RunningSum(device="cuda") once refused rows on cuda:0 (the device tensors report)."""
+    if device.startswith("cuda") and not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    rows = rows_over_many_binades(5, (3,), torch.float32, seed=3).to(device)
+    running = detsum.RunningSum((3,), device=device)
+    running.add(rows)
+    assert running.device == rows.device
+    assert_same_bits(running.sum().cpu(), detsum.segment_sum(
+        rows.cpu(), torch.tensor([0, 5]))[0])
 
 
 def test_special_values():

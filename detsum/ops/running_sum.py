@@ -82,13 +82,15 @@ class RunningSum:
                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
         self.shape = torch.Size(shape)
         self.dtype = dtype
-        self.device = torch.device(device)
         self.count = 0
         acc = acc_dtype(dtype)
         kahan = self.mode is Mode.KAHAN
         numel = self.shape.numel()
         # Chunk 0 and the folded total of the later chunks (the contract folds into chunk 0).
-        self._total = torch.zeros(numel, dtype=acc, device=self.device)
+        self._total = torch.zeros(numel, dtype=acc, device=device)
+        # The device as tensors report it ("cuda" -> "cuda:0", "cpu:0" -> "cpu"), so that
+        # add() can compare it with its rows' device.
+        self.device = self._total.device
         self._total_comp = torch.zeros_like(self._total) if kahan else None
         # The chunk in progress after chunk 0: it starts from its own first term.
         self._part = torch.empty_like(self._total)

@@ -166,8 +166,29 @@ def _f64(x):
     return np.float64(x)
 
 
-def _make_block(dec, rnd, enc, cvt):
-    """The work of one thread block, for one data format.
+def _njit_named_for(fmt):
+    """``njit`` for the closures of ``_make_block``, under a qualname that names ``fmt``.
+
+    Why: Numba names a compiled function by its module, qualname and argument types plus a
+    counter that is per process. The bf16 and fp16 closures have the same argument types
+    (uint16 bit patterns), so under one qualname they differ only by that counter, and a kernel
+    loaded from an on-disk cache written by another process can be linked to the other
+    format's code. Seen: every bf16 sum wrong after a process compiled fp16 first and loaded
+    bf16 from the cache (tests/test_kernels_numba.py::test_cached_kernels_keep_their_format).
+    """
+
+    def options(**njit_options):
+        def decorate(fn):
+            fn.__qualname__ = f"{fn.__qualname__}_{fmt}"
+            return njit(**njit_options)(fn)
+
+        return decorate
+
+    return options
+
+
+def _make_block(fmt, dec, rnd, enc, cvt):
+    """The work of one thread block, for one data format (``fmt`` names it).
 
     ``dec`` turns a data element into the acc type, ``rnd`` rounds an acc value to the data
     dtype (staying in the acc type), ``enc`` turns an acc value into a data element and ``cvt``
@@ -182,15 +203,16 @@ def _make_block(dec, rnd, enc, cvt):
     Per term row there is no function call, no array slice and no division: at about 8 rows
     per segment that overhead was a fifth of the running time.
     """
+    format_njit = _njit_named_for(fmt)
 
-    @njit(inline="always")
+    @format_njit(inline="always")
     def neumaier(s, c, t):
         u = s + t
         # Both sides are computed and one selected: the column loop stays branch-free.
         d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
         return u, c + d
 
-    @njit(inline="always")
+    @format_njit(inline="always")
     def row_op(op, acc, comp, a, start, w, alpha):
         """Combine the row a[start:start + w] into acc (and comp).
 
@@ -228,7 +250,7 @@ def _make_block(dec, rnd, enc, cvt):
                 y = acc[j]
                 acc[j] = x if (x != x or x < y) and y == y else y
 
-    @njit
+    @format_njit()
     def load(acc, a, start, step, w):
         """acc = A(a[start + j * step]), j < w."""
         if step == 1:
@@ -239,7 +261,7 @@ def _make_block(dec, rnd, enc, cvt):
             for j in range(w):
                 acc[j] = dec(a[start + j * step])
 
-    @njit(inline="always")
+    @format_njit(inline="always")
     def prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end):
         """Prefetch the term row at the cursor and move the cursor one row on.
 
@@ -274,7 +296,7 @@ def _make_block(dec, rnd, enc, cvt):
             for j in range(0, min(cur[4], _PF_LINES * step), step):
                 _prefetch(src, start + j)
 
-    @njit(inline="always")
+    @format_njit(inline="always")
     def rows(op, acc, comp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk, i_end,
              rstart, p, end, w, alpha):
         """Combine the term rows at positions p .. end - 1 into acc (and comp), in order."""
@@ -290,7 +312,7 @@ def _make_block(dec, rnd, enc, cvt):
             row_op(op, acc, comp, a, start, w, alpha)
             p += 1
 
-    @njit(inline="always")
+    @format_njit(inline="always")
     def fold(op, acc, comp, part, pcomp, w):
         """Fold a later chunk's result (part, and pcomp under KAHAN) into acc (and comp)."""
         if op == _OP_KAHAN:
@@ -304,7 +326,7 @@ def _make_block(dec, rnd, enc, cvt):
             for j in range(w):
                 acc[j] = acc[j] + part[j]
 
-    @njit
+    @format_njit()
     def item(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, j0, j1,
              reduce, op, mean_round, split, alpha, use_base, has_base, has_carry, acc, comp,
              part, pcomp, tmp, cur, shape, chunk, i_end):
@@ -393,7 +415,7 @@ def _make_block(dec, rnd, enc, cvt):
             for j in range(w):
                 out[ostart + j * us[2]] = enc(acc[j])
 
-    @njit
+    @format_njit()
     def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, reduce,
               rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
               cursors, pf_dist):
@@ -448,10 +470,10 @@ def _make_block(dec, rnd, enc, cvt):
     return block
 
 
-_block_f32 = _make_block(_f32, _f32, _f32, _f32)
-_block_f64 = _make_block(_f64, _f64, _f64, _f64)
-_block_bf16 = _make_block(bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32)
-_block_f16 = _make_block(f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32)
+_block_f32 = _make_block("f32", _f32, _f32, _f32, _f32)
+_block_f64 = _make_block("f64", _f64, _f64, _f64, _f64)
+_block_bf16 = _make_block("bf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32)
+_block_f16 = _make_block("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32)
 
 # One parallel kernel per format, each compiling only its own format's code. Threads take
 # whole blocks of items (a block reuses one set of scratch rows); which thread runs a block

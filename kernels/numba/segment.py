@@ -379,6 +379,10 @@ def _make_block(fmt, dec, rnd, enc, cvt):
             end = min(p1, p + CHUNK_TERMS)
             prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
             load(part, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
+            if alpha != 1:
+                # The chunk's first term is a term like any other: RN_A(A(x) * A(alpha)).
+                for j in range(w):
+                    part[j] = part[j] * alpha
             for j in range(w):
                 pcomp[j] = 0.0
             rows(op, part, pcomp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk,

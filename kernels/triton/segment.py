@@ -305,6 +305,9 @@ def _segment_kernel(
                         first_row = tl.load(order_ptr + p_begin)
                     acc = _to_acc(tl.load(row_base + first_row * ss1 + cols * ss2, mask=mask,
                                           other=0), DATA, ACC)
+                    if SCALED:
+                        # A later chunk's first term is a term like any other: RN(x * alpha).
+                        acc = acc * alpha
                     p = p_begin + 1
                 elif RULE == _SMALL_STRIDE:
                     acc = tl.zeros([BLOCK], ACC)  # torch sums the terms from 0 and adds init last

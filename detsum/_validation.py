@@ -93,3 +93,89 @@ def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
         coords.append(flat % size)
         flat //= size
     return tuple(reversed(coords))
+
+
+# ---- in-place targets ---------------------------------------------------------------------------
+# These read storage pointers, so they run on real tensors: inside the in-place operator (eager
+# or compiled) and on the eager autograd path, always before anything is written.
+
+def _element_byte_starts(t: torch.Tensor) -> torch.Tensor:
+    """The byte offset into t's storage of each of t's elements (1-D, int64)."""
+    starts = torch.full((), t.storage_offset(), dtype=torch.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        starts = (starts.unsqueeze(-1) + torch.arange(size) * stride).reshape(-1)
+    return starts.reshape(-1) * t.element_size()
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, one past the last byte] that t's elements can touch in its storage."""
+    first = t.storage_offset() * t.element_size()
+    last = first + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    return first, last
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when t's elements are distinct by its strides alone (a permuted dense layout)."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride < expected:
+            return False
+        expected = stride * size
+    return True
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Some two elements of ``t`` share memory (an expanded stride-0 view, or an as_strided
+    overlap)."""
+    if t.numel() <= 1 or _is_dense(t):
+        return False
+    starts = _element_byte_starts(t)
+    return starts.unique().numel() < starts.numel()
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Some element of ``a`` and some element of ``b`` overlap in memory (exact: interleaved
+    views such as ``x[::2]`` and ``x[1::2]`` do not)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a_first, a_last), (b_first, b_last) = _byte_span(a), _byte_span(b)
+    if a_last <= b_first or b_last <= a_first:
+        return False
+    # The byte ranges meet: compare element by element (rare, so its cost is acceptable).
+    a_starts = _element_byte_starts(a).sort().values
+    b_starts = _element_byte_starts(b)
+    # a's element at p overlaps b's at q when p < q + b_size and q < p + a_size.
+    nearest = torch.searchsorted(a_starts, b_starts - a.element_size(), side="right")
+    in_range = nearest < a_starts.numel()
+    candidates = a_starts[nearest.clamp_max(a_starts.numel() - 1)]
+    return bool((in_range & (candidates < b_starts + b.element_size())).any())
+
+
+def check_inplace_target(caller: str, target_name: str, target: torch.Tensor,
+                         **read: torch.Tensor | None) -> None:
+    """The tensor written in place has distinct elements and shares no memory with the
+    tensors ``read`` (their results would depend on the order of the writes)."""
+    if has_internal_overlap(target):
+        raise ValueError(
+            f"{caller}: {target_name} has elements that share memory (shape "
+            f"{tuple(target.shape)}, strides {tuple(target.stride())}, an expanded view?); "
+            f"expected a tensor with distinct elements to write in place: pass "
+            f"{target_name}.clone()")
+    for name, t in read.items():
+        if t is not None and shares_memory(target, t):
+            raise ValueError(
+                f"{caller}: {name} shares memory with {target_name}, the tensor written in "
+                f"place, so the result would depend on the order of the writes; expected "
+                f"separate memory: pass {name}.clone()")
+
+
+def check_inplace_autograd(caller: str, target_name: str, target: torch.Tensor) -> None:
+    """A leaf that requires grad cannot be changed in place while autograd records."""
+    if torch.is_grad_enabled() and target.requires_grad and target.is_leaf:
+        raise RuntimeError(
+            f"{caller}: {target_name} is a leaf tensor that requires grad, which autograd "
+            f"cannot record an in-place change to; expected a non-leaf tensor: use the "
+            f"out-of-place function, or call this one under torch.no_grad()")

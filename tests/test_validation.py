@@ -118,3 +118,81 @@ def test_out_of_range_value_at_the_last_position_is_found():
     index[-1] = 7
     with pytest.raises(IndexError, match=rf"index\[{n - 1}\] = 7"):
         detsum.index_add(torch.zeros(7, 2), 0, index, torch.ones(n, 2))
+
+
+# ---- in-place targets: refused before any work, as torch refuses them -------------------------
+
+def _inplace_refusals():
+    """(id, make: () -> (target, index, source), exception, words)."""
+
+    def source_is_input():
+        z = torch.arange(5.0)
+        return z, torch.tensor([4, 3, 2, 1, 0]), z
+
+    def overlapping_slices():
+        buf = torch.arange(6.0)
+        return buf[0:4], torch.tensor([0, 1, 2, 3]), buf[1:5]
+
+    def index_in_input_memory():
+        x = torch.zeros(4)
+        return x, x.view(torch.int32)[:2], torch.ones(2)
+
+    def expanded_input():
+        return torch.zeros(1, 3).expand(4, 3), torch.tensor([0, 1]), torch.ones(2, 3)
+
+    def leaf_requires_grad():
+        return torch.zeros(4, 3, requires_grad=True), torch.tensor([0, 1]), torch.ones(2, 3)
+
+    def graph_path_source_in_input():
+        y = torch.ones(4, 3, requires_grad=True) * 2  # not a leaf: the autograd path
+        return y, torch.tensor([0, 1, 2]), y[1:4]
+
+    return [
+        ("source_is_input", source_is_input, ValueError, ["source shares memory with input"]),
+        ("overlapping_slices", overlapping_slices, ValueError, ["source shares memory"]),
+        ("index_in_input_memory", index_in_input_memory, ValueError,
+         ["index shares memory with input"]),
+        ("expanded_input", expanded_input, ValueError,
+         ["input has elements that share memory", "(0, 1)", "input.clone()"]),
+        ("leaf_requires_grad", leaf_requires_grad, RuntimeError,
+         ["leaf tensor that requires grad", "torch.no_grad()"]),
+        ("graph_path_source_in_input", graph_path_source_in_input, ValueError,
+         ["source shares memory with input"]),
+    ]
+
+
+@pytest.mark.parametrize("backend_name", ["numba", "reference"])
+@pytest.mark.parametrize("make,exception,words", [c[1:] for c in _inplace_refusals()],
+                         ids=[c[0] for c in _inplace_refusals()])
+def test_inplace_refusals_come_before_any_work(make, exception, words, backend_name,
+                                               monkeypatch):
+    from detsum import _segments, reference
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("planned or launched before the in-place checks")
+
+    monkeypatch.setattr(_segments, "launch", no_work)
+    monkeypatch.setattr(_segments, "plan_from_index", no_work)
+    monkeypatch.setattr(reference, "index_add", no_work)
+    target, index, source = make()
+    before = target.detach().clone()
+    with detsum.backend(backend_name), pytest.raises(exception) as raised:
+        detsum.index_add_(target, 0, index, source)
+    for word in words:
+        assert word in str(raised.value), f"{word!r} missing from {str(raised.value)!r}"
+    assert torch.equal(target.detach(), before)
+
+
+def test_interleaved_views_are_separate_memory():
+    """x[::2] and x[1::2] share a storage but no element: allowed, as torch allows it."""
+    buf = torch.arange(10.0)
+    expected = buf[::2].clone().index_add_(0, torch.tensor([0, 1]), buf[1::2][:2].clone())
+    detsum.index_add_(buf[::2], 0, torch.tensor([0, 1]), buf[1::2][:2])
+    assert torch.equal(buf[::2], expected)
+
+
+def test_inplace_on_a_leaf_is_fine_without_grad():
+    x = torch.zeros(4, 3, requires_grad=True)
+    with torch.no_grad():
+        detsum.index_add_(x, 0, torch.tensor([0, 0]), torch.ones(2, 3))
+    assert torch.equal(x.detach()[0], torch.full((3,), 2.0))

@@ -51,6 +51,9 @@ def _(input, dim, index, source, alpha, acc_mode):
 @torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
 def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
                          source: torch.Tensor, alpha: float, acc_mode: str) -> None:
+    # Here, not only in the public function: a compiled graph calls this operator directly.
+    _validation.check_inplace_target("detsum.index_add_", "input", input, index=index,
+                                     source=source)
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
@@ -136,9 +139,15 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
     caller = "detsum.index_add_"
     dim, alpha, mode = _check(input, dim, index, source, alpha, mode, caller)
+    _validation.check_inplace_autograd(caller, "input", input)
     if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
         # The in-place operator has no autograd formula of its own; copying the out-of-place
         # result in keeps the graph correct (copy_ is differentiable) at the cost of one pass.
+        # That path reads storage pointers only in eager mode (a traced tensor has none); the
+        # out-of-place result is right even for shared memory, but torch refuses the call, so
+        # eager detsum does too.
+        if not torch.compiler.is_compiling():
+            _validation.check_inplace_target(caller, "input", input, index=index, source=source)
         return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value))
     index_add_inplace_op(input, dim, index, source, alpha, mode.value)
     return input
@@ -172,7 +181,10 @@ index_add.__doc__ = """Out-of-place ``torch.index_add``: ``out[..., index[k], ..
 index_add_.__doc__ = """In-place :func:`index_add`: writes into ``input`` and returns it.
 
     Arguments as :func:`index_add`. Every argument is checked before anything is written, so a
-    call that raises leaves ``input`` untouched.
+    call that raises leaves ``input`` untouched. Refused, as by torch: an ``input`` whose
+    elements share memory (an expanded view), an ``index`` or ``source`` that shares memory
+    with ``input`` (the result would depend on the order of the writes), and, while autograd
+    records, an ``input`` that is a leaf requiring grad.
 """ + _ORDER_DOC + """
     Example:
         >>> import torch, detsum

@@ -8,12 +8,12 @@ stable pass over the index (its order *is* the canonical order of the determinis
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from detsum import kernels
 from detsum._validation import raise_index_out_of_range
+from detsum.backend import check_backend_runs
 
 #: Tests set this to True: every output is NaN-filled before a kernel writes it, so an element
 #: a kernel forgets to write fails the bitwise comparison instead of passing by luck.
@@ -67,6 +67,32 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     if first_bad >= 0:
         raise_index_out_of_range(caller, index_name, index, first_bad, num_segments, size_name)
     return order, offsets
+
+
+#: An output with more than this many rows per source row is planned over the rows that
+#: receive terms alone (``rows_with_terms``): the plan and the launch then cost O(N log N) in
+#: the N source rows instead of O(S) in the S output rows, and the other rows are a copy.
+SPARSE_ROWS_PER_SOURCE_ROW = 8
+
+
+def rows_with_terms(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
+                    size_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a 1-D ``index`` that feeds few of ``num_segments`` output rows: (the output rows
+    that receive terms, ascending; each source row's position among them), after checking
+    ``index``'s values. None when most rows receive terms (plan them all).
+
+    Every output row's result depends only on its own base row and terms, in order of
+    appearance; the positions keep that order (a stable plan of them is the same order), so
+    computing the rows with terms on their own gives the same bits.
+    """
+    if num_segments <= SPARSE_ROWS_PER_SOURCE_ROW * index.numel():
+        return None
+    targets, positions = torch.unique(index, sorted=True, return_inverse=True)
+    if targets.numel():
+        low, high = targets[[0, -1]].tolist()
+        if low < 0 or high >= num_segments:
+            _raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+    return targets.to(torch.int64), positions
 
 
 def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position: int):
@@ -133,14 +159,10 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
            carry3: torch.Tensor | None = None) -> None:
     """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
     ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
+    check_backend_runs(backend_name, src3.device.type, "detsum")
     if backend_name == "numba":
-        if src3.device.type != "cpu":
-            raise ValueError(f"the numba backend runs CPU tensors only, got {src3.device}")
         from detsum.kernels.numba.segment import segment_reduce
     elif backend_name == "triton":
-        if src3.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("the triton backend runs CPU tensors only in Triton's interpreter: "
-                             "set TRITON_INTERPRET=1 before triton is first imported")
         try:
             from detsum.kernels.triton.segment import segment_reduce
         except ImportError as error:

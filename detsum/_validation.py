@@ -15,6 +15,77 @@ import torch
 from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES
 
 
+# ---- errors under torch.compile ----------------------------------------------------------------
+
+_CHECK_ERRORS = (TypeError, ValueError, IndexError, RuntimeError, NotImplementedError)
+_ERROR_BY_NAME = {error.__name__: error for error in _CHECK_ERRORS}
+
+
+def _raise_named(kind: str, message: str) -> None:
+    raise _ERROR_BY_NAME[kind](message)
+
+
+def _raise_while_tracing(kind: str, message: str) -> None:
+    # What dynamo does with an operator's error while it traces: an IndexError reaches the
+    # user as it is; a NotImplementedError is a graph break, after which dynamo runs the call
+    # eagerly (the exact detsum error) or, with fullgraph=True, reports it with the message;
+    # anything else would become a TorchRuntimeError around it.
+    if kind == "IndexError":
+        raise IndexError(message)
+    raise NotImplementedError(f"{kind}: {message}")
+
+
+# An operator whose only work is to raise. Without it, an exception raised in the Python that
+# dynamo traces becomes its own "Observed exception", with detsum's message hidden in a debug
+# context under fullgraph=True.
+raise_argument_error = torch.library.custom_op(
+    "detsum::raise_argument_error", _raise_named, mutates_args=())
+raise_argument_error.register_fake(_raise_while_tracing)
+
+
+def run_check(check, *args, **kwargs):
+    """``check(*args, **kwargs)``, whose error reaches the user in detsum's words under
+    ``torch.compile`` too (``fullgraph=True`` included)."""
+    if not torch.compiler.is_compiling():
+        return check(*args, **kwargs)
+    try:
+        return check(*args, **kwargs)
+    except _CHECK_ERRORS as error:
+        raise_argument_error(type(error).__name__, str(error))
+        raise
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+
+def check_flag(caller: str, name: str, value: object) -> bool:
+    """A bool argument: None, 0/1 or a string are refused rather than read as truthy."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{caller}: {name}={value!r}; expected True or False")
+    return value
+
+
+def check_shape(caller: str, name: str, shape: object) -> torch.Size:
+    """A shape: a sequence (tuple, list, torch.Size) of non-negative ints."""
+    expected = "expected a sequence of non-negative ints such as (4, 3)"
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        raise TypeError(f"{caller}: {name}={shape!r}; {expected}")
+    sizes = list(shape)
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            raise TypeError(f"{caller}: {name}={shape!r} holds {size!r}; {expected}")
+        if size < 0:
+            raise ValueError(f"{caller}: {name}={shape!r} holds {size}; {expected}")
+    return torch.Size(int(size) for size in sizes)
+
+
+def check_device(caller: str, name: str, device: object) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{caller}: {name}={device!r} is not a device; expected a "
+                         f"torch.device or a string such as 'cpu' or 'cuda:0'") from None
+
+
 def check_float(caller: str, name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")

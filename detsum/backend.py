@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 
 BACKENDS: tuple[str, ...] = ("numba", "reference", "triton")
@@ -49,12 +50,26 @@ def backend(name: str) -> Iterator[None]:
         _forced_backend.reset(token)
 
 
-def current_backend(device_type: str) -> str:
-    """The backend that runs now for tensors on ``device_type``."""
-    forced = _forced_backend.get()
-    if forced is not None:
-        return forced
-    try:
-        return _DEFAULT_BY_DEVICE[device_type]
-    except KeyError:
-        raise NotImplementedError(f"detsum has no backend for {device_type!r} tensors") from None
+def current_backend(device_type: str, caller: str) -> str:
+    """The backend that runs now for tensors on ``device_type``, checked to run them."""
+    name = _forced_backend.get()
+    if name is None:
+        try:
+            name = _DEFAULT_BY_DEVICE[device_type]
+        except KeyError:
+            raise NotImplementedError(f"{caller}: detsum has no backend for {device_type} "
+                                      f"tensors; expected CPU or CUDA tensors") from None
+    check_backend_runs(name, device_type, caller)
+    return name
+
+
+def check_backend_runs(name: str, device_type: str, caller: str) -> None:
+    """Raise, in ``caller``'s words, if backend ``name`` cannot run ``device_type`` tensors."""
+    if name == "numba" and device_type != "cpu":
+        raise ValueError(f"{caller}: the numba backend runs CPU tensors only, got "
+                         f"{device_type} tensors; expected the default backend or "
+                         f"detsum.backend('triton') for them")
+    if name == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{caller}: the triton backend runs CPU tensors only in Triton's "
+                         f"interpreter; expected TRITON_INTERPRET=1 set before triton is first "
+                         f"imported, or CUDA tensors, or another backend")

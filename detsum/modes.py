@@ -37,12 +37,13 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def parse_mode(mode: object, *, caller: str) -> Mode:
     """Return the Mode for ``mode`` (a string or a Mode) or raise ValueError naming the choices."""
-    try:
+    # A membership test rather than Mode(mode) in a try: torch.compile cannot trace an Enum
+    # lookup that fails.
+    if isinstance(mode, Mode):
+        return mode
+    if isinstance(mode, str) and mode in MODES:
         return Mode(mode)
-    except ValueError:
-        raise ValueError(
-            f"{caller}: mode={mode!r} is not a detsum mode; expected one of {MODES}"
-        ) from None
+    raise ValueError(f"{caller}: mode={mode!r} is not a detsum mode; expected one of {MODES}")
 
 
 def parse_ordered_mode(mode: object, *, caller: str, why_not_autograd: str) -> Mode:
@@ -56,7 +57,7 @@ def parse_ordered_mode(mode: object, *, caller: str, why_not_autograd: str) -> M
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulator type of SPEC: fp64 for fp64 data, fp32 for everything narrower."""
+    """The accumulator type (docs/determinism.md): fp64 for fp64 data, fp32 for everything narrower."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 

@@ -1,17 +1,17 @@
 """Slow, obviously correct loops for every detsum primitive: the oracle the tests compare with.
 
-Everything here is written from ``SPEC.md`` ("detsum numerical contract") and from nothing else.
+Everything here is written from the determinism contract (``docs/determinism.md``) and from nothing else.
 It shares no code with the kernels on purpose: no counting sort, no integer rounding tricks.
 
 - Rounding is a torch dtype conversion: ``t.to(torch.bfloat16)`` (or float16, float32) rounds to
-  nearest, ties to even; that is SPEC's ``RN_dtype``.
-- Arithmetic is one torch fp32 / fp64 tensor op per SPEC step, so every step rounds exactly once
+  nearest, ties to even; that is the contract's ``RN_dtype``.
+- Arithmetic is one torch fp32 / fp64 tensor op per step of the contract, so every step rounds exactly once
   (``RN_acc``). Nothing is fused: ``a * b + c`` is written as two ops.
 - Each output element is independent of the others, so the loops run on a whole row of columns
   at once, but segments and the terms inside a segment are visited in plain Python, in canonical
-  order (order of appearance along ``dim``), so each loop can be read against SPEC line by line.
+  order (order of appearance along ``dim``), so each loop can be read against the contract line by line.
 
-Rules (SPEC's arithmetic per segment; ``sum_rule`` picks one per mode, device and segment):
+Rules (the contract's arithmetic per segment; ``sum_rule`` picks one per mode, device and segment):
 
 - ``"wide"``: ``acc = acc_type(init); acc = RN_acc(acc + term)``; ``out = RN_dtype(acc)``.
 - ``"kahan"``: Neumaier compensation in the acc type, ``out = RN_dtype(s + c)`` (``RN_dtype(s)``
@@ -62,7 +62,7 @@ _REDUCES = ("sum", "mean", "prod", "amax", "amin")
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """SPEC's acc type: fp64 for fp64 data, fp32 for fp32, fp16 and bf16."""
+    """The acc type: fp64 for fp64 data, fp32 for fp32, fp16 and bf16."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -71,7 +71,7 @@ def sum_rule(mode: str, dtype: torch.dtype, device_type: str, slice_size: int, n
 
     Args:
         mode: ``"fp32"``, ``"kahan"`` or ``"autograd"``.
-        dtype: the data's dtype. No rule depends on it today (SPEC's CPU rows for bf16/fp16 and
+        dtype: the data's dtype. No rule depends on it today (the contract's CPU rows for bf16/fp16 and
             for fp32/fp64 are the same rule, ``round_each``, since rounding an fp32 sum to fp32
             is a no-op); it is an argument so that a dtype-specific device path has a place.
         device_type: ``"cpu"`` or ``"cuda"``; only "autograd" mode looks at it.
@@ -253,7 +253,7 @@ def _cuda_warp_tree(init: torch.Tensor, terms: Sequence[torch.Tensor], dtype: to
 
 
 def _scaled_term(x: torch.Tensor, alpha, acc_t: torch.dtype) -> torch.Tensor:
-    """SPEC's term(x): acc_type(x), or RN_acc(acc_type(x) * alpha) as its own op when alpha != 1."""
+    """The contract's term(x): acc_type(x), or RN_acc(acc_type(x) * alpha) as its own op when alpha != 1."""
     if alpha == 1:
         return x.to(acc_t)
     return x.to(acc_t) * torch.tensor(alpha, dtype=acc_t, device=x.device)
@@ -537,7 +537,7 @@ def _exact_sum_rounded_1d(values: Sequence[float], dtype: torch.dtype) -> torch.
 
 
 def exact_sum_rounded(terms, dtype: torch.dtype | None = None, *, dim: int = 0) -> torch.Tensor:
-    """The exact sum of ``terms``, rounded once to ``dtype`` (SPEC's accuracy yardstick).
+    """The exact sum of ``terms``, rounded once to ``dtype`` (the accuracy yardstick).
 
     Args:
         terms: a tensor (summed along ``dim``; every other position independently) or a

@@ -325,6 +325,8 @@ def numba_threads(n: int | None):
         return
     import numba
 
+    import detsum.kernels.numba  # noqa: F401  (starts Numba's threads, torch's kept)
+
     previous = numba.get_num_threads()
     numba.set_num_threads(n)
     try:
@@ -375,6 +377,8 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
     if device.type == "cpu":
         import numba
 
+        import detsum.kernels.numba  # noqa: F401  (starts Numba's threads, torch's kept)
+
         n = numba.get_num_threads()
         row["deterministic"] = three_runs_equal(dfn, (n, 1, n))
     else:
@@ -396,6 +400,8 @@ def _version(name: str) -> str:
 
 def environment(device: torch.device) -> dict:
     import numba
+
+    import detsum.kernels.numba  # noqa: F401  (starts Numba's threads, torch's kept)
 
     env = {
         "device": str(device),

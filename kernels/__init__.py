@@ -2,8 +2,8 @@
 
 Every backend exposes one launcher with the same signature, ``segment_reduce`` (see
 ``detsum.kernels.numba.segment`` for the contract), that writes a segmented reduction into a
-preallocated output. The arithmetic of each rule is defined in SPEC terms in
-``detsum/modes.py``; the integer codes below are the only thing the kernels see of it.
+preallocated output. The arithmetic of each rule is defined in the determinism
+contract (``docs/determinism.md``) and picked in ``detsum/modes.py``; the integer codes below are the only thing the kernels see of it.
 """
 
 import torch

@@ -20,7 +20,7 @@ the fp32 bit pattern with integer adds, shifts and masks
 
 NaN: bf16 results are the quiet NaN ``0x7FC0`` (as torch's scalar conversion), fp16 results
 keep the sign with payload ``0x7E00``. NaN payload bits differ between torch paths anyway, so
-tests compare NaN positions only (SPEC.md).
+tests compare NaN positions only (docs/determinism.md).
 """
 
 import numpy as np

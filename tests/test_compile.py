@@ -105,3 +105,36 @@ def test_compiled_backward_gives_eager_gradients():
     compiled = torch.autograd.grad(torch.compile(loss, fullgraph=True, backend="aot_eager")(x, src), (x, src))
     for e, c in zip(eager, compiled):
         assert_same_bits(c, e)
+
+
+# ---- argument errors reach the user in detsum's words under torch.compile -------------------
+
+_X, _INDEX, _SRC = torch.zeros(4, 3), torch.tensor([0, 1, 2]), torch.ones(3, 3)
+COMPILE_ERRORS = [
+    pytest.param(lambda a: detsum.index_add(a, 5, _INDEX, _SRC), IndexError,
+                 "detsum.index_add: dim=5 is out of range", id="dim"),
+    pytest.param(lambda a: detsum.index_add(a, 0, _INDEX, _SRC, mode="fast"), ValueError,
+                 "detsum.index_add: mode='fast' is not a detsum mode", id="mode"),
+    pytest.param(lambda a: detsum.segment_sum(a, torch.tensor([0, 4]), dim=3), IndexError,
+                 "detsum.segment_sum: dim=3", id="segment_sum_dim"),
+    pytest.param(lambda a: detsum.scatter_reduce(a, 0, _INDEX, _SRC, "sum", include_self=None),
+                 TypeError, "detsum.scatter_reduce: include_self=None", id="flag"),
+]
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph_breaks", "fullgraph"])
+@pytest.mark.parametrize("fn,exception,words", COMPILE_ERRORS)
+def test_compiled_argument_errors_carry_detsum_words(fn, exception, words, fullgraph):
+    """Before: dynamo's "Observed exception" (detsum's words only in a debug context) or, for
+    a mode, an InternalTorchDynamoError about the Enum. Now the message is the error's (an
+    IndexError, or any error when dynamo may fall back to eager) or, for other kinds under
+    fullgraph=True, in the first lines of dynamo's report, which names the kind."""
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as raised:
+        torch.compile(fn, fullgraph=fullgraph)(_X.clone())
+    head = "\n".join(str(raised.value).splitlines()[:3])
+    assert words in head, head
+    if not fullgraph or exception is IndexError:
+        assert type(raised.value) is exception, type(raised.value)
+    else:
+        assert exception.__name__ in head, head

@@ -6,7 +6,7 @@ alpha, include_self, sorted, the layout of the tensors (contiguous, transposed, 
 larger NaN-filled buffer, an expanded stride-0 source) and the data (spread over many binades,
 plain, or with NaN, inf and signed zeros). It runs the primitive on the numba, triton (Triton's
 interpreter without a GPU) and reference backends and asserts equal bits; in "autograd" mode
-it also asserts torch's own bits where torch has the op (SPEC's "autograd" definitions, see
+it also asserts torch's own bits where torch has the op (the "autograd" definitions of
 docs/determinism.md). The alpha bug (the first term of every later chunk added unscaled)
 lived where chunking met alpha != 1: this test draws those meetings on purpose.
 

@@ -34,3 +34,16 @@ def test_quickstart_code_runs():
     assert blocks, "no python block in quickstart.md"
     for block in blocks:
         exec(compile(block, "quickstart.md", "exec"), {"__name__": "quickstart"})
+
+
+def test_pages_name_only_files_of_the_project():
+    """The contract once cited SPEC.md, a draft outside the repository: every .md file a page
+    or the README names must be one of the project's own."""
+    root = DOCS.parent
+    for page in [root / "README.md", *DOCS.glob("*.md")]:
+        for name in re.findall(r"[\w./-]+\.md\b", page.read_text()):
+            if name.startswith(("http", "//")) or "://" in name:
+                continue
+            candidates = [page.parent / name, root / name, DOCS / name,
+                          root / "benches" / name]
+            assert any(c.exists() for c in candidates), f"{page.name} names {name}"

@@ -74,7 +74,7 @@ def both_backends(fn):
 
 
 def index_put_accumulate(input, dim, index, values):
-    """What autograd runs for the gradient of x[index] (and SPEC's "autograd" reference)."""
+    """What autograd runs for the gradient of x[index] (and the contract's "autograd" definition)."""
     dim = dim % input.dim()
     indices = [None] * dim + [index]
     if input.dtype in (torch.float32, torch.float64):

@@ -125,8 +125,8 @@ def test_autograd_matches_cpu_index_put_large_fp32():
 @pytest.mark.parametrize("slice_size", [1, 8, 32, 33, 4096])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_autograd_matches_cuda_index_put(dtype, slice_size, n):
-    """SPEC's CUDA rows were read from Indexing.cu, not run: this is the check SPEC asks the
-    first GPU run for. n terms go to row 1, shuffled among 5 terms for rows 0 and 2; the
+    """The contract's CUDA rows were read from Indexing.cu and then confirmed on an H100; this is
+    the reference's side of that check. n terms go to row 1, shuffled among 5 terms for rows 0 and 2; the
     reference runs on CPU with the CUDA rules (device_type="cuda")."""
     g = torch.Generator().manual_seed(n * 10_000 + slice_size)
     input = data((3, slice_size), dtype, 1)
@@ -539,7 +539,7 @@ def test_sum_rule_table():
 
 
 def _warp_tree_by_lanes(init, terms):
-    """SPEC's stride-1 CUDA kernel simulated literally: all 32 lanes, and a shuffle-down where a
+    """The contract's stride-1 CUDA kernel simulated literally: all 32 lanes, and a shuffle-down where a
     lane whose partner is out of range reads its own value (as __shfl_down_sync does)."""
     n, p = len(terms), len(terms) // 32
     f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
@@ -756,7 +756,7 @@ def test_kahan_within_one_ulp_of_exact(dtype, record_property):
 
 
 def test_kahan_limit_fp32():
-    """Where SPEC's "<= 1 ulp everywhere" stops: for fp32 data the compensation itself is summed
+    """Where "kahan"'s "<= 1 ulp" stops: for fp32 data the compensation itself is summed
     in fp32, so its error grows like n * u**2 * sum|x|. Pairs cancelling 2**40 above the
     surviving terms (condition number ~2**45) leave errors of thousands of ulps."""
     src, offsets = wild_segments(torch.float32, seed=91, cancel=40)

@@ -1,7 +1,7 @@
 """detsum.kernels.rounding against torch's own CPU conversions, bit for bit.
 
 torch's CPU ``.to(torch.bfloat16)`` / ``.to(torch.float16)`` round to nearest even, which is
-what SPEC.md calls RN. Upcasts are checked on all 65536 patterns; downcasts on millions of
+what the contract calls RN. Upcasts are checked on all 65536 patterns; downcasts on millions of
 random fp32 patterns plus every tie (the exact midpoint between two neighbouring 16-bit
 values) and its two fp32 neighbours, carries, subnormal boundaries, max finite, +-inf, NaN.
 NaN payloads differ between torch paths, so NaNs are compared by position only.

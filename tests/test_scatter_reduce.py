@@ -56,7 +56,7 @@ CASES = [
 ]
 
 # (reduce, mode) pairs of the numba == reference matrix. prod/amax/amin do not depend on the
-# mode (SPEC; the reference ignores it for them), so they run once here and
+# mode (the contract; the reference ignores it for them), so they run once here and
 # test_prod_amax_amin_do_not_depend_on_mode checks that the kernels agree across modes.
 REDUCE_MODES = [(r, m) for r in ("sum", "mean") for m in MODES] + [
     (r, "fp32") for r in ("prod", "amax", "amin")]
@@ -171,7 +171,7 @@ def test_numba_matches_reference(reduce, mode, dtype, template, dim, kind, case)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("reduce", ["prod", "amax", "amin"])
 def test_prod_amax_amin_do_not_depend_on_mode(reduce, dtype, template, dim, kind):
-    """SPEC: prod is one serial product in the acc type in every mode; amax/amin are exact."""
+    """The contract: prod is one serial product in the acc type in every mode; amax/amin are exact."""
     case = "one_huge_segment" if reduce == "prod" else "special_values"
     input, index, src = make_case(template, dim, kind, dtype, case, reduce)
 
@@ -236,7 +236,7 @@ TORCH_PARAMS = list(_torch_params())
 @pytest.mark.parametrize("reduce", ["sum", "prod"])
 def test_fp32_mode_sum_prod_match_torch(reduce, dtype, template, dim, kind, case):
     """torch's CPU scatter_reduce sum/prod accumulate in a wide (fp32/fp64) buffer and round
-    once, in every layout: SPEC's "fp32" mode."""
+    once, in every layout: the contract's "fp32" mode."""
     input, index, src = make_case(template, dim, kind, dtype, case, reduce)
 
     def check(include_self):

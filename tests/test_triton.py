@@ -254,7 +254,7 @@ def test_chunked_order_differs_from_serial():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize("alpha", [1.0, 0.3])
 def test_cuda_autograd_rules_match_reference(alpha, dtype, n_terms, slice_size):
-    """SPEC's three CUDA rows (stride 1 with its warp tree from 32 terms, small stride, one
+    """The contract's three CUDA rows (stride 1 with its warp tree from 32 terms, small stride, one
     rounding per add) against the reference on the same data, with an outer dim of 2 and a
     segment that receives nothing."""
     from detsum.kernels.triton.segment import segment_reduce
@@ -328,7 +328,7 @@ def test_bad_index_raises_before_writing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 def test_autograd_mode_matches_torch_on_cuda(dtype, n_terms, slice_size):
     """"autograd" mode against index_put_(accumulate=True) run by torch on the GPU itself: the
-    check that SPEC's CUDA rows (read from torch's source) are what the hardware does."""
+    check that the contract's CUDA rows (read from torch's source) are what the hardware does."""
     seed = seed_of("cuda-torch", slice_size, n_terms, dtype)
     g = torch.Generator().manual_seed(seed)
     source = make_data((n_terms + 5, slice_size), dtype, seed=seed, spread=True).cuda()

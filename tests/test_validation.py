@@ -76,6 +76,23 @@ def _bad_calls():
          ValueError, ["0-dimensional"]),
         ("backend_unknown", lambda: detsum.backend("cuda-graphs").__enter__(),
          ValueError, ["'cuda-graphs'", "numba"]),
+        ("include_self_none", lambda: detsum.scatter_reduce(x, 0, idx, src, "sum",
+                                                            include_self=None),
+         TypeError, ["detsum.scatter_reduce", "include_self=None", "True or False"]),
+        ("include_self_int", lambda: detsum.scatter_reduce(x, 0, idx, src, "sum", include_self=1),
+         TypeError, ["include_self=1"]),
+        ("sorted_string", lambda: detsum.scatter_reduce(x, 0, idx, src, "sum", sorted="yes"),
+         TypeError, ["sorted='yes'", "True or False"]),
+        ("running_sum_negative_size", lambda: detsum.RunningSum((-1,)),
+         ValueError, ["detsum.RunningSum", "shape=(-1,)", "non-negative ints"]),
+        ("running_sum_string_shape", lambda: detsum.RunningSum("abc"),
+         TypeError, ["detsum.RunningSum", "shape='abc'"]),
+        ("running_sum_int_shape", lambda: detsum.RunningSum(5),
+         TypeError, ["shape=5", "such as (4, 3)"]),
+        ("running_sum_bool_size", lambda: detsum.RunningSum((2, True)),
+         TypeError, ["holds True"]),
+        ("running_sum_device", lambda: detsum.RunningSum((2,), device="gpu"),
+         ValueError, ["device='gpu'", "cuda:0"]),
     ]
     return calls
 
@@ -196,3 +213,17 @@ def test_inplace_on_a_leaf_is_fine_without_grad():
     with torch.no_grad():
         detsum.index_add_(x, 0, torch.tensor([0, 0]), torch.ones(2, 3))
     assert torch.equal(x.detach()[0], torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: detsum.index_add(torch.zeros(4, 3), 0, torch.tensor([0]), torch.ones(1, 3)),
+    lambda: detsum.segment_sum(torch.ones(3, 2), torch.tensor([0, 3])),
+    lambda: detsum.scatter_reduce(torch.zeros(4), 0, torch.tensor([1]), torch.ones(1), "amax"),
+    lambda: detsum.RunningSum((2,)).add(torch.ones(300, 2)),
+], ids=["index_add", "segment_sum", "scatter_reduce", "running_sum"])
+def test_triton_on_cpu_without_the_interpreter_names_the_function(call, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with detsum.backend("triton"), pytest.raises(ValueError) as raised:
+        call()
+    message = str(raised.value)
+    assert message.startswith("detsum.") and "TRITON_INTERPRET=1" in message, message

@@ -14,10 +14,24 @@ _CALLER = "detsum.index_add"
 # ---- operators: out of place and in place -------------------------------------------------------
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-         alpha: float, mode: str, out3: torch.Tensor | None) -> torch.Tensor:
+         alpha: float, mode: str, out3: torch.Tensor | None, *,
+         plan_rows_with_terms: bool = True) -> torch.Tensor:
     """The shared body: validate index values, plan, launch. Writes ``out3`` when given."""
     num_segments = input.shape[dim]
-    backend_name = current_backend(input.device.type)
+    backend_name = current_backend(input.device.type, _CALLER)
+    sparse = None
+    if plan_rows_with_terms and backend_name != "reference":
+        sparse = _segments.rows_with_terms(_CALLER, index, num_segments, index_name="index",
+                                           size_name=f"input.size({dim})")
+    if sparse is not None:
+        targets, positions = sparse
+        rows = _run(input.index_select(dim, targets), dim, positions, source, alpha, mode, None,
+                    plan_rows_with_terms=False)
+        if out3 is None:
+            out3 = _segments.new_output(_segments.rows_view(input, dim), num_segments)
+            out3.copy_(_segments.rows_view(input, dim))
+        out3.index_copy_(1, targets, rows)
+        return out3
     order, offsets = _segments.plan_from_index(
         _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
         promised_sorted=False, backend_name=backend_name)
@@ -131,15 +145,17 @@ _ORDER_DOC = """
 
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
-    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, _CALLER)
+    dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
+                                             _CALLER)
     return index_add_op(input, dim, index, source, alpha, mode.value)
 
 
 def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
                alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
     caller = "detsum.index_add_"
-    dim, alpha, mode = _check(input, dim, index, source, alpha, mode, caller)
-    _validation.check_inplace_autograd(caller, "input", input)
+    dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
+                                             caller)
+    _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
         # The in-place operator has no autograd formula of its own; copying the out-of-place
         # result in keeps the graph correct (copy_ is differentiable) at the cost of one pass.

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from detsum import _segments, reference
+from detsum import _segments, _validation, reference
 from detsum.backend import current_backend
 from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_ordered_mode
@@ -28,7 +28,7 @@ def _resume(total: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tensor) 
     n = rows.shape[0]
     if n == 0:
         return
-    backend_name = current_backend(total.device.type)
+    backend_name = current_backend(total.device.type, "detsum.RunningSum.add")
     if backend_name == "reference":
         s, c = reference.resume_sum(total, comp, list(rows))
         total.copy_(s)
@@ -80,7 +80,8 @@ class RunningSum:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(f"{caller}: dtype={dtype}; expected one of "
                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
-        self.shape = torch.Size(shape)
+        self.shape = _validation.check_shape(caller, "shape", shape)
+        device = _validation.check_device(caller, "device", device)
         self.dtype = dtype
         self.count = 0
         acc = acc_dtype(dtype)

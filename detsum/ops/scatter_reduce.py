@@ -39,9 +39,28 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backe
 @torch.library.custom_op("detsum::scatter_reduce", mutates_args=())
 def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                       reduce: str, include_self: bool, acc_mode: str, sorted: bool) -> torch.Tensor:
+    return _run(input, dim, index, src, reduce, include_self, acc_mode, sorted)
+
+
+def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *,
+         plan_rows_with_terms=True):
+    """The operator's body: validate index values, plan, launch."""
     input3 = _segments.rows_view(input, dim)
-    backend_name = current_backend(input.device.type)
+    backend_name = current_backend(input.device.type, _CALLER)
     rowwise = index.dim() == 1
+    sparse = None
+    if plan_rows_with_terms and rowwise and backend_name != "reference":
+        sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
+                                           size_name=f"input.size({dim})")
+    if sparse is not None:
+        # Rows without terms keep input (include_self or not), as in torch.
+        targets, positions = sparse
+        rows = _run(input.index_select(dim, targets), dim, positions, src, reduce, include_self,
+                    acc_mode, sorted, plan_rows_with_terms=False)
+        out3 = _segments.new_output(input3, input3.shape[1])
+        out3.copy_(input3)
+        out3.index_copy_(1, targets, _segments.rows_view(rows, dim))
+        return out3.view(input.shape)
     if rowwise:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, input.shape[dim], index_name="index",
@@ -199,7 +218,15 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         >>> detsum.scatter_reduce(torch.zeros(2), 0, index, src, "amax", include_self=False)
         tensor([3., 4.])
     """
+    dim, mode = _validation.run_check(_check, input, dim, index, src, reduce, include_self,
+                                      mode, sorted)
+    return scatter_reduce_op(input, dim, index, src, reduce, include_self, mode.value, sorted)
+
+
+def _check(input, dim, index, src, reduce, include_self, mode, sorted):
     mode = parse_mode(mode, caller=_CALLER)
+    _validation.check_flag(_CALLER, "include_self", include_self)
+    _validation.check_flag(_CALLER, "sorted", sorted)
     if reduce not in REDUCTIONS:
         raise ValueError(f"{_CALLER}: reduce={reduce!r} is not supported; expected one of {REDUCTIONS}")
     _validation.check_float(_CALLER, "input", input)
@@ -215,5 +242,4 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     if sorted and index.dim() != 1:
         raise ValueError(f"{_CALLER}: sorted=True needs a 1-D index, got shape {tuple(index.shape)}")
     _validation.check_same_device(_CALLER, input=input, index=index, src=src)
-    return scatter_reduce_op(input, dim, index, src, reduce, bool(include_self), mode.value,
-                             bool(sorted))
+    return dim, mode

@@ -37,7 +37,7 @@ def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
                    perm: torch.Tensor | None, acc_mode: str) -> torch.Tensor:
     num_rows = src.shape[dim]
     _check_values(offsets, perm, num_rows)
-    backend_name = current_backend(src.device.type)
+    backend_name = current_backend(src.device.type, _CALLER)
     if backend_name == "reference":
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
     src3 = _segments.rows_view(src, dim)
@@ -138,6 +138,11 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
         tensor([[5., 6.],
                 [4., 6.]])
     """
+    dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode)
+    return segment_sum_op(src, offsets, dim, perm, mode.value)
+
+
+def _check(src, offsets, dim, perm, mode):
     mode = parse_mode(mode, caller=_CALLER)
     _validation.check_float(_CALLER, "src", src)
     # Malformed offsets are a ValueError whatever is wrong with them, their dtype included.
@@ -151,4 +156,4 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
             raise ValueError(f"{_CALLER}: perm has length {perm.shape[0]}; expected "
                              f"src.size({dim}) = {src.shape[dim]}")
     _validation.check_same_device(_CALLER, src=src, offsets=offsets, perm=perm)
-    return segment_sum_op(src, offsets, dim, perm, mode.value)
+    return dim, mode

@@ -2,7 +2,7 @@
 
 ``segment_reduce`` (``detsum.kernels.numba.segment``) reads a segment's rows as
 ``order[offsets[s]] .. order[offsets[s+1]-1]``. The order inside a segment is the canonical
-order of SPEC.md: rows in order of appearance along ``dim``. ``counting_sort`` builds exactly
+order of the contract (docs/determinism.md): rows in order of appearance along ``dim``. ``counting_sort`` builds exactly
 that (a stable counting sort of the index); ``check_sorted_offsets`` serves an index already
 promised nondecreasing, where no ``order`` is needed at all.
 

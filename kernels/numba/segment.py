@@ -569,7 +569,11 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     carry_np, cs = (_flat(carry) if carry is not None
                     else (np.zeros(1, dtype=acc_dtype), (0, 0, 0)))
 
-    nthreads = numba.get_num_threads()
+    # No more threads than torch is set to use (torch.set_num_threads(1) means one), nor than
+    # Numba is set to use.
+    torch_threads = torch.get_num_threads()
+    numba_threads = numba.get_num_threads()
+    nthreads = max(1, min(torch_threads, numba_threads))
     rows = outer * nseg
     # Equal column chunks of at most _CHUNK, in whole 64-byte lines where possible; with few
     # output rows, narrower ones (down to _MIN_CHUNK), so that every thread gets items.
@@ -584,8 +588,16 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     cursors = np.empty((n_blocks, 5), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
-    kernel(
-        src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
-        (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
-        base is not None, carry is not None, chunk, acc_scratch, data_scratch, cursors, pf_dist,
-    )
+    numba.set_num_threads(nthreads)
+    try:
+        kernel(
+            src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
+            (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
+            base is not None, carry is not None, chunk, acc_scratch, data_scratch, cursors,
+            pf_dist,
+        )
+    finally:
+        numba.set_num_threads(numba_threads)
+        # Numba's OpenMP layer sets the thread count of the runtime it shares with torch.
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)

@@ -29,7 +29,7 @@ IMPLEMENTATION NOTES (this backend):
   ``c`` from ``carry``; the program that writes the segment's row (its whole-segment slot, or
   the fold) writes ``s`` to ``out`` and ``c`` back to ``carry`` instead of the final ``s + c``.
 
-- bf16 travels as int16 bits and is converted with integer operations (SPEC: the Triton
+- bf16 travels as int16 bits and is converted with integer operations (why: the Triton
   interpreter's ``.to(tl.bfloat16)`` truncates, and it has no bf16 arithmetic). fp16 uses
   ``.to``, which rounds to nearest even on the GPU and in the interpreter.
 

@@ -1,0 +1,126 @@
+"""Outputs with far more rows than the source: planned over the rows that receive terms.
+
+The plan over all S output rows costs O(S) time and memory (an input of shape [2**26, 0], with
+nothing to compute, took 0.9 s and 1 GiB; 1000 rows into 2**24 rows of 4 took 3.5 s). Rows
+that receive no term are the base row, copied; the others are computed on their own, so the
+bits must equal the plan over every row, which these tests check by forcing each path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import detsum
+from conftest import DTYPES, MODES, assert_same_bits, dtype_id, make_data
+from detsum import _segments
+
+BACKENDS = ["numba"]
+try:
+    import triton  # noqa: F401
+    BACKENDS.append("triton")
+except ImportError:
+    pass
+
+
+def _both_plans(fn, monkeypatch, backend_name):
+    """``fn()`` planned over every output row, then over the rows with terms alone."""
+    results = []
+    for threshold in (10**9, 0):  # never sparse, always sparse
+        monkeypatch.setattr(_segments, "SPARSE_ROWS_PER_SOURCE_ROW", threshold)
+        with detsum.backend(backend_name):
+            results.append(fn())
+    return results
+
+
+def _case(dtype, n_out, inner=3):
+    """Rows around the chunk boundary (257 terms into one row), specials, empty rows, and a
+    transposed input."""
+    index = torch.cat([torch.full((257,), 7), torch.tensor([2, 9, 2, 0]),
+                       torch.full((3,), n_out - 1)])[torch.randperm(264, generator=torch.Generator().manual_seed(0))]
+    source = make_data((index.numel(), inner), dtype, seed=1, spread=True)
+    source[5, 1] = float("nan")
+    source[6, 2] = float("inf")
+    input = make_data((inner, n_out), dtype, seed=2, spread=True).t()
+    return input, index, source
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_index_add_sparse_plan_gives_the_dense_bits(mode, dtype, backend_name, monkeypatch):
+    input, index, source = _case(dtype, n_out=40)
+    dense, sparse = _both_plans(
+        lambda: detsum.index_add(input, 0, index, source, alpha=0.3, mode=mode), monkeypatch,
+        backend_name)
+    assert_same_bits(sparse, dense)
+    in_place = input.clone()
+    monkeypatch.setattr(_segments, "SPARSE_ROWS_PER_SOURCE_ROW", 0)
+    with detsum.backend(backend_name):
+        detsum.index_add_(in_place, 0, index, source, alpha=0.3, mode=mode)
+    assert_same_bits(in_place, dense)
+
+
+@pytest.mark.parametrize("backend_name", BACKENDS)
+@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("mode", MODES)
+def test_scatter_reduce_sparse_plan_gives_the_dense_bits(mode, include_self, reduce,
+                                                         backend_name, monkeypatch):
+    input, index, source = _case(torch.bfloat16, n_out=40)
+    if reduce == "prod":
+        source = (1 + source.float() / 2**40).to(torch.bfloat16)
+    for promise_sorted in (False, True):
+        idx = index.sort().values if promise_sorted else index
+        dense, sparse = _both_plans(
+            lambda: detsum.scatter_reduce(input, 0, idx, source, reduce,
+                                          include_self=include_self, mode=mode,
+                                          sorted=promise_sorted),
+            monkeypatch, backend_name)
+        assert_same_bits(sparse, dense)
+
+
+def test_nothing_is_planned_over_every_output_row(monkeypatch):
+    planned = []
+    plan = _segments.plan_from_index
+
+    def recording_plan(caller, index, num_segments, **kwargs):
+        planned.append(num_segments)
+        return plan(caller, index, num_segments, **kwargs)
+
+    monkeypatch.setattr(_segments, "plan_from_index", recording_plan)
+    out = detsum.index_add(torch.zeros(2**20, 2), 0, torch.tensor([7, 2**20 - 1, 7]),
+                           torch.ones(3, 2))
+    assert planned == [2]  # the two rows with terms
+    assert out[7].tolist() == [2.0, 2.0] and out[-1].tolist() == [1.0, 1.0]
+    assert int(out.count_nonzero()) == 4
+    planned.clear()
+    detsum.index_add(torch.zeros(2**26, 0), 0, torch.zeros(0, dtype=torch.long),
+                     torch.zeros(0, 0))
+    assert planned == [0]
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=dtype_id)
+@pytest.mark.parametrize("rows", [0, 3])
+def test_int32_and_empty_indexes_take_the_sparse_plan(rows, index_dtype):
+    """An int32 index once reached index_copy_, which takes int64 only (found by the fuzz
+    test with an empty index)."""
+    index = torch.tensor([1, 5, 1][:rows], dtype=index_dtype)
+    x = make_data((100, 2), torch.float32, seed=3)
+    source = make_data((rows, 2), torch.float32, seed=4)
+    expected = x.index_add(0, index.long(), source)
+    assert_same_bits(detsum.index_add(x, 0, index, source), expected)
+    assert_same_bits(detsum.scatter_reduce(x, 0, index, source, "sum"), expected)
+    in_place = x.clone()
+    detsum.index_add_(in_place, 0, index, source)
+    assert_same_bits(in_place, expected)
+
+
+@pytest.mark.parametrize("bad", [-1, 2**20])
+def test_sparse_plan_still_checks_every_index_value(bad):
+    x = torch.zeros(2**20, 2)
+    with pytest.raises(IndexError, match=rf"index\[1\] = {bad} is out of range"):
+        detsum.index_add_(x, 0, torch.tensor([3, bad, 5]), torch.ones(3, 2))
+    assert not x.any()
+    with pytest.raises(IndexError, match=rf"index\[1\] = {bad}"):
+        detsum.scatter_reduce(x, 0, torch.tensor([3, bad, 5]), torch.ones(3, 2), "sum")

@@ -18,6 +18,10 @@ The modes mean what they mean for the primitives:
   ``(u.view(T, topk, H) * weights[..., None]).sum(1)`` for ``unpermute``);
 - ``"fp32"`` / ``"kahan"``: products and sums in fp32 (compensated for ``"kahan"``), one
   rounding to the dtype: closer to the exact result than autograd.
+
+The combined rows of ``unpermute`` have torch's promoted dtype of the rows and the weights in
+every mode (bf16 rows with fp32 routing weights give fp32, as the naive composition does), and
+fp32 weights are never rounded to the rows' dtype, forward or backward.
 """
 
 from __future__ import annotations
@@ -199,20 +203,28 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
 
 # ---- unpermute ----------------------------------------------------------------------------------
 
+def _combined_dtype(y: torch.Tensor, weights: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the combined rows: torch's promotion of ``y * weights``, the dtype the naive
+    composition returns (bf16 rows and fp32 weights give fp32)."""
+    return y.dtype if weights is None else torch.promote_types(y.dtype, weights.dtype)
+
+
 def _sum_mode(acc_mode: str) -> str:
     # The naive composition sums the topk rows with torch's sum(dim=1): an fp32 accumulator,
     # slot by slot, one rounding. That is the arithmetic of detsum's "fp32" mode.
     return "fp32" if acc_mode == Mode.AUTOGRAD.value else acc_mode
 
 
-def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, acc_mode: str
-                   ) -> torch.Tensor:
-    """y[p] * w[p]: in the dtype for "autograd" (torch multiplies there), else in fp32."""
+def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, out_dtype: torch.dtype,
+                   acc_mode: str) -> torch.Tensor:
+    """y[p] * w[p]: as torch multiplies for "autograd" (in the promoted dtype, so fp32 weights
+    are never rounded to y's dtype), else in the accumulator type."""
     shape = (-1,) + (1,) * (y.dim() - 1)
     if acc_mode == Mode.AUTOGRAD.value:
-        return y * position_weights.to(y.dtype).view(shape)
-    # An fp32 weight promotes the product to fp32 (y converted on the fly, exactly): one pass.
-    return y * position_weights.to(acc_dtype(y.dtype)).view(shape)
+        return y * position_weights.view(shape)
+    # Both factors convert to the accumulator exactly (it is at least as wide as either), and
+    # the multiply promotes y on the fly: one pass, one rounding per product.
+    return y * position_weights.to(acc_dtype(out_dtype)).view(shape)
 
 
 @torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
@@ -222,18 +234,22 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
     if not reduce:
         return y.index_select(0, positions)
     num_tokens = y.shape[0] // topk
+    out_dtype = _combined_dtype(y, weights)
     rows = y
     if weights is not None:
-        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), acc_mode)
+        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype,
+                              acc_mode)
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
                                        positions, _sum_mode(acc_mode))
-    return out.to(y.dtype)
+    return out.to(out_dtype)
 
 
 @unpermute_op.register_fake
 def _(y, gather_indices, topk, weights, reduce, acc_mode):
-    rows = y.shape[0] // topk if reduce else y.shape[0]
-    return y.new_empty((rows,) + tuple(y.shape[1:]))
+    if not reduce:
+        return y.new_empty(y.shape)
+    return y.new_empty((y.shape[0] // topk,) + tuple(y.shape[1:]),
+                       dtype=_combined_dtype(y, weights))
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -246,21 +262,25 @@ def _unpermute_backward(ctx, grad):
     y, gather_indices, weights = ctx.saved_tensors
     if not ctx.reduce:
         return grad.index_select(0, gather_indices), None, None, None, None, None
-    # Every permuted row p received its token's gradient row (times its weight).
+    # Every permuted row p received its token's gradient row (times its weight). grad has the
+    # output's dtype: the promoted one when weights are wider than y.
     grad_rows = grad.index_select(0, gather_indices // ctx.topk)
     if weights is None:
         return grad_rows, None, None, None, None, None
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
-    # RN_dtype(g * w): one exact product rounded once, the same bits in every mode.
-    grad_y = grad_rows * position_weights.to(grad.dtype).view((-1,) + (1,) * (grad.dim() - 1))
+    # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
+    # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
+    # weights). The same bits in every mode; the weights themselves are never rounded.
+    grad_y = (grad_rows * position_weights.view((-1,) + (1,) * (grad.dim() - 1))).to(y.dtype)
     # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features, summed in order
-    # in fp32 ("kahan": compensated), rounded once; torch's own order there is unspecified.
-    # "autograd" rounds each product to the dtype first, as torch's broadcast multiply does.
-    acc = acc_dtype(y.dtype)
+    # in the accumulator ("kahan": compensated), rounded once; torch's own order there is
+    # unspecified. "autograd" rounds each product to grad's dtype first, as torch's broadcast
+    # multiply does.
+    acc = acc_dtype(grad.dtype)
     if ctx.acc_mode == Mode.AUTOGRAD.value:
         products = (grad_rows * y).to(acc)
     else:
-        products = grad_rows.to(acc).mul_(y)  # fp32 products of fp32-exact factors
+        products = grad_rows.to(acc).mul_(y)  # exact when grad and y are both half precision
     products = products.reshape(y.shape[0], -1)
     dots = torch.ops.detsum.segment_sum(
         products, _segments.one_segment(products.shape[1], y.device), 1, None,
@@ -281,31 +301,49 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         y: ``[T * topk, ...]`` rows in expert order (as ``permute`` made them).
         gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
         topk: slots per token.
-        weights: ``[T, topk]`` routing probabilities (any float dtype), or None for plain sums.
-            Only with ``reduce=True``.
+        weights: ``[T, topk]`` routing probabilities (any float dtype, not necessarily ``y``'s),
+            or None for plain sums. Only with ``reduce=True``.
         reduce: True: ``[T, ...]``, ``out[t] = sum_k weights[t, k] * y[position of (t, k)]``.
             False: ``[T * topk, ...]`` in (token, slot) order, ``out[gather_indices[p]] = y[p]``
             (exact).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
         check: verify that ``gather_indices`` is a permutation (one sort, one host read).
 
-    Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0):
+    Returns:
+        ``reduce=True`` with weights: dtype ``torch.promote_types(y.dtype, weights.dtype)``,
+        torch's type promotion and so the dtype of the naive composition below (bf16 rows and
+        fp32 weights give fp32), in every mode, so that a change of mode never changes a dtype
+        downstream. Otherwise ``y``'s dtype.
+
+    Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0), with
+    ``R`` the output dtype and ``acc`` its accumulator (fp32; fp64 when ``R`` is float64).
+    Weights are never rounded to ``y``'s dtype: fp32 weights stay fp32, forward and backward.
 
     - ``"autograd"``: what the naive composition computes,
       ``u = torch.empty_like(y).index_copy(0, gather_indices, y)`` then
-      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``: each product rounded to the dtype,
-      the products summed in fp32, one rounding (checked bit for bit on CPU).
-    - ``"fp32"``: products and sum in fp32 (fp64 for float64), one rounding.
-    - ``"kahan"``: products in fp32, Neumaier-compensated sum, one rounding.
+      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``: each product as torch's multiply
+      computes it (in ``R``, one rounding), the products summed in ``acc``, one rounding to
+      ``R`` (checked bit for bit on CPU, for every pair of dtypes). torch 2.13's CPU sum over
+      the slots of fp32/fp64 products is serial only up to 17 slots; from ``topk = 18`` it
+      adds them in blocks of 16, which this mode does not reproduce.
+    - ``"fp32"``: products and sum in ``acc``, one rounding to ``R``.
+    - ``"kahan"``: products in ``acc``, Neumaier-compensated sum, one rounding: within 1 ulp
+      of the exact sum of those products.
 
-    Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` rounded once to the dtype (bit-identical
-    to autograd's in every mode); ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product
-    over the features in order, summed in fp32 (``"kahan"``: compensated) and rounded once to
-    the weights' dtype, from exact fp32 products (``"autograd"``: products rounded to the dtype
-    first, as torch's broadcast multiply does). torch leaves the order of its own fp32 sum over
-    the features unspecified, so ``"autograd"`` can differ from autograd's weights gradient by
-    that sum's reordering (a few fp32 ulps of the sum of the products' magnitudes) before the
-    final rounding; ``tests/test_moe.py`` measures it.
+    A product in ``acc`` is exact when ``y`` and the weights are both half precision
+    (fp16/bf16); bf16 rows times fp32 weights, or fp32 times fp32, round it once to fp32.
+    When ``R`` is fp32 or fp64, ``"fp32"`` is the same arithmetic as ``"autograd"``.
+
+    Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` as torch's multiply computes it (in
+    ``R``, one rounding), then rounded to ``y``'s dtype (a second rounding only when ``R`` is
+    wider, as autograd does): bit-identical to autograd's in every mode.
+    ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product over the features in order,
+    summed in ``acc`` (``"kahan"``: compensated) and rounded once to the weights' dtype, from
+    products in ``acc`` (exact when ``grad`` and ``y`` are both half precision; ``"autograd"``:
+    each product rounded to ``R`` first, as torch's broadcast multiply does). torch leaves the
+    order of its own sum over the features unspecified, so ``"autograd"`` can differ from
+    autograd's weights gradient by that sum's reordering (a few ulps of ``acc`` of the sum of
+    the products' magnitudes) before the final rounding; ``tests/test_moe.py`` measures it.
 
     **Deterministic in every mode.**
 
@@ -317,6 +355,14 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         >>> moe.unpermute(y, gather_indices, 2, weights=torch.tensor([[0.5, 0.5], [1.0, 0.0]]))
         tensor([[15.],
                 [30.]])
+
+        bf16 rows with fp32 weights give fp32, from the weights' fp32 values (rounded to bf16
+        first, 1/3 and 2/3 would make the first row 13.375):
+
+        >>> w = torch.tensor([[1 / 3, 2 / 3], [1.0, 0.0]])
+        >>> moe.unpermute(y.bfloat16(), gather_indices, 2, weights=w)
+        tensor([[13.3333],
+                [30.0000]])
     """
     caller = "detsum.moe.unpermute"
     _check_topk(caller, topk)

@@ -80,7 +80,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = Tru
 # ---- shared index plumbing ----------------------------------------------------------------------
 
 def _slot_positions(gather_indices: torch.Tensor) -> torch.Tensor:
-    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits."""
+    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits. Only for
+    a gather_indices already verified to be a permutation."""
     n = gather_indices.numel()
     positions = torch.empty(n, dtype=torch.int64, device=gather_indices.device)
     return positions.scatter_(0, gather_indices.to(torch.int64),
@@ -91,22 +92,46 @@ def _token_offsets(num_tokens: int, topk: int, device) -> torch.Tensor:
     return torch.arange(num_tokens + 1, device=device) * topk
 
 
-def _check_permutation(caller: str, gather_indices: torch.Tensor, n: int) -> None:
-    """gather_indices must hold each of 0 .. n-1 once; one sort and one host read."""
+def _raise_first_out_of_range(caller: str, gather_indices: torch.Tensor, n: int) -> None:
+    bad = int(((gather_indices < 0) | (gather_indices >= n)).nonzero()[0])
+    _validation.raise_index_out_of_range(caller, "gather_indices", gather_indices, bad, n,
+                                         "T * topk")
+
+
+def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
+    """0 <= gather_indices < T * topk: one fused min/max pass and one host read, no sort."""
+    n = gather_indices.numel()
     if n == 0:
         return
-    values = torch.sort(gather_indices).values
-    expected = torch.arange(n, dtype=values.dtype, device=values.device)
-    is_permutation = (values == expected).all().to(values.dtype)
-    low, high, is_permutation = torch.stack([values[0], values[-1], is_permutation]).tolist()
+    low, high = torch.stack(list(torch.aminmax(gather_indices))).tolist()
     if low < 0 or high >= n:
-        bad = int(((gather_indices < 0) | (gather_indices >= n)).nonzero()[0])
-        _validation.raise_index_out_of_range(caller, "gather_indices", gather_indices, bad, n,
-                                             "T * topk")
-    if not is_permutation:
+        _raise_first_out_of_range(caller, gather_indices, n)
+
+
+def _check_permutation(caller: str, gather_indices: torch.Tensor) -> torch.Tensor:
+    """Verify that gather_indices holds each of 0 .. n-1 once and return its inverse (as
+    ``_slot_positions``): one O(n) scatter and one host read, no sort.
+
+    n values that all lie in [0, n) and together reach all n slots are a permutation, so the
+    bounds and the coverage of the inverse are the whole check. An out-of-range value writes to
+    a spare slot n, never outside the buffer, so the check itself cannot fail in torch's words.
+    """
+    n = gather_indices.numel()
+    device = gather_indices.device
+    in_range = (gather_indices >= 0) & (gather_indices < n)
+    slots = torch.where(in_range, gather_indices, n).to(torch.int64)
+    positions = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
+    positions = positions.scatter_(0, slots, torch.arange(n, device=device))[:n]
+    out_of_range, slot_without_row = torch.stack(
+        [~in_range.all(), (positions < 0).any()]).tolist()
+    if out_of_range:
+        _raise_first_out_of_range(caller, gather_indices, n)
+    if slot_without_row:
+        values = torch.sort(gather_indices).values
         repeated = int(values[1:][values[1:] == values[:-1]][0])
         raise ValueError(f"{caller}: gather_indices holds {repeated} more than once; expected a "
                          f"permutation of 0 .. T * topk - 1 = {n - 1} (as route() returns)")
+    return positions
 
 
 def _check_topk(caller: str, topk: object) -> None:
@@ -114,47 +139,54 @@ def _check_topk(caller: str, topk: object) -> None:
         raise ValueError(f"{caller}: topk={topk!r}; expected a positive int")
 
 
-def _check_common(caller, rows_name, rows, gather_indices, mode, check, n_expected):
-    """Mode, rows, and gather_indices as a permutation of n_expected slots (topk checked)."""
+def _check_common(caller, rows_name, rows, gather_indices, mode, n_expected):
+    """Mode, and gather_indices' dtype, shape and device (its values are checked in the ops)."""
     mode = parse_mode(mode, caller=caller)
     _validation.check_index(caller, "gather_indices", gather_indices, one_d=True)
     if gather_indices.shape[0] != n_expected:
         raise ValueError(f"{caller}: gather_indices has length {gather_indices.shape[0]}; "
                          f"expected T * topk = {n_expected}")
     _validation.check_same_device(caller, **{rows_name: rows, "gather_indices": gather_indices})
-    if check:
-        _check_permutation(caller, gather_indices, n_expected)
     return mode
 
 
 # ---- permute ------------------------------------------------------------------------------------
 
 @torch.library.custom_op("detsum::moe_permute", mutates_args=())
-def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str
-               ) -> torch.Tensor:
+def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str,
+               check: bool) -> torch.Tensor:
+    # The index checks read values back, so they run here, inside the operator: under
+    # torch.compile they run with it instead of breaking the graph.
+    if check:
+        _check_permutation("detsum.moe.permute", gather_indices)
+    else:
+        _check_bounds("detsum.moe.permute", gather_indices)
     return x.index_select(0, gather_indices // topk)
 
 
 @permute_op.register_fake
-def _(x, gather_indices, topk, acc_mode):
+def _(x, gather_indices, topk, acc_mode, check):
     return x.new_empty((gather_indices.shape[0],) + tuple(x.shape[1:]))
 
 
 def _permute_setup(ctx, inputs, output):
-    x, gather_indices, topk, acc_mode = inputs
+    x, gather_indices, topk, acc_mode, check = inputs
     ctx.save_for_backward(gather_indices)
     ctx.num_tokens, ctx.topk, ctx.acc_mode = x.shape[0], topk, acc_mode
 
 
 def _permute_backward(ctx, grad):
     (gather_indices,) = ctx.saved_tensors
-    # Each token's topk rows in increasing permuted position: the order in which autograd's
-    # index_put_ meets them, and so the canonical order of every mode.
-    token_rows = _slot_positions(gather_indices).view(ctx.num_tokens, ctx.topk).sort(dim=1).values
+    # Each token's rows in increasing permuted position: the order in which autograd's
+    # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
+    # finds them without assuming a permutation: under check=False a repeated value is allowed,
+    # and its token then has more rows (and another fewer), each summed all the same.
+    tokens = gather_indices // ctx.topk
+    sorted_tokens, token_rows = torch.sort(tokens, stable=True)
+    boundaries = torch.arange(ctx.num_tokens + 1, dtype=tokens.dtype, device=tokens.device)
     grad_x = torch.ops.detsum.segment_sum(
-        grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device), 0, token_rows.view(-1),
-        ctx.acc_mode)
-    return grad_x, None, None, None
+        grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows, ctx.acc_mode)
+    return grad_x, None, None, None, None
 
 
 permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -170,11 +202,27 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         topk: slots per token.
         mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
             ``"kahan"`` or ``"autograd"``.
-        check: verify that ``gather_indices`` is a permutation (one sort, one host read);
-            pass False in a hot loop once the routing is known to be right.
+        check: True: verify that ``gather_indices`` is a permutation (one O(T * topk) scatter
+            and one host read). False, for a hot loop once the routing is known to be right:
+            verify only ``0 <= gather_indices < T * topk`` (one min/max pass and one host
+            read, as every detsum primitive reads its index bounds back), and allow a value
+            to repeat (see below).
 
     Returns:
         ``[T * topk, ...]``. Forward is an exact gather in every mode.
+
+    Raises:
+        IndexError: a value of ``gather_indices`` outside ``[0, T * topk)``, named with its
+            position, whatever ``check`` is; before anything is computed.
+        ValueError: with ``check=True``, a repeated value; before anything is computed.
+
+    The bounds are checked even with ``check=False`` because an out-of-range value is the one
+    mistake that would otherwise surface in torch's words (CPU) or as a device-side assert
+    (CUDA); the permutation check proper is what the flag skips. Without it, a repeated value
+    is no hazard: ``permute`` is a gather, defined for any index in range, and its backward
+    sums each token's gradient rows whatever their number (it never inverts the
+    permutation), so the result and the gradient are exactly those of
+    ``x[gather_indices // topk]``.
 
     Backward: ``grad_x[t]`` sums the ``topk`` rows ``grad_y[p]`` with
     ``gather_indices[p] // topk == t`` in increasing ``p`` (the order autograd meets them),
@@ -197,8 +245,8 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     caller = "detsum.moe.permute"
     _check_topk(caller, topk)
     _validation.check_float(caller, "x", x)
-    mode = _check_common(caller, "x", x, gather_indices, mode, check, x.shape[0] * topk)
-    return permute_op(x, gather_indices, topk, mode.value)
+    mode = _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk)
+    return permute_op(x, gather_indices, topk, mode.value, bool(check))
 
 
 # ---- unpermute ----------------------------------------------------------------------------------
@@ -230,7 +278,8 @@ def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, out_dtype: t
 @torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
 def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
                  weights: torch.Tensor | None, reduce: bool, acc_mode: str) -> torch.Tensor:
-    positions = _slot_positions(gather_indices)
+    # Checked inside the operator (it reads values back), and in every case: see unpermute.
+    positions = _check_permutation("detsum.moe.unpermute", gather_indices)
     if not reduce:
         return y.index_select(0, positions)
     num_tokens = y.shape[0] // topk
@@ -307,13 +356,21 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
             False: ``[T * topk, ...]`` in (token, slot) order, ``out[gather_indices[p]] = y[p]``
             (exact).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
-        check: verify that ``gather_indices`` is a permutation (one sort, one host read).
+        check: kept for symmetry with ``permute``; ``unpermute`` verifies ``gather_indices``
+            either way. It inverts the permutation anyway, and verifying the inverse costs one
+            host read on top of it (no sort); a slot that no row reaches would leave its
+            output undefined, so that check is never skipped.
 
     Returns:
         ``reduce=True`` with weights: dtype ``torch.promote_types(y.dtype, weights.dtype)``,
         torch's type promotion and so the dtype of the naive composition below (bf16 rows and
         fp32 weights give fp32), in every mode, so that a change of mode never changes a dtype
         downstream. Otherwise ``y``'s dtype.
+
+    Raises:
+        IndexError: a value of ``gather_indices`` outside ``[0, T * topk)``, named with its
+            position; before anything is computed.
+        ValueError: a repeated value (whatever ``check`` is); before anything is computed.
 
     Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0), with
     ``R`` the output dtype and ``acc`` its accumulator (fp32; fp64 when ``R`` is float64).
@@ -370,7 +427,7 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     if y.shape[0] % topk:
         raise ValueError(f"{caller}: y has {y.shape[0]} rows; expected a multiple of "
                          f"topk = {topk} (T * topk rows)")
-    mode = _check_common(caller, "y", y, gather_indices, mode, check, y.shape[0])
+    mode = _check_common(caller, "y", y, gather_indices, mode, y.shape[0])
     if weights is not None:
         if not reduce:
             raise ValueError(f"{caller}: weights apply to the combined rows; pass reduce=True "

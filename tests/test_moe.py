@@ -245,17 +245,19 @@ def test_gradcheck_float64():
             (y.clone().requires_grad_(), weights.clone().requires_grad_()))
 
 
+@pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize("mode", detsum.MODES)
-def test_compiled_gives_eager_bits(mode, weights_dtype):
-    # fp32 weights make the fake result fp32 like the real one.
+def test_compiled_gives_eager_bits(mode, weights_dtype, check):
+    # The index checks read values back inside the operators, so either check runs in a
+    # full graph; fp32 weights make the fake result fp32 like the real one.
     torch._dynamo.reset()  # one code object for every case: start each from a clean cache
     _, gather_indices, _, x, _, weights, _, grad_out = setup(torch.bfloat16, 8,
                                                              weights_dtype=weights_dtype)
 
     def layer(x, w):
-        y = moe.permute(x, gather_indices, 8, mode=mode, check=False)
-        return moe.unpermute(y * 2, gather_indices, 8, weights=w, mode=mode, check=False)
+        y = moe.permute(x, gather_indices, 8, mode=mode, check=check)
+        return moe.unpermute(y * 2, gather_indices, 8, weights=w, mode=mode, check=check)
 
     def run(fn):
         x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -266,6 +268,21 @@ def test_compiled_gives_eager_bits(mode, weights_dtype):
     for got, expected in zip(run(torch.compile(layer, fullgraph=True, backend="aot_eager")),
                              run(layer)):
         assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_opcheck(weights_dtype, check):
+    # Small: opcheck runs each operator several times, backward included.
+    _, gather_indices, _, x, y, weights, _, _ = setup(torch.bfloat16, 2, tokens=4, hidden=3,
+                                                      weights_dtype=weights_dtype)
+    for mode in detsum.MODES:
+        torch.library.opcheck(torch.ops.detsum.moe_permute,
+                              (x.clone().requires_grad_(), gather_indices, 2, mode, check))
+        for w, reduce in ((weights.clone().requires_grad_(), True), (None, True), (None, False)):
+            torch.library.opcheck(torch.ops.detsum.moe_unpermute,
+                                  (y.clone().requires_grad_(), gather_indices, 2, w, reduce,
+                                   mode))
 
 
 def test_autocast_bf16():
@@ -339,6 +356,81 @@ def test_bad_arguments_raise_clear_errors():
     # check=False skips the permutation check (the caller vouches for it).
     moe.permute(x, duplicated, 4, check=False)
 
+
+CALLS = {
+    "permute": lambda t, g, check: moe.permute(t["x"], g, 4, check=check),
+    "unpermute": lambda t, g, check: moe.unpermute(t["y"], g, 4, check=check),
+    "unpermute-weighted": lambda t, g, check: moe.unpermute(t["y"], g, 4, weights=t["weights"],
+                                                            check=check),
+    "unpermute-rows": lambda t, g, check: moe.unpermute(t["y"], g, 4, reduce=False, check=check),
+}
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("value", ["T*topk", "huge", "-1", "-T*topk-1"])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_out_of_range_gather_indices_raise_detsums_error_whatever_check(call, value, check):
+    """check=False skips the permutation check, not the bounds: an out-of-range value is
+    named in detsum's words before anything runs, never answered in torch's (or, on CUDA, by
+    a device-side assert)."""
+    _, gather_indices, _, x, y, weights, _, _ = setup(torch.float32, 4)
+    n = T * 4
+    bad_value = {"T*topk": n, "huge": 2**40, "-1": -1, "-T*topk-1": -n - 1}[value]
+    bad = gather_indices.clone()
+    bad[5] = bad_value
+    tensors = {"x": x, "y": y, "weights": weights, "gather_indices": bad}
+    before = {name: t.clone() for name, t in tensors.items()}
+    function = call.split("-")[0]
+    with pytest.raises(IndexError, match=rf"^detsum\.moe\.{function}: gather_indices\[5\] = "
+                                         rf"{bad_value} is out of range for T \* topk = {n} "
+                                         rf"\(expected 0 <= gather_indices < {n}\)$"):
+        CALLS[call](tensors, bad, check)
+    for name, t in tensors.items():
+        assert torch.equal(t, before[name]), name
+
+
+def repeated_gather_indices(gather_indices, topk):
+    """gather_indices with token 0's slots all taken by token 1's first slot: token 0 gathers
+    no row, token 1 gets topk more. Not a permutation, every value in range."""
+    repeated = gather_indices.clone()
+    repeated[gather_indices // topk == 0] = topk
+    return repeated
+
+
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_permute_without_check_is_the_gather_of_repeated_values(mode):
+    """A repeated value (check=False) is no hazard for permute: forward is the gather, and
+    backward sums each token's rows whatever their number (not through an inverse permutation,
+    which would hold undefined slots): exactly the gradient of x[gather_indices // topk]."""
+    _, gather_indices, _, x, _, _, grad_y, _ = setup(torch.bfloat16, 4)
+    repeated = repeated_gather_indices(gather_indices, 4)
+    tokens = repeated // 4
+    for _ in range(2):  # the same bits twice: nothing read from uninitialised memory
+        x_leaf = x.clone().requires_grad_()
+        gathered = moe.permute(x_leaf, repeated, 4, mode=mode, check=False)
+        assert_same_bits(gathered, x[tokens])
+        gathered.backward(grad_y)
+        # index_add sums each output row's terms in order of appearance, permute's order.
+        assert_same_bits(x_leaf.grad, detsum.index_add(torch.zeros_like(x), 0, tokens, grad_y,
+                                                       mode=mode))
+        assert not x_leaf.grad[0].any()  # token 0 gathered nothing
+    if mode == "autograd":
+        x_ref = x.clone().requires_grad_()
+        x_ref[tokens].backward(grad_y)
+        assert_same_bits(x_leaf.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("call", [c for c in CALLS if c != "permute"])
+def test_unpermute_rejects_repeated_values_whatever_check(call, check):
+    """unpermute inverts the permutation: a slot no row reaches would leave its output
+    undefined, so a repeated value is an error even with check=False."""
+    _, gather_indices, _, x, y, weights, _, _ = setup(torch.float32, 4)
+    repeated = repeated_gather_indices(gather_indices, 4)
+    with pytest.raises(ValueError, match=r"^detsum\.moe\.unpermute: gather_indices holds 4 more "
+                                         r"than once; expected a permutation of 0 \.\. "
+                                         rf"T \* topk - 1 = {T * 4 - 1}"):
+        CALLS[call]({"x": x, "y": y, "weights": weights}, repeated, check)
 
 
 # ---- the worked example ships in docs/ and runs here -----------------------------------------

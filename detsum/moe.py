@@ -321,20 +321,20 @@ def _unpermute_backward(ctx, grad):
     # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
     # weights). The same bits in every mode; the weights themselves are never rounded.
     grad_y = (grad_rows * position_weights.view((-1,) + (1,) * (grad.dim() - 1))).to(y.dtype)
-    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features, summed in order
-    # in the accumulator ("kahan": compensated), rounded once; torch's own order there is
-    # unspecified. "autograd" rounds each product to grad's dtype first, as torch's broadcast
-    # multiply does.
-    acc = acc_dtype(grad.dtype)
+    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features.
     if ctx.acc_mode == Mode.AUTOGRAD.value:
-        products = (grad_rows * y).to(acc)
+        # torch leaves the order of this sum open (on CPU it follows the vector width), so only
+        # its own reduction, the one autograd runs to fold the broadcast weights' gradient,
+        # gives autograd's bits: products rounded to grad's dtype, torch's sum over features.
+        dots = (grad_rows * y).reshape(y.shape[0], -1).sum(1)
     else:
-        products = grad_rows.to(acc).mul_(y)  # exact when grad and y are both half precision
-    products = products.reshape(y.shape[0], -1)
-    dots = torch.ops.detsum.segment_sum(
-        products, _segments.one_segment(products.shape[1], y.device), 1, None,
-        "kahan" if ctx.acc_mode == Mode.KAHAN.value else "fp32")
-    grad_weights = dots.view(-1).index_select(0, _slot_positions(gather_indices))
+        # In order, in the accumulator ("kahan": compensated), rounded once.
+        products = grad_rows.to(acc_dtype(grad.dtype)).mul_(y)  # exact for half grad and y
+        products = products.reshape(y.shape[0], -1)
+        dots = torch.ops.detsum.segment_sum(
+            products, _segments.one_segment(products.shape[1], y.device), 1, None,
+            ctx.acc_mode).view(-1)
+    grad_weights = dots.index_select(0, _slot_positions(gather_indices))
     return grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None
 
 
@@ -394,13 +394,15 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` as torch's multiply computes it (in
     ``R``, one rounding), then rounded to ``y``'s dtype (a second rounding only when ``R`` is
     wider, as autograd does): bit-identical to autograd's in every mode.
-    ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product over the features in order,
-    summed in ``acc`` (``"kahan"``: compensated) and rounded once to the weights' dtype, from
-    products in ``acc`` (exact when ``grad`` and ``y`` are both half precision; ``"autograd"``:
-    each product rounded to ``R`` first, as torch's broadcast multiply does). torch leaves the
-    order of its own sum over the features unspecified, so ``"autograd"`` can differ from
-    autograd's weights gradient by that sum's reordering (a few ulps of ``acc`` of the sum of
-    the products' magnitudes) before the final rounding; ``tests/test_moe.py`` measures it.
+    ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product over the features: in
+    ``"fp32"``/``"kahan"`` summed in order in ``acc`` (``"kahan"``: compensated) and rounded
+    once to the weights' dtype, from products in ``acc`` (exact when ``grad`` and ``y`` are
+    both half precision). In ``"autograd"`` each product is rounded to ``R``, as torch's
+    broadcast multiply does, and summed by torch's own ``sum`` over the features, the reduction
+    autograd runs there, then rounded to the weights' dtype: autograd's bits. torch leaves that
+    sum's order unspecified (on CPU it follows the vector width of the machine), so this one
+    sum is torch's rather than detsum's; it is still the same on every run and thread count
+    (``tests/test_moe.py`` checks 1 and 2 threads).
 
     **Deterministic in every mode.**
 

@@ -18,6 +18,10 @@ The modes mean what they mean for the primitives:
   ``(u.view(T, topk, H) * weights[..., None]).sum(1)`` for ``unpermute``);
 - ``"fp32"`` / ``"kahan"``: products and sums in fp32 (compensated for ``"kahan"``), one
   rounding to the dtype: closer to the exact result than autograd.
+
+The combined rows of ``unpermute`` have torch's promoted dtype of the rows and the weights in
+every mode (bf16 rows with fp32 routing weights give fp32, as the naive composition does), and
+fp32 weights are never rounded to the rows' dtype, forward or backward.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = Tru
 # ---- shared index plumbing ----------------------------------------------------------------------
 
 def _slot_positions(gather_indices: torch.Tensor) -> torch.Tensor:
-    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits."""
+    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits. Only for
+    a gather_indices already verified to be a permutation."""
     n = gather_indices.numel()
     positions = torch.empty(n, dtype=torch.int64, device=gather_indices.device)
     return positions.scatter_(0, gather_indices.to(torch.int64),
@@ -87,22 +92,46 @@ def _token_offsets(num_tokens: int, topk: int, device) -> torch.Tensor:
     return torch.arange(num_tokens + 1, device=device) * topk
 
 
-def _check_permutation(caller: str, gather_indices: torch.Tensor, n: int) -> None:
-    """gather_indices must hold each of 0 .. n-1 once; one sort and one host read."""
+def _raise_first_out_of_range(caller: str, gather_indices: torch.Tensor, n: int) -> None:
+    bad = int(((gather_indices < 0) | (gather_indices >= n)).nonzero()[0])
+    _validation.raise_index_out_of_range(caller, "gather_indices", gather_indices, bad, n,
+                                         "T * topk")
+
+
+def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
+    """0 <= gather_indices < T * topk: one fused min/max pass and one host read, no sort."""
+    n = gather_indices.numel()
     if n == 0:
         return
-    values = torch.sort(gather_indices).values
-    expected = torch.arange(n, dtype=values.dtype, device=values.device)
-    is_permutation = (values == expected).all().to(values.dtype)
-    low, high, is_permutation = torch.stack([values[0], values[-1], is_permutation]).tolist()
+    low, high = torch.stack(list(torch.aminmax(gather_indices))).tolist()
     if low < 0 or high >= n:
-        bad = int(((gather_indices < 0) | (gather_indices >= n)).nonzero()[0])
-        _validation.raise_index_out_of_range(caller, "gather_indices", gather_indices, bad, n,
-                                             "T * topk")
-    if not is_permutation:
+        _raise_first_out_of_range(caller, gather_indices, n)
+
+
+def _check_permutation(caller: str, gather_indices: torch.Tensor) -> torch.Tensor:
+    """Verify that gather_indices holds each of 0 .. n-1 once and return its inverse (as
+    ``_slot_positions``): one O(n) scatter and one host read, no sort.
+
+    n values that all lie in [0, n) and together reach all n slots are a permutation, so the
+    bounds and the coverage of the inverse are the whole check. An out-of-range value writes to
+    a spare slot n, never outside the buffer, so the check itself cannot fail in torch's words.
+    """
+    n = gather_indices.numel()
+    device = gather_indices.device
+    in_range = (gather_indices >= 0) & (gather_indices < n)
+    slots = torch.where(in_range, gather_indices, n).to(torch.int64)
+    positions = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
+    positions = positions.scatter_(0, slots, torch.arange(n, device=device))[:n]
+    out_of_range, slot_without_row = torch.stack(
+        [~in_range.all(), (positions < 0).any()]).tolist()
+    if out_of_range:
+        _raise_first_out_of_range(caller, gather_indices, n)
+    if slot_without_row:
+        values = torch.sort(gather_indices).values
         repeated = int(values[1:][values[1:] == values[:-1]][0])
         raise ValueError(f"{caller}: gather_indices holds {repeated} more than once; expected a "
                          f"permutation of 0 .. T * topk - 1 = {n - 1} (as route() returns)")
+    return positions
 
 
 def _check_topk(caller: str, topk: object) -> None:
@@ -110,47 +139,54 @@ def _check_topk(caller: str, topk: object) -> None:
         raise ValueError(f"{caller}: topk={topk!r}; expected a positive int")
 
 
-def _check_common(caller, rows_name, rows, gather_indices, mode, check, n_expected):
-    """Mode, rows, and gather_indices as a permutation of n_expected slots (topk checked)."""
+def _check_common(caller, rows_name, rows, gather_indices, mode, n_expected):
+    """Mode, and gather_indices' dtype, shape and device (its values are checked in the ops)."""
     mode = parse_mode(mode, caller=caller)
     _validation.check_index(caller, "gather_indices", gather_indices, one_d=True)
     if gather_indices.shape[0] != n_expected:
         raise ValueError(f"{caller}: gather_indices has length {gather_indices.shape[0]}; "
                          f"expected T * topk = {n_expected}")
     _validation.check_same_device(caller, **{rows_name: rows, "gather_indices": gather_indices})
-    if check:
-        _check_permutation(caller, gather_indices, n_expected)
     return mode
 
 
 # ---- permute ------------------------------------------------------------------------------------
 
 @torch.library.custom_op("detsum::moe_permute", mutates_args=())
-def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str
-               ) -> torch.Tensor:
+def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str,
+               check: bool) -> torch.Tensor:
+    # The index checks read values back, so they run here, inside the operator: under
+    # torch.compile they run with it instead of breaking the graph.
+    if check:
+        _check_permutation("detsum.moe.permute", gather_indices)
+    else:
+        _check_bounds("detsum.moe.permute", gather_indices)
     return x.index_select(0, gather_indices // topk)
 
 
 @permute_op.register_fake
-def _(x, gather_indices, topk, acc_mode):
+def _(x, gather_indices, topk, acc_mode, check):
     return x.new_empty((gather_indices.shape[0],) + tuple(x.shape[1:]))
 
 
 def _permute_setup(ctx, inputs, output):
-    x, gather_indices, topk, acc_mode = inputs
+    x, gather_indices, topk, acc_mode, check = inputs
     ctx.save_for_backward(gather_indices)
     ctx.num_tokens, ctx.topk, ctx.acc_mode = x.shape[0], topk, acc_mode
 
 
 def _permute_backward(ctx, grad):
     (gather_indices,) = ctx.saved_tensors
-    # Each token's topk rows in increasing permuted position: the order in which autograd's
-    # index_put_ meets them, and so the canonical order of every mode.
-    token_rows = _slot_positions(gather_indices).view(ctx.num_tokens, ctx.topk).sort(dim=1).values
+    # Each token's rows in increasing permuted position: the order in which autograd's
+    # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
+    # finds them without assuming a permutation: under check=False a repeated value is allowed,
+    # and its token then has more rows (and another fewer), each summed all the same.
+    tokens = gather_indices // ctx.topk
+    sorted_tokens, token_rows = torch.sort(tokens, stable=True)
+    boundaries = torch.arange(ctx.num_tokens + 1, dtype=tokens.dtype, device=tokens.device)
     grad_x = torch.ops.detsum.segment_sum(
-        grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device), 0, token_rows.view(-1),
-        ctx.acc_mode)
-    return grad_x, None, None, None
+        grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows, ctx.acc_mode)
+    return grad_x, None, None, None, None
 
 
 permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -166,11 +202,27 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         topk: slots per token.
         mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
             ``"kahan"`` or ``"autograd"``.
-        check: verify that ``gather_indices`` is a permutation (one sort, one host read);
-            pass False in a hot loop once the routing is known to be right.
+        check: True: verify that ``gather_indices`` is a permutation (one O(T * topk) scatter
+            and one host read). False, for a hot loop once the routing is known to be right:
+            verify only ``0 <= gather_indices < T * topk`` (one min/max pass and one host
+            read, as every detsum primitive reads its index bounds back), and allow a value
+            to repeat (see below).
 
     Returns:
         ``[T * topk, ...]``. Forward is an exact gather in every mode.
+
+    Raises:
+        IndexError: a value of ``gather_indices`` outside ``[0, T * topk)``, named with its
+            position, whatever ``check`` is; before anything is computed.
+        ValueError: with ``check=True``, a repeated value; before anything is computed.
+
+    The bounds are checked even with ``check=False`` because an out-of-range value is the one
+    mistake that would otherwise surface in torch's words (CPU) or as a device-side assert
+    (CUDA); the permutation check proper is what the flag skips. Without it, a repeated value
+    is no hazard: ``permute`` is a gather, defined for any index in range, and its backward
+    sums each token's gradient rows whatever their number (it never inverts the
+    permutation), so the result and the gradient are exactly those of
+    ``x[gather_indices // topk]``.
 
     Backward: ``grad_x[t]`` sums the ``topk`` rows ``grad_y[p]`` with
     ``gather_indices[p] // topk == t`` in increasing ``p`` (the order autograd meets them),
@@ -193,11 +245,17 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     caller = "detsum.moe.permute"
     _check_topk(caller, topk)
     _validation.check_float(caller, "x", x)
-    mode = _check_common(caller, "x", x, gather_indices, mode, check, x.shape[0] * topk)
-    return permute_op(x, gather_indices, topk, mode.value)
+    mode = _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk)
+    return permute_op(x, gather_indices, topk, mode.value, bool(check))
 
 
 # ---- unpermute ----------------------------------------------------------------------------------
+
+def _combined_dtype(y: torch.Tensor, weights: torch.Tensor | None) -> torch.dtype:
+    """The dtype of the combined rows: torch's promotion of ``y * weights``, the dtype the naive
+    composition returns (bf16 rows and fp32 weights give fp32)."""
+    return y.dtype if weights is None else torch.promote_types(y.dtype, weights.dtype)
+
 
 def _sum_mode(acc_mode: str) -> str:
     # The naive composition sums the topk rows with torch's sum(dim=1): an fp32 accumulator,
@@ -205,35 +263,42 @@ def _sum_mode(acc_mode: str) -> str:
     return "fp32" if acc_mode == Mode.AUTOGRAD.value else acc_mode
 
 
-def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, acc_mode: str
-                   ) -> torch.Tensor:
-    """y[p] * w[p]: in the dtype for "autograd" (torch multiplies there), else in fp32."""
+def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, out_dtype: torch.dtype,
+                   acc_mode: str) -> torch.Tensor:
+    """y[p] * w[p]: as torch multiplies for "autograd" (in the promoted dtype, so fp32 weights
+    are never rounded to y's dtype), else in the accumulator type."""
     shape = (-1,) + (1,) * (y.dim() - 1)
     if acc_mode == Mode.AUTOGRAD.value:
-        return y * position_weights.to(y.dtype).view(shape)
-    # An fp32 weight promotes the product to fp32 (y converted on the fly, exactly): one pass.
-    return y * position_weights.to(acc_dtype(y.dtype)).view(shape)
+        return y * position_weights.view(shape)
+    # Both factors convert to the accumulator exactly (it is at least as wide as either), and
+    # the multiply promotes y on the fly: one pass, one rounding per product.
+    return y * position_weights.to(acc_dtype(out_dtype)).view(shape)
 
 
 @torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
 def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
                  weights: torch.Tensor | None, reduce: bool, acc_mode: str) -> torch.Tensor:
-    positions = _slot_positions(gather_indices)
+    # Checked inside the operator (it reads values back), and in every case: see unpermute.
+    positions = _check_permutation("detsum.moe.unpermute", gather_indices)
     if not reduce:
         return y.index_select(0, positions)
     num_tokens = y.shape[0] // topk
+    out_dtype = _combined_dtype(y, weights)
     rows = y
     if weights is not None:
-        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), acc_mode)
+        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype,
+                              acc_mode)
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
                                        positions, _sum_mode(acc_mode))
-    return out.to(y.dtype)
+    return out.to(out_dtype)
 
 
 @unpermute_op.register_fake
 def _(y, gather_indices, topk, weights, reduce, acc_mode):
-    rows = y.shape[0] // topk if reduce else y.shape[0]
-    return y.new_empty((rows,) + tuple(y.shape[1:]))
+    if not reduce:
+        return y.new_empty(y.shape)
+    return y.new_empty((y.shape[0] // topk,) + tuple(y.shape[1:]),
+                       dtype=_combined_dtype(y, weights))
 
 
 def _unpermute_setup(ctx, inputs, output):
@@ -246,26 +311,30 @@ def _unpermute_backward(ctx, grad):
     y, gather_indices, weights = ctx.saved_tensors
     if not ctx.reduce:
         return grad.index_select(0, gather_indices), None, None, None, None, None
-    # Every permuted row p received its token's gradient row (times its weight).
+    # Every permuted row p received its token's gradient row (times its weight). grad has the
+    # output's dtype: the promoted one when weights are wider than y.
     grad_rows = grad.index_select(0, gather_indices // ctx.topk)
     if weights is None:
         return grad_rows, None, None, None, None, None
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
-    # RN_dtype(g * w): one exact product rounded once, the same bits in every mode.
-    grad_y = grad_rows * position_weights.to(grad.dtype).view((-1,) + (1,) * (grad.dim() - 1))
-    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features, summed in order
-    # in fp32 ("kahan": compensated), rounded once; torch's own order there is unspecified.
-    # "autograd" rounds each product to the dtype first, as torch's broadcast multiply does.
-    acc = acc_dtype(y.dtype)
+    # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
+    # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
+    # weights). The same bits in every mode; the weights themselves are never rounded.
+    grad_y = (grad_rows * position_weights.view((-1,) + (1,) * (grad.dim() - 1))).to(y.dtype)
+    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features.
     if ctx.acc_mode == Mode.AUTOGRAD.value:
-        products = (grad_rows * y).to(acc)
+        # torch leaves the order of this sum open (on CPU it follows the vector width), so only
+        # its own reduction, the one autograd runs to fold the broadcast weights' gradient,
+        # gives autograd's bits: products rounded to grad's dtype, torch's sum over features.
+        dots = (grad_rows * y).reshape(y.shape[0], -1).sum(1)
     else:
-        products = grad_rows.to(acc).mul_(y)  # fp32 products of fp32-exact factors
-    products = products.reshape(y.shape[0], -1)
-    dots = torch.ops.detsum.segment_sum(
-        products, _segments.one_segment(products.shape[1], y.device), 1, None,
-        "kahan" if ctx.acc_mode == Mode.KAHAN.value else "fp32")
-    grad_weights = dots.view(-1).index_select(0, _slot_positions(gather_indices))
+        # In order, in the accumulator ("kahan": compensated), rounded once.
+        products = grad_rows.to(acc_dtype(grad.dtype)).mul_(y)  # exact for half grad and y
+        products = products.reshape(y.shape[0], -1)
+        dots = torch.ops.detsum.segment_sum(
+            products, _segments.one_segment(products.shape[1], y.device), 1, None,
+            ctx.acc_mode).view(-1)
+    grad_weights = dots.index_select(0, _slot_positions(gather_indices))
     return grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None
 
 
@@ -281,31 +350,59 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         y: ``[T * topk, ...]`` rows in expert order (as ``permute`` made them).
         gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
         topk: slots per token.
-        weights: ``[T, topk]`` routing probabilities (any float dtype), or None for plain sums.
-            Only with ``reduce=True``.
+        weights: ``[T, topk]`` routing probabilities (any float dtype, not necessarily ``y``'s),
+            or None for plain sums. Only with ``reduce=True``.
         reduce: True: ``[T, ...]``, ``out[t] = sum_k weights[t, k] * y[position of (t, k)]``.
             False: ``[T * topk, ...]`` in (token, slot) order, ``out[gather_indices[p]] = y[p]``
             (exact).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
-        check: verify that ``gather_indices`` is a permutation (one sort, one host read).
+        check: kept for symmetry with ``permute``; ``unpermute`` verifies ``gather_indices``
+            either way. It inverts the permutation anyway, and verifying the inverse costs one
+            host read on top of it (no sort); a slot that no row reaches would leave its
+            output undefined, so that check is never skipped.
 
-    Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0):
+    Returns:
+        ``reduce=True`` with weights: dtype ``torch.promote_types(y.dtype, weights.dtype)``,
+        torch's type promotion and so the dtype of the naive composition below (bf16 rows and
+        fp32 weights give fp32), in every mode, so that a change of mode never changes a dtype
+        downstream. Otherwise ``y``'s dtype.
+
+    Raises:
+        IndexError: a value of ``gather_indices`` outside ``[0, T * topk)``, named with its
+            position; before anything is computed.
+        ValueError: a repeated value (whatever ``check`` is); before anything is computed.
+
+    Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0), with
+    ``R`` the output dtype and ``acc`` its accumulator (fp32; fp64 when ``R`` is float64).
+    Weights are never rounded to ``y``'s dtype: fp32 weights stay fp32, forward and backward.
 
     - ``"autograd"``: what the naive composition computes,
       ``u = torch.empty_like(y).index_copy(0, gather_indices, y)`` then
-      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``: each product rounded to the dtype,
-      the products summed in fp32, one rounding (checked bit for bit on CPU).
-    - ``"fp32"``: products and sum in fp32 (fp64 for float64), one rounding.
-    - ``"kahan"``: products in fp32, Neumaier-compensated sum, one rounding.
+      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``: each product as torch's multiply
+      computes it (in ``R``, one rounding), the products summed in ``acc``, one rounding to
+      ``R`` (checked bit for bit on CPU, for every pair of dtypes). torch 2.13's CPU sum over
+      the slots of fp32/fp64 products is serial only up to 17 slots; from ``topk = 18`` it
+      adds them in blocks of 16, which this mode does not reproduce.
+    - ``"fp32"``: products and sum in ``acc``, one rounding to ``R``.
+    - ``"kahan"``: products in ``acc``, Neumaier-compensated sum, one rounding: within 1 ulp
+      of the exact sum of those products.
 
-    Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` rounded once to the dtype (bit-identical
-    to autograd's in every mode); ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product
-    over the features in order, summed in fp32 (``"kahan"``: compensated) and rounded once to
-    the weights' dtype, from exact fp32 products (``"autograd"``: products rounded to the dtype
-    first, as torch's broadcast multiply does). torch leaves the order of its own fp32 sum over
-    the features unspecified, so ``"autograd"`` can differ from autograd's weights gradient by
-    that sum's reordering (a few fp32 ulps of the sum of the products' magnitudes) before the
-    final rounding; ``tests/test_moe.py`` measures it.
+    A product in ``acc`` is exact when ``y`` and the weights are both half precision
+    (fp16/bf16); bf16 rows times fp32 weights, or fp32 times fp32, round it once to fp32.
+    When ``R`` is fp32 or fp64, ``"fp32"`` is the same arithmetic as ``"autograd"``.
+
+    Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` as torch's multiply computes it (in
+    ``R``, one rounding), then rounded to ``y``'s dtype (a second rounding only when ``R`` is
+    wider, as autograd does): bit-identical to autograd's in every mode.
+    ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product over the features: in
+    ``"fp32"``/``"kahan"`` summed in order in ``acc`` (``"kahan"``: compensated) and rounded
+    once to the weights' dtype, from products in ``acc`` (exact when ``grad`` and ``y`` are
+    both half precision). In ``"autograd"`` each product is rounded to ``R``, as torch's
+    broadcast multiply does, and summed by torch's own ``sum`` over the features, the reduction
+    autograd runs there, then rounded to the weights' dtype: autograd's bits. torch leaves that
+    sum's order unspecified (on CPU it follows the vector width of the machine), so this one
+    sum is torch's rather than detsum's; it is still the same on every run and thread count
+    (``tests/test_moe.py`` checks 1 and 2 threads).
 
     **Deterministic in every mode.**
 
@@ -317,6 +414,14 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         >>> moe.unpermute(y, gather_indices, 2, weights=torch.tensor([[0.5, 0.5], [1.0, 0.0]]))
         tensor([[15.],
                 [30.]])
+
+        bf16 rows with fp32 weights give fp32, from the weights' fp32 values (rounded to bf16
+        first, 1/3 and 2/3 would make the first row 13.375):
+
+        >>> w = torch.tensor([[1 / 3, 2 / 3], [1.0, 0.0]])
+        >>> moe.unpermute(y.bfloat16(), gather_indices, 2, weights=w)
+        tensor([[13.3333],
+                [30.0000]])
     """
     caller = "detsum.moe.unpermute"
     _check_topk(caller, topk)
@@ -324,7 +429,7 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     if y.shape[0] % topk:
         raise ValueError(f"{caller}: y has {y.shape[0]} rows; expected a multiple of "
                          f"topk = {topk} (T * topk rows)")
-    mode = _check_common(caller, "y", y, gather_indices, mode, check, y.shape[0])
+    mode = _check_common(caller, "y", y, gather_indices, mode, y.shape[0])
     if weights is not None:
         if not reduce:
             raise ValueError(f"{caller}: weights apply to the combined rows; pass reduce=True "

@@ -8,23 +8,31 @@ import pytest
 import torch
 
 import detsum
-from conftest import HAS_CUDA, assert_same_bits, dtype_id, run_docs_example
+from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, run_docs_example
 from detsum import moe, reference
 
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 T, H, E = 32, 64, 4  # the user story's setup: seq_len, hidden, num_experts
+# Every (rows, weights) dtype pair: the same dtype, weights wider than the rows (bf16 rows with
+# fp32 routing probabilities: what DeepSeek-V3's combine multiplies), and weights narrower.
+DTYPE_PAIRS = [pytest.param(rows, weights, id=f"{dtype_id(rows)}-w{dtype_id(weights)}")
+               for rows in DTYPES for weights in DTYPES]
 
 
-def setup(dtype, topk, seed=0, tokens=T, hidden=H):
+def setup(dtype, topk, seed=0, tokens=T, hidden=H, weights_dtype=None):
+    """The layer's tensors; weights in ``weights_dtype`` (default: ``dtype``) and grad_out in the
+    combined rows' dtype, torch's promotion of the two."""
+    weights_dtype = weights_dtype or dtype
     g = torch.Generator().manual_seed(seed + 100 * topk)
     selected = torch.randint(0, E, (tokens, topk), generator=g)
     gather_indices, counts = moe.route(selected, E)
     x = torch.randn(tokens, hidden, generator=g).to(dtype)
     y = torch.randn(tokens * topk, hidden, generator=g).to(dtype)
-    weights = torch.softmax(torch.randn(tokens, topk, generator=g), -1).to(dtype)
+    weights = torch.softmax(torch.randn(tokens, topk, generator=g), -1).to(weights_dtype)
     grad_y = torch.randn(tokens * topk, hidden, generator=g).to(dtype)
-    grad_out = torch.randn(tokens, hidden, generator=g).to(dtype)
+    grad_out = torch.randn(tokens, hidden, generator=g).to(
+        torch.promote_types(dtype, weights_dtype))
     return selected, gather_indices, counts, x, y, weights, grad_y, grad_out
 
 
@@ -98,10 +106,19 @@ def test_permute_fp32_and_kahan_beat_autograd_against_exact(dtype):
 
 # ---- unpermute ----------------------------------------------------------------------------------
 
+def rounding_unit(dtype):
+    """u = eps / 2: the largest relative error of one rounding to nearest in ``dtype``."""
+    return torch.finfo(dtype).eps / 2
+
+
 @pytest.mark.parametrize("topk", [1, 4, 8])
-@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
-def test_unpermute_autograd_mode_is_the_naive_composition(dtype, topk):
-    _, gather_indices, _, _, y, weights, _, grad_out = setup(dtype, topk)
+@pytest.mark.parametrize(("dtype", "weights_dtype"), DTYPE_PAIRS)
+def test_unpermute_autograd_mode_is_the_naive_composition(dtype, weights_dtype, topk):
+    """Bits and dtype of the naive composition and of both its gradients for every pair of
+    dtypes: with bf16 rows and fp32 weights torch promotes the products, and so the result,
+    to fp32, and the weights gradient is an fp32 sum whose every bit shows."""
+    _, gather_indices, _, _, y, weights, _, grad_out = setup(dtype, topk,
+                                                             weights_dtype=weights_dtype)
     y_ref, w_ref = y.clone().requires_grad_(), weights.clone().requires_grad_()
     expected = naive_unpermute(y_ref, gather_indices, topk, w_ref)
     expected.backward(grad_out)
@@ -110,15 +127,96 @@ def test_unpermute_autograd_mode_is_the_naive_composition(dtype, topk):
     got.backward(grad_out)
     assert_same_bits(got, expected)
     assert_same_bits(y_moe.grad, y_ref.grad)
-    # The weights gradient is an fp32 sum over H features whose order torch leaves open: detsum
-    # sums in order, so it may differ from autograd's by that sum's reordering, at most
-    # H * 2**-24 of the sum of the products' magnitudes, plus one rounding to the dtype.
+    assert_same_bits(w_moe.grad, w_ref.grad)
     u = torch.empty_like(y).index_copy(0, gather_indices, y).view(T, topk, H)
-    magnitudes = (grad_out.double().abs()[:, None, :] * u.double().abs()).sum(-1)
-    bound = H * 2.0**-24 * magnitudes + torch.finfo(dtype).eps * w_ref.grad.double().abs()
-    assert ((w_moe.grad.double() - w_ref.grad.double()).abs() <= bound).all()
     # Without weights, the same composition with a plain sum.
     assert_same_bits(moe.unpermute(y, gather_indices, topk, mode="autograd"), u.sum(1))
+
+
+@pytest.mark.parametrize("mode", detsum.MODES)
+@pytest.mark.parametrize(("dtype", "weights_dtype"), DTYPE_PAIRS)
+def test_unpermute_dtypes_and_rows_gradient_are_torchs_in_every_mode(dtype, weights_dtype, mode):
+    """One promotion rule in every mode (a change of mode never changes a dtype downstream),
+    and the rows' gradient has autograd's bits in every mode: g * w in the promoted dtype, then
+    rounded to the rows' dtype, never from weights rounded to the rows' dtype."""
+    _, gather_indices, _, _, y, weights, _, grad_out = setup(dtype, 4, weights_dtype=weights_dtype)
+    y_ref, w_ref = y.clone().requires_grad_(), weights.clone().requires_grad_()
+    expected = naive_unpermute(y_ref, gather_indices, 4, w_ref)
+    expected.backward(grad_out)
+    y_moe, w_moe = y.clone().requires_grad_(), weights.clone().requires_grad_()
+    got = moe.unpermute(y_moe, gather_indices, 4, weights=w_moe, mode=mode)
+    assert got.dtype == expected.dtype == torch.promote_types(dtype, weights_dtype)
+    got.backward(grad_out)
+    assert_same_bits(y_moe.grad, y_ref.grad)
+    assert w_moe.grad.dtype == weights_dtype
+    assert moe.unpermute(y, gather_indices, 4, mode=mode).dtype == dtype
+    assert moe.unpermute(y, gather_indices, 4, reduce=False, mode=mode).dtype == dtype
+
+
+def test_unpermute_autograd_weights_gradient_is_the_same_on_every_thread_count():
+    """The "autograd" weights gradient sums over the features with torch's own reduction (its
+    order is torch's): that sum must still not depend on the thread count. The layer is large
+    enough (65536 products) for torch to run the sum on several threads."""
+    _, gather_indices, _, _, y, weights, _, grad_out = setup(
+        torch.bfloat16, 4, tokens=64, hidden=256, weights_dtype=torch.float32)
+    threads = torch.get_num_threads()
+    gradients = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            w_leaf = weights.clone().requires_grad_()
+            moe.unpermute(y, gather_indices, 4, weights=w_leaf, mode="autograd").backward(grad_out)
+            gradients.append(w_leaf.grad)
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_bits(gradients[0], gradients[1])
+
+
+# Rows and weights whose products the accumulator (fp32) holds in a wider dtype than the rows.
+WIDENING_PAIRS = [pytest.param(rows, weights, id=f"{dtype_id(rows)}-w{dtype_id(weights)}")
+                  for rows, weights in [(torch.bfloat16, torch.float32),
+                                        (torch.float16, torch.float32),
+                                        (torch.bfloat16, torch.float16),
+                                        (torch.float16, torch.bfloat16)]]
+
+
+@pytest.mark.parametrize(("dtype", "weights_dtype"), WIDENING_PAIRS)
+def test_unpermute_keeps_wide_weights_wide_and_kahan_within_one_ulp(dtype, weights_dtype):
+    """Mixed dtypes in "fp32" and "kahan" mode, forward and weights gradient: "kahan" is within
+    1 ulp of the exact sum of the products it forms (one fp32 rounding each), and both modes
+    are within a few fp32 roundings of the exact result, which weights rounded to the rows'
+    dtype (2**-9 relative for bf16) would miss by orders of magnitude."""
+    for topk in (4, 8):
+        for seed in range(2):
+            _, gather_indices, _, _, y, weights, _, grad_out = setup(
+                dtype, topk, seed, weights_dtype=weights_dtype)
+            out_dtype = torch.promote_types(dtype, weights_dtype)
+            position_weights = weights.reshape(-1)[gather_indices]
+            formed = y.float() * position_weights.float()[:, None]  # one fp32 rounding each
+            exact_products = y.double() * position_weights.double()[:, None]  # exact in fp64
+            magnitudes = exact_token_sums(exact_products.abs(), gather_indices, topk,
+                                          torch.float64)
+            exact = exact_token_sums(exact_products, gather_indices, topk, torch.float64)
+            grad_rows = grad_out[gather_indices // topk]
+            formed_dots = reference.exact_sum_rounded(grad_rows.float() * y.float(),
+                                                      weights_dtype, dim=1)
+            by_mode = {}
+            for mode in ("fp32", "kahan"):
+                y_leaf, w_leaf = y.clone().requires_grad_(), weights.clone().requires_grad_()
+                got = moe.unpermute(y_leaf, gather_indices, topk, weights=w_leaf, mode=mode)
+                got.backward(grad_out)
+                assert got.dtype == out_dtype
+                error = (got.double() - exact).abs()
+                assert (error <= (topk + 2) * rounding_unit(torch.float32) * magnitudes).all()
+                by_mode[mode] = got
+                if mode == "kahan":
+                    formed_sums = exact_token_sums(formed, gather_indices, topk, out_dtype)
+                    assert reference.ulp_distance(got, formed_sums).max() <= 1
+                    grad_weights = w_leaf.grad.reshape(-1)[gather_indices]
+                    assert reference.ulp_distance(grad_weights, formed_dots).max() <= 1
+            # With fp32 products, "fp32" is the very arithmetic of "autograd".
+            assert_same_bits(by_mode["fp32"], moe.unpermute(y, gather_indices, topk,
+                                                            weights=weights, mode="autograd"))
 
 
 @pytest.mark.parametrize("dtype", HALF, ids=dtype_id)
@@ -159,13 +257,19 @@ def test_gradcheck_float64():
             (y.clone().requires_grad_(), weights.clone().requires_grad_()))
 
 
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
 @pytest.mark.parametrize("mode", detsum.MODES)
-def test_compiled_gives_eager_bits(mode):
-    _, gather_indices, _, x, _, weights, _, grad_out = setup(torch.bfloat16, 8)
+def test_compiled_gives_eager_bits(mode, weights_dtype, check):
+    # The index checks read values back inside the operators, so either check runs in a
+    # full graph; fp32 weights make the fake result fp32 like the real one.
+    torch._dynamo.reset()  # one code object for every case: start each from a clean cache
+    _, gather_indices, _, x, _, weights, _, grad_out = setup(torch.bfloat16, 8,
+                                                             weights_dtype=weights_dtype)
 
     def layer(x, w):
-        y = moe.permute(x, gather_indices, 8, mode=mode, check=False)
-        return moe.unpermute(y * 2, gather_indices, 8, weights=w, mode=mode, check=False)
+        y = moe.permute(x, gather_indices, 8, mode=mode, check=check)
+        return moe.unpermute(y * 2, gather_indices, 8, weights=w, mode=mode, check=check)
 
     def run(fn):
         x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
@@ -178,18 +282,37 @@ def test_compiled_gives_eager_bits(mode):
         assert_same_bits(got, expected)
 
 
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_opcheck(weights_dtype, check):
+    # Small: opcheck runs each operator several times, backward included.
+    _, gather_indices, _, x, y, weights, _, _ = setup(torch.bfloat16, 2, tokens=4, hidden=3,
+                                                      weights_dtype=weights_dtype)
+    for mode in detsum.MODES:
+        torch.library.opcheck(torch.ops.detsum.moe_permute,
+                              (x.clone().requires_grad_(), gather_indices, 2, mode, check))
+        for w, reduce in ((weights.clone().requires_grad_(), True), (None, True), (None, False)):
+            torch.library.opcheck(torch.ops.detsum.moe_unpermute,
+                                  (y.clone().requires_grad_(), gather_indices, 2, w, reduce,
+                                   mode))
+
+
 def test_autocast_bf16():
-    """Under CPU autocast the rows arrive in bf16 from a matmul; results equal the same call
-    outside autocast on those rows."""
+    """Under CPU autocast the rows arrive in bf16 from a matmul while the routing weights stay
+    fp32: the combined rows are fp32, as the naive composition's are (autocast leaves the
+    multiply to torch's promotion), and equal the same call outside autocast on those rows."""
     _, gather_indices, _, x, _, weights, _, _ = setup(torch.float32, 4)
     proj = torch.randn(H, H)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         rows = x @ proj
         y = moe.permute(rows, gather_indices, 4)
         out = moe.unpermute(y, gather_indices, 4, weights=weights)
-    assert rows.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+        naive = naive_unpermute(y, gather_indices, 4, weights)
+    assert rows.dtype == torch.bfloat16 and out.dtype == naive.dtype == torch.float32
     assert_same_bits(out, moe.unpermute(moe.permute(rows, gather_indices, 4), gather_indices, 4,
                                         weights=weights))
+    # fp32 products: the default "fp32" mode is the naive composition's arithmetic.
+    assert_same_bits(out, naive)
 
 
 def test_triton_backend_gives_numba_bits():
@@ -244,6 +367,82 @@ def test_bad_arguments_raise_clear_errors():
         moe.permute(x, gather_indices, 4, mode="exact")
     # check=False skips the permutation check (the caller vouches for it).
     moe.permute(x, duplicated, 4, check=False)
+
+
+CALLS = {
+    "permute": lambda t, g, check: moe.permute(t["x"], g, 4, check=check),
+    "unpermute": lambda t, g, check: moe.unpermute(t["y"], g, 4, check=check),
+    "unpermute-weighted": lambda t, g, check: moe.unpermute(t["y"], g, 4, weights=t["weights"],
+                                                            check=check),
+    "unpermute-rows": lambda t, g, check: moe.unpermute(t["y"], g, 4, reduce=False, check=check),
+}
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("value", ["T*topk", "huge", "-1", "-T*topk-1"])
+@pytest.mark.parametrize("call", list(CALLS))
+def test_out_of_range_gather_indices_raise_detsums_error_whatever_check(call, value, check):
+    """check=False skips the permutation check, not the bounds: an out-of-range value is
+    named in detsum's words before anything runs, never answered in torch's (or, on CUDA, by
+    a device-side assert)."""
+    _, gather_indices, _, x, y, weights, _, _ = setup(torch.float32, 4)
+    n = T * 4
+    bad_value = {"T*topk": n, "huge": 2**40, "-1": -1, "-T*topk-1": -n - 1}[value]
+    bad = gather_indices.clone()
+    bad[5] = bad_value
+    tensors = {"x": x, "y": y, "weights": weights, "gather_indices": bad}
+    before = {name: t.clone() for name, t in tensors.items()}
+    function = call.split("-")[0]
+    with pytest.raises(IndexError, match=rf"^detsum\.moe\.{function}: gather_indices\[5\] = "
+                                         rf"{bad_value} is out of range for T \* topk = {n} "
+                                         rf"\(expected 0 <= gather_indices < {n}\)$"):
+        CALLS[call](tensors, bad, check)
+    for name, t in tensors.items():
+        assert torch.equal(t, before[name]), name
+
+
+def repeated_gather_indices(gather_indices, topk):
+    """gather_indices with token 0's slots all taken by token 1's first slot: token 0 gathers
+    no row, token 1 gets topk more. Not a permutation, every value in range."""
+    repeated = gather_indices.clone()
+    repeated[gather_indices // topk == 0] = topk
+    return repeated
+
+
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_permute_without_check_is_the_gather_of_repeated_values(mode):
+    """A repeated value (check=False) is no hazard for permute: forward is the gather, and
+    backward sums each token's rows whatever their number (not through an inverse permutation,
+    which would hold undefined slots): exactly the gradient of x[gather_indices // topk]."""
+    _, gather_indices, _, x, _, _, grad_y, _ = setup(torch.bfloat16, 4)
+    repeated = repeated_gather_indices(gather_indices, 4)
+    tokens = repeated // 4
+    for _ in range(2):  # the same bits twice: nothing read from uninitialised memory
+        x_leaf = x.clone().requires_grad_()
+        gathered = moe.permute(x_leaf, repeated, 4, mode=mode, check=False)
+        assert_same_bits(gathered, x[tokens])
+        gathered.backward(grad_y)
+        # index_add sums each output row's terms in order of appearance, permute's order.
+        assert_same_bits(x_leaf.grad, detsum.index_add(torch.zeros_like(x), 0, tokens, grad_y,
+                                                       mode=mode))
+        assert not x_leaf.grad[0].any()  # token 0 gathered nothing
+    if mode == "autograd":
+        x_ref = x.clone().requires_grad_()
+        x_ref[tokens].backward(grad_y)
+        assert_same_bits(x_leaf.grad, x_ref.grad)
+
+
+@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("call", [c for c in CALLS if c != "permute"])
+def test_unpermute_rejects_repeated_values_whatever_check(call, check):
+    """unpermute inverts the permutation: a slot no row reaches would leave its output
+    undefined, so a repeated value is an error even with check=False."""
+    _, gather_indices, _, x, y, weights, _, _ = setup(torch.float32, 4)
+    repeated = repeated_gather_indices(gather_indices, 4)
+    with pytest.raises(ValueError, match=r"^detsum\.moe\.unpermute: gather_indices holds 4 more "
+                                         r"than once; expected a permutation of 0 \.\. "
+                                         rf"T \* topk - 1 = {T * 4 - 1}"):
+        CALLS[call]({"x": x, "y": y, "weights": weights}, repeated, check)
 
 
 # ---- the worked example ships in docs/ and runs here -----------------------------------------

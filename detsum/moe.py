@@ -59,6 +59,7 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = Tru
     """
     caller = "detsum.moe.route"
     _validation.check_index(caller, "selected_experts", selected_experts, one_d=False)
+    _validation.check_flag(caller, "check", check)
     if selected_experts.dim() > 2:
         raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
                          f"{tuple(selected_experts.shape)}")
@@ -242,11 +243,16 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
                 [2.],
                 [2.]])
     """
+    mode = _validation.run_check(_check_permute, x, gather_indices, topk, mode, check)
+    return permute_op(x, gather_indices, topk, mode.value, check)
+
+
+def _check_permute(x, gather_indices, topk, mode, check):
     caller = "detsum.moe.permute"
     _check_topk(caller, topk)
     _validation.check_float(caller, "x", x)
-    mode = _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk)
-    return permute_op(x, gather_indices, topk, mode.value, bool(check))
+    _validation.check_flag(caller, "check", check)
+    return _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk)
 
 
 # ---- unpermute ----------------------------------------------------------------------------------
@@ -423,9 +429,17 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         tensor([[13.3333],
                 [30.0000]])
     """
+    mode = _validation.run_check(_check_unpermute, y, gather_indices, topk, weights, reduce,
+                                 mode, check)
+    return unpermute_op(y, gather_indices, topk, weights, reduce, mode.value)
+
+
+def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):
     caller = "detsum.moe.unpermute"
     _check_topk(caller, topk)
     _validation.check_float(caller, "y", y)
+    _validation.check_flag(caller, "reduce", reduce)
+    _validation.check_flag(caller, "check", check)
     if y.shape[0] % topk:
         raise ValueError(f"{caller}: y has {y.shape[0]} rows; expected a multiple of "
                          f"topk = {topk} (T * topk rows)")
@@ -441,4 +455,4 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
             raise ValueError(f"{caller}: weights has shape {tuple(weights.shape)}; expected "
                              f"[T, topk] = {list(expected)}")
         _validation.check_same_device(caller, y=y, weights=weights)
-    return unpermute_op(y, gather_indices, topk, weights, bool(reduce), mode.value)
+    return mode

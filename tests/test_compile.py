@@ -119,6 +119,8 @@ COMPILE_ERRORS = [
                  "detsum.segment_sum: dim=3", id="segment_sum_dim"),
     pytest.param(lambda a: detsum.scatter_reduce(a, 0, _INDEX, _SRC, "sum", include_self=None),
                  TypeError, "detsum.scatter_reduce: include_self=None", id="flag"),
+    pytest.param(lambda a: detsum.moe.permute(a, torch.arange(4), 1, mode="exactish"),
+                 ValueError, "detsum.moe.permute: mode='exactish'", id="moe_mode"),
 ]
 
 

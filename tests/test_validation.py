@@ -93,6 +93,15 @@ def _bad_calls():
          TypeError, ["holds True"]),
         ("running_sum_device", lambda: detsum.RunningSum((2,), device="gpu"),
          ValueError, ["device='gpu'", "cuda:0"]),
+        ("moe_permute_check_none",
+         lambda: detsum.moe.permute(torch.ones(2, 3), torch.tensor([1, 0]), 1, check=None),
+         TypeError, ["detsum.moe.permute", "check=None"]),
+        ("moe_unpermute_reduce_string",
+         lambda: detsum.moe.unpermute(torch.ones(2, 3), torch.tensor([1, 0]), 1, reduce="no"),
+         TypeError, ["detsum.moe.unpermute", "reduce='no'"]),
+        ("moe_route_check_int",
+         lambda: detsum.moe.route(torch.tensor([[0, 1]]), 2, check=1),
+         TypeError, ["detsum.moe.route", "check=1"]),
     ]
     return calls
 

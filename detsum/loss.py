@@ -233,6 +233,8 @@ class _SampleGradients:
                 f"Expected a forward that is a deterministic function of the sample: call "
                 f"model.eval(), or remove the random operations")
         if self.model not in _SELF_CHECKED:
+            # The second evaluation runs while the first one's tensors are alive, so at other
+            # addresses: bits that follow the address beyond the allocator's alignment show too.
             difference = _first_difference(
                 gradient, self._gradient(self.params, _alone(inputs, i), _alone(targets, i)))
             if difference is not None:

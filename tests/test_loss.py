@@ -466,11 +466,11 @@ def test_seed_scenario_example(capsys):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
 def test_batch_grad_split_invariant_on_cuda(mode):
-    """On the GPU: the Triton carry path, and cuBLAS giving a sample the same bits wherever it
-    sits in a fixed-width block."""
+    """On the GPU: the Triton carry path, and each sample, evaluated alone, getting the same bits
+    from cuBLAS in every split."""
     model, x, y = mlp_problem(37, seed=5)
     model, x, y = model.cuda(), x.cuda(), y.cuda()
-    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=8)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
     offsets = torch.tensor([0, 37], device="cuda")
     summed = {name: detsum.segment_sum(g, offsets, mode=mode)[0]
               for name, g in per_sample.items()}

@@ -7,8 +7,9 @@ Cases (group "loss batch_grad <device>"):
 
 - ``torch-mean-backward``: ``F.cross_entropy(model(x), y).backward()``, the baseline: autograd
   sums over the batch inside its matmuls (fast, and the order is the matmul's);
-- ``per-sample-only``: the per-sample gradients that ``batch_grad`` evaluates (``vmap(grad)``
-  over 8 blocks of 32 samples), dropped as they come: the inherent cost;
+- ``per-sample-only``: the per-sample gradients that ``batch_grad`` evaluates (``grad`` of
+  each sample alone, returned by ``per_sample_grads`` in 8 blocks of 32), dropped as they come:
+  the inherent cost;
 - ``detsum-fp32`` / ``detsum-kahan``: ``loss.batch_grad(..., chunk_size=32)``;
 - ``reduction-fp32`` / ``reduction-kahan``: the deterministic reduction alone, a
   ``GradAccumulator`` fed 8 blocks of 32 per-sample gradients (one block, computed once, added

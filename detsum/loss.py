@@ -14,6 +14,8 @@ tree on GPU) and so does matmul inside autograd. ``"autograd"`` mode has no mean
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from detsum import _segments, _validation
@@ -134,36 +136,120 @@ def _trainable(named_parameters) -> dict[str, torch.Tensor]:
     return {name: p for name, p in named_parameters if p.requires_grad}
 
 
-def _gradient_function(caller: str, model: torch.nn.Module, loss_fn):
-    """vmap(grad) of one sample's loss: the parameters' gradients for every sample of a block."""
-    from torch.func import functional_call, grad, vmap
+#: Models whose forward has passed the determinism self-check of _SampleGradients (weak keys:
+#: a model that is freed leaves no entry behind).
+_SELF_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def sample_loss(params, x, y):
-        losses = loss_fn(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
-        if not isinstance(losses, torch.Tensor) or losses.shape != (1,):
-            got = (f"shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor)
-                   else type(losses).__name__)
+
+def _alone(batch: torch.Tensor, i: int) -> torch.Tensor:
+    """Sample ``i`` as a batch of one, in contiguous storage of its own.
+
+    The copy is part of the invariance: a view ``batch[i:i + 1]`` starts ``i`` rows into the
+    batch's storage, so its address modulo the vector width follows ``i``, and BLAS kernels
+    choose their arithmetic by alignment (on the CPU we measured, a row of ``x @ W.t()`` gets
+    one of three results by its start address modulo 16 bytes). A fresh allocation starts at
+    the allocator's alignment (64 bytes on CPU, 512 on CUDA), whichever sample it holds."""
+    return batch[i:i + 1].clone(memory_format=torch.contiguous_format)
+
+
+def _generator_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _first_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> str | None:
+    """Where two gradient dicts differ in their bits (NaN payloads included), or None."""
+    for name, x in a.items():
+        y = b[name]
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        differ = x.contiguous().view(bits) != y.contiguous().view(bits)
+        if differ.any():
+            first = tuple(differ.nonzero()[0].tolist())
+            return (f"{int(differ.sum())} of {x.numel()} elements of {name!r} differ, the first "
+                    f"at {first}: {x[first].item()!r} then {y[first].item()!r}")
+    return None
+
+
+class _SampleGradients:
+    """``self(inputs, targets, i)``: sample ``i``'s gradient ``{name: param-shaped tensor}``,
+    evaluated alone.
+
+    Each sample is its own batch of one: ``torch.func.grad`` of ``loss_fn(model(x), y)`` with
+    ``x = inputs[i:i + 1]`` copied into fresh storage (:func:`_alone`). So every sample goes
+    through the same operations on tensors of the same shapes, strides and alignment, whatever
+    batch, position in it, micro-batch or chunk it arrived in, and nothing of the other samples
+    enters its computation: its bits are those of a deterministic function of the sample, by
+    construction, not by any matmul library's choice of kernel by row count or by a row's
+    alignment in the batch (the CPU we measured does both; see docs/loss.md).
+
+    What that construction cannot supply is a forward that is itself a deterministic function of
+    the sample. Two checks on the first sample of each call refuse the ways one is not:
+
+    - torch's random generator (CPU, and the device's on CUDA) must not move while a sample is
+      evaluated: a forward that draws random numbers (dropout in training mode) has no
+      per-sample gradient;
+    - the first time a model is seen, its first sample is evaluated a second time and both
+      results must have the same bits: this catches state the forward changes between calls,
+      random numbers drawn outside torch, and nondeterministic kernels that show on that sample.
+    """
+
+    def __init__(self, caller: str, model: torch.nn.Module, loss_fn):
+        from torch.func import functional_call, grad
+
+        self.caller, self.model = caller, model
+        self.params = {name: p.detach()
+                       for name, p in _trainable(model.named_parameters()).items()}
+        if not self.params:
+            raise ValueError(f"{caller}: model has no parameter with requires_grad=True")
+
+        def sample_loss(params, x, y):
+            losses = loss_fn(functional_call(model, params, (x,)), y)
+            if not isinstance(losses, torch.Tensor) or losses.shape != (1,):
+                got = (f"shape {tuple(losses.shape)}" if isinstance(losses, torch.Tensor)
+                       else type(losses).__name__)
+                raise ValueError(
+                    f"{caller}: loss_fn returned {got} for a batch of 1 sample; expected one "
+                    f"loss per sample, shape [batch] (e.g. nn.CrossEntropyLoss(reduction="
+                    f"'none'), not a 'mean' or 'sum' reduced scalar)")
+            return losses[0]
+
+        self._gradient = grad(sample_loss)
+        self._checked = False
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor, i: int
+                 ) -> dict[str, torch.Tensor]:
+        x, y = _alone(inputs, i), _alone(targets, i)
+        if self._checked:
+            return self._gradient(self.params, x, y)
+        before = _generator_states(x.device)
+        gradient = self._gradient(self.params, x, y)
+        if any(not torch.equal(a, b) for a, b in zip(before, _generator_states(x.device))):
             raise ValueError(
-                f"{caller}: loss_fn returned {got} for a batch of 1 sample; expected one loss "
-                f"per sample, shape [batch] (e.g. nn.CrossEntropyLoss(reduction='none'), not "
-                f"a 'mean' or 'sum' reduced scalar)")
-        return losses[0]
-
-    return vmap(grad(sample_loss), in_dims=(None, 0, 0))
-
-
-def _blocks(inputs, targets, width: int | None):
-    """(inputs, targets, real samples) in blocks of exactly ``width`` samples (the whole batch
-    when None); the last block is padded by repeating its last sample."""
-    batch = inputs.shape[0]
-    width = batch if width is None else width
-    for start in range(0, batch, width):
-        x, y = inputs[start:start + width], targets[start:start + width]
-        real = x.shape[0]
-        if real < width:
-            x = torch.cat([x, x[-1:].expand(width - real, *x.shape[1:])])
-            y = torch.cat([y, y[-1:].expand(width - real, *y.shape[1:])])
-        yield x, y, real
+                f"{self.caller}: the model's forward (or loss_fn) drew random numbers from "
+                f"torch's generator while sample {i} was evaluated (dropout or another random "
+                f"layer in training mode?): its gradient would change with every evaluation. "
+                f"Expected a forward that is a deterministic function of the sample: call "
+                f"model.eval(), or remove the random operations")
+        if self.model not in _SELF_CHECKED:
+            # The second evaluation runs while the first one's tensors are alive, so at other
+            # addresses: bits that follow the address beyond the allocator's alignment show too.
+            difference = _first_difference(
+                gradient, self._gradient(self.params, _alone(inputs, i), _alone(targets, i)))
+            if difference is not None:
+                raise ValueError(
+                    f"{self.caller}: the model's forward is not a deterministic function of "
+                    f"one sample: sample {i}, evaluated alone twice, gave two gradients "
+                    f"({difference}), so its per-sample gradients would depend on the batch "
+                    f"and its split. Expected the same bits for the same sample: look for "
+                    f"state the forward (or loss_fn) changes between calls (a counter, a cache "
+                    f"of earlier inputs), random numbers drawn outside torch's generator, or a "
+                    f"nondeterministic kernel (torch.use_deterministic_algorithms(True) names "
+                    f"it)")
+            _SELF_CHECKED[self.model] = True
+        self._checked = True
+        return gradient
 
 
 def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
@@ -174,23 +260,30 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
     Args:
         model: any module whose forward takes a batch ``inputs[i:j]``; its trainable
             parameters (``requires_grad``) get gradients, its buffers are used as they are.
-            Dropout and batch-norm statistics must be off (``model.eval()``): per-sample
-            gradients of a forward that mixes samples or draws random numbers are not defined.
+            Its forward must be a deterministic function of the sample: ``model.eval()`` for
+            dropout and batch-norm statistics (a forward that draws random numbers is refused,
+            and so is one that mutates its buffers), no state changed between calls.
         loss_fn: ``loss_fn(outputs, targets)`` returning one loss per sample, shape ``[batch]``
             (e.g. ``nn.CrossEntropyLoss(reduction="none")``).
         inputs, targets: tensors whose first dimension is the batch.
-        chunk_size: samples per evaluation. None (default): the whole batch at once. A number
-            bounds memory to that many samples' intermediates, and every evaluation then has
-            exactly that many samples (the last block is padded with copies of its last sample,
-            whose gradients are dropped), so a sample's gradient has the same bits in any batch
-            it arrives in: matmul kernels pick their arithmetic by the number of rows.
+        chunk_size: accepted for calls written for earlier versions (where it set how many
+            samples were evaluated together); a positive int or None, and it changes nothing.
 
     Returns:
         ``{name: [batch, *param.shape]}`` in ``model.named_parameters()`` order, in each
         parameter's dtype; the output itself is batch x parameters.
 
-    Computed with ``torch.func``: ``vmap(grad(loss of one sample))`` over the batch, with the
-    parameters passed through ``functional_call``.
+    Split invariance: every sample is evaluated alone, as a batch of one copied into fresh
+    storage, by ``torch.func.grad`` of its loss through ``functional_call``. A sample's
+    gradient therefore has the same bits in any batch, at any position, for any split, on
+    the same device, torch build and thread count; evaluated inside a batch, matmul kernels
+    would choose its arithmetic by the number of rows and by where its row sits in memory
+    (docs/loss.md). The intermediates held at once are one sample's.
+
+    Raises:
+        ValueError: the forward draws random numbers from torch's generator (checked on every
+            call), or, checked on a model's first call, sample 0 evaluated twice gives two
+            gradients: its per-sample gradients would depend on the batch split.
 
     Example:
         >>> import torch
@@ -202,19 +295,16 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
         {'weight': (5, 2, 3), 'bias': (5, 2)}
     """
     caller = "detsum.loss.per_sample_grads"
-    _check_batch(caller, model, inputs, targets)
-    width = _check_positive(caller, "chunk_size", chunk_size)
-    params = {name: p.detach() for name, p in _trainable(model.named_parameters()).items()}
-    if not params:
-        raise ValueError(f"{caller}: model has no parameter with requires_grad=True")
-    gradient = _gradient_function(caller, model, loss_fn)
-    # A padded block's rows are copied out, so the padding's memory is not kept alive.
-    blocks = [{name: g if real == g.shape[0] else g[:real].clone()
-               for name, g in gradient(params, x, y).items()}
-              for x, y, real in _blocks(inputs, targets, width)]
-    if len(blocks) == 1:
-        return blocks[0]
-    return {name: torch.cat([block[name] for block in blocks]) for name in params}
+    batch = _check_batch(caller, model, inputs, targets)
+    _check_positive(caller, "chunk_size", chunk_size)
+    gradients = _SampleGradients(caller, model, loss_fn)
+    grads = {}
+    for i in range(batch):
+        for name, g in gradients(inputs, targets, i).items():
+            if i == 0:
+                grads[name] = g.new_empty((batch, *g.shape))
+            grads[name][i].copy_(g)
+    return grads
 
 
 class GradAccumulator:
@@ -241,9 +331,9 @@ class GradAccumulator:
         >>> accumulator = loss.GradAccumulator(model.named_parameters())
         >>> for start in range(0, 6, 4):
         ...     accumulator.add(loss.per_sample_grads(model, lossf, x[start:start + 4],
-        ...                                           y[start:start + 4], chunk_size=4))
+        ...                                           y[start:start + 4]))
         >>> mean = accumulator.result("mean")
-        >>> at_once = loss.batch_grad(model, lossf, x, y, chunk_size=4)
+        >>> at_once = loss.batch_grad(model, lossf, x, y)
         >>> torch.equal(mean["weight"], at_once["weight"])
         True
     """
@@ -307,9 +397,10 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
                ) -> dict[str, torch.Tensor]:
     """The gradient of the batch's reduced loss, the same bits for every micro-batch split.
 
-    The gradient is computed as per-sample gradients (:func:`per_sample_grads`) summed in the
-    canonical order, sample 0, 1, ..., by a :class:`GradAccumulator` whose state is carried
-    across micro-batches in the acc type, then divided by the batch size (``"mean"``).
+    The gradient is computed as per-sample gradients (:func:`per_sample_grads`: each sample
+    evaluated alone) summed in the canonical order, sample 0, 1, ..., by a
+    :class:`GradAccumulator` whose state is carried across micro-batches in the acc type, then
+    divided by the batch size (``"mean"``).
 
     Args:
         model, loss_fn, inputs, targets: as for :func:`per_sample_grads`.
@@ -317,20 +408,27 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         mode: ``"fp32"`` (default) or ``"kahan"``; ``"autograd"`` is refused.
         microbatch_size: samples per micro-batch, as a gradient-accumulation loop would split
             the batch; None: one micro-batch. It never changes the result.
-        chunk_size: samples per ``vmap`` evaluation within a micro-batch (default 32): the
-            memory bound, about ``chunk_size`` x parameters. Every evaluation has exactly this
-            many samples (see :func:`per_sample_grads`), which is what makes the result
-            independent of ``microbatch_size``. None evaluates each micro-batch at once, and
-            then the matmul shapes, so possibly the per-sample bits, follow the micro-batch.
+        chunk_size: per-sample gradients gathered before each addition to the accumulator
+            (default 32): the memory bound, about ``chunk_size`` x parameters, and how often
+            the reduction reads its running state. None gathers each whole micro-batch. It
+            never changes the result.
 
     Returns:
         ``{name: gradient}`` for every trainable parameter, in its dtype.
 
-    What is and is not invariant: the reduction gives the same bits for any split of the same
-    per-sample gradients, on any device and backend. The per-sample gradients themselves come
-    from torch's matmuls, so they may differ between ``chunk_size`` values (on the CPU we
-    measured, evaluations of 1, 2 or 4 samples differ from 8 and more, which agree) and between
-    devices.
+    Raises:
+        ValueError: the model's forward is not a deterministic function of one sample (it draws
+            random numbers, or, checked the first time a model is used, evaluating its first
+            sample twice gives two results); see :func:`per_sample_grads`.
+
+    What is invariant: each sample's gradient has the same bits whatever batch, position,
+    ``microbatch_size`` or ``chunk_size`` it is evaluated with (it is evaluated alone, in
+    fresh storage), and the reduction gives the same bits for any split of the same
+    per-sample gradients. So the result depends on the model, the samples and their order
+    only, on a given device, torch build and thread count. What is not: the per-sample
+    gradients come from torch's kernels, so a CPU and a GPU, or two builds of torch, may give
+    other bits; and they differ in their last bits from what autograd's batched backward
+    computes (docs/loss.md).
 
     Example:
         >>> import torch
@@ -339,7 +437,7 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         >>> lossf = torch.nn.CrossEntropyLoss(reduction="none")
         >>> x, y = torch.randn(7, 3), torch.tensor([0, 1, 1, 0, 1, 0, 0])
         >>> whole = loss.batch_grad(model, lossf, x, y)
-        >>> split = loss.batch_grad(model, lossf, x, y, microbatch_size=3)
+        >>> split = loss.batch_grad(model, lossf, x, y, microbatch_size=3, chunk_size=2)
         >>> all(torch.equal(whole[name], split[name]) for name in whole)
         True
     """
@@ -348,13 +446,21 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
     if reduction not in REDUCTIONS:
         raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
     microbatch = _check_positive(caller, "microbatch_size", microbatch_size) or batch
-    width = _check_positive(caller, "chunk_size", chunk_size)
+    width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch, microbatch,
+                batch)
     accumulator = GradAccumulator(model.named_parameters(), mode=mode)
-    params = {name: p.detach() for name, p in _trainable(model.named_parameters()).items()}
-    gradient = _gradient_function(caller, model, loss_fn)
+    gradients = _SampleGradients(caller, model, loss_fn)
+    # One buffer of `width` rows per parameter for the whole call: a fresh one per chunk would
+    # be paged in again every time (on the CPU we measured, as slow as the gradients' writes).
+    gathered: dict[str, torch.Tensor] = {}
     for start in range(0, batch, microbatch):
-        x, y = inputs[start:start + microbatch], targets[start:start + microbatch]
-        for block_x, block_y, real in _blocks(x, y, width):
-            accumulator.add({name: g[:real] for name, g in
-                             gradient(params, block_x, block_y).items()})
+        stop = min(start + microbatch, batch)
+        for first in range(start, stop, width):
+            count = min(width, stop - first)
+            for k in range(count):
+                for name, g in gradients(inputs, targets, first + k).items():
+                    if name not in gathered:
+                        gathered[name] = g.new_empty((width, *g.shape))
+                    gathered[name][k].copy_(g)
+            accumulator.add({name: rows[:count] for name, rows in gathered.items()})
     return accumulator.result(reduction)

@@ -103,12 +103,11 @@ def detsum_ways(model, x, y, mode: str) -> dict[str, torch.Tensor]:
     ways["batch_grad 'sum' / 16"] = flat(loss.batch_grad(
         model, per_sample_loss, x, y, reduction="sum", mode=mode)) / len(x)
     whole = loss.GradAccumulator(model.named_parameters(), mode=mode)
-    whole.add(loss.per_sample_grads(model, per_sample_loss, x, y, chunk_size=32))
+    whole.add(loss.per_sample_grads(model, per_sample_loss, x, y))
     ways["per-sample grads, averaged"] = flat(whole.result("mean"))
     single = loss.GradAccumulator(model.named_parameters(), mode=mode)
     for i in range(len(x)):
-        single.add(loss.per_sample_grads(model, per_sample_loss, x[i:i + 1], y[i:i + 1],
-                                         chunk_size=32))
+        single.add(loss.per_sample_grads(model, per_sample_loss, x[i:i + 1], y[i:i + 1]))
     ways["one sample at a time"] = flat(single.result("mean"))
     return ways
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -165,16 +166,107 @@ def test_per_sample_grads_skip_frozen_parameters():
         "0.weight", "2.weight", "2.bias"]
 
 
-def test_a_chunk_gives_a_sample_the_same_bits_in_any_batch():
-    """With chunk_size every evaluation has chunk_size samples (padded): sample i's gradient
-    alone equals its row of the whole batch's, and no padding row comes back."""
-    model, x, y = mlp_problem(11, seed=1)
-    whole = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=4)
+class TokenBag(torch.nn.Module):
+    """Embedding of 5 token ids per sample, averaged, then a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(40, 24)
+        self.head = torch.nn.Linear(24, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embedding(tokens).mean(1))
+
+
+class Encoder(torch.nn.Module):
+    """One transformer encoder layer (attention, layer norms, feed-forward), mean-pooled."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.TransformerEncoderLayer(12, 3, 20, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x).mean(1))
+
+
+class LastState(torch.nn.Module):
+    """An LSTM over the sequence, its last hidden state into a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(6, 10, batch_first=True)
+        self.head = torch.nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+def layer_problem(kind: str, batch: int):
+    """A small eval-mode model of one layer family and a batch for it. Every feature count
+    that a matmul row spans is odd or 6 (24 bytes), so the rows of a batch sit at different
+    16-byte alignments: on the AMD EPYC CI machine, MKL gave a row of ``x @ W.t()`` other bits
+    at an odd position than at an even one (the failure this suite caught)."""
+    g = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    nn = torch.nn
+    if kind == "linear":
+        return mlp_problem(batch, seed=1)
+    if kind == "conv2d-batchnorm":
+        model = nn.Sequential(nn.Conv2d(3, 5, 3), nn.BatchNorm2d(5), nn.ReLU(),
+                              nn.Conv2d(5, 5, 3, padding=1), nn.Flatten(), nn.Linear(5 * 5 * 5, 3))
+        inputs = torch.randn(batch, 3, 7, 7, generator=g)
+    elif kind == "conv1d-groupnorm":
+        model = nn.Sequential(nn.Conv1d(3, 6, 5), nn.GroupNorm(3, 6), nn.GELU(), nn.Flatten(),
+                              nn.Linear(6 * 9, 3))
+        inputs = torch.randn(batch, 3, 13, generator=g)
+    elif kind == "layernorm":
+        model = nn.Sequential(nn.Linear(33, 21), nn.LayerNorm(21), nn.ReLU(), nn.Linear(21, 3))
+        inputs = torch.randn(batch, 33, generator=g)
+    elif kind == "embedding":
+        model = TokenBag()
+        inputs = torch.randint(0, 40, (batch, 5), generator=g)
+    elif kind == "transformer":
+        model = Encoder()
+        inputs = torch.randn(batch, 7, 12, generator=g)
+    else:
+        model = LastState()
+        inputs = torch.randn(batch, 5, 6, generator=g)
+    # BatchNorm's running statistics are made non-trivial, then frozen by eval().
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.running_mean.uniform_(-0.5, 0.5, generator=g)
+                module.running_var.uniform_(0.5, 2.0, generator=g)
+    return model.eval(), inputs, torch.randint(0, 3, (batch,), generator=g)
+
+
+LAYER_KINDS = ["linear", "conv2d-batchnorm", "conv1d-groupnorm", "layernorm", "embedding",
+               "transformer", "lstm"]
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_a_sample_has_the_same_bits_in_any_batch_at_any_position(kind):
+    """Sample i's gradient alone equals its row of the whole batch's, and its row of a batch
+    that starts 3 samples later (every sample at another position), whatever chunk_size."""
+    model, x, y = layer_problem(kind, 11)
+    whole = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
     assert all(g.shape[0] == 11 for g in whole.values())
+    shifted = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[3:], y[3:], chunk_size=4)
     for i in range(11):
-        alone = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[i:i + 1], y[i:i + 1],
-                                      chunk_size=4)
+        alone = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[i:i + 1], y[i:i + 1])
         assert_same_grads(alone, {name: g[i:i + 1] for name, g in whole.items()})
+        if i >= 3:
+            assert_same_grads({name: g[i - 3:i - 2] for name, g in shifted.items()}, alone)
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_batch_grad_same_bits_for_every_split_and_chunk_size(kind):
+    model, x, y = layer_problem(kind, 13)
+    want = loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode="kahan")
+    for microbatch, chunk in ((1, 32), (3, 2), (5, None), (None, 1), (None, 4)):
+        assert_same_grads(loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode="kahan",
+                                          microbatch_size=microbatch, chunk_size=chunk), want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -182,7 +274,7 @@ def test_a_chunk_gives_a_sample_the_same_bits_in_any_batch():
 def test_batch_grad_is_the_canonical_sum_of_per_sample_grads(mode, dtype):
     """batch_grad = one segment_sum over the samples (then / B), for every micro-batch size."""
     model, x, y = mlp_problem(37, seed=2, dtype=dtype)
-    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=8)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
     offsets = torch.tensor([0, 37])
     summed = {name: detsum.segment_sum(g, offsets, mode=mode)[0]
               for name, g in per_sample.items()}
@@ -205,7 +297,7 @@ def test_batch_grad_over_more_than_one_chunk_of_samples(mode):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(300, 4, generator=g) * torch.logspace(-2, 2, 300).view(300, 1)
     y = torch.randint(0, 3, (300,), generator=g)
-    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=16)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
     want = {name: detsum.segment_sum(g, torch.tensor([0, 300]), mode=mode)[0]
             for name, g in per_sample.items()}
     for microbatch in (7, 256, None):
@@ -282,6 +374,76 @@ def test_gradient_functions_reject_bad_input():
         loss.per_sample_grads(frozen, PER_SAMPLE_LOSS, torch.ones(2, 2), torch.zeros(2).long())
 
 
+class CallCounting(torch.nn.Module):
+    """A linear layer whose output grows with the number of forward calls so far (a stand-in for
+    any state a forward changes between calls); ``scaled=False`` only counts."""
+
+    def __init__(self, scaled: bool = True):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+        self.scaled, self.calls = scaled, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x) * (1 + self.calls * 2**-10 if self.scaled else 1)
+
+
+class NumpyNoise(torch.nn.Module):
+    """Input noise from numpy's generator, which neither torch's generator nor vmap can see."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, x):
+        noise = torch.from_numpy(self.rng.normal(0, 1e-3, tuple(x.shape)).astype(np.float32))
+        return self.linear(x + noise)
+
+
+@pytest.mark.parametrize("make_model", [CallCounting, NumpyNoise], ids=["state", "numpy-rng"])
+def test_a_forward_that_is_not_a_function_of_the_sample_is_refused(make_model):
+    """Its per-sample gradients would depend on the split; the first call for the model
+    evaluates sample 0 twice, finds two gradients and raises, before adding or returning
+    anything, leaving the parameters as they were."""
+    torch.manual_seed(0)
+    model = make_model().eval()
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    for function, caller in ((loss.batch_grad, "batch_grad"),
+                             (loss.per_sample_grads, "per_sample_grads")):
+        with pytest.raises(ValueError, match=rf"detsum.loss.{caller}: the model's forward is not "
+                                             r"a deterministic function of one sample: sample "
+                                             r"0, evaluated alone twice, gave two gradients "
+                                             r"\(\d+ of \d+ elements of '[a-z.]+' differ"):
+            function(model, PER_SAMPLE_LOSS, x, y)
+    assert_same_grads(dict(model.named_parameters()), before)
+
+
+def test_a_forward_that_draws_random_numbers_is_refused():
+    model, x, y = mlp_problem(4)
+    model.insert(1, torch.nn.Dropout(0.5))
+    model.train()
+    state = torch.get_rng_state()
+    for function in (loss.batch_grad, loss.per_sample_grads):
+        with pytest.raises(ValueError, match=r"the model's forward \(or loss_fn\) drew random "
+                                             r"numbers from torch's generator while sample 0 was "
+                                             r"evaluated .* call model.eval\(\)"):
+            function(model, PER_SAMPLE_LOSS, x, y)
+    model.eval()  # the same model without its dropout is accepted
+    loss.batch_grad(model, PER_SAMPLE_LOSS, x, y)
+    assert not torch.equal(state, torch.get_rng_state())  # the refused calls did draw
+
+
+def test_the_self_check_costs_one_evaluation_on_a_models_first_call():
+    model = CallCounting(scaled=False).eval()
+    x, y = torch.randn(5, 6), torch.tensor([0, 1, 2, 1, 0])
+    loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
+    assert model.calls == 6  # 5 samples, sample 0 twice
+    loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, microbatch_size=2)
+    assert model.calls == 11  # checked already: 5 samples once
+
+
 def test_seed_scenario_example(capsys):
     """docs/loss_example.py: the careless way is "not rounding" and named; the careful ones are
     rounding; with detsum.loss every way and micro-batch size gives the same bits."""
@@ -304,11 +466,11 @@ def test_seed_scenario_example(capsys):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
 def test_batch_grad_split_invariant_on_cuda(mode):
-    """On the GPU: the Triton carry path, and cuBLAS giving a sample the same bits wherever it
-    sits in a fixed-width block."""
+    """On the GPU: the Triton carry path, and each sample, evaluated alone, getting the same bits
+    from cuBLAS in every split."""
     model, x, y = mlp_problem(37, seed=5)
     model, x, y = model.cuda(), x.cuda(), y.cuda()
-    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=8)
+    per_sample = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
     offsets = torch.tensor([0, 37], device="cuda")
     summed = {name: detsum.segment_sum(g, offsets, mode=mode)[0]
               for name, g in per_sample.items()}

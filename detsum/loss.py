@@ -224,7 +224,18 @@ class _SampleGradients:
         if self._checked:
             return self._gradient(self.params, x, y)
         before = _generator_states(x.device)
-        gradient = self._gradient(self.params, x, y)
+        try:
+            gradient = self._gradient(self.params, x, y)
+        except RuntimeError as error:
+            if "mutate a captured Tensor" not in str(error):
+                raise
+            raise ValueError(
+                f"{self.caller}: the model's forward changes a tensor in place that is not an "
+                f"input of the gradient ({self._training_modules_with_buffers()}), so a "
+                f"sample's gradient would depend on the samples before it. Expected a forward "
+                f"that is a deterministic function of the sample: call model.eval() (a "
+                f"BatchNorm in training mode updates its running statistics), or make the "
+                f"forward leave its buffers alone") from error
         if any(not torch.equal(a, b) for a, b in zip(before, _generator_states(x.device))):
             raise ValueError(
                 f"{self.caller}: the model's forward (or loss_fn) drew random numbers from "
@@ -250,6 +261,14 @@ class _SampleGradients:
             _SELF_CHECKED[self.model] = True
         self._checked = True
         return gradient
+
+
+    def _training_modules_with_buffers(self) -> str:
+        names = [f"'{name}' ({type(module).__name__})"
+                 for name, module in self.model.named_modules()
+                 if module.training and any(True for _ in module.buffers(recurse=False))]
+        return ("modules in training mode with buffers: " + ", ".join(names[:5])
+                if names else "no module in training mode has buffers")
 
 
 def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,

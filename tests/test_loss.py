@@ -117,9 +117,12 @@ def test_explain_bound_is_the_documented_formula():
     a = torch.tensor([1.0])
     b = torch.nextafter(a, torch.tensor([2.0]))
     report = detsum.explain(a, b, terms=4, magnitude=3.0)
+    # e(a) + e(b) with e(x) = g_4 * M + u * |x| + 4 * eta (explain's docstring), no absolute
+    # tolerance: gamma_4 differs from g_4 by less than approx's default one would hide.
     u = 2.0**-24
-    gamma = 4 * u / (1 - 4 * u)
-    assert report.bound == pytest.approx(2 * gamma * 3.0 + u * (1 + b.item()), rel=1e-12)
+    growth = 4 * u + 6 * u**2 + 4 * u**3 + u**4  # (1 + u)**4 - 1, exactly
+    assert report.bound == pytest.approx(
+        2 * growth * 3.0 + u * (1 + b.item()) + 2 * 4 * 2.0**-149, rel=1e-12, abs=0)
     assert report.verdict == "rounding" and report.max_ulps == 1
     with pytest.raises(ValueError, match="expected the same shape and dtype"):
         detsum.explain(a, a.double())
@@ -478,3 +481,25 @@ def test_batch_grad_split_invariant_on_cuda(mode):
         assert_same_grads(loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, reduction="sum",
                                           mode=mode, microbatch_size=microbatch, chunk_size=8),
                           summed)
+
+
+def test_a_forward_that_changes_its_buffers_is_refused_in_detsum_words():
+    """A BatchNorm in training mode updates its running statistics in place: torch.func's
+    words ("attempted to call in-place operation ... captured Tensor") once reached the user."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
+                                torch.nn.Linear(3, 2))
+    inputs, targets = torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+    def lossf(out, t):
+        return torch.nn.functional.cross_entropy(out, t, reduction="none")
+
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    for call in (lambda: loss.batch_grad(model, lossf, inputs, targets),
+                 lambda: loss.per_sample_grads(model, lossf, inputs, targets)):
+        with pytest.raises(ValueError, match=r"changes a tensor in place .*'1' \(BatchNorm1d\)"
+                           r".*model\.eval\(\)"):
+            call()
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+    model.eval()
+    assert loss.batch_grad(model, lossf, inputs, targets)["0.weight"].shape == (3, 4)

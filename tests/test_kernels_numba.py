@@ -10,7 +10,6 @@ Outputs are NaN-poisoned before each call, so an element the kernel forgot to wr
 import itertools
 
 import numba
-import numpy as np
 import pytest
 import torch
 

@@ -12,7 +12,7 @@ import math
 import torch
 
 from detsum import kernels
-from detsum._validation import raise_index_out_of_range
+from detsum._validation import raise_first_out_of_range, raise_index_out_of_range
 from detsum.backend import check_backend_runs
 
 #: Tests set this to True: every output is NaN-filled before a kernel writes it, so an element
@@ -91,7 +91,7 @@ def rows_with_terms(caller: str, index: torch.Tensor, num_segments: int, *, inde
     if targets.numel():
         low, high = targets[[0, -1]].tolist()
         if low < 0 or high >= num_segments:
-            _raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+            raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
     return targets.to(torch.int64), positions
 
 
@@ -123,7 +123,7 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
         decreasing = (index[1:] < index[:-1]).any()
         bad_range, bad_order = torch.stack([out_of_range, decreasing]).tolist()
         if bad_range:
-            _raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+            raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
         if bad_order:
             first = int((index[1:] < index[:-1]).nonzero()[0]) + 1
             _raise_unsorted(caller, index_name, index, first)
@@ -131,13 +131,8 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     values, order = torch.sort(index, stable=True)
     low, high = values[[0, -1]].tolist()
     if low < 0 or high >= num_segments:
-        _raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+        raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
     return order, torch.searchsorted(values, boundaries)
-
-
-def _raise_first_out_of_range(caller, index_name, index, num_segments, size_name):
-    bad = int(((index < 0) | (index >= num_segments)).nonzero()[0])
-    raise_index_out_of_range(caller, index_name, index, bad, num_segments, size_name)
 
 
 def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str

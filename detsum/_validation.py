@@ -158,6 +158,14 @@ def raise_index_out_of_range(caller: str, name: str, index: torch.Tensor, positi
                      f"(expected 0 <= {name} < {size})")
 
 
+def raise_first_out_of_range(caller: str, name: str, index: torch.Tensor, size: int,
+                             what: str) -> None:
+    """Locate the first value of ``index`` (any shape) outside ``[0, size)``, known to exist,
+    and raise."""
+    position = int(((index < 0) | (index >= size)).reshape(-1).nonzero()[0])
+    raise_index_out_of_range(caller, name, index, position, size, what)
+
+
 def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:
     coords = []
     for size in reversed(shape):

@@ -9,7 +9,7 @@ import operator
 
 import torch
 
-from detsum import reference
+from detsum import _validation, reference
 from detsum.modes import FLOAT_DTYPES, acc_dtype
 
 __all__ = ["Explanation", "explain"]
@@ -233,8 +233,7 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
         raise ValueError(f"{caller}: a is {a.dtype} {tuple(a.shape)} but b is {b.dtype} "
                          f"{tuple(b.shape)}; expected the same shape and dtype")
     n = _check_terms(caller, terms)
-    if not isinstance(rounded_once, bool):
-        raise TypeError(f"{caller}: rounded_once={rounded_once!r}; expected True or False")
+    _validation.check_flag(caller, "rounded_once", rounded_once)
     given_magnitude = _check_magnitude(caller, magnitude, a.shape)
     a, b = a.detach().cpu(), b.detach().cpu()
     da, db = a.double(), b.double()

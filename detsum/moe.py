@@ -70,9 +70,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = Tru
     if check and flat.numel():
         low, high = experts[[0, -1]].tolist()
         if low < 0 or high >= num_experts:
-            bad = int(((flat < 0) | (flat >= num_experts)).nonzero()[0])
-            _validation.raise_index_out_of_range(caller, "selected_experts", selected_experts,
-                                                 bad, num_experts, "num_experts")
+            _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
+                                                 num_experts, "num_experts")
     boundaries = torch.arange(num_experts + 1, dtype=flat.dtype, device=flat.device)
     starts = torch.searchsorted(experts, boundaries)
     return gather_indices, starts[1:] - starts[:-1]
@@ -93,12 +92,6 @@ def _token_offsets(num_tokens: int, topk: int, device) -> torch.Tensor:
     return torch.arange(num_tokens + 1, device=device) * topk
 
 
-def _raise_first_out_of_range(caller: str, gather_indices: torch.Tensor, n: int) -> None:
-    bad = int(((gather_indices < 0) | (gather_indices >= n)).nonzero()[0])
-    _validation.raise_index_out_of_range(caller, "gather_indices", gather_indices, bad, n,
-                                         "T * topk")
-
-
 def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
     """0 <= gather_indices < T * topk: one fused min/max pass and one host read, no sort."""
     n = gather_indices.numel()
@@ -106,7 +99,8 @@ def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
         return
     low, high = torch.stack(list(torch.aminmax(gather_indices))).tolist()
     if low < 0 or high >= n:
-        _raise_first_out_of_range(caller, gather_indices, n)
+        _validation.raise_first_out_of_range(caller, "gather_indices", gather_indices, n,
+                                             "T * topk")
 
 
 def _check_permutation(caller: str, gather_indices: torch.Tensor) -> torch.Tensor:
@@ -126,7 +120,8 @@ def _check_permutation(caller: str, gather_indices: torch.Tensor) -> torch.Tenso
     out_of_range, slot_without_row = torch.stack(
         [~in_range.all(), (positions < 0).any()]).tolist()
     if out_of_range:
-        _raise_first_out_of_range(caller, gather_indices, n)
+        _validation.raise_first_out_of_range(caller, "gather_indices", gather_indices, n,
+                                             "T * topk")
     if slot_without_row:
         values = torch.sort(gather_indices).values
         repeated = int(values[1:][values[1:] == values[:-1]][0])

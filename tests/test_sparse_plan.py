@@ -82,13 +82,18 @@ def test_scatter_reduce_sparse_plan_gives_the_dense_bits(mode, include_self, red
 
 def test_nothing_is_planned_over_every_output_row(monkeypatch):
     planned = []
-    plan = _segments.plan_from_index
+    plan_from_index, plan_from_keys = _segments.plan_from_index, _segments.plan_from_keys
 
-    def recording_plan(caller, index, num_segments, **kwargs):
+    def recording_plan_from_index(caller, index, num_segments, **kwargs):
         planned.append(num_segments)
-        return plan(caller, index, num_segments, **kwargs)
+        return plan_from_index(caller, index, num_segments, **kwargs)
 
-    monkeypatch.setattr(_segments, "plan_from_index", recording_plan)
+    def recording_plan_from_keys(keys, num_segments, backend_name):
+        planned.append(num_segments)
+        return plan_from_keys(keys, num_segments, backend_name)
+
+    monkeypatch.setattr(_segments, "plan_from_index", recording_plan_from_index)
+    monkeypatch.setattr(_segments, "plan_from_keys", recording_plan_from_keys)
     out = detsum.index_add(torch.zeros(2**20, 2), 0, torch.tensor([7, 2**20 - 1, 7]),
                            torch.ones(3, 2))
     assert planned == [2]  # the two rows with terms

@@ -15,26 +15,31 @@ _CALLER = "detsum.index_add"
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
          alpha: float, mode: str, out3: torch.Tensor | None, *,
-         plan_rows_with_terms: bool = True) -> torch.Tensor:
-    """The shared body: validate index values, plan, launch. Writes ``out3`` when given."""
+         index_checked: bool = False) -> torch.Tensor:
+    """The shared body: validate index values, plan, launch. Writes ``out3`` when given.
+    ``index_checked``: the index holds positions among the rows with terms, in range."""
     num_segments = input.shape[dim]
     backend_name = current_backend(input.device.type, _CALLER)
     sparse = None
-    if plan_rows_with_terms and backend_name != "reference":
+    if not index_checked and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, num_segments, index_name="index",
                                            size_name=f"input.size({dim})")
     if sparse is not None:
         targets, positions = sparse
         rows = _run(input.index_select(dim, targets), dim, positions, source, alpha, mode, None,
-                    plan_rows_with_terms=False)
+                    index_checked=True)
         if out3 is None:
             out3 = _segments.new_output(_segments.rows_view(input, dim), num_segments)
             out3.copy_(_segments.rows_view(input, dim))
         out3.index_copy_(1, targets, rows)
         return out3
-    order, offsets = _segments.plan_from_index(
-        _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
-        promised_sorted=False, backend_name=backend_name)
+    if index_checked:
+        # Checked once already (on a GPU, that check is a host read).
+        order, offsets = _segments.plan_from_keys(index, num_segments, backend_name)
+    else:
+        order, offsets = _segments.plan_from_index(
+            _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
+            promised_sorted=False, backend_name=backend_name)
     if backend_name == "reference":
         result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
         if out3 is None:

@@ -43,25 +43,31 @@ def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: t
 
 
 def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *,
-         plan_rows_with_terms=True):
-    """The operator's body: validate index values, plan, launch."""
+         index_checked=False):
+    """The operator's body: validate index values, plan, launch. ``index_checked``: the index
+    holds positions among the rows with terms, in range."""
     input3 = _segments.rows_view(input, dim)
     backend_name = current_backend(input.device.type, _CALLER)
     rowwise = index.dim() == 1
     sparse = None
-    if plan_rows_with_terms and rowwise and backend_name != "reference":
+    if not index_checked and rowwise and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
                                            size_name=f"input.size({dim})")
     if sparse is not None:
         # Rows without terms keep input (include_self or not), as in torch.
         targets, positions = sparse
         rows = _run(input.index_select(dim, targets), dim, positions, src, reduce, include_self,
-                    acc_mode, sorted, plan_rows_with_terms=False)
+                    acc_mode, sorted, index_checked=True)
         out3 = _segments.new_output(input3, input3.shape[1])
         out3.copy_(input3)
         out3.index_copy_(1, targets, _segments.rows_view(rows, dim))
         return out3.view(input.shape)
-    if rowwise:
+    if rowwise and index_checked and not sorted:
+        # Checked once already (on a GPU, that check is a host read). A sorted=True promise is
+        # still checked below: the positions are sorted exactly when the index is.
+        order, offsets = _segments.plan_from_keys(index, input.shape[dim], backend_name)
+        src3, base3 = _segments.rows_view(src, dim), input3
+    elif rowwise:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, input.shape[dim], index_name="index",
             size_name=f"input.size({dim})", promised_sorted=sorted, backend_name=backend_name)

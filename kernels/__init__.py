@@ -28,9 +28,14 @@ CUDA_SMALL_STRIDE = 3
 #: terms; from 32 terms, 32 lane sums, a shuffle-down tree and a serial tail (see
 #: detsum/reference.py). SUM only, and only for inner size 1.
 CUDA_STRIDE_1 = 4
+#: The exact sum of init and terms, rounded once to the dtype (ties to even); MEAN: the exact
+#: sum divided by the count, rounded once. No order: any order, split or schedule gives the
+#: same bits. SUM and MEAN only (see EXACT STATE below for how kernels compute it).
+EXACT = 5
 
 RULE_NAMES = {WIDE: "wide", KAHAN: "kahan", ROUND_EACH: "round_each",
-              CUDA_SMALL_STRIDE: "cuda_small_stride", CUDA_STRIDE_1: "cuda_stride_1"}
+              CUDA_SMALL_STRIDE: "cuda_small_stride", CUDA_STRIDE_1: "cuda_stride_1",
+              EXACT: "exact"}
 
 #: Rules whose canonical order splits a segment of more than CHUNK_TERMS terms into chunks.
 SPLIT_RULES = (WIDE, KAHAN)
@@ -44,6 +49,23 @@ SPLIT_RULES = (WIDE, KAHAN)
 #: every backend computes the same bits. Changing it changes results: it is part of the
 #: determinism contract (docs/determinism.md), never a tuning knob.
 CHUNK_TERMS = 256
+
+# EXACT STATE. A term is RN_acc(A(x) * A(alpha)) (A(x) when alpha == 1), a float of the acc
+# type, so it is an integer multiple of the acc type's smallest subnormal, the *unit* (2**-149
+# for fp32, 2**-1074 for fp64). An exact sum is kept as that integer N in base 2**LIMB_BITS:
+# int64 limbs, limb i weighing 2**(LIMB_BITS * i) units, little end first. A term adds its
+# (sign-applied) 24- or 53-bit integer significand, shifted by its exponent, into the two or
+# three limbs it spans; nothing carries, so adding limbs elementwise adds the sums, in any
+# order (integer addition). *Normalising* carries every limb but the last into [0, 2**32); the
+# last keeps the sign. A normalised state absorbs MAX_TERMS_PER_STATE more terms (each adds
+# less than 2**33 to a limb) or the normalised states of fewer than 2**31 other sums before an
+# int64 limb could overflow. EXACT_LIMBS holds every sum of that many terms with the last limb
+# within [-2**31, 2**31) once normalised: fp32 units need 277 bits for one term, fp64 units 2098.
+LIMB_BITS = 32
+EXACT_LIMBS = {"fp32": 10, "fp64": 67}
+MAX_TERMS_PER_STATE = 2**30 - 1
+#: Kernels normalise a segment's limbs after this many terms, so one segment may be of any length.
+NORMALISE_EVERY = 2**20
 
 # Reductions.
 SUM = 0

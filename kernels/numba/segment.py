@@ -99,7 +99,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
+from .. import AMAX, AMIN, CHUNK_TERMS, EXACT, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -550,6 +550,14 @@ def _flat(t):
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
                    carry=None):
     """See the module docstring (the contract)."""
+    if rule == EXACT:
+        from .exact import segment_reduce_exact
+
+        if carry is not None:
+            raise ValueError("segment_reduce: the EXACT rule takes no carry")
+        segment_reduce_exact(src, order, offsets, base, out, reduce=reduce, alpha=alpha,
+                             include_base=include_base)
+        return
     if not has_work(src, order, offsets, _KERNELS):
         return
     outer, _, inner = src.shape

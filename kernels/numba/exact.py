@@ -1,0 +1,594 @@
+"""Numba CPU kernels for the EXACT rule: correctly rounded sums and means, in no order at all.
+
+The launcher, ``segment_reduce_exact``, takes the arguments of ``segment.segment_reduce`` (read
+the contract there) for ``rule == EXACT`` and ``reduce`` SUM or MEAN. The state it computes in
+is the one ``detsum.kernels`` describes (EXACT STATE): an integer count of units in int64
+limbs. Every output element's value is
+
+- SUM: ``RN_dtype(init + sum of terms)``, the exact sum rounded once (ties to even);
+- MEAN: ``RN_dtype((init + sum of terms) / count)``, the exact quotient rounded once;
+
+with IEEE's special values: any NaN, or +inf with -inf, gives NaN; otherwise an inf wins; an
+exact zero is -0.0 only when every term (and the init) is -0.0.
+
+IMPLEMENTATION NOTES (this backend):
+
+- Fast path (bf16, fp16 and fp32 data, SUM): the terms are fp32 values, so their sum is held
+  in fp64 exactly as long as the 53 bits cover its spread (they do for any data whose
+  magnitudes span less than about 2**29; real gradients nearly always). Each column adds its
+  terms in fp64 and sums the magnitudes of the additions' rounding errors (TwoSum, exact
+  without FMA): a column whose error sum is 0 has had no rounding at all, so its fp64 value
+  *is* the exact sum, rounded once to the dtype at the end. Rounding it to bf16/fp16 goes
+  through fp32 made round-to-odd (a correctly rounded result from a value with at least two
+  more bits). Non-finite terms make the error NaN, which is not 0. The loop is a straight,
+  vectorisable one over the columns.
+- Every other column (the fast path failed, fp64 data, MEAN) is summed again from its terms
+  into limbs, one column at a time, with integer adds only, then rounded from the integer
+  (``_round_units``). Both ways give the exact sum, so which one ran never shows in the bits.
+- Threads: the work items of ``segment.segment_reduce`` (outer index, segment, column block),
+  each output element written by one item. The result would not depend on the split even if
+  it did not: that is the point of the rule.
+"""
+
+import math
+
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+from .. import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE, MEAN, NORMALISE_EVERY, SUM, has_work
+from ..rounding import (
+    bf16_bits_to_f32,
+    f16_bits_to_f32,
+    f32_as_u32,
+    f32_to_bf16_bits,
+    f32_to_f16_bits,
+    f64_as_u64,
+    u32_as_f32,
+)
+from .segment import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
+from .segment import _prefetch
+
+__all__ = ["segment_reduce_exact"]
+
+_DIGIT_MASK = (1 << LIMB_BITS) - 1
+
+# Columns per work item (the limbs live per column, one at a time, so this bounds only the
+# fp64 scratch rows of the fast path).
+_CHUNK = 1024
+_MIN_CHUNK = 64
+
+
+# ---- the integer state ---------------------------------------------------------------------
+
+
+@njit(cache=True, inline="always")
+def _deposit(limbs, significand, shift, negative):
+    """Add (or subtract) ``significand * 2**shift`` units: significand < 2**53, shift >= 0.
+
+    The shifted significand is cut into 32-bit digits at the limb boundaries; each digit added
+    is below 2**33 (see MAX_TERMS_PER_STATE). No carry is propagated.
+    """
+    k = shift >> 5
+    r = shift & 31
+    low = (significand & _DIGIT_MASK) << r
+    high = (significand >> 32) << r
+    d0 = low & _DIGIT_MASK
+    d1 = (low >> 32) + (high & _DIGIT_MASK)
+    d2 = high >> 32
+    if negative:
+        d0, d1, d2 = -d0, -d1, -d2
+    limbs[k] += d0
+    if d1 != 0:
+        limbs[k + 1] += d1
+    if d2 != 0:
+        limbs[k + 2] += d2
+
+
+@njit(cache=True, inline="always")
+def _normalise(limbs, n):
+    """Carry every limb but the last into [0, 2**32); the value is unchanged."""
+    for i in range(n - 1):
+        v = limbs[i]
+        carry = v >> 32  # arithmetic: floor(v / 2**32)
+        limbs[i] = v & _DIGIT_MASK
+        limbs[i + 1] += carry
+
+
+@njit(cache=True, inline="always")
+def _f32_term(limbs, t, flags):
+    """Deposit the fp32 value ``t``; record NaN / +inf / -inf / non-(-0.0) in ``flags``."""
+    bits = np.int64(f32_as_u32(np.float32(t)))
+    exponent = (bits >> 23) & 0xFF
+    significand = bits & 0x7FFFFF
+    negative = (bits >> 31) != 0
+    if exponent == 0xFF:
+        if significand != 0:
+            flags[0] = 1
+        elif negative:
+            flags[2] = 1
+        else:
+            flags[1] = 1
+        flags[3] = 1
+        return
+    if not negative or exponent != 0 or significand != 0:
+        flags[3] = 1  # not -0.0
+    if exponent == 0:
+        _deposit(limbs, significand, np.int64(0), negative)
+    else:
+        _deposit(limbs, significand | 0x800000, exponent - 1, negative)
+
+
+@njit(cache=True, inline="always")
+def _f64_term(limbs, t, flags):
+    """Deposit the fp64 value ``t`` (as ``_f32_term``)."""
+    bits = f64_as_u64(np.float64(t))
+    exponent = np.int64((bits >> np.uint64(52)) & np.uint64(0x7FF))
+    significand = np.int64(bits & np.uint64(0xFFFFFFFFFFFFF))
+    negative = (bits >> np.uint64(63)) != np.uint64(0)
+    if exponent == 0x7FF:
+        if significand != 0:
+            flags[0] = 1
+        elif negative:
+            flags[2] = 1
+        else:
+            flags[1] = 1
+        flags[3] = 1
+        return
+    if not negative or exponent != 0 or significand != 0:
+        flags[3] = 1
+    if exponent == 0:
+        _deposit(limbs, significand, np.int64(0), negative)
+    else:
+        _deposit(limbs, significand | (np.int64(1) << 52), exponent - 1, negative)
+
+
+@njit(cache=True, inline="always")
+def _f64_in_fp32_units(limbs, s, flags):
+    """Deposit the fp64 value ``s``, a finite multiple of 2**-149 below 2**170 in magnitude,
+    into limbs of fp32 units (as ``_f32_term``)."""
+    bits = f64_as_u64(np.float64(s))
+    exponent = np.int64((bits >> np.uint64(52)) & np.uint64(0x7FF))
+    significand = np.int64(bits & np.uint64(0xFFFFFFFFFFFFF))
+    negative = (bits >> np.uint64(63)) != np.uint64(0)
+    if not negative or exponent != 0 or significand != 0:
+        flags[3] = 1
+    if exponent == 0:
+        return  # an fp64 subnormal is no multiple of 2**-149 but 0
+    # s = significand * 2**(exponent - 1075) = significand * 2**(exponent - 926) units; a
+    # negative shift only drops zero bits, since s is a whole number of units.
+    shift = exponent - 926
+    significand |= np.int64(1) << 52
+    if shift < 0:
+        significand >>= -shift
+        shift = 0
+    _deposit(limbs, significand, shift, negative)
+
+
+@njit(cache=True, inline="always")
+def _bits(limbs, n, start, count):
+    """Bits [start, start + count) of the normalised nonnegative integer, count <= 62."""
+    result = np.int64(0)
+    got = 0
+    while got < count:
+        pos = start + got
+        i = pos >> 5
+        r = pos & 31
+        take = min(32 - r, count - got)
+        if i < n:
+            result |= ((limbs[i] >> r) & ((np.int64(1) << take) - 1)) << got
+        got += take
+    return result
+
+
+@njit(cache=True, inline="always")
+def _any_below(limbs, pos):
+    """Whether any bit below ``pos`` of the normalised nonnegative integer is set."""
+    i = pos >> 5
+    r = pos & 31
+    if r != 0 and (limbs[i] & ((np.int64(1) << r) - 1)) != 0:
+        return True
+    for j in range(i):
+        if limbs[j] != 0:
+            return True
+    return False
+
+
+@njit(cache=True)
+def _round_units(limbs, n, precision, min_quantum, unit_exponent, sticky):
+    """RN of ``N * 2**unit_exponent`` to ``precision`` bits with quantum >= ``2**min_quantum``
+    units, as an fp64 (exact: the rounded value has at most 54 bits; inf beyond fp64's range).
+
+    ``limbs``: N, normalised and nonnegative. ``sticky``: N stands for a value a little above
+    it (a division's nonzero remainder), which breaks ties upward.
+    """
+    top = n - 1
+    while top >= 0 and limbs[top] == 0:
+        top -= 1
+    if top < 0:
+        return 0.0
+    length = LIMB_BITS * top + math.frexp(np.float64(limbs[top]))[1]
+    quantum = max(length - precision, min_quantum)
+    if quantum <= 0:
+        significand = _bits(limbs, n, 0, length)
+        return math.ldexp(np.float64(significand), unit_exponent)
+    significand = _bits(limbs, n, quantum, max(length - quantum, 0))
+    half = _bits(limbs, n, quantum - 1, 1) if quantum - 1 < length else 0
+    if half != 0 and (sticky or (significand & 1) != 0 or _any_below(limbs, quantum - 1)):
+        significand += 1
+    return math.ldexp(np.float64(significand), quantum + unit_exponent)
+
+
+@njit(cache=True)
+def _finish(limbs, n, flags, count, is_mean, precision, min_quantum, unit_exponent):
+    """The rounded sum (or mean over ``count``) of a column's limbs and flags, as an fp64."""
+    if flags[0] != 0 or (flags[1] != 0 and flags[2] != 0):
+        return np.nan
+    if flags[1] != 0:
+        return np.inf
+    if flags[2] != 0:
+        return -np.inf
+    _normalise(limbs, n)
+    negative = limbs[n - 1] < 0
+    if negative:
+        for i in range(n):
+            limbs[i] = -limbs[i]
+        _normalise(limbs, n)
+    sticky = False
+    if is_mean:
+        # Long division by the count, top limb first: remainder < count <= 2**30, so every
+        # partial dividend fits in int64; the digits of the quotient stay below 2**32.
+        remainder = np.int64(0)
+        for i in range(n - 1, -1, -1):
+            partial = (remainder << 32) | limbs[i]
+            limbs[i] = partial // count
+            remainder = partial % count
+        sticky = remainder != 0
+    magnitude = _round_units(limbs, n, precision, min_quantum, unit_exponent, sticky)
+    if flags[3] == 0:
+        return -0.0  # every term was -0.0
+    # A nonzero value that rounds to zero keeps its sign; an exact zero is +0.0.
+    return -magnitude if negative else magnitude
+
+
+# ---- one format's kernel ---------------------------------------------------------------------
+
+
+# Rounding targets: (precision, smallest quantum in units, unit exponent, limbs).
+_FP32_UNITS = (-149, EXACT_LIMBS["fp32"])
+_TARGETS = {
+    "f32": (24, 0) + _FP32_UNITS,
+    "bf16": (8, 16) + _FP32_UNITS,
+    "f16": (11, 125) + _FP32_UNITS,
+    "f64": (53, 0, -1074, EXACT_LIMBS["fp64"]),
+}
+
+
+def _make_exact_block(fmt, dec, enc, cvt):
+    """The EXACT work of one thread block for data format ``fmt`` (see ``segment._make_block``
+    for ``dec``, ``enc`` and ``cvt``, and for why they are compile-time constants)."""
+    precision, min_quantum, unit_exponent, n_limbs = _TARGETS[fmt]
+    wide_data = fmt == "f64"  # terms are fp64: no fast path (an fp64 sum is rarely exact)
+    narrow = fmt in ("bf16", "f16")
+    term_into = _f64_term if wide_data else _f32_term
+    # Significant bits of a data element: the terms have that many when alpha == 1.
+    data_bits = {"f32": 24, "bf16": 8, "f16": 11, "f64": 53}[fmt]
+    format_njit = _njit_named_for(f"exact_{fmt}")
+
+    @format_njit(inline="always")
+    def final_rounding(s):
+        """RN_dtype of the exact fp64 value ``s`` (a sum of fp32 values), as a data element.
+
+        Branch-free (selects), so that the loop over a row's columns vectorises."""
+        f = np.float32(s)
+        if narrow:
+            # Round to odd: when f is inexact and even, the other (odd) fp32 neighbour of s,
+            # one step away from zero or toward it (the bits are sign and magnitude). An
+            # overflow to inf stays inf.
+            back = np.float64(f)
+            bits = np.int64(f32_as_u32(f))
+            step = np.int64(1) if abs(s) > abs(back) else np.int64(-1)
+            odd_fix = (back != s) & ((bits & 0x7F800000) != 0x7F800000) & ((bits & 1) == 0)
+            f = u32_as_f32(np.uint32(bits + step if odd_fix else bits))
+        return enc(f)
+
+    @format_njit(inline="always")
+    def tile_row(acc, a, start, w, alpha, top, bottom):
+        """acc += the row's terms; returns the largest magnitude's bits and the smallest
+        nonzero magnitude's bits minus one, both over the row and the given ones (fp32 bit
+        patterns of nonnegative values order as the values; 0 - 1 wraps to the top and drops
+        out of the minimum). Integer reductions vectorise; floating-point ones would not."""
+        u = np.uint64(start)
+        for j in range(w):
+            t = dec(a[u + np.uint64(j)]) * alpha
+            acc[j] += np.float64(t)
+            magnitude = f32_as_u32(t) & np.uint32(0x7FFFFFFF)
+            top = max(top, np.uint32(magnitude))
+            bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
+        return top, bottom
+
+    @format_njit(inline="always")
+    def fast_row(acc, mass, least, a, start, w, alpha):
+        u = np.uint64(start)
+        for j in range(w):
+            t = np.float64(dec(a[u + np.uint64(j)]) * alpha)
+            m = abs(t)
+            acc[j] += t
+            mass[j] += m
+            least[j] = min(least[j], m if m != 0.0 else np.inf)
+
+    @format_njit()
+    def column(src, ss, order, ost, base, bs, o, s, j, p0, p1, use_base, is_mean, alpha,
+               limbs, flags):
+        """One output element from its terms, through the limbs."""
+        for i in range(n_limbs):
+            limbs[i] = 0
+        for i in range(4):
+            flags[i] = 0
+        if use_base:
+            term_into(limbs, dec(base[o * bs[0] + s * bs[1] + j * bs[2]]), flags)
+        start = o * ss[0] + j * ss[2]
+        since_normalised = 0
+        for p in range(p0, p1):
+            row = order[p * ost] if ost >= 0 else p
+            term_into(limbs, dec(src[start + row * ss[1]]) * alpha, flags)
+            since_normalised += 1
+            if since_normalised == NORMALISE_EVERY:
+                _normalise(limbs, n_limbs)
+                since_normalised = 0
+        count = (p1 - p0) + (1 if use_base else 0)
+        return _finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
+                       unit_exponent)
+
+    @format_njit()
+    def exact_value_of_sum(s, count, is_mean, limbs, flags):
+        """The rounded mean over ``count`` of the exact fp64 sum ``s``, as an fp64."""
+        for i in range(n_limbs):
+            limbs[i] = 0
+        for i in range(4):
+            flags[i] = 0
+        _f64_in_fp32_units(limbs, s, flags)
+        return _finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
+                       unit_exponent)
+
+    @format_njit(inline="always")
+    def fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha, acc,
+                  tmp, n_positions, pf_dist, pf_step, per_column, mass, least):
+        """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
+        segment). per_column: also each column's sum of magnitudes (mass) and smallest nonzero
+        magnitude (least); otherwise returns the tile's (top, bottom) of ``tile_row``."""
+        top = np.uint32(0)
+        bottom = np.uint32(0xFFFFFFFF)
+        if use_base:
+            bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
+            for j in range(w):
+                b = dec(base[bstart + j * bs[2]])
+                acc[j] = np.float64(b)
+                magnitude = f32_as_u32(b) & np.uint32(0x7FFFFFFF)
+                top = max(top, np.uint32(magnitude))
+                bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
+        else:
+            for j in range(w):
+                acc[j] = -0.0  # IEEE's additive identity: a sum of -0.0 stays -0.0
+        if per_column:
+            for j in range(w):
+                mass[j] = abs(acc[j])
+                least[j] = mass[j] if mass[j] != 0.0 else np.inf
+        rstart = o * ss[0] + j0 * ss[2]
+        for p in range(p0, p1):
+            if ost >= 0 and ss[2] == 1 and p + pf_dist < n_positions:
+                # The rows of a segment lie anywhere in src: ask for the one pf_dist
+                # positions ahead (next segments' rows too) while this one is added.
+                ahead = rstart + order[(p + pf_dist) * ost] * ss[1]
+                for k in range(0, min(w, _PF_LINES * pf_step), pf_step):
+                    _prefetch(src, ahead + k)
+            start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
+            row = src
+            if ss[2] != 1:
+                for j in range(w):
+                    tmp[j] = src[start + j * ss[2]]
+                row = tmp
+                start = 0
+            if per_column:
+                fast_row(acc, mass, least, row, start, w, alpha)
+            else:
+                top, bottom = tile_row(acc, row, start, w, alpha, top, bottom)
+        return top, bottom
+
+    @format_njit()
+    def item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1, is_mean,
+             alpha, use_base, has_base, acc, mass, least, exact_here, tmp, limbs, flags,
+             n_positions, pf_dist, pf_step, headroom):
+        w = j1 - j0
+        p0 = offsets[s * fst]
+        p1 = offsets[(s + 1) * fst]
+        ostart = o * us[0] + s * us[1] + j0 * us[2]
+        if p1 == p0 and not use_base:
+            if has_base:
+                bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
+                for j in range(w):
+                    out[ostart + j * us[2]] = base[bstart + j * bs[2]]
+            else:
+                zero = enc(cvt(0.0))
+                for j in range(w):
+                    out[ostart + j * us[2]] = zero
+            return
+        count = (p1 - p0) + (1 if use_base else 0)
+        if not wide_data:
+            # Tier 1: one certificate for the whole tile. Every term is a multiple of ulp(the
+            # smallest nonzero magnitude) >= smallest * 2**-term_bits, every partial sum is at
+            # most count * largest, and fp64 holds every multiple of that ulp up to 2**53 of
+            # them (a factor 2 to spare covers the rounding of count * largest). An inf or NaN
+            # term makes the largest magnitude's bits 0x7F800000 or more, and fails it.
+            top, bottom = fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1,
+                                    use_base, alpha, acc, tmp, n_positions, pf_dist, pf_step,
+                                    False, mass, least)
+            tile_exact = top < np.uint32(0x7F800000) and (
+                bottom == np.uint32(0xFFFFFFFF)
+                or np.float64(count) * np.float64(u32_as_f32(top))
+                <= np.float64(u32_as_f32(np.uint32(bottom + np.uint32(1)))) * headroom)
+            if tile_exact and not is_mean:
+                # The common case: one straight loop writes the whole tile.
+                if us[2] == 1:
+                    u = np.uint64(ostart)
+                    for j in range(w):
+                        out[u + np.uint64(j)] = final_rounding(acc[j])
+                else:
+                    for j in range(w):
+                        out[ostart + j * us[2]] = final_rounding(acc[j])
+                return
+            if tile_exact:
+                for j in range(w):
+                    exact_here[j] = True
+            else:
+                # Tier 2: the same certificate per column, with the sum of magnitudes.
+                fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha,
+                          acc, tmp, n_positions, pf_dist, pf_step, True, mass, least)
+                for j in range(w):
+                    exact_here[j] = mass[j] <= least[j] * headroom
+        for j in range(w):
+            if not wide_data and exact_here[j]:
+                if is_mean:
+                    value = enc(cvt(exact_value_of_sum(acc[j], count, True, limbs, flags)))
+                else:
+                    value = final_rounding(acc[j])
+            else:
+                exact = column(src, ss, order, ost, base, bs, o, s, j0 + j, p0, p1, use_base,
+                               is_mean, alpha, limbs, flags)
+                # The value is the dtype's already (or +-inf, or NaN): converting is exact.
+                value = enc(cvt(exact))
+            out[ostart + j * us[2]] = value
+
+    @format_njit()
+    def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
+              include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+              flag_scratch, n_positions, pf_dist):
+        outer, nseg, inner = shape
+        pf_step = 64 // src.itemsize
+        headroom = 2.0 ** (52 - (data_bits if alpha == 1.0 else 24))
+        use_base = has_base and include_base
+        a = cvt(alpha)
+        nchunks = (inner + chunk - 1) // chunk
+        n_items = outer * nseg * nchunks
+        n_blocks = acc_scratch.shape[0]
+        acc = acc_scratch[b, 0]
+        mass = acc_scratch[b, 1]
+        least = acc_scratch[b, 2]
+        exact_here = flag_scratch[b, 4:]
+        tmp = data_scratch[b]
+        limbs = limb_scratch[b]
+        flags = flag_scratch[b, :4]
+        for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
+            c = it % nchunks
+            s = (it // nchunks) % nseg
+            o = it // nchunks // nseg
+            j0 = c * chunk
+            item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0,
+                 min(j0 + chunk, inner), is_mean, a, use_base, has_base, acc, mass, least,
+                 exact_here, tmp,
+                 limbs, flags, n_positions, pf_dist, pf_step, headroom)
+
+    return block
+
+
+_block_f32 = _make_exact_block("f32", _f32, _f32, _f32)
+_block_f64 = _make_exact_block("f64", _f64, _f64, _f64)
+_block_bf16 = _make_exact_block("bf16", bf16_bits_to_f32, f32_to_bf16_bits, _f32)
+_block_f16 = _make_exact_block("f16", f16_bits_to_f32, f32_to_f16_bits, _f32)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
+                include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+                flag_scratch, n_positions, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
+                   alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
+                   limb_scratch, flag_scratch, n_positions, pf_dist)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
+                include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+                flag_scratch, n_positions, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
+                   alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
+                   limb_scratch, flag_scratch, n_positions, pf_dist)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
+                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+                flag_scratch, n_positions, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
+                    alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
+                    limb_scratch, flag_scratch, n_positions, pf_dist)
+
+
+@njit(parallel=True, cache=True)
+def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
+                include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+                flag_scratch, n_positions, pf_dist):
+    for b in prange(acc_scratch.shape[0]):
+        _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
+                   alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
+                   limb_scratch, flag_scratch, n_positions, pf_dist)
+
+
+_KERNELS = {
+    torch.float32: (_kernel_f32, EXACT_LIMBS["fp32"]),
+    torch.float64: (_kernel_f64, EXACT_LIMBS["fp64"]),
+    torch.bfloat16: (_kernel_bf16, EXACT_LIMBS["fp32"]),
+    torch.float16: (_kernel_f16, EXACT_LIMBS["fp32"]),
+}
+
+
+def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
+    """``segment.segment_reduce`` for ``rule == EXACT`` (see the module docstring)."""
+    if not has_work(src, order, offsets, _KERNELS):
+        return
+    if reduce not in (SUM, MEAN):
+        raise ValueError("segment_reduce: the EXACT rule sums (SUM, MEAN) only")
+    outer, _, inner = src.shape
+    nseg = offsets.shape[0] - 1
+    positions = order.shape[0] if order is not None else src.shape[1]
+    if reduce == MEAN and positions + 1 > MAX_TERMS_PER_STATE:
+        # The long division needs count <= MAX_TERMS_PER_STATE (remainder << 32 in int64).
+        raise ValueError(f"segment_reduce: an exact mean of up to {positions + 1} terms; "
+                         f"expected at most {MAX_TERMS_PER_STATE}")
+    kernel, n_limbs = _KERNELS[src.dtype]
+    src_np, ss = _flat(src)
+    out_np, us = _flat(out)
+    offsets_np, (fst,) = _flat(offsets)
+    base_np, bs = _flat(base) if base is not None else (out_np, us)
+    order_np, (ost,) = _flat(order) if order is not None else (offsets_np, (-1,))
+
+    torch_threads = torch.get_num_threads()
+    numba_threads = numba.get_num_threads()
+    nthreads = max(1, min(torch_threads, numba_threads))
+    rows = outer * nseg
+    target = _CHUNK
+    while target > _MIN_CHUNK and rows * -(-inner // target) < 4 * nthreads:
+        target //= 2
+    pieces = -(-inner // target)
+    chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
+    n_items = rows * -(-inner // chunk)
+    n_blocks = min(n_items, 64 * nthreads)
+    acc_scratch = np.empty((n_blocks, 3, chunk), dtype=np.float64)
+    data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
+    limb_scratch = np.empty((n_blocks, n_limbs), dtype=np.int64)
+    flag_scratch = np.empty((n_blocks, 4 + chunk), dtype=np.int64)
+    pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
+    numba.set_num_threads(nthreads)
+    try:
+        kernel(src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
+               (outer, nseg, inner), reduce == MEAN, float(alpha), bool(include_base),
+               base is not None, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch,
+               positions, pf_dist)
+    finally:
+        numba.set_num_threads(numba_threads)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)

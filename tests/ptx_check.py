@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -45,6 +46,22 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
                 SPLIT=rule in kernels.SPLIT_RULES,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
                 CHUNK=kernels.CHUNK_TERMS, BLOCK=block)
+
+
+def _exact_types(data: str, acc: str) -> dict:
+    ints = {name: "i64" for name in ("ss0", "ss1", "ss2", "bs0", "bs1", "bs2", "os0", "os1",
+                                     "os2", "outer", "inner")}
+    return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
+                order_ptr="*i64", offsets_ptr="*i64", alpha_ptr=f"*{acc}")
+
+
+def _exact_config(reduce, dtype, scaled, block):
+    precision, min_quantum, unit_exponent, n_limbs = segment._EXACT_TARGETS[dtype]
+    return dict(REDUCE=reduce, DATA=segment._DATA_CODES[dtype], ACC=segment._tl_acc(dtype),
+                HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, SCALED=scaled, HEADROOM=2.0**28,
+                PRECISION=precision, MIN_QUANTUM=min_quantum, UNIT_EXPONENT=unit_exponent,
+                N_LIMBS=n_limbs, LANES=triton.next_power_of_2(n_limbs + 1),
+                NORMALISE_EVERY=kernels.NORMALISE_EVERY, BLOCK=block)
 
 
 def _count(ptx: str) -> dict:
@@ -88,6 +105,13 @@ def main() -> dict:
                    SCALED=True)
     found["bf16 stride1 alpha"] = _count(_ptx(segment._stride1_kernel, stride1_types, stride1,
                                               fp_fusion=False))
+    # EXACT: the fp64 fast path (bf16 data) and the limbs (fp64 data, a mean: integer division).
+    found["bf16 sum exact alpha"] = _count(_ptx(
+        segment._exact_kernel, _exact_types("i16", "fp32"),
+        _exact_config(kernels.SUM, torch.bfloat16, True, 256), fp_fusion=False))
+    found["fp64 mean exact"] = _count(_ptx(
+        segment._exact_kernel, _exact_types("fp64", "fp64"),
+        _exact_config(kernels.MEAN, torch.float64, False, 32), fp_fusion=False))
     # The control: Triton's default (fusion allowed) does contract the scaled sum, so a count
     # of 0 above is the launch option's doing, not an accident of the code.
     config = _segment_config(kernels.SUM, kernels.WIDE, 1, tl.float32, True, 1024)

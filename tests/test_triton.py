@@ -405,3 +405,4 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
         assert all(d.startswith("div.rn.") for d in counts["divisions"]), (name, counts)
     assert found["bf16 mean kahan"]["divisions"] == ["div.rn.f32"]
     assert found["fp64 mean wide"]["divisions"] == ["div.rn.f64"]
+    assert found["fp64 mean exact"]["divisions"] == []  # the exact mean divides integers

@@ -1,0 +1,401 @@
+"""The EXACT rule on the Triton backend: the exact sum (or mean) rounded once, bit for bit.
+
+Each test launches the Triton kernel (in the interpreter without a GPU: conftest sets
+TRITON_INTERPRET=1) and the Numba one on the same arguments, into NaN-poisoned outputs, and
+holds both to the oracle, ``reference.exact_sum_rounded`` and, for means,
+``reference.round_exact`` of the exact quotient. The Numba kernel is known to miss the oracle
+on two kinds of mean (``NUMBA_MEAN_BUGS`` below); everywhere else the two backends must agree.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from fractions import Fraction
+
+import pytest
+import torch
+
+from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, seed_of, strided_copy
+from detsum import kernels, reference
+from detsum.kernels.numba import segment as numba_segment
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+pytestmark = [
+    pytest.mark.skipif(
+        not HAS_TRITON or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+        reason="needs triton, and a GPU or TRITON_INTERPRET=1"),
+    # The interpreter converts with NumPy, which warns where a value rounds to fp16's inf (as
+    # the sums past its range do on purpose).
+    pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+]
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+SUM, MEAN = kernels.SUM, kernels.MEAN
+INF, NAN = math.inf, math.nan
+
+# (exponent of the smallest subnormal, largest exponent, significant bits) of each dtype.
+FORMATS = {
+    torch.float32: (-149, 127, 24),
+    torch.bfloat16: (-133, 127, 8),
+    torch.float16: (-24, 15, 11),
+    torch.float64: (-1074, 1023, 53),
+}
+
+
+def acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---- running both backends, and the oracle ----------------------------------------------------
+
+def launch(backend, src, order, offsets, base, *, reduce, alpha, include_base, out=None):
+    """One EXACT launch into a NaN-poisoned output (on the device for triton); CPU result."""
+    from detsum.kernels.triton import segment as triton_segment
+
+    outer, _, inner = src.shape
+    if out is None:
+        out = torch.full((outer, offsets.shape[0] - 1, inner), NAN, dtype=src.dtype)
+    if backend == "triton":
+        def dev(t):
+            return None if t is None else t.to(DEVICE)
+        out_dev = dev(out)
+        triton_segment.segment_reduce(dev(src), dev(order), dev(offsets), dev(base), out_dev,
+                                      reduce=reduce, rule=kernels.EXACT, alpha=alpha,
+                                      include_base=include_base)
+        return out_dev.cpu()
+    numba_segment.segment_reduce(src, order, offsets, base, out, reduce=reduce,
+                                 rule=kernels.EXACT, alpha=alpha, include_base=include_base)
+    return out
+
+
+def segment_terms(src, order, offsets, base, alpha, include_base):
+    """Per (outer, segment, column): the terms as Python floats, the base row's first (None for
+    an empty segment that copies its base row)."""
+    acc = acc_dtype(src.dtype)
+    terms = src.to(acc)
+    if alpha != 1:
+        terms = terms * torch.tensor(alpha, dtype=acc)  # one rounding per term, as the contract
+    outer, _, inner = src.shape
+    use_base = base is not None and include_base
+    for o in range(outer):
+        for s in range(offsets.shape[0] - 1):
+            p0, p1 = int(offsets[s]), int(offsets[s + 1])
+            rows = order[p0:p1] if order is not None else torch.arange(p0, p1)
+            for j in range(inner):
+                if p0 == p1 and not use_base:
+                    yield (o, s, j), None
+                    continue
+                values = terms[o, rows, j].double().tolist()
+                if use_base:
+                    values = [float(base[o, s, j].to(acc))] + values
+                yield (o, s, j), values
+
+
+def exact_mean(values, dtype):
+    if any(not math.isfinite(v) for v in values) or all(v == 0 for v in values):
+        return reference.exact_sum_rounded(values, dtype)  # inf, NaN or a signed zero: as the sum
+    return reference.round_exact(sum(map(Fraction, values)) / len(values), dtype)
+
+
+def oracle(src, order, offsets, base, *, reduce, alpha, include_base):
+    outer, _, inner = src.shape
+    out = torch.empty((outer, offsets.shape[0] - 1, inner), dtype=src.dtype)
+    for at, values in segment_terms(src, order, offsets, base, alpha, include_base):
+        if values is None:
+            out[at] = base[at] if base is not None else 0
+        elif reduce == SUM:
+            out[at] = reference.exact_sum_rounded(values, src.dtype)
+        else:
+            out[at] = exact_mean(values, src.dtype)
+    return out
+
+
+def numba_mean_bug(values, dtype):
+    """Whether ``values`` is a mean the Numba kernel is known to get wrong (see
+    test_numba_mean_bugs): a column whose nonzero terms are all infinite, for 16- and 32-bit
+    data (it writes 0.0), or an fp32 / fp64 mean below 2**-125 / 2**-1021 (it truncates the
+    quotient in units of the smallest subnormal instead of rounding it)."""
+    if values is None or any(math.isnan(v) for v in values):
+        return False
+    nonzero = [v for v in values if v != 0]
+    if not nonzero:
+        return False
+    if any(math.isinf(v) for v in nonzero):
+        return dtype != torch.float64 and all(math.isinf(v) for v in nonzero)
+    limit = {torch.float32: 2.0**-125, torch.float64: 2.0**-1021}.get(dtype, 0.0)
+    mean = abs(sum(map(Fraction, values)) / len(values))
+    return 0 < mean < limit
+
+
+def check(src, order, offsets, base, *, reduce, alpha, include_base):
+    """Triton equals the oracle; Numba equals it too, except on the means it is known to miss."""
+    args = dict(reduce=reduce, alpha=alpha, include_base=include_base)
+    expected = oracle(src, order, offsets, base, **args)
+    got = launch("triton", src, order, offsets, base, **args)
+    assert_same_bits(got, expected)
+    numba_out = launch("numba", src, order, offsets, base, **args)
+    both_nan = numba_out.isnan() & expected.isnan()
+    same = both_nan | ((numba_out == expected) & (numba_out.signbit() == expected.signbit()))
+    known = torch.zeros_like(same)
+    if reduce == MEAN:
+        for at, values in segment_terms(src, order, offsets, base, alpha, include_base):
+            known[at] = numba_mean_bug(values, src.dtype)
+    assert bool((same | known).all()), (
+        f"numba and the oracle differ beyond the known mean bugs at "
+        f"{(~(same | known)).nonzero().tolist()}")
+    # Where Numba is right, the two backends agree to the bit.
+    assert_same_bits(got[same], numba_out[same])
+    return got
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+SIZES = (0, 6, 1, 0, 9, 4)  # segments of 0 terms first, inner and last-but-one
+
+
+def wide(g, n, dtype, low=None, high=None):
+    """``n`` values of either sign with exponents drawn over [low, high] (default: the dtype's
+    whole range, subnormals included), in fp64."""
+    lo, hi, _ = FORMATS[dtype]
+    exponents = torch.randint(lo if low is None else low, (hi if high is None else high) + 1,
+                              (n,), generator=g)
+    signs = torch.randint(0, 2, (n,), generator=g).double() * 2 - 1
+    return torch.ldexp(signs * (1 + torch.rand(n, generator=g, dtype=torch.float64)), exponents)
+
+
+def column_values(kind, g, n, dtype):
+    """A segment's ``n`` values of one column kind, in fp64 (the dtype rounds them)."""
+    lo, _, bits = FORMATS[dtype]
+    if kind == "tame":  # the fast path's certificate holds
+        return torch.randn(n, generator=g, dtype=torch.float64)
+    if kind == "wide":  # the whole exponent range: the certificate fails
+        return wide(g, n, dtype)
+    if kind == "cancel":  # x and -x over the whole range, and one value near the bottom
+        half = wide(g, n // 2, dtype).to(dtype).double()
+        tail = wide(g, n % 2, dtype, lo, lo + bits)
+        return torch.cat([half, -half, tail])
+    if kind == "zero":  # x and -x (an exact zero, +0.0) and signed zeros
+        half = wide(g, n // 2, dtype).to(dtype).double()
+        return torch.cat([half, -half, torch.tensor([-0.0] * (n % 2))])
+    if kind == "neg_zero":  # every term (and the base row) -0.0: the sum is -0.0
+        return torch.full((n,), -0.0, dtype=torch.float64)
+    if kind == "special":  # inf, -inf and NaN among wide values
+        values = wide(g, n, dtype)
+        pick = torch.rand(n, generator=g)
+        values[pick < 0.3] = INF
+        values[(pick >= 0.3) & (pick < 0.5)] = -INF
+        values[(pick >= 0.5) & (pick < 0.55)] = NAN
+        return values
+    if kind == "subnormal":  # the dtype's subnormals and the smallest normals
+        return wide(g, n, dtype, lo, lo + bits)
+    raise ValueError(kind)
+
+
+KINDS = ("tame", "wide", "cancel", "zero", "neg_zero", "special", "subnormal")
+
+
+def make_case(dtype, *, seed, with_order, strided, outer=2, sizes=SIZES, kinds=KINDS):
+    """src [outer, rows, len(kinds)] whose every segment holds, per column, a set of values of
+    that column's kind; the rows of a segment are scattered by ``order`` when given; a base row
+    per segment of the same kinds."""
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(sizes)
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    order = torch.randperm(rows, generator=g) if with_order else None
+    position_rows = order if with_order else torch.arange(rows)
+    src = torch.empty((outer, rows, len(kinds)), dtype=dtype)
+    base = torch.empty((outer, len(sizes), len(kinds)), dtype=dtype)
+    for o in range(outer):
+        for s, (p0, n) in enumerate(zip(offsets.tolist(), sizes)):
+            for j, kind in enumerate(kinds):
+                values = column_values(kind, g, n + 1, dtype).to(dtype)
+                values = values[torch.randperm(n + 1, generator=g)]
+                if kind == "neg_zero":
+                    values[:] = -0.0
+                base[o, s, j] = values[n]
+                src[o, position_rows[p0:p0 + n], j] = values[:n]
+    if strided:
+        src, base = strided_copy(src), strided_copy(base)
+        assert not src.is_contiguous()
+    return src, order, offsets, base
+
+
+# ---- tests -------------------------------------------------------------------------------------
+
+BASES = [  # (base given, include_base)
+    pytest.param(False, False, id="no_base"),
+    pytest.param(True, False, id="base_kept_if_empty"),
+    pytest.param(True, True, id="base_included"),
+]
+
+
+REDUCTIONS = [  # (reduce, alpha): alpha scales sums only (index_add)
+    pytest.param(SUM, 1.0, id="sum"),
+    pytest.param(SUM, 0.3, id="sum-alpha"),
+    pytest.param(MEAN, 1.0, id="mean"),
+]
+
+
+@pytest.mark.parametrize("has_base,include_base", BASES)
+@pytest.mark.parametrize("reduce,alpha", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_matches_oracle_and_numba(dtype, reduce, alpha, has_base, include_base):
+    """Every column kind side by side in one tile (so the fast path's certificate holds for
+    some columns and fails for others), every dtype, both reductions, both alphas, every use
+    of the base row; the layout alternates between contiguous rows and a shuffled order over
+    strided tensors."""
+    scattered = (alpha == 1) == include_base
+    seed = seed_of("exact-triton", dtype, reduce, alpha, has_base, include_base)
+    src, order, offsets, base = make_case(dtype, seed=seed, with_order=scattered,
+                                          strided=scattered)
+    check(src, order, offsets, base if has_base else None, reduce=reduce, alpha=alpha,
+          include_base=include_base)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_transposed_output_and_several_column_blocks(dtype, monkeypatch):
+    """A transposed src and out, columns spread over several blocks (the fast path passes in
+    some blocks and not in others), programs looping over blocks and outer indices, and the
+    limbs carried every 3 terms: none of it changes a bit."""
+    from detsum.kernels.triton import segment
+
+    kinds = ("tame",) * 17 + ("wide", "tame", "cancel") + ("tame",) * 12 + ("special",)
+    src, order, offsets, base = make_case(dtype, seed=seed_of("exact-blocks", dtype),
+                                          with_order=True, strided=False, outer=2,
+                                          sizes=(7, 0, 3), kinds=kinds)
+    src = src.transpose(0, 2).contiguous().transpose(0, 2)
+    out = torch.full((len(kinds), 3, 2), NAN, dtype=dtype).transpose(0, 2)
+    monkeypatch.setattr(segment, "_ROW_BYTES", 16 * src.element_size())
+    monkeypatch.setattr(segment, "_MAX_GRID_YZ", 1)
+    monkeypatch.setattr(segment, "_NORMALISE_EVERY", 3)
+    for reduce in (SUM, MEAN):
+        args = dict(reduce=reduce, alpha=1.0, include_base=True)
+        got = launch("triton", src, order, offsets, base, out=out.clone(), **args)
+        assert_same_bits(got, oracle(src, order, offsets, base, **args))
+
+
+def one_column(values, dtype, *, reduce=SUM, alpha=1.0):
+    src = torch.tensor(values, dtype=torch.float64).to(dtype).view(1, -1, 1)
+    return src, None, torch.tensor([0, len(values)]), None, dict(reduce=reduce, alpha=alpha,
+                                                                  include_base=False)
+
+
+SPECIAL_CASES = [  # (values, what the sum is)
+    pytest.param([INF, 1.0, -2.0], id="inf-wins"),
+    pytest.param([-INF, 3.0, -INF], id="minus-inf-wins"),
+    pytest.param([INF, -INF, 1.0], id="inf-minus-inf-is-nan"),
+    pytest.param([NAN, INF, 1.0], id="nan-wins"),
+    pytest.param([-0.0, -0.0, -0.0], id="all-minus-zero"),
+    pytest.param([-0.0, 0.0, -0.0], id="mixed-zeros-plus-zero"),
+    pytest.param([5.0, -5.0], id="exact-cancellation-plus-zero"),
+    pytest.param([-1.0, 1.0, -0.0], id="cancellation-then-minus-zero-plus-zero"),
+]
+
+
+@pytest.mark.parametrize("values", SPECIAL_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_special_values(dtype, values):
+    src, order, offsets, base, args = one_column(values, dtype)
+    assert_same_bits(launch("triton", src, order, offsets, base, **args),
+                     reference.exact_sum_rounded(values, dtype).view(1, 1, 1))
+    check(src, order, offsets, base, **args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_rounding_edges(dtype):
+    """Sums whose fp64 value would double-round (a tie in the dtype plus a tiny remainder),
+    sums past the dtype's largest value, and a nonzero sum below the smallest subnormal's half
+    that rounds to a zero of its own sign."""
+    lo, hi, bits = FORMATS[dtype]
+    tiny = 2.0**lo
+    one_ulp = 2.0**(1 - bits)
+    top = 2.0**hi * (2 - 2 * one_ulp)  # the largest finite value
+    cases = [
+        [1.0, one_ulp / 2, tiny],  # just above a tie: rounds up
+        [1.0, one_ulp / 2, -tiny],  # just below: rounds down
+        [1.0, one_ulp / 2],  # the tie itself: to even
+        [top, top * one_ulp / 4, top * one_ulp / 4],  # reaches the midpoint: to even (inf)
+        [top, top * one_ulp / 4, -tiny],  # stays below the midpoint: the largest value
+        [tiny, -tiny / 2] if dtype == torch.float16 else [tiny, -tiny],
+    ]
+    for values in cases:
+        values = [float(torch.tensor(v).to(dtype)) for v in values]
+        src, order, offsets, base, args = one_column(values, dtype)
+        assert_same_bits(launch("triton", src, order, offsets, base, **args),
+                         reference.exact_sum_rounded(values, dtype).view(1, 1, 1))
+        check(src, order, offsets, base, **args)
+
+
+def test_fast_path_certificate_edges():
+    """fp32 terms whose spread is just inside and just outside what fp64 holds exactly: the
+    result is the correctly rounded sum either way (a wrong certificate would round twice)."""
+    for spread in range(26, 34):
+        values = [2.0**spread, 1 + 2.0**-23, -(2.0**spread), 2.0**spread, 2.0**-24 * 3]
+        src, order, offsets, base, args = one_column(values, torch.float32)
+        for alpha in (1.0, 0.3):
+            args["alpha"] = alpha
+            check(src, order, offsets, base, **args)
+
+
+def test_long_segment_of_cancelling_terms():
+    """More terms than CHUNK_TERMS (EXACT never splits a segment) that cancel down to the
+    smallest subnormals: bf16 data, with and without the fast path."""
+    g = torch.Generator().manual_seed(3)
+    x = wide(g, kernels.CHUNK_TERMS // 2 + 2, torch.bfloat16, -60, 60).to(torch.bfloat16).double()
+    values = torch.cat([x, -x, torch.tensor([2.0**-133, 2.0**-130])])
+    values = values[torch.randperm(values.shape[0], generator=g)]
+    src = torch.stack([values, torch.randn(values.shape[0], generator=g, dtype=torch.float64)],
+                      -1).to(torch.bfloat16).unsqueeze(0)
+    offsets = torch.tensor([0, values.shape[0]])
+    for reduce in (SUM, MEAN):
+        check(src, None, offsets, None, reduce=reduce, alpha=1.0, include_base=False)
+
+
+def test_refusals():
+    from detsum.kernels.triton import segment
+
+    src = torch.ones(1, 3, 2)
+    offsets = torch.tensor([0, 3])
+    out = torch.empty(1, 1, 2)
+    for reduce in (kernels.PROD, kernels.AMAX, kernels.AMIN):
+        with pytest.raises(ValueError, match="EXACT rule sums"):
+            segment.segment_reduce(src, None, offsets, None, out, reduce=reduce,
+                                   rule=kernels.EXACT, alpha=1.0, include_base=False)
+    with pytest.raises(ValueError, match="takes no carry"):
+        segment.segment_reduce(src, None, offsets, out, out, reduce=SUM, rule=kernels.EXACT,
+                               alpha=1.0, include_base=True, carry=torch.zeros_like(out))
+
+
+# ---- where the Numba kernel misses the oracle ----------------------------------------------
+
+NUMBA_MEAN_BUGS = [
+    # An fp32 mean of 3 units (2**-149) over 2 terms is 1.5 units: ties to even, 2 units.
+    # Numba truncates the quotient (its division keeps no bit below the unit): 1 unit.
+    pytest.param(torch.float32, [3 * 2.0**-149, 0.0], id="fp32-subnormal-tie"),
+    pytest.param(torch.float32, [2 * 2.0**-149, 0.0, 0.0], id="fp32-two-thirds-of-a-unit"),
+    pytest.param(torch.float64, [3 * 2.0**-1074, 0.0], id="fp64-subnormal-tie"),
+    # Nonzero terms all infinite: the fp64 fast path takes the column (sum of magnitudes inf <=
+    # smallest magnitude inf * 2**k) and deposits inf's bits as a finite number, at limb 35 of
+    # 10 (out of bounds): Numba writes 0.0 where the mean is inf, -inf or NaN.
+    pytest.param(torch.float32, [INF, 0.0], id="fp32-inf"),
+    pytest.param(torch.bfloat16, [-INF, -INF], id="bf16-minus-inf"),
+    pytest.param(torch.float16, [INF, -INF], id="fp16-nan"),
+]
+
+
+@pytest.mark.parametrize("backend", [
+    "triton",
+    pytest.param("numba", marks=pytest.mark.xfail(strict=True, reason="Numba EXACT mean bug")),
+])
+@pytest.mark.parametrize("dtype,values", NUMBA_MEAN_BUGS)
+def test_numba_mean_bugs(dtype, values, backend):
+    src, order, offsets, base, args = one_column(values, dtype, reduce=MEAN)
+    assert numba_mean_bug(values, dtype)
+    assert_same_bits(launch(backend, src, order, offsets, base, **args),
+                     exact_mean(values, dtype).view(1, 1, 1))

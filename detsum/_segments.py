@@ -165,9 +165,6 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
                               "(pip install 'detsum[triton]')") from error
     else:
         raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
-    if rule == kernels.EXACT and backend_name == "triton":
-        raise NotImplementedError("detsum: mode='exact' is not implemented on the triton "
-                                  "backend yet")
     if src3.shape[2] == 1 and src3.shape[0] > 1 and rule != kernels.CUDA_STRIDE_1:
         # One element per row (reducing the last dim): the outer index becomes the column index
         # of a [1, rows, outer] view, so a kernel step combines `outer` elements instead of one.

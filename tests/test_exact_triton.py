@@ -3,8 +3,7 @@
 Each test launches the Triton kernel (in the interpreter without a GPU: conftest sets
 TRITON_INTERPRET=1) and the Numba one on the same arguments, into NaN-poisoned outputs, and
 holds both to the oracle, ``reference.exact_sum_rounded`` and, for means,
-``reference.round_exact`` of the exact quotient. The Numba kernel is known to miss the oracle
-on two kinds of mean (``NUMBA_MEAN_BUGS`` below); everywhere else the two backends must agree.
+``reference.round_exact`` of the exact quotient: the two backends agree to the bit.
 """
 
 from __future__ import annotations
@@ -116,41 +115,13 @@ def oracle(src, order, offsets, base, *, reduce, alpha, include_base):
     return out
 
 
-def numba_mean_bug(values, dtype):
-    """Whether ``values`` is a mean the Numba kernel is known to get wrong (see
-    test_numba_mean_bugs): a column whose nonzero terms are all infinite, for 16- and 32-bit
-    data (it writes 0.0), or an fp32 / fp64 mean below 2**-125 / 2**-1021 (it truncates the
-    quotient in units of the smallest subnormal instead of rounding it)."""
-    if values is None or any(math.isnan(v) for v in values):
-        return False
-    nonzero = [v for v in values if v != 0]
-    if not nonzero:
-        return False
-    if any(math.isinf(v) for v in nonzero):
-        return dtype != torch.float64 and all(math.isinf(v) for v in nonzero)
-    limit = {torch.float32: 2.0**-125, torch.float64: 2.0**-1021}.get(dtype, 0.0)
-    mean = abs(sum(map(Fraction, values)) / len(values))
-    return 0 < mean < limit
-
-
 def check(src, order, offsets, base, *, reduce, alpha, include_base):
-    """Triton equals the oracle; Numba equals it too, except on the means it is known to miss."""
+    """Triton and Numba both equal the oracle, to the bit."""
     args = dict(reduce=reduce, alpha=alpha, include_base=include_base)
     expected = oracle(src, order, offsets, base, **args)
     got = launch("triton", src, order, offsets, base, **args)
     assert_same_bits(got, expected)
-    numba_out = launch("numba", src, order, offsets, base, **args)
-    both_nan = numba_out.isnan() & expected.isnan()
-    same = both_nan | ((numba_out == expected) & (numba_out.signbit() == expected.signbit()))
-    known = torch.zeros_like(same)
-    if reduce == MEAN:
-        for at, values in segment_terms(src, order, offsets, base, alpha, include_base):
-            known[at] = numba_mean_bug(values, src.dtype)
-    assert bool((same | known).all()), (
-        f"numba and the oracle differ beyond the known mean bugs at "
-        f"{(~(same | known)).nonzero().tolist()}")
-    # Where Numba is right, the two backends agree to the bit.
-    assert_same_bits(got[same], numba_out[same])
+    assert_same_bits(launch("numba", src, order, offsets, base, **args), expected)
     return got
 
 
@@ -370,32 +341,3 @@ def test_refusals():
     with pytest.raises(ValueError, match="takes no carry"):
         segment.segment_reduce(src, None, offsets, out, out, reduce=SUM, rule=kernels.EXACT,
                                alpha=1.0, include_base=True, carry=torch.zeros_like(out))
-
-
-# ---- where the Numba kernel misses the oracle ----------------------------------------------
-
-NUMBA_MEAN_BUGS = [
-    # An fp32 mean of 3 units (2**-149) over 2 terms is 1.5 units: ties to even, 2 units.
-    # Numba truncates the quotient (its division keeps no bit below the unit): 1 unit.
-    pytest.param(torch.float32, [3 * 2.0**-149, 0.0], id="fp32-subnormal-tie"),
-    pytest.param(torch.float32, [2 * 2.0**-149, 0.0, 0.0], id="fp32-two-thirds-of-a-unit"),
-    pytest.param(torch.float64, [3 * 2.0**-1074, 0.0], id="fp64-subnormal-tie"),
-    # Nonzero terms all infinite: the fp64 fast path takes the column (sum of magnitudes inf <=
-    # smallest magnitude inf * 2**k) and deposits inf's bits as a finite number, at limb 35 of
-    # 10 (out of bounds): Numba writes 0.0 where the mean is inf, -inf or NaN.
-    pytest.param(torch.float32, [INF, 0.0], id="fp32-inf"),
-    pytest.param(torch.bfloat16, [-INF, -INF], id="bf16-minus-inf"),
-    pytest.param(torch.float16, [INF, -INF], id="fp16-nan"),
-]
-
-
-@pytest.mark.parametrize("backend", [
-    "triton",
-    pytest.param("numba", marks=pytest.mark.xfail(strict=True, reason="Numba EXACT mean bug")),
-])
-@pytest.mark.parametrize("dtype,values", NUMBA_MEAN_BUGS)
-def test_numba_mean_bugs(dtype, values, backend):
-    src, order, offsets, base, args = one_column(values, dtype, reduce=MEAN)
-    assert numba_mean_bug(values, dtype)
-    assert_same_bits(launch(backend, src, order, offsets, base, **args),
-                     exact_mean(values, dtype).view(1, 1, 1))

@@ -9,22 +9,26 @@ limbs. Every output element's value is
 - MEAN: ``RN_dtype((init + sum of terms) / count)``, the exact quotient rounded once;
 
 with IEEE's special values: any NaN, or +inf with -inf, gives NaN; otherwise an inf wins; an
-exact zero is -0.0 only when every term (and the init) is -0.0.
+exact zero is -0.0 only when every term (and the init) is -0.0, and a nonzero value that
+rounds to zero keeps its sign.
 
 IMPLEMENTATION NOTES (this backend):
 
-- Fast path (bf16, fp16 and fp32 data, SUM): the terms are fp32 values, so their sum is held
-  in fp64 exactly as long as the 53 bits cover its spread (they do for any data whose
-  magnitudes span less than about 2**29; real gradients nearly always). Each column adds its
-  terms in fp64 and sums the magnitudes of the additions' rounding errors (TwoSum, exact
-  without FMA): a column whose error sum is 0 has had no rounding at all, so its fp64 value
-  *is* the exact sum, rounded once to the dtype at the end. Rounding it to bf16/fp16 goes
-  through fp32 made round-to-odd (a correctly rounded result from a value with at least two
-  more bits). Non-finite terms make the error NaN, which is not 0. The loop is a straight,
-  vectorisable one over the columns.
-- Every other column (the fast path failed, fp64 data, MEAN) is summed again from its terms
-  into limbs, one column at a time, with integer adds only, then rounded from the integer
-  (``_round_units``). Both ways give the exact sum, so which one ran never shows in the bits.
+- Fast path (bf16, fp16 and fp32 data): the terms are fp32 values, so their sum is held in
+  fp64 exactly as long as the 53 bits cover its spread (they do for any data whose magnitudes
+  span less than about 2**29; real gradients nearly always). A tile (one segment, a block of
+  columns) adds its terms in fp64 and keeps, by integer min/max of the fp32 bit patterns, the
+  largest and the smallest nonzero magnitude; ``count * largest <= smallest * 2**(52 - p)``
+  (``p`` bits per term) proves that no partial sum rounded, so each column's fp64 value *is*
+  its exact sum, rounded once to the dtype at the end (bf16/fp16 through fp32 made
+  round-to-odd: a correctly rounded result from a value with at least two more bits). A tile
+  that fails is summed again with the same certificate per column (the sum of magnitudes).
+  Non-finite terms fail both. The loops are straight and vectorise; the integer reductions
+  cost almost nothing where floating-point ones would not vectorise at all.
+- Every other column (both certificates failed, and all fp64 data) is summed again from its
+  terms into limbs, one column at a time, with integer adds only, then rounded from the
+  integer (``_round_units``). A MEAN puts its certified fp64 sum into limbs too, to divide
+  there. Every way gives the exact value, so which one ran never shows in the bits.
 - Threads: the work items of ``segment.segment_reduce`` (outer index, segment, column block),
   each output element written by one item. The result would not depend on the split even if
   it did not: that is the point of the rule.

@@ -89,8 +89,36 @@ def loss_targets(data: dict) -> list[str]:
     return lines
 
 
+#: The exact-mode issue's targets (bench_exact.py): "exact" / "fp32" per dtype on CPU, and
+#: "exact" / torch's atomic index_add_ on a GPU.
+EXACT_TARGETS = {"cpu": {"bf16": 1.5, "fp16": 1.5, "fp32": 2.0}, "cuda": 1.3}
+
+
+def exact_targets(data: dict) -> list[str]:
+    """bench_exact.py: "exact" against "fp32" (CPU) or index_add_ (GPU), per shape and dtype."""
+    by = {}
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("case", "").startswith("exact-"):
+            by[(e["device"], e["case"], e["dtype"], e["impl"])] = b["stats"]["median"]
+    lines = []
+    for device, case, dtype in sorted({k[:3] for k in by}):
+        m = {impl: t for (d, c, t_, impl), t in by.items() if (d, c, t_) == (device, case, dtype)}
+        kind = device.split(":")[0]
+        if kind == "cpu":
+            den, limit = "detsum-fp32", EXACT_TARGETS["cpu"].get(dtype)
+        else:
+            den, limit = "torch-index_add_", EXACT_TARGETS["cuda"]
+        if limit is None or "detsum-exact" not in m or den not in m:
+            continue
+        r = m["detsum-exact"] / m[den]
+        lines.append(f"{device} {case.split()[0]} {dtype}: exact / {den.removeprefix('detsum-')}: "
+                     f"{r:.2f} (target <= {limit:g}) {'met' if r <= limit else 'MISSED'}")
+    return lines
+
+
 def targets(data: dict) -> list[str]:
-    """The MoE and batch-loss targets, one line each, from the medians of one run."""
+    """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -113,7 +141,7 @@ def targets(data: dict) -> list[str]:
                 ok = r >= limit
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
-    return lines + loss_targets(data)
+    return lines + exact_targets(data) + loss_targets(data)
 
 
 def table(data: dict) -> str:

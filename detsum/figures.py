@@ -54,6 +54,7 @@ CANCEL_OFFSET = 2.0**-7
 METHODS: dict[str, str] = {
     "fp32": "detsum fp32",
     "kahan": "detsum kahan",
+    "exact": "detsum exact",
     "autograd": "detsum autograd",
     "index_put_": "torch index_put_(accumulate=True) = autograd's CPU gradient",
     "index_add_": "torch index_add_",
@@ -77,6 +78,7 @@ DEFAULT_RESULTS = "benches/results/*.json"
 _COLORS = {
     "fp32": "tab:blue",
     "kahan": "tab:green",
+    "exact": "black",
     "autograd": "tab:purple",
     "index_put_": "tab:red",
     "index_add_": "tab:orange",
@@ -140,7 +142,7 @@ def method_sums(terms: torch.Tensor) -> dict[str, torch.Tensor]:
     length, columns = terms.shape
     offsets = torch.tensor([0, length])
     sums = {mode: detsum.segment_sum(terms, offsets, mode=mode)[0]
-            for mode in ("fp32", "kahan", "autograd")}
+            for mode in ("fp32", "kahan", "exact", "autograd")}
     index = torch.zeros(length, dtype=torch.int64)
     # Past 32768 elements and with more than one thread, torch's CPU index_put_ adds with
     # atomics, in no fixed order; deterministic algorithms give its serial sum in order of
@@ -236,6 +238,7 @@ _ACCURACY_STYLE = {
     "index_add_": dict(linewidth=1.2, marker="D", markersize=7.5, fillstyle="none"),
     "fp32": dict(linewidth=1.5, marker="o", markersize=5.5, fillstyle="none"),
     "kahan": dict(linewidth=1.5, marker=".", markersize=5),
+    "exact": dict(linewidth=1.0, marker="+", markersize=7),
 }
 
 
@@ -377,7 +380,7 @@ def speed_data(json_paths: Sequence[str | Path] | None = None) -> dict:
 
 
 def _bar_order(bar: dict) -> tuple[int, int]:
-    detsum_modes = [f"detsum-{m}" for m in ("fp32", "kahan", "autograd")]
+    detsum_modes = [f"detsum-{m}" for m in ("fp32", "kahan", "exact", "autograd")]
     if bar["impl"] in detsum_modes:
         return (0, detsum_modes.index(bar["impl"]))
     return (1, 0)  # torch ops after detsum's, in the order the benchmarks ran (sort is stable)

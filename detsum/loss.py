@@ -58,7 +58,8 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
         reduction: ``"mean"`` (default) or ``"sum"``.
         weight: optional weights of ``losses``' shape: the weighted mean
             ``sum(weight * losses) / sum(weight)`` (``"sum"``: ``sum(weight * losses)``).
-        mode: ``"fp32"`` (default) or ``"kahan"``; ``"autograd"`` is refused (see the module).
+        mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"`` (the correctly rounded sum,
+            whatever the order); ``"autograd"`` is refused (see the module).
 
     Returns:
         A 0-dim tensor of ``losses``' dtype.
@@ -337,7 +338,7 @@ class GradAccumulator:
     Args:
         named_parameters: ``model.named_parameters()`` (or any ``(name, tensor)`` pairs);
             those with ``requires_grad=False`` are skipped, as in :func:`per_sample_grads`.
-        mode: ``"fp32"`` (default) or ``"kahan"``; ``"autograd"`` is refused.
+        mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"``; ``"autograd"`` is refused.
 
     Memory: two (``"fp32"``) or four (``"kahan"``) acc-type copies of the parameters.
 
@@ -424,7 +425,7 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
     Args:
         model, loss_fn, inputs, targets: as for :func:`per_sample_grads`.
         reduction: ``"mean"`` (default) or ``"sum"``.
-        mode: ``"fp32"`` (default) or ``"kahan"``; ``"autograd"`` is refused.
+        mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"``; ``"autograd"`` is refused.
         microbatch_size: samples per micro-batch, as a gradient-accumulation loop would split
             the batch; None: one micro-batch. It never changes the result.
         chunk_size: per-sample gradients gathered before each addition to the accumulator

@@ -24,6 +24,9 @@ class Mode(str, enum.Enum):
     KAHAN = "kahan"
     #: Accumulate in fp32 (fp64 for fp64 data) in canonical order, round once. The default.
     FP32 = "fp32"
+    #: The exact sum, rounded once: correctly rounded, and the same bits for any order of the
+    #: terms, any split and any backend or device.
+    EXACT = "exact"
 
     def __str__(self) -> str:
         return self.value
@@ -52,7 +55,7 @@ def parse_ordered_mode(mode: object, *, caller: str, why_not_autograd: str) -> M
     mode = parse_mode(mode, caller=caller)
     if mode is Mode.AUTOGRAD:
         raise ValueError(f"{caller}: mode='autograd' has no meaning {why_not_autograd}; "
-                         f"use mode='fp32' or mode='kahan'")
+                         f"use mode='fp32', 'kahan' or 'exact'")
     return mode
 
 
@@ -74,10 +77,16 @@ def rule_for(mode: Mode, reduce: str, device_type: str, slice_size: int) -> int:
     mean; used on CUDA too, where torch's own mean is atomic, so nondeterministic, unless
     deterministic algorithms are on). ``prod``/``amax``/``amin`` have no rounding choice:
     "autograd" keeps torch's unsplit serial order (ROUND_EACH), the other modes the chunked
-    canonical order (WIDE); ``amax``/``amin`` are exact either way.
+    canonical order (WIDE); ``amax``/``amin`` are exact either way, so "exact" takes WIDE
+    there. "exact" is the EXACT rule for ``sum`` and ``mean`` on every device; it has no
+    ``prod`` (callers refuse it: see ``scatter_reduce``).
     """
     if reduce not in ("sum", "mean"):
+        if mode is Mode.EXACT and reduce == "prod":
+            raise ValueError("mode='exact' has no rule for a product")
         return kernels.ROUND_EACH if mode is Mode.AUTOGRAD else kernels.WIDE
+    if mode is Mode.EXACT:
+        return kernels.EXACT
     if mode is Mode.KAHAN:
         return kernels.KAHAN
     if mode is Mode.FP32:

@@ -25,6 +25,9 @@ Rules (the contract's arithmetic per segment; ``sum_rule`` picks one per mode, d
   CUDA ``indexing_backward_kernel_small_stride`` (and ``_stride_1`` with fewer than 32 terms).
 - ``"cuda_warp_tree"``: 32 lane partial sums, a shuffle-down tree, then a serial tail:
   CUDA ``indexing_backward_kernel_stride_1`` with 32 or more terms.
+- ``"exact"`` ("exact" mode, sum and mean): the exact sum of the init (if any) and the terms in
+  ``Fraction`` arithmetic, or that sum over the count, rounded once (``exact_sum_rounded``,
+  ``round_exact``). No order and no init of +0.0: a sum of -0.0 terms is -0.0.
 
 The acc type is fp64 for fp64 data and fp32 otherwise (PyTorch's ``opmath_type``, which is also
 what the CUDA kernels above accumulate in).
@@ -52,12 +55,13 @@ __all__ = [
     "ulp_distance",
 ]
 
-RULES: tuple[str, ...] = ("wide", "kahan", "round_each", "cuda_small_stride", "cuda_warp_tree")
+RULES: tuple[str, ...] = ("wide", "kahan", "round_each", "cuda_small_stride", "cuda_warp_tree",
+                          "exact")
 
 #: Lanes per warp of the CUDA (non-ROCm) kernels that "autograd" mode reproduces.
 WARP_SIZE = 32
 
-_MODES = ("fp32", "kahan", "autograd")
+_MODES = ("fp32", "kahan", "autograd", "exact")
 _REDUCES = ("sum", "mean", "prod", "amax", "amin")
 
 
@@ -86,8 +90,10 @@ def sum_rule(mode: str, dtype: torch.dtype, device_type: str, slice_size: int, n
         return "wide"
     if mode == "kahan":
         return "kahan"
+    if mode == "exact":
+        return "exact"
     if mode != "autograd":
-        raise ValueError(f"sum_rule: mode={mode!r} is not one of 'fp32', 'kahan', 'autograd'")
+        raise ValueError(f"sum_rule: mode={mode!r} is not one of {_MODES}")
     if not dtype.is_floating_point:
         raise ValueError(f"sum_rule: dtype={dtype} is not a floating dtype")
     if device_type == "cpu":
@@ -279,12 +285,38 @@ def _segment_sum_value(init, rows, rule, dtype, alpha):
     raise ValueError(f"unknown rule {rule!r}")
 
 
+def _exact(values: Sequence[torch.Tensor], dtype: torch.dtype, *, mean: bool) -> torch.Tensor:
+    """The "exact" rule: the exact sum of ``values`` (acc-type rows), or that sum divided by
+    ``len(values)``, rounded once to ``dtype``, by Fraction arithmetic column by column."""
+    stacked = torch.stack(list(values))
+    total = exact_sum_rounded(stacked, dtype)  # IEEE specials and the sign of zero included
+    if not mean:
+        return total
+    out = total.clone()
+    for c in range(stacked.shape[1]):
+        column = stacked[:, c].tolist()
+        if not all(math.isfinite(v) for v in column):
+            continue  # inf or NaN: the mean is what the sum is
+        exact = sum((Fraction(v) for v in column), Fraction(0))
+        if exact != 0:
+            out[c] = round_exact(exact / len(column), dtype)
+    return out
+
+
 def _reduce_segment(base, rows, reduce, mode, *, alpha, include_self, device_type, slice_size):
     """One output row: ``base`` is the input row (dtype), ``rows`` the terms in canonical order."""
     dtype = base.dtype
     acc_t = acc_dtype(dtype)
     if not include_self and not rows:
         return base.clone()  # a position that receives no term keeps the input
+    if mode == "exact" and reduce in ("sum", "mean"):
+        # No order, no init of +0.0: only the base row (if included) and the terms.
+        scale = alpha if reduce == "sum" else 1
+        values = ([base.to(acc_t)] if include_self else []) + [
+            _scaled_term(x, scale, acc_t) for x in rows]
+        return _exact(values, dtype, mean=reduce == "mean")
+    if mode == "exact" and reduce == "prod":
+        raise ValueError("mode='exact' has no product")
     if reduce == "sum":
         init = base if include_self else torch.zeros_like(base)
         rule = sum_rule(mode, dtype, device_type, slice_size, len(rows))
@@ -393,7 +425,9 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0, perm=
     out_shape[dim] = len(segments)
     src2 = _as_rows(src, dim)
     base2 = torch.zeros((len(segments), src2.shape[1]), dtype=src.dtype, device=src.device)
-    out2 = _reduce_rows(base2, src2, segments, "sum", mode,
+    # No init: an empty segment keeps the +0.0 of base2, the others sum their terms alone
+    # (every rule but "exact" starts from +0.0 anyway).
+    out2 = _reduce_rows(base2, src2, segments, "sum", mode, include_self=False,
                         device_type=_device_type(src, device_type),
                         slice_size=_trailing_size(src.shape, dim))
     return _from_rows(out2, out_shape, dim)

@@ -24,6 +24,9 @@ from detsum.report import torch_deterministic  # noqa: F401
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = detsum.MODES
+#: Every (mode, reduction) that scatter_reduce computes: "exact" has no product.
+MODE_REDUCTIONS = [(m, r) for m in MODES for r in ("sum", "mean", "prod", "amax", "amin")
+                   if (m, r) != ("exact", "prod")]
 HAS_CUDA = torch.cuda.is_available()
 
 N = None  # placeholder for the indexed / segmented / scattered dim in a layout's shape

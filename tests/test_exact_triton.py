@@ -3,8 +3,7 @@
 Each test launches the Triton kernel (in the interpreter without a GPU: conftest sets
 TRITON_INTERPRET=1) and the Numba one on the same arguments, into NaN-poisoned outputs, and
 holds both to the oracle, ``reference.exact_sum_rounded`` and, for means,
-``reference.round_exact`` of the exact quotient. The Numba kernel is known to miss the oracle
-on two kinds of mean (``NUMBA_MEAN_BUGS`` below); everywhere else the two backends must agree.
+``reference.round_exact`` of the exact quotient: the two backends agree to the bit.
 """
 
 from __future__ import annotations
@@ -116,57 +115,13 @@ def oracle(src, order, offsets, base, *, reduce, alpha, include_base):
     return out
 
 
-def numba_infinite_mean_bug(values, dtype):
-    """Whether the Numba kernel writes out of bounds on this mean (see test_numba_mean_bugs):
-    16- and 32-bit data whose nonzero terms are all infinite (and none NaN). It must not run on
-    such data: the stray write lands in another work item's limbs or past the scratch array."""
-    if values is None or dtype == torch.float64 or any(math.isnan(v) for v in values):
-        return False
-    nonzero = [v for v in values if v != 0]
-    return bool(nonzero) and all(math.isinf(v) for v in nonzero)
-
-
-def numba_subnormal_mean_bug(values, dtype):
-    """Whether this is a mean the Numba kernel may truncate instead of round (see
-    test_numba_mean_bugs): an fp32 / fp64 mean below 2**-125 / 2**-1021, where the quantum is
-    one unit (the smallest subnormal) and its division keeps no bit below the unit."""
-    if values is None or dtype not in (torch.float32, torch.float64):
-        return False
-    if not all(math.isfinite(v) for v in values):
-        return False
-    limit = 2.0**-125 if dtype == torch.float32 else 2.0**-1021
-    return 0 < abs(sum(map(Fraction, values)) / len(values)) < limit
-
-
 def check(src, order, offsets, base, *, reduce, alpha, include_base):
-    """Triton equals the oracle; Numba equals it too, except on the means it is known to miss
-    (run with those columns' terms zeroed where it would write out of bounds)."""
+    """Triton and Numba both equal the oracle, to the bit."""
     args = dict(reduce=reduce, alpha=alpha, include_base=include_base)
     expected = oracle(src, order, offsets, base, **args)
     got = launch("triton", src, order, offsets, base, **args)
     assert_same_bits(got, expected)
-    known = torch.zeros(expected.shape, dtype=torch.bool)
-    numba_src, numba_base = src, base
-    if reduce == MEAN:
-        for (o, s, j), values in segment_terms(src, order, offsets, base, alpha, include_base):
-            known[o, s, j] = numba_subnormal_mean_bug(values, src.dtype)
-            if numba_infinite_mean_bug(values, src.dtype):
-                known[o, s, j] = True
-                if numba_src is src:
-                    numba_src = src.clone()
-                    numba_base = base.clone() if base is not None else None
-                p0, p1 = int(offsets[s]), int(offsets[s + 1])
-                numba_src[o, order[p0:p1] if order is not None else slice(p0, p1), j] = 0
-                if include_base:
-                    numba_base[o, s, j] = 0
-    numba_out = launch("numba", numba_src, order, offsets, numba_base, **args)
-    both_nan = numba_out.isnan() & expected.isnan()
-    same = both_nan | ((numba_out == expected) & (numba_out.signbit() == expected.signbit()))
-    assert bool((same | known).all()), (
-        f"numba and the oracle differ beyond the known mean bugs at "
-        f"{(~(same | known)).nonzero().tolist()}")
-    # Where Numba is right, the two backends agree to the bit.
-    assert_same_bits(got[same], numba_out[same])
+    assert_same_bits(launch("numba", src, order, offsets, base, **args), expected)
     return got
 
 
@@ -321,6 +276,7 @@ def one_column(values, dtype, *, reduce=SUM, alpha=1.0):
 
 SPECIAL_CASES = [  # (values, what the sum is)
     pytest.param([INF, 1.0, -2.0], id="inf-wins"),
+    pytest.param([INF, 0.0, INF], id="only-inf-nonzero"),  # a fast path must not take it
     pytest.param([-INF, 3.0, -INF], id="minus-inf-wins"),
     pytest.param([INF, -INF, 1.0], id="inf-minus-inf-is-nan"),
     pytest.param([NAN, INF, 1.0], id="nan-wins"),
@@ -338,6 +294,7 @@ def test_special_values(dtype, values):
     assert_same_bits(launch("triton", src, order, offsets, base, **args),
                      reference.exact_sum_rounded(values, dtype).view(1, 1, 1))
     check(src, order, offsets, base, **args)
+    check(src, order, offsets, base, **dict(args, reduce=MEAN))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -417,37 +374,3 @@ def test_refusals():
     with pytest.raises(ValueError, match="takes no carry"):
         segment.segment_reduce(src, None, offsets, out, out, reduce=SUM, rule=kernels.EXACT,
                                alpha=1.0, include_base=True, carry=torch.zeros_like(out))
-
-
-# ---- where the Numba kernel misses the oracle ----------------------------------------------
-
-NUMBA_TRUNCATES = pytest.mark.xfail(strict=True, reason="Numba truncates a subnormal mean")
-# Not run: the write out of bounds can corrupt the test process's heap.
-NUMBA_WRITES_OUT_OF_BOUNDS = pytest.mark.xfail(run=False,
-                                               reason="Numba writes an inf mean out of bounds")
-NUMBA_MEAN_BUGS = [  # (id, dtype, values, how the Numba run fails)
-    # An fp32 mean of 3 units (2**-149) over 2 terms is 1.5 units: ties to even, 2 units.
-    # Numba truncates the quotient (its division keeps no bit below the unit): 1 unit.
-    ("fp32-subnormal-tie", torch.float32, [3 * 2.0**-149, 0.0], NUMBA_TRUNCATES),
-    ("fp32-two-thirds-of-a-unit", torch.float32, [2 * 2.0**-149, 0.0, 0.0], NUMBA_TRUNCATES),
-    ("fp64-subnormal-tie", torch.float64, [3 * 2.0**-1074, 0.0], NUMBA_TRUNCATES),
-    # Nonzero terms all infinite: Numba's fp64 fast path takes the column (its sum of
-    # magnitudes, inf, is <= its smallest magnitude, inf, times 2**k) and deposits the inf
-    # sum's bits as a finite number, at limbs 35 and 36 of 10: it writes 0.0 where the mean is
-    # inf, -inf or NaN, and 2**21 past its limbs.
-    ("fp32-inf", torch.float32, [INF, 0.0], NUMBA_WRITES_OUT_OF_BOUNDS),
-    ("bf16-minus-inf", torch.bfloat16, [-INF, -INF], NUMBA_WRITES_OUT_OF_BOUNDS),
-    ("fp16-nan", torch.float16, [INF, -INF], NUMBA_WRITES_OUT_OF_BOUNDS),
-]
-
-
-@pytest.mark.parametrize("backend,dtype,values", [
-    pytest.param(backend, dtype, values, marks=mark if backend == "numba" else (),
-                 id=f"{name}-{backend}")
-    for name, dtype, values, mark in NUMBA_MEAN_BUGS for backend in ("triton", "numba")])
-def test_numba_mean_bugs(backend, dtype, values):
-    """Means the Numba kernel misses; Triton gets them right (the oracle's bits)."""
-    assert numba_subnormal_mean_bug(values, dtype) or numba_infinite_mean_bug(values, dtype)
-    src, order, offsets, base, args = one_column(values, dtype, reduce=MEAN)
-    assert_same_bits(launch(backend, src, order, offsets, base, **args),
-                     exact_mean(values, dtype).view(1, 1, 1))

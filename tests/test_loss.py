@@ -37,7 +37,7 @@ def test_kahan_reduce_within_one_ulp_of_exact():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=dtype_id)
-@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
 def test_reduce_is_one_ordered_sum_rounded_once(mode, dtype):
     losses = make_data((7, 9), dtype, seed=3, spread=True).abs()
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -67,8 +67,8 @@ def test_reduce_gradient_is_exact():
 
 
 def test_reduce_rejects_bad_input():
-    with pytest.raises(ValueError, match="mode='autograd' has no meaning.*mode='fp32' or "
-                                         "mode='kahan'"):
+    with pytest.raises(ValueError, match="mode='autograd' has no meaning.*mode='fp32', "
+                                         "'kahan' or 'exact'"):
         loss.reduce(torch.ones(3), mode="autograd")
     with pytest.raises(ValueError, match="losses is empty"):
         loss.reduce(torch.ones(0))
@@ -273,7 +273,7 @@ def test_batch_grad_same_bits_for_every_split_and_chunk_size(kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
 def test_batch_grad_is_the_canonical_sum_of_per_sample_grads(mode, dtype):
     """batch_grad = one segment_sum over the samples (then / B), for every micro-batch size."""
     model, x, y = mlp_problem(37, seed=2, dtype=dtype)
@@ -293,7 +293,7 @@ def test_batch_grad_is_the_canonical_sum_of_per_sample_grads(mode, dtype):
         assert_same_bits(mean[name], want)
 
 
-@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
 def test_batch_grad_over_more_than_one_chunk_of_samples(mode):
     """300 samples cross the 256-term chunk boundary of the canonical order."""
     model = torch.nn.Linear(4, 3)
@@ -467,7 +467,7 @@ def test_seed_scenario_example(capsys):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
 def test_batch_grad_split_invariant_on_cuda(mode):
     """On the GPU: the Triton carry path, and each sample, evaluated alone, getting the same bits
     from cuBLAS in every split."""

@@ -363,8 +363,8 @@ def test_bad_arguments_raise_clear_errors():
         moe.unpermute(y, gather_indices, 4, weights=weights, reduce=False)
     with pytest.raises(ValueError, match="topk=0"):
         moe.permute(x, gather_indices, 0)
-    with pytest.raises(ValueError, match="mode='exact'"):
-        moe.permute(x, gather_indices, 4, mode="exact")
+    with pytest.raises(ValueError, match="mode='fast'"):
+        moe.permute(x, gather_indices, 4, mode="fast")
     # check=False skips the permutation check (the caller vouches for it).
     moe.permute(x, duplicated, 4, check=False)
 

@@ -532,8 +532,9 @@ def test_sum_rule_table():
     assert ref.sum_rule("autograd", f32, "cuda", 1, 31) == "cuda_small_stride"
     assert ref.sum_rule("autograd", f32, "cuda", 1, 32) == "cuda_warp_tree"
     assert ref.sum_rule("autograd", f32, "cuda", 1, 1000) == "cuda_warp_tree"
+    assert ref.sum_rule("exact", f32, "cuda", 1, 100) == "exact"
     with pytest.raises(ValueError):
-        ref.sum_rule("exact", f32, "cpu", 1, 1)
+        ref.sum_rule("fast", f32, "cpu", 1, 1)
     with pytest.raises(NotImplementedError):
         ref.sum_rule("autograd", f32, "mps", 1, 1)
 

@@ -10,7 +10,7 @@ from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, make_data
 from detsum import _segments, reference
 from detsum.kernels import CHUNK_TERMS, KAHAN
 
-SPLIT_MODES = ("fp32", "kahan")
+SPLIT_MODES = ("fp32", "kahan", "exact")
 # 600 rows: chunk 0, a whole later chunk and a partial one.
 ROWS = 2 * CHUNK_TERMS + 88
 # The triton backend runs CUDA tensors on a GPU, CPU tensors in the interpreter (conftest).

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import detsum
-from conftest import DTYPES, MODES, assert_same_bits, dtype_id, make_data
+from conftest import DTYPES, MODE_REDUCTIONS, MODES, assert_same_bits, dtype_id, make_data
 from detsum import _segments
 
 BACKENDS = ["numba"]
@@ -62,9 +62,8 @@ def test_index_add_sparse_plan_gives_the_dense_bits(mode, dtype, backend_name, m
 
 
 @pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "amax", "amin"])
 @pytest.mark.parametrize("include_self", [True, False])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,reduce", MODE_REDUCTIONS)
 def test_scatter_reduce_sparse_plan_gives_the_dense_bits(mode, include_self, reduce,
                                                          backend_name, monkeypatch):
     input, index, source = _case(torch.bfloat16, n_out=40)

@@ -16,8 +16,8 @@ import torch
 
 import detsum
 from conftest import (
-    DTYPES, HAS_CUDA, LAYOUTS, MODES, N, assert_same_bits, case_params, dtype_id, make_data,
-    seed_of, strided_copy, with_rows)
+    DTYPES, HAS_CUDA, LAYOUTS, MODE_REDUCTIONS, MODES, N, assert_same_bits, case_params,
+    dtype_id, make_data, seed_of, strided_copy, with_rows)
 from detsum import kernels, reference
 
 try:
@@ -152,9 +152,8 @@ SCATTER_LAYOUTS = [
 
 
 @pytest.mark.parametrize("template,dim,kind", SCATTER_LAYOUTS)
-@pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "amax", "amin"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,reduce", MODE_REDUCTIONS)
 def test_scatter_reduce(mode, dtype, reduce, template, dim, kind):
     seed = seed_of("triton-scatter", template, dim, kind, dtype, reduce)
     g = torch.Generator().manual_seed(seed)

@@ -134,7 +134,7 @@ def test_mode_accepts_enum_members():
     for mode in detsum.Mode:
         assert torch.equal(detsum.index_add(x, dim, idx, src, mode=mode),
                            detsum.index_add(x, dim, idx, src, mode=mode.value))
-    assert detsum.MODES == ("autograd", "kahan", "fp32")
+    assert detsum.MODES == ("autograd", "kahan", "fp32", "exact")
 
 
 def test_out_of_range_value_at_the_last_position_is_found():

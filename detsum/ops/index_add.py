@@ -138,6 +138,9 @@ _ORDER_DOC = """
       ``input.index_put_(indices, source * alpha, accumulate=True)``, which is what autograd
       computes for the gradient of ``x[index]``. On CPU that rounds ``source * alpha`` to the
       dtype, then rounds to the dtype after every add.
+    - ``"exact"``: ``input[i]`` plus the same terms, summed exactly and rounded once to the
+      dtype (correctly rounded); no order at all, so any permutation of ``index`` and
+      ``source`` rows gives the same bits.
 
     **This operation is fully deterministic**: the same inputs give the same bits on every
     run, for every thread count and every backend that implements the mode. (PyTorch's own
@@ -185,7 +188,7 @@ index_add.__doc__ = """Out-of-place ``torch.index_add``: ``out[..., index[k], ..
             ``[0, input.size(dim))``.
         source: ``input``'s dtype and shape except ``source.size(dim) == len(index)``.
         alpha: scale of ``source``.
-        mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
+        mode: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.

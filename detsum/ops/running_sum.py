@@ -6,6 +6,9 @@ of that computation between calls, in the acc type: the folded total, the chunk 
 under ``"kahan"``, both compensations. Pieces are cut where they cross a chunk boundary, and each
 part continues the state through the kernels' carried-compensation launch. So the result
 depends on the terms and their order only, never on where the pieces were cut.
+
+``"exact"`` needs none of that: its state is the exact sum itself, as integers (``_limbs``), so
+pieces, merges and all-reduces of states add up to the same state in any order.
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from detsum import _segments, _validation, reference
+from detsum import _limbs, _segments, _validation, reference
 from detsum.backend import current_backend
-from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
+from detsum.kernels import CHUNK_TERMS, KAHAN, MAX_TERMS_PER_STATE, WIDE
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_ordered_mode
 
 __all__ = ["RunningSum"]
@@ -55,11 +58,31 @@ class RunningSum:
         dtype: the rows' dtype (float32, float16, bfloat16 or float64). The state is kept in
             the acc type (fp64 for float64, fp32 otherwise); results are rounded once to dtype.
         device: where the rows and the state live.
-        mode: ``"fp32"`` (default) or ``"kahan"``. ``"autograd"`` has no meaning for a sum
-            that torch never computes in pieces, and is refused.
+        mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"``. ``"autograd"`` has no meaning
+            for a sum that torch never computes in pieces, and is refused.
 
-    Memory: the state is two (``"fp32"``) or four (``"kahan"``) acc-type tensors of ``shape``;
-    a piece is converted to the acc type before it is added (a copy only for float16/bfloat16).
+    ``"exact"``: ``sum()`` is the exact sum of every row added, rounded once (correctly
+    rounded), and does not depend on the order of the rows either. Such sums also ``merge``
+    (two running sums of rows added anywhere, in any order, give the state of one sum over
+    all their rows), and their ``state()`` is an int64 tensor whose elementwise integer sum
+    over several running sums is the state of the merged sum, so that
+    ``torch.distributed.all_reduce(state, SUM)`` then ``load_state`` sums over ranks exactly.
+
+    State layout (``"exact"``): a 1-D int64 tensor, ``[rows added, element 0, element 1,
+    ...]`` over the ``prod(shape)`` elements in row-major order; an element is ``L`` limbs
+    (``L = 10`` for bf16/fp16/fp32 rows, 67 for fp64) and four counters: NaN terms, +inf
+    terms, -inf terms, terms other than -0.0. The limbs hold the exact sum as an integer of
+    units (``2**-149``, or ``2**-1074`` for fp64) in base ``2**32``, lowest limb first, kept
+    normalised (every limb but the last in ``[0, 2**32)``) between calls. Limits: a normalised
+    state takes ``2**30 - 1`` terms (about 10**9) before an int64 could overflow; ``add``
+    normalises after every that many rows, so pieces may be of any size, and a merge or
+    all-reduce of fewer than ``2**31`` normalised states cannot overflow. ``mean()`` divides
+    by at most ``2**30 - 1`` rows and refuses more (a clear error, never a wrong result).
+
+    Memory: the state is two (``"fp32"``) or four (``"kahan"``) acc-type tensors of ``shape``,
+    or ``L + 4`` int64 per element (``"exact"``: 112 bytes per element for fp32-family rows,
+    568 for fp64); a piece is converted to the acc type before it is added (a copy only for
+    float16/bfloat16), and ``"exact"`` decomposes it in steps of about 4M terms.
 
     Example:
         >>> import torch, detsum
@@ -68,6 +91,10 @@ class RunningSum:
         >>> running.add(rows[:4]); running.add(rows[4:])
         >>> offsets = torch.tensor([0, 10])
         >>> torch.equal(running.sum(), detsum.segment_sum(rows, offsets, mode="kahan")[0])
+        True
+        >>> a, b = detsum.RunningSum((3,), mode="exact"), detsum.RunningSum((3,), mode="exact")
+        >>> a.add(rows[7:]); b.add(rows[:7]); a.merge(b)
+        >>> torch.equal(a.sum(), detsum.segment_sum(rows, offsets, mode="exact")[0])
         True
     """
 
@@ -85,8 +112,13 @@ class RunningSum:
         self.dtype = dtype
         self.count = 0
         acc = acc_dtype(dtype)
+        self._acc = acc
         kahan = self.mode is Mode.KAHAN
         numel = self.shape.numel()
+        if self.mode is Mode.EXACT:
+            self._state = _limbs.new_state(numel, acc, device)
+            self.device = self._state.device
+            return
         # Chunk 0 and the folded total of the later chunks (the contract folds into chunk 0).
         self._total = torch.zeros(numel, dtype=acc, device=device)
         # The device as tensors report it ("cuda" -> "cuda:0", "cpu:0" -> "cpu"), so that
@@ -110,6 +142,10 @@ class RunningSum:
                              f"[k, {', '.join(map(str, self.shape))}]")
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
+        if self.mode is Mode.EXACT:
+            _limbs.add_terms(self._state, rows.reshape(rows.shape[0], -1).to(self._acc))
+            self.count += rows.shape[0]
+            return
         flat = rows.reshape(rows.shape[0], self._total.numel()).to(self._total.dtype)
         start = 0
         while start < flat.shape[0]:
@@ -151,12 +187,77 @@ class RunningSum:
 
     def sum(self) -> torch.Tensor:
         """The sum of every row added, rounded once to dtype (zeros before any row)."""
+        if self.mode is Mode.EXACT:
+            if self.count == 0:
+                return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            return _limbs.round_state(self._state, self._acc, self.dtype).view(self.shape)
         return self._value().to(self.dtype).view(self.shape)
 
     def mean(self) -> torch.Tensor:
-        """The sum divided by the row count in the acc type, rounded once to dtype."""
+        """The sum divided by the row count in the acc type, rounded once to dtype
+        (``"exact"``: the exact sum divided by the count, rounded once)."""
+        caller = "detsum.RunningSum.mean"
         if self.count == 0:
-            raise ValueError("detsum.RunningSum.mean: no rows were added; the mean of nothing "
-                             "is undefined")
+            raise ValueError(f"{caller}: no rows were added; the mean of nothing is undefined")
+        if self.mode is Mode.EXACT:
+            if self.count > MAX_TERMS_PER_STATE:
+                raise ValueError(f"{caller}: {self.count} rows were added; an exact mean "
+                                 f"divides by at most {MAX_TERMS_PER_STATE} (use sum())")
+            return _limbs.round_state(self._state, self._acc, self.dtype,
+                                      count=self.count).view(self.shape)
         return (self._value() / self.count).to(self.dtype).view(self.shape)
+
+    # ---- "exact" only: merging and the integer state ------------------------------------
+
+    def _check_exact(self, caller: str) -> None:
+        if self.mode is not Mode.EXACT:
+            raise ValueError(f"{caller}: this running sum has mode={self.mode.value!r}; only "
+                             f"mode='exact' sums can be merged or exchange their state (the "
+                             f"others depend on the order of their rows)")
+
+    def merge(self, other: RunningSum) -> None:
+        """Add the rows of ``other`` (another ``"exact"`` running sum of the same shape, dtype
+        and device) to this one, in place; ``other`` is unchanged. Merging in any order, or
+        adding all the rows to one sum, gives the same state."""
+        caller = "detsum.RunningSum.merge"
+        self._check_exact(caller)
+        if not isinstance(other, RunningSum):
+            raise TypeError(f"{caller}: other must be a detsum.RunningSum, got "
+                            f"{type(other).__name__}")
+        mine = (self.shape, self.dtype, self.device, self.mode)
+        theirs = (other.shape, other.dtype, other.device, other.mode)
+        if mine != theirs:
+            raise ValueError(f"{caller}: other has (shape, dtype, device, mode) = {theirs}; "
+                             f"expected {mine}")
+        self._state += other._state
+        _limbs.normalise(self._state[:, :self._state.shape[1] - _limbs.COUNTERS])
+        self.count += other.count
+
+    def state(self) -> torch.Tensor:
+        """A copy of the state as one 1-D int64 tensor (layout in the class docstring): the
+        elementwise integer sum of several such tensors is the state of the merged sum."""
+        self._check_exact("detsum.RunningSum.state")
+        count = torch.tensor([self.count], dtype=torch.int64, device=self.device)
+        return torch.cat([count, self._state.reshape(-1)])
+
+    def load_state(self, state: torch.Tensor) -> None:
+        """Replace this sum's state by ``state`` (from ``state()``, or an integer sum of
+        several, e.g. after ``torch.distributed.all_reduce``); it is normalised on the way in."""
+        caller = "detsum.RunningSum.load_state"
+        self._check_exact(caller)
+        expected = (1 + self._state.numel(),)
+        if not isinstance(state, torch.Tensor) or state.dtype != torch.int64:
+            raise TypeError(f"{caller}: state must be an int64 tensor, got "
+                            f"{getattr(state, 'dtype', type(state).__name__)}")
+        if tuple(state.shape) != expected:
+            raise ValueError(f"{caller}: state has shape {tuple(state.shape)}; expected "
+                             f"{expected} (the state() of a sum of this shape and dtype)")
+        if state.device != self.device:
+            raise ValueError(f"{caller}: state is on {state.device}; expected {self.device}")
+        count = int(state[0])
+        if count < 0:
+            raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")
+        self._state.copy_(state[1:].view_as(self._state))
+        _limbs.normalise(self._state[:, :self._state.shape[1] - _limbs.COUNTERS])
+        self.count = count
 

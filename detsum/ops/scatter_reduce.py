@@ -182,7 +182,7 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         src: ``input``'s dtype.
         reduce: ``"sum"``, ``"mean"``, ``"prod"``, ``"amax"`` or ``"amin"``.
         include_self: whether ``input``'s values take part (and count for ``"mean"``).
-        mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
+        mode: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
         sorted: promise that a 1-D ``index`` is nondecreasing. detsum checks the promise
             (one pass over the index) and skips building an order.
 
@@ -200,10 +200,12 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
       ``"autograd"``: what ``torch.scatter_reduce`` computes on CPU in every layout: the fp32
       sum rounded to the dtype, then divided in fp32 and rounded again (for fp32 and fp64
       data the same bits as ``"fp32"``).
-    - ``"prod"``: serial product in acc, rounded once, in every mode (torch's CPU
-      ``scatter_reduce`` computes the same).
-    - ``"amax"``/``"amin"``: exact in every mode. NaN propagates; between equal values
-      (``+0.0`` and ``-0.0``) the earlier one is kept, as torch does.
+    - ``"exact"`` (``"sum"`` and ``"mean"``): the exact sum (divided by the count for
+      ``"mean"``) rounded once: correctly rounded, and the same bits in any order.
+    - ``"prod"``: serial product in acc, rounded once (torch's CPU ``scatter_reduce``
+      computes the same), in every mode but ``"exact"``, which refuses it.
+    - ``"amax"``/``"amin"``: exact in every mode, ``"exact"`` included. NaN propagates;
+      between equal values (``+0.0`` and ``-0.0``) the earlier one is kept, as torch does.
 
     **This operation is fully deterministic**: the same inputs give the same bits on every
     run, for every thread count and every backend that implements the mode.
@@ -235,6 +237,11 @@ def _check(input, dim, index, src, reduce, include_self, mode, sorted):
     _validation.check_flag(_CALLER, "sorted", sorted)
     if reduce not in REDUCTIONS:
         raise ValueError(f"{_CALLER}: reduce={reduce!r} is not supported; expected one of {REDUCTIONS}")
+    if reduce == "prod" and mode is Mode.EXACT:
+        raise ValueError(f"{_CALLER}: reduce='prod' has no mode='exact': an exact product needs "
+                         f"the bits of every factor (each multiply adds a significand's worth), "
+                         f"so it cannot be kept in a fixed state; expected mode='fp32' or "
+                         f"'kahan' for a product")
     _validation.check_float(_CALLER, "input", input)
     _validation.check_float(_CALLER, "src", src)
     _validation.check_index(_CALLER, "index", index, one_d=False)

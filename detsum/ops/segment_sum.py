@@ -107,7 +107,7 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
             ``offsets[-1] == N``.
         dim: the dimension of ``src`` that is segmented (negative counts from the end).
         perm: optional 1-D int32/int64 ``[N]`` of row numbers in ``[0, N)``.
-        mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
+        mode: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
 
     Returns:
         ``src``'s shape with ``dim`` of size ``S``, contiguous, of ``src``'s dtype.
@@ -121,6 +121,9 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
     - ``"autograd"``: what PyTorch's own accumulation gives on the device (on CPU: round to
       the dtype after every add, from 0), i.e. the gradient autograd computes for
       ``src[r(p)]`` rows gathered into these segments.
+    - ``"exact"``: the exact sum of the segment's rows, rounded once to the dtype (correctly
+      rounded; -0.0 only when every term is -0.0). It does not depend on the order at all:
+      any permutation of a segment's rows gives the same bits.
 
     **This operation is fully deterministic**: the same inputs give the same bits on every
     run, for every thread count and every backend that implements the mode.

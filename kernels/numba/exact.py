@@ -196,26 +196,31 @@ def _any_below(limbs, pos):
 
 
 @njit(cache=True)
-def _round_units(limbs, n, precision, min_quantum, unit_exponent, sticky):
+def _round_units(limbs, n, precision, min_quantum, unit_exponent, half_below, sticky_below):
     """RN of ``N * 2**unit_exponent`` to ``precision`` bits with quantum >= ``2**min_quantum``
     units, as an fp64 (exact: the rounded value has at most 54 bits; inf beyond fp64's range).
 
-    ``limbs``: N, normalised and nonnegative. ``sticky``: N stands for a value a little above
-    it (a division's nonzero remainder), which breaks ties upward.
+    ``limbs``: N, normalised and nonnegative. ``half_below`` / ``sticky_below``: the value is
+    N plus a fraction of a unit (a quotient's), whose top bit and whether any other bit of it
+    is set; both False for a sum.
     """
     top = n - 1
     while top >= 0 and limbs[top] == 0:
         top -= 1
-    if top < 0:
-        return 0.0
-    length = LIMB_BITS * top + math.frexp(np.float64(limbs[top]))[1]
+    length = 0
+    if top >= 0:
+        length = LIMB_BITS * top + math.frexp(np.float64(limbs[top]))[1]
+    # min_quantum >= 0: no format's quantum is below the unit.
     quantum = max(length - precision, min_quantum)
-    if quantum <= 0:
+    if quantum == 0:
         significand = _bits(limbs, n, 0, length)
-        return math.ldexp(np.float64(significand), unit_exponent)
-    significand = _bits(limbs, n, quantum, max(length - quantum, 0))
-    half = _bits(limbs, n, quantum - 1, 1) if quantum - 1 < length else 0
-    if half != 0 and (sticky or (significand & 1) != 0 or _any_below(limbs, quantum - 1)):
+        half = half_below
+        sticky = sticky_below
+    else:
+        significand = _bits(limbs, n, quantum, max(length - quantum, 0))
+        half = quantum - 1 < length and _bits(limbs, n, quantum - 1, 1) != 0
+        sticky = half_below or sticky_below or _any_below(limbs, quantum - 1)
+    if half and (sticky or (significand & 1) != 0):
         significand += 1
     return math.ldexp(np.float64(significand), quantum + unit_exponent)
 
@@ -235,17 +240,23 @@ def _finish(limbs, n, flags, count, is_mean, precision, min_quantum, unit_expone
         for i in range(n):
             limbs[i] = -limbs[i]
         _normalise(limbs, n)
-    sticky = False
+    half_below = False
+    sticky_below = False
     if is_mean:
         # Long division by the count, top limb first: remainder < count <= 2**30, so every
-        # partial dividend fits in int64; the digits of the quotient stay below 2**32.
+        # partial dividend fits in int64; the digits of the quotient stay below 2**32. One
+        # more digit, below the unit, holds the rounding bit when the result's quantum is
+        # the unit itself (subnormal results).
         remainder = np.int64(0)
         for i in range(n - 1, -1, -1):
             partial = (remainder << 32) | limbs[i]
             limbs[i] = partial // count
             remainder = partial % count
-        sticky = remainder != 0
-    magnitude = _round_units(limbs, n, precision, min_quantum, unit_exponent, sticky)
+        fraction = (remainder << 32) // count
+        half_below = (fraction >> 31) != 0
+        sticky_below = (fraction & 0x7FFFFFFF) != 0 or (remainder << 32) % count != 0
+    magnitude = _round_units(limbs, n, precision, min_quantum, unit_exponent, half_below,
+                             sticky_below)
     if flags[3] == 0:
         return -0.0  # every term was -0.0
     # A nonzero value that rounds to zero keeps its sign; an exact zero is +0.0.
@@ -358,23 +369,33 @@ def _make_exact_block(fmt, dec, enc, cvt):
         """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
         segment). per_column: also each column's sum of magnitudes (mass) and smallest nonzero
         magnitude (least); otherwise returns the tile's (top, bottom) of ``tile_row``."""
+        one = cvt(1.0)  # the init row is not scaled
         top = np.uint32(0)
         bottom = np.uint32(0xFFFFFFFF)
         if use_base:
+            # The init row is one more term, starting each column's sum.
             bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
+            if bs[2] != 1:
+                for j in range(w):
+                    tmp[j] = base[bstart + j * bs[2]]
             for j in range(w):
-                b = dec(base[bstart + j * bs[2]])
-                acc[j] = np.float64(b)
-                magnitude = f32_as_u32(b) & np.uint32(0x7FFFFFFF)
-                top = max(top, np.uint32(magnitude))
-                bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
+                acc[j] = -0.0
+            if per_column:
+                for j in range(w):
+                    mass[j] = 0.0
+                    least[j] = np.inf
+                fast_row(acc, mass, least, base if bs[2] == 1 else tmp,
+                         bstart if bs[2] == 1 else 0, w, one)
+            else:
+                top, bottom = tile_row(acc, base if bs[2] == 1 else tmp,
+                                       bstart if bs[2] == 1 else 0, w, one, top, bottom)
         else:
             for j in range(w):
                 acc[j] = -0.0  # IEEE's additive identity: a sum of -0.0 stays -0.0
-        if per_column:
+        if per_column and not use_base:
             for j in range(w):
-                mass[j] = abs(acc[j])
-                least[j] = mass[j] if mass[j] != 0.0 else np.inf
+                mass[j] = 0.0
+                least[j] = np.inf
         rstart = o * ss[0] + j0 * ss[2]
         for p in range(p0, p1):
             if ost >= 0 and ss[2] == 1 and p + pf_dist < n_positions:
@@ -446,7 +467,8 @@ def _make_exact_block(fmt, dec, enc, cvt):
                 fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha,
                           acc, tmp, n_positions, pf_dist, pf_step, True, mass, least)
                 for j in range(w):
-                    exact_here[j] = mass[j] <= least[j] * headroom
+                    # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
+                    exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
         for j in range(w):
             if not wide_data and exact_here[j]:
                 if is_mean:

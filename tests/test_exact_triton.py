@@ -193,7 +193,6 @@ def make_case(dtype, *, seed, with_order, strided, outer=2, sizes=SIZES, kinds=K
                 src[o, position_rows[p0:p0 + n], j] = values[:n]
     if strided:
         src, base = strided_copy(src), strided_copy(base)
-        assert not src.is_contiguous()
     return src, order, offsets, base
 
 
@@ -251,6 +250,24 @@ def test_transposed_output_and_several_column_blocks(dtype, monkeypatch):
         assert_same_bits(got, oracle(src, order, offsets, base, **args))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=dtype_id)
+def test_in_place(dtype):
+    """out is base (index_add_): the limb pass reads the base row of the columns the fast pass
+    could not certify after that pass has written the others."""
+    from detsum.kernels.triton import segment
+
+    src, order, offsets, base = make_case(dtype, seed=seed_of("exact-in-place", dtype),
+                                          with_order=True, strided=False, sizes=(4, 0, 2),
+                                          kinds=("tame", "wide", "special", "tame"))
+    for reduce in (SUM, MEAN):
+        args = dict(reduce=reduce, alpha=1.0, include_base=True)
+        expected = oracle(src, order, offsets, base, **args)
+        buffer = base.to(DEVICE)
+        segment.segment_reduce(src.to(DEVICE), order.to(DEVICE), offsets.to(DEVICE), buffer,
+                               buffer, rule=kernels.EXACT, **args)
+        assert_same_bits(buffer.cpu(), expected)
+
+
 def one_column(values, dtype, *, reduce=SUM, alpha=1.0):
     src = torch.tensor(values, dtype=torch.float64).to(dtype).view(1, -1, 1)
     return src, None, torch.tensor([0, len(values)]), None, dict(reduce=reduce, alpha=alpha,
@@ -259,6 +276,7 @@ def one_column(values, dtype, *, reduce=SUM, alpha=1.0):
 
 SPECIAL_CASES = [  # (values, what the sum is)
     pytest.param([INF, 1.0, -2.0], id="inf-wins"),
+    pytest.param([INF, 0.0, INF], id="only-inf-nonzero"),  # a fast path must not take it
     pytest.param([-INF, 3.0, -INF], id="minus-inf-wins"),
     pytest.param([INF, -INF, 1.0], id="inf-minus-inf-is-nan"),
     pytest.param([NAN, INF, 1.0], id="nan-wins"),
@@ -276,6 +294,7 @@ def test_special_values(dtype, values):
     assert_same_bits(launch("triton", src, order, offsets, base, **args),
                      reference.exact_sum_rounded(values, dtype).view(1, 1, 1))
     check(src, order, offsets, base, **args)
+    check(src, order, offsets, base, **dict(args, reduce=MEAN))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -301,6 +320,20 @@ def test_rounding_edges(dtype):
         assert_same_bits(launch("triton", src, order, offsets, base, **args),
                          reference.exact_sum_rounded(values, dtype).view(1, 1, 1))
         check(src, order, offsets, base, **args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_means_near_the_smallest_subnormal(dtype):
+    """k smallest subnormals (either sign) over a count of 1 to 6: the quotient's rounding bit
+    and sticky bit lie below the unit, and ties go to even."""
+    lo = FORMATS[dtype][0]
+    ks = torch.arange(-10, 11, dtype=torch.float64)
+    counts = range(1, 7)
+    rows = [torch.ldexp(ks, torch.tensor(lo)) if i == 0 else torch.zeros_like(ks)
+            for c in counts for i in range(c)]
+    src = torch.stack(rows).to(dtype).unsqueeze(0)
+    offsets = torch.tensor([0, *torch.tensor(list(counts)).cumsum(0).tolist()])
+    check(src, None, offsets, None, reduce=MEAN, alpha=1.0, include_base=False)
 
 
 def test_fast_path_certificate_edges():

@@ -29,6 +29,17 @@ MODE_REDUCTIONS = [(m, r) for m in MODES for r in ("sum", "mean", "prod", "amax"
                    if (m, r) != ("exact", "prod")]
 HAS_CUDA = torch.cuda.is_available()
 
+def skip_slow_exact_in_interpreter(backend: str, mode: str, dtype: torch.dtype) -> None:
+    """Keep the layout sweeps' "exact" cases on Triton's interpreter to fp32 and bf16.
+
+    fp16 and fp64 exact cases run the integer limbs there (fp64 always), tens of seconds each
+    on the interpreter; tests/test_exact_triton.py covers both against the Fraction oracle
+    and Numba, and on a GPU the sweeps run them all."""
+    if (backend == "triton" and mode == "exact" and not HAS_CUDA
+            and dtype in (torch.float16, torch.float64)):
+        pytest.skip("exact fp16/fp64 on the interpreter: tests/test_exact_triton.py covers them")
+
+
 N = None  # placeholder for the indexed / segmented / scattered dim in a layout's shape
 
 # Row layouts of index_add and segment_sum: (shape with N at dim, dim). "slice size" is the

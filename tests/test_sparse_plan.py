@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import detsum
-from conftest import DTYPES, MODE_REDUCTIONS, MODES, assert_same_bits, dtype_id, make_data
+from conftest import (DTYPES, MODE_REDUCTIONS, MODES, assert_same_bits, dtype_id, make_data,
+                      skip_slow_exact_in_interpreter)
 from detsum import _segments
 
 BACKENDS = ["numba"]
@@ -49,6 +50,7 @@ def _case(dtype, n_out, inner=3):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
 def test_index_add_sparse_plan_gives_the_dense_bits(mode, dtype, backend_name, monkeypatch):
+    skip_slow_exact_in_interpreter(backend_name, mode, dtype)
     input, index, source = _case(dtype, n_out=40)
     dense, sparse = _both_plans(
         lambda: detsum.index_add(input, 0, index, source, alpha=0.3, mode=mode), monkeypatch,

@@ -17,7 +17,7 @@ import torch
 import detsum
 from conftest import (
     DTYPES, HAS_CUDA, LAYOUTS, MODE_REDUCTIONS, MODES, N, assert_same_bits, case_params,
-    dtype_id, make_data, seed_of, strided_copy, with_rows)
+    dtype_id, make_data, seed_of, skip_slow_exact_in_interpreter, strided_copy, with_rows)
 from detsum import kernels, reference
 
 try:
@@ -95,6 +95,7 @@ INDEX_ADD_PARAMS = [
 @pytest.mark.parametrize("template,dim,case,dtype", INDEX_ADD_PARAMS)
 @pytest.mark.parametrize("mode", MODES)
 def test_index_add(mode, dtype, template, dim, case):
+    skip_slow_exact_in_interpreter("triton", mode, dtype)
     input, index, source, alpha = make_index_add_case(template, dim, dtype, case)
     got, expected = triton_and_expected(
         lambda i, x, s: detsum.index_add(i, dim, x, s, alpha=alpha, mode=mode),
@@ -131,6 +132,7 @@ def test_index_add_inplace_and_special_values(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
 def test_segment_sum(mode, dtype, with_perm, template, dim):
+    skip_slow_exact_in_interpreter("triton", mode, dtype)
     seed = seed_of("triton-segment", template, dim, dtype, with_perm)
     src = make_data(with_rows(template, 12), dtype, seed=seed, spread=True)
     offsets = torch.tensor([0, 0, 5, 6, 6, 12])  # empty first, inner and last-but-one segments
@@ -155,6 +157,7 @@ SCATTER_LAYOUTS = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode,reduce", MODE_REDUCTIONS)
 def test_scatter_reduce(mode, dtype, reduce, template, dim, kind):
+    skip_slow_exact_in_interpreter("triton", mode, dtype)
     seed = seed_of("triton-scatter", template, dim, kind, dtype, reduce)
     g = torch.Generator().manual_seed(seed)
     src_shape = with_rows(template, 10)

@@ -54,6 +54,7 @@ def add_terms(state: torch.Tensor, terms: torch.Tensor) -> None:
 
 
 def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
+    """Add ``terms`` ``[k, numel]`` (k <= MAX_TERMS_PER_STATE) to ``state``, unnormalised."""
     if terms.dtype == torch.float64:
         bits = terms.contiguous().view(torch.int64)
         exponent = (bits >> 52) & 0x7FF
@@ -88,6 +89,8 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
     for offset, digit in enumerate(digits):
         if offset == 2 and terms.dtype != torch.float64:
             break  # a 24-bit significand never reaches a third limb
+        # The clamp only keeps a zero digit in bounds: the highest term reaches limb 8 of 10
+        # (fp32 units) or 65 of 67 (fp64).
         target = (element * width + (limb + offset).clamp_max(n_limbs - 1)).reshape(-1)
         # Integer sums: exact in any order, so accumulate=True is deterministic by arithmetic.
         flat.index_put_((target,), digit.reshape(-1), accumulate=True)

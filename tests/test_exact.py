@@ -197,9 +197,8 @@ def test_scatter_reduce_is_correctly_rounded(dtype, data, reduce, include_self):
 
 
 def test_mean_rounds_the_quotient_once():
-    """A mean whose sum, rounded first, would round the quotient the other way."""
-    # fp32: 1 + 2**-24 is a tie in fp32 (rounds to 1); divided by 1 it stays a tie, but the
-    # extra 2**-60 decides it: the exact mean of [1, 2**-24, 2**-60] * 3 over 3 rows...
+    """An fp32 mean of terms spanning 60 binades: their fp32 sum loses the small ones, so
+    dividing a rounded sum can land on the other side of the quotient's rounding point."""
     terms = [1.0, 2.0**-24 + 2.0**-47, 2.0**-60]
     src = torch.tensor(terms, dtype=torch.float32).unsqueeze(1)
     exact = sum(Fraction(t) for t in src[:, 0].tolist()) / 3

@@ -36,7 +36,6 @@ IMPLEMENTATION NOTES (this backend):
 
 import math
 
-import numba
 import numpy as np
 import torch
 from numba import njit, prange
@@ -52,16 +51,12 @@ from ..rounding import (
     u32_as_f32,
 )
 from .segment import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
-from .segment import _prefetch
+from .segment import _prefetch, launch_threads, threads, work_split
 
 __all__ = ["segment_reduce_exact"]
 
 _DIGIT_MASK = (1 << LIMB_BITS) - 1
 
-# Columns per work item (the limbs live per column, one at a time, so this bounds only the
-# fp64 scratch rows of the fast path).
-_CHUNK = 1024
-_MIN_CHUNK = 64
 
 
 # ---- the integer state ---------------------------------------------------------------------
@@ -592,29 +587,15 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     base_np, bs = _flat(base) if base is not None else (out_np, us)
     order_np, (ost,) = _flat(order) if order is not None else (offsets_np, (-1,))
 
-    torch_threads = torch.get_num_threads()
-    numba_threads = numba.get_num_threads()
-    nthreads = max(1, min(torch_threads, numba_threads))
-    rows = outer * nseg
-    target = _CHUNK
-    while target > _MIN_CHUNK and rows * -(-inner // target) < 4 * nthreads:
-        target //= 2
-    pieces = -(-inner // target)
-    chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
-    n_items = rows * -(-inner // chunk)
-    n_blocks = min(n_items, 64 * nthreads)
+    nthreads = launch_threads()
+    chunk, n_blocks = work_split(outer * nseg, inner, nthreads)
     acc_scratch = np.empty((n_blocks, 3, chunk), dtype=np.float64)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     limb_scratch = np.empty((n_blocks, n_limbs), dtype=np.int64)
     flag_scratch = np.empty((n_blocks, 4 + chunk), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
-    numba.set_num_threads(nthreads)
-    try:
+    with threads(nthreads):
         kernel(src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
                (outer, nseg, inner), reduce == MEAN, float(alpha), bool(include_base),
                base is not None, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch,
                positions, pf_dist)
-    finally:
-        numba.set_num_threads(numba_threads)
-        if torch.get_num_threads() != torch_threads:
-            torch.set_num_threads(torch_threads)

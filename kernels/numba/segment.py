@@ -91,6 +91,8 @@ IMPLEMENTATION NOTES (this backend):
   ``rounding.py``, delete ``kernels/numba/__pycache__`` to drop stale kernels.
 """
 
+import contextlib
+
 import numba
 import numpy as np
 import torch
@@ -547,6 +549,40 @@ def _flat(t):
     return flat.numpy(), tuple(t.stride())
 
 
+def launch_threads():
+    """No more threads than torch is set to use (torch.set_num_threads(1) means one), nor than
+    Numba is set to use."""
+    return max(1, min(torch.get_num_threads(), numba.get_num_threads()))
+
+
+def work_split(rows, inner, nthreads):
+    """(column chunk, thread blocks) for ``rows`` output rows of ``inner`` columns: equal
+    column chunks of at most _CHUNK, in whole 64-byte lines where possible; with few output
+    rows, narrower ones (down to _MIN_CHUNK), so that every thread gets items."""
+    target = _CHUNK
+    while target > _MIN_CHUNK and rows * -(-inner // target) < 4 * nthreads:
+        target //= 2
+    pieces = -(-inner // target)
+    chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
+    n_items = rows * -(-inner // chunk)
+    return chunk, min(n_items, 64 * nthreads)
+
+
+@contextlib.contextmanager
+def threads(nthreads):
+    """Run the block's launch on ``nthreads`` Numba threads, then put Numba's and torch's
+    settings back (Numba's OpenMP layer sets the count of the runtime it shares with torch)."""
+    torch_threads = torch.get_num_threads()
+    numba_threads = numba.get_num_threads()
+    numba.set_num_threads(nthreads)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(numba_threads)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)
+
+
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
                    carry=None):
     """See the module docstring (the contract)."""
@@ -579,33 +615,16 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
 
     # No more threads than torch is set to use (torch.set_num_threads(1) means one), nor than
     # Numba is set to use.
-    torch_threads = torch.get_num_threads()
-    numba_threads = numba.get_num_threads()
-    nthreads = max(1, min(torch_threads, numba_threads))
-    rows = outer * nseg
-    # Equal column chunks of at most _CHUNK, in whole 64-byte lines where possible; with few
-    # output rows, narrower ones (down to _MIN_CHUNK), so that every thread gets items.
-    target = _CHUNK
-    while target > _MIN_CHUNK and rows * -(-inner // target) < 4 * nthreads:
-        target //= 2
-    pieces = -(-inner // target)
-    chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
-    n_items = rows * -(-inner // chunk)
-    n_blocks = min(n_items, 64 * nthreads)
+    nthreads = launch_threads()
+    chunk, n_blocks = work_split(outer * nseg, inner, nthreads)
     acc_scratch = np.empty((n_blocks, 4, chunk), dtype=acc_dtype)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     cursors = np.empty((n_blocks, 5), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
-    numba.set_num_threads(nthreads)
-    try:
+    with threads(nthreads):
         kernel(
             src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
             (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
             base is not None, carry is not None, chunk, acc_scratch, data_scratch, cursors,
             pf_dist,
         )
-    finally:
-        numba.set_num_threads(numba_threads)
-        # Numba's OpenMP layer sets the thread count of the runtime it shares with torch.
-        if torch.get_num_threads() != torch_threads:
-            torch.set_num_threads(torch_threads)

@@ -18,7 +18,8 @@ import weakref
 
 import torch
 
-from detsum import _segments, _validation
+from detsum import _limbs, _segments, _validation
+from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.modes import Mode, acc_dtype, parse_ordered_mode
 from detsum.ops.running_sum import RunningSum
 
@@ -48,6 +49,26 @@ def _ordered_sum(values: torch.Tensor, mode: Mode) -> torch.Tensor:
     return torch.ops.detsum.segment_sum(values, offsets, 0, None, mode.value).view(())
 
 
+class _ExactSum(torch.autograd.Function):
+    """The exact sum of a 1-D acc-type tensor (over ``count`` with one), rounded once to
+    ``dtype``: a 0-dim tensor. Its gradient is the incoming one (divided by ``count`` in the
+    acc type) for every term, as the other modes' ``sum`` (and ``/ n``) give."""
+
+    @staticmethod
+    def forward(ctx, values, dtype, count):
+        state = _limbs.new_state(1, values.dtype, values.device)
+        _limbs.add_terms(state, values.view(-1, 1))
+        ctx.count, ctx.numel = count, values.shape[0]
+        return _limbs.round_state(state, values.dtype, dtype, count).view(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        wide = grad.to(acc_dtype(grad.dtype))
+        if ctx.count is not None:
+            wide = wide / ctx.count
+        return wide.expand(ctx.numel), None, None
+
+
 def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tensor | None = None,
            mode: str | Mode = "fp32") -> torch.Tensor:
     """Sum or average per-sample losses in a fixed order: the same bits on every run and device.
@@ -67,7 +88,11 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     Order and rounding: the elements in index order (``losses.reshape(-1)``), converted
     exactly to the acc type (fp32; fp64 for float64), weighted products rounded once to the acc
     type, summed as ``detsum.segment_sum`` does in ``mode`` (``"kahan"``: within 1 ulp of the
-    exact sum), divided in the acc type, rounded once to the dtype.
+    exact sum), divided in the acc type, rounded once to the dtype. ``"exact"``: the sum (and
+    the unweighted mean) of those terms is rounded once, straight to the dtype, so it is the
+    correctly rounded sum (mean) for every dtype; a weighted mean divides the two correctly
+    rounded acc-type sums and rounds the quotient to the dtype. Every ``"exact"`` result is
+    independent of the order of the elements.
 
     Gradient: ``1 / n`` (``"mean"``), ``1`` (``"sum"``) or ``weight / sum(weight)`` for each
     element, computed in the acc type and rounded once.
@@ -95,9 +120,18 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
                              f"losses' shape {tuple(losses.shape)}")
         _validation.check_same_device(caller, losses=losses, weight=weight)
         weights = weight.reshape(-1).to(acc)
+        if mode == Mode.EXACT and reduction == "sum":
+            return _ExactSum.apply(values * weights, losses.dtype, None)
         total = _ordered_sum(values * weights, mode)
         if reduction == "mean":
             total = total / _ordered_sum(weights, mode)
+    elif mode == Mode.EXACT:
+        if reduction == "mean" and values.shape[0] > MAX_TERMS_PER_STATE:
+            raise ValueError(f"{caller}: an exact mean of {values.shape[0]} losses; mode='exact' "
+                             f"divides by at most {MAX_TERMS_PER_STATE} (reduce the sum, or "
+                             f"average partial means)")
+        return _ExactSum.apply(values, losses.dtype,
+                               values.shape[0] if reduction == "mean" else None)
     else:
         total = _ordered_sum(values, mode)
         if reduction == "mean":

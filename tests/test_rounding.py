@@ -12,6 +12,7 @@ import pytest
 import torch
 from numba import njit
 
+from detsum.kernels import rounding
 from detsum.kernels.rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -123,6 +124,37 @@ def test_upcast_all_patterns(dtype):
     ours = _map_up(up, ALL16)
     ref = _torch_from_bits(ALL16, dtype).to(torch.float32).numpy()
     _assert_same_f32(ours, ref)
+
+
+@njit
+def _f16_bits_to_f32_integer(h):
+    return rounding._f16_to_f32_integer(np.uint16(h))
+
+
+def test_upcast_fp16_without_f16c():
+    """The integer fp16 decode, used where the CPU lacks F16C, is checked here too."""
+    ref = _torch_from_bits(ALL16, torch.float16).to(torch.float32).numpy()
+    _assert_same_f32(_map_up(_f16_bits_to_f32_integer, ALL16), ref)
+
+
+@pytest.mark.parametrize("dtype", list(FORMATS), ids=str)
+def test_conversions_ignore_flush_denormal(dtype):
+    """Subnormals convert the same with flush-to-zero and denormals-are-zero switched on."""
+    up, down, rnd = FORMATS[dtype]
+    ref_up = _torch_from_bits(ALL16, dtype).to(torch.float32).numpy()
+    x = _special_f32(dtype)
+    ref_t = torch.from_numpy(x).to(dtype)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        ours_up = _map_up(up, ALL16)
+        ours_down = _map_down(down, x)
+        ours_round = _map_round(rnd, x)
+    finally:
+        torch.set_flush_denormal(False)
+    _assert_same_f32(ours_up, ref_up)
+    _assert_same_16(ours_down, _bits_of(ref_t), dtype, x)
+    _assert_same_f32(ours_round, ref_t.to(torch.float32).numpy())
 
 
 @pytest.mark.parametrize("dtype", list(FORMATS), ids=str)

@@ -117,6 +117,26 @@ def exact_targets(data: dict) -> list[str]:
     return lines
 
 
+def scatter_compat_targets(data: dict) -> list[str]:
+    """bench_scatter_compat.py: detsum.scatter against the faster of PyG's torch composition and
+    scatter_reduce_, per device, reduction and H (target: no slower)."""
+    by = {}
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("primitive", "").startswith("scatter ") and e.get("case", "").startswith("gnn"):
+            by[(e["device"], e["primitive"], e["case"], e["impl"])] = b["stats"]["median"]
+    lines = []
+    for device, primitive, case in sorted({k[:3] for k in by}):
+        m = {impl: t for (d, p, c, impl), t in by.items() if (d, p, c) == (device, primitive, case)}
+        others = [t for impl, t in m.items() if impl != "detsum"]
+        if "detsum" not in m or not others:
+            continue
+        r = m["detsum"] / min(others)
+        lines.append(f"{device} {primitive} {case.split()[-1]}: detsum / fastest torch path: "
+                     f"{r:.2f} (target <= 1) {'met' if r <= 1 else 'MISSED'}")
+    return lines
+
+
 def targets(data: dict) -> list[str]:
     """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
     by = {}
@@ -141,7 +161,7 @@ def targets(data: dict) -> list[str]:
                 ok = r >= limit
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
-    return lines + exact_targets(data) + loss_targets(data)
+    return lines + exact_targets(data) + loss_targets(data) + scatter_compat_targets(data)
 
 
 def table(data: dict) -> str:

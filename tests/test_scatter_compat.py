@@ -1,0 +1,440 @@
+"""detsum's torch_scatter-compatible functions (detsum/scatter_compat.py).
+
+The first half runs torch_scatter's own test tables (tests/torch_scatter_tables.py: its inputs
+and expected outputs) and its broadcasting, zero-size and composite cases, checked the way
+torch_scatter checks them. The second half checks what detsum adds: the modes' bits against the
+reference backend, the same bits whatever the layout of the index, first-occurrence arguments,
+IEEE special values, compile, and errors that leave every tensor untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+
+import detsum
+from conftest import DTYPES, assert_same_bits, dtype_id, make_data
+from torch_scatter_tables import GATHER_TABLES, SCATTER_TABLES, SEGMENT_TABLES
+
+TABLE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
+                torch.int64]
+SEGMENT_REDUCES = ["sum", "add", "mean", "min", "max"]
+SCATTER_REDUCES = SEGMENT_REDUCES + ["mul"]
+FLOAT_MODES = ["fp32", "kahan", "autograd", "exact"]
+
+
+def tensor(values, dtype):
+    return torch.tensor(values).to(dtype)
+
+
+def table_id(table_list):
+    return [f"table{i}" for i in range(len(table_list))]
+
+
+# ---- torch_scatter's tables ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", SCATTER_REDUCES)
+@pytest.mark.parametrize("table", SCATTER_TABLES, ids=table_id(SCATTER_TABLES))
+def test_scatter_table(table, reduce, dtype):
+    src, index = tensor(table["src"], dtype), tensor(table["index"], torch.long)
+    expected = tensor(table[reduce], dtype)
+    for layout in ("contiguous", "transposed"):
+        if layout == "transposed":
+            # A non-contiguous src and index (torch_scatter's test_non_contiguous).
+            if src.dim() > 1:
+                src = src.transpose(0, 1).contiguous().transpose(0, 1)
+            if index.dim() > 1:
+                index = index.transpose(0, 1).contiguous().transpose(0, 1)
+        result = getattr(detsum, f"scatter_{reduce}")(src, index, table["dim"])
+        if reduce in ("min", "max"):
+            result, arg = result
+            assert torch.equal(arg, tensor(table[f"arg_{reduce}"], torch.long))
+        assert torch.equal(result, expected)
+        assert torch.equal(detsum.scatter(src, index, table["dim"], reduce=reduce), expected)
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", SCATTER_REDUCES)
+@pytest.mark.parametrize("table", SCATTER_TABLES, ids=table_id(SCATTER_TABLES))
+def test_scatter_table_out(table, reduce, dtype):
+    """out= takes part and is written in place (torch_scatter's test_out, where it can test)."""
+    src, index = tensor(table["src"], dtype), tensor(table["index"], torch.long)
+    expected = tensor(table[reduce], dtype)
+    out = torch.full_like(expected, -2)
+    returned = getattr(detsum, f"scatter_{reduce}")(src, index, table["dim"], out)
+    if reduce in ("min", "max"):
+        returned = returned[0]
+    assert returned is out
+    if reduce in ("sum", "add"):
+        assert torch.equal(out, expected - 2)
+    elif reduce == "min":
+        assert torch.equal(out, torch.full_like(expected, -2))
+    elif reduce == "max":
+        assert torch.equal(out, expected.masked_fill(expected == 0, -2))
+    elif reduce == "mul":
+        # Starting from -2, and -2 where nothing lands (the table's 1).
+        assert torch.equal(out, expected * -2)
+
+
+@pytest.mark.parametrize("reduce", SCATTER_REDUCES)
+@pytest.mark.parametrize("table", SCATTER_TABLES, ids=table_id(SCATTER_TABLES))
+def test_scatter_table_gradcheck(table, reduce):
+    src = tensor(table["src"], torch.float64).requires_grad_()
+    index = tensor(table["index"], torch.long)
+    assert gradcheck(detsum.scatter, (src, index, table["dim"], None, None, reduce))
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", SEGMENT_REDUCES)
+@pytest.mark.parametrize("table", SEGMENT_TABLES, ids=table_id(SEGMENT_TABLES))
+def test_segment_table(table, reduce, dtype):
+    src = tensor(table["src"], dtype)
+    index, indptr = tensor(table["index"], torch.long), tensor(table["indptr"], torch.long)
+    expected = tensor(table[reduce], dtype)
+    for layout in ("contiguous", "transposed"):
+        if layout == "transposed":
+            src, index, indptr = (t.transpose(0, 1).contiguous().transpose(0, 1)
+                                  if t.dim() > 1 else t for t in (src, index, indptr))
+        for kind, pointer in (("csr", indptr), ("coo", index)):
+            result = getattr(detsum, f"segment_{reduce}_{kind}")(src, pointer)
+            if reduce in ("min", "max"):
+                result, arg = result
+                assert torch.equal(arg, tensor(table[f"arg_{reduce}"], torch.long)), kind
+            assert torch.equal(result, expected), kind
+            generic = getattr(detsum, f"segment_{kind}")(src, pointer, reduce=reduce)
+            assert torch.equal(generic, expected), kind
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", SEGMENT_REDUCES)
+@pytest.mark.parametrize("table", SEGMENT_TABLES, ids=table_id(SEGMENT_TABLES))
+def test_segment_table_out(table, reduce, dtype):
+    """segment_csr overwrites out; segment_coo reduces into it (torch_scatter's test_out)."""
+    src = tensor(table["src"], dtype)
+    index, indptr = tensor(table["index"], torch.long), tensor(table["indptr"], torch.long)
+    expected = tensor(table[reduce], dtype)
+    out = torch.full_like(expected, -2)
+    getattr(detsum, f"segment_{reduce}_csr")(src, indptr, out)
+    assert torch.equal(out, expected)
+    out.fill_(-2)
+    getattr(detsum, f"segment_{reduce}_coo")(src, index, out)
+    if reduce in ("sum", "add"):
+        assert torch.equal(out, expected - 2)
+    elif reduce == "min":
+        assert torch.equal(out, torch.full_like(expected, -2))
+    elif reduce == "max":
+        assert torch.equal(out, expected.masked_fill(expected == 0, -2))
+
+
+@pytest.mark.parametrize("reduce", SEGMENT_REDUCES)
+@pytest.mark.parametrize("table", SEGMENT_TABLES, ids=table_id(SEGMENT_TABLES))
+def test_segment_table_gradcheck(table, reduce):
+    src = tensor(table["src"], torch.float64).requires_grad_()
+    index, indptr = tensor(table["index"], torch.long), tensor(table["indptr"], torch.long)
+    assert gradcheck(detsum.segment_csr, (src, indptr, None, reduce))
+    assert gradcheck(detsum.segment_coo, (src, index, None, None, reduce))
+
+
+@pytest.mark.parametrize("dtype", TABLE_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("table", GATHER_TABLES, ids=table_id(GATHER_TABLES))
+def test_gather_table(table, dtype):
+    src, expected = tensor(table["src"], dtype), tensor(table["expected"], dtype)
+    index, indptr = tensor(table["index"], torch.long), tensor(table["indptr"], torch.long)
+    assert torch.equal(detsum.gather_csr(src, indptr), expected)
+    assert torch.equal(detsum.gather_coo(src, index), expected)
+    out = torch.full_like(expected, -2)
+    assert detsum.gather_csr(src, indptr, out) is out and torch.equal(out, expected)
+    out.fill_(-2)
+    assert detsum.gather_coo(src, index, out) is out and torch.equal(out, expected)
+    if src.dim() > 1:
+        src, index, indptr = (t.transpose(0, 1).contiguous().transpose(0, 1)
+                              if t.dim() > 1 else t for t in (src, index, indptr))
+        assert torch.equal(detsum.gather_csr(src, indptr), expected)
+        assert torch.equal(detsum.gather_coo(src, index), expected)
+
+
+@pytest.mark.parametrize("table", GATHER_TABLES, ids=table_id(GATHER_TABLES))
+def test_gather_table_gradcheck(table):
+    src = tensor(table["src"], torch.float64).requires_grad_()
+    index, indptr = tensor(table["index"], torch.long), tensor(table["indptr"], torch.long)
+    assert gradcheck(detsum.gather_csr, (src, indptr, None))
+    assert gradcheck(detsum.gather_coo, (src, index, None))
+
+
+@pytest.mark.parametrize("reduce", SCATTER_REDUCES)
+def test_index_broadcasting(reduce):
+    """torch_scatter's test_broadcasting: a 1-D index along dim 2, and a [B, 1, H, W] one."""
+    batch, channels, height, width = 4, 3, 8, 8
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn((batch, channels, height, width), generator=g)
+    for index in (torch.randint(0, height, (height,), generator=g),
+                  torch.randint(0, height, (batch, 1, height, width), generator=g)):
+        out = detsum.scatter(src, index, dim=2, dim_size=height, reduce=reduce)
+        assert out.shape == (batch, channels, height, width)
+        # The broadcast index, materialised, gives the same bits.
+        full = (index if index.dim() == 4 else index.view(1, 1, -1, 1)).expand(src.shape)
+        full = full.contiguous()
+        assert_same_bits(detsum.scatter(src, full, dim=2, dim_size=height, reduce=reduce), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=dtype_id)
+@pytest.mark.parametrize("reduce", SEGMENT_REDUCES)
+def test_zero_elements(reduce, dtype):
+    """torch_scatter's test_zero_tensors: every function on a [0, 0, 0, 16] tensor, backward
+    included."""
+    x = torch.randn(0, 0, 0, 16, dtype=dtype, requires_grad=True)
+    index = torch.tensor([], dtype=torch.long)
+    indptr = torch.tensor([], dtype=torch.long)
+    for out in (detsum.scatter(x, index, dim=0, dim_size=0, reduce=reduce),
+                detsum.segment_coo(x, index, dim_size=0, reduce=reduce),
+                detsum.gather_coo(x, index),
+                detsum.segment_csr(x, indptr, reduce=reduce),
+                detsum.gather_csr(x, indptr)):
+        out.backward(torch.randn_like(out))
+        assert out.shape == (0, 0, 0, 16)
+
+
+def _groups(src: torch.Tensor, index: torch.Tensor, groups: int) -> list[torch.Tensor]:
+    return [src[index == g] for g in range(groups)]
+
+
+def test_softmax_and_log_softmax():
+    """torch_scatter's test_softmax / test_log_softmax data, each group against torch."""
+    src = torch.tensor([0.2, 0, 0.2, -2.1, 3.2, 7, -1, float("-inf")], requires_grad=True)
+    index = torch.tensor([0, 1, 0, 1, 1, 2, 4, 4])
+    for ours, theirs in ((detsum.scatter_softmax, torch.softmax),
+                         (detsum.scatter_log_softmax, torch.log_softmax)):
+        out = ours(src, index)
+        expected = torch.empty_like(out)
+        for g in range(5):
+            if (index == g).any():
+                expected[index == g] = theirs(src.detach()[index == g], dim=-1)
+        assert torch.allclose(out, expected)
+        out.backward(torch.randn_like(out))
+        assert torch.isfinite(src.grad[:7]).all()
+        src.grad = None
+
+
+def test_logsumexp():
+    """torch_scatter's test_logsumexp: each group equals torch.logsumexp, an empty one is 0."""
+    inputs = torch.tensor([0.5, 0.5, 0.0, -2.1, 3.2, 7.0, -1.0, -100.0], requires_grad=True)
+    index = torch.tensor([0, 0, 1, 1, 1, 2, 4, 4])
+    outputs = detsum.scatter_logsumexp(inputs, index)
+    for group, out in zip(inputs.split([2, 3, 1, 0, 2]), outputs.unbind()):
+        if group.numel():
+            assert out.tolist() == torch.logsumexp(group, dim=0).tolist()
+        else:
+            assert out.item() == 0.0
+    outputs.backward(torch.randn_like(outputs))
+
+
+def test_logsumexp_out():
+    """torch_scatter's test_logsumexp_out: out joins the sum, keeps its value where the result
+    is not finite, and holds the result."""
+    out = torch.tensor([-10.0, -10.0])
+    returned = detsum.scatter_logsumexp(src=torch.tensor([-1.0, -50.0]),
+                                        index=torch.tensor([0, 0]), out=out)
+    assert returned is out
+    assert out.allclose(torch.tensor([-0.9999, -10.0]), atol=1e-4)
+
+
+def test_std():
+    """torch_scatter's test_std."""
+    src = torch.tensor([[2, 0, 1, 4, 3], [0, 2, 1, 3, 4]], dtype=torch.float, requires_grad=True)
+    index = torch.tensor([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    out = detsum.scatter_std(src, index, dim=-1, unbiased=True)
+    std = src.std(dim=-1, unbiased=True)[0]
+    assert torch.allclose(out, torch.tensor([[std, 0], [0, std]]))
+    out.backward(torch.randn_like(out))
+
+
+# ---- what detsum adds ------------------------------------------------------------------------------
+
+def _scatter_cases():
+    """(src, index, dim) in the layouts that pick different paths: a 1-D index (whole rows), a
+    broadcast [B, 1, N] index, and a full per-element index; heavy repeats."""
+    g = torch.Generator().manual_seed(7)
+    yield "rows", (40, 6), torch.randint(0, 5, (40,), generator=g), 0
+    yield "broadcast", (3, 40, 6), torch.randint(0, 5, (3, 40, 1), generator=g), 1
+    yield "elements", (40, 6), torch.randint(0, 5, (40, 6), generator=g), 0
+
+
+@pytest.mark.parametrize("mode", FLOAT_MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", ["sum", "mean", "mul", "min", "max"])
+def test_scatter_modes_match_the_reference(reduce, dtype, mode):
+    """Every layout of the index, in every mode, equals detsum.scatter_reduce on the
+    reference backend (the oracle) bit for bit."""
+    if reduce == "mul" and mode == "exact":
+        pytest.skip("no exact product")
+    for name, shape, index, dim in _scatter_cases():
+        src = make_data(shape, dtype, seed=3, spread=reduce != "mul")
+        if reduce == "mul":
+            src = 1 + src / 8
+        got = detsum.scatter(src, index, dim, dim_size=6, reduce=reduce, mode=mode)
+        lined_up = index.view(-1, 1) if index.dim() == 1 else index
+        full = lined_up.expand(shape).contiguous()
+        primitive = {"sum": "sum", "mean": "mean", "mul": "prod", "min": "amin",
+                     "max": "amax"}[reduce]
+        base = torch.full(got.shape, 1 if reduce == "mul" else 0, dtype=dtype)
+        with detsum.backend("reference"):
+            expected = detsum.scatter_reduce(base, dim, full, src, primitive,
+                                             include_self=reduce == "mul", mode=mode)
+        assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("mode", FLOAT_MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_segment_csr_equals_scatter_of_its_index(dtype, mode):
+    """segment_csr (its own segment_sum path, batched pointers, rows outside every segment)
+    gives the bits of scatter with the index the pointers describe."""
+    src = make_data((2, 30, 5), dtype, seed=11, spread=True)
+    indptr = torch.tensor([[2, 5, 5, 17, 29], [0, 0, 9, 30, 30]])
+    for reduce in ("sum", "mean", "min", "max"):
+        for pointer in (indptr[:1], indptr):
+            got = detsum.segment_csr(src, pointer, reduce=reduce, mode=mode)
+            for b in range(2):
+                p = pointer[min(b, pointer.shape[0] - 1)]
+                rows = src[b, p[0]:p[-1]]
+                index = torch.repeat_interleave(torch.arange(4), p.diff())
+                expected = detsum.scatter(rows, index, 0, dim_size=4, reduce=reduce, mode=mode)
+                assert_same_bits(got[b], expected)
+
+
+def test_min_max_take_the_first_of_equal_values_and_propagate_nan():
+    src = torch.tensor([1.0, 3.0, 3.0, -0.0, 0.0, float("nan"), 2.0, float("nan"),
+                        float("-inf")])
+    index = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 3])
+    values, arg = detsum.scatter_max(src, index, dim_size=5)
+    assert values[:2].tolist() == [3.0, 0.0] and torch.isnan(values[2])
+    assert values[3].item() == float("-inf") and values[4].item() == 0.0
+    assert torch.signbit(values[1])  # -0.0 came first: it is the maximum kept
+    assert arg.tolist() == [1, 3, 5, 8, 9]
+    values, arg = detsum.scatter_min(src, index, dim_size=5)
+    assert arg.tolist() == [0, 3, 5, 8, 9]
+
+
+def test_max_gradient_goes_to_the_first_maximum_alone():
+    src = torch.tensor([1.0, 3.0, 3.0, 2.0], requires_grad=True)
+    detsum.scatter_max(src, torch.tensor([0, 0, 0, 1]))[0].sum().backward()
+    assert src.grad.tolist() == [0.0, 1.0, 0.0, 1.0]
+
+
+def test_max_with_out_keeps_out_where_it_wins():
+    out = torch.tensor([5.0, -1.0, 0.0])
+    values, arg = detsum.scatter_max(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([0, 1, 0]),
+                                     out=out)
+    assert values is out and out.tolist() == [5.0, 2.0, 0.0]
+    assert arg.tolist() == [3, 1, 3]  # a tie with out keeps out's value: no source position
+
+
+def test_mean_with_out_sums_out_but_does_not_count_it():
+    out = torch.tensor([1.0, 10.0, 4.0])
+    detsum.scatter_mean(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]), out=out)
+    assert out.tolist() == [2.0, 13.0, 4.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int32, torch.int64], ids=str)
+def test_integer_dtypes_are_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(0, 100, (50, 3), generator=g).to(dtype)
+    index = torch.randint(0, 7, (50,), generator=g)
+    wide = src.to(torch.int64)
+    for reduce in ("sum", "mul", "min", "max", "mean"):
+        got = detsum.scatter(src, index, 0, dim_size=8, reduce=reduce)
+        assert got.dtype == dtype
+        for row in range(8):
+            members = wide[index == row]
+            if members.numel() == 0:
+                expected = torch.full((3,), 1 if reduce == "mul" else 0)
+            elif reduce == "sum":
+                expected = members.sum(0)
+            elif reduce == "mul":
+                expected = members.prod(0)
+            elif reduce == "min":
+                expected = members.min(0).values
+            elif reduce == "max":
+                expected = members.max(0).values
+            else:  # the sum wraps in the dtype, then divides (torch_scatter's order)
+                expected = members.sum(0).to(dtype).div(members.shape[0], rounding_mode="floor")
+            assert torch.equal(got[row], expected.to(dtype)), (reduce, row)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "exact"])
+def test_same_bits_for_one_and_two_threads(mode):
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(20000, 16, generator=g).to(torch.bfloat16)
+    index = torch.randint(0, 300, (20000,), generator=g)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append([detsum.scatter_mean(src, index, 0, dim_size=300, mode=mode),
+                            detsum.scatter_max(src, index, 0, dim_size=300, mode=mode)[1],
+                            detsum.segment_coo(src, index.sort().values, dim_size=300,
+                                               mode=mode)])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert_same_bits(a, b)
+
+
+def test_gather_backward_is_the_deterministic_segment_sum():
+    src = make_data((6, 4), torch.float32, seed=2).requires_grad_()
+    indptr = torch.tensor([0, 3, 3, 7, 8, 12, 20])
+    grad = make_data((20, 4), torch.float32, seed=4, spread=True)
+    detsum.gather_csr(src, indptr, mode="exact").backward(grad)
+    assert_same_bits(src.grad, detsum.segment_csr(grad, indptr, mode="exact"))
+
+
+def test_compiled_functions_give_eager_bits():
+    g = torch.Generator().manual_seed(9)
+    src = torch.randn(64, 8, generator=g).to(torch.bfloat16)
+    index = torch.randint(0, 10, (64,), generator=g)
+    indptr = torch.tensor([0, 10, 10, 40, 64])
+
+    def run(src, index, indptr):
+        # gather_csr's output size is indptr's last value: under fullgraph, out= gives it.
+        return (detsum.scatter(src, index, 0, dim_size=10, reduce="mean"),
+                detsum.scatter_max(src, index, 0, dim_size=10)[0],
+                detsum.segment_csr(src, indptr, reduce="sum"),
+                detsum.gather_csr(src[:4], indptr, src.new_empty(64, 8)))
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True)
+    for got, expected in zip(compiled(src, index, indptr), run(src, index, indptr)):
+        assert_same_bits(got, expected)
+
+
+def test_errors_name_the_argument_and_change_nothing():
+    src = torch.ones(4, 3)
+    out = torch.zeros(2, 3)
+    before = out.clone()
+    index = torch.tensor([0, 1, 0, 5])
+    with pytest.raises(IndexError, match=r"detsum.scatter_sum: index\[3\] = 5 is out of range "
+                                         r"for out.size\(0\) = 2"):
+        detsum.scatter_sum(src, index, 0, out)
+    with pytest.raises(ValueError, match="reduce='prod' is not supported"):
+        detsum.scatter(src, index, 0, reduce="prod")
+    with pytest.raises(ValueError, match="reduce='mul' has no mode='exact'"):
+        detsum.scatter_mul(src, torch.tensor([0, 1, 0, 1]), 0, mode="exact")
+    with pytest.raises(ValueError, match="dim_size=-1; expected None or an int >= 0"):
+        detsum.scatter(src, torch.tensor([0, 1, 0, 1]), 0, dim_size=-1)
+    with pytest.raises(ValueError, match="does not broadcast to src's shape"):
+        detsum.scatter(src, torch.tensor([0, 1]), 0)
+    with pytest.raises(ValueError, match="segment_coo needs an index sorted"):
+        detsum.segment_coo(src, torch.tensor([0, 1, 0, 1]))
+    with pytest.raises(ValueError, match="indptr decreases"):
+        detsum.segment_csr(src, torch.tensor([0, 3, 2, 4]))
+    with pytest.raises(IndexError, match="indptr"):
+        detsum.segment_csr(src, torch.tensor([0, 3, 5]))
+    with pytest.raises(TypeError, match="src has dtype torch.bool"):
+        detsum.scatter(src.bool(), index, 0)
+    with pytest.raises(ValueError, match="expected a floating-point dtype"):
+        detsum.scatter_softmax(src.long(), torch.tensor([0, 1, 0, 1]), 0)
+    assert torch.equal(out, before)

@@ -33,7 +33,10 @@ atomics, on the order of threads, or on an accident of its initial values):
   torch_scatter's.
 
 Under ``torch.compile(fullgraph=True)``, pass ``dim_size`` (or ``out``): without it the output
-size is read from the index on the host, which a full graph cannot contain.
+size is read from the index on the host, which a full graph cannot contain. Compiled, every
+reduction gives eager's bits; the composites' ``exp``, ``log`` and ``sqrt`` are torch's
+elementwise ops, for which inductor writes its own code (its ``exp`` can differ from eager's in
+the last bit).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import numbers
 import torch
 
 from detsum import _validation
-from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, Mode, acc_dtype, parse_mode
+from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_mode
 from detsum.ops.index_add import index_add_
 from detsum.ops.scatter_reduce import scatter_reduce
 from detsum.ops.segment_sum import segment_sum
@@ -414,7 +417,7 @@ def scatter_max(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     return _scatter("detsum.scatter_max", src, index, dim, out, dim_size, "max", mode)
 
 
-# ---- segment_csr / segment_coo --------------------------------------------------------------------
+# ---- segment_csr / segment_coo ------------------------------------------------------------------
 
 def _check_pointer_like(caller: str, name: str, t: object, src: torch.Tensor) -> int:
     """An int tensor whose leading sizes are 1 or ``src``'s; returns ``dim`` (its last axis)."""
@@ -797,11 +800,11 @@ def scatter_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     caller = "detsum.scatter_softmax"
     _validation.run_check(_check_float_src, caller, src)
     top = scatter_max(src, index, dim, dim_size=dim_size, mode=mode)[0]
-    index_b = _broadcast_index(caller, index, src, _validation.check_dim(caller, dim, src.dim()))
     d = _validation.check_dim(caller, dim, src.dim())
-    exps = (src - top.gather(d, index_b.to(torch.int64))).exp()
+    where = _broadcast_index(caller, index, src, d).to(torch.int64)
+    exps = (src - top.gather(d, where)).exp()
     totals = scatter_sum(exps, index, dim, dim_size=dim_size, mode=mode)
-    return exps / totals.gather(d, index_b.to(torch.int64))
+    return exps / totals.gather(d, where)
 
 
 def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,

@@ -215,36 +215,101 @@ def _mean_into(src: torch.Tensor, index_b: torch.Tensor, dim: int, out: torch.Te
     return total.div(count.to(total.dtype), rounding_mode="floor")
 
 
-def _extreme(src: torch.Tensor, index_b: torch.Tensor, dim: int, out: torch.Tensor | None,
-             size: int, reduce: str, mode: Mode) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, arg) of min/max: ``arg`` is the position along ``dim`` of the first source
-    element equal to the result (``src.size(dim)`` where none is: an empty segment, or ``out``
-    kept its value); the values are gathered at ``arg``, so the gradient reaches that element
-    alone."""
+def _first_positions(src: torch.Tensor, index_b: torch.Tensor, dim: int, result: torch.Tensor,
+                     base_kept: torch.Tensor | None) -> torch.Tensor:
+    """``arg`` of min/max: for each output element, the position along ``dim`` of the first
+    source element that lands on it and equals ``result`` there (NaN matching NaN), or
+    ``src.size(dim)`` where none does or where ``base_kept`` says the start value stayed.
+
+    The first match is a minimum of positions, taken by detsum's own kernel on positions held
+    as floats (float32 below 2**24 positions, float64 below 2**53: exact either way): an
+    integer minimum, the same in any order."""
     positions_total = src.shape[dim]
-    base = out if out is not None else _sized_like(src, dim, size, 0)
+    rows = _rows_index(index_b, dim)
     with torch.no_grad():
-        result = _reduce_into(src, index_b, dim, base.detach(), reduce, out is not None, mode)
-        index64 = index_b.to(torch.int64)
-        at_target = result.gather(dim, index64)
-        hit = src.detach() == at_target
-        if src.is_floating_point():
-            hit |= src.detach().isnan() & at_target.isnan()
-        shape = [1] * src.dim()
-        shape[dim] = -1
-        positions = torch.arange(positions_total, device=src.device).view(shape).expand(src.shape)
-        candidates = torch.where(hit, positions, positions_total)
-        arg = torch.full(result.shape, positions_total, dtype=torch.int64, device=src.device)
-        arg = arg.scatter_reduce(dim, index64, candidates, "amin", include_self=True)
-        if out is not None:
-            kept = result == base
-            if result.is_floating_point():
-                kept |= result.isnan() & base.isnan()
-            arg = arg.masked_fill(kept, positions_total)
-    if positions_total == 0:
-        return base.clone() if out is None else base, arg
-    picked = src.gather(dim, arg.clamp_max(positions_total - 1))
-    return torch.where(arg < positions_total, picked, base), arg
+        source = src.detach()
+        target = (result.index_select(dim, rows.to(torch.int64)) if rows is not None
+                  else result.gather(dim, index_b.to(torch.int64)))
+        hit = source == target
+        if source.is_floating_point():
+            hit |= source.isnan() & target.isnan()
+        along = [1] * src.dim()
+        along[dim] = -1
+        exact_type = torch.float32 if positions_total < 2**24 else torch.float64
+        positions = torch.arange(positions_total, dtype=exact_type,
+                                 device=src.device).view(along)
+        candidates = torch.where(hit, positions, float(positions_total))
+        none_yet = torch.full(result.shape, float(positions_total), dtype=exact_type,
+                              device=src.device)
+        first = scatter_reduce(none_yet, dim, index_b if rows is None else rows, candidates,
+                               "amin")
+        arg = first.to(torch.int64)
+        if base_kept is not None:
+            arg = arg.masked_fill(base_kept, positions_total)
+    return arg
+
+
+class _Extreme(torch.autograd.Function):
+    """min/max values by detsum's amin/amax (exact in every mode), with torch_scatter's
+    gradient: all of it to the element at ``arg``, none to equal ones after it. ``arg`` is
+    found in the forward when the caller asks for it, else only if a backward needs it."""
+
+    @staticmethod
+    def forward(ctx, src, base, index_b, dim, reduce, base_counts, mode, want_arg):
+        result = _reduce_into(src, index_b, dim, base, reduce, base_counts, mode)
+        kept = _kept(result, base, base_counts)
+        arg = _first_positions(src, index_b, dim, result, kept) if want_arg else None
+        # ``kept`` rather than ``base``: base may be the caller's out, overwritten next.
+        ctx.save_for_backward(src, index_b, result, kept)
+        ctx.dim, ctx.arg = dim, arg
+        if arg is None:
+            return result, torch.empty(0, dtype=torch.int64, device=src.device)
+        ctx.mark_non_differentiable(arg)
+        return result, arg
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        src, index_b, result, kept = ctx.saved_tensors
+        dim, arg = ctx.dim, ctx.arg
+        if arg is None:
+            arg = _first_positions(src, index_b, dim, result, kept)
+        positions_total = src.shape[dim]
+        landed = arg < positions_total
+        # One slot past the end takes the outputs whose arg is no source position.
+        shape = list(src.shape)
+        shape[dim] += 1
+        spread = grad.new_zeros(shape).scatter_(dim, arg, grad)
+        grad_src = spread.narrow(dim, 0, positions_total)
+        grad_base = grad.masked_fill(landed, 0) if kept is not None else None
+        return grad_src, grad_base, None, None, None, None, None, None
+
+
+def _kept(result: torch.Tensor, base: torch.Tensor, base_counts: bool) -> torch.Tensor | None:
+    """Where the start value (``out``) is the result: no source element beat it."""
+    if not base_counts:
+        return None
+    kept = result == base
+    if result.is_floating_point():
+        kept |= result.isnan() & base.isnan()
+    return kept
+
+
+def _extreme(src: torch.Tensor, index_b: torch.Tensor, dim: int, out: torch.Tensor | None,
+             size: int, reduce: str, mode: Mode, want_arg: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, arg) of min/max (``arg`` None unless ``want_arg``): see ``_Extreme``."""
+    base = out if out is not None else _sized_like(src, dim, size, 0)
+    if src.shape[dim] == 0:
+        arg = torch.full(base.shape, 0, dtype=torch.int64, device=src.device)
+        return (base.clone() if out is None else base), (arg if want_arg else None)
+    if not src.is_floating_point():
+        result = _reduce_into(src, index_b, dim, base, reduce, out is not None, mode)
+        arg = (_first_positions(src, index_b, dim, result, _kept(result, base, out is not None))
+               if want_arg else None)
+        return result, arg
+    values, arg = _Extreme.apply(src, base, index_b, dim, reduce, out is not None, mode,
+                                 want_arg)
+    return values, (arg if want_arg else None)
 
 
 def _joined_to(src: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
@@ -267,8 +332,8 @@ def _finish(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 # ---- scatter ------------------------------------------------------------------------------------
 
 def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
-             out: torch.Tensor | None, dim_size: int | None, reduce: str, mode: object
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             out: torch.Tensor | None, dim_size: int | None, reduce: str, mode: object,
+             want_arg: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     def check():
         _check_src(caller, src)
         d = _validation.check_dim(caller, dim, src.dim())
@@ -293,7 +358,7 @@ def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
             arg = torch.full(result.shape, src.shape[d], dtype=torch.int64, device=src.device)
         return result, arg
     if r in ("min", "max"):
-        values, arg = _extreme(src, index_b, d, out, size, r, m)
+        values, arg = _extreme(src, index_b, d, out, size, r, m, want_arg)
         return _finish(out, values), arg
     if r == "mean":
         return _finish(out, _mean_into(src, index_b, d, out, size, m)), None
@@ -358,10 +423,8 @@ def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
         tensor([[3., 4., 0.],
                 [7., 8., 0.]])
     """
-    if reduce in ("min", "max"):
-        caller = f"detsum.scatter(reduce={reduce!r})"
-        return _scatter(caller, src, index, dim, out, dim_size, reduce, mode)[0]
-    return _scatter("detsum.scatter", src, index, dim, out, dim_size, reduce, mode)[0]
+    return _scatter("detsum.scatter", src, index, dim, out, dim_size, reduce, mode,
+                    want_arg=False)[0]
 
 
 def scatter_sum(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -466,7 +529,7 @@ def _segment_of_position(indptr: torch.Tensor, lead: tuple[int, ...], length: in
 
 
 def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
-                 out: torch.Tensor | None, reduce: str, mode: object
+                 out: torch.Tensor | None, reduce: str, mode: object, want_arg: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     def check():
         _check_src(caller, src)
@@ -501,8 +564,9 @@ def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
     segment_index = _segment_of_position(indptr, tuple(src.shape[:d]), src.shape[d])
     index_b = _broadcast_index(caller, segment_index, src, d)
     if r in ("min", "max"):
-        values, arg = _extreme(src, index_b, d, None, segments + 1, r, m)
-        return _finish(out, values.narrow(d, 0, segments)), arg.narrow(d, 0, segments)
+        values, arg = _extreme(src, index_b, d, None, segments + 1, r, m, want_arg)
+        return (_finish(out, values.narrow(d, 0, segments)),
+                arg.narrow(d, 0, segments) if want_arg else None)
     if r == "mean":
         result = _mean_into(src, index_b, d, None, segments + 1, m)
     else:
@@ -549,7 +613,7 @@ def segment_csr(src: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor | Non
         tensor([1.5000, 0.0000, 4.5000])
     """
     caller = "detsum.segment_csr"
-    return _segment_csr(caller, src, indptr, out, reduce, mode)[0]
+    return _segment_csr(caller, src, indptr, out, reduce, mode, want_arg=False)[0]
 
 
 def _segment_csr_of(reduce: str):
@@ -585,8 +649,8 @@ def _check_sorted(caller: str, index: torch.Tensor) -> None:
 
 
 def _segment_coo(caller: str, src: torch.Tensor, index: torch.Tensor,
-                 out: torch.Tensor | None, dim_size: int | None, reduce: str, mode: object
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 out: torch.Tensor | None, dim_size: int | None, reduce: str, mode: object,
+                 want_arg: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     def check():
         _check_src(caller, src)
         d = _check_pointer_like(caller, "index", index, src)
@@ -603,7 +667,7 @@ def _segment_coo(caller: str, src: torch.Tensor, index: torch.Tensor,
         last = index.select(d, index.shape[d] - 1) if index.numel() else index
         dim_size = int(last.max()) + 1 if index.numel() else 0
     return _scatter(caller, src, index.expand(tuple(src.shape[:d + 1])), d, out, dim_size,
-                    reduce, mode)
+                    reduce, mode, want_arg)
 
 
 def segment_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None,
@@ -635,7 +699,8 @@ def segment_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
         >>> detsum.segment_coo(src, torch.tensor([0, 0, 2, 2, 2, 3]))
         tensor([ 3.,  0., 12.,  6.])
     """
-    return _segment_coo("detsum.segment_coo", src, index, out, dim_size, reduce, mode)[0]
+    return _segment_coo("detsum.segment_coo", src, index, out, dim_size, reduce, mode,
+                        want_arg=False)[0]
 
 
 def _segment_coo_of(reduce: str):

@@ -350,6 +350,22 @@ def test_max_with_out_keeps_out_where_it_wins():
     assert arg.tolist() == [3, 1, 3]  # a tie with out keeps out's value: no source position
 
 
+def test_max_with_out_passes_the_gradient_to_whichever_value_stayed():
+    start = torch.tensor([5.0, -1.0, 0.0], requires_grad=True)
+    src = torch.tensor([1.0, 2.0, 5.0], requires_grad=True)
+    out = start * 1
+    for want_arg in (True, False):
+        start.grad = src.grad = None
+        out = start * 1
+        if want_arg:
+            detsum.scatter_max(src, torch.tensor([0, 1, 0]), out=out)
+        else:
+            detsum.scatter(src, torch.tensor([0, 1, 0]), out=out, reduce="max")
+        (out * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+        assert start.grad.tolist() == [1.0, 0.0, 3.0]  # out's 5 ties the source's: out stays
+        assert src.grad.tolist() == [0.0, 2.0, 0.0]
+
+
 def test_mean_with_out_sums_out_but_does_not_count_it():
     out = torch.tensor([1.0, 10.0, 4.0])
     detsum.scatter_mean(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]), out=out)

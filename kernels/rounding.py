@@ -12,12 +12,12 @@ the fp32 bit pattern with integer adds, shifts and masks
   mode switched on elsewhere in the process (``torch.set_flush_denormal``) cannot change how a
   subnormal converts;
 - compiles to a few branch-free vector instructions (fp16 -> fp32 to one, F16C's, where the
-  CPU has it), so the kernels' column loops that call
-  these helpers still vectorise. For that the conversions are emitted as LLVM IR on i32 (numba
-  intrinsics), float <-> int reinterpretation included (an LLVM ``bitcast``, where a ``view``
-  through memory would block the vectoriser): Numba's own integer arithmetic widens
-  everything to 64 bits, which halves the vector width or, for the fp16 path's variable
-  shifts and compares, stops vectorisation altogether.
+  CPU has it), so the kernels' column loops that call these helpers still vectorise. For
+  that the conversions are emitted as LLVM IR on i32 (numba intrinsics), float <-> int
+  reinterpretation included (an LLVM ``bitcast``, where a ``view`` through memory would block
+  the vectoriser): Numba's own integer arithmetic widens everything to 64 bits, which halves
+  the vector width or, for the fp16 path's variable shifts and compares, stops vectorisation
+  altogether.
 
 NaN: bf16 results are the quiet NaN ``0x7FC0`` (as torch's scalar conversion), fp16 results
 keep the sign with payload ``0x7E00``. NaN payload bits differ between torch paths anyway, so

@@ -679,6 +679,8 @@ class _Gather(torch.autograd.Function):
 
 
 def _gather(src: torch.Tensor, index_b: torch.Tensor, dim: int, mode: Mode) -> torch.Tensor:
+    """``src.gather(dim, index_b)``; while autograd records, its gradient is summed by detsum in
+    ``mode``. Every gather of a tensor that carries a gradient goes through here."""
     if src.is_floating_point() and torch.is_grad_enabled() and src.requires_grad:
         return _Gather.apply(src, index_b, dim, mode)
     return src.gather(dim, index_b.to(torch.int64))
@@ -797,11 +799,12 @@ def scatter_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     caller = "detsum.scatter_softmax"
     _validation.run_check(_check_float_src, caller, src)
     top = scatter_max(src, index, dim, dim_size=dim_size, mode=mode)[0]
-    index_b = _broadcast_index(caller, index, src, _validation.check_dim(caller, dim, src.dim()))
     d = _validation.check_dim(caller, dim, src.dim())
-    exps = (src - top.gather(d, index_b.to(torch.int64))).exp()
+    index_b = _broadcast_index(caller, index, src, d)
+    m = parse_mode(mode, caller=caller)
+    exps = (src - _gather(top, index_b, d, m)).exp()
     totals = scatter_sum(exps, index, dim, dim_size=dim_size, mode=mode)
-    return exps / totals.gather(d, index_b.to(torch.int64))
+    return exps / _gather(totals, index_b, d, m)
 
 
 def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -819,10 +822,11 @@ def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     _validation.run_check(_check_float_src, caller, src)
     top = scatter_max(src, index, dim, dim_size=dim_size, mode=mode)[0]
     d = _validation.check_dim(caller, dim, src.dim())
-    where = _broadcast_index(caller, index, src, d).to(torch.int64)
-    shifted = src - top.gather(d, where)
+    where = _broadcast_index(caller, index, src, d)
+    m = parse_mode(mode, caller=caller)
+    shifted = src - _gather(top, where, d, m)
     totals = scatter_sum(shifted.exp(), index, dim, dim_size=dim_size, mode=mode)
-    return shifted - (totals + eps).log().gather(d, where)
+    return shifted - _gather((totals + eps).log(), where, d, m)
 
 
 def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -843,14 +847,14 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     caller = "detsum.scatter_logsumexp"
     _validation.run_check(_check_float_src, caller, src)
     d = _validation.check_dim(caller, dim, src.dim())
-    where = _broadcast_index(caller, index, src, d).to(torch.int64)
+    where = _broadcast_index(caller, index, src, d)
     if out is not None:
         dim_size = out.shape[d]
     elif dim_size is None:
         dim_size = _output_size(index, None)
     top = scatter_max(src, index, d, _sized_like(src, d, dim_size, float("-inf")),
                       dim_size=dim_size, mode=mode)[0]
-    shifted = src - top.gather(d, where)
+    shifted = src - _gather(top, where, d, parse_mode(mode, caller=caller))
     shifted = shifted.masked_fill(shifted.isnan(), float("-inf"))
     start = None if out is None else (out - top).exp()
     totals = scatter_sum(shifted.exp(), index, d, start, dim_size=dim_size, mode=mode)
@@ -882,7 +886,7 @@ def scatter_std(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     totals = scatter_sum(src, index, d, dim_size=dim_size, mode=mode)
     count = _counts(where, d, totals.shape).to(totals.dtype).clamp_min(1)
     mean = totals / count
-    deviations = src - mean.gather(d, where.to(torch.int64))
+    deviations = src - _gather(mean, where, d, parse_mode(mode, caller=caller))
     squares = scatter_sum(deviations * deviations, index, d, out, dim_size=totals.shape[d],
                           mode=mode)
     if unbiased:

@@ -392,6 +392,62 @@ def test_gather_backward_is_the_deterministic_segment_sum():
     assert_same_bits(src.grad, detsum.segment_csr(grad, indptr, mode="exact"))
 
 
+def _torch_sums_in_backward(output: torch.Tensor) -> list[str]:
+    """The autograd nodes behind ``output`` whose backward sums terms with torch's own scatter
+    add (atomics on a GPU): an index_select, an advanced index, or a gather that reads some
+    source element more than once. (scatter_max's gather at ``arg`` reads each element at most
+    once: its backward adds one term per element, so it has no order to get wrong.)"""
+    seen, stack, found = set(), [output.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name in ("IndexSelectBackward0", "IndexBackward0"):
+            found.append(name)
+        if name == "GatherBackward0":
+            index = node._saved_index.movedim(node._saved_dim, 0)
+            if (index.sort(dim=0).values.diff(dim=0) == 0).any():
+                found.append(name)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+COMPOSITES = {
+    "scatter_softmax": lambda src, index, mode: detsum.scatter_softmax(src, index, 0, mode=mode),
+    "scatter_log_softmax": lambda src, index, mode: detsum.scatter_log_softmax(
+        src, index, 0, mode=mode),
+    "scatter_logsumexp": lambda src, index, mode: detsum.scatter_logsumexp(
+        src, index, 0, mode=mode),
+    "scatter_std": lambda src, index, mode: detsum.scatter_std(src, index, 0, mode=mode),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+def test_composites_sum_their_gradients_deterministically(name):
+    """The composites' gradients go through detsum's sums alone: torch's gather backward (a
+    scatter_add with atomics on a GPU) once summed the gradient of each group's maximum and
+    total. In mode="exact" every sum has no order, so the gradient of a permuted input is the
+    permuted gradient, bit for bit."""
+    g = torch.Generator().manual_seed(13)
+    src = torch.randn(4000, 3, generator=g)
+    index = torch.randint(0, 20, (4000,), generator=g)
+    upstream = torch.randn(20 if name in ("scatter_logsumexp", "scatter_std") else 4000, 3,
+                           generator=g)
+    permutation = torch.randperm(4000, generator=g)
+    grads = []
+    for order in (torch.arange(4000), permutation):
+        leaf = src[order].clone().requires_grad_()
+        out = COMPOSITES[name](leaf, index[order], "exact")
+        assert _torch_sums_in_backward(out) == []
+        out.backward(upstream if out.shape[0] == 20 else upstream[order])
+        restored = torch.empty_like(leaf.grad)
+        restored[order] = leaf.grad
+        grads.append(restored)
+    assert_same_bits(grads[1], grads[0])
+
+
 def test_compiled_functions_give_eager_bits():
     g = torch.Generator().manual_seed(9)
     src = torch.randn(64, 8, generator=g).to(torch.bfloat16)

@@ -15,6 +15,7 @@ from detsum.scatter_compat import (  # torch_scatter's API, deterministic
     segment_min_csr, segment_sum_coo, segment_sum_csr,
 )
 from detsum.explain import Explanation, explain
+from detsum import pyg  # noqa: E402  (PyG adapter: imports torch_geometric on first use only)
 
 __all__ = [
     "Explanation",
@@ -30,6 +31,7 @@ __all__ = [
     "index_select",
     "loss",
     "moe",
+    "pyg",
     "scatter",
     "scatter_add",
     "scatter_log_softmax",

@@ -11,6 +11,10 @@ backward, GCN's degree normalisation, the dense layers.
   backward, ``gather`` and ``index_add_``);
 - ``detsum-fp32``, ``detsum-exact``: the same layer under ``make_deterministic`` in that mode.
 
+Each case runs on one thread and on two (``torch.set_num_threads``): on a shared machine the
+one-thread times are the steadier ones (two threads wait for each other whenever another
+process takes a core).
+
 Target (``summarize.py``, never asserted): "fp32" no slower than PyG's default on CPU.
 """
 
@@ -31,6 +35,7 @@ LAYERS = {"GCNConv": GCNConv, "SAGEConv": SAGEConv}
 FEATURES = 64
 IMPLS = ["pyg", "detsum-fp32", "detsum-exact"]
 ROUNDS = {"cpu": {"10k-100k": 15, "100k-1M": 5}, "cuda": {"10k-100k": 100, "100k-1M": 50}}
+THREADS = [1, 2]
 WARMUP = 2
 
 _data: dict[tuple, dict] = {}
@@ -50,12 +55,21 @@ def graph(device: str, name: str) -> dict:
     return _data[key]
 
 
+@pytest.fixture
+def torch_threads(threads):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    yield threads
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layer_name", list(LAYERS))
+@pytest.mark.parametrize("threads", THREADS, ids=lambda n: f"{n}thread")
 @pytest.mark.parametrize("graph_name", list(GRAPHS))
 @pytest.mark.parametrize("device", DEVICES)
-def test_pyg_layer(benchmark, request, device, graph_name, layer_name, impl):
-    benchmark.group = f"pyg {layer_name} {graph_name} {device}"
+def test_pyg_layer(benchmark, request, torch_threads, device, graph_name, layer_name, impl):
+    benchmark.group = f"pyg {layer_name} {graph_name} {torch_threads} thread(s) {device}"
     d = graph(device, graph_name)
     torch.manual_seed(0)
     layer = LAYERS[layer_name](FEATURES, FEATURES).to(device)
@@ -72,7 +86,8 @@ def test_pyg_layer(benchmark, request, device, graph_name, layer_name, impl):
         sync(device)
         nodes, edges = GRAPHS[graph_name]
         info = {"primitive": "pyg layer", "case": f"{layer_name} N={nodes} E={edges} "
-                f"F={FEATURES}", "device": device, "dtype": "fp32", "impl": impl}
+                f"F={FEATURES} threads={torch_threads}", "device": device, "dtype": "fp32",
+                "impl": impl}
         run_case(benchmark, step, device, rounds=ROUNDS[device][graph_name],
                  warmup_rounds=WARMUP, info=info, baseline="pyg",
                  baseline_case=request.node.name.replace(f"-{impl}]", "-pyg]"))

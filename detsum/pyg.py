@@ -278,9 +278,11 @@ def _original(name: str):
     return getattr(importlib.import_module("torch_geometric.utils"), name)
 
 
-def _routed_functions() -> list[tuple[object, str, object, object]]:
+@functools.cache
+def _routed_functions() -> tuple[tuple[object, str, object, object], ...]:
     """(module, name, PyG's original, detsum's) for every ``scatter`` and ``softmax`` that a
-    module of ``torch_geometric.nn.conv`` imported from ``torch_geometric.utils``."""
+    module of ``torch_geometric.nn.conv`` imported from ``torch_geometric.utils``. Looked up
+    once (a walk over sys.modules takes milliseconds; a layer's forward installs the routes)."""
     utils = importlib.import_module("torch_geometric.utils")
     importlib.import_module("torch_geometric.nn.conv")
     found = []
@@ -291,7 +293,7 @@ def _routed_functions() -> list[tuple[object, str, object, object]]:
             original = getattr(utils, name)
             if vars(module).get(name) is original:
                 found.append((module, name, original, routed))
-    return found
+    return tuple(found)
 
 
 @contextlib.contextmanager
@@ -303,8 +305,9 @@ def _routing(mode: Mode):
     with _patch_lock:
         if _patch_users == 0:
             for module, name, original, routed in _routed_functions():
-                setattr(module, name, routed)
-                _patched.append((module, name, original))
+                if vars(module).get(name) is original:  # never over someone else's patch
+                    setattr(module, name, routed)
+                    _patched.append((module, name, original))
         _patch_users += 1
     modes.append(mode)
     try:
@@ -373,6 +376,7 @@ class DeterministicSwitch:
             layers.
         aggregations: ``(path, PyG class name)`` of every aggregation module replaced by
             detsum's.
+        active: True until ``undo()``.
     """
 
     def __init__(self, model: torch.nn.Module, mode: Mode):
@@ -472,18 +476,19 @@ def make_deterministic(model: torch.nn.Module, *, mode: str | Mode = "fp32",
     (``deg_inv_sqrt[row]``: torch's advanced-index backward); aggregation modules of other
     kinds (LSTM, Set2Set, Std, ...; with ``strict=True`` they are refused, naming each,
     before anything changes; with ``strict=False`` they keep PyG's code); PyG's pooling and
-    ``torch_geometric.utils`` called outside a switched layer's ``forward``; a
-    ``torch.compile``\\ d or TorchScript-ed model (switch first, then compile).
+    ``torch_geometric.utils`` called outside a switched layer's ``forward``; models run
+    under ``torch.compile`` or TorchScript (not tested).
 
     Args:
         model: any ``torch.nn.Module`` holding PyG layers (or a layer itself).
         mode: keyword only: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
         strict: keyword only: refuse aggregation modules detsum cannot replace (default).
 
-    Bits, on a CPU, for fp32 data: ``"fp32"`` and ``"autograd"`` give PyG's own forward and
-    backward bits for GCNConv, SAGEConv and GATConv (torch's CPU ``scatter_add_`` and
-    ``index_add_`` sum each row in fp32 in order of appearance, as detsum does, while no row
-    receives more than 256 terms); docs/switching.md has the table per mode and dtype.
+    Bits, on a CPU, for fp32 data: ``"autograd"`` gives PyG's own forward and backward bits
+    for GCNConv, SAGEConv and GATConv (torch's CPU ``scatter_add_`` and ``index_add_`` add
+    each node's terms in fp32 in order of appearance, rounding after every add), and so does
+    ``"fp32"`` wherever a node receives at most 256 terms (longer sums it takes in chunks of
+    256); docs/switching.md has the table per mode and dtype.
     """
     caller = "detsum.pyg.make_deterministic"
     pyg = _import_pyg(caller)

@@ -2,10 +2,11 @@
 
 The layers run on a random graph of 10k nodes and 100k edges (64 input features, 32 output):
 forward and backward, the same bits over runs and thread counts, PyG's own bits where they
-hold by construction (fp32 data: torch's CPU scatter_add_/index_add_ sum each node's terms in
-fp32 in order of appearance, as "fp32" mode does, and no node receives more than 256 terms),
-and in bf16 an error against an fp64 run of the same layer no larger than PyG's. The
-aggregation modules run alone on a small graph.
+hold by construction (fp32 data: torch's CPU scatter_add_/index_add_ add each node's terms in
+fp32 in order of appearance, as "autograd" mode does, and as "fp32" mode does while no node
+receives more than 256 terms; bf16 sums: an fp32 buffer rounded once, "fp32" mode), and in
+bf16 an error against an fp64 run of the same layer no larger than PyG's. The aggregation
+modules run alone on a small graph.
 """
 
 from __future__ import annotations
@@ -84,10 +85,10 @@ def switched_result(name, dtype, graph, mode) -> list[torch.Tensor]:
 # ---- whole layers ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name, dtype, mode", [
-    ("GCNConv", torch.float32, "fp32"),
-    ("SAGEConv", torch.float32, "fp32"),
-    ("GATConv", torch.float32, "fp32"),
-    ("GATConv", torch.bfloat16, "exact"),
+    pytest.param("GCNConv", torch.float32, "fp32", id="GCNConv-float32-fp32"),
+    pytest.param("SAGEConv", torch.float32, "fp32", id="SAGEConv-float32-fp32"),
+    pytest.param("GATConv", torch.float32, "fp32", id="GATConv-float32-fp32"),
+    pytest.param("GATConv", torch.bfloat16, "exact", id="GATConv-bfloat16-exact"),
 ])
 def test_same_bits_over_runs_and_thread_counts(name, dtype, mode, graph):
     threads = torch.get_num_threads()
@@ -114,6 +115,24 @@ def test_fp32_layers_have_pygs_own_bits(name, mode, graph):
     for got, expected in zip(switched_result(name, torch.float32, graph, mode),
                              pyg_result(name, torch.float32, graph)):
         assert_same_bits(got, expected)
+
+
+def test_fp32_hub_node_autograd_mode_keeps_pygs_bits_fp32_mode_chunks():
+    """A node with more than 256 messages: torch sums them serially, which "autograd" mode
+    (round to fp32 after every add, never chunked) reproduces; "fp32" mode sums them in
+    chunks of 256 (docs/determinism.md), so that node's row differs here, and no other."""
+    g = torch.Generator().manual_seed(23)
+    edge_index = torch.randint(0, 2000, (2, 20000), generator=g)
+    edge_index[1, :700] = 5  # node 5 receives 700 messages and more
+    x = torch.randn(2000, IN_FEATURES, generator=g)
+    upstream = torch.randn(2000, OUT_FEATURES * 2, generator=g)
+    hub_graph = (edge_index, x, upstream)
+    theirs = forward_backward(make_layer("GCNConv", torch.float32), hub_graph, torch.float32)
+    autograd = switched_result("GCNConv", torch.float32, hub_graph, "autograd")
+    for got, expected in zip(autograd, theirs):
+        assert_same_bits(got, expected)
+    chunked = switched_result("GCNConv", torch.float32, hub_graph, "fp32")[0]
+    assert (chunked != theirs[0]).any(dim=1).nonzero().view(-1).tolist() == [5]
 
 
 @pytest.mark.parametrize("name", ["GCNConv", "GATConv"])

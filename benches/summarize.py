@@ -137,6 +137,25 @@ def scatter_compat_targets(data: dict) -> list[str]:
     return lines
 
 
+def pyg_targets(data: dict) -> list[str]:
+    """bench_pyg.py: a PyG layer's forward and backward under make_deterministic("fp32")
+    against PyG's default, per device, layer and graph (target: no slower)."""
+    by = {}
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("primitive") == "pyg layer":
+            by[(e["device"], e["case"], e["impl"])] = b["stats"]["median"]
+    lines = []
+    for device, case in sorted({k[:2] for k in by}):
+        m = {impl: t for (d, c, impl), t in by.items() if (d, c) == (device, case)}
+        if "pyg" not in m or "detsum-fp32" not in m:
+            continue
+        r = m["detsum-fp32"] / m["pyg"]
+        lines.append(f"{device} PyG {case}: detsum fp32 / PyG: {r:.2f} (target <= 1) "
+                     f"{'met' if r <= 1 else 'MISSED'}")
+    return lines
+
+
 def targets(data: dict) -> list[str]:
     """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
     by = {}
@@ -161,7 +180,8 @@ def targets(data: dict) -> list[str]:
                 ok = r >= limit
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
-    return lines + exact_targets(data) + loss_targets(data) + scatter_compat_targets(data)
+    return (lines + exact_targets(data) + loss_targets(data) + scatter_compat_targets(data)
+            + pyg_targets(data))
 
 
 def table(data: dict) -> str:

@@ -8,13 +8,14 @@ from detsum.ops.scatter_reduce import scatter_reduce
 from detsum.ops.segment_sum import segment_sum
 from detsum import loss, moe  # noqa: E402  (consumers: need the ops above registered)
 from detsum.scatter_compat import (  # torch_scatter's API, deterministic
-    gather_coo, gather_csr, scatter, scatter_add, scatter_log_softmax, scatter_logsumexp,
-    scatter_max, scatter_mean, scatter_min, scatter_mul, scatter_softmax, scatter_std,
-    scatter_sum, segment_add_coo, segment_add_csr, segment_coo, segment_csr, segment_max_coo,
-    segment_max_csr, segment_mean_coo, segment_mean_csr, segment_min_coo, segment_min_csr,
-    segment_sum_coo, segment_sum_csr,
+    gather_coo, gather_csr, index_select, scatter, scatter_add, scatter_log_softmax,
+    scatter_logsumexp, scatter_max, scatter_mean, scatter_min, scatter_mul, scatter_softmax,
+    scatter_std, scatter_sum, segment_add_coo, segment_add_csr, segment_coo, segment_csr,
+    segment_max_coo, segment_max_csr, segment_mean_coo, segment_mean_csr, segment_min_coo,
+    segment_min_csr, segment_sum_coo, segment_sum_csr,
 )
 from detsum.explain import Explanation, explain
+from detsum import pyg  # noqa: E402  (PyG adapter: imports torch_geometric on first use only)
 
 __all__ = [
     "Explanation",
@@ -27,8 +28,10 @@ __all__ = [
     "gather_csr",
     "index_add",
     "index_add_",
+    "index_select",
     "loss",
     "moe",
+    "pyg",
     "scatter",
     "scatter_add",
     "scatter_log_softmax",

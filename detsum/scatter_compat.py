@@ -47,12 +47,12 @@ import torch
 
 from detsum import _validation
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_mode
-from detsum.ops.index_add import index_add_
+from detsum.ops.index_add import index_add, index_add_
 from detsum.ops.scatter_reduce import scatter_reduce
 from detsum.ops.segment_sum import segment_sum
 
 __all__ = [
-    "gather_coo", "gather_csr", "scatter", "scatter_add", "scatter_log_softmax",
+    "gather_coo", "gather_csr", "index_select", "scatter", "scatter_add", "scatter_log_softmax",
     "scatter_logsumexp", "scatter_max", "scatter_mean", "scatter_min", "scatter_mul",
     "scatter_softmax", "scatter_std", "scatter_sum", "segment_add_coo", "segment_add_csr",
     "segment_coo", "segment_csr", "segment_max_coo", "segment_max_csr", "segment_mean_coo",
@@ -747,6 +747,8 @@ class _Gather(torch.autograd.Function):
 
 
 def _gather(src: torch.Tensor, index_b: torch.Tensor, dim: int, mode: Mode) -> torch.Tensor:
+    """``src.gather(dim, index_b)``; while autograd records, its gradient is summed by detsum in
+    ``mode``. Every gather of a tensor that carries a gradient goes through here."""
     if src.is_floating_point() and torch.is_grad_enabled() and src.requires_grad:
         return _Gather.apply(src, index_b, dim, mode)
     return src.gather(dim, index_b.to(torch.int64))
@@ -843,6 +845,72 @@ def gather_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
     return _finish(out, _gather(src, index_b, d, m))
 
 
+class _IndexSelect(torch.autograd.Function):
+    """``src.index_select(dim, index)`` whose backward is detsum's index_add (torch's own
+    backward is an ``index_add_``, with atomics on a GPU)."""
+
+    @staticmethod
+    def forward(ctx, src, dim, index, mode):
+        ctx.save_for_backward(index)
+        ctx.dim, ctx.mode, ctx.shape = dim, mode, src.shape
+        return src.index_select(dim, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        zeros = grad.new_zeros(ctx.shape)
+        return index_add(zeros, ctx.dim, index, grad, mode=ctx.mode), None, None, None
+
+
+def index_select(src: torch.Tensor, dim: int, index: torch.Tensor, *,
+                 mode: str | Mode = "fp32") -> torch.Tensor:
+    """``torch.index_select(src, dim, index)`` whose gradient is summed deterministically: the
+    gather a message-passing layer runs on every edge (``x_j = x.index_select(0, src_nodes)``).
+
+    The forward is a copy (exact). The gradient of ``src`` row ``i`` is the sum of the
+    gradient rows ``k`` with ``index[k] == i``, in order of appearance, by
+    :func:`detsum.index_add` into zeros in ``mode``: ``"fp32"`` accumulates in fp32 (fp64 for
+    float64) and rounds once; ``"autograd"`` gives the bits of the gradient torch computes for
+    ``src[index]`` (``index_put_(accumulate=True)``). torch's own ``index_select`` backward is
+    ``index_add_``: atomics on a GPU; on a CPU it sums along the first or last dim with
+    ``"fp32"`` mode's bits (segments of at most 256 rows; longer ones are chunked by detsum,
+    docs/determinism.md).
+
+    Args:
+        src: float32/float16/bfloat16/float64, or an integer dtype (no gradient).
+        dim: the dimension to index (negative counts from the end).
+        index: 1-D int32/int64, values in ``[0, src.size(dim))``.
+        mode: keyword only: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
+
+    **This operation is fully deterministic**, forward and backward: the same bits on every
+    run, for every thread count and every backend that implements the mode.
+
+    Example:
+        >>> import torch, detsum
+        >>> x = torch.tensor([[1.0], [2.0], [3.0]], requires_grad=True)
+        >>> rows = detsum.index_select(x, 0, torch.tensor([2, 0, 2]))
+        >>> rows.sum().backward()
+        >>> x.grad
+        tensor([[1.],
+                [0.],
+                [2.]])
+    """
+    caller = "detsum.index_select"
+
+    def check():
+        _check_src(caller, src)
+        d = _validation.check_dim(caller, dim, src.dim())
+        _validation.check_index(caller, "index", index, one_d=True)
+        _validation.check_same_device(caller, src=src, index=index)
+        return d, parse_mode(mode, caller=caller)
+
+    d, m = _validation.run_check(check)
+    _check_index_values(caller, index, src.shape[d], f"src.size({d})")
+    if src.is_floating_point() and torch.is_grad_enabled() and src.requires_grad:
+        return _IndexSelect.apply(src, d, index, m)
+    return src.index_select(d, index)
+
+
 # ---- composites ---------------------------------------------------------------------------------
 
 def _check_float_src(caller: str, src: object) -> None:
@@ -864,12 +932,13 @@ def scatter_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_softmax"
     _validation.run_check(_check_float_src, caller, src)
-    top = scatter_max(src, index, dim, dim_size=dim_size, mode=mode)[0]
+    top = scatter(src, index, dim, dim_size=dim_size, reduce="max", mode=mode)
     d = _validation.check_dim(caller, dim, src.dim())
-    where = _broadcast_index(caller, index, src, d).to(torch.int64)
-    exps = (src - top.gather(d, where)).exp()
+    index_b = _broadcast_index(caller, index, src, d)
+    m = parse_mode(mode, caller=caller)
+    exps = (src - _gather(top, index_b, d, m)).exp()
     totals = scatter_sum(exps, index, dim, dim_size=dim_size, mode=mode)
-    return exps / totals.gather(d, where)
+    return exps / _gather(totals, index_b, d, m)
 
 
 def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -885,12 +954,13 @@ def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_log_softmax"
     _validation.run_check(_check_float_src, caller, src)
-    top = scatter_max(src, index, dim, dim_size=dim_size, mode=mode)[0]
+    top = scatter(src, index, dim, dim_size=dim_size, reduce="max", mode=mode)
     d = _validation.check_dim(caller, dim, src.dim())
-    where = _broadcast_index(caller, index, src, d).to(torch.int64)
-    shifted = src - top.gather(d, where)
+    where = _broadcast_index(caller, index, src, d)
+    m = parse_mode(mode, caller=caller)
+    shifted = src - _gather(top, where, d, m)
     totals = scatter_sum(shifted.exp(), index, dim, dim_size=dim_size, mode=mode)
-    return shifted - (totals + eps).log().gather(d, where)
+    return shifted - _gather((totals + eps).log(), where, d, m)
 
 
 def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -911,14 +981,14 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     caller = "detsum.scatter_logsumexp"
     _validation.run_check(_check_float_src, caller, src)
     d = _validation.check_dim(caller, dim, src.dim())
-    where = _broadcast_index(caller, index, src, d).to(torch.int64)
+    where = _broadcast_index(caller, index, src, d)
     if out is not None:
         dim_size = out.shape[d]
     elif dim_size is None:
         dim_size = _output_size(index, None)
-    top = scatter_max(src, index, d, _sized_like(src, d, dim_size, float("-inf")),
-                      dim_size=dim_size, mode=mode)[0]
-    shifted = src - top.gather(d, where)
+    top = scatter(src, index, d, _sized_like(src, d, dim_size, float("-inf")),
+                  dim_size=dim_size, reduce="max", mode=mode)
+    shifted = src - _gather(top, where, d, parse_mode(mode, caller=caller))
     shifted = shifted.masked_fill(shifted.isnan(), float("-inf"))
     start = None if out is None else (out - top).exp()
     totals = scatter_sum(shifted.exp(), index, d, start, dim_size=dim_size, mode=mode)
@@ -950,7 +1020,7 @@ def scatter_std(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     totals = scatter_sum(src, index, d, dim_size=dim_size, mode=mode)
     count = _counts(where, d, totals.shape).to(totals.dtype).clamp_min(1)
     mean = totals / count
-    deviations = src - mean.gather(d, where.to(torch.int64))
+    deviations = src - _gather(mean, where, d, parse_mode(mode, caller=caller))
     squares = scatter_sum(deviations * deviations, index, d, out, dim_size=totals.shape[d],
                           mode=mode)
     if unbiased:

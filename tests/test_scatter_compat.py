@@ -426,6 +426,127 @@ def test_gather_backward_is_the_deterministic_segment_sum():
     assert_same_bits(src.grad, detsum.segment_csr(grad, indptr, mode="exact"))
 
 
+def _torch_sums_in_backward(output: torch.Tensor) -> list[str]:
+    """The autograd nodes behind ``output`` whose backward sums terms with torch's own scatter
+    add (atomics on a GPU): an index_select, an advanced index, or a gather that reads some
+    source element more than once. (scatter_max's gather at ``arg`` reads each element at most
+    once: its backward adds one term per element, so it has no order to get wrong.)"""
+    seen, stack, found = set(), [output.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        name = type(node).__name__
+        if name in ("IndexSelectBackward0", "IndexBackward0"):
+            found.append(name)
+        if name == "GatherBackward0":
+            index = node._saved_index.movedim(node._saved_dim, 0)
+            if (index.sort(dim=0).values.diff(dim=0) == 0).any():
+                found.append(name)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+COMPOSITES = {
+    "scatter_softmax": lambda src, index, mode: detsum.scatter_softmax(src, index, 0, mode=mode),
+    "scatter_log_softmax": lambda src, index, mode: detsum.scatter_log_softmax(
+        src, index, 0, mode=mode),
+    "scatter_logsumexp": lambda src, index, mode: detsum.scatter_logsumexp(
+        src, index, 0, mode=mode),
+    "scatter_std": lambda src, index, mode: detsum.scatter_std(src, index, 0, mode=mode),
+}
+
+
+@pytest.mark.parametrize("name", COMPOSITES)
+def test_composites_sum_their_gradients_deterministically(name):
+    """The composites' gradients go through detsum's sums alone: torch's gather backward (a
+    scatter_add with atomics on a GPU) once summed the gradient of each group's maximum and
+    total. In mode="exact" every sum has no order, so the gradient of a permuted input is the
+    permuted gradient, bit for bit."""
+    g = torch.Generator().manual_seed(13)
+    src = torch.randn(4000, 3, generator=g)
+    index = torch.randint(0, 20, (4000,), generator=g)
+    upstream = torch.randn(20 if name in ("scatter_logsumexp", "scatter_std") else 4000, 3,
+                           generator=g)
+    permutation = torch.randperm(4000, generator=g)
+    grads = []
+    for order in (torch.arange(4000), permutation):
+        leaf = src[order].clone().requires_grad_()
+        out = COMPOSITES[name](leaf, index[order], "exact")
+        assert _torch_sums_in_backward(out) == []
+        out.backward(upstream if out.shape[0] == 20 else upstream[order])
+        restored = torch.empty_like(leaf.grad)
+        restored[order] = leaf.grad
+        grads.append(restored)
+    assert_same_bits(grads[1], grads[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_index_select_copies_forward_and_sums_backward_in_mode(dim, dtype):
+    """The forward is torch's index_select; the gradient is detsum.index_add into zeros, in
+    every mode; "autograd" gives the gradient torch computes for ``src[index]``."""
+    g = torch.Generator().manual_seed(17)
+    src = make_data((30, 7, 5), dtype, seed=5)
+    index = torch.randint(0, src.shape[dim], (300,), generator=g)
+    expected_rows = src.index_select(dim, index)
+    grad = make_data(expected_rows.shape, dtype, seed=6, spread=True)
+    for mode in FLOAT_MODES:
+        leaf = src.clone().requires_grad_()
+        rows = detsum.index_select(leaf, dim, index, mode=mode)
+        assert_same_bits(rows, expected_rows)
+        rows.backward(grad)
+        assert_same_bits(leaf.grad, detsum.index_add(torch.zeros_like(src), dim, index, grad,
+                                                     mode=mode))
+    leaf = src.clone().requires_grad_()
+    leaf[(slice(None),) * (dim % 3) + (index,)].backward(grad)
+    via_autograd = src.clone().requires_grad_()
+    detsum.index_select(via_autograd, dim, index, mode="autograd").backward(grad)
+    assert_same_bits(via_autograd.grad, leaf.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_index_select_fp32_mode_has_torchs_cpu_backward_bits_along_dim0(dtype):
+    """On a CPU, torch's own index_select backward (index_add_ along the first dim) sums each
+    row's gradients in fp32 in order of appearance, rounded once: "fp32" mode's bits, for
+    rows that receive at most 256 terms (longer ones detsum sums in chunks)."""
+    g = torch.Generator().manual_seed(19)
+    src = make_data((500, 16), dtype, seed=8)
+    index = torch.randint(0, 500, (20000,), generator=g)  # about 40 terms per row
+    grad = make_data((20000, 16), dtype, seed=9, spread=True)
+    ours, theirs = src.clone().requires_grad_(), src.clone().requires_grad_()
+    detsum.index_select(ours, 0, index).backward(grad)
+    theirs.index_select(0, index).backward(grad)
+    assert_same_bits(ours.grad, theirs.grad)
+
+
+def test_index_select_gradcheck_integers_and_empty():
+    src = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([5, 0, 0, 2, 5, 5])
+    assert gradcheck(lambda s: detsum.index_select(s, 0, index), (src,))
+    assert gradcheck(lambda s: detsum.index_select(s, 1, torch.tensor([2, 2, 0]), mode="exact"),
+                     (src,))
+    integers = torch.arange(12).view(4, 3)
+    assert torch.equal(detsum.index_select(integers, 0, index[:3] % 4),
+                       integers.index_select(0, index[:3] % 4))
+    empty = detsum.index_select(src, 0, torch.tensor([], dtype=torch.long))
+    assert empty.shape == (0, 3)
+    empty.sum().backward()
+    assert torch.equal(src.grad, torch.zeros(6, 3, dtype=torch.float64))
+
+
+def test_index_select_errors_name_the_argument():
+    src = torch.ones(4, 3)
+    with pytest.raises(IndexError, match=r"detsum.index_select: index\[1\] = 4 is out of range "
+                                         r"for src.size\(0\) = 4"):
+        detsum.index_select(src, 0, torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="detsum.index_select"):
+        detsum.index_select(src, 0, torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="mode='fast' is not a detsum mode"):
+        detsum.index_select(src, 0, torch.tensor([0]), mode="fast")
+
+
 def test_compiled_functions_give_eager_bits():
     g = torch.Generator().manual_seed(9)
     src = torch.randn(64, 8, generator=g).to(torch.bfloat16)

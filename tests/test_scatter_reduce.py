@@ -486,6 +486,34 @@ def test_gradient_matches_torch(reduce, include_self):
             assert_same_bits(a, e)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_row_index_backward_counts_per_row_and_skips_an_input_without_grad(dtype, monkeypatch):
+    """A sum into fresh zeros (a GNN aggregation) once spent most of its backward counting,
+    element by element, where the terms land, for an input that needs no gradient, and a
+    mean counted over every column of a row index. Neither runs the elementwise count now;
+    the gradients are the upstream gradient (over the count) at each term's row."""
+    import detsum.ops.scatter_reduce as scatter_reduce_module
+
+    def elementwise_count(*args):
+        raise AssertionError("the elementwise count ran")
+
+    monkeypatch.setattr(scatter_reduce_module, "_count", elementwise_count)
+    g = torch.Generator().manual_seed(61)
+    index = torch.randint(0, 100, (2000,), generator=g)
+    upstream = torch.randn(100, 16, generator=g).to(dtype)
+    counts = torch.bincount(index, minlength=100).clamp_min(1).float().view(-1, 1)
+    for reduce, share in (("sum", upstream), ("mean", (upstream / counts).to(dtype))):
+        src = torch.randn(2000, 16, generator=g).to(dtype).requires_grad_()
+        detsum.scatter_reduce(torch.zeros(100, 16, dtype=dtype), 0, index, src, reduce,
+                              include_self=False).backward(upstream)
+        assert_same_bits(src.grad, share.index_select(0, index))
+    base = torch.randn(100, 16, generator=g).to(dtype).requires_grad_()
+    detsum.scatter_reduce(base, 0, index, src.detach(), "sum", include_self=False).backward(
+        upstream)
+    received = (torch.bincount(index, minlength=100) > 0).view(-1, 1)
+    assert_same_bits(base.grad, upstream.masked_fill(received, 0))
+
+
 @pytest.mark.parametrize("reduce", ["amax", "amin"])
 def test_amax_amin_gradient_without_self_splits_between_terms_only(reduce):
     """include_self=False: the input takes no part, so a tie with it does not count and the

@@ -116,14 +116,26 @@ def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.T
                                            True, "fp32", False)
 
 
+def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor
+                 ) -> torch.Tensor:
+    """How many source positions land on each element of ``input`` (every one counts)."""
+    if index.dim() == 1:
+        # Whole rows: every column of an output row has its row's count, so one count per row
+        # (an integer count is exact in any order, so torch's bincount gives it).
+        counts = torch.bincount(index.to(torch.int64), minlength=input.shape[dim])
+        shape = [1] * input.dim()
+        shape[dim] = -1
+        return counts.to(acc_dtype(input.dtype)).view(shape).expand(input.shape)
+    return _count(input, dim, index, torch.ones_like(src, dtype=torch.bool))
+
+
 def _backward(ctx, grad):
     input, index, src, result = ctx.saved_tensors
     dim, reduce, include_self = ctx.dim, ctx.reduce, ctx.include_self
-    ones = torch.ones_like(src, dtype=torch.bool)
     if reduce in ("sum", "mean"):
         share = grad
         if reduce == "mean":
-            count = (_count(input, dim, index, ones) + int(include_self)).clamp_min(1)
+            count = (_count_every(input, dim, index, src) + int(include_self)).clamp_min(1)
             share = (grad / count).to(grad.dtype)
         grad_src = _take(share, dim, index)
         grad_self = share if include_self else None
@@ -153,8 +165,10 @@ def _backward(ctx, grad):
         grad_self = (grad * others(input, result, product_of_nonzeros, zero_members)
                      if include_self else None)
     if not include_self:
-        received = _count(input, dim, index, ones) > 0
-        grad_self = grad.masked_fill(received, 0)
+        grad_self = None
+        if ctx.needs_input_grad[0]:  # most callers scatter into fresh zeros
+            received = _count_every(input, dim, index, src) > 0
+            grad_self = grad.masked_fill(received, 0)
     return grad_self, None, None, grad_src, None, None, None, None
 
 

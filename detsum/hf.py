@@ -249,7 +249,7 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
     mode = parse_mode(getattr(experts, "detsum_mode", _default_mode), caller=caller)
     _check_layout(caller, experts)
     _check_inputs(caller, experts, hidden_states, top_k_index, top_k_weights)
-    num_experts, topk = experts.num_experts, top_k_index.shape[1]
+    num_experts, topk = experts.gate_up_proj.shape[0], top_k_index.shape[1]
     gather_indices, boundaries = _route_slot_major(top_k_index, num_experts, descending=False)
     if mode is Mode.AUTOGRAD:
         descending, _ = _route_slot_major(top_k_index, num_experts, descending=True)
@@ -344,9 +344,10 @@ def _experts_interface(caller: str):
 # ---- checks -------------------------------------------------------------------------------------
 
 def _uses_experts_interface(module: torch.nn.Module) -> bool:
-    """What @use_experts_implementation leaves on a module: its layout flags and _apply_gate."""
-    return all(hasattr(module, name) for name in _SUPPORTED_LAYOUT) and hasattr(
-        module, "_apply_gate")
+    """What @use_experts_implementation leaves on every module it decorates (the later flags,
+    such as has_post_expert_norm, are read with their default where absent)."""
+    return all(hasattr(module, name) for name in ("has_gate", "is_transposed", "has_bias",
+                                                  "_apply_gate"))
 
 
 def _check_layout(caller: str, experts: torch.nn.Module) -> None:
@@ -355,8 +356,9 @@ def _check_layout(caller: str, experts: torch.nn.Module) -> None:
         raise ValueError(f"{caller}: {name} is not an experts module of transformers' experts "
                          f"interface (no has_gate, is_transposed, ... flags from "
                          f"@use_experts_implementation)")
-    differing = {flag: getattr(experts, flag) for flag, value in _SUPPORTED_LAYOUT.items()
-                 if getattr(experts, flag) != value}
+    flags = {flag: getattr(experts, flag, value) for flag, value in _SUPPORTED_LAYOUT.items()}
+    differing = {flag: value for flag, value in flags.items()
+                 if value != _SUPPORTED_LAYOUT[flag]}
     if differing:
         got = ", ".join(f"{flag}={value!r}" for flag, value in differing.items())
         expected = ", ".join(f"{flag}={_SUPPORTED_LAYOUT[flag]!r}" for flag in differing)

@@ -117,13 +117,15 @@ def exact_targets(data: dict) -> list[str]:
     return lines
 
 
-#: The transformers issue's target (bench_hf.py): detsum's experts implementation no slower
-#: than transformers' default ("grouped_mm") on CPU, forward + backward of the MoE block.
+#: The transformers adapter's target (bench_hf.py): detsum's experts implementation in its
+#: default mode no slower than transformers' default ("grouped_mm") on CPU, forward + backward
+#: of the MoE block.
 HF_TARGET = ("detsum-fp32", "transformers-grouped_mm", 1.0)
 
 
 def hf_targets(data: dict) -> list[str]:
-    """bench_hf.py: each detsum mode against transformers' default, per dtype and threads."""
+    """bench_hf.py: detsum's default mode against transformers' default, per dtype and thread
+    count."""
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})

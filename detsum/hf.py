@@ -214,10 +214,10 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
       then reordered for the products (a gather of the ``T * topk`` rows, exact both ways). The
       routing weights' gradient is torch's own multiply backward, as in the loop. The expert
       weights' gradient of the loop is one gradient per expert summed by autograd, each zeros
-      outside its expert, which turns an mm's -0.0 into +0.0: here too. In a model
-      whose other consumers of the block's input run before the experts (the router, in
-      Mixtral, Qwen3-MoE and OLMoE), the engine adds their gradients after the experts' sum,
-      and every gradient of the model is eager's. Qwen2-MoE computes its shared expert's gate
+      outside its expert, which turns an mm's -0.0 into +0.0: here too. In a model whose
+      other consumers of the block's input run before the experts (the router, in Mixtral,
+      Qwen3-MoE and OLMoE), the engine adds their gradients after the experts' sum, and
+      every gradient of the model is eager's. Qwen2-MoE computes its shared expert's gate
       *after* the experts, so the engine adds that gate's gradient first and the experts'
       one by one after it; a block that returns one gradient for all its experts cannot
       interleave with it: the logits and the experts block's own gradients are eager's bits,
@@ -234,7 +234,9 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
 
     The sums are detsum's, so the same on every run and thread count; the matrix products are
     torch's ``mm`` (on CPU, MKL's fp32 ``sgemm`` gave other bits on one thread than on two for
-    5 to 11 rows, in torch 2.13), as in the model's own loop.
+    5 to 11 rows, in torch 2.13), as in the model's own loop. Under ``torch.autocast`` they
+    stay in the weights' dtype, where the loop's ``nn.functional.linear`` would cast to the
+    autocast dtype.
 
     ``torch.compile(fullgraph=True)`` traces it, forward and backward: every host read (the
     bounds of the routing, the row counts of each expert, one read per product as torch's own

@@ -153,6 +153,32 @@ def pyg_targets(data: dict) -> list[str]:
         r = m["detsum-fp32"] / m["pyg"]
         lines.append(f"{device} PyG {case}: detsum fp32 / PyG: {r:.2f} (target <= 1) "
                      f"{'met' if r <= 1 else 'MISSED'}")
+
+
+#: The transformers adapter's target (bench_hf.py): detsum's experts implementation in its
+#: default mode no slower than transformers' default ("grouped_mm") on CPU, forward + backward
+#: of the MoE block.
+HF_TARGET = ("detsum-fp32", "transformers-grouped_mm", 1.0)
+
+
+def hf_targets(data: dict) -> list[str]:
+    """bench_hf.py: detsum's default mode against transformers' default, per dtype and thread
+    count."""
+    by = {}
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("primitive") == "hf experts":
+            by[(e["device"], e["dtype"], e["threads"], e["impl"])] = b["stats"]["median"]
+    numerator, denominator, limit = HF_TARGET
+    lines = []
+    for device, dtype, threads in sorted({k[:3] for k in by}):
+        m = {impl: t for (d, t_, n, impl), t in by.items() if (d, t_, n) == (device, dtype,
+                                                                              threads)}
+        if numerator not in m or denominator not in m:
+            continue
+        r = m[numerator] / m[denominator]
+        lines.append(f"{device} {dtype} {threads} threads: hf {numerator} / {denominator}: "
+                     f"{r:.2f} (target <= {limit:g}) {'met' if r <= limit else 'MISSED'}")
     return lines
 
 
@@ -181,7 +207,7 @@ def targets(data: dict) -> list[str]:
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
     return (lines + exact_targets(data) + loss_targets(data) + scatter_compat_targets(data)
-            + pyg_targets(data))
+            + pyg_targets(data) + hf_targets(data))
 
 
 def table(data: dict) -> str:

@@ -1,0 +1,386 @@
+"""A ``"detsum"`` experts implementation for Hugging Face transformers' mixture-of-experts models.
+
+transformers 5 sends the expert computation of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and the
+other models whose experts class carries ``@use_experts_implementation`` through one registry,
+``transformers.integrations.moe.ExpertsInterface``: the class's ``forward`` looks up
+``config._experts_implementation`` there (``"grouped_mm"`` by default, ``"eager"`` for the
+model's own loop, ``"batched_mm"``) and calls the function it finds with the experts module,
+``hidden_states [T, H]``, ``top_k_index [T, topk]`` and ``top_k_weights [T, topk]``. This module
+registers ``"detsum"`` there::
+
+    import detsum.hf
+
+    detsum.hf.use_detsum_experts(model, mode="exact")   # this model, this mode
+
+    detsum.hf.register(mode="fp32")                     # or: the name, for from_pretrained
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="detsum")
+
+transformers is imported only by ``register`` and ``use_detsum_experts``: ``import detsum`` and
+``import detsum.hf`` never need it. The experts computation is ``experts_forward``: routing,
+permutation and combination by ``detsum.moe`` (and, in ``"autograd"`` mode,
+``detsum.index_add``); the expert matrix products are torch's ``mm``, one per expert, the
+products the model's own loop computes.
+
+What each mode gives, against transformers' ``"eager"`` implementation (the loop written in
+the model's experts class), on CPU:
+
+- ``"autograd"``: the same bits, logits and every gradient, in bf16 and fp32 models
+  (``tests/test_hf.py``: Mixtral, Qwen3-MoE and OLMoE, top-2 and top-4; fp16 on the experts
+  block). Qwen2-MoE: the same logits and the same experts block, forward and backward, but
+  not the same gradients below it (see ``experts_forward``).
+- ``"fp32"`` (default), ``"kahan"``, ``"exact"``: the sums of ``detsum.moe`` in that mode,
+  each token's weighted expert rows summed in fp32 (compensated, or exactly) and rounded
+  once: the same bits on every run and thread count, close to eager rather than equal
+  (``docs/switching.md`` gives the measured differences).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import detsum
+from detsum import moe
+from detsum.modes import Mode, parse_mode
+
+__all__ = ["IMPLEMENTATION", "experts_forward", "register", "use_detsum_experts"]
+
+#: The name under which ``register`` puts ``experts_forward`` in transformers' registry.
+IMPLEMENTATION = "detsum"
+
+#: The mode of an experts module that ``use_detsum_experts`` did not give one.
+_default_mode = Mode.FP32
+
+# What the decorator @use_experts_implementation sets on every experts module, and the values
+# of the layout that experts_forward computes: gate_up_proj [E, 2I, H] and down_proj [E, H, I]
+# in nn.Linear's layout, no bias, no norm after the experts, all experts on this rank.
+_SUPPORTED_LAYOUT = {"has_gate": True, "is_transposed": False, "has_bias": False,
+                     "has_post_expert_norm": False, "_is_expert_parallel": False}
+
+
+# ---- expert matrix products ---------------------------------------------------------------------
+# One custom operator for the forward products and one for their gradients: the loop over
+# experts reads the row counts back, which torch.compile cannot trace, and inside an operator it
+# needs no tracing. Each product is the mm that nn.functional.linear(rows, weight[e]) runs, and
+# each gradient the mm that autograd runs for it, so the bits are the model's own loop's.
+
+@torch.library.custom_op("detsum::hf_expert_linear", mutates_args=())
+def expert_linear_op(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                     loop_zeros: bool) -> torch.Tensor:
+    """``out[p] = rows[p] @ weight[e].T`` for the rows ``offsets[e] <= p < offsets[e + 1]``.
+    ``loop_zeros``: the weight gradient's signed zeros as the model's loop has them (see
+    ``expert_linear_backward_op``)."""
+    out = rows.new_empty((rows.shape[0], weight.shape[1]))
+    bounds = offsets.tolist()
+    if bounds[-1] != rows.shape[0]:
+        # route() counts the pairs of experts 0 .. E - 1 only: the others would leave rows
+        # that no product writes.
+        raise IndexError(
+            f"detsum.hf.experts_forward: {rows.shape[0] - bounds[-1]} of the {rows.shape[0]} "
+            f"(token, slot) pairs of top_k_index name an expert outside [0, {weight.shape[0]}) "
+            f"(expected 0 <= top_k_index < num_experts = {weight.shape[0]})")
+    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if start < end:
+            torch.mm(rows[start:end], weight[expert].t(), out=out[start:end])
+    return out
+
+
+@expert_linear_op.register_fake
+def _(rows, weight, offsets, loop_zeros):
+    return rows.new_empty((rows.shape[0], weight.shape[1]))
+
+
+@torch.library.custom_op("detsum::hf_expert_linear_backward", mutates_args=())
+def expert_linear_backward_op(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                              offsets: torch.Tensor, rows_need_grad: bool,
+                              weight_needs_grad: bool, loop_zeros: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``expert_linear_op`` as autograd computes them for ``linear``:
+    ``grad @ weight[e]`` and ``grad.T @ rows`` per expert (an expert without rows: zeros).
+    A gradient nobody needs comes back empty."""
+    grad_rows = grad.new_empty(rows.shape if rows_need_grad else (0,))
+    grad_weight = weight.new_empty(weight.shape if weight_needs_grad else (0,))
+    bounds = offsets.tolist()
+    experts_with_rows = 0
+    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if start == end:
+            if weight_needs_grad:
+                grad_weight[expert].zero_()
+            continue
+        experts_with_rows += 1
+        if rows_need_grad:
+            torch.mm(grad[start:end], weight[expert], out=grad_rows[start:end])
+        if weight_needs_grad:
+            torch.mm(grad[start:end].t(), rows[start:end], out=grad_weight[expert])
+    if weight_needs_grad and loop_zeros and experts_with_rows > 1:
+        # In the loop, autograd sums one weight gradient per expert, each zeros outside its
+        # expert: adding those zeros turns a -0.0 (an underflow, or all products -0.0) into
+        # +0.0 and leaves every other value as it is. Adding +0.0 once does the same.
+        grad_weight.add_(0.0)
+    return grad_rows, grad_weight
+
+
+@expert_linear_backward_op.register_fake
+def _(grad, rows, weight, offsets, rows_need_grad, weight_needs_grad, loop_zeros):
+    return (grad.new_empty(rows.shape if rows_need_grad else (0,)),
+            weight.new_empty(weight.shape if weight_needs_grad else (0,)))
+
+
+def _expert_linear_setup(ctx, inputs, output):
+    rows, weight, offsets, loop_zeros = inputs
+    ctx.save_for_backward(rows, weight, offsets)
+    ctx.loop_zeros = loop_zeros
+
+
+def _expert_linear_backward(ctx, grad):
+    rows, weight, offsets = ctx.saved_tensors
+    rows_need_grad, weight_needs_grad = ctx.needs_input_grad[:2]
+    grad_rows, grad_weight = expert_linear_backward_op(
+        grad, rows, weight, offsets, rows_need_grad, weight_needs_grad, ctx.loop_zeros)
+    return (grad_rows if rows_need_grad else None,
+            grad_weight if weight_needs_grad else None, None, None)
+
+
+expert_linear_op.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup)
+
+
+# ---- routing ------------------------------------------------------------------------------------
+
+def _route_slot_major(top_k_index: torch.Tensor, num_experts: int, *, descending: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gather_indices, boundaries)`` for ``detsum.moe``: the (token, slot) pairs grouped by
+    expert, in increasing expert order (``descending``: decreasing) and, within an expert, slot
+    by slot, then token by token; ``boundaries`` [E + 1] delimits the groups in that order.
+
+    That order within an expert is the model's own: its loop takes an expert's rows with
+    ``torch.where`` over the expert's ``[topk, T]`` mask, and the expert's weight gradient
+    sums over those rows in that order (inside mm)."""
+    num_tokens, topk = top_k_index.shape
+    expert_keys = num_experts - 1 - top_k_index if descending else top_k_index
+    # route() orders the pairs of one expert by their flat position in the tensor it is given;
+    # in the transpose that position is slot * T + token.
+    by_slot, tokens_per_expert = moe.route(expert_keys.t(), num_experts, check=False)
+    gather_indices = (by_slot % num_tokens) * topk + by_slot // num_tokens
+    boundaries = torch.cat([tokens_per_expert.new_zeros(1), tokens_per_expert.cumsum(0)])
+    return gather_indices, boundaries
+
+
+def _inverse(permutation: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(permutation.shape[0], device=permutation.device)
+    return torch.empty_like(permutation).scatter_(0, permutation, positions)
+
+
+# ---- the experts implementation -----------------------------------------------------------------
+
+def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ``"detsum"`` experts implementation: what transformers calls in place of the
+    experts module's own ``forward``.
+
+    Args:
+        experts: the experts module (``MixtralExperts``, ``Qwen2MoeExperts``, ...): its
+            ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]`` and ``_apply_gate`` (by
+            default ``act_fn(gate) * up``). Its mode is ``experts.detsum_mode`` (set by
+            ``use_detsum_experts``), else the one given to ``register``.
+        hidden_states: ``[T, H]`` token rows.
+        top_k_index: ``[T, topk]`` expert ids, from the model's router.
+        top_k_weights: ``[T, topk]`` routing weights, in the router's dtype (fp32 for
+            Mixtral, the hidden dtype for Qwen-MoE and OLMoE).
+
+    Returns:
+        ``[T, H]`` in ``hidden_states``' dtype: ``sum_k top_k_weights[t, k] *
+        expert_{top_k_index[t, k]}(hidden_states[t])``.
+
+    Raises:
+        ValueError: the experts module's layout is not the one computed here (bias,
+            transposed weights, no gate, a norm after the experts, expert parallelism), the
+            mode is not a detsum mode, or the tensors disagree in shape or dtype.
+        IndexError: an expert id outside ``[0, num_experts)`` (found where the row counts
+            are read, before any product).
+
+    Each expert's rows are multiplied by its weights with torch's ``mm``, in the model's order
+    (slot by slot, then token by token, as its loop takes them); those products, and their
+    gradients, are the model's bits in every mode. The modes differ in the sums:
+
+    - ``"autograd"``: the arithmetic of transformers' ``"eager"`` loop. Its combination is
+      ``index_add_`` of each expert's weighted rows, expert by expert, into zeros of the hidden
+      dtype: each product ``y * w`` as torch's multiply computes it (fp32 for bf16 rows and
+      fp32 weights), rounded to the hidden dtype, then added in increasing expert order with a
+      rounding to the hidden dtype after every add. Here that is one
+      ``detsum.index_add(mode="autograd")`` over the rows in increasing expert order.
+      Backward, the hidden states' gradient of the loop is one gradient per expert, added by
+      autograd's engine as they arrive: the last expert's first (the engine runs the most
+      recently created node first). Here the rows are permuted in decreasing expert order, so
+      that ``detsum.moe.permute(mode="autograd")`` adds each token's rows in that order, and
+      then reordered for the products (a gather of the ``T * topk`` rows, exact both ways). The
+      routing weights' gradient is torch's own multiply backward, as in the loop. The expert
+      weights' gradient of the loop is one gradient per expert summed by autograd, each zeros
+      outside its expert, which turns an mm's -0.0 into +0.0: here too. In a model whose
+      other consumers of the block's input run before the experts (the router, in Mixtral,
+      Qwen3-MoE and OLMoE), the engine adds their gradients after the experts' sum, and
+      every gradient of the model is eager's. Qwen2-MoE computes its shared expert's gate
+      *after* the experts, so the engine adds that gate's gradient first and the experts'
+      one by one after it; a block that returns one gradient for all its experts cannot
+      interleave with it: the logits and the experts block's own gradients are eager's bits,
+      the gradients below the block differ in the last bits.
+    - ``"fp32"``, ``"kahan"``, ``"exact"``: ``detsum.moe.permute`` and
+      ``detsum.moe.unpermute(weights=top_k_weights)`` in that mode: each product in fp32
+      (exact for half-precision rows and weights; one rounding for bf16 rows and fp32
+      weights), the token's ``topk`` products summed in slot order in fp32 (``"kahan"``:
+      compensated; ``"exact"``: the exact sum), rounded once to the promoted dtype of rows and
+      weights, then to the hidden dtype (a second rounding only for half-precision rows with
+      fp32 weights: Mixtral in bf16). The hidden states' gradient sums each token's ``topk``
+      rows in that mode, rounded once; the routing weights' gradient is each dot product over
+      the features in that mode.
+
+    The sums are detsum's, so the same on every run and thread count; the matrix products are
+    torch's ``mm`` (on CPU, MKL's fp32 ``sgemm`` gave other bits on one thread than on two for
+    5 to 11 rows, in torch 2.13), as in the model's own loop. Under ``torch.autocast`` they
+    stay in the weights' dtype, where the loop's ``nn.functional.linear`` would cast to the
+    autocast dtype.
+
+    ``torch.compile(fullgraph=True)`` traces it, forward and backward: every host read (the
+    bounds of the routing, the row counts of each expert, one read per product as torch's own
+    CPU ``grouped_mm`` does) runs inside detsum's operators, and ``detsum.moe.route`` is
+    called with ``check=False``, its ids checked where the counts are read. With the
+    ``aot_eager`` backend the bits are the uncompiled call's; Inductor keeps detsum's
+    operators as they are but lowers the model's own elementwise code (the gate's activation)
+    its own way. transformers' ``"eager"`` loop itself does not compile with
+    ``fullgraph=True`` (its ``nonzero`` has a data-dependent size).
+    """
+    caller = "detsum.hf.experts_forward"
+    mode = parse_mode(getattr(experts, "detsum_mode", _default_mode), caller=caller)
+    _check_layout(caller, experts)
+    _check_inputs(caller, experts, hidden_states, top_k_index, top_k_weights)
+    num_experts, topk = experts.gate_up_proj.shape[0], top_k_index.shape[1]
+    gather_indices, boundaries = _route_slot_major(top_k_index, num_experts, descending=False)
+    if mode is Mode.AUTOGRAD:
+        descending, _ = _route_slot_major(top_k_index, num_experts, descending=True)
+        rows = moe.permute(hidden_states, descending, topk, mode=mode, check=False)
+        rows = rows.index_select(0, _inverse(descending).index_select(0, gather_indices))
+    else:
+        rows = moe.permute(hidden_states, gather_indices, topk, mode=mode, check=False)
+    loop_zeros = mode is Mode.AUTOGRAD
+    projected = expert_linear_op(rows, experts.gate_up_proj, boundaries, loop_zeros)
+    expert_rows = expert_linear_op(experts._apply_gate(projected), experts.down_proj, boundaries,
+                                   loop_zeros)
+    if mode is Mode.AUTOGRAD:
+        position_weights = top_k_weights.reshape(-1).index_select(0, gather_indices)
+        weighted = (expert_rows * position_weights[:, None]).to(hidden_states.dtype)
+        return detsum.index_add(torch.zeros_like(hidden_states), 0, gather_indices // topk,
+                                weighted, mode=mode)
+    combined = moe.unpermute(expert_rows, gather_indices, topk, weights=top_k_weights,
+                             mode=mode)
+    return combined.to(hidden_states.dtype)
+
+
+# ---- registration -------------------------------------------------------------------------------
+
+def register(mode: str | Mode = "fp32") -> None:
+    """Register ``"detsum"`` in transformers' experts registry; calling it again is harmless.
+
+    Args:
+        mode: the mode of every experts module that ``use_detsum_experts`` did not give one of
+            its own: ``"fp32"`` (default), ``"kahan"``, ``"exact"`` or ``"autograd"``.
+
+    After it, ``from_pretrained(..., experts_implementation="detsum")`` and
+    ``model.set_experts_implementation("detsum")`` select ``experts_forward``.
+
+    Raises:
+        ValueError: ``mode`` is not a detsum mode.
+        ImportError: transformers is not installed, or has no experts interface (before 5.0).
+    """
+    global _default_mode
+    mode = parse_mode(mode, caller="detsum.hf.register")
+    experts_interface = _experts_interface("detsum.hf.register")
+    experts_interface.register(IMPLEMENTATION, experts_forward)
+    _default_mode = mode
+
+
+def use_detsum_experts(model: torch.nn.Module, mode: str | Mode = "fp32") -> torch.nn.Module:
+    """Compute ``model``'s experts with ``experts_forward`` in ``mode``; returns ``model``.
+
+    Registers ``"detsum"`` (``register``, leaving its default mode as it is), gives each of
+    the model's experts modules ``detsum_mode = mode`` and calls
+    ``model.set_experts_implementation("detsum")``. Another model keeps its own mode; the
+    model's implementation goes back with ``model.set_experts_implementation("eager")`` (or
+    ``"grouped_mm"``, transformers' default).
+
+    Args:
+        model: a transformers model with a mixture-of-experts block whose experts class
+            carries ``@use_experts_implementation`` (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, ...).
+        mode: ``"fp32"`` (default), ``"kahan"``, ``"exact"`` or ``"autograd"``.
+
+    Raises:
+        ValueError: ``mode`` is not a detsum mode; the model has no such experts module; one
+            of them has a layout ``experts_forward`` does not compute (nothing is changed then).
+        ImportError: transformers is not installed, or has no experts interface.
+    """
+    caller = "detsum.hf.use_detsum_experts"
+    mode = parse_mode(mode, caller=caller)
+    experts_modules = [m for m in model.modules() if _uses_experts_interface(m)]
+    if not experts_modules:
+        raise ValueError(
+            f"{caller}: model ({type(model).__name__}) has no experts module that dispatches "
+            f"through transformers' experts interface; expected a mixture-of-experts model whose "
+            f"experts class carries @use_experts_implementation (Mixtral, Qwen2-MoE, Qwen3-MoE, "
+            f"OLMoE, ...)")
+    for experts in experts_modules:
+        _check_layout(caller, experts)
+    _experts_interface(caller).register(IMPLEMENTATION, experts_forward)
+    for experts in experts_modules:
+        experts.detsum_mode = mode.value
+    model.set_experts_implementation(IMPLEMENTATION)
+    return model
+
+
+def _experts_interface(caller: str):
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as error:
+        raise ImportError(f"{caller}: needs transformers 5 or later, whose experts interface "
+                          f"(transformers.integrations.moe.ExpertsInterface) selects the "
+                          f"experts implementation; {error}") from error
+    return ExpertsInterface
+
+
+# ---- checks -------------------------------------------------------------------------------------
+
+def _uses_experts_interface(module: torch.nn.Module) -> bool:
+    """What @use_experts_implementation leaves on every module it decorates (the later flags,
+    such as has_post_expert_norm, are read with their default where absent)."""
+    return all(hasattr(module, name) for name in ("has_gate", "is_transposed", "has_bias",
+                                                  "_apply_gate"))
+
+
+def _check_layout(caller: str, experts: torch.nn.Module) -> None:
+    name = type(experts).__name__
+    if not _uses_experts_interface(experts):
+        raise ValueError(f"{caller}: {name} is not an experts module of transformers' experts "
+                         f"interface (no has_gate, is_transposed, ... flags from "
+                         f"@use_experts_implementation)")
+    flags = {flag: getattr(experts, flag, value) for flag, value in _SUPPORTED_LAYOUT.items()}
+    differing = {flag: value for flag, value in flags.items()
+                 if value != _SUPPORTED_LAYOUT[flag]}
+    if differing:
+        got = ", ".join(f"{flag}={value!r}" for flag, value in differing.items())
+        expected = ", ".join(f"{flag}={_SUPPORTED_LAYOUT[flag]!r}" for flag in differing)
+        raise ValueError(
+            f"{caller}: {name} has {got}; detsum's experts implementation computes "
+            f"gate_up_proj [E, 2I, H] and down_proj [E, H, I] in nn.Linear's layout, without "
+            f"bias, post-expert norm or expert parallelism (expected {expected})")
+
+
+def _check_inputs(caller, experts, hidden_states, top_k_index, top_k_weights) -> None:
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2:
+        raise ValueError(f"{caller}: hidden_states has shape {tuple(hidden_states.shape)} and "
+                         f"top_k_index {tuple(top_k_index.shape)}; expected [T, H] and "
+                         f"[T, topk]")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"{caller}: top_k_weights has shape {tuple(top_k_weights.shape)}; "
+                         f"expected top_k_index's, {tuple(top_k_index.shape)}")
+    for name in ("gate_up_proj", "down_proj"):
+        weight = getattr(experts, name)
+        if weight.dtype != hidden_states.dtype:
+            raise ValueError(f"{caller}: {type(experts).__name__}.{name} has dtype "
+                             f"{weight.dtype} but hidden_states has {hidden_states.dtype}; "
+                             f"expected the same dtype")

@@ -26,6 +26,8 @@ fp32 weights are never rounded to the rows' dtype, forward or backward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from detsum import _segments, _validation
@@ -322,16 +324,18 @@ def _unpermute_backward(ctx, grad):
     # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
     # weights). The same bits in every mode; the weights themselves are never rounded.
     grad_y = (grad_rows * position_weights.view((-1,) + (1,) * (grad.dim() - 1))).to(y.dtype)
-    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features.
+    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features. (Their count
+    # is spelled out: a reshape to -1 is ambiguous when there are no rows.)
+    features = math.prod(y.shape[1:])
     if ctx.acc_mode == Mode.AUTOGRAD.value:
         # torch leaves the order of this sum open (on CPU it follows the vector width), so only
         # its own reduction, the one autograd runs to fold the broadcast weights' gradient,
         # gives autograd's bits: products rounded to grad's dtype, torch's sum over features.
-        dots = (grad_rows * y).reshape(y.shape[0], -1).sum(1)
+        dots = (grad_rows * y).reshape(y.shape[0], features).sum(1)
     else:
         # In order, in the accumulator ("kahan": compensated), rounded once.
         products = grad_rows.to(acc_dtype(grad.dtype)).mul_(y)  # exact for half grad and y
-        products = products.reshape(y.shape[0], -1)
+        products = products.reshape(y.shape[0], features)
         dots = torch.ops.detsum.segment_sum(
             products, _segments.one_segment(products.shape[1], y.device), 1, None,
             ctx.acc_mode).view(-1)

@@ -246,6 +246,20 @@ def test_unpermute_without_reduce_is_the_exact_inverse_of_the_permutation(mode):
     assert_same_bits(y_leaf.grad, grad_y[gather_indices])
 
 
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_no_tokens_forward_and_backward(mode):
+    """Zero tokens: empty rows out, empty gradients back (the backward once reshaped the
+    weights' products with -1, which torch cannot do for zero rows)."""
+    x = torch.zeros(0, 8, requires_grad=True)
+    weights = torch.zeros(0, 2, requires_grad=True)
+    gather_indices, _ = moe.route(torch.zeros(0, 2, dtype=torch.int64), 4)
+    y = moe.permute(x, gather_indices, 2, mode=mode)
+    out = moe.unpermute(y, gather_indices, 2, weights=weights, mode=mode)
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert x.grad.shape == (0, 8) and weights.grad.shape == (0, 2)
+
+
 def test_gradcheck_float64():
     # gradcheck perturbs every input element: a small layer keeps it quick.
     _, gather_indices, _, x, y, weights, _, _ = setup(torch.float64, 4, tokens=6, hidden=3)

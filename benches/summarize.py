@@ -153,6 +153,7 @@ def pyg_targets(data: dict) -> list[str]:
         r = m["detsum-fp32"] / m["pyg"]
         lines.append(f"{device} PyG {case}: detsum fp32 / PyG: {r:.2f} (target <= 1) "
                      f"{'met' if r <= 1 else 'MISSED'}")
+    return lines
 
 
 #: The transformers adapter's target (bench_hf.py): detsum's experts implementation in its

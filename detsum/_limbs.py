@@ -19,7 +19,7 @@ import torch
 from detsum.kernels import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
 
 COUNTERS = 4
-_NAN, _POS_INF, _NEG_INF, _NOT_NEG_ZERO = range(COUNTERS)
+NAN, POS_INF, NEG_INF, NOT_NEG_ZERO = range(COUNTERS)
 _DIGIT = (1 << LIMB_BITS) - 1
 
 #: (precision, smallest quantum in units) of each dtype's rounding, and each acc type's unit.
@@ -69,10 +69,10 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
         top_exponent, implicit = 0xFF, 1 << 23
     special = exponent == top_exponent
     counters = state[:, n_limbs:]
-    counters[:, _NAN] += (special & (significand != 0)).sum(0)
-    counters[:, _POS_INF] += (special & (significand == 0) & ~negative).sum(0)
-    counters[:, _NEG_INF] += (special & (significand == 0) & negative).sum(0)
-    counters[:, _NOT_NEG_ZERO] += (~(negative & (exponent == 0) & (significand == 0))).sum(0)
+    counters[:, NAN] += (special & (significand != 0)).sum(0)
+    counters[:, POS_INF] += (special & (significand == 0) & ~negative).sum(0)
+    counters[:, NEG_INF] += (special & (significand == 0) & negative).sum(0)
+    counters[:, NOT_NEG_ZERO] += (~(negative & (exponent == 0) & (significand == 0))).sum(0)
     # Value = significand * 2**shift units (a subnormal has exponent 0 and no implicit bit).
     significand = torch.where(exponent > 0, significand | implicit, significand)
     significand = torch.where(special, 0, significand)
@@ -101,6 +101,21 @@ def normalise(limbs: torch.Tensor) -> None:
     for i in range(limbs.shape[1] - 1):
         carry = limbs[:, i] >> LIMB_BITS  # arithmetic shift: floor division
         limbs[:, i] &= _DIGIT
+        limbs[:, i + 1] += carry
+
+
+def balance(limbs: torch.Tensor) -> None:
+    """Carry every limb but the last into ``[-2**31, 2**31)``, in place; the value is unchanged.
+
+    The normalised form writes a negative value in two's complement, so every limb above the
+    value's magnitude holds ``2**32 - 1``; in this balanced form a value of either sign has
+    zeros above its top limb and below its lowest set bit's limb. Every limb but the last
+    ends within ``2**31`` of zero; the last moves by at most one when ``limbs`` was
+    normalised."""
+    half = 1 << (LIMB_BITS - 1)
+    for i in range(limbs.shape[1] - 1):
+        carry = (limbs[:, i] + half) >> LIMB_BITS  # arithmetic shift: floor division
+        limbs[:, i] -= carry << LIMB_BITS
         limbs[:, i + 1] += carry
 
 
@@ -187,11 +202,11 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
     significand = significand + round_up.long()
     magnitude = _scale(significand.double(), quantum + _UNIT_EXPONENT[acc_dtype])
     value = torch.where(negative, -magnitude, magnitude)
-    value = torch.where(counters[:, _NOT_NEG_ZERO] == 0, -0.0, value)  # every term was -0.0
-    value = torch.where(counters[:, _NEG_INF] > 0, -torch.inf, value)
-    value = torch.where(counters[:, _POS_INF] > 0, torch.inf, value)
-    value = torch.where((counters[:, _NAN] > 0) | ((counters[:, _POS_INF] > 0)
-                                                   & (counters[:, _NEG_INF] > 0)), torch.nan,
+    value = torch.where(counters[:, NOT_NEG_ZERO] == 0, -0.0, value)  # every term was -0.0
+    value = torch.where(counters[:, NEG_INF] > 0, -torch.inf, value)
+    value = torch.where(counters[:, POS_INF] > 0, torch.inf, value)
+    value = torch.where((counters[:, NAN] > 0) | ((counters[:, POS_INF] > 0)
+                                                   & (counters[:, NEG_INF] > 0)), torch.nan,
                         value)
     # The value is the dtype's already (rounded above), or +-inf / NaN: converting is exact.
     return value.to(dtype)

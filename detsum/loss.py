@@ -6,6 +6,10 @@
 - ``batch_grad``: the reduced loss's gradient as that ordered sum, the same bits for every
   micro-batch split.
 
+With ``group=`` (a ``torch.distributed`` process group) and ``mode="exact"``, ``reduce``,
+``GradAccumulator`` and ``batch_grad`` sum over the shards that the ranks of the group hold:
+the same bits for every number of ranks and every sharding (docs/distributed.md).
+
 Every sum here goes through detsum's kernels in the canonical order (``segment_sum``, or a
 ``RunningSum`` that continues it across calls), so the result has one order on every run,
 thread count and device; ``torch.sum`` picks its own order (a vectorised cascade on CPU, a
@@ -18,7 +22,7 @@ import weakref
 
 import torch
 
-from detsum import _limbs, _segments, _validation
+from detsum import _limbs, _segments, _validation, distributed
 from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.modes import Mode, acc_dtype, parse_ordered_mode
 from detsum.ops.running_sum import RunningSum
@@ -69,8 +73,38 @@ class _ExactSum(torch.autograd.Function):
         return wide.expand(ctx.numel), None, None
 
 
+class _ExactSumOverRanks(torch.autograd.Function):
+    """The exact sum of ``rows`` ``[n, k]`` (acc type) over every rank of ``group``, rounded
+    once to ``dtype``: ``[k]``; with ``mean``, divided by the total row count first (exactly).
+    Its gradient is :class:`_ExactSum`'s, with that total count: the gradient of the global
+    loss with respect to this rank's losses."""
+
+    @staticmethod
+    def forward(ctx, rows, dtype, mean, caller, group, fields):
+        state = _limbs.new_state(rows.shape[1], rows.dtype, rows.device)
+        _limbs.add_terms(state, rows)
+        [(summed, total)] = distributed.sum_over_ranks(caller, group, [(state, rows.shape[0])],
+                                                       fields)
+        if total == 0:
+            raise ValueError(f"{caller}: every rank's losses are empty; expected at least one "
+                             f"loss over the group (an empty batch has no mean)")
+        if mean and total > MAX_TERMS_PER_STATE:
+            raise ValueError(f"{caller}: an exact mean of {total} losses over the group; "
+                             f"mode='exact' divides by at most {MAX_TERMS_PER_STATE} (reduce "
+                             f"the sum, or average partial means)")
+        ctx.count, ctx.shape = (total if mean else None), rows.shape
+        return _limbs.round_state(summed, rows.dtype, dtype, ctx.count)
+
+    @staticmethod
+    def backward(ctx, grad):
+        wide = grad.to(acc_dtype(grad.dtype))
+        if ctx.count is not None:
+            wide = wide / ctx.count
+        return wide.expand(ctx.shape), None, None, None, None, None
+
+
 def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tensor | None = None,
-           mode: str | Mode = "fp32") -> torch.Tensor:
+           mode: str | Mode = "fp32", group=None) -> torch.Tensor:
     """Sum or average per-sample losses in a fixed order: the same bits on every run and device.
 
     Args:
@@ -81,6 +115,12 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
             ``sum(weight * losses) / sum(weight)`` (``"sum"``: ``sum(weight * losses)``).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"`` (the correctly rounded sum,
             whatever the order); ``"autograd"`` is refused (see the module).
+        group: a ``torch.distributed`` process group whose ranks each pass their own shard of
+            the losses (and weights); None (default): this process alone. With a group the
+            result is the reduction over every rank's losses, the same bits on every rank and
+            for every number of ranks and sharding, equal to the one-process result over all
+            of them; it needs ``mode="exact"``. A shard may be empty, the group's losses not.
+            A collective: every rank of the group calls it.
 
     Returns:
         A 0-dim tensor of ``losses``' dtype.
@@ -95,7 +135,8 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     independent of the order of the elements.
 
     Gradient: ``1 / n`` (``"mean"``), ``1`` (``"sum"``) or ``weight / sum(weight)`` for each
-    element, computed in the acc type and rounded once.
+    element, computed in the acc type and rounded once. With a group, ``n`` and ``sum(weight)``
+    are over the group, and each rank gets the gradient of its own losses.
 
     Example:
         >>> import torch
@@ -104,6 +145,8 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
         tensor(2.3333)
     """
     caller = "detsum.loss.reduce"
+    if group is not None:
+        return _reduce_over_ranks(caller, losses, reduction, weight, mode, group)
     mode = _parse_mode(mode, caller)
     _check_float_tensor(caller, "losses", losses)
     if losses.numel() == 0:
@@ -139,10 +182,59 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     return total.to(losses.dtype)
 
 
+def _mode_name(mode: object) -> str:
+    """How the ranks compare their ``mode`` arguments: "exact" and Mode.EXACT alike."""
+    return mode.value if isinstance(mode, Mode) else repr(mode)
+
+
+def _exact_over_ranks(caller: str, mode: Mode) -> None:
+    if mode is not Mode.EXACT:
+        raise ValueError(f"{caller}: mode={mode.value!r} with a group; expected mode='exact': "
+                         f"{distributed.EXACT_ONLY}")
+
+
+def _reduce_over_ranks(caller, losses, reduction, weight, mode, group) -> torch.Tensor:
+    distributed.check_group(caller, group, none_means="this process alone")
+    fields = {"mode": _mode_name(mode), "reduction": reduction,
+              "dtype of losses": getattr(losses, "dtype", None),
+              "weight": "given" if weight is not None else None}
+    try:
+        mode = _parse_mode(mode, caller)
+        _check_float_tensor(caller, "losses", losses)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
+        acc = acc_dtype(losses.dtype)
+        values = losses.reshape(-1).to(acc)
+        if weight is not None:
+            _check_float_tensor(caller, "weight", weight)
+            if weight.shape != losses.shape:
+                raise ValueError(f"{caller}: weight has shape {tuple(weight.shape)}; expected "
+                                 f"losses' shape {tuple(losses.shape)}")
+            _validation.check_same_device(caller, losses=losses, weight=weight)
+        _exact_over_ranks(caller, mode)
+    except (TypeError, ValueError) as error:
+        distributed.fail_together(caller, group, {**fields, "arguments": distributed.describe_error(error)}, error)
+    fields["arguments"] = "valid"
+    if weight is None:
+        total = _ExactSumOverRanks.apply(values.unsqueeze(1), losses.dtype,
+                                         reduction == "mean", caller, group, fields)
+        return total.view(())
+    weighted = values * weight.reshape(-1).to(acc)
+    if reduction == "sum":
+        return _ExactSumOverRanks.apply(weighted.unsqueeze(1), losses.dtype, False, caller,
+                                        group, fields).view(())
+    # As the one-process weighted mean: two sums correctly rounded to the acc type, divided.
+    sums = _ExactSumOverRanks.apply(torch.stack([weighted, weight.reshape(-1).to(acc)], 1),
+                                    acc, False, caller, group, fields)
+    return (sums[0] / sums[1]).to(losses.dtype)
+
+
 # ---- per-sample gradients and their reduction -------------------------------------------------
 
-def _check_batch(caller: str, model: object, inputs: object, targets: object) -> int:
-    """The batch size, after checking the arguments every gradient function shares."""
+def _check_batch(caller: str, model: object, inputs: object, targets: object, *,
+                 allow_empty: bool = False) -> int:
+    """The batch size, after checking the arguments every gradient function shares (an empty
+    batch only with ``allow_empty``: a rank's shard may be)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}")
     for name, t in (("inputs", inputs), ("targets", targets)):
@@ -153,7 +245,7 @@ def _check_batch(caller: str, model: object, inputs: object, targets: object) ->
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"{caller}: inputs has {inputs.shape[0]} samples but targets has "
                          f"{targets.shape[0]}; expected the same batch size")
-    if inputs.shape[0] == 0:
+    if inputs.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{caller}: the batch is empty (inputs has shape "
                          f"{tuple(inputs.shape)}); expected at least one sample")
     return inputs.shape[0]
@@ -373,8 +465,17 @@ class GradAccumulator:
         named_parameters: ``model.named_parameters()`` (or any ``(name, tensor)`` pairs);
             those with ``requires_grad=False`` are skipped, as in :func:`per_sample_grads`.
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"``; ``"autograd"`` is refused.
+        group: a ``torch.distributed`` process group whose ranks each add their own shard of
+            the samples; None (default): this process alone. With a group, ``result()`` is
+            the sum (mean) over every rank's samples, with their total count: the same bits
+            on every rank, for every number of ranks and sharding, equal to one accumulator
+            fed every sample; it needs ``mode="exact"``. Creating the accumulator and
+            ``result()`` are collectives (every rank of the group calls them); the first checks
+            that the ranks agree on the mode and the parameters' names, shapes and dtypes, once.
+            ``add`` and ``count`` stay local.
 
-    Memory: two (``"fp32"``) or four (``"kahan"``) acc-type copies of the parameters.
+    Memory: two (``"fp32"``) or four (``"kahan"``) acc-type copies of the parameters;
+    ``"exact"``: 112 bytes per fp32 parameter (:class:`detsum.RunningSum`).
 
     Example:
         >>> import torch
@@ -392,8 +493,10 @@ class GradAccumulator:
         True
     """
 
-    def __init__(self, named_parameters, *, mode: str | Mode = "fp32"):
+    def __init__(self, named_parameters, *, mode: str | Mode = "fp32", group=None):
         caller = "detsum.loss.GradAccumulator"
+        if group is not None:
+            distributed.check_group(caller, group, none_means="this process alone")
         self.mode = _parse_mode(mode, caller)
         params = _trainable(named_parameters)
         if not params:
@@ -401,8 +504,23 @@ class GradAccumulator:
                              f"requires_grad=True")
         self._sums = {name: RunningSum(p.shape, dtype=p.dtype, device=p.device, mode=self.mode)
                       for name, p in params.items()}
-        #: Samples added so far.
+        #: Samples added so far (on this rank).
         self.count = 0
+        #: The process group ``result()`` sums over (None: this process alone).
+        self.group = None
+        if group is not None:
+            self._join(caller, group, {})
+
+    def _join(self, caller: str, group, fields: dict) -> None:
+        """Check, in one collective, that every rank of ``group`` has an accumulator of the
+        same parameters and mode (and ``fields``), and sum over them from now on."""
+        self._fields = {**fields, "mode": self.mode.value,
+                        "parameter names": tuple(self._sums)}
+        for name, running in self._sums.items():
+            self._fields[f"shape and dtype of {name!r}"] = (tuple(running.shape), running.dtype)
+        distributed.agree(caller, group, self._fields)
+        _exact_over_ranks(caller, self.mode)
+        self.group = group
 
     def add(self, per_sample_grads: dict[str, torch.Tensor]) -> None:
         """Add the next samples' gradients: ``{name: [k, *param.shape]}`` for every parameter."""
@@ -439,16 +557,39 @@ class GradAccumulator:
         caller = "detsum.loss.GradAccumulator.result"
         if reduction not in REDUCTIONS:
             raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
+        if self.group is not None:
+            return self._result_over_ranks(caller, reduction)
         if self.count == 0:
             raise ValueError(f"{caller}: no samples were added; an empty batch has no gradient")
         return {name: running.mean() if reduction == "mean" else running.sum()
                 for name, running in self._sums.items()}
 
+    def _result_over_ranks(self, caller: str, reduction: str,
+                           failure: Exception | None = None) -> dict[str, torch.Tensor]:
+        """``result()`` over the group; a rank whose own work raised ``failure`` still sends
+        its header, so that every rank raises instead of waiting for it."""
+        fields = {**self._fields, "per-sample gradients": "computed" if failure is None else
+                  "failed with " + distributed.describe_error(failure)}
+        states = [(running._state, running.count) for running in self._sums.values()]
+        summed = distributed.sum_over_ranks(caller, self.group, states, fields,
+                                            local_error=failure)
+        total = summed[0][1]
+        if total == 0:
+            raise ValueError(f"{caller}: no rank of the group added a sample; an empty batch "
+                             f"has no gradient")
+        if reduction == "mean" and total > MAX_TERMS_PER_STATE:
+            raise ValueError(f"{caller}: {total} samples over the group; an exact mean divides "
+                             f"by at most {MAX_TERMS_PER_STATE} (use reduction='sum')")
+        count = total if reduction == "mean" else None
+        return {name: _limbs.round_state(state, running._acc, running.dtype,
+                                         count).view(running.shape)
+                for (name, running), (state, _) in zip(self._sums.items(), summed)}
+
 
 def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, *,
                reduction: str = "mean", mode: str | Mode = "fp32",
-               microbatch_size: int | None = None, chunk_size: int | None = 32
-               ) -> dict[str, torch.Tensor]:
+               microbatch_size: int | None = None, chunk_size: int | None = 32,
+               group=None) -> dict[str, torch.Tensor]:
     """The gradient of the batch's reduced loss, the same bits for every micro-batch split.
 
     The gradient is computed as per-sample gradients (:func:`per_sample_grads`: each sample
@@ -466,6 +607,16 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
             (default 32): the memory bound, about ``chunk_size`` x parameters, and how often
             the reduction reads its running state. None gathers each whole micro-batch. It
             never changes the result.
+        group: a ``torch.distributed`` process group whose ranks each pass their own shard of
+            the batch (``inputs``, ``targets``: any samples, any number of them, zero
+            included); None (default): this process alone. With a group and ``mode="exact"``
+            the result is the gradient over every rank's samples (the mean divides by their
+            total count): the same bits on every rank, for every number of ranks and every
+            sharding, equal to ``batch_grad(mode="exact")`` in one process on all the samples
+            (on one machine type, torch build and thread count: the per-sample gradients come
+            from torch's kernels). Other modes are refused with a group. A collective: every
+            rank of the group calls it; the ranks check once, at the start, that they agree on
+            the parameters, mode and reduction.
 
     Returns:
         ``{name: gradient}`` for every trainable parameter, in its dtype.
@@ -496,13 +647,41 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         True
     """
     caller = "detsum.loss.batch_grad"
-    batch = _check_batch(caller, model, inputs, targets)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
-    microbatch = _check_positive(caller, "microbatch_size", microbatch_size) or batch
-    width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch, microbatch,
-                batch)
-    accumulator = GradAccumulator(model.named_parameters(), mode=mode)
+    if group is not None:
+        distributed.check_group(caller, group, none_means="this process alone")
+    try:
+        batch = _check_batch(caller, model, inputs, targets, allow_empty=group is not None)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{caller}: reduction={reduction!r}; expected one of "
+                             f"{REDUCTIONS}")
+        microbatch = _check_positive(caller, "microbatch_size", microbatch_size) or batch
+        width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch,
+                    microbatch, batch)
+        accumulator = GradAccumulator(model.named_parameters(), mode=mode)
+    except (TypeError, ValueError) as error:
+        if group is None:
+            raise
+        # A shard that fails its checks on one rank fails the call on every rank, with its
+        # reason, instead of leaving the others waiting in the collective.
+        distributed.agree(caller, group, {"arguments": distributed.describe_error(error)})
+        raise
+    if group is None:
+        _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch,
+                    width)
+        return accumulator.result(reduction)
+    accumulator._join(caller, group, {"arguments": "valid", "reduction": reduction})
+    try:
+        _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch,
+                    width)
+    except Exception as error:  # the same reason: every rank is told, none waits
+        return accumulator._result_over_ranks(caller, reduction, failure=error)
+    return accumulator._result_over_ranks(caller, reduction)
+
+
+def _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch, width):
+    """``batch_grad``'s loop: every sample's gradient, alone, into ``accumulator`` in order."""
+    if batch == 0:
+        return
     gradients = _SampleGradients(caller, model, loss_fn)
     # One buffer of `width` rows per parameter for the whole call: a fresh one per chunk would
     # be paged in again every time (on the CPU we measured, as slow as the gradients' writes).
@@ -517,4 +696,3 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
                         gathered[name] = g.new_empty((width, *g.shape))
                     gathered[name][k].copy_(g)
             accumulator.add({name: rows[:count] for name, rows in gathered.items()})
-    return accumulator.result(reduction)

@@ -143,7 +143,8 @@ class RunningSum:
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
         if self.mode is Mode.EXACT:
-            _limbs.add_terms(self._state, rows.reshape(rows.shape[0], -1).to(self._acc))
+            _limbs.add_terms(self._state,
+                             rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
             self.count += rows.shape[0]
             return
         flat = rows.reshape(rows.shape[0], self._total.numel()).to(self._total.dtype)

@@ -30,13 +30,12 @@ import torch
 import torch.distributed as dist
 
 from detsum import _limbs
+from detsum.kernels import LIMB_BITS
 from detsum.modes import Mode
 from detsum.ops.running_sum import RunningSum
 
 __all__ = ["all_reduce_"]
 
-#: Header entries per state: top limb, minus the bottom limb, one flag per counter.
-_HEADER_PER_STATE = 2 + _limbs.COUNTERS
 EXACT_ONLY = ("only mode='exact' sums add up to the same bits for every number of ranks (the "
                "other modes depend on the order of their rows, and rows on different ranks "
                "have no order)")
@@ -110,15 +109,21 @@ def _raise_disagreement(caller: str, group, fields: dict) -> None:
                      f"same detsum and Python versions")
 
 
-def _exchange(caller: str, group, fields: dict, values: torch.Tensor | None) -> list[int]:
+#: The header after the fingerprint: the window of limbs in use (its top, minus its bottom),
+#: then for each counter its largest value and its largest negated value.
+_HEADER_VALUES = 2 + 2 * _limbs.COUNTERS
+_ALL_ONES = (1 << LIMB_BITS) - 1
+
+
+def _exchange(caller: str, group, fields: dict, values: torch.Tensor) -> list[int]:
     """All-reduce with MAX the fingerprint of ``fields``, its negation, then ``values``
-    (int64); return the maxima of ``values``. Raises the same error on every rank when the
-    ranks' fields differ."""
+    (``_HEADER_VALUES`` int64); return the maxima of ``values``. Raises the same error on
+    every rank when the ranks' fields differ. Every call sends a header of one size, so that
+    ranks in different calls still pair up, and find out."""
     fingerprint = _fingerprint(fields)
     device = _header_device(group)
-    header = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=device)
-    if values is not None:
-        header = torch.cat([header, values.to(device)])
+    header = torch.cat([torch.tensor([fingerprint, -fingerprint], dtype=torch.int64,
+                                     device=device), values.to(device)])
     dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
     received = header.tolist()
     if received[0] != -received[1]:  # max(f) != min(f): two ranks sent two fingerprints
@@ -130,98 +135,199 @@ def agree(caller: str, group, fields: dict) -> None:
     """One small collective: every rank of ``group`` passes ``fields`` (names to picklable
     values with a stable ``repr``), and all of them raise, naming the first field that differs
     and on which ranks, unless every rank passed the same."""
-    _exchange(caller, group, fields, None)
+    _exchange(caller, group, fields, torch.zeros(_HEADER_VALUES, dtype=torch.int64))
 
 
 def fail_together(caller: str, group, fields: dict, error: Exception) -> NoReturn:
-    """Raise ``error`` (an argument error found on this rank) where :func:`sum_over_ranks` of
-    one state would run: the header goes out first, so that every rank raises, this error
+    """Raise ``error`` (an argument error found on this rank) where another rank may be in
+    :func:`sum_over_ranks`: the header goes out first, so that every rank raises, this error
     where all ranks found it, the disagreement (naming this rank) where only some did."""
-    empty = _limbs.new_state(0, torch.float32, torch.device("cpu"))
-    sum_over_ranks(caller, group, [(empty, 0)], fields, local_error=error)
-    raise AssertionError("unreachable: sum_over_ranks raised")
+    _exchange(caller, group, fields, torch.zeros(_HEADER_VALUES, dtype=torch.int64))
+    raise error
+
+
+def _lowest_row_in_use(limbs: torch.Tensor) -> int:
+    """The lowest limb (row) nonzero in any element; the limb count when there is none."""
+    for i in range(limbs.shape[0]):
+        if bool(limbs[i].any()):
+            return i
+    return limbs.shape[0]
+
+
+def _highest_row_beyond_sign(limbs: torch.Tensor, negative: torch.Tensor, bottom: int) -> int:
+    """The highest limb (row) where some element differs from what its sign alone puts there
+    (0 above a nonnegative value; all ones, and -1 in the last limb, above a negative one);
+    ``bottom - 1`` when none does."""
+    last = limbs.shape[0] - 1
+    fill = negative.long() * _ALL_ONES
+    for i in range(last, bottom - 1, -1):
+        if bool((limbs[i] != (-negative.long() if i == last else fill)).any()):
+            return i
+    return bottom - 1
 
 
 class _Outgoing:
-    """What one rank sends of one exact state: its limbs in balanced form, limb-major
-    (``[L, numel]``, so that a window of limbs is one contiguous block), and its header."""
+    """One exact state as this rank sends it: the digits of its value in sign-magnitude form,
+    ``sign * |value|``'s limbs, in the rows ``[first, first + len(digits))`` that hold any;
+    its counters; and its part of the header.
+
+    Why sign-magnitude: a negative value's normalised limbs are its two's complement, all ones
+    above its magnitude; its magnitude's limbs are zero there, as a positive value's are, so a
+    gradient's limbs in use are a few rows (two or three for fp32 gradients). Every digit is
+    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64."""
 
     def __init__(self, state: torch.Tensor, count: int):
         self.state, self.count = state, count
-        n_limbs = state.shape[1] - _limbs.COUNTERS
+        n_limbs = state.shape[0] - _limbs.COUNTERS
         self.n_limbs = n_limbs
-        self.digits = state[:, :n_limbs].t().contiguous()
-        _limbs.balance(self.digits.t())
-        used = (self.digits != 0).any(1)
-        positions = torch.arange(n_limbs, device=state.device)
-        top = torch.where(used, positions, -1).amax()
-        bottom = torch.where(used, positions, n_limbs).amin()
-        counters = state[:, n_limbs:]
-        flags = [(counters[:, k] != 0).any() for k in (_limbs.NAN, _limbs.POS_INF,
-                                                        _limbs.NEG_INF)]
-        flags.append((counters[:, _limbs.NOT_NEG_ZERO] != count).any())
-        self.header = torch.stack([top, -bottom, *(f.long() for f in flags)])
+        limbs = state[:n_limbs]
+        bottom = _lowest_row_in_use(limbs)
+        self.first, self.digits = bottom, limbs[:0]
+        if bottom < n_limbs:
+            negative = limbs[-1] < 0
+            # A multiply by the sign: torch.where with a broadcast condition is several times
+            # slower on CPU.
+            sign = 1 - 2 * negative.long()
+            last = min(_highest_row_beyond_sign(limbs, negative, bottom) + 1, n_limbs - 1)
+            # The limbs above `last` hold the sign alone: worth -2**(32 * (last + 1)) for a
+            # negative value, nothing for the others. One more row stands for them.
+            extra = 1 if last < n_limbs - 1 else 0
+            magnitude = torch.empty((last + 1 - bottom + extra, state.shape[1]),
+                                    dtype=torch.int64, device=state.device)
+            torch.mul(limbs[bottom:last + 1], sign, out=magnitude[:last + 1 - bottom])
+            if extra:
+                magnitude[-1] = negative
+            _limbs.normalise(magnitude)
+            used = magnitude.any(1).nonzero().flatten().tolist()
+            self.first = bottom + used[0]
+            self.digits = magnitude[used[0]:used[-1] + 1] * sign
+        # -0.0 terms are rare, so the count of terms other than -0.0 goes as its complement,
+        # zero where every term was something else: when it is zero on every rank, and no
+        # rank saw NaN or an infinity, no counter goes on the wire.
+        self.complement = count - state[n_limbs + _limbs.NOT_NEG_ZERO]
 
     def counter(self, k: int) -> torch.Tensor:
-        column = self.state[:, self.n_limbs + k]
-        # -0.0 terms are rare, so the count of terms other than -0.0 goes as its complement,
-        # which is zero everywhere when no rank has any: then it stays off the wire.
-        return self.count - column if k == _limbs.NOT_NEG_ZERO else column
+        """Counter ``k`` as it goes on the wire."""
+        return self.complement if k == _limbs.NOT_NEG_ZERO else self.state[self.n_limbs + k]
+
+    def header(self) -> list[int]:
+        """top, minus bottom, then per counter its maximum and the maximum of its negation."""
+        values = [self.first + self.digits.shape[0] - 1 if self.digits.shape[0] else -1,
+                  -(self.first if self.digits.shape[0] else self.n_limbs)]
+        for k in range(_limbs.COUNTERS):
+            row = self.counter(k)
+            values += [int(row.amax()), -int(row.amin())] if row.numel() else [0, 0]
+        return values
+
+
+def _pack(values: torch.Tensor, fields: int, bits: int) -> torch.Tensor:
+    """Nonnegative ``values`` (1-D), ``fields`` to an int64 of ``bits`` bits each."""
+    lanes = -(-values.numel() // fields)
+    padded = torch.zeros(lanes * fields, dtype=torch.int64, device=values.device)
+    padded[:values.numel()] = values
+    shifts = torch.arange(fields, device=values.device) * bits
+    # The fields' bits are disjoint: the sum is an OR, exact.
+    return (padded.view(lanes, fields) << shifts).sum(1)
+
+
+def _unpack(lanes: torch.Tensor, fields: int, bits: int, numel: int) -> torch.Tensor:
+    shifts = torch.arange(fields, device=lanes.device) * bits
+    return ((lanes.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+
+
+def _rows(top: int, bottom: int, n_limbs: int) -> int:
+    """Rows of the window ``[bottom, top]`` within a state of ``n_limbs`` limbs (fp32 and fp64
+    states summed in one call share one window)."""
+    return max(0, min(top, n_limbs - 1) - bottom + 1)
 
 
 def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]],
-                   fields: dict, *, local_error: Exception | None = None
+                   fields: dict, *, out: Sequence[torch.Tensor] | None = None,
+                   local_error: Exception | None = None, sent: dict | None = None
                    ) -> list[tuple[torch.Tensor, int]]:
     """The sum over the ranks of ``group`` of each exact ``(state, count)`` (``state``
-    ``[numel, L + COUNTERS]`` int64, normalised; ``count`` its rows): new normalised states
-    and the total counts, the same on every rank. The arguments are not changed.
+    ``[L + COUNTERS, numel]`` int64, normalised, as ``detsum._limbs`` keeps it; ``count`` its
+    rows): normalised states and the total counts, the same on every rank. The results go
+    into ``out`` (which may be the states themselves) or new tensors.
 
-    Two collectives: the header (``fields`` agreed, the limb window and counter flags of
-    every state) and the payload. Every rank must pass the same number of states (callers
-    settle that first, or pass one). A rank with ``local_error`` takes part in the header
-    with empty states and raises it once every rank agrees (or the disagreement otherwise),
-    so that no rank is left waiting for another."""
-    outgoing = [_Outgoing(state, count) for state, count in states]
-    maxima = _exchange(caller, group, fields, torch.cat([o.header for o in outgoing]))
+    Two collectives: the header (``fields`` agreed; the window of limbs that any rank uses,
+    over all the states; the counters' extremes) and the payload: each state's count, its
+    digits in that window, and the counters that some rank needs, packed several to an int64
+    where their sum over the ranks is known to fit. Every rank must pass the same number of
+    states with the same shapes (``fields`` should say so). ``local_error``: this rank found
+    an error in its arguments; it sends the header and raises that error where every rank
+    did the same, the disagreement otherwise. ``sent``, where given, receives the bytes each
+    rank hands to the two all-reduces (``"header_bytes"``, ``"payload_bytes"``)."""
     if local_error is not None:
-        raise local_error
-    parts, layout = [], []
-    for i, o in enumerate(outgoing):
-        top, minus_bottom, *flags = maxima[i * _HEADER_PER_STATE:(i + 1) * _HEADER_PER_STATE]
-        bottom = -minus_bottom
-        counters = [k for k, flag in enumerate(flags) if flag]
-        parts.append(torch.tensor([o.count], dtype=torch.int64, device=o.state.device))
-        if top >= bottom:
-            parts.append(o.digits[bottom:top + 1].reshape(-1))
-        parts.extend(o.counter(k) for k in counters)
-        layout.append((bottom, top, counters))
-    payload = torch.cat(parts)
+        fail_together(caller, group, fields, local_error)
+    outgoing = [_Outgoing(state, count) for state, count in states]
+    local = torch.tensor([max(values) for values in zip(*(o.header() for o in outgoing))]
+                         if outgoing else [0] * _HEADER_VALUES, dtype=torch.int64)
+    maxima = _exchange(caller, group, fields, local)
+    top, bottom = maxima[0], -maxima[1]
+    extremes = maxima[2:]
+    kinds = [k for k in range(_limbs.COUNTERS) if extremes[2 * k] > 0 or extremes[2 * k + 1] > 0]
+    ranks = dist.get_world_size(group)
+    if any(extremes[2 * k + 1] > 0 for k in kinds):
+        packing = (1, 64)  # a negative counter (a state loaded by hand): one per int64
+    else:
+        # Each counter's sum over the ranks is at most `ranks` times the largest value.
+        bits = max((ranks * extremes[2 * k]).bit_length() for k in kinds) if kinds else 1
+        packing = (max(1, 63 // bits), bits)
+
+    def lanes(numel: int) -> int:
+        return -(-numel // packing[0])
+
+    sizes = [1 + _rows(top, bottom, o.n_limbs) * o.state.shape[1]
+             + len(kinds) * lanes(o.state.shape[1]) for o in outgoing]
+    device = outgoing[0].state.device if outgoing else torch.device("cpu")
+    payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+    offset = 0
+    for o in outgoing:
+        numel, rows = o.state.shape[1], _rows(top, bottom, o.n_limbs)
+        payload[offset] = o.count
+        window = payload[offset + 1:offset + 1 + rows * numel].view(rows, numel)
+        start, stop = o.first - bottom, o.first - bottom + o.digits.shape[0]
+        window[:start].zero_()
+        window[start:stop] = o.digits
+        window[stop:].zero_()
+        offset += 1 + rows * numel
+        for k in kinds:
+            counter = o.counter(k)
+            payload[offset:offset + lanes(numel)] = (counter if packing[0] == 1
+                                                     else _pack(counter, *packing))
+            offset += lanes(numel)
+    if sent is not None:
+        sent["header_bytes"] = 8 * (2 + _HEADER_VALUES)
+        sent["payload_bytes"] = payload.numel() * payload.element_size()
     # Integer addition: exact, so the same sums in any order the backend chooses.
     dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
 
     results, offset, count_positions = [], 0, []
-    for o, (bottom, top, counters) in zip(outgoing, layout):
-        numel = o.state.shape[0]
+    for i, o in enumerate(outgoing):
+        numel, n_limbs = o.state.shape[1], o.n_limbs
+        summed = torch.empty_like(o.state) if out is None else out[i]
         count_positions.append(offset)
         offset += 1
-        limbs = torch.zeros((o.n_limbs, numel), dtype=torch.int64, device=o.state.device)
-        if top >= bottom:
-            width = top - bottom + 1
-            limbs[bottom:top + 1] = payload[offset:offset + width * numel].view(width, numel)
-            offset += width * numel
-            # Limbs below the window are zero on every rank: nothing to carry from there.
-            _limbs.normalise(limbs[bottom:].t())
-        summed = torch.empty_like(o.state)
-        summed[:, :o.n_limbs] = limbs.t()
-        summed[:, o.n_limbs:] = 0
-        for k in counters:
-            summed[:, o.n_limbs + k] = payload[offset:offset + numel]
-            offset += numel
+        # Below the window every rank's limbs are zero; above it, the carries of the sum.
+        summed[:min(bottom, n_limbs)] = 0
+        rows = _rows(top, bottom, n_limbs)
+        if rows:
+            summed[bottom:bottom + rows] = payload[offset:offset + rows * numel].view(rows, numel)
+            summed[bottom + rows:n_limbs] = 0
+            _limbs.normalise(summed[bottom:n_limbs])
+            offset += rows * numel
+        counters = summed[n_limbs:]
+        counters.zero_()
+        for k in kinds:
+            received = payload[offset:offset + lanes(numel)]
+            counters[k] = received if packing[0] == 1 else _unpack(received, *packing, numel)
+            offset += lanes(numel)
         results.append(summed)
     totals = payload[count_positions].tolist()
     for summed, total, o in zip(results, totals, outgoing):
-        not_neg_zero = summed[:, o.n_limbs + _limbs.NOT_NEG_ZERO]
-        # What went on the wire was the complement (or nothing, when it was zero everywhere).
+        # What went on the wire was the complement (or nothing, where it was zero everywhere).
+        not_neg_zero = summed[o.n_limbs + _limbs.NOT_NEG_ZERO]
         not_neg_zero.copy_(total - not_neg_zero)
     return list(zip(results, totals))
 
@@ -266,14 +372,11 @@ def all_reduce_(running_sum: RunningSum, group=None) -> None:
                         f"{type(running_sum).__name__}")
     fields = {"mode": running_sum.mode.value, "dtype": running_sum.dtype,
               "shape": tuple(running_sum.shape)}
-    if running_sum.mode is Mode.EXACT:
-        state, error = running_sum._state, None
-    else:
+    if running_sum.mode is not Mode.EXACT:
         # The header still goes out, so that a rank of another mode is told of it too.
-        state = _limbs.new_state(0, torch.float32, running_sum.device)
-        error = ValueError(f"{caller}: running_sum has mode={running_sum.mode.value!r}; "
-                           f"expected mode='exact': {EXACT_ONLY}")
-    [(summed, total)] = sum_over_ranks(caller, group, [(state, running_sum.count)], fields,
-                                       local_error=error)
-    running_sum._state.copy_(summed)
+        fail_together(caller, group, fields, ValueError(
+            f"{caller}: running_sum has mode={running_sum.mode.value!r}; expected "
+            f"mode='exact': {EXACT_ONLY}"))
+    [(_, total)] = sum_over_ranks(caller, group, [(running_sum._state, running_sum.count)],
+                                  fields, out=[running_sum._state])
     running_sum.count = total

@@ -509,16 +509,18 @@ class GradAccumulator:
         #: The process group ``result()`` sums over (None: this process alone).
         self.group = None
         if group is not None:
-            self._join(caller, group, {})
+            self._join(caller, group, {}, check_now=True)
 
-    def _join(self, caller: str, group, fields: dict) -> None:
-        """Check, in one collective, that every rank of ``group`` has an accumulator of the
-        same parameters and mode (and ``fields``), and sum over them from now on."""
+    def _join(self, caller: str, group, fields: dict, *, check_now: bool) -> None:
+        """Sum over the ranks of ``group`` from now on. Every ``result()`` checks that the
+        ranks agree on the parameters' names, shapes and dtypes, the mode and ``fields``;
+        ``check_now`` checks it at once too, in a collective of its own."""
         self._fields = {**fields, "mode": self.mode.value,
                         "parameter names": tuple(self._sums)}
         for name, running in self._sums.items():
             self._fields[f"shape and dtype of {name!r}"] = (tuple(running.shape), running.dtype)
-        distributed.agree(caller, group, self._fields)
+        if check_now:
+            distributed.agree(caller, group, self._fields)
         _exact_over_ranks(caller, self.mode)
         self.group = group
 
@@ -614,9 +616,11 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
             total count): the same bits on every rank, for every number of ranks and every
             sharding, equal to ``batch_grad(mode="exact")`` in one process on all the samples
             (on one machine type, torch build and thread count: the per-sample gradients come
-            from torch's kernels). Other modes are refused with a group. A collective: every
-            rank of the group calls it; the ranks check once, at the start, that they agree on
-            the parameters, mode and reduction.
+            from torch's kernels). Other modes are refused with a group. A collective of two
+            all-reduces (docs/distributed.md): every rank of the group calls it, and the first
+            one checks that the ranks agree on the parameters, mode and reduction. An error
+            found on one rank (its shard's checks, its per-sample gradients) is raised on
+            every rank, naming that rank.
 
     Returns:
         ``{name: gradient}`` for every trainable parameter, in its dtype.
@@ -658,18 +662,20 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch,
                     microbatch, batch)
         accumulator = GradAccumulator(model.named_parameters(), mode=mode)
+        if group is not None:
+            accumulator._join(caller, group, {"arguments": "valid", "reduction": reduction},
+                              check_now=False)
     except (TypeError, ValueError) as error:
         if group is None:
             raise
         # A shard that fails its checks on one rank fails the call on every rank, with its
         # reason, instead of leaving the others waiting in the collective.
-        distributed.agree(caller, group, {"arguments": distributed.describe_error(error)})
-        raise
+        distributed.fail_together(caller, group,
+                                  {"arguments": distributed.describe_error(error)}, error)
     if group is None:
         _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch,
                     width)
         return accumulator.result(reduction)
-    accumulator._join(caller, group, {"arguments": "valid", "reduction": reduction})
     try:
         _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch,
                     width)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import importlib.util
 import pathlib
+import traceback
 
 import pytest
 import torch
@@ -119,6 +120,30 @@ def _check_all_reduce(w: int, group, rank: int, found: dict) -> None:
     empty = detsum.RunningSum((3, 2), mode="exact")
     detsum.distributed.all_reduce_(empty, group)
     found[f"{w}/all_reduce/empty"] = (empty.state(), empty.sum(), empty.count)
+    # States no sum of rows reaches: the last limb in use (no limb above it holds the sign
+    # alone), and a count of terms other than -0.0 above the row count (its complement, what
+    # goes on the wire, is negative).
+    crafted = [_crafted_state(r) for r in range(w)]
+    mine = detsum.RunningSum((4,), mode="exact")
+    mine.load_state(crafted[rank])
+    merged = detsum.RunningSum((4,), mode="exact")
+    for state in crafted:
+        other = detsum.RunningSum((4,), mode="exact")
+        other.load_state(state)
+        merged.merge(other)
+    detsum.distributed.all_reduce_(mine, group)
+    found[f"{w}/all_reduce/crafted"] = (mine.state(), merged.state())
+
+
+def _crafted_state(rank: int) -> torch.Tensor:
+    limbs = detsum.kernels.EXACT_LIMBS["fp32"]
+    g = torch.Generator().manual_seed(10 + rank)
+    elements = torch.randint(0, 2**32, (4, limbs + 4), generator=g)
+    elements[:, limbs:] = torch.tensor([0, 0, 0, 7])  # counters: 7 terms, none -0.0
+    elements[0, limbs - 1] = rank + 1  # a large positive value
+    elements[1, limbs - 1] = -(rank + 2)  # a large negative one
+    elements[2, limbs + 3] = 12  # more terms other than -0.0 than rows
+    return torch.cat([torch.tensor([7]), elements.reshape(-1)])
 
 
 def _check_reduce(w: int, group, rank: int, found: dict) -> None:
@@ -162,6 +187,15 @@ def _check_gradients(w: int, group, rank: int, found: dict) -> None:
                                               y[start:stop]))
     found[f"{w}/accumulator"] = (accumulator.result("mean"), accumulator.result("sum"),
                                  accumulator.result("mean"), accumulator.count)
+    # fp32 and fp64 parameters in one accumulator: one window of limbs serves both.
+    mixed = {"a": torch.zeros(2, requires_grad=True),
+             "b": torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)}
+    rows = {"a": _rows(torch.float32)[:, 1], "b": _rows(torch.float64)[:, 1:]}
+    accumulator = loss.GradAccumulator(mixed.items(), mode="exact", group=group)
+    accumulator.add({name: r[_cut(ROW_CUTS[w], rank)] for name, r in rows.items()})
+    whole = loss.GradAccumulator(mixed.items(), mode="exact")
+    whole.add(rows)
+    found[f"{w}/accumulator/mixed"] = (accumulator.result("sum"), whole.result("sum"))
 
 
 def _check_errors(w: int, group, rank: int, found: dict) -> None:
@@ -240,6 +274,11 @@ def _run_rank(rank: int, port: int, folder: str) -> None:
         for w in example.WORLD_SIZES:
             if rank < w:
                 found[f"{w}/example"] = example.train(groups[w])
+    except BaseException:
+        # The other ranks then fail in their next collective, and theirs is the error that
+        # torch.multiprocessing reports first: keep this one's for the fixture.
+        found["crash"] = traceback.format_exc()
+        raise
     finally:
         torch.save(found, pathlib.Path(folder) / f"{rank}.pt")
         dist.destroy_process_group()
@@ -249,8 +288,16 @@ def _run_rank(rank: int, port: int, folder: str) -> None:
 def found(tmp_path_factory) -> list[dict]:
     """What every rank found: ``found[rank][check]``."""
     folder = tmp_path_factory.mktemp("ranks")
-    torch.multiprocessing.spawn(_run_rank, args=(_example().free_port(), str(folder)),
-                                nprocs=RANKS)
+    try:
+        torch.multiprocessing.spawn(_run_rank, args=(_example().free_port(), str(folder)),
+                                    nprocs=RANKS)
+    except torch.multiprocessing.ProcessRaisedException:
+        for rank in range(RANKS):
+            path = folder / f"{rank}.pt"
+            crash = torch.load(path, weights_only=False).get("crash") if path.exists() else None
+            if crash:
+                pytest.fail(f"rank {rank} failed first:\n{crash}")
+        raise
     return [torch.load(folder / f"{rank}.pt", weights_only=False) for rank in range(RANKS)]
 
 
@@ -291,6 +338,8 @@ def test_all_reduce_is_merging_every_shard_in_one_process(found, w):
             assert count == ROWS
             # One rank holding every row: the same state, whatever the number of ranks.
             assert torch.equal(state, found[0][f"1/all_reduce/{name}"][0]), (rank, name)
+        crafted, crafted_merged = theirs[f"{w}/all_reduce/crafted"]
+        assert torch.equal(crafted, crafted_merged), rank
         dealt_state, dealt_sum = theirs[f"{w}/all_reduce/dealt"]
         assert torch.equal(dealt_state, found[0]["1/all_reduce/fp32"][0])
         empty_state, empty_sum, empty_count = theirs[f"{w}/all_reduce/empty"]
@@ -326,6 +375,9 @@ def test_batch_grad_over_ranks_gives_the_one_process_bits(found, w):
                 got = theirs[f"{w}/batch_grad/{sharding}/{reduction}"]
                 for name, grad in one_process[reduction].items():
                     assert_same_bits(got[name], grad)
+        got, expected = theirs[f"{w}/accumulator/mixed"]
+        for name in expected:
+            assert_same_bits(got[name], expected[name])
         mean, total, mean_again, count = theirs[f"{w}/accumulator"]
         assert count == BATCH_CUTS[w][rank]  # the accumulator's own samples stay local
         for name in one_process["mean"]:

@@ -231,7 +231,7 @@ class RunningSum:
             raise ValueError(f"{caller}: other has (shape, dtype, device, mode) = {theirs}; "
                              f"expected {mine}")
         self._state += other._state
-        _limbs.normalise(self._state[:, :self._state.shape[1] - _limbs.COUNTERS])
+        _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count += other.count
 
     def state(self) -> torch.Tensor:
@@ -239,7 +239,8 @@ class RunningSum:
         elementwise integer sum of several such tensors is the state of the merged sum."""
         self._check_exact("detsum.RunningSum.state")
         count = torch.tensor([self.count], dtype=torch.int64, device=self.device)
-        return torch.cat([count, self._state.reshape(-1)])
+        # Element by element, as documented; kept limb by limb inside (detsum._limbs).
+        return torch.cat([count, self._state.t().reshape(-1)])
 
     def load_state(self, state: torch.Tensor) -> None:
         """Replace this sum's state by ``state`` (from ``state()``, or an integer sum of
@@ -258,7 +259,7 @@ class RunningSum:
         count = int(state[0])
         if count < 0:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")
-        self._state.copy_(state[1:].view_as(self._state))
-        _limbs.normalise(self._state[:, :self._state.shape[1] - _limbs.COUNTERS])
+        self._state.copy_(state[1:].view(self._state.shape[1], self._state.shape[0]).t())
+        _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count = count
 

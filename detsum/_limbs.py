@@ -47,7 +47,8 @@ def new_state(numel: int, acc_dtype: torch.dtype, device: torch.device) -> torch
 def add_terms(state: torch.Tensor, terms: torch.Tensor) -> None:
     """Add ``terms`` ``[k, numel]`` (fp32 or fp64, the acc type) into ``state``, in place, and
     normalise it. ``k`` may be anything: the terms go in steps of at most
-    ``MAX_TERMS_PER_STATE`` rows, each followed by a normalisation."""
+    ``MAX_TERMS_PER_STATE`` rows, each followed by a normalisation. ``state`` may be a slice
+    of columns of a larger state (the elements of one parameter among many)."""
     numel = state.shape[1]
     n_limbs = state.shape[0] - COUNTERS
     rows_per_step = max(1, min(MAX_TERMS_PER_STATE, _STEP_ELEMENTS // max(numel, 1)))
@@ -85,17 +86,15 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
     high = (significand >> 32) << within
     sign = torch.where(negative, -1, 1)
     digits = (sign * (low & _DIGIT), sign * ((low >> 32) + (high & _DIGIT)), sign * (high >> 32))
-    numel = state.shape[1]
-    element = torch.arange(numel, device=state.device).expand_as(limb)
-    flat = state.view(-1)
+    element = torch.arange(state.shape[1], device=state.device).expand_as(limb).reshape(-1)
     for offset, digit in enumerate(digits):
         if offset == 2 and terms.dtype != torch.float64:
             break  # a 24-bit significand never reaches a third limb
         # The clamp only keeps a zero digit in bounds: the highest term reaches limb 8 of 10
         # (fp32 units) or 65 of 67 (fp64).
-        target = ((limb + offset).clamp_max(n_limbs - 1) * numel + element).reshape(-1)
+        row = (limb + offset).clamp_max(n_limbs - 1).reshape(-1)
         # Integer sums: exact in any order, so accumulate=True is deterministic by arithmetic.
-        flat.index_put_((target,), digit.reshape(-1), accumulate=True)
+        state.index_put_((row, element), digit.reshape(-1), accumulate=True)
 
 
 def normalise(limbs: torch.Tensor) -> None:

@@ -453,6 +453,39 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
     return grads
 
 
+class _ExactColumns:
+    """The ``"exact"`` states of every parameter of one dtype and device, side by side as the
+    columns of one state: adding a chunk is one step per parameter, but rounding and a sum
+    over ranks are one for all of them, whatever their number (a model of many small
+    parameters would otherwise pay a rounding's hundred-odd torch calls for each)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device, self.acc = dtype, device, acc_dtype(dtype)
+        #: name -> (first column, last column + 1, the parameter's shape)
+        self.columns: dict[str, tuple[int, int, torch.Size]] = {}
+        self.numel = 0
+        self.state: torch.Tensor | None = None
+
+    def place(self, name: str, shape: torch.Size) -> None:
+        self.columns[name] = (self.numel, self.numel + shape.numel(), shape)
+        self.numel += shape.numel()
+
+    def allocate(self) -> None:
+        self.state = _limbs.new_state(self.numel, self.acc, self.device)
+
+    def add(self, name: str, rows: torch.Tensor) -> None:
+        start, stop, _ = self.columns[name]
+        _limbs.add_terms(self.state[:, start:stop],
+                         rows.reshape(rows.shape[0], stop - start).to(self.acc))
+
+    def split(self, state: torch.Tensor, count: int | None) -> dict[str, torch.Tensor]:
+        """``state`` (this block's, or its sum over ranks) rounded once to the dtype (divided
+        by ``count`` first, exactly, where given), one view per parameter."""
+        values = _limbs.round_state(state, self.acc, self.dtype, count)
+        return {name: values[start:stop].view(shape)
+                for name, (start, stop, shape) in self.columns.items()}
+
+
 class GradAccumulator:
     """The deterministic sum of per-sample gradients that arrive in chunks.
 
@@ -502,8 +535,20 @@ class GradAccumulator:
         if not params:
             raise ValueError(f"{caller}: named_parameters holds no tensor with "
                              f"requires_grad=True")
-        self._sums = {name: RunningSum(p.shape, dtype=p.dtype, device=p.device, mode=self.mode)
-                      for name, p in params.items()}
+        #: name -> (shape, dtype, device) of every parameter.
+        self._params = {name: (p.shape, p.dtype, p.device) for name, p in params.items()}
+        self._sums: dict[str, RunningSum] = {}
+        self._blocks: dict[tuple, _ExactColumns] = {}
+        if self.mode is Mode.EXACT:
+            for name, p in params.items():
+                key = (p.dtype, p.device)
+                self._blocks.setdefault(key, _ExactColumns(p.dtype, p.device)).place(name,
+                                                                                     p.shape)
+            for block in self._blocks.values():
+                block.allocate()
+        else:
+            self._sums = {name: RunningSum(p.shape, dtype=p.dtype, device=p.device,
+                                           mode=self.mode) for name, p in params.items()}
         #: Samples added so far (on this rank).
         self.count = 0
         #: The process group ``result()`` sums over (None: this process alone).
@@ -516,9 +561,9 @@ class GradAccumulator:
         ranks agree on the parameters' names, shapes and dtypes, the mode and ``fields``;
         ``check_now`` checks it at once too, in a collective of its own."""
         self._fields = {**fields, "mode": self.mode.value,
-                        "parameter names": tuple(self._sums)}
-        for name, running in self._sums.items():
-            self._fields[f"shape and dtype of {name!r}"] = (tuple(running.shape), running.dtype)
+                        "parameter names": tuple(self._params)}
+        for name, (shape, dtype, _) in self._params.items():
+            self._fields[f"shape and dtype of {name!r}"] = (tuple(shape), dtype)
         if check_now:
             distributed.agree(caller, group, self._fields)
         _exact_over_ranks(caller, self.mode)
@@ -530,9 +575,9 @@ class GradAccumulator:
         if not isinstance(per_sample_grads, dict):
             raise TypeError(f"{caller}: per_sample_grads must be a dict of tensors by parameter "
                             f"name, got {type(per_sample_grads).__name__}")
-        if per_sample_grads.keys() != self._sums.keys():
-            missing = sorted(self._sums.keys() - per_sample_grads.keys())
-            extra = sorted(per_sample_grads.keys() - self._sums.keys())
+        if per_sample_grads.keys() != self._params.keys():
+            missing = sorted(self._params.keys() - per_sample_grads.keys())
+            extra = sorted(per_sample_grads.keys() - self._params.keys())
             raise ValueError(f"{caller}: per_sample_grads has other parameters than the "
                              f"accumulator: missing {missing}, unexpected {extra}")
         counts = {name: g.shape[0] if isinstance(g, torch.Tensor) and g.dim() else None
@@ -542,16 +587,21 @@ class GradAccumulator:
                              f"first; got {counts}")
         # Checked for every parameter before any is added: a bad chunk changes nothing.
         for name, g in per_sample_grads.items():
-            running = self._sums[name]
-            if g.dtype != running.dtype or g.shape[1:] != running.shape or (
-                    g.device != running.device):
+            shape, dtype, device = self._params[name]
+            # The device as tensors report it ("cuda" -> "cuda:0"), as RunningSum keeps it.
+            device = torch.empty(0, device=device).device
+            if g.dtype != dtype or g.shape[1:] != shape or g.device != device:
                 raise ValueError(
                     f"{caller}: per_sample_grads[{name!r}] is {g.dtype} "
-                    f"{tuple(g.shape)} on {g.device}; expected {running.dtype} "
-                    f"[k, {', '.join(map(str, running.shape))}] on {running.device}")
+                    f"{tuple(g.shape)} on {g.device}; expected {dtype} "
+                    f"[k, {', '.join(map(str, shape))}] on {device}")
+        k = next(iter(counts.values()))
         for name, g in per_sample_grads.items():
-            self._sums[name].add(g)
-        self.count += next(iter(counts.values()))
+            if self.mode is Mode.EXACT:
+                self._blocks[(g.dtype, g.device)].add(name, g)
+            else:
+                self._sums[name].add(g)
+        self.count += k
 
     def result(self, reduction: str = "mean") -> dict[str, torch.Tensor]:
         """``{name: gradient}``: the sum over every sample added, or that sum divided by their
@@ -563,8 +613,23 @@ class GradAccumulator:
             return self._result_over_ranks(caller, reduction)
         if self.count == 0:
             raise ValueError(f"{caller}: no samples were added; an empty batch has no gradient")
+        if self.mode is Mode.EXACT:
+            return self._rounded([block.state for block in self._blocks.values()],
+                                 self.count, reduction, caller, "samples were added")
         return {name: running.mean() if reduction == "mean" else running.sum()
                 for name, running in self._sums.items()}
+
+    def _rounded(self, states: list[torch.Tensor], count: int, reduction: str, caller: str,
+                 counted: str) -> dict[str, torch.Tensor]:
+        """The exact blocks' ``states`` (of ``count`` samples) rounded once, by parameter in
+        ``named_parameters`` order."""
+        if reduction == "mean" and count > MAX_TERMS_PER_STATE:
+            raise ValueError(f"{caller}: {count} {counted}; an exact mean divides by at most "
+                             f"{MAX_TERMS_PER_STATE} (use reduction='sum')")
+        rounded = {}
+        for block, state in zip(self._blocks.values(), states):
+            rounded.update(block.split(state, count if reduction == "mean" else None))
+        return {name: rounded[name] for name in self._params}
 
     def _result_over_ranks(self, caller: str, reduction: str,
                            failure: Exception | None = None) -> dict[str, torch.Tensor]:
@@ -572,20 +637,15 @@ class GradAccumulator:
         its header, so that every rank raises instead of waiting for it."""
         fields = {**self._fields, "per-sample gradients": "computed" if failure is None else
                   "failed with " + distributed.describe_error(failure)}
-        states = [(running._state, running.count) for running in self._sums.values()]
+        states = [(block.state, self.count) for block in self._blocks.values()]
         summed = distributed.sum_over_ranks(caller, self.group, states, fields,
                                             local_error=failure)
         total = summed[0][1]
         if total == 0:
             raise ValueError(f"{caller}: no rank of the group added a sample; an empty batch "
                              f"has no gradient")
-        if reduction == "mean" and total > MAX_TERMS_PER_STATE:
-            raise ValueError(f"{caller}: {total} samples over the group; an exact mean divides "
-                             f"by at most {MAX_TERMS_PER_STATE} (use reduction='sum')")
-        count = total if reduction == "mean" else None
-        return {name: _limbs.round_state(state, running._acc, running.dtype,
-                                         count).view(running.shape)
-                for (name, running), (state, _) in zip(self._sums.items(), summed)}
+        return self._rounded([state for state, _ in summed], total, reduction, caller,
+                             "samples over the group")
 
 
 def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, *,

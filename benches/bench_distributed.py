@@ -19,7 +19,8 @@ Cases (group "distributed <W> ranks"):
   every parameter in one header and one payload (what ``GradAccumulator.result()`` does with a
   group before it rounds, and ``detsum.distributed.all_reduce_`` for one running sum);
 - ``exact-whole-state``: the whole states all-reduced as they are (``L + 4`` int64 per element
-  and the count): what the wire carried before the limb window;
+  and the count) and normalised again, as ``state()``, ``all_reduce`` and ``load_state`` do:
+  what the wire carried before the limb window;
 - ``ddp-step``: one SGD step of the worked example with ``DistributedDataParallel``, 16
   samples per step shared by the ranks: the baseline of the steps;
 - ``exact-step``: the same step with ``loss.batch_grad(mode="exact", group=...)``;
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import run_case
-from detsum import distributed, loss
+from detsum import _limbs, distributed, loss
 
 WORLD_SIZES = (2, 4)
 ALL_REDUCE_IMPLS = ["fp32-all_reduce", "exact-all_reduce", "exact-whole-state"]
@@ -106,16 +107,25 @@ class _Rank:
             return fp32_all_reduce, elements
         states = [(block.state, accumulator.count) for block in accumulator._blocks.values()]
         if impl == "exact-all_reduce":
+            # Into buffers allocated once, as GradAccumulator.result() does.
+            out = [torch.empty_like(state) for state, _ in states]
+
             def exact_all_reduce():
                 distributed.sum_over_ranks("bench", dist.group.WORLD, states,
-                                           accumulator._fields, sent=self.last_sent)
+                                           accumulator._fields, out=out, sent=self.last_sent)
             return exact_all_reduce, elements
         whole = torch.cat([torch.cat([torch.tensor([count]), state.reshape(-1)])
                            for state, count in states])
         buffer = torch.empty_like(whole)
 
         def whole_state():
+            # state(), all_reduce, load_state: the limbs normalised again afterwards.
             dist.all_reduce(buffer.copy_(whole))
+            start = 1
+            for state, _ in states:
+                summed = buffer[start:start + state.numel()].view(state.shape)
+                _limbs.normalise(summed[:state.shape[0] - _limbs.COUNTERS])
+                start += state.numel() + 1
         self.last_sent = {"payload_bytes": whole.numel() * 8, "header_bytes": 0}
         return whole_state, elements
 

@@ -149,7 +149,7 @@ def fail_together(caller: str, group, fields: dict, error: Exception) -> NoRetur
 def _lowest_row_in_use(limbs: torch.Tensor) -> int:
     """The lowest limb (row) nonzero in any element; the limb count when there is none."""
     for i in range(limbs.shape[0]):
-        if bool(limbs[i].any()):
+        if int(torch.count_nonzero(limbs[i])):  # several times faster than any() on CPU
             return i
     return limbs.shape[0]
 
@@ -161,7 +161,7 @@ def _highest_row_beyond_sign(limbs: torch.Tensor, negative: torch.Tensor, bottom
     last = limbs.shape[0] - 1
     fill = negative.long() * _ALL_ONES
     for i in range(last, bottom - 1, -1):
-        if bool((limbs[i] != (-negative.long() if i == last else fill)).any()):
+        if not torch.equal(limbs[i], -negative.long() if i == last else fill):
             return i
     return bottom - 1
 
@@ -198,7 +198,7 @@ class _Outgoing:
             if extra:
                 magnitude[-1] = negative
             _limbs.normalise(magnitude)
-            used = magnitude.any(1).nonzero().flatten().tolist()
+            used = torch.count_nonzero(magnitude, dim=1).nonzero().flatten().tolist()
             self.first = bottom + used[0]
             self.digits = magnitude[used[0]:used[-1] + 1] * sign
         # -0.0 terms are rare, so the count of terms other than -0.0 goes as its complement,
@@ -216,7 +216,11 @@ class _Outgoing:
                   -(self.first if self.digits.shape[0] else self.n_limbs)]
         for k in range(_limbs.COUNTERS):
             row = self.counter(k)
-            values += [int(row.amax()), -int(row.amin())] if row.numel() else [0, 0]
+            if row.numel() and int(torch.count_nonzero(row)):  # mostly zero: one fast pass
+                smallest, largest = torch.aminmax(row)
+                values += [int(largest), -int(smallest)]
+            else:
+                values += [0, 0]
         return values
 
 
@@ -233,6 +237,24 @@ def _pack(values: torch.Tensor, fields: int, bits: int) -> torch.Tensor:
 def _unpack(lanes: torch.Tensor, fields: int, bits: int, numel: int) -> torch.Tensor:
     shifts = torch.arange(fields, device=lanes.device) * bits
     return ((lanes.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+
+
+def _carry_out(limbs: torch.Tensor, above: int) -> None:
+    """Normalise ``limbs`` whose rows below ``above`` are normalised but for the last of them,
+    which holds the rest of the value (any int64), and whose rows from ``above`` up hold
+    anything: they are overwritten with that rest's carry, in normalised form."""
+    last = limbs.shape[0] - 1
+    if above > last:
+        return
+    rest = limbs[above - 1] >> LIMB_BITS  # below 2**31 in magnitude: an int64 shifted by 32
+    limbs[above - 1] &= _ALL_ONES
+    if above == last:
+        limbs[last] = rest
+        return
+    sign = rest >> LIMB_BITS  # -1 or 0
+    limbs[above] = rest & _ALL_ONES
+    limbs[above + 1:last] = (sign & _ALL_ONES).unsqueeze(0)
+    limbs[last] = sign
 
 
 def _rows(top: int, bottom: int, n_limbs: int) -> int:
@@ -313,10 +335,11 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
         summed[:min(bottom, n_limbs)] = 0
         rows = _rows(top, bottom, n_limbs)
         if rows:
-            summed[bottom:bottom + rows] = payload[offset:offset + rows * numel].view(rows, numel)
-            summed[bottom + rows:n_limbs] = 0
-            _limbs.normalise(summed[bottom:n_limbs])
+            window = summed[bottom:bottom + rows]
+            window.copy_(payload[offset:offset + rows * numel].view(rows, numel))
             offset += rows * numel
+            _limbs.normalise(window)
+            _carry_out(summed[:n_limbs], bottom + rows)
         counters = summed[n_limbs:]
         counters.zero_()
         for k in kinds:

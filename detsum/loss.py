@@ -553,6 +553,7 @@ class GradAccumulator:
         self.count = 0
         #: The process group ``result()`` sums over (None: this process alone).
         self.group = None
+        self._summed: list[torch.Tensor] | None = None  # where result() puts the sum over ranks
         if group is not None:
             self._join(caller, group, {}, check_now=True)
 
@@ -632,13 +633,22 @@ class GradAccumulator:
         return {name: rounded[name] for name in self._params}
 
     def _result_over_ranks(self, caller: str, reduction: str,
-                           failure: Exception | None = None) -> dict[str, torch.Tensor]:
+                           failure: Exception | None = None, *, last: bool = False
+                           ) -> dict[str, torch.Tensor]:
         """``result()`` over the group; a rank whose own work raised ``failure`` still sends
-        its header, so that every rank raises instead of waiting for it."""
+        its header, so that every rank raises instead of waiting for it. ``last``: nothing
+        will be added or asked of this accumulator again, so the sum may overwrite its state
+        (a fresh state of a large model costs a page fault per 4 KiB on first touch)."""
         fields = {**self._fields, "per-sample gradients": "computed" if failure is None else
                   "failed with " + distributed.describe_error(failure)}
         states = [(block.state, self.count) for block in self._blocks.values()]
-        summed = distributed.sum_over_ranks(caller, self.group, states, fields,
+        if last:
+            out = [state for state, _ in states]
+        else:
+            if self._summed is None:
+                self._summed = [torch.empty_like(state) for state, _ in states]
+            out = self._summed
+        summed = distributed.sum_over_ranks(caller, self.group, states, fields, out=out,
                                             local_error=failure)
         total = summed[0][1]
         if total == 0:
@@ -741,7 +751,7 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
                     width)
     except Exception as error:  # the same reason: every rank is told, none waits
         return accumulator._result_over_ranks(caller, reduction, failure=error)
-    return accumulator._result_over_ranks(caller, reduction)
+    return accumulator._result_over_ranks(caller, reduction, last=True)
 
 
 def _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch, width):

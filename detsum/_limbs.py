@@ -106,21 +106,6 @@ def normalise(limbs: torch.Tensor) -> None:
         limbs[i + 1] += carry
 
 
-def balance(limbs: torch.Tensor) -> None:
-    """Carry every limb but the last into ``[-2**31, 2**31)``, in place; the value is unchanged.
-
-    The normalised form writes a negative value in two's complement, so every limb above the
-    value's magnitude holds ``2**32 - 1``; in this balanced form a value of either sign has
-    zeros above its top limb and below its lowest set bit's limb. Every limb but the last
-    ends within ``2**31`` of zero; the last moves by at most one when ``limbs`` was
-    normalised."""
-    half = 1 << (LIMB_BITS - 1)
-    for i in range(limbs.shape[0] - 1):
-        carry = (limbs[i] + half) >> LIMB_BITS  # arithmetic shift: floor division
-        limbs[i] -= carry << LIMB_BITS
-        limbs[i + 1] += carry
-
-
 def _bits(limbs: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Bits [start, start + count) of each element's (column's) nonnegative normalised integer
     (count <= 54)."""
@@ -166,7 +151,9 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
     counters = state[n_limbs:]
     normalise(limbs)
     negative = limbs[-1] < 0
-    limbs = torch.where(negative.unsqueeze(0), -limbs, limbs)
+    # A multiply by the sign: torch.where with a broadcast condition is several times slower
+    # on CPU.
+    limbs *= 1 - 2 * negative.long()
     normalise(limbs)
     half_below = torch.zeros_like(negative)
     sticky_below = torch.zeros_like(negative)

@@ -6,15 +6,15 @@ states of every rank is an integer all-reduce: exact in whatever order or tree t
 ranks holding any shards of them. A floating-point all-reduce promises nothing of the kind:
 its order, and so its bits, follow the number of ranks and the algorithm the backend picks.
 
-One sum over ranks is two collectives (docs/distributed.md):
+One sum over ranks is two collectives (docs/distributed.md has the proof of exactness):
 
 1. a header, all-reduced with MAX: a fingerprint of what the ranks must agree on (shapes,
    dtypes, mode and the like) and its negation, whose two maxima are equal only when every
-   rank sent the same fingerprint; then, for each state, the highest limb that any rank's
-   state uses in balanced form, minus the lowest, and whether any rank holds NaN, +inf, -inf
-   or -0.0 terms;
-2. the payload, all-reduced with SUM: the row count, the limbs inside that window, and only
-   the counters that some rank needs.
+   rank sent the same fingerprint; the highest and the lowest limb that any rank's states use
+   in sign-magnitude form; and each counter's largest value and largest negated value;
+2. the payload, all-reduced with SUM: each state's row count, its limbs inside that window as
+   sign-magnitude digits, and only the counters that some rank needs, packed several to an
+   int64 where their sum over the ranks is known to fit.
 
 Ranks that disagree get the same error on every rank, naming what differs and where, before
 any state is touched. The loss functions (``detsum.loss``) take part through the helpers here.
@@ -372,11 +372,15 @@ def all_reduce_(running_sum: RunningSum, group=None) -> None:
 
     Exactness: the state is integers (limbs of 32 bits and four counters per element, see
     :class:`detsum.RunningSum`); the ranks add them with an integer ``all_reduce``, exact in
-    any order and for any backend. Only the limbs that some rank uses go on the wire, in a
-    form whose sum over fewer than ``2**31`` ranks stays within int64 (docs/distributed.md):
-    about 8 bytes per limb in use and element, where the whole state takes 112 (fp32).
+    any order and for any backend. Only the limbs inside the window that some rank uses go on
+    the wire, as sign-magnitude digits whose sum over fewer than ``2**31`` ranks stays within
+    int64, and only the counters that some rank needs (:doc:`distributed`): 8 bytes per limb
+    in that window and element (16 to 24 for fp32 gradients), where the whole state takes 112.
 
-    Raises (before any state changes, and on every rank alike where the cause is on one):
+    Every error is raised before any state changes, on every rank alike where its cause is on
+    one rank (the ranks exchange a fingerprint of the mode, dtype and shape first).
+
+    Raises:
         RuntimeError: torch.distributed is not initialised.
         ValueError: the sum's mode is not ``"exact"``; or the ranks disagree on the mode,
             dtype or shape (the message names the value on each rank).

@@ -16,13 +16,13 @@ def test_docs_build_without_warnings(tmp_path):
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
          str(tmp_path / "html")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
-    for page in ("index", "quickstart", "modes", "determinism", "moe", "loss", "comparison",
-                 "api"):
+    for page in ("index", "quickstart", "modes", "determinism", "moe", "loss", "distributed",
+                 "comparison", "api"):
         assert (tmp_path / "html" / f"{page}.html").exists(), page
     api = (tmp_path / "html" / "api.html").read_text()
     for name in ("detsum.segment_sum", "detsum.index_add_", "detsum.scatter_reduce",
                  "detsum.moe.unpermute", "detsum.loss.batch_grad", "detsum.explain",
-                 "detsum.RunningSum"):
+                 "detsum.RunningSum", "detsum.distributed.all_reduce_"):
         assert f'id="{name}"' in api, name
 
 

@@ -210,6 +210,10 @@ def _check_errors(w: int, group, rank: int, found: dict) -> None:
     x, y = _batch()
     found[f"{w}/error/batch_grad fp32"] = _error(lambda: loss.batch_grad(
         model, PER_SAMPLE_LOSS, x, y, mode="fp32", group=group))
+    found[f"{w}/error/accumulator fp32"] = _error(lambda: loss.GradAccumulator(
+        model.named_parameters(), mode="fp32", group=group))
+    found[f"{w}/error/reduce kahan"] = _error(lambda: loss.reduce(
+        torch.ones(3), mode="kahan", group=group))
     found[f"{w}/error/empty group batch"] = _error(lambda: loss.batch_grad(
         model, PER_SAMPLE_LOSS, x[:0], y[:0], mode="exact", group=group))
     found[f"{w}/error/group type"] = _error(lambda: loss.reduce(
@@ -396,6 +400,12 @@ def test_errors_name_the_argument_the_values_and_the_ranks(found):
             assert theirs[f"{w}/error/batch_grad fp32"].startswith(
                 "ValueError: detsum.loss.batch_grad: mode='fp32' with a group; expected "
                 "mode='exact'")
+            assert theirs[f"{w}/error/accumulator fp32"].startswith(
+                "ValueError: detsum.loss.GradAccumulator: mode='fp32' with a group; expected "
+                "mode='exact'")
+            assert theirs[f"{w}/error/reduce kahan"].startswith(
+                "ValueError: detsum.loss.reduce: mode='kahan' with a group; expected "
+                "mode='exact': only mode='exact' sums add up to the same bits")
             assert theirs[f"{w}/error/empty group batch"] == (
                 "ValueError: detsum.loss.batch_grad: no rank of the group added a sample; an "
                 "empty batch has no gradient")

@@ -184,7 +184,9 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
 
 def _mode_name(mode: object) -> str:
     """How the ranks compare their ``mode`` arguments: "exact" and Mode.EXACT alike."""
-    return mode.value if isinstance(mode, Mode) else repr(mode)
+    if isinstance(mode, Mode):
+        return mode.value
+    return mode if isinstance(mode, str) else repr(mode)
 
 
 def _exact_over_ranks(caller: str, mode: Mode) -> None:
@@ -213,7 +215,8 @@ def _reduce_over_ranks(caller, losses, reduction, weight, mode, group) -> torch.
             _validation.check_same_device(caller, losses=losses, weight=weight)
         _exact_over_ranks(caller, mode)
     except (TypeError, ValueError) as error:
-        distributed.fail_together(caller, group, {**fields, "arguments": distributed.describe_error(error)}, error)
+        distributed.fail_together(
+            caller, group, {**fields, "arguments": distributed.describe_error(error)}, error)
     fields["arguments"] = "valid"
     if weight is None:
         total = _ExactSumOverRanks.apply(values.unsqueeze(1), losses.dtype,

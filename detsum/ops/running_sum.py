@@ -66,7 +66,8 @@ class RunningSum:
     (two running sums of rows added anywhere, in any order, give the state of one sum over
     all their rows), and their ``state()`` is an int64 tensor whose elementwise integer sum
     over several running sums is the state of the merged sum, so that
-    ``torch.distributed.all_reduce(state, SUM)`` then ``load_state`` sums over ranks exactly.
+    ``torch.distributed.all_reduce(state, SUM)`` then ``load_state`` sums over ranks exactly;
+    :func:`detsum.distributed.all_reduce_` does the same with a fraction of the bytes.
 
     State layout (``"exact"``): a 1-D int64 tensor, ``[rows added, element 0, element 1,
     ...]`` over the ``prod(shape)`` elements in row-major order; an element is ``L`` limbs

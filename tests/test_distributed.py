@@ -51,7 +51,8 @@ def _cut(cuts: list[int], rank: int) -> slice:
 
 def _rows(dtype: torch.dtype) -> torch.Tensor:
     """[ROWS, 3, 2] over many binades, both signs, with the special values every counter
-    needs: a column of -0.0 only, +inf, NaN, +inf with -inf; and fp32's largest and smallest."""
+    needs: a column of -0.0 only, +inf, NaN, +inf with -inf; and near fp32's largest, and its
+    smallest subnormal."""
     g = torch.Generator().manual_seed(5)
     spread = torch.randn(ROWS, 3, 2, generator=g, dtype=torch.float64) * torch.exp2(
         torch.randint(-60, 61, (ROWS, 3, 2), generator=g).double())

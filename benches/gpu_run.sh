@@ -2,19 +2,20 @@
 # The whole GPU pass, for a lent GPU machine (no package registry there; torch, triton, numba,
 # pytest, pytest-benchmark and hypothesis are preinstalled). From the repository root:
 #
-#   bash benches/gpu_run.sh            # everything: tests, then benchmarks, then the report
-#   bash benches/gpu_run.sh tests      # one stage: tests | benches | report
+#   bash benches/gpu_run.sh            # everything: tests, benchmarks, report, distributed
+#   bash benches/gpu_run.sh tests      # one stage: tests | benches | report | distributed
 #
 # Each stage fits in one 10-minute device command; run them one by one when a session's device
 # time is short. Everything is written to $OUT (default benches/results/gpu-<date>/): the
 # environment (GPU name, torch, triton and CUDA versions, date), the test log and JUnit XML,
-# the pytest-benchmark JSON with its summary table and targets, and the report's JSON.
+# the pytest-benchmark JSON with its summary table and targets, the report's JSON, and the
+# sum over ranks on NCCL (world size 1: the gloo tests' code path on CUDA tensors).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benches/results/gpu-$(date +%F)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${*:-tests benches report}
+STAGES=${*:-tests benches report distributed}
 
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || exit 1
 python3 - <<'PY' | tee "$OUT/gpu_env.txt"
@@ -41,8 +42,13 @@ for stage in $STAGES; do
     report)
         python3 -m detsum report --json "$OUT/report-gpu.json" | tee "$OUT/report-gpu.txt" \
             || status=1 ;;
+    distributed)
+        # detsum.distributed and the loss functions' group= on NCCL, one GPU as one rank:
+        # every result against the same call without a group (torch.equal), then the exact
+        # sum over ranks timed against an fp32 all_reduce of the same gradients.
+        python3 benches/distributed_nccl.py 2>&1 | tee "$OUT/distributed-nccl.txt" || status=1 ;;
     *)
-        echo "unknown stage $stage (expected tests, benches or report)"; exit 2 ;;
+        echo "unknown stage $stage (expected tests, benches, report or distributed)"; exit 2 ;;
     esac
 done
 exit $status

@@ -6,7 +6,7 @@ from detsum.ops.index_add import index_add, index_add_
 from detsum.ops.running_sum import RunningSum
 from detsum.ops.scatter_reduce import scatter_reduce
 from detsum.ops.segment_sum import segment_sum
-from detsum import loss, moe  # noqa: E402  (consumers: need the ops above registered)
+from detsum import distributed, loss, moe  # noqa: E402  (consumers: need the ops above registered)
 from detsum.scatter_compat import (  # torch_scatter's API, deterministic
     gather_coo, gather_csr, index_select, scatter, scatter_add, scatter_log_softmax,
     scatter_logsumexp, scatter_max, scatter_mean, scatter_min, scatter_mul, scatter_softmax,
@@ -23,6 +23,7 @@ __all__ = [
     "Mode",
     "RunningSum",
     "backend",
+    "distributed",
     "explain",
     "gather_coo",
     "gather_csr",

@@ -7,9 +7,12 @@ special values are not numbers of units: how many terms were NaN, +inf, -inf, an
 were anything but -0.0. Everything is a count or a sum of integers, so the state of a sum over
 two sets of rows is the elementwise integer sum of their states, in any order.
 
-An element's state is ``limbs + COUNTERS`` int64 entries: ``[limb 0 .. limb L-1, nan, +inf,
--inf, not -0.0]``. The kernels compute the same values from the same integers
-(``detsum/kernels/numba/exact.py``); tests check that both round every state alike.
+A state is ``[limbs + COUNTERS, numel]`` int64: row ``i < L`` holds limb ``i`` of every
+element, then the rows ``nan, +inf, -inf, not -0.0``. Limb-major, because every step here
+(carrying, rounding, a window of limbs sent to other ranks) works on one limb of every element
+at a time: a contiguous row. ``RunningSum.state()`` lists it element by element. The kernels
+compute the same values from the same integers (``detsum/kernels/numba/exact.py``); tests check
+that both round every state alike.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 from detsum.kernels import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
 
 COUNTERS = 4
-_NAN, _POS_INF, _NEG_INF, _NOT_NEG_ZERO = range(COUNTERS)
+NAN, POS_INF, NEG_INF, NOT_NEG_ZERO = range(COUNTERS)
 _DIGIT = (1 << LIMB_BITS) - 1
 
 #: (precision, smallest quantum in units) of each dtype's rounding, and each acc type's unit.
@@ -36,21 +39,22 @@ def limb_count(acc_dtype: torch.dtype) -> int:
 
 
 def new_state(numel: int, acc_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The state of an empty sum: ``[numel, limbs + COUNTERS]`` zeros."""
-    return torch.zeros((numel, limb_count(acc_dtype) + COUNTERS), dtype=torch.int64,
+    """The state of an empty sum: ``[limbs + COUNTERS, numel]`` zeros."""
+    return torch.zeros((limb_count(acc_dtype) + COUNTERS, numel), dtype=torch.int64,
                        device=device)
 
 
 def add_terms(state: torch.Tensor, terms: torch.Tensor) -> None:
     """Add ``terms`` ``[k, numel]`` (fp32 or fp64, the acc type) into ``state``, in place, and
     normalise it. ``k`` may be anything: the terms go in steps of at most
-    ``MAX_TERMS_PER_STATE`` rows, each followed by a normalisation."""
-    numel = state.shape[0]
-    n_limbs = state.shape[1] - COUNTERS
+    ``MAX_TERMS_PER_STATE`` rows, each followed by a normalisation. ``state`` may be a slice
+    of columns of a larger state (the elements of one parameter among many)."""
+    numel = state.shape[1]
+    n_limbs = state.shape[0] - COUNTERS
     rows_per_step = max(1, min(MAX_TERMS_PER_STATE, _STEP_ELEMENTS // max(numel, 1)))
     for start in range(0, terms.shape[0], rows_per_step):
         _add_step(state, n_limbs, terms[start:start + rows_per_step])
-        normalise(state[:, :n_limbs])
+        normalise(state[:n_limbs])
 
 
 def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
@@ -68,11 +72,11 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
         negative = bits < 0
         top_exponent, implicit = 0xFF, 1 << 23
     special = exponent == top_exponent
-    counters = state[:, n_limbs:]
-    counters[:, _NAN] += (special & (significand != 0)).sum(0)
-    counters[:, _POS_INF] += (special & (significand == 0) & ~negative).sum(0)
-    counters[:, _NEG_INF] += (special & (significand == 0) & negative).sum(0)
-    counters[:, _NOT_NEG_ZERO] += (~(negative & (exponent == 0) & (significand == 0))).sum(0)
+    counters = state[n_limbs:]
+    counters[NAN] += (special & (significand != 0)).sum(0)
+    counters[POS_INF] += (special & (significand == 0) & ~negative).sum(0)
+    counters[NEG_INF] += (special & (significand == 0) & negative).sum(0)
+    counters[NOT_NEG_ZERO] += (~(negative & (exponent == 0) & (significand == 0))).sum(0)
     # Value = significand * 2**shift units (a subnormal has exponent 0 and no implicit bit).
     significand = torch.where(exponent > 0, significand | implicit, significand)
     significand = torch.where(special, 0, significand)
@@ -82,31 +86,30 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
     high = (significand >> 32) << within
     sign = torch.where(negative, -1, 1)
     digits = (sign * (low & _DIGIT), sign * ((low >> 32) + (high & _DIGIT)), sign * (high >> 32))
-    numel = state.shape[0]
-    element = torch.arange(numel, device=state.device).expand_as(limb)
-    flat = state.view(-1)
-    width = state.shape[1]
+    element = torch.arange(state.shape[1], device=state.device).expand_as(limb).reshape(-1)
     for offset, digit in enumerate(digits):
         if offset == 2 and terms.dtype != torch.float64:
             break  # a 24-bit significand never reaches a third limb
         # The clamp only keeps a zero digit in bounds: the highest term reaches limb 8 of 10
         # (fp32 units) or 65 of 67 (fp64).
-        target = (element * width + (limb + offset).clamp_max(n_limbs - 1)).reshape(-1)
+        row = (limb + offset).clamp_max(n_limbs - 1).reshape(-1)
         # Integer sums: exact in any order, so accumulate=True is deterministic by arithmetic.
-        flat.index_put_((target,), digit.reshape(-1), accumulate=True)
+        state.index_put_((row, element), digit.reshape(-1), accumulate=True)
 
 
 def normalise(limbs: torch.Tensor) -> None:
-    """Carry every limb but the last into [0, 2**LIMB_BITS), in place; the value is unchanged."""
-    for i in range(limbs.shape[1] - 1):
-        carry = limbs[:, i] >> LIMB_BITS  # arithmetic shift: floor division
-        limbs[:, i] &= _DIGIT
-        limbs[:, i + 1] += carry
+    """Carry every limb (row) but the last into [0, 2**LIMB_BITS), in place; the value is
+    unchanged."""
+    for i in range(limbs.shape[0] - 1):
+        carry = limbs[i] >> LIMB_BITS  # arithmetic shift: floor division
+        limbs[i] &= _DIGIT
+        limbs[i + 1] += carry
 
 
 def _bits(limbs: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Bits [start, start + count) of each row's nonnegative normalised integer (count <= 54)."""
-    n_limbs = limbs.shape[1]
+    """Bits [start, start + count) of each element's (column's) nonnegative normalised integer
+    (count <= 54)."""
+    n_limbs = limbs.shape[0]
     result = torch.zeros_like(start)
     got = torch.zeros_like(start)
     for _ in range(3):  # 54 bits span at most 3 limbs
@@ -114,7 +117,7 @@ def _bits(limbs: torch.Tensor, start: torch.Tensor, count: torch.Tensor) -> torc
         index = position >> 5
         within = position & 31
         take = torch.minimum(32 - within, (count - got).clamp_min(0))
-        limb = limbs.gather(1, index.clamp_max(n_limbs - 1).unsqueeze(1)).squeeze(1)
+        limb = limbs.gather(0, index.clamp_max(n_limbs - 1).unsqueeze(0)).squeeze(0)
         limb = torch.where(index < n_limbs, limb, 0)
         piece = (limb >> within) & ((1 << take) - 1)
         result |= piece << got
@@ -143,22 +146,24 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
 
     ``count`` must be at most ``MAX_TERMS_PER_STATE`` (the long division keeps its remainder
     times 2**32 in an int64)."""
-    n_limbs = state.shape[1] - COUNTERS
-    limbs = state[:, :n_limbs].clone()
-    counters = state[:, n_limbs:]
+    n_limbs = state.shape[0] - COUNTERS
+    limbs = state[:n_limbs].clone()
+    counters = state[n_limbs:]
     normalise(limbs)
-    negative = limbs[:, -1] < 0
-    limbs = torch.where(negative.unsqueeze(1), -limbs, limbs)
+    negative = limbs[-1] < 0
+    # A multiply by the sign: torch.where with a broadcast condition is several times slower
+    # on CPU.
+    limbs *= 1 - 2 * negative.long()
     normalise(limbs)
     half_below = torch.zeros_like(negative)
     sticky_below = torch.zeros_like(negative)
     if count is not None:
         # Long division, top limb first: the remainder stays below count <= 2**30. One more
         # digit, below the unit, holds the rounding bit of a result whose quantum is the unit.
-        remainder = torch.zeros_like(limbs[:, 0])
+        remainder = torch.zeros_like(limbs[0])
         for i in range(n_limbs - 1, -1, -1):
-            partial = (remainder << LIMB_BITS) | limbs[:, i]
-            limbs[:, i] = partial // count
+            partial = (remainder << LIMB_BITS) | limbs[i]
+            limbs[i] = partial // count
             remainder = partial % count
         fraction = (remainder << LIMB_BITS) // count
         half_below = (fraction >> (LIMB_BITS - 1)) != 0
@@ -166,9 +171,9 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
                         | ((remainder << LIMB_BITS) % count != 0))
     precision, min_quantum = _TARGETS[dtype]
     nonzero = limbs != 0
-    positions = torch.arange(n_limbs, device=limbs.device).expand_as(limbs)
-    top = torch.where(nonzero, positions, -1).amax(1)
-    top_limb = limbs.gather(1, top.clamp_min(0).unsqueeze(1)).squeeze(1)
+    positions = torch.arange(n_limbs, device=limbs.device).unsqueeze(1).expand_as(limbs)
+    top = torch.where(nonzero, positions, -1).amax(0)
+    top_limb = limbs.gather(0, top.clamp_min(0).unsqueeze(0)).squeeze(0)
     length = torch.where(top >= 0, LIMB_BITS * top + torch.frexp(top_limb.double())[1].long(), 0)
     quantum = torch.clamp_min(length - precision, min_quantum)  # >= 0 for every format
     significand = _bits(limbs, quantum, (length - quantum).clamp_min(0))
@@ -179,19 +184,18 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
     # Any set bit below the half bit: in its own limb, or in any limb under it.
     half_limb = half_position >> 5
     below_mask = (1 << (half_position & 31)) - 1
-    own = (limbs.gather(1, half_limb.unsqueeze(1)).squeeze(1) & below_mask) != 0
-    under = (nonzero.long().cumsum(1).gather(1, (half_limb - 1).clamp_min(0).unsqueeze(1))
-             .squeeze(1) > 0) & (half_limb > 0)
+    own = (limbs.gather(0, half_limb.unsqueeze(0)).squeeze(0) & below_mask) != 0
+    under = (nonzero.long().cumsum(0).gather(0, (half_limb - 1).clamp_min(0).unsqueeze(0))
+             .squeeze(0) > 0) & (half_limb > 0)
     sticky = torch.where(at_unit, sticky_below, half_below | sticky_below | own | under)
     round_up = half & (sticky | ((significand & 1) != 0))
     significand = significand + round_up.long()
     magnitude = _scale(significand.double(), quantum + _UNIT_EXPONENT[acc_dtype])
     value = torch.where(negative, -magnitude, magnitude)
-    value = torch.where(counters[:, _NOT_NEG_ZERO] == 0, -0.0, value)  # every term was -0.0
-    value = torch.where(counters[:, _NEG_INF] > 0, -torch.inf, value)
-    value = torch.where(counters[:, _POS_INF] > 0, torch.inf, value)
-    value = torch.where((counters[:, _NAN] > 0) | ((counters[:, _POS_INF] > 0)
-                                                   & (counters[:, _NEG_INF] > 0)), torch.nan,
-                        value)
+    value = torch.where(counters[NOT_NEG_ZERO] == 0, -0.0, value)  # every term was -0.0
+    value = torch.where(counters[NEG_INF] > 0, -torch.inf, value)
+    value = torch.where(counters[POS_INF] > 0, torch.inf, value)
+    value = torch.where((counters[NAN] > 0) | ((counters[POS_INF] > 0)
+                                               & (counters[NEG_INF] > 0)), torch.nan, value)
     # The value is the dtype's already (rounded above), or +-inf / NaN: converting is exact.
     return value.to(dtype)

@@ -6,6 +6,10 @@
 - ``batch_grad``: the reduced loss's gradient as that ordered sum, the same bits for every
   micro-batch split.
 
+With ``group=`` (a ``torch.distributed`` process group) and ``mode="exact"``, ``reduce``,
+``GradAccumulator`` and ``batch_grad`` sum over the shards that the ranks of the group hold:
+the same bits for every number of ranks and every sharding (docs/distributed.md).
+
 Every sum here goes through detsum's kernels in the canonical order (``segment_sum``, or a
 ``RunningSum`` that continues it across calls), so the result has one order on every run,
 thread count and device; ``torch.sum`` picks its own order (a vectorised cascade on CPU, a
@@ -18,7 +22,7 @@ import weakref
 
 import torch
 
-from detsum import _limbs, _segments, _validation
+from detsum import _limbs, _segments, _validation, distributed
 from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.modes import Mode, acc_dtype, parse_ordered_mode
 from detsum.ops.running_sum import RunningSum
@@ -69,8 +73,38 @@ class _ExactSum(torch.autograd.Function):
         return wide.expand(ctx.numel), None, None
 
 
+class _ExactSumOverRanks(torch.autograd.Function):
+    """The exact sum of ``rows`` ``[n, k]`` (acc type) over every rank of ``group``, rounded
+    once to ``dtype``: ``[k]``; with ``mean``, divided by the total row count first (exactly).
+    Its gradient is :class:`_ExactSum`'s, with that total count: the gradient of the global
+    loss with respect to this rank's losses."""
+
+    @staticmethod
+    def forward(ctx, rows, dtype, mean, caller, group, fields):
+        state = _limbs.new_state(rows.shape[1], rows.dtype, rows.device)
+        _limbs.add_terms(state, rows)
+        [(summed, total)] = distributed.sum_over_ranks(caller, group, [(state, rows.shape[0])],
+                                                       fields)
+        if total == 0:
+            raise ValueError(f"{caller}: every rank's losses are empty; expected at least one "
+                             f"loss over the group (an empty batch has no mean)")
+        if mean and total > MAX_TERMS_PER_STATE:
+            raise ValueError(f"{caller}: an exact mean of {total} losses over the group; "
+                             f"mode='exact' divides by at most {MAX_TERMS_PER_STATE} (reduce "
+                             f"the sum, or average partial means)")
+        ctx.count, ctx.shape = (total if mean else None), rows.shape
+        return _limbs.round_state(summed, rows.dtype, dtype, ctx.count)
+
+    @staticmethod
+    def backward(ctx, grad):
+        wide = grad.to(acc_dtype(grad.dtype))
+        if ctx.count is not None:
+            wide = wide / ctx.count
+        return wide.expand(ctx.shape), None, None, None, None, None
+
+
 def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tensor | None = None,
-           mode: str | Mode = "fp32") -> torch.Tensor:
+           mode: str | Mode = "fp32", group=None) -> torch.Tensor:
     """Sum or average per-sample losses in a fixed order: the same bits on every run and device.
 
     Args:
@@ -81,6 +115,12 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
             ``sum(weight * losses) / sum(weight)`` (``"sum"``: ``sum(weight * losses)``).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"`` (the correctly rounded sum,
             whatever the order); ``"autograd"`` is refused (see the module).
+        group: a ``torch.distributed`` process group whose ranks each pass their own shard of
+            the losses (and weights); None (default): this process alone. With a group the
+            result is the reduction over every rank's losses, the same bits on every rank and
+            for every number of ranks and sharding, equal to the one-process result over all
+            of them; it needs ``mode="exact"``. A shard may be empty, the group's losses not.
+            A collective: every rank of the group calls it.
 
     Returns:
         A 0-dim tensor of ``losses``' dtype.
@@ -95,7 +135,8 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     independent of the order of the elements.
 
     Gradient: ``1 / n`` (``"mean"``), ``1`` (``"sum"``) or ``weight / sum(weight)`` for each
-    element, computed in the acc type and rounded once.
+    element, computed in the acc type and rounded once. With a group, ``n`` and ``sum(weight)``
+    are over the group, and each rank gets the gradient of its own losses.
 
     Example:
         >>> import torch
@@ -104,6 +145,8 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
         tensor(2.3333)
     """
     caller = "detsum.loss.reduce"
+    if group is not None:
+        return _reduce_over_ranks(caller, losses, reduction, weight, mode, group)
     mode = _parse_mode(mode, caller)
     _check_float_tensor(caller, "losses", losses)
     if losses.numel() == 0:
@@ -139,10 +182,62 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     return total.to(losses.dtype)
 
 
+def _mode_name(mode: object) -> str:
+    """How the ranks compare their ``mode`` arguments: "exact" and Mode.EXACT alike."""
+    if isinstance(mode, Mode):
+        return mode.value
+    return mode if isinstance(mode, str) else repr(mode)
+
+
+def _exact_over_ranks(caller: str, mode: Mode) -> None:
+    if mode is not Mode.EXACT:
+        raise ValueError(f"{caller}: mode={mode.value!r} with a group; expected mode='exact': "
+                         f"{distributed.EXACT_ONLY}")
+
+
+def _reduce_over_ranks(caller, losses, reduction, weight, mode, group) -> torch.Tensor:
+    distributed.check_group(caller, group, none_means="this process alone")
+    fields = {"mode": _mode_name(mode), "reduction": reduction,
+              "dtype of losses": getattr(losses, "dtype", None),
+              "weight": "given" if weight is not None else None}
+    try:
+        mode = _parse_mode(mode, caller)
+        _check_float_tensor(caller, "losses", losses)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
+        acc = acc_dtype(losses.dtype)
+        values = losses.reshape(-1).to(acc)
+        if weight is not None:
+            _check_float_tensor(caller, "weight", weight)
+            if weight.shape != losses.shape:
+                raise ValueError(f"{caller}: weight has shape {tuple(weight.shape)}; expected "
+                                 f"losses' shape {tuple(losses.shape)}")
+            _validation.check_same_device(caller, losses=losses, weight=weight)
+        _exact_over_ranks(caller, mode)
+    except (TypeError, ValueError) as error:
+        distributed.fail_together(
+            caller, group, {**fields, "arguments": distributed.describe_error(error)}, error)
+    fields["arguments"] = "valid"
+    if weight is None:
+        total = _ExactSumOverRanks.apply(values.unsqueeze(1), losses.dtype,
+                                         reduction == "mean", caller, group, fields)
+        return total.view(())
+    weighted = values * weight.reshape(-1).to(acc)
+    if reduction == "sum":
+        return _ExactSumOverRanks.apply(weighted.unsqueeze(1), losses.dtype, False, caller,
+                                        group, fields).view(())
+    # As the one-process weighted mean: two sums correctly rounded to the acc type, divided.
+    sums = _ExactSumOverRanks.apply(torch.stack([weighted, weight.reshape(-1).to(acc)], 1),
+                                    acc, False, caller, group, fields)
+    return (sums[0] / sums[1]).to(losses.dtype)
+
+
 # ---- per-sample gradients and their reduction -------------------------------------------------
 
-def _check_batch(caller: str, model: object, inputs: object, targets: object) -> int:
-    """The batch size, after checking the arguments every gradient function shares."""
+def _check_batch(caller: str, model: object, inputs: object, targets: object, *,
+                 allow_empty: bool = False) -> int:
+    """The batch size, after checking the arguments every gradient function shares (an empty
+    batch only with ``allow_empty``: a rank's shard may be)."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller}: model must be a torch.nn.Module, got {type(model).__name__}")
     for name, t in (("inputs", inputs), ("targets", targets)):
@@ -153,7 +248,7 @@ def _check_batch(caller: str, model: object, inputs: object, targets: object) ->
     if inputs.shape[0] != targets.shape[0]:
         raise ValueError(f"{caller}: inputs has {inputs.shape[0]} samples but targets has "
                          f"{targets.shape[0]}; expected the same batch size")
-    if inputs.shape[0] == 0:
+    if inputs.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{caller}: the batch is empty (inputs has shape "
                          f"{tuple(inputs.shape)}); expected at least one sample")
     return inputs.shape[0]
@@ -361,6 +456,39 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
     return grads
 
 
+class _ExactColumns:
+    """The ``"exact"`` states of every parameter of one dtype and device, side by side as the
+    columns of one state: adding a chunk is one step per parameter, but rounding and a sum
+    over ranks are one for all of them, whatever their number (a model of many small
+    parameters would otherwise pay a rounding's hundred-odd torch calls for each)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device, self.acc = dtype, device, acc_dtype(dtype)
+        #: name -> (first column, last column + 1, the parameter's shape)
+        self.columns: dict[str, tuple[int, int, torch.Size]] = {}
+        self.numel = 0
+        self.state: torch.Tensor | None = None
+
+    def place(self, name: str, shape: torch.Size) -> None:
+        self.columns[name] = (self.numel, self.numel + shape.numel(), shape)
+        self.numel += shape.numel()
+
+    def allocate(self) -> None:
+        self.state = _limbs.new_state(self.numel, self.acc, self.device)
+
+    def add(self, name: str, rows: torch.Tensor) -> None:
+        start, stop, _ = self.columns[name]
+        _limbs.add_terms(self.state[:, start:stop],
+                         rows.reshape(rows.shape[0], stop - start).to(self.acc))
+
+    def split(self, state: torch.Tensor, count: int | None) -> dict[str, torch.Tensor]:
+        """``state`` (this block's, or its sum over ranks) rounded once to the dtype (divided
+        by ``count`` first, exactly, where given), one view per parameter."""
+        values = _limbs.round_state(state, self.acc, self.dtype, count)
+        return {name: values[start:stop].view(shape)
+                for name, (start, stop, shape) in self.columns.items()}
+
+
 class GradAccumulator:
     """The deterministic sum of per-sample gradients that arrive in chunks.
 
@@ -373,8 +501,17 @@ class GradAccumulator:
         named_parameters: ``model.named_parameters()`` (or any ``(name, tensor)`` pairs);
             those with ``requires_grad=False`` are skipped, as in :func:`per_sample_grads`.
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"exact"``; ``"autograd"`` is refused.
+        group: a ``torch.distributed`` process group whose ranks each add their own shard of
+            the samples; None (default): this process alone. With a group, ``result()`` is
+            the sum (mean) over every rank's samples, with their total count: the same bits
+            on every rank, for every number of ranks and sharding, equal to one accumulator
+            fed every sample; it needs ``mode="exact"``. Creating the accumulator and
+            ``result()`` are collectives (every rank of the group calls them); the first checks
+            that the ranks agree on the mode and the parameters' names, shapes and dtypes, once.
+            ``add`` and ``count`` stay local.
 
-    Memory: two (``"fp32"``) or four (``"kahan"``) acc-type copies of the parameters.
+    Memory: two (``"fp32"``) or four (``"kahan"``) acc-type copies of the parameters;
+    ``"exact"``: 112 bytes per fp32 parameter (:class:`detsum.RunningSum`).
 
     Example:
         >>> import torch
@@ -392,17 +529,49 @@ class GradAccumulator:
         True
     """
 
-    def __init__(self, named_parameters, *, mode: str | Mode = "fp32"):
+    def __init__(self, named_parameters, *, mode: str | Mode = "fp32", group=None):
         caller = "detsum.loss.GradAccumulator"
+        if group is not None:
+            distributed.check_group(caller, group, none_means="this process alone")
         self.mode = _parse_mode(mode, caller)
         params = _trainable(named_parameters)
         if not params:
             raise ValueError(f"{caller}: named_parameters holds no tensor with "
                              f"requires_grad=True")
-        self._sums = {name: RunningSum(p.shape, dtype=p.dtype, device=p.device, mode=self.mode)
-                      for name, p in params.items()}
-        #: Samples added so far.
+        #: name -> (shape, dtype, device) of every parameter.
+        self._params = {name: (p.shape, p.dtype, p.device) for name, p in params.items()}
+        self._sums: dict[str, RunningSum] = {}
+        self._blocks: dict[tuple, _ExactColumns] = {}
+        if self.mode is Mode.EXACT:
+            for name, p in params.items():
+                key = (p.dtype, p.device)
+                self._blocks.setdefault(key, _ExactColumns(p.dtype, p.device)).place(name,
+                                                                                     p.shape)
+            for block in self._blocks.values():
+                block.allocate()
+        else:
+            self._sums = {name: RunningSum(p.shape, dtype=p.dtype, device=p.device,
+                                           mode=self.mode) for name, p in params.items()}
+        #: Samples added so far (on this rank).
         self.count = 0
+        #: The process group ``result()`` sums over (None: this process alone).
+        self.group = None
+        self._summed: list[torch.Tensor] | None = None  # where result() puts the sum over ranks
+        if group is not None:
+            self._join(caller, group, {}, check_now=True)
+
+    def _join(self, caller: str, group, fields: dict, *, check_now: bool) -> None:
+        """Sum over the ranks of ``group`` from now on. Every ``result()`` checks that the
+        ranks agree on the parameters' names, shapes and dtypes, the mode and ``fields``;
+        ``check_now`` checks it at once too, in a collective of its own."""
+        self._fields = {**fields, "mode": self.mode.value,
+                        "parameter names": tuple(self._params)}
+        for name, (shape, dtype, _) in self._params.items():
+            self._fields[f"shape and dtype of {name!r}"] = (tuple(shape), dtype)
+        if check_now:
+            distributed.agree(caller, group, self._fields)
+        _exact_over_ranks(caller, self.mode)
+        self.group = group
 
     def add(self, per_sample_grads: dict[str, torch.Tensor]) -> None:
         """Add the next samples' gradients: ``{name: [k, *param.shape]}`` for every parameter."""
@@ -410,9 +579,9 @@ class GradAccumulator:
         if not isinstance(per_sample_grads, dict):
             raise TypeError(f"{caller}: per_sample_grads must be a dict of tensors by parameter "
                             f"name, got {type(per_sample_grads).__name__}")
-        if per_sample_grads.keys() != self._sums.keys():
-            missing = sorted(self._sums.keys() - per_sample_grads.keys())
-            extra = sorted(per_sample_grads.keys() - self._sums.keys())
+        if per_sample_grads.keys() != self._params.keys():
+            missing = sorted(self._params.keys() - per_sample_grads.keys())
+            extra = sorted(per_sample_grads.keys() - self._params.keys())
             raise ValueError(f"{caller}: per_sample_grads has other parameters than the "
                              f"accumulator: missing {missing}, unexpected {extra}")
         counts = {name: g.shape[0] if isinstance(g, torch.Tensor) and g.dim() else None
@@ -422,16 +591,21 @@ class GradAccumulator:
                              f"first; got {counts}")
         # Checked for every parameter before any is added: a bad chunk changes nothing.
         for name, g in per_sample_grads.items():
-            running = self._sums[name]
-            if g.dtype != running.dtype or g.shape[1:] != running.shape or (
-                    g.device != running.device):
+            shape, dtype, device = self._params[name]
+            # The device as tensors report it ("cuda" -> "cuda:0"), as RunningSum keeps it.
+            device = torch.empty(0, device=device).device
+            if g.dtype != dtype or g.shape[1:] != shape or g.device != device:
                 raise ValueError(
                     f"{caller}: per_sample_grads[{name!r}] is {g.dtype} "
-                    f"{tuple(g.shape)} on {g.device}; expected {running.dtype} "
-                    f"[k, {', '.join(map(str, running.shape))}] on {running.device}")
+                    f"{tuple(g.shape)} on {g.device}; expected {dtype} "
+                    f"[k, {', '.join(map(str, shape))}] on {device}")
+        k = next(iter(counts.values()))
         for name, g in per_sample_grads.items():
-            self._sums[name].add(g)
-        self.count += next(iter(counts.values()))
+            if self.mode is Mode.EXACT:
+                self._blocks[(g.dtype, g.device)].add(name, g)
+            else:
+                self._sums[name].add(g)
+        self.count += k
 
     def result(self, reduction: str = "mean") -> dict[str, torch.Tensor]:
         """``{name: gradient}``: the sum over every sample added, or that sum divided by their
@@ -439,16 +613,58 @@ class GradAccumulator:
         caller = "detsum.loss.GradAccumulator.result"
         if reduction not in REDUCTIONS:
             raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
+        if self.group is not None:
+            return self._result_over_ranks(caller, reduction)
         if self.count == 0:
             raise ValueError(f"{caller}: no samples were added; an empty batch has no gradient")
+        if self.mode is Mode.EXACT:
+            return self._rounded([block.state for block in self._blocks.values()],
+                                 self.count, reduction, caller, "samples were added")
         return {name: running.mean() if reduction == "mean" else running.sum()
                 for name, running in self._sums.items()}
+
+    def _rounded(self, states: list[torch.Tensor], count: int, reduction: str, caller: str,
+                 counted: str) -> dict[str, torch.Tensor]:
+        """The exact blocks' ``states`` (of ``count`` samples) rounded once, by parameter in
+        ``named_parameters`` order."""
+        if reduction == "mean" and count > MAX_TERMS_PER_STATE:
+            raise ValueError(f"{caller}: {count} {counted}; an exact mean divides by at most "
+                             f"{MAX_TERMS_PER_STATE} (use reduction='sum')")
+        rounded = {}
+        for block, state in zip(self._blocks.values(), states):
+            rounded.update(block.split(state, count if reduction == "mean" else None))
+        return {name: rounded[name] for name in self._params}
+
+    def _result_over_ranks(self, caller: str, reduction: str,
+                           failure: Exception | None = None, *, last: bool = False
+                           ) -> dict[str, torch.Tensor]:
+        """``result()`` over the group; a rank whose own work raised ``failure`` still sends
+        its header, so that every rank raises instead of waiting for it. ``last``: nothing
+        will be added or asked of this accumulator again, so the sum may overwrite its state
+        (a fresh state of a large model costs a page fault per 4 KiB on first touch)."""
+        fields = {**self._fields, "per-sample gradients": "computed" if failure is None else
+                  "failed with " + distributed.describe_error(failure)}
+        states = [(block.state, self.count) for block in self._blocks.values()]
+        if last:
+            out = [state for state, _ in states]
+        else:
+            if self._summed is None:
+                self._summed = [torch.empty_like(state) for state, _ in states]
+            out = self._summed
+        summed = distributed.sum_over_ranks(caller, self.group, states, fields, out=out,
+                                            local_error=failure)
+        total = summed[0][1]
+        if total == 0:
+            raise ValueError(f"{caller}: no rank of the group added a sample; an empty batch "
+                             f"has no gradient")
+        return self._rounded([state for state, _ in summed], total, reduction, caller,
+                             "samples over the group")
 
 
 def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: torch.Tensor, *,
                reduction: str = "mean", mode: str | Mode = "fp32",
-               microbatch_size: int | None = None, chunk_size: int | None = 32
-               ) -> dict[str, torch.Tensor]:
+               microbatch_size: int | None = None, chunk_size: int | None = 32,
+               group=None) -> dict[str, torch.Tensor]:
     """The gradient of the batch's reduced loss, the same bits for every micro-batch split.
 
     The gradient is computed as per-sample gradients (:func:`per_sample_grads`: each sample
@@ -466,6 +682,18 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
             (default 32): the memory bound, about ``chunk_size`` x parameters, and how often
             the reduction reads its running state. None gathers each whole micro-batch. It
             never changes the result.
+        group: a ``torch.distributed`` process group whose ranks each pass their own shard of
+            the batch (``inputs``, ``targets``: any samples, any number of them, zero
+            included); None (default): this process alone. With a group and ``mode="exact"``
+            the result is the gradient over every rank's samples (the mean divides by their
+            total count): the same bits on every rank, for every number of ranks and every
+            sharding, equal to ``batch_grad(mode="exact")`` in one process on all the samples
+            (on one machine type, torch build and thread count: the per-sample gradients come
+            from torch's kernels). Other modes are refused with a group. A collective of two
+            all-reduces (docs/distributed.md): every rank of the group calls it, and the first
+            one checks that the ranks agree on the parameters, mode and reduction. An error
+            found on one rank (its shard's checks, its per-sample gradients) is raised on
+            every rank, naming that rank.
 
     Returns:
         ``{name: gradient}`` for every trainable parameter, in its dtype.
@@ -496,13 +724,43 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         True
     """
     caller = "detsum.loss.batch_grad"
-    batch = _check_batch(caller, model, inputs, targets)
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
-    microbatch = _check_positive(caller, "microbatch_size", microbatch_size) or batch
-    width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch, microbatch,
-                batch)
-    accumulator = GradAccumulator(model.named_parameters(), mode=mode)
+    if group is not None:
+        distributed.check_group(caller, group, none_means="this process alone")
+    try:
+        batch = _check_batch(caller, model, inputs, targets, allow_empty=group is not None)
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"{caller}: reduction={reduction!r}; expected one of "
+                             f"{REDUCTIONS}")
+        microbatch = _check_positive(caller, "microbatch_size", microbatch_size) or batch
+        width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch,
+                    microbatch, batch)
+        accumulator = GradAccumulator(model.named_parameters(), mode=mode)
+        if group is not None:
+            accumulator._join(caller, group, {"arguments": "valid", "reduction": reduction},
+                              check_now=False)
+    except (TypeError, ValueError) as error:
+        if group is None:
+            raise
+        # A shard that fails its checks on one rank fails the call on every rank, with its
+        # reason, instead of leaving the others waiting in the collective.
+        distributed.fail_together(caller, group,
+                                  {"arguments": distributed.describe_error(error)}, error)
+    if group is None:
+        _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch,
+                    width)
+        return accumulator.result(reduction)
+    try:
+        _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch,
+                    width)
+    except Exception as error:  # the same reason: every rank is told, none waits
+        return accumulator._result_over_ranks(caller, reduction, failure=error)
+    return accumulator._result_over_ranks(caller, reduction, last=True)
+
+
+def _accumulate(caller, model, loss_fn, inputs, targets, accumulator, batch, microbatch, width):
+    """``batch_grad``'s loop: every sample's gradient, alone, into ``accumulator`` in order."""
+    if batch == 0:
+        return
     gradients = _SampleGradients(caller, model, loss_fn)
     # One buffer of `width` rows per parameter for the whole call: a fresh one per chunk would
     # be paged in again every time (on the CPU we measured, as slow as the gradients' writes).
@@ -517,4 +775,3 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
                         gathered[name] = g.new_empty((width, *g.shape))
                     gathered[name][k].copy_(g)
             accumulator.add({name: rows[:count] for name, rows in gathered.items()})
-    return accumulator.result(reduction)

@@ -17,12 +17,14 @@ def test_docs_build_without_warnings(tmp_path):
          str(tmp_path / "html")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
     for page in ("index", "quickstart", "modes", "determinism", "moe", "loss", "switching",
+                 "distributed",
                  "comparison", "api"):
         assert (tmp_path / "html" / f"{page}.html").exists(), page
     api = (tmp_path / "html" / "api.html").read_text()
     for name in ("detsum.segment_sum", "detsum.index_add_", "detsum.scatter_reduce",
                  "detsum.moe.unpermute", "detsum.loss.batch_grad", "detsum.explain",
-                 "detsum.RunningSum", "detsum.hf.use_detsum_experts"):
+                 "detsum.RunningSum", "detsum.hf.use_detsum_experts",
+                 "detsum.distributed.all_reduce_"):
         assert f'id="{name}"' in api, name
 
 

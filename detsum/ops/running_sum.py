@@ -66,7 +66,8 @@ class RunningSum:
     (two running sums of rows added anywhere, in any order, give the state of one sum over
     all their rows), and their ``state()`` is an int64 tensor whose elementwise integer sum
     over several running sums is the state of the merged sum, so that
-    ``torch.distributed.all_reduce(state, SUM)`` then ``load_state`` sums over ranks exactly.
+    ``torch.distributed.all_reduce(state, SUM)`` then ``load_state`` sums over ranks exactly;
+    :func:`detsum.distributed.all_reduce_` does the same with a fraction of the bytes.
 
     State layout (``"exact"``): a 1-D int64 tensor, ``[rows added, element 0, element 1,
     ...]`` over the ``prod(shape)`` elements in row-major order; an element is ``L`` limbs
@@ -143,7 +144,8 @@ class RunningSum:
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
         if self.mode is Mode.EXACT:
-            _limbs.add_terms(self._state, rows.reshape(rows.shape[0], -1).to(self._acc))
+            _limbs.add_terms(self._state,
+                             rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
             self.count += rows.shape[0]
             return
         flat = rows.reshape(rows.shape[0], self._total.numel()).to(self._total.dtype)
@@ -230,7 +232,7 @@ class RunningSum:
             raise ValueError(f"{caller}: other has (shape, dtype, device, mode) = {theirs}; "
                              f"expected {mine}")
         self._state += other._state
-        _limbs.normalise(self._state[:, :self._state.shape[1] - _limbs.COUNTERS])
+        _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count += other.count
 
     def state(self) -> torch.Tensor:
@@ -238,7 +240,8 @@ class RunningSum:
         elementwise integer sum of several such tensors is the state of the merged sum."""
         self._check_exact("detsum.RunningSum.state")
         count = torch.tensor([self.count], dtype=torch.int64, device=self.device)
-        return torch.cat([count, self._state.reshape(-1)])
+        # Element by element, as documented; kept limb by limb inside (detsum._limbs).
+        return torch.cat([count, self._state.t().reshape(-1)])
 
     def load_state(self, state: torch.Tensor) -> None:
         """Replace this sum's state by ``state`` (from ``state()``, or an integer sum of
@@ -257,7 +260,7 @@ class RunningSum:
         count = int(state[0])
         if count < 0:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")
-        self._state.copy_(state[1:].view_as(self._state))
-        _limbs.normalise(self._state[:, :self._state.shape[1] - _limbs.COUNTERS])
+        self._state.copy_(state[1:].view(self._state.shape[1], self._state.shape[0]).t())
+        _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count = count
 

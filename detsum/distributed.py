@@ -1,0 +1,409 @@
+"""Sums over the ranks of a torch.distributed group, exact: the same bits for any number of ranks.
+
+An ``"exact"`` running sum keeps its state as integers (``detsum._limbs``), so the sum of the
+states of every rank is an integer all-reduce: exact in whatever order or tree the backend
+(gloo, NCCL) adds them, and so the same for one rank holding every row as for any number of
+ranks holding any shards of them. A floating-point all-reduce promises nothing of the kind:
+its order, and so its bits, follow the number of ranks and the algorithm the backend picks.
+
+One sum over ranks is two collectives (docs/distributed.md has the proof of exactness):
+
+1. a header, all-reduced with MAX: a fingerprint of what the ranks must agree on (shapes,
+   dtypes, mode and the like) and its negation, whose two maxima are equal only when every
+   rank sent the same fingerprint; the highest and the lowest limb that any rank's states use
+   in sign-magnitude form; and each counter's largest value and largest negated value;
+2. the payload, all-reduced with SUM: each state's row count, its limbs inside that window as
+   sign-magnitude digits, and only the counters that some rank needs, packed several to an
+   int64 where their sum over the ranks is known to fit.
+
+Ranks that disagree get the same error on every rank, naming what differs and where, before
+any state is touched. The loss functions (``detsum.loss``) take part through the helpers here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from detsum import _limbs
+from detsum.kernels import LIMB_BITS
+from detsum.modes import Mode
+from detsum.ops.running_sum import RunningSum
+
+__all__ = ["all_reduce_"]
+
+EXACT_ONLY = ("only mode='exact' sums add up to the same bits for every number of ranks (the "
+               "other modes depend on the order of their rows, and rows on different ranks "
+               "have no order)")
+
+
+def check_group(caller: str, group: object, *, none_means: str) -> None:
+    """torch.distributed is initialised and ``group`` is a process group this rank is in
+    (or None, which the caller reads as ``none_means``)."""
+    if not dist.is_available():
+        raise RuntimeError(f"{caller}: this torch build has no torch.distributed; expected a "
+                           f"build with distributed support for a sum over ranks")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{caller}: torch.distributed is not initialised; expected "
+            f"torch.distributed.init_process_group(...) on every rank before a sum over ranks")
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"{caller}: this rank is not a member of group; expected a group "
+                         f"that includes the calling rank")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{caller}: group must be a torch.distributed.ProcessGroup or None "
+                        f"({none_means}), got {type(group).__name__}")
+
+
+def _header_device(group) -> torch.device:
+    # NCCL moves CUDA tensors only; every other backend takes CPU ones.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _fingerprint(fields: dict) -> int:
+    """63 bits of a hash of ``fields`` that every process computes alike (Python's own
+    ``hash`` of a string changes from process to process)."""
+    digest = hashlib.blake2b(repr(list(fields.items())).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _shown(value: object) -> str:
+    # Quoted, but not escaped: an error's own words read as they were written.
+    return f"'{value}'" if isinstance(value, str) else repr(value)
+
+
+def describe_error(error: Exception) -> str:
+    """An error as a field that ranks compare: its type and its words."""
+    return f"{type(error).__name__}: {error}"
+
+
+def _raise_disagreement(caller: str, group, fields: dict) -> None:
+    """Every rank gets here together (they all saw two fingerprints): gather the fields and
+    name the first one that differs, with the ranks holding each value."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, fields, group=group)
+    global_ranks = [dist.get_global_rank(group, r) if group is not None else r
+                    for r in range(len(gathered))]
+    keys = list(dict.fromkeys(key for theirs in gathered for key in theirs))
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for rank, theirs in zip(global_ranks, gathered):
+            by_value.setdefault(_shown(theirs[key]) if key in theirs else "nothing",
+                                []).append(rank)
+        if len(by_value) > 1:
+            listed = "; ".join(f"{value} on {_ranks(ranks)}" for value, ranks in by_value.items())
+            raise ValueError(f"{caller}: the ranks of the group disagree on {key}: {listed}; "
+                             f"expected the same {key} on every rank")
+    raise ValueError(f"{caller}: the ranks of the group described their arguments alike but "
+                     f"their fingerprints differ ({fields}); expected every rank to run the "
+                     f"same detsum and Python versions")
+
+
+#: The header after the fingerprint: the window of limbs in use (its top, minus its bottom),
+#: then for each counter its largest value and its largest negated value.
+_HEADER_VALUES = 2 + 2 * _limbs.COUNTERS
+_ALL_ONES = (1 << LIMB_BITS) - 1
+
+
+def _exchange(caller: str, group, fields: dict, values: torch.Tensor) -> list[int]:
+    """All-reduce with MAX the fingerprint of ``fields``, its negation, then ``values``
+    (``_HEADER_VALUES`` int64); return the maxima of ``values``. Raises the same error on
+    every rank when the ranks' fields differ. Every call sends a header of one size, so that
+    ranks in different calls still pair up, and find out."""
+    fingerprint = _fingerprint(fields)
+    device = _header_device(group)
+    header = torch.cat([torch.tensor([fingerprint, -fingerprint], dtype=torch.int64,
+                                     device=device), values.to(device)])
+    dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
+    received = header.tolist()
+    if received[0] != -received[1]:  # max(f) != min(f): two ranks sent two fingerprints
+        _raise_disagreement(caller, group, fields)
+    return received[2:]
+
+
+def agree(caller: str, group, fields: dict) -> None:
+    """One small collective: every rank of ``group`` passes ``fields`` (names to picklable
+    values with a stable ``repr``), and all of them raise, naming the first field that differs
+    and on which ranks, unless every rank passed the same."""
+    _exchange(caller, group, fields, torch.zeros(_HEADER_VALUES, dtype=torch.int64))
+
+
+def fail_together(caller: str, group, fields: dict, error: Exception) -> NoReturn:
+    """Raise ``error`` (an argument error found on this rank) where another rank may be in
+    :func:`sum_over_ranks`: the header goes out first, so that every rank raises, this error
+    where all ranks found it, the disagreement (naming this rank) where only some did."""
+    _exchange(caller, group, fields, torch.zeros(_HEADER_VALUES, dtype=torch.int64))
+    raise error
+
+
+def _lowest_row_in_use(limbs: torch.Tensor) -> int:
+    """The lowest limb (row) nonzero in any element; the limb count when there is none."""
+    for i in range(limbs.shape[0]):
+        if int(torch.count_nonzero(limbs[i])):  # several times faster than any() on CPU
+            return i
+    return limbs.shape[0]
+
+
+def _highest_row_beyond_sign(limbs: torch.Tensor, negative: torch.Tensor, bottom: int) -> int:
+    """The highest limb (row) where some element differs from what its sign alone puts there
+    (0 above a nonnegative value; all ones, and -1 in the last limb, above a negative one);
+    ``bottom - 1`` when none does."""
+    last = limbs.shape[0] - 1
+    fill = negative.long() * _ALL_ONES
+    for i in range(last, bottom - 1, -1):
+        if not torch.equal(limbs[i], -negative.long() if i == last else fill):
+            return i
+    return bottom - 1
+
+
+class _Outgoing:
+    """One exact state as this rank sends it: the digits of its value in sign-magnitude form,
+    ``sign * |value|``'s limbs, in the rows ``[first, first + len(digits))`` that hold any;
+    its counters; and its part of the header.
+
+    Why sign-magnitude: a negative value's normalised limbs are its two's complement, all ones
+    above its magnitude; its magnitude's limbs are zero there, as a positive value's are, so a
+    gradient's limbs in use are a few rows (two or three for fp32 gradients). Every digit is
+    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64."""
+
+    def __init__(self, state: torch.Tensor, count: int):
+        self.state, self.count = state, count
+        n_limbs = state.shape[0] - _limbs.COUNTERS
+        self.n_limbs = n_limbs
+        limbs = state[:n_limbs]
+        bottom = _lowest_row_in_use(limbs)
+        self.first, self.digits = bottom, limbs[:0]
+        if bottom < n_limbs:
+            negative = limbs[-1] < 0
+            # A multiply by the sign: torch.where with a broadcast condition is several times
+            # slower on CPU.
+            sign = 1 - 2 * negative.long()
+            last = min(_highest_row_beyond_sign(limbs, negative, bottom) + 1, n_limbs - 1)
+            # The limbs above `last` hold the sign alone: worth -2**(32 * (last + 1)) for a
+            # negative value, nothing for the others. One more row stands for them.
+            extra = 1 if last < n_limbs - 1 else 0
+            magnitude = torch.empty((last + 1 - bottom + extra, state.shape[1]),
+                                    dtype=torch.int64, device=state.device)
+            torch.mul(limbs[bottom:last + 1], sign, out=magnitude[:last + 1 - bottom])
+            if extra:
+                magnitude[-1] = negative
+            _limbs.normalise(magnitude)
+            used = torch.count_nonzero(magnitude, dim=1).nonzero().flatten().tolist()
+            self.first = bottom + used[0]
+            self.digits = magnitude[used[0]:used[-1] + 1] * sign
+        # -0.0 terms are rare, so the count of terms other than -0.0 goes as its complement,
+        # zero where every term was something else: when it is zero on every rank, and no
+        # rank saw NaN or an infinity, no counter goes on the wire.
+        self.complement = count - state[n_limbs + _limbs.NOT_NEG_ZERO]
+
+    def counter(self, k: int) -> torch.Tensor:
+        """Counter ``k`` as it goes on the wire."""
+        return self.complement if k == _limbs.NOT_NEG_ZERO else self.state[self.n_limbs + k]
+
+    def header(self) -> list[int]:
+        """top, minus bottom, then per counter its maximum and the maximum of its negation."""
+        values = [self.first + self.digits.shape[0] - 1 if self.digits.shape[0] else -1,
+                  -(self.first if self.digits.shape[0] else self.n_limbs)]
+        for k in range(_limbs.COUNTERS):
+            row = self.counter(k)
+            if row.numel() and int(torch.count_nonzero(row)):  # mostly zero: one fast pass
+                smallest, largest = torch.aminmax(row)
+                values += [int(largest), -int(smallest)]
+            else:
+                values += [0, 0]
+        return values
+
+
+def _pack(values: torch.Tensor, fields: int, bits: int) -> torch.Tensor:
+    """Nonnegative ``values`` (1-D), ``fields`` to an int64 of ``bits`` bits each."""
+    lanes = -(-values.numel() // fields)
+    padded = torch.zeros(lanes * fields, dtype=torch.int64, device=values.device)
+    padded[:values.numel()] = values
+    shifts = torch.arange(fields, device=values.device) * bits
+    # The fields' bits are disjoint: the sum is an OR, exact.
+    return (padded.view(lanes, fields) << shifts).sum(1)
+
+
+def _unpack(lanes: torch.Tensor, fields: int, bits: int, numel: int) -> torch.Tensor:
+    shifts = torch.arange(fields, device=lanes.device) * bits
+    return ((lanes.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+
+
+def _carry_out(limbs: torch.Tensor, above: int) -> None:
+    """Normalise ``limbs`` whose rows below ``above`` are normalised but for the last of them,
+    which holds the rest of the value (any int64), and whose rows from ``above`` up hold
+    anything: they are overwritten with that rest's carry, in normalised form."""
+    last = limbs.shape[0] - 1
+    if above > last:
+        return
+    rest = limbs[above - 1] >> LIMB_BITS  # below 2**31 in magnitude: an int64 shifted by 32
+    limbs[above - 1] &= _ALL_ONES
+    if above == last:
+        limbs[last] = rest
+        return
+    sign = rest >> LIMB_BITS  # -1 or 0
+    limbs[above] = rest & _ALL_ONES
+    limbs[above + 1:last] = (sign & _ALL_ONES).unsqueeze(0)
+    limbs[last] = sign
+
+
+def _rows(top: int, bottom: int, n_limbs: int) -> int:
+    """Rows of the window ``[bottom, top]`` within a state of ``n_limbs`` limbs (fp32 and fp64
+    states summed in one call share one window)."""
+    return max(0, min(top, n_limbs - 1) - bottom + 1)
+
+
+def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]],
+                   fields: dict, *, out: Sequence[torch.Tensor] | None = None,
+                   local_error: Exception | None = None, sent: dict | None = None
+                   ) -> list[tuple[torch.Tensor, int]]:
+    """The sum over the ranks of ``group`` of each exact ``(state, count)`` (``state``
+    ``[L + COUNTERS, numel]`` int64, normalised, as ``detsum._limbs`` keeps it; ``count`` its
+    rows): normalised states and the total counts, the same on every rank. The results go
+    into ``out`` (which may be the states themselves) or new tensors.
+
+    Two collectives: the header (``fields`` agreed; the window of limbs that any rank uses,
+    over all the states; the counters' extremes) and the payload: each state's count, its
+    digits in that window, and the counters that some rank needs, packed several to an int64
+    where their sum over the ranks is known to fit. Every rank must pass the same number of
+    states with the same shapes (``fields`` should say so). ``local_error``: this rank found
+    an error in its arguments; it sends the header and raises that error where every rank
+    did the same, the disagreement otherwise. ``sent``, where given, receives the bytes each
+    rank hands to the two all-reduces (``"header_bytes"``, ``"payload_bytes"``)."""
+    if local_error is not None:
+        fail_together(caller, group, fields, local_error)
+    outgoing = [_Outgoing(state, count) for state, count in states]
+    local = torch.tensor([max(values) for values in zip(*(o.header() for o in outgoing))]
+                         if outgoing else [0] * _HEADER_VALUES, dtype=torch.int64)
+    maxima = _exchange(caller, group, fields, local)
+    top, bottom = maxima[0], -maxima[1]
+    extremes = maxima[2:]
+    kinds = [k for k in range(_limbs.COUNTERS) if extremes[2 * k] > 0 or extremes[2 * k + 1] > 0]
+    ranks = dist.get_world_size(group)
+    if any(extremes[2 * k + 1] > 0 for k in kinds):
+        packing = (1, 64)  # a negative counter (a state loaded by hand): one per int64
+    else:
+        # Each counter's sum over the ranks is at most `ranks` times the largest value.
+        bits = max((ranks * extremes[2 * k]).bit_length() for k in kinds) if kinds else 1
+        packing = (max(1, 63 // bits), bits)
+
+    def lanes(numel: int) -> int:
+        return -(-numel // packing[0])
+
+    sizes = [1 + _rows(top, bottom, o.n_limbs) * o.state.shape[1]
+             + len(kinds) * lanes(o.state.shape[1]) for o in outgoing]
+    device = outgoing[0].state.device if outgoing else torch.device("cpu")
+    payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
+    offset = 0
+    for o in outgoing:
+        numel, rows = o.state.shape[1], _rows(top, bottom, o.n_limbs)
+        payload[offset] = o.count
+        window = payload[offset + 1:offset + 1 + rows * numel].view(rows, numel)
+        start, stop = o.first - bottom, o.first - bottom + o.digits.shape[0]
+        window[:start].zero_()
+        window[start:stop] = o.digits
+        window[stop:].zero_()
+        offset += 1 + rows * numel
+        for k in kinds:
+            counter = o.counter(k)
+            payload[offset:offset + lanes(numel)] = (counter if packing[0] == 1
+                                                     else _pack(counter, *packing))
+            offset += lanes(numel)
+    if sent is not None:
+        sent["header_bytes"] = 8 * (2 + _HEADER_VALUES)
+        sent["payload_bytes"] = payload.numel() * payload.element_size()
+    # Integer addition: exact, so the same sums in any order the backend chooses.
+    dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
+
+    results, offset, count_positions = [], 0, []
+    for i, o in enumerate(outgoing):
+        numel, n_limbs = o.state.shape[1], o.n_limbs
+        summed = torch.empty_like(o.state) if out is None else out[i]
+        count_positions.append(offset)
+        offset += 1
+        # Below the window every rank's limbs are zero; above it, the carries of the sum.
+        summed[:min(bottom, n_limbs)] = 0
+        rows = _rows(top, bottom, n_limbs)
+        if rows:
+            window = summed[bottom:bottom + rows]
+            window.copy_(payload[offset:offset + rows * numel].view(rows, numel))
+            offset += rows * numel
+            _limbs.normalise(window)
+            _carry_out(summed[:n_limbs], bottom + rows)
+        counters = summed[n_limbs:]
+        counters.zero_()
+        for k in kinds:
+            received = payload[offset:offset + lanes(numel)]
+            counters[k] = received if packing[0] == 1 else _unpack(received, *packing, numel)
+            offset += lanes(numel)
+        results.append(summed)
+    totals = payload[count_positions].tolist()
+    for summed, total, o in zip(results, totals, outgoing):
+        # What went on the wire was the complement (or nothing, where it was zero everywhere).
+        not_neg_zero = summed[o.n_limbs + _limbs.NOT_NEG_ZERO]
+        not_neg_zero.copy_(total - not_neg_zero)
+    return list(zip(results, totals))
+
+
+def all_reduce_(running_sum: RunningSum, group=None) -> None:
+    """Sum an ``"exact"`` :class:`detsum.RunningSum` over the ranks of ``group``, in place.
+
+    Afterwards every rank holds the state of one running sum over the rows that every rank
+    had added, with their count: the state that merging all the ranks' sums in one process
+    (:meth:`detsum.RunningSum.merge`) gives, the same integers on every rank. Its ``sum()`` and
+    ``mean()`` are therefore the exact sum (mean) of all those rows rounded once, the same
+    bits for every number of ranks and every way the rows were spread over them.
+
+    Args:
+        running_sum: an ``"exact"`` running sum of the same shape and dtype on every rank.
+        group: the ranks to sum over (a ``torch.distributed.ProcessGroup``); None: the
+            default group, as in ``torch.distributed``. A collective: every rank of the group
+            calls it.
+
+    Exactness: the state is integers (limbs of 32 bits and four counters per element, see
+    :class:`detsum.RunningSum`); the ranks add them with an integer ``all_reduce``, exact in
+    any order and for any backend. Only the limbs inside the window that some rank uses go on
+    the wire, as sign-magnitude digits whose sum over fewer than ``2**31`` ranks stays within
+    int64, and only the counters that some rank needs (:doc:`distributed`): 8 bytes per limb
+    in that window and element (16 to 24 for fp32 gradients), where the whole state takes 112.
+
+    Every error is raised before any state changes, on every rank alike where its cause is on
+    one rank (the ranks exchange a fingerprint of the mode, dtype and shape first).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: the sum's mode is not ``"exact"``; or the ranks disagree on the mode,
+            dtype or shape (the message names the value on each rank).
+
+    Example (one process per rank, after ``torch.distributed.init_process_group``)::
+
+        running = detsum.RunningSum(grad.shape, mode="exact")
+        running.add(my_rows)
+        detsum.distributed.all_reduce_(running)
+        total = running.sum()  # the same bits on every rank, for any number of ranks
+    """
+    caller = "detsum.distributed.all_reduce_"
+    check_group(caller, group, none_means="the default group")
+    if not isinstance(running_sum, RunningSum):
+        raise TypeError(f"{caller}: running_sum must be a detsum.RunningSum, got "
+                        f"{type(running_sum).__name__}")
+    fields = {"mode": running_sum.mode.value, "dtype": running_sum.dtype,
+              "shape": tuple(running_sum.shape)}
+    if running_sum.mode is not Mode.EXACT:
+        # The header still goes out, so that a rank of another mode is told of it too.
+        fail_together(caller, group, fields, ValueError(
+            f"{caller}: running_sum has mode={running_sum.mode.value!r}; expected "
+            f"mode='exact': {EXACT_ONLY}"))
+    [(_, total)] = sum_over_ranks(caller, group, [(running_sum._state, running_sum.count)],
+                                  fields, out=[running_sum._state])
+    running_sum.count = total

@@ -147,21 +147,12 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     caller = "detsum.loss.reduce"
     if group is not None:
         return _reduce_over_ranks(caller, losses, reduction, weight, mode, group)
-    mode = _parse_mode(mode, caller)
-    _check_float_tensor(caller, "losses", losses)
+    mode, values = _reduce_arguments(caller, losses, reduction, weight, mode)
     if losses.numel() == 0:
         raise ValueError(f"{caller}: losses is empty; expected at least one loss (an empty "
                          f"batch has no mean)")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
-    acc = acc_dtype(losses.dtype)
-    values = losses.reshape(-1).to(acc)
+    acc = values.dtype
     if weight is not None:
-        _check_float_tensor(caller, "weight", weight)
-        if weight.shape != losses.shape:
-            raise ValueError(f"{caller}: weight has shape {tuple(weight.shape)}; expected "
-                             f"losses' shape {tuple(losses.shape)}")
-        _validation.check_same_device(caller, losses=losses, weight=weight)
         weights = weight.reshape(-1).to(acc)
         if mode == Mode.EXACT and reduction == "sum":
             return _ExactSum.apply(values * weights, losses.dtype, None)
@@ -189,6 +180,23 @@ def _mode_name(mode: object) -> str:
     return mode if isinstance(mode, str) else repr(mode)
 
 
+def _reduce_arguments(caller: str, losses: object, reduction: object, weight: object,
+                      mode: object) -> tuple[Mode, torch.Tensor]:
+    """The checks every ``reduce`` makes; returns the mode and the losses as a 1-D tensor of
+    the acc type (an exact conversion)."""
+    mode = _parse_mode(mode, caller)
+    _check_float_tensor(caller, "losses", losses)
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
+    if weight is not None:
+        _check_float_tensor(caller, "weight", weight)
+        if weight.shape != losses.shape:
+            raise ValueError(f"{caller}: weight has shape {tuple(weight.shape)}; expected "
+                             f"losses' shape {tuple(losses.shape)}")
+        _validation.check_same_device(caller, losses=losses, weight=weight)
+    return mode, losses.reshape(-1).to(acc_dtype(losses.dtype))
+
+
 def _exact_over_ranks(caller: str, mode: Mode) -> None:
     if mode is not Mode.EXACT:
         raise ValueError(f"{caller}: mode={mode.value!r} with a group; expected mode='exact': "
@@ -201,18 +209,8 @@ def _reduce_over_ranks(caller, losses, reduction, weight, mode, group) -> torch.
               "dtype of losses": getattr(losses, "dtype", None),
               "weight": "given" if weight is not None else None}
     try:
-        mode = _parse_mode(mode, caller)
-        _check_float_tensor(caller, "losses", losses)
-        if reduction not in REDUCTIONS:
-            raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
-        acc = acc_dtype(losses.dtype)
-        values = losses.reshape(-1).to(acc)
-        if weight is not None:
-            _check_float_tensor(caller, "weight", weight)
-            if weight.shape != losses.shape:
-                raise ValueError(f"{caller}: weight has shape {tuple(weight.shape)}; expected "
-                                 f"losses' shape {tuple(losses.shape)}")
-            _validation.check_same_device(caller, losses=losses, weight=weight)
+        mode, values = _reduce_arguments(caller, losses, reduction, weight, mode)
+        acc = values.dtype
         _exact_over_ranks(caller, mode)
     except (TypeError, ValueError) as error:
         distributed.fail_together(

@@ -54,46 +54,30 @@ def _ordered_sum(values: torch.Tensor, mode: Mode) -> torch.Tensor:
 
 
 class _ExactSum(torch.autograd.Function):
-    """The exact sum of a 1-D acc-type tensor (over ``count`` with one), rounded once to
-    ``dtype``: a 0-dim tensor. Its gradient is the incoming one (divided by ``count`` in the
-    acc type) for every term, as the other modes' ``sum`` (and ``/ n``) give."""
-
-    @staticmethod
-    def forward(ctx, values, dtype, count):
-        state = _limbs.new_state(1, values.dtype, values.device)
-        _limbs.add_terms(state, values.view(-1, 1))
-        ctx.count, ctx.numel = count, values.shape[0]
-        return _limbs.round_state(state, values.dtype, dtype, count).view(())
-
-    @staticmethod
-    def backward(ctx, grad):
-        wide = grad.to(acc_dtype(grad.dtype))
-        if ctx.count is not None:
-            wide = wide / ctx.count
-        return wide.expand(ctx.numel), None, None
-
-
-class _ExactSumOverRanks(torch.autograd.Function):
-    """The exact sum of ``rows`` ``[n, k]`` (acc type) over every rank of ``group``, rounded
-    once to ``dtype``: ``[k]``; with ``mean``, divided by the total row count first (exactly).
-    Its gradient is :class:`_ExactSum`'s, with that total count: the gradient of the global
-    loss with respect to this rank's losses."""
+    """The exact sum of ``rows`` ``[n, k]`` (acc type), rounded once to ``dtype``: ``[k]``; with
+    ``mean``, divided by the row count first (exactly). With a ``group``, the sum and the count
+    are over every rank of it (``caller`` and ``fields`` name the call for the ranks' check).
+    Its gradient is the incoming one (divided by the count in the acc type) for every row, as
+    the other modes' ``sum`` (and ``/ n``) give: with a group, the gradient of the global loss
+    with respect to this rank's losses."""
 
     @staticmethod
     def forward(ctx, rows, dtype, mean, caller, group, fields):
         state = _limbs.new_state(rows.shape[1], rows.dtype, rows.device)
         _limbs.add_terms(state, rows)
-        [(summed, total)] = distributed.sum_over_ranks(caller, group, [(state, rows.shape[0])],
-                                                       fields)
-        if total == 0:
-            raise ValueError(f"{caller}: every rank's losses are empty; expected at least one "
-                             f"loss over the group (an empty batch has no mean)")
-        if mean and total > MAX_TERMS_PER_STATE:
-            raise ValueError(f"{caller}: an exact mean of {total} losses over the group; "
-                             f"mode='exact' divides by at most {MAX_TERMS_PER_STATE} (reduce "
-                             f"the sum, or average partial means)")
+        total = rows.shape[0]
+        if group is not None:
+            [(state, total)] = distributed.sum_over_ranks(caller, group, [(state, total)],
+                                                          fields)
+            if total == 0:
+                raise ValueError(f"{caller}: every rank's losses are empty; expected at least "
+                                 f"one loss over the group (an empty batch has no mean)")
+            if mean and total > MAX_TERMS_PER_STATE:
+                raise ValueError(f"{caller}: an exact mean of {total} losses over the group; "
+                                 f"mode='exact' divides by at most {MAX_TERMS_PER_STATE} "
+                                 f"(reduce the sum, or average partial means)")
         ctx.count, ctx.shape = (total if mean else None), rows.shape
-        return _limbs.round_state(summed, rows.dtype, dtype, ctx.count)
+        return _limbs.round_state(state, rows.dtype, dtype, ctx.count)
 
     @staticmethod
     def backward(ctx, grad):
@@ -101,6 +85,11 @@ class _ExactSumOverRanks(torch.autograd.Function):
         if ctx.count is not None:
             wide = wide / ctx.count
         return wide.expand(ctx.shape), None, None, None, None, None
+
+
+def _exact_sum(rows: torch.Tensor, dtype: torch.dtype, mean: bool) -> torch.Tensor:
+    """:class:`_ExactSum` of one process's 1-D acc-type ``rows``: a 0-dim tensor."""
+    return _ExactSum.apply(rows.unsqueeze(1), dtype, mean, None, None, None).view(())
 
 
 def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tensor | None = None,
@@ -155,7 +144,7 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
     if weight is not None:
         weights = weight.reshape(-1).to(acc)
         if mode == Mode.EXACT and reduction == "sum":
-            return _ExactSum.apply(values * weights, losses.dtype, None)
+            return _exact_sum(values * weights, losses.dtype, False)
         total = _ordered_sum(values * weights, mode)
         if reduction == "mean":
             total = total / _ordered_sum(weights, mode)
@@ -164,8 +153,7 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
             raise ValueError(f"{caller}: an exact mean of {values.shape[0]} losses; mode='exact' "
                              f"divides by at most {MAX_TERMS_PER_STATE} (reduce the sum, or "
                              f"average partial means)")
-        return _ExactSum.apply(values, losses.dtype,
-                               values.shape[0] if reduction == "mean" else None)
+        return _exact_sum(values, losses.dtype, reduction == "mean")
     else:
         total = _ordered_sum(values, mode)
         if reduction == "mean":
@@ -217,15 +205,15 @@ def _reduce_over_ranks(caller, losses, reduction, weight, mode, group) -> torch.
             caller, group, {**fields, "arguments": distributed.describe_error(error)}, error)
     fields["arguments"] = "valid"
     if weight is None:
-        total = _ExactSumOverRanks.apply(values.unsqueeze(1), losses.dtype,
+        total = _ExactSum.apply(values.unsqueeze(1), losses.dtype,
                                          reduction == "mean", caller, group, fields)
         return total.view(())
     weighted = values * weight.reshape(-1).to(acc)
     if reduction == "sum":
-        return _ExactSumOverRanks.apply(weighted.unsqueeze(1), losses.dtype, False, caller,
+        return _ExactSum.apply(weighted.unsqueeze(1), losses.dtype, False, caller,
                                         group, fields).view(())
     # As the one-process weighted mean: two sums correctly rounded to the acc type, divided.
-    sums = _ExactSumOverRanks.apply(torch.stack([weighted, weight.reshape(-1).to(acc)], 1),
+    sums = _ExactSum.apply(torch.stack([weighted, weight.reshape(-1).to(acc)], 1),
                                     acc, False, caller, group, fields)
     return (sums[0] / sums[1]).to(losses.dtype)
 

@@ -85,3 +85,17 @@ def has_work(src, order, offsets, supported_dtypes) -> bool:
         raise TypeError("segment_reduce: order and offsets must be int64")
     outer, _, inner = src.shape
     return outer > 0 and offsets.shape[0] > 1 and inner > 0
+
+
+def has_exact_work(src, order, offsets, reduce, supported_dtypes) -> bool:
+    """``has_work`` for the EXACT rule, which sums (SUM, MEAN) only and divides a mean by at
+    most MAX_TERMS_PER_STATE terms (the long division keeps its remainder << 32 in an int64)."""
+    if not has_work(src, order, offsets, supported_dtypes):
+        return False
+    if reduce not in (SUM, MEAN):
+        raise ValueError("segment_reduce: the EXACT rule sums (SUM, MEAN) only")
+    positions = order.shape[0] if order is not None else src.shape[1]
+    if reduce == MEAN and positions + 1 > MAX_TERMS_PER_STATE:
+        raise ValueError(f"segment_reduce: an exact mean of up to {positions + 1} terms; "
+                         f"expected at most {MAX_TERMS_PER_STATE}")
+    return True

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .. import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE, MEAN, NORMALISE_EVERY, SUM, has_work
+from .. import EXACT_LIMBS, LIMB_BITS, MEAN, NORMALISE_EVERY, has_exact_work
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -569,17 +569,11 @@ _KERNELS = {
 
 def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
     """``segment.segment_reduce`` for ``rule == EXACT`` (see the module docstring)."""
-    if not has_work(src, order, offsets, _KERNELS):
+    if not has_exact_work(src, order, offsets, reduce, _KERNELS):
         return
-    if reduce not in (SUM, MEAN):
-        raise ValueError("segment_reduce: the EXACT rule sums (SUM, MEAN) only")
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     positions = order.shape[0] if order is not None else src.shape[1]
-    if reduce == MEAN and positions + 1 > MAX_TERMS_PER_STATE:
-        # The long division needs count <= MAX_TERMS_PER_STATE (remainder << 32 in int64).
-        raise ValueError(f"segment_reduce: an exact mean of up to {positions + 1} terms; "
-                         f"expected at most {MAX_TERMS_PER_STATE}")
     kernel, n_limbs = _KERNELS[src.dtype]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)

@@ -72,7 +72,6 @@ from .. import (
     EXACT,
     EXACT_LIMBS,
     KAHAN,
-    MAX_TERMS_PER_STATE,
     MEAN,
     NORMALISE_EVERY,
     PROD,
@@ -80,6 +79,7 @@ from .. import (
     SPLIT_RULES,
     SUM,
     WIDE,
+    has_exact_work,
     has_work,
 )
 
@@ -886,18 +886,11 @@ _NORMALISE_EVERY = NORMALISE_EVERY
 
 def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
     """``segment_reduce`` for ``rule == EXACT`` (see the module's notes)."""
-    if not has_work(src, order, offsets, _DATA_CODES):
+    if not has_exact_work(src, order, offsets, reduce, _DATA_CODES):
         return
-    if reduce not in (SUM, MEAN):
-        raise ValueError("segment_reduce: the EXACT rule sums (SUM, MEAN) only")
-    outer, num_rows, inner = src.shape
+    outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     has_order = order is not None
-    positions = order.shape[0] if has_order else num_rows
-    if reduce == MEAN and positions + 1 > MAX_TERMS_PER_STATE:
-        # The long division needs count <= MAX_TERMS_PER_STATE (remainder << 32 in int64).
-        raise ValueError(f"segment_reduce: an exact mean of up to {positions + 1} terms; "
-                         f"expected at most {MAX_TERMS_PER_STATE}")
     precision, min_quantum, unit_exponent, n_limbs = _EXACT_TARGETS[src.dtype]
     # One lane more than the limbs: the mean's quotient moves up a lane (see _exact_value).
     lanes = triton.next_power_of_2(n_limbs + 1)

@@ -183,6 +183,40 @@ def hf_targets(data: dict) -> list[str]:
     return lines
 
 
+#: The speed issue's ratios against torch in the same run (median over median): the small
+#: in-place call (bench_dispatch.py) and the GNN index_add at each target width
+#: (bench_gnn_index_add.py).
+SMALL_CALL_TARGET = 2.0
+GNN_INDEX_ADD_TARGET = 1.0
+GNN_TARGET_WIDTHS = (16, 64, 128)
+
+
+def speed_targets(data: dict) -> list[str]:
+    """bench_dispatch.py's small index_add_ and bench_gnn_index_add.py's widths: detsum over
+    torch, each with the spread of the two medians (interquartile range over median)."""
+    stats = {b["name"]: b["stats"] for b in data["benchmarks"]}
+    lines = []
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("impl") not in ("detsum.index_add_", "detsum-fp32"):
+            continue
+        if e.get("primitive") == "small index_add_":
+            limit = SMALL_CALL_TARGET
+        elif e.get("primitive") == "gnn index_add" and e.get("width") in GNN_TARGET_WIDTHS:
+            limit = GNN_INDEX_ADD_TARGET
+        else:
+            continue
+        base = stats.get(e.get("baseline_case"))
+        if base is None:
+            continue
+        r = b["stats"]["median"] / base["median"]
+        spread = max(b["stats"]["iqr"] / b["stats"]["median"], base["iqr"] / base["median"])
+        lines.append(f"{e['device']} {e['primitive']} {e['case']}: detsum / torch: {r:.2f} "
+                     f"(spread {spread:.0%}; target <= {limit:g}) "
+                     f"{'met' if r <= limit else 'MISSED'}")
+    return lines
+
+
 def targets(data: dict) -> list[str]:
     """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
     by = {}
@@ -208,7 +242,7 @@ def targets(data: dict) -> list[str]:
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
     return (lines + exact_targets(data) + loss_targets(data) + scatter_compat_targets(data)
-            + pyg_targets(data) + hf_targets(data))
+            + pyg_targets(data) + hf_targets(data) + speed_targets(data))
 
 
 def table(data: dict) -> str:

@@ -16,6 +16,7 @@ import torch
 from detsum import kernels as K
 from detsum.kernels.numba.plan import check_sorted_offsets, counting_sort
 from detsum.kernels.numba.segment import segment_reduce
+from detsum.kernels.numba import segment as numba_segment
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 RULES = (K.WIDE, K.KAHAN, K.ROUND_EACH)
@@ -267,9 +268,14 @@ def test_empty_shapes():
     assert torch.equal(out, torch.zeros(2, 3, 5, dtype=f32))
 
 
+@pytest.mark.parametrize("min_block_elements", (1, None), ids=("64-blocks-a-thread", "default"))
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: K.RULE_NAMES[r])
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=str)
-def test_thread_count_does_not_matter(dtype, rule):
+def test_thread_count_does_not_matter(dtype, rule, min_block_elements, monkeypatch):
+    """Every schedule gives the same bits: one thread or several, few blocks (the default
+    for this size) or as many as the kernel ever makes."""
+    if min_block_elements is not None:
+        monkeypatch.setattr(numba_segment, "_MIN_BLOCK_ELEMENTS", min_block_elements)
     g = torch.Generator().manual_seed(11)
     index = torch.randint(0, 300, (5000,), generator=g)
     order, offsets, bad = counting_sort(index, 300)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _segments, _validation, reference
+from detsum import _dispatch, _segments, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, parse_mode, rule_for
 
@@ -56,10 +56,15 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     return out3
 
 
+def _index_add(input, dim, index, source, alpha, acc_mode):
+    """The out-of-place operator's body (also called directly, see ``_dispatch``)."""
+    return _run(input, dim, index, source, alpha, acc_mode, None).view(input.shape)
+
+
 @torch.library.custom_op("detsum::index_add", mutates_args=())
 def index_add_op(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
                  alpha: float, acc_mode: str) -> torch.Tensor:
-    return _run(input, dim, index, source, alpha, acc_mode, None).view(input.shape)
+    return _index_add(input, dim, index, source, alpha, acc_mode)
 
 
 @index_add_op.register_fake
@@ -67,9 +72,8 @@ def _(input, dim, index, source, alpha, acc_mode):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
-def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
-                         source: torch.Tensor, alpha: float, acc_mode: str) -> None:
+def _index_add_inplace(input, dim, index, source, alpha, acc_mode):
+    """The in-place operator's body (also called directly, see ``_dispatch``)."""
     # Here, not only in the public function: a compiled graph calls this operator directly.
     _validation.check_inplace_target("detsum.index_add_", "input", input, index=index,
                                      source=source)
@@ -79,6 +83,12 @@ def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
         _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim))
     else:
         input.copy_(_run(input, dim, index, source, alpha, acc_mode, None).view(input.shape))
+
+
+@torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
+def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
+                         source: torch.Tensor, alpha: float, acc_mode: str) -> None:
+    _index_add_inplace(input, dim, index, source, alpha, acc_mode)
 
 
 @index_add_inplace_op.register_fake
@@ -155,6 +165,8 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
                                              _CALLER)
+    if _dispatch.direct_call_ok(input, index, source):
+        return _index_add(input, dim, index, source, alpha, mode.value)
     return index_add_op(input, dim, index, source, alpha, mode.value)
 
 
@@ -173,6 +185,12 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
         if not torch.compiler.is_compiling():
             _validation.check_inplace_target(caller, "input", input, index=index, source=source)
         return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value))
+    if _dispatch.direct_call_ok(input, index, source):
+        _index_add_inplace(input, dim, index, source, alpha, mode.value)
+        # What the operator's mutates_args does: a saved copy of input is now stale, and
+        # autograd must say so if a backward reads it.
+        torch.autograd.graph.increment_version(input)
+        return input
     index_add_inplace_op(input, dim, index, source, alpha, mode.value)
     return input
 

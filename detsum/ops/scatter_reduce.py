@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _segments, _validation, reference
+from detsum import _dispatch, _segments, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
 
@@ -242,6 +242,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     """
     dim, mode = _validation.run_check(_check, input, dim, index, src, reduce, include_self,
                                       mode, sorted)
+    if _dispatch.direct_call_ok(input, index, src):
+        return _run(input, dim, index, src, reduce, include_self, mode.value, sorted)
     return scatter_reduce_op(input, dim, index, src, reduce, include_self, mode.value, sorted)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _segments, _validation, reference
+from detsum import _dispatch, _segments, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, parse_mode, rule_for
 
@@ -32,9 +32,8 @@ def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: in
         _validation.raise_index_out_of_range(_CALLER, "perm", perm, bad, num_rows, "src.size(dim)")
 
 
-@torch.library.custom_op("detsum::segment_sum", mutates_args=())
-def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
-                   perm: torch.Tensor | None, acc_mode: str) -> torch.Tensor:
+def _segment_sum(src, offsets, dim, perm, acc_mode):
+    """The operator's body (also called directly, see ``_dispatch``)."""
     num_rows = src.shape[dim]
     _check_values(offsets, perm, num_rows)
     backend_name = current_backend(src.device.type, _CALLER)
@@ -48,6 +47,12 @@ def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
                      rule=rule_for(Mode(acc_mode), "sum", src.device.type, src3.shape[2]),
                      alpha=1.0, include_base=False)
     return out3.view(_out_shape(src, dim, offsets))
+
+
+@torch.library.custom_op("detsum::segment_sum", mutates_args=())
+def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
+                   perm: torch.Tensor | None, acc_mode: str) -> torch.Tensor:
+    return _segment_sum(src, offsets, dim, perm, acc_mode)
 
 
 def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
@@ -142,6 +147,8 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
                 [4., 6.]])
     """
     dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode)
+    if _dispatch.direct_call_ok(src, offsets, perm):
+        return _segment_sum(src, offsets, dim, perm, mode.value)
     return segment_sum_op(src, offsets, dim, perm, mode.value)
 
 

@@ -215,44 +215,6 @@ def _make_block(fmt, dec, rnd, enc, cvt):
         return u, c + d
 
     @format_njit(inline="always")
-    def row_op(op, acc, comp, a, start, w, alpha):
-        """Combine the row a[start:start + w] into acc (and comp).
-
-        Indices are unsigned so that Numba adds no negative-index fix-up and the loops
-        vectorise. term(x) = RN_A(A(x) * A(alpha)) is a multiply of its own, never fused with
-        the add that follows (no fastmath, so LLVM may not contract); with alpha == 1 it is
-        exactly A(x), so one loop serves both.
-        """
-        u = np.uint64(start)
-        if op == _OP_ADD:
-            for j in range(w):
-                acc[j] = acc[j] + dec(a[u + np.uint64(j)]) * alpha
-        elif op == _OP_ADD_ROUND:
-            # alpha == 1: A(x) is a data-dtype value already.
-            for j in range(w):
-                acc[j] = rnd(acc[j] + dec(a[u + np.uint64(j)]))
-        elif op == _OP_ADD_ROUND_SCALED:
-            # torch rounds source * alpha to the dtype before adding.
-            for j in range(w):
-                acc[j] = rnd(acc[j] + rnd(dec(a[u + np.uint64(j)]) * alpha))
-        elif op == _OP_KAHAN:
-            for j in range(w):
-                acc[j], comp[j] = neumaier(acc[j], comp[j], dec(a[u + np.uint64(j)]) * alpha)
-        elif op == _OP_MUL:
-            for j in range(w):
-                acc[j] = acc[j] * dec(a[u + np.uint64(j)])
-        elif op == _OP_MAX:
-            for j in range(w):
-                x = dec(a[u + np.uint64(j)])
-                y = acc[j]
-                acc[j] = x if (x != x or x > y) and y == y else y
-        else:
-            for j in range(w):
-                x = dec(a[u + np.uint64(j)])
-                y = acc[j]
-                acc[j] = x if (x != x or x < y) and y == y else y
-
-    @format_njit()
     def load(acc, a, start, step, w):
         """acc = A(a[start + j * step]), j < w."""
         if step == 1:
@@ -264,54 +226,69 @@ def _make_block(fmt, dec, rnd, enc, cvt):
                 acc[j] = dec(a[start + j * step])
 
     @format_njit(inline="always")
-    def prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end):
-        """Prefetch the term row at the cursor and move the cursor one row on.
+    def rows(op, acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
+             pf_lines, w, alpha):
+        """Combine the term rows at positions p .. end - 1 into acc (and comp), in order.
 
-        Rows of a segment lie anywhere in src: asking for a row while earlier ones are being
-        combined hides the latency of the random gather, which the hardware cannot predict.
-        The cursor walks the block's term rows in reading order, pf_dist rows ahead of the
-        reader: cur = [item, position, end of the item's positions, item's row offset, item's
-        width]. Without an order the rows are consecutive, which the hardware prefetcher
-        predicts by itself: then the cursor is never used (it saves a step per row, which
-        matters when rows are a single element).
+        Rows of a segment lie anywhere in src: while a row is combined, the start of the row
+        pf_dist positions ahead (up to pf_end, the end of the caller's run of segments) is
+        requested, hiding the latency of a random gather that the hardware cannot predict.
+        Without an order the rows are consecutive and pf_end is 0: the hardware prefetcher
+        predicts them by itself.
+
+        Per term row there is no call to another function with array arguments: inlining
+        copies each array argument into a new, reference-counted variable, and an inlined
+        call that returned at once still cost about 10 ns a row (measured), more than the
+        arithmetic of a narrow row.
+
+        Indices are unsigned so that Numba adds no negative-index fix-up and the loops
+        vectorise. term(x) = RN_A(A(x) * A(alpha)) is a multiply of its own, never fused with
+        the add that follows (no fastmath, so LLVM may not contract); with alpha == 1 it is
+        exactly A(x), so one loop serves both.
         """
-        if ost < 0:
-            return
-        while cur[1] >= cur[2]:
-            it = cur[0] + 1
-            if it >= i_end:
-                return
-            nseg = shape[1]
-            nchunks = (shape[2] + chunk - 1) // chunk
-            s = (it // nchunks) % nseg
-            cur[0] = it
-            cur[1] = offsets[s * fst]
-            cur[2] = offsets[(s + 1) * fst]
-            j0 = (it % nchunks) * chunk
-            cur[3] = (it // nchunks // nseg) * ss[0] + j0 * ss[2]
-            cur[4] = min(chunk, shape[2] - j0)
-        p = cur[1]
-        cur[1] = p + 1
-        if ss[2] == 1:
-            start = cur[3] + (order[p * ost] if ost >= 0 else p) * ss[1]
-            step = 64 // src.itemsize
-            for j in range(0, min(cur[4], _PF_LINES * step), step):
-                _prefetch(src, start + j)
-
-    @format_njit(inline="always")
-    def rows(op, acc, comp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk, i_end,
-             rstart, p, end, w, alpha):
-        """Combine the term rows at positions p .. end - 1 into acc (and comp), in order."""
+        line = 64 // src.itemsize
+        strided = ss[2] != 1
+        # Rows with unit column stride are read in place, others gathered into tmp first.
+        a = tmp if strided else src
         while p < end:
-            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
+            q = p + pf_dist
+            if q < pf_end:
+                ahead = rstart + order[q * ost] * ss[1]
+                for k in range(pf_lines):
+                    _prefetch(src, ahead + k * line)
             start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
-            a = src
-            if ss[2] != 1:
+            if strided:
                 for j in range(w):
                     tmp[j] = src[start + j * ss[2]]
-                a = tmp
                 start = 0
-            row_op(op, acc, comp, a, start, w, alpha)
+            u = np.uint64(start)
+            if op == _OP_ADD:
+                for j in range(w):
+                    acc[j] = acc[j] + dec(a[u + np.uint64(j)]) * alpha
+            elif op == _OP_ADD_ROUND:
+                # alpha == 1: A(x) is a data-dtype value already.
+                for j in range(w):
+                    acc[j] = rnd(acc[j] + dec(a[u + np.uint64(j)]))
+            elif op == _OP_ADD_ROUND_SCALED:
+                # torch rounds source * alpha to the dtype before adding.
+                for j in range(w):
+                    acc[j] = rnd(acc[j] + rnd(dec(a[u + np.uint64(j)]) * alpha))
+            elif op == _OP_KAHAN:
+                for j in range(w):
+                    acc[j], comp[j] = neumaier(acc[j], comp[j], dec(a[u + np.uint64(j)]) * alpha)
+            elif op == _OP_MUL:
+                for j in range(w):
+                    acc[j] = acc[j] * dec(a[u + np.uint64(j)])
+            elif op == _OP_MAX:
+                for j in range(w):
+                    x = dec(a[u + np.uint64(j)])
+                    y = acc[j]
+                    acc[j] = x if (x != x or x > y) and y == y else y
+            else:
+                for j in range(w):
+                    x = dec(a[u + np.uint64(j)])
+                    y = acc[j]
+                    acc[j] = x if (x != x or x < y) and y == y else y
             p += 1
 
     @format_njit(inline="always")
@@ -329,102 +306,111 @@ def _make_block(fmt, dec, rnd, enc, cvt):
                 acc[j] = acc[j] + part[j]
 
     @format_njit()
-    def item(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, j0, j1,
-             reduce, op, mean_round, split, alpha, use_base, has_base, has_carry, acc, comp,
-             part, pcomp, tmp, cur, shape, chunk, i_end):
+    def items(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s_first,
+              s_stop, j0, j1, reduce, op, mean_round, split, alpha, use_base, has_base,
+              has_carry, acc, comp, part, pcomp, tmp, pf_dist):
+        """Columns j0 .. j1 - 1 of the output rows s_first .. s_stop - 1 of outer index o.
+
+        A run of whole rows is one call: with narrow rows a segment is a few elements, and the
+        call itself (its three dozen arguments) cost more than the segment's arithmetic.
+        """
         w = j1 - j0
-        p0 = offsets[s * fst]
-        p1 = offsets[(s + 1) * fst]
-        ostart = o * us[0] + s * us[1] + j0 * us[2]
-        if p1 == p0 and not use_base:
-            # Empty segment: the base row unchanged (a bit copy), or zero.
-            if has_base:
-                bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
-                for j in range(w):
-                    out[ostart + j * us[2]] = base[bstart + j * bs[2]]
+        # The run's term rows are the positions offsets[s_first] .. offsets[s_stop] - 1 (a
+        # plan's segments are consecutive): prefetching runs ahead over all of them.
+        pf_end = offsets[s_stop * fst] if ost >= 0 else 0
+        line = 64 // src.itemsize
+        pf_lines = min(_PF_LINES, (w + line - 1) // line) if ss[2] == 1 else 0
+        for s in range(s_first, s_stop):
+            p0 = offsets[s * fst]
+            p1 = offsets[(s + 1) * fst]
+            ostart = o * us[0] + s * us[1] + j0 * us[2]
+            if p1 == p0 and not use_base:
+                # Empty segment: the base row unchanged (a bit copy), or zero.
+                if has_base:
+                    bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
+                    for j in range(w):
+                        out[ostart + j * us[2]] = base[bstart + j * bs[2]]
+                else:
+                    zero = enc(cvt(0.0))
+                    for j in range(w):
+                        out[ostart + j * us[2]] = zero
+                continue
+
+            rstart = o * ss[0] + j0 * ss[2]
+            p = p0
+            if use_base:
+                load(acc, base, o * bs[0] + s * bs[1] + j0 * bs[2], bs[2], w)
+            elif op == _OP_MAX or op == _OP_MIN:
+                # amax/amin start from the first term itself.
+                load(acc, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
+                p += 1
             else:
-                zero = enc(cvt(0.0))
+                ident = cvt(1.0) if op == _OP_MUL else cvt(0.0)
                 for j in range(w):
-                    out[ostart + j * us[2]] = zero
-            return
-
-        rstart = o * ss[0] + j0 * ss[2]
-        p = p0
-        if use_base:
-            load(acc, base, o * bs[0] + s * bs[1] + j0 * bs[2], bs[2], w)
-        elif op == _OP_MAX or op == _OP_MIN:
-            # amax/amin start from the first term itself.
-            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
-            load(acc, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
-            p += 1
-        else:
-            ident = cvt(1.0) if op == _OP_MUL else cvt(0.0)
-            for j in range(w):
-                acc[j] = ident
-        cstart = o * cs[0] + s * cs[1] + j0 * cs[2]
-        if has_carry:
-            # A running compensated sum resumes: the base row holds s, carry holds c.
-            for j in range(w):
-                comp[j] = carry[cstart + j * cs[2]]
-        elif op == _OP_KAHAN:
-            zero = cvt(0.0)
-            for j in range(w):
-                comp[j] = zero
-
-        # The first chunk of terms (the whole segment unless it is split) goes into acc.
-        end = min(p1, p0 + CHUNK_TERMS) if split else p1
-        rows(op, acc, comp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk, i_end,
-             rstart, p, end, w, alpha)
-        # Later chunks: each reduces its own terms from its first term, then folds into acc.
-        while end < p1:
-            p = end
-            end = min(p1, p + CHUNK_TERMS)
-            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
-            load(part, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
-            if alpha != 1:
-                # The chunk's first term is a term like any other: RN_A(A(x) * A(alpha)).
+                    acc[j] = ident
+            cstart = o * cs[0] + s * cs[1] + j0 * cs[2]
+            if has_carry:
+                # A running compensated sum resumes: the base row holds s, carry holds c.
                 for j in range(w):
-                    part[j] = part[j] * alpha
-            for j in range(w):
-                pcomp[j] = 0.0
-            rows(op, part, pcomp, src, ss, order, ost, offsets, fst, tmp, cur, shape, chunk,
-                 i_end, rstart, p + 1, end, w, alpha)
-            fold(op, acc, comp, part, pcomp, w)
-
-        if has_carry:
-            # The sum runs on: s goes to out (exact, the data dtype is the acc type) and c to
-            # carry, without the final s + c.
-            for j in range(w):
-                carry[cstart + j * cs[2]] = comp[j]
-        elif op == _OP_KAHAN:
-            # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
-            # inf - inf) is only added to a finite s. A zero compensation is not added either:
-            # -0.0 + (+0.0) would turn a sum of -0.0 terms into +0.0, unlike a plain sum.
-            for j in range(w):
-                sj = acc[j]
-                cj = comp[j]
-                acc[j] = sj + cj if np.isfinite(sj) and cj != 0 else sj
-        if reduce == MEAN:
-            count = cvt((p1 - p0) + (1 if use_base else 0))
-            if mean_round:
-                # ROUND_EACH: torch's scatter_reduce rounds the total to the dtype first.
+                    comp[j] = carry[cstart + j * cs[2]]
+            elif op == _OP_KAHAN:
+                zero = cvt(0.0)
                 for j in range(w):
-                    acc[j] = rnd(acc[j]) / count
+                    comp[j] = zero
+
+            # The first chunk of terms (the whole segment unless it is split) goes into acc.
+            end = min(p1, p0 + CHUNK_TERMS) if split else p1
+            rows(op, acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
+                 pf_lines, w, alpha)
+            # Later chunks: each reduces its own terms from its first term, then folds into acc.
+            while end < p1:
+                p = end
+                end = min(p1, p + CHUNK_TERMS)
+                load(part, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
+                if alpha != 1:
+                    # The chunk's first term is a term like any other: RN_A(A(x) * A(alpha)).
+                    for j in range(w):
+                        part[j] = part[j] * alpha
+                for j in range(w):
+                    pcomp[j] = 0.0
+                rows(op, part, pcomp, src, ss, order, ost, tmp, rstart, p + 1, end, pf_end,
+                     pf_dist, pf_lines, w, alpha)
+                fold(op, acc, comp, part, pcomp, w)
+
+            if has_carry:
+                # The sum runs on: s goes to out (exact, the data dtype is the acc type) and c to
+                # carry, without the final s + c.
+                for j in range(w):
+                    carry[cstart + j * cs[2]] = comp[j]
+            elif op == _OP_KAHAN:
+                # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
+                # inf - inf) is only added to a finite s. A zero compensation is not added either:
+                # -0.0 + (+0.0) would turn a sum of -0.0 terms into +0.0, unlike a plain sum.
+                for j in range(w):
+                    sj = acc[j]
+                    cj = comp[j]
+                    acc[j] = sj + cj if np.isfinite(sj) and cj != 0 else sj
+            if reduce == MEAN:
+                count = cvt((p1 - p0) + (1 if use_base else 0))
+                if mean_round:
+                    # ROUND_EACH: torch's scatter_reduce rounds the total to the dtype first.
+                    for j in range(w):
+                        acc[j] = rnd(acc[j]) / count
+                else:
+                    for j in range(w):
+                        acc[j] = acc[j] / count
+            if us[2] == 1:
+                u = np.uint64(ostart)
+                for j in range(w):
+                    out[u + np.uint64(j)] = enc(acc[j])
             else:
                 for j in range(w):
-                    acc[j] = acc[j] / count
-        if us[2] == 1:
-            u = np.uint64(ostart)
-            for j in range(w):
-                out[u + np.uint64(j)] = enc(acc[j])
-        else:
-            for j in range(w):
-                out[ostart + j * us[2]] = enc(acc[j])
+                    out[ostart + j * us[2]] = enc(acc[j])
 
     @format_njit()
     def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, reduce,
               rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-              cursors, pf_dist):
+              pf_dist):
         """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows."""
         outer, nseg, inner = shape
         use_base = has_base and include_base
@@ -455,23 +441,32 @@ def _make_block(fmt, dec, rnd, enc, cvt):
         tmp = data_scratch[b]
         i_begin = b * n_items // n_blocks
         i_end = (b + 1) * n_items // n_blocks
-        # The prefetch cursor starts before the block's first row and runs pf_dist rows
-        # ahead of the reader.
-        cur = cursors[b]
-        cur[0] = i_begin - 1
-        cur[1] = 0
-        cur[2] = 0
-        for _ in range(pf_dist):
-            prefetch_step(cur, src, ss, order, ost, offsets, fst, shape, chunk, i_end)
-        for it in range(i_begin, i_end):
-            c = it % nchunks
-            s = (it // nchunks) % nseg
-            o = it // nchunks // nseg
+        # Items are numbered (outer, segment, column chunk), the chunk fastest; the walk
+        # counts up from the block's first item instead of dividing every item number.
+        c = i_begin % nchunks
+        s = (i_begin // nchunks) % nseg
+        o = i_begin // nchunks // nseg
+        it = i_begin
+        while it < i_end:
             j0 = c * chunk
             j1 = min(j0 + chunk, inner)
-            item(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, j0, j1,
-                 reduce, op, mean_round, split, a, use_base, has_base, has_carry, acc, comp,
-                 part, pcomp, tmp, cur, shape, chunk, i_end)
+            # One column chunk per row: a run of rows is one call; otherwise one item is.
+            s_stop = min(nseg, s + (i_end - it)) if nchunks == 1 else s + 1
+            items(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, s_stop,
+                  j0, j1, reduce, op, mean_round, split, a, use_base, has_base, has_carry, acc,
+                  comp, part, pcomp, tmp, pf_dist)
+            if nchunks == 1:
+                it += s_stop - s
+                s = s_stop
+            else:
+                it += 1
+                c += 1
+                if c == nchunks:
+                    c = 0
+                    s += 1
+            if s == nseg:
+                s = 0
+                o += 1
 
     return block
 
@@ -490,41 +485,41 @@ _block_f16 = _make_block("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bi
 @njit(parallel=True, cache=True)
 def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        cursors, pf_dist):
+        pf_dist):
     for b in prange(acc_scratch.shape[0]):
         _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
             reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, cursors, pf_dist)
+            data_scratch, pf_dist)
 
 
 @njit(parallel=True, cache=True)
 def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        cursors, pf_dist):
+        pf_dist):
     for b in prange(acc_scratch.shape[0]):
         _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
             reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, cursors, pf_dist)
+            data_scratch, pf_dist)
 
 
 @njit(parallel=True, cache=True)
 def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        cursors, pf_dist):
+        pf_dist):
     for b in prange(acc_scratch.shape[0]):
         _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
             reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, cursors, pf_dist)
+            data_scratch, pf_dist)
 
 
 @njit(parallel=True, cache=True)
 def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        cursors, pf_dist):
+        pf_dist):
     for b in prange(acc_scratch.shape[0]):
         _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
             reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, cursors, pf_dist)
+            data_scratch, pf_dist)
 
 
 _KERNELS = {
@@ -542,11 +537,15 @@ def _flat(t):
     view spans 1 + sum((size - 1) * stride) elements. 16-bit floats come as uint16 bits.
     """
     t = t.detach()
-    span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
-    flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
+    if t.is_contiguous():
+        # The common case, without the span's arithmetic (a small call's cost is in such steps).
+        flat = t.view(-1)
+    else:
+        span = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        flat = torch.as_strided(t, (span,), (1,), t.storage_offset())
     if t.dtype in (torch.bfloat16, torch.float16):
-        return flat.view(torch.int16).numpy().view(np.uint16), tuple(t.stride())
-    return flat.numpy(), tuple(t.stride())
+        return flat.view(torch.int16).numpy().view(np.uint16), t.stride()
+    return flat.numpy(), t.stride()
 
 
 def launch_threads():
@@ -555,17 +554,27 @@ def launch_threads():
     return max(1, min(torch.get_num_threads(), numba.get_num_threads()))
 
 
-def work_split(rows, inner, nthreads):
-    """(column chunk, thread blocks) for ``rows`` output rows of ``inner`` columns: equal
-    column chunks of at most _CHUNK, in whole 64-byte lines where possible; with few output
-    rows, narrower ones (down to _MIN_CHUNK), so that every thread gets items."""
+#: Fewest term elements per thread block. Waking a second thread costs about 30 us on the
+#: project's VM, the time to combine some 100k elements: a smaller launch runs as one block on
+#: the calling thread. (Only the schedule changes, never a result.)
+_MIN_BLOCK_ELEMENTS = 65536
+
+
+def work_split(rows, inner, nthreads, terms=None):
+    """(column chunk, thread blocks) for ``rows`` output rows of ``inner`` columns reducing
+    ``terms`` term rows in all (unknown: None): equal column chunks of at most _CHUNK, in
+    whole 64-byte lines where possible; with few output rows, narrower ones (down to
+    _MIN_CHUNK), so that every thread gets items; one block for a small launch."""
     target = _CHUNK
     while target > _MIN_CHUNK and rows * -(-inner // target) < 4 * nthreads:
         target //= 2
     pieces = -(-inner // target)
     chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
     n_items = rows * -(-inner // chunk)
-    return chunk, min(n_items, 64 * nthreads)
+    n_blocks = min(n_items, 64 * nthreads)
+    if terms is not None:
+        n_blocks = min(n_blocks, max(1, (terms + rows) * inner // _MIN_BLOCK_ELEMENTS))
+    return chunk, n_blocks
 
 
 @contextlib.contextmanager
@@ -616,15 +625,14 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # No more threads than torch is set to use (torch.set_num_threads(1) means one), nor than
     # Numba is set to use.
     nthreads = launch_threads()
-    chunk, n_blocks = work_split(outer * nseg, inner, nthreads)
+    terms = outer * (order.shape[0] if order is not None else src.shape[1])
+    chunk, n_blocks = work_split(outer * nseg, inner, nthreads, terms)
     acc_scratch = np.empty((n_blocks, 4, chunk), dtype=acc_dtype)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
-    cursors = np.empty((n_blocks, 5), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
     with threads(nthreads):
         kernel(
             src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
             (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
-            base is not None, carry is not None, chunk, acc_scratch, data_scratch, cursors,
-            pf_dist,
+            base is not None, carry is not None, chunk, acc_scratch, data_scratch, pf_dist,
         )

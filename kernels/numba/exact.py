@@ -396,24 +396,39 @@ def _make_exact_block(fmt, dec, enc, cvt):
                 mass[j] = 0.0
                 least[j] = np.inf
         rstart = o * ss[0] + j0 * ss[2]
+        strided = ss[2] != 1
+        # Rows with unit column stride are read in place, others gathered into tmp first.
+        row = tmp if strided else src
+        pf_lines = min(_PF_LINES, (w + pf_step - 1) // pf_step) if ost >= 0 and not strided else 0
+        # The loop below spells out fast_row and tile_row: an inlined call with array
+        # arguments costs about 10 ns a row (see segment.py's rows), as much as a narrow row.
         for p in range(p0, p1):
-            if ost >= 0 and ss[2] == 1 and p + pf_dist < n_positions:
+            if p + pf_dist < n_positions and pf_lines:
                 # The rows of a segment lie anywhere in src: ask for the one pf_dist
                 # positions ahead (next segments' rows too) while this one is added.
                 ahead = rstart + order[(p + pf_dist) * ost] * ss[1]
-                for k in range(0, min(w, _PF_LINES * pf_step), pf_step):
-                    _prefetch(src, ahead + k)
+                for k in range(pf_lines):
+                    _prefetch(src, ahead + k * pf_step)
             start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
-            row = src
-            if ss[2] != 1:
+            if strided:
                 for j in range(w):
                     tmp[j] = src[start + j * ss[2]]
-                row = tmp
                 start = 0
+            u = np.uint64(start)
             if per_column:
-                fast_row(acc, mass, least, row, start, w, alpha)
+                for j in range(w):
+                    t = np.float64(dec(row[u + np.uint64(j)]) * alpha)
+                    m = abs(t)
+                    acc[j] += t
+                    mass[j] += m
+                    least[j] = min(least[j], m if m != 0.0 else np.inf)
             else:
-                top, bottom = tile_row(acc, row, start, w, alpha, top, bottom)
+                for j in range(w):
+                    t = dec(row[u + np.uint64(j)]) * alpha
+                    acc[j] += np.float64(t)
+                    magnitude = f32_as_u32(t) & np.uint32(0x7FFFFFFF)
+                    top = max(top, np.uint32(magnitude))
+                    bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
         return top, bottom
 
     @format_njit()
@@ -582,13 +597,14 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     order_np, (ost,) = _flat(order) if order is not None else (offsets_np, (-1,))
 
     nthreads = launch_threads()
-    chunk, n_blocks = work_split(outer * nseg, inner, nthreads)
+    chunk, n_blocks = work_split(outer * nseg, inner, nthreads, outer * positions)
     acc_scratch = np.empty((n_blocks, 3, chunk), dtype=np.float64)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     limb_scratch = np.empty((n_blocks, n_limbs), dtype=np.int64)
     flag_scratch = np.empty((n_blocks, 4 + chunk), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
-    with threads(nthreads):
+    # One block, one thread (see segment.segment_reduce).
+    with threads(nthreads if n_blocks > 1 else 1):
         kernel(src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
                (outer, nseg, inner), reduce == MEAN, float(alpha), bool(include_base),
                base is not None, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch,

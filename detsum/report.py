@@ -36,6 +36,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -88,6 +89,32 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def torch_deterministic():
+    """torch with ``use_deterministic_algorithms(True)``: the arithmetic "autograd" mode copies."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit equality; NaNs compare by position (torch paths differ in NaN payloads)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(nan_a, nan_b):
+        return False
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    a = a.masked_fill(nan_a, 0).contiguous().view(bits)
+    b = b.masked_fill(nan_b, 0).contiguous().view(bits)
+    return torch.equal(a, b)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
 def median_seconds(fn: Callable[[], object], device: torch.device | str, *, reps: int,
                    warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones."""
@@ -113,30 +140,6 @@ def interleaved_medians(fns: Sequence[Callable[[], object]], device: torch.devic
             sync(device)
             ts.append(time.perf_counter() - start)
     return [statistics.median(ts) for ts in times]
-
-
-@contextlib.contextmanager
-def torch_deterministic():
-    """torch with ``use_deterministic_algorithms(True)``: the arithmetic "autograd" mode copies."""
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit equality; NaNs compare by position (torch paths differ in NaN payloads)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(nan_a, nan_b):
-        return False
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    a = a.masked_fill(nan_a, 0).contiguous().view(bits)
-    b = b.masked_fill(nan_b, 0).contiguous().view(bits)
-    return torch.equal(a, b)
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -460,23 +463,74 @@ def _num(x, digits: int | None = None) -> str:
     return f"{x:.{digits}f}"
 
 
-COLUMNS = (
-    # (header, key, formatter)
-    ("primitive", "primitive", str),
-    ("mode", "mode", str),
-    ("dtype", "dtype", str),
-    ("autograd", "autograd_match", None),
-    ("ulps well", "ulps_well", _num),
-    ("ulps cancel", "ulps_cancel", _num),
-    ("det", "deterministic", _num),
-    ("ms", "ms", lambda x: _num(x, 3)),
-    ("torch op", "torch_op", str),
-    ("t.ulps well", "torch_ulps_well", _num),
-    ("t.ulps cancel", "torch_ulps_cancel", _num),
-    ("t.det", "torch_deterministic", _num),
-    ("t.ms", "torch_ms", lambda x: _num(x, 3)),
-    ("ratio", "ratio", lambda x: _num(x, 2)),
+@dataclasses.dataclass(frozen=True)
+class Column:
+    header: str
+    cell: Callable[[dict], str]
+    # What the column means, printed under the table; {sample_rows} and {reps} are filled in.
+    meaning: str
+
+
+def _autograd_cell(row: dict) -> str:
+    if row["mode"] != "autograd":
+        return "-"
+    return "n/a" if row["autograd_match"] is None else _num(row["autograd_match"])
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("primitive", lambda r: r["primitive"],
+           "the detsum function measured: segment_sum (rows summed by CSR offsets), index_add, "
+           "scatter_reduce(..., 'sum')"),
+    Column("mode", lambda r: r["mode"],
+           "detsum's accumulation mode (docs/modes.md): autograd = torch's own arithmetic, "
+           "fp32 = fp32 accumulator (fp64 for fp64 data) in a fixed order, kahan = compensated, "
+           "promised within 1 ulp, exact = correctly rounded"),
+    Column("dtype", lambda r: r["dtype"],
+           "the data type: float32, float16, bfloat16, float64"),
+    Column("autograd", _autograd_cell,
+           "'autograd' rows only: yes if detsum gives the very bits of torch's own gradient "
+           "(x.grad of x[index]; index_put(accumulate=True) for scatter_reduce; torch with "
+           "deterministic algorithms on) on both data sets; '-' in the other modes"),
+    Column("ulps well", lambda r: _num(r["ulps_well"]),
+           "detsum's largest error against the exact sum rounded once, in ulps (units in the "
+           "last place of the dtype; 0 = correctly rounded), over {sample_rows} sampled output "
+           "rows of well-conditioned data: positive terms, nothing cancels"),
+    Column("ulps cancel", lambda r: _num(r["ulps_cancel"]),
+           "the same on cancellation-heavy data: terms come in pairs +b, -RN(b(1-2^-j)), "
+           "j = 2..12, whose exact sum is about b*2^-j, so running sums are up to 4096x the "
+           "result and their rounding errors are many ulps of it; large values here are "
+           "expected of any method that rounds as it goes"),
+    Column("det", lambda r: _num(r["deterministic"]),
+           "yes if three runs give the same bits (CPU: Numba on N threads, then 1, then N)"),
+    Column("ms", lambda r: _num(r["ms"], 3),
+           "detsum's median wall time over {reps} runs, in milliseconds"),
+    Column("torch op", lambda r: r["torch_op"],
+           "the torch call a user would make instead, on the same inputs; index_put(acc) is "
+           "index_put(..., accumulate=True), autograd's own path"),
+    Column("t.ulps well", lambda r: _num(r["torch_ulps_well"]), "'ulps well' of the torch op"),
+    Column("t.ulps cancel", lambda r: _num(r["torch_ulps_cancel"]),
+           "'ulps cancel' of the torch op"),
+    Column("t.det", lambda r: _num(r["torch_deterministic"]),
+           "'det' of the torch op, with its default settings (what users get)"),
+    Column("t.ms", lambda r: _num(r["torch_ms"], 3), "'ms' of the torch op"),
+    Column("ratio", lambda r: _num(r["ratio"], 2),
+           "ms / t.ms (< 1: detsum is faster); the detsum and torch calls take turns, so both "
+           "see the same changes in machine load"),
 )
+
+# Left-aligned columns: the names; the rest are numbers.
+_LEFT = {"primitive", "mode", "dtype", "torch op"}
+
+
+def legend(sizes: dict) -> list[str]:
+    """One entry per column of the table: what it shows, in the user's words."""
+    width = max(len(c.header) for c in COLUMNS)
+    lines = ["columns:"]
+    for column in COLUMNS:
+        text = column.meaning.format(**sizes)
+        lines += textwrap.wrap(text, width=100, initial_indent=f"  {column.header:<{width}}  ",
+                               subsequent_indent=" " * (width + 4))
+    return lines
 
 
 def format_table(report: dict) -> str:
@@ -490,23 +544,12 @@ def format_table(report: dict) -> str:
         f"sampled output rows; times: median of {sizes['reps']}, detsum and torch taking turns",
         "",
     ]
-    cells = []
-    for row in report["rows"]:
-        line = []
-        for _, key, fmt in COLUMNS:
-            if key == "autograd_match":
-                value = row[key]
-                line.append("-" if row["mode"] != "autograd" else ("n/a" if value is None
-                                                                     else _num(value)))
-            else:
-                line.append(fmt(row[key]))
-        cells.append(line)
-    headers = [h for h, _, _ in COLUMNS]
+    cells = [[column.cell(row) for column in COLUMNS] for row in report["rows"]]
+    headers = [column.header for column in COLUMNS]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    left = {"primitive", "mode", "dtype", "torch op"}
 
     def fmt_line(values):
-        return "  ".join(v.ljust(w) if h in left else v.rjust(w)
+        return "  ".join(v.ljust(w) if h in _LEFT else v.rjust(w)
                          for v, w, h in zip(values, widths, headers)).rstrip()
 
     lines.append(fmt_line(headers))
@@ -517,19 +560,10 @@ def format_table(report: dict) -> str:
             lines.append("")
         previous = row["primitive"]
         lines.append(fmt_line(line))
+    lines += ["", *legend(sizes), ""]
     errors = sorted({row["error"] for row in report["rows"] if row.get("error")})
-    lines += [
-        "",
-        "autograd: 'autograd' mode bit-identical to torch (x.grad of x[index] for segment_sum "
-        "and index_add, index_put(accumulate=True) for scatter_reduce; torch deterministic "
-        "algorithms on)",
-        "ulps well / cancel: positive terms / cancelling pairs (see detsum.report.make_source); "
-        "t.* = the torch op on the same inputs",
-        "det: 3 runs bitwise equal (detsum: numba threads N, 1, N; torch: default settings); "
-        "ratio = detsum ms / torch ms (< 1: detsum faster)",
-        f"total {report['elapsed_s']:.1f} s",
-    ]
     lines += [f"n/a: {e}" for e in errors]
+    lines.append(f"total {report['elapsed_s']:.1f} s")
     return "\n".join(lines)
 
 

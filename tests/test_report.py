@@ -73,3 +73,24 @@ def test_table_formats_missing_backend():
     text = report.format_table(data)
     assert "n/a: not implemented yet" in text
     assert text.count("n/a") >= 5
+
+
+# ---- what the output explains -------------------------------------------------------------------
+
+def test_legend_names_every_column(quick_report):
+    proc, _ = quick_report
+    lines = proc.stdout.splitlines()
+    start = lines.index("columns:")
+    explained = {}
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        if not line.startswith("   "):  # an entry, not a continuation line
+            header, _, meaning = line.strip().partition("  ")
+            explained[header] = meaning.strip()
+    headers = [c.header for c in report.COLUMNS]
+    assert list(explained) == headers
+    assert all(explained.values()), explained
+    # The table's own header row has the same columns.
+    assert all(h in lines[3] for h in headers)
+    assert "+b, -RN(b(1-2^-j))" in proc.stdout

@@ -123,7 +123,14 @@ def median_seconds(fn: Callable[[], object], device: torch.device | str, *, reps
 
 def interleaved_medians(fns: Sequence[Callable[[], object]], device: torch.device | str, *,
                         reps: int, warmup: int = 1) -> list[float]:
-    """Median wall time of each function, timed in turns (f0, f1, f0, f1, ...).
+    """Median wall time of each function, timed in turns (see ``interleaved_runs``)."""
+    return [statistics.median(ts) for ts in interleaved_runs(fns, device, reps=reps,
+                                                              warmup=warmup)]
+
+
+def interleaved_runs(fns: Sequence[Callable[[], object]], device: torch.device | str, *,
+                     reps: int, warmup: int = 1) -> list[list[float]]:
+    """Wall times of ``reps`` runs of each function, timed in turns (f0, f1, f0, f1, ...).
 
     Taking turns exposes every function to the same drift in machine load, so their ratio
     holds up better than that of two medians taken one after the other.
@@ -139,7 +146,43 @@ def interleaved_medians(fns: Sequence[Callable[[], object]], device: torch.devic
             fn()
             sync(device)
             ts.append(time.perf_counter() - start)
-    return [statistics.median(ts) for ts in times]
+    return times
+
+
+def spread(seconds: Sequence[float]) -> float:
+    """How much timed runs vary: their interquartile range over their median.
+
+    The quartiles are interpolated between runs (numpy's default), so three runs give half
+    their range. Unlike the range itself, the middle half ignores one stray run that the
+    scheduler held up, which the median ignores too.
+    """
+    if len(seconds) < 2:
+        raise ValueError(f"spread: needs at least 2 timed runs to say how they vary, got "
+                         f"{len(seconds)}")
+    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
+    median = statistics.median(seconds)
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
+def is_noisy(ratio: float, ratio_spread: float) -> bool:
+    """Whether a time ratio, moved by its spread either way, reaches 1.
+
+    Then the runs varied too much to say which side is faster: ``ratio / (1 + ratio_spread)
+    <= 1 <= ratio * (1 + ratio_spread)``.
+    """
+    return ratio / (1 + ratio_spread) <= 1 <= ratio * (1 + ratio_spread)
+
+
+def compare_times(detsum_s: Sequence[float], torch_s: Sequence[float]) -> dict:
+    """The report's timing fields from detsum's and torch's timed runs (seconds)."""
+    ms, torch_ms = 1e3 * statistics.median(detsum_s), 1e3 * statistics.median(torch_s)
+    d_spread, t_spread = spread(detsum_s), spread(torch_s)
+    ratio = ms / torch_ms
+    # To first order, a quotient's relative spread is the sum of its parts'.
+    ratio_spread = d_spread + t_spread
+    return {"ms": ms, "torch_ms": torch_ms, "spread": d_spread, "torch_spread": t_spread,
+            "ratio": ratio, "ratio_spread": ratio_spread,
+            "noisy": is_noisy(ratio, ratio_spread)}
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -366,9 +409,11 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
         dfn()  # compiles on first use; nothing below times it
     except NotImplementedError as e:
         row["error"] = str(e)
-        for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms", "ratio"):
+        for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms",
+                    "spread", "ratio", "ratio_spread", "noisy"):
             row[key] = None
-        row["torch_ms"] = 1e3 * median_seconds(tfn, device, reps=sizes.reps)
+        (t_runs,) = interleaved_runs([tfn], device, reps=sizes.reps)
+        row["torch_ms"], row["torch_spread"] = 1e3 * statistics.median(t_runs), spread(t_runs)
         return row
     if mode == "autograd":
         row["autograd_match"] = all(same_bits(*autograd_truth(primitive, c))
@@ -386,9 +431,8 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
         row["deterministic"] = three_runs_equal(dfn, (n, 1, n))
     else:
         row["deterministic"] = three_runs_equal(dfn, (None, None, None))
-    d_s, t_s = interleaved_medians([dfn, tfn], device, reps=sizes.reps)
-    row["ms"], row["torch_ms"] = 1e3 * d_s, 1e3 * t_s
-    row["ratio"] = d_s / t_s
+    d_runs, t_runs = interleaved_runs([dfn, tfn], device, reps=sizes.reps)
+    row.update(compare_times(d_runs, t_runs))
     return row
 
 
@@ -463,6 +507,10 @@ def _num(x, digits: int | None = None) -> str:
     return f"{x:.{digits}f}"
 
 
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"±{100 * x:.0f}%"
+
+
 @dataclasses.dataclass(frozen=True)
 class Column:
     header: str
@@ -475,6 +523,12 @@ def _autograd_cell(row: dict) -> str:
     if row["mode"] != "autograd":
         return "-"
     return "n/a" if row["autograd_match"] is None else _num(row["autograd_match"])
+
+
+def _noisy_cell(row: dict) -> str:
+    if row.get("noisy") is None:
+        return "n/a"
+    return "yes" if row["noisy"] else ""
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -516,6 +570,12 @@ COLUMNS: tuple[Column, ...] = (
     Column("ratio", lambda r: _num(r["ratio"], 2),
            "ms / t.ms (< 1: detsum is faster); the detsum and torch calls take turns, so both "
            "see the same changes in machine load"),
+    Column("spread", lambda r: _percent(r.get("ratio_spread")),
+           "how much the timed runs varied: for each side the interquartile range of its runs "
+           "over their median; the two added (JSON: spread, torch_spread, ratio_spread)"),
+    Column("noisy", _noisy_cell,
+           "yes when ratio / (1 + spread) <= 1 <= ratio * (1 + spread): the runs varied too "
+           "much to tell which side is faster; rerun on a quieter machine"),
 )
 
 # Left-aligned columns: the names; the rest are numbers.

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 import subprocess
 import sys
 
@@ -65,14 +67,57 @@ def test_table_formats_missing_backend():
     """A device without detsum kernels shows n/a instead of failing the whole report."""
     row = {"primitive": "index_add", "mode": "autograd", "dtype": "bf16", "torch_op": "x",
            "torch_ulps_well": 1.0, "torch_ulps_cancel": 2.0, "torch_deterministic": False,
-           "torch_ms": 1.0, "error": "not implemented yet", "autograd_match": None,
-           "ulps_well": None, "ulps_cancel": None, "deterministic": None, "ms": None,
-           "ratio": None}
+           "torch_ms": 1.0, "torch_spread": 0.1, "error": "not implemented yet",
+           "autograd_match": None, "ulps_well": None, "ulps_cancel": None,
+           "deterministic": None, "ms": None, "spread": None, "ratio": None,
+           "ratio_spread": None, "noisy": None}
     data = {"environment": report.environment(torch.device("cpu")),
             "sizes": dataclasses.asdict(report.QUICK), "elapsed_s": 0.0, "rows": [row]}
     text = report.format_table(data)
     assert "n/a: not implemented yet" in text
     assert text.count("n/a") >= 5
+
+
+# ---- timing: spread and the noisy flag -----------------------------------------------------------
+
+def test_spread_fields(quick_report):
+    proc, data = quick_report
+    for row in data["rows"]:
+        if row.get("error"):
+            continue
+        where = (row["primitive"], row["mode"], row["dtype"])
+        for key in ("spread", "torch_spread", "ratio_spread"):
+            assert isinstance(row[key], float) and math.isfinite(row[key]), (where, key)
+            assert row[key] >= 0, (where, key)
+        assert row["ratio_spread"] == row["spread"] + row["torch_spread"], where
+        assert row["noisy"] is report.is_noisy(row["ratio"], row["ratio_spread"]), where
+    assert re.search(r"\d\.\d\d +±\d+%", proc.stdout), "no 'ratio ±spread' in the table"
+
+
+def test_spread_of_runs():
+    assert report.spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 3)
+    # One run held up by the scheduler moves neither the median nor the middle half.
+    assert report.spread([1.0] * 6 + [100.0]) == 0.0
+    with pytest.raises(ValueError, match="at least 2 timed runs"):
+        report.spread([1.0])
+
+
+def test_noisy_rule_on_made_up_timings():
+    steady_fast, steady_slow = [1.0, 1.0, 1.02, 0.98, 1.0], [2.0, 2.04, 1.96, 2.0, 2.0]
+    # Twice as fast or twice as slow with steady runs: the ratio's side of 1 is clear.
+    faster = report.compare_times(steady_fast, steady_slow)
+    assert faster["ratio"] == 0.5 and not faster["noisy"]
+    slower = report.compare_times(steady_slow, steady_fast)
+    assert slower["ratio"] == 2.0 and not slower["noisy"]
+    # 10% faster, 10% slower, but detsum's runs vary by more: either side of 1.
+    wobbly = [0.6, 0.7, 0.9, 1.1, 1.3]  # median 0.9, middle half 0.7..1.1: spread 0.44
+    a = report.compare_times(wobbly, [1.0] * 5)
+    assert a["ratio"] == pytest.approx(0.9) and a["noisy"]
+    b = report.compare_times([1.1] * 5, [x + 0.1 for x in wobbly])
+    assert b["ratio"] == pytest.approx(1.1) and b["noisy"]
+    # The rule's edge, both sides of 1 (exact in binary).
+    assert report.is_noisy(0.5, 1.0) and not report.is_noisy(0.5, 0.99)
+    assert report.is_noisy(2.0, 1.0) and not report.is_noisy(2.0, 0.99)
 
 
 # ---- what the output explains -------------------------------------------------------------------

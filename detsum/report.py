@@ -300,7 +300,9 @@ class Case:
 
 
 def make_case(primitive: str, dtype: torch.dtype, dataset: str, sizes: Sizes,
-              device: torch.device, seed: int) -> Case:
+              device: torch.device, seed: int, *, with_exact: bool = True) -> Case:
+    """The inputs of one row on ``device``; ``with_exact=False`` leaves the exact sample rows
+    out (empty), for calls whose results nobody checks (the kernel warm-up)."""
     gen = torch.Generator().manual_seed(seed)
     index = skewed_index(sizes.n_src, sizes.n_out, gen)
     if primitive == "segment_sum":
@@ -309,8 +311,11 @@ def make_case(primitive: str, dtype: torch.dtype, dataset: str, sizes: Sizes,
     init = None
     if primitive != "segment_sum":
         init = make_init(sizes.n_out, sizes.h, dtype, dataset, gen)
-    rows = sample_rows(index, sizes.n_out, sizes.sample_rows, gen)
-    exact = exact_rows(src, index, rows, init)
+    if with_exact:
+        rows = sample_rows(index, sizes.n_out, sizes.sample_rows, gen)
+        exact = exact_rows(src, index, rows, init)
+    else:
+        rows, exact = torch.zeros(0, dtype=torch.int64), src.new_zeros((0, sizes.h))
     offsets = None
     if primitive == "segment_sum":
         counts = torch.bincount(index, minlength=sizes.n_out)
@@ -406,7 +411,7 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
 
     dfn = detsum_fn(primitive, well, mode)
     try:
-        dfn()  # compiles on first use; nothing below times it
+        dfn()  # warm_up compiled the kernels already; this only checks that one exists
     except NotImplementedError as e:
         row["error"] = str(e)
         for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms",
@@ -434,6 +439,83 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
     d_runs, t_runs = interleaved_runs([dfn, tfn], device, reps=sizes.reps)
     row.update(compare_times(d_runs, t_runs))
     return row
+
+
+# ---- kernel warm-up ---------------------------------------------------------------------------
+
+_KERNEL_LIBRARY = {"cpu": "Numba", "cuda": "Triton"}
+
+
+@contextlib.contextmanager
+def _numba_compilations(device: torch.device):
+    """Collect Numba's compile events in the block (a list; None off the CPU).
+
+    A kernel loaded from the disk cache raises no such event, so an empty list tells a cache
+    load from a compilation.
+    """
+    if device.type != "cpu":
+        yield None
+        return
+    from numba.core import event
+
+    with event.install_recorder("numba:compile") as recorder:
+        yield recorder.buffer
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
+
+
+def warm_up(sizes: Sizes, device: torch.device, *,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Compile (or load from the disk cache) every kernel the table uses, one dtype at a time,
+    saying so before and after each: one call per primitive and mode on inputs of the
+    report's shapes, timed.
+
+    Without it the first row of each dtype compiled silently for tens of seconds. The shapes
+    are the report's own because Triton specializes a kernel on its arguments (a size of 1,
+    one divisible by 16): a toy shape could compile a variant the table never runs. Returns one
+    entry per step, for the JSON: ``seconds``, and ``compiled`` (True / False on the CPU,
+    None where it cannot be told).
+    """
+    say = progress or (lambda line: None)
+    steps = []
+
+    # torch's custom-op dispatch imports torch._dynamo on the first call of any custom op
+    # (about a second); a call on the reference backend pays it with no kernel involved,
+    # so that it is not counted as the first dtype's kernel time.
+    say("first detsum call (torch's custom-op dispatch loads torch._dynamo; no kernel) ...")
+    start = time.perf_counter()
+    with detsum.backend("reference"):
+        detsum.segment_sum(torch.ones(1, 1, device=device), torch.tensor([0, 1], device=device))
+    seconds = time.perf_counter() - start
+    say(f"... {_seconds(seconds)}")
+    steps.append({"step": "dispatch", "dtype": None, "seconds": seconds, "compiled": None})
+
+    library = _KERNEL_LIBRARY.get(device.type, device.type)
+    for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
+        say(f"compiling the {library} kernels for {dtype_name} (first run only: later runs "
+            f"load them from the disk cache) ...")
+        cases = {primitive: make_case(primitive, dtype, "well", sizes, device,
+                                      seed=10 * d_i + p_i, with_exact=False)
+                 for p_i, primitive in enumerate(PRIMITIVES)}
+        with _numba_compilations(device) as events:
+            start = time.perf_counter()
+            for primitive, case in cases.items():
+                for mode in detsum.MODES:
+                    try:
+                        detsum_fn(primitive, case, mode)()
+                    except NotImplementedError:
+                        pass  # the row says so, as "n/a"
+            sync(device)
+            seconds = time.perf_counter() - start
+        compiled = None if events is None else bool(events)
+        how = {True: "compiled, and saved to the disk cache",
+               False: "loaded from the disk cache", None: "compiled or loaded from disk"}[compiled]
+        say(f"... {dtype_name} kernels ready in {_seconds(seconds)} ({how})")
+        steps.append({"step": f"{library.lower()} kernels", "dtype": dtype_name,
+                      "seconds": seconds, "compiled": compiled})
+    return steps
 
 
 # ---- the whole report ---------------------------------------------------------------------------
@@ -465,9 +547,11 @@ def environment(device: torch.device) -> dict:
 
 def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         progress: Callable[[str], None] | None = None) -> dict:
-    """Every row of the report, with the environment; ``progress`` gets one line per row."""
+    """Every row of the report, with the environment and the kernel warm-up; ``progress`` gets
+    the warm-up's lines, then one line per row."""
     device = device or default_device()
     started = time.perf_counter()
+    warmup = warm_up(sizes, device, progress=progress)
     rows = []
     for p_i, primitive in enumerate(PRIMITIVES):
         for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
@@ -484,6 +568,7 @@ def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         "environment": environment(device),
         "sizes": dataclasses.asdict(sizes),
         "elapsed_s": time.perf_counter() - started,
+        "warmup": warmup,
         "rows": rows,
     }
 
@@ -623,6 +708,19 @@ def format_table(report: dict) -> str:
     lines += ["", *legend(sizes), ""]
     errors = sorted({row["error"] for row in report["rows"] if row.get("error")})
     lines += [f"n/a: {e}" for e in errors]
+    warmup = report.get("warmup", [])
+    kernels = [s for s in warmup if s["dtype"] is not None]
+    if kernels:
+        how = {True: "compiled", False: "loaded from the disk cache",
+               None: "compiled or loaded from disk"}
+        if len({s["compiled"] for s in kernels}) == 1:
+            lines.append("kernels, before the table: " + ", ".join(
+                f"{s['dtype']} {_seconds(s['seconds'])}" for s in kernels)
+                + f" (all {how[kernels[0]['compiled']]})")
+        else:
+            lines.append("kernels, before the table: " + ", ".join(
+                f"{s['dtype']} {_seconds(s['seconds'])} ({how[s['compiled']]})"
+                for s in kernels))
     lines.append(f"total {report['elapsed_s']:.1f} s")
     return "\n".join(lines)
 

@@ -78,6 +78,32 @@ def test_table_formats_missing_backend():
     assert text.count("n/a") >= 5
 
 
+# ---- kernel warm-up -----------------------------------------------------------------------------
+
+def test_compile_lines_before_the_rows(quick_report):
+    """Each dtype's kernels are announced before they compile (or load) and timed after, all
+    before the first row; the JSON has the same steps."""
+    proc, data = quick_report
+    lines = proc.stderr.splitlines()
+    library = "Numba" if data["environment"]["device"] == "cpu" else "Triton"
+    first_row = next(i for i, line in enumerate(lines) if " ulps " in line or "detsum:" in line)
+    for name in report.DTYPES:
+        before = lines.index(f"compiling the {library} kernels for {name} (first run only: "
+                             f"later runs load them from the disk cache) ...")
+        after = next(i for i, line in enumerate(lines)
+                     if line.startswith(f"... {name} kernels ready in "))
+        assert before < after < first_row, name
+        assert re.fullmatch(rf"\.\.\. {name} kernels ready in \d+\.\d+ s \(.+\)", lines[after])
+    steps = [s for s in data["warmup"] if s["dtype"] is not None]
+    assert [s["dtype"] for s in steps] == list(report.DTYPES)
+    for step in data["warmup"]:
+        assert isinstance(step["seconds"], float) and step["seconds"] > 0, step
+    if library == "Numba":
+        # Whether Numba compiled or loaded from its cache is known, not guessed.
+        assert all(isinstance(s["compiled"], bool) for s in steps)
+    assert "kernels, before the table: " in proc.stdout
+
+
 # ---- timing: spread and the noisy flag -----------------------------------------------------------
 
 def test_spread_fields(quick_report):

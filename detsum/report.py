@@ -547,8 +547,8 @@ def environment(device: torch.device) -> dict:
 
 def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         progress: Callable[[str], None] | None = None) -> dict:
-    """Every row of the report, with the environment and the kernel warm-up; ``progress`` gets
-    the warm-up's lines, then one line per row."""
+    """Every row of the report, with the environment, the kernel warm-up and a verdict per mode;
+    ``progress`` gets the warm-up's lines, then one line per row."""
     device = device or default_device()
     started = time.perf_counter()
     warmup = warm_up(sizes, device, progress=progress)
@@ -570,6 +570,7 @@ def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         "elapsed_s": time.perf_counter() - started,
         "warmup": warmup,
         "rows": rows,
+        "verdicts": {mode: verdict(mode, rows) for mode in detsum.MODES},
     }
 
 
@@ -678,6 +679,72 @@ def legend(sizes: dict) -> list[str]:
     return lines
 
 
+_NAMES_ONLY = 4  # failing rows named in a verdict before "and N more"
+
+
+def _row_list(rows: Sequence[dict], detail: Callable[[dict], str] | None = None) -> str:
+    names = [f"{r['primitive']} {r['dtype']}" + (f" ({detail(r)})" if detail else "")
+             for r in rows]
+    if len(names) > _NAMES_ONLY:
+        names = names[:_NAMES_ONLY] + [f"and {len(names) - _NAMES_ONLY} more"]
+    return ", ".join(names)
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}" if ratio < 10 else f"{ratio:.0f}"
+
+
+def _worst_ulps(row: dict) -> float:
+    return max(row["ulps_well"], row["ulps_cancel"])
+
+
+def verdict(mode: str, rows: Sequence[dict]) -> str:
+    """One line on ``mode``'s rows: each promise of the mode, kept in how many rows, with the
+    rows that break it named; then the error (fp32) and the time against torch."""
+    mine = [r for r in rows if r["mode"] == mode]
+    ran = [r for r in mine if not r.get("error")]
+    parts = []
+
+    def check(kept: Callable[[dict], bool], promise: str, broken: str,
+              detail: Callable[[dict], str] | None = None) -> None:
+        failed = [r for r in ran if not kept(r)]
+        if failed:
+            parts.append(f"{broken} in {len(failed)} of {len(ran)} rows: "
+                         f"{_row_list(failed, detail)}")
+        else:
+            parts.append(f"{promise} in {len(ran)}/{len(ran)} rows")
+
+    if mine and not ran:
+        return f"{mode}: not run in any row: {mine[0]['error']}"
+    if mode == "autograd":
+        check(lambda r: r["autograd_match"] is True, "bit-identical to torch's autograd",
+              "NOT bit-identical to torch's autograd")
+    elif mode == "kahan":
+        check(lambda r: _worst_ulps(r) <= 1, "within 1 ulp of the exact sum",
+              "MORE than 1 ulp from the exact sum", lambda r: f"{_num(_worst_ulps(r))} ulps")
+    elif mode == "exact":
+        check(lambda r: _worst_ulps(r) == 0, "0 ulps (correctly rounded)",
+              "NOT correctly rounded", lambda r: f"{_num(_worst_ulps(r))} ulps")
+    check(lambda r: r["deterministic"] is True, "deterministic", "NOT deterministic")
+    if mode == "fp32" and ran:
+        worst = {k: max(r[k] for r in ran) for k in ("ulps_well", "ulps_cancel",
+                                                     "torch_ulps_well", "torch_ulps_cancel")}
+        parts.append(f"at most {_num(worst['ulps_well'])} / {_num(worst['ulps_cancel'])} ulps "
+                     f"(well / cancel; the torch ops: {_num(worst['torch_ulps_well'])} / "
+                     f"{_num(worst['torch_ulps_cancel'])})")
+    timed = [r for r in ran if r.get("ratio") is not None]
+    if timed:
+        ratios = sorted(r["ratio"] for r in timed)
+        noisy = sum(bool(r["noisy"]) for r in timed)
+        parts.append(f"{_times(ratios[0])}-{_times(ratios[-1])}x the torch op's time (median "
+                     f"{_times(statistics.median(ratios))}x; {noisy} of {len(timed)} ratios "
+                     f"noisy)")
+    if len(ran) < len(mine):
+        skipped = [r for r in mine if r.get("error")]
+        parts.append(f"not run in {len(skipped)} rows: {_row_list(skipped, lambda r: r['error'])}")
+    return f"{mode}: " + "; ".join(parts)
+
+
 def format_table(report: dict) -> str:
     env, sizes = report["environment"], report["sizes"]
     lines = [
@@ -722,6 +789,8 @@ def format_table(report: dict) -> str:
                 f"{s['dtype']} {_seconds(s['seconds'])} ({how[s['compiled']]})"
                 for s in kernels))
     lines.append(f"total {report['elapsed_s']:.1f} s")
+    lines += ["", "verdict per mode, from the rows above:"]
+    lines += [verdict(mode, report["rows"]) for mode in detsum.MODES]
     return "\n".join(lines)
 
 

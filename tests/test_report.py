@@ -76,6 +76,7 @@ def test_table_formats_missing_backend():
     text = report.format_table(data)
     assert "n/a: not implemented yet" in text
     assert text.count("n/a") >= 5
+    assert "autograd: not run in any row: not implemented yet" in text
 
 
 # ---- kernel warm-up -----------------------------------------------------------------------------
@@ -165,3 +166,44 @@ def test_legend_names_every_column(quick_report):
     # The table's own header row has the same columns.
     assert all(h in lines[3] for h in headers)
     assert "+b, -RN(b(1-2^-j))" in proc.stdout
+
+
+def test_one_verdict_per_mode(quick_report):
+    proc, data = quick_report
+    lines = proc.stdout.splitlines()
+    start = lines.index("verdict per mode, from the rows above:")
+    verdicts = lines[start + 1:]
+    assert [v.split(":")[0] for v in verdicts] == list(detsum.MODES)
+    assert verdicts == [data["verdicts"][m] for m in detsum.MODES]
+    n = len(report.PRIMITIVES) * len(report.DTYPES)
+    if data["environment"]["device"] == "cpu":
+        assert f"autograd: bit-identical to torch's autograd in {n}/{n} rows" in verdicts[0]
+        assert f"0 ulps (correctly rounded) in {n}/{n} rows" in verdicts[3]
+
+
+def _good_row(**changes) -> dict:
+    row = {"primitive": "index_add", "mode": "autograd", "dtype": "fp32", "torch_op": "x",
+           "torch_ulps_well": 2.0, "torch_ulps_cancel": 9.0, "torch_deterministic": True,
+           "torch_ms": 2.0, "torch_spread": 0.1, "autograd_match": True, "ulps_well": 0.0,
+           "ulps_cancel": 0.0, "deterministic": True, "ms": 1.0, "spread": 0.1,
+           "ratio": 0.5, "ratio_spread": 0.2, "noisy": False}
+    row.update(changes)
+    return row
+
+
+def test_verdict_reports_a_failure():
+    good = _good_row()
+    assert report.verdict("autograd", [good, good]).startswith(
+        "autograd: bit-identical to torch's autograd in 2/2 rows; deterministic in 2/2 rows")
+    bad = _good_row(dtype="bf16", autograd_match=False)
+    line = report.verdict("autograd", [good, bad])
+    assert "NOT bit-identical to torch's autograd in 1 of 2 rows: index_add bf16" in line
+    assert "deterministic in 2/2 rows" in line
+    line = report.verdict("autograd", [good, _good_row(deterministic=False)])
+    assert "NOT deterministic in 1 of 2 rows: index_add fp32" in line
+    line = report.verdict("exact", [_good_row(mode="exact", ulps_cancel=3.0)])
+    assert "NOT correctly rounded in 1 of 1 rows: index_add fp32 (3 ulps)" in line
+    line = report.verdict("kahan", [_good_row(mode="kahan", ulps_well=2.0)])
+    assert "MORE than 1 ulp from the exact sum in 1 of 1 rows: index_add fp32 (2 ulps)" in line
+    line = report.verdict("fp32", [_good_row(mode="fp32", noisy=True)])
+    assert "1 of 1 ratios noisy" in line

@@ -16,12 +16,22 @@ mode and every float dtype, one row:
   detsum and for the matching torch op on the same inputs.
 - **det**: three runs give the same bits (detsum: Numba thread counts N, 1, N on CPU; torch:
   its default settings, three times).
-- **time**: median wall time of detsum and of the torch op; ratio = detsum / torch.
+- **time**: median wall time of detsum and of the torch op, their calls taking turns
+  (``interleaved_runs``); ratio = detsum / torch. Each side's **spread** is the interquartile
+  range of its runs over their median, the ratio's is the sum of the two, and a row is
+  **noisy** when the ratio moved by that spread either way reaches 1 (``compare_times``,
+  ``is_noisy``): its runs cannot say which side is faster.
 
 The torch op is the one a user would otherwise call: ``torch.segment_reduce(src, "sum",
-offsets=...)``, ``torch.index_add``, ``torch.scatter_reduce(..., "sum")`` for the "fp32" and
-"kahan" rows, and ``index_put(..., accumulate=True)`` (autograd's own path) for the
+offsets=...)``, ``torch.index_add``, ``torch.scatter_reduce(..., "sum")`` for the "fp32",
+"kahan" and "exact" rows, and ``index_put(..., accumulate=True)`` (autograd's own path) for the
 "autograd" rows.
+
+What the user sees: before the table, each dtype's kernels compiled (first run) or loaded
+from the disk cache, timed (``warm_up``), so the rows never compile silently; under it, what
+every column means (``COLUMNS``, ``legend``: the same explanations as above, in the user's
+words) and one verdict per mode derived from the rows (``verdict``). The JSON carries all of
+it: the rows with their spreads, the warm-up steps and the verdicts.
 
 The helpers here (data sets, exact references, ulps, timing) are also what ``benches/`` uses.
 """

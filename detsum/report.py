@@ -491,10 +491,10 @@ def warm_up(sizes: Sizes, device: torch.device, *,
     say = progress or (lambda line: None)
     steps = []
 
-    # torch's custom-op dispatch imports torch._dynamo on the first call of any custom op
-    # (about a second); a call on the reference backend pays it with no kernel involved,
-    # so that it is not counted as the first dtype's kernel time.
-    say("first detsum call (torch's custom-op dispatch loads torch._dynamo; no kernel) ...")
+    # The first detsum call has start-up costs of its own (the first call through a
+    # torch.library op imports torch._dynamo: about a second). A call on the reference backend
+    # pays them with no kernel involved, so that they do not count as the first dtype's.
+    say("first detsum call, on the reference backend (one-time start-up, no kernel) ...")
     start = time.perf_counter()
     with detsum.backend("reference"):
         detsum.segment_sum(torch.ones(1, 1, device=device), torch.tensor([0, 1], device=device))

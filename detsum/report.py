@@ -16,12 +16,22 @@ mode and every float dtype, one row:
   detsum and for the matching torch op on the same inputs.
 - **det**: three runs give the same bits (detsum: Numba thread counts N, 1, N on CPU; torch:
   its default settings, three times).
-- **time**: median wall time of detsum and of the torch op; ratio = detsum / torch.
+- **time**: median wall time of detsum and of the torch op, their calls taking turns
+  (``interleaved_runs``); ratio = detsum / torch. Each side's **spread** is the interquartile
+  range of its runs over their median, the ratio's is the sum of the two, and a row is
+  **noisy** when the ratio moved by that spread either way reaches 1 (``compare_times``,
+  ``is_noisy``): its runs cannot say which side is faster.
 
 The torch op is the one a user would otherwise call: ``torch.segment_reduce(src, "sum",
-offsets=...)``, ``torch.index_add``, ``torch.scatter_reduce(..., "sum")`` for the "fp32" and
-"kahan" rows, and ``index_put(..., accumulate=True)`` (autograd's own path) for the
+offsets=...)``, ``torch.index_add``, ``torch.scatter_reduce(..., "sum")`` for the "fp32",
+"kahan" and "exact" rows, and ``index_put(..., accumulate=True)`` (autograd's own path) for the
 "autograd" rows.
+
+What the user sees: before the table, each dtype's kernels compiled (first run) or loaded
+from the disk cache, timed (``warm_up``), so the rows never compile silently; under it, what
+every column means (``COLUMNS``, ``legend``: the same explanations as above, in the user's
+words) and one verdict per mode derived from the rows (``verdict``). The JSON carries all of
+it: the rows with their spreads, the warm-up steps and the verdicts.
 
 The helpers here (data sets, exact references, ulps, timing) are also what ``benches/`` uses.
 """
@@ -36,6 +46,7 @@ import json
 import math
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -88,33 +99,6 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device | str, *, reps: int,
-                   warmup: int = 1) -> float:
-    """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones."""
-    return interleaved_medians([fn], device, reps=reps, warmup=warmup)[0]
-
-
-def interleaved_medians(fns: Sequence[Callable[[], object]], device: torch.device | str, *,
-                        reps: int, warmup: int = 1) -> list[float]:
-    """Median wall time of each function, timed in turns (f0, f1, f0, f1, ...).
-
-    Taking turns exposes every function to the same drift in machine load, so their ratio
-    holds up better than that of two medians taken one after the other.
-    """
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    sync(device)
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, ts in zip(fns, times):
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            ts.append(time.perf_counter() - start)
-    return [statistics.median(ts) for ts in times]
-
-
 @contextlib.contextmanager
 def torch_deterministic():
     """torch with ``use_deterministic_algorithms(True)``: the arithmetic "autograd" mode copies."""
@@ -137,6 +121,78 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     a = a.masked_fill(nan_a, 0).contiguous().view(bits)
     b = b.masked_fill(nan_b, 0).contiguous().view(bits)
     return torch.equal(a, b)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+def median_seconds(fn: Callable[[], object], device: torch.device | str, *, reps: int,
+                   warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones."""
+    return interleaved_medians([fn], device, reps=reps, warmup=warmup)[0]
+
+
+def interleaved_medians(fns: Sequence[Callable[[], object]], device: torch.device | str, *,
+                        reps: int, warmup: int = 1) -> list[float]:
+    """Median wall time of each function, timed in turns (see ``interleaved_runs``)."""
+    return [statistics.median(ts) for ts in interleaved_runs(fns, device, reps=reps,
+                                                              warmup=warmup)]
+
+
+def interleaved_runs(fns: Sequence[Callable[[], object]], device: torch.device | str, *,
+                     reps: int, warmup: int = 1) -> list[list[float]]:
+    """Wall times of ``reps`` runs of each function, timed in turns (f0, f1, f0, f1, ...).
+
+    Taking turns exposes every function to the same drift in machine load, so their ratio
+    holds up better than that of two medians taken one after the other.
+    """
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    sync(device)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, ts in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            ts.append(time.perf_counter() - start)
+    return times
+
+
+def spread(seconds: Sequence[float]) -> float:
+    """How much timed runs vary: their interquartile range over their median.
+
+    The quartiles are interpolated between runs (numpy's default), so three runs give half
+    their range. Unlike the range itself, the middle half ignores one stray run that the
+    scheduler held up, which the median ignores too.
+    """
+    if len(seconds) < 2:
+        raise ValueError(f"spread: needs at least 2 timed runs to say how they vary, got "
+                         f"{len(seconds)}")
+    q1, _, q3 = statistics.quantiles(seconds, n=4, method="inclusive")
+    median = statistics.median(seconds)
+    return (q3 - q1) / median if median > 0 else 0.0
+
+
+def is_noisy(ratio: float, ratio_spread: float) -> bool:
+    """Whether a time ratio, moved by its spread either way, reaches 1.
+
+    Then the runs varied too much to say which side is faster: ``ratio / (1 + ratio_spread)
+    <= 1 <= ratio * (1 + ratio_spread)``.
+    """
+    return ratio / (1 + ratio_spread) <= 1 <= ratio * (1 + ratio_spread)
+
+
+def compare_times(detsum_s: Sequence[float], torch_s: Sequence[float]) -> dict:
+    """The report's timing fields from detsum's and torch's timed runs (seconds)."""
+    ms, torch_ms = 1e3 * statistics.median(detsum_s), 1e3 * statistics.median(torch_s)
+    d_spread, t_spread = spread(detsum_s), spread(torch_s)
+    ratio = ms / torch_ms
+    # To first order, a quotient's relative spread is the sum of its parts'.
+    ratio_spread = d_spread + t_spread
+    return {"ms": ms, "torch_ms": torch_ms, "spread": d_spread, "torch_spread": t_spread,
+            "ratio": ratio, "ratio_spread": ratio_spread,
+            "noisy": is_noisy(ratio, ratio_spread)}
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -254,7 +310,9 @@ class Case:
 
 
 def make_case(primitive: str, dtype: torch.dtype, dataset: str, sizes: Sizes,
-              device: torch.device, seed: int) -> Case:
+              device: torch.device, seed: int, *, with_exact: bool = True) -> Case:
+    """The inputs of one row on ``device``; ``with_exact=False`` leaves the exact sample rows
+    out (empty), for calls whose results nobody checks (the kernel warm-up)."""
     gen = torch.Generator().manual_seed(seed)
     index = skewed_index(sizes.n_src, sizes.n_out, gen)
     if primitive == "segment_sum":
@@ -263,8 +321,11 @@ def make_case(primitive: str, dtype: torch.dtype, dataset: str, sizes: Sizes,
     init = None
     if primitive != "segment_sum":
         init = make_init(sizes.n_out, sizes.h, dtype, dataset, gen)
-    rows = sample_rows(index, sizes.n_out, sizes.sample_rows, gen)
-    exact = exact_rows(src, index, rows, init)
+    if with_exact:
+        rows = sample_rows(index, sizes.n_out, sizes.sample_rows, gen)
+        exact = exact_rows(src, index, rows, init)
+    else:
+        rows, exact = torch.zeros(0, dtype=torch.int64), src.new_zeros((0, sizes.h))
     offsets = None
     if primitive == "segment_sum":
         counts = torch.bincount(index, minlength=sizes.n_out)
@@ -360,12 +421,14 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
 
     dfn = detsum_fn(primitive, well, mode)
     try:
-        dfn()  # compiles on first use; nothing below times it
+        dfn()  # warm_up compiled the kernels already; this only checks that one exists
     except NotImplementedError as e:
         row["error"] = str(e)
-        for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms", "ratio"):
+        for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms",
+                    "spread", "ratio", "ratio_spread", "noisy"):
             row[key] = None
-        row["torch_ms"] = 1e3 * median_seconds(tfn, device, reps=sizes.reps)
+        (t_runs,) = interleaved_runs([tfn], device, reps=sizes.reps)
+        row["torch_ms"], row["torch_spread"] = 1e3 * statistics.median(t_runs), spread(t_runs)
         return row
     if mode == "autograd":
         row["autograd_match"] = all(same_bits(*autograd_truth(primitive, c))
@@ -383,10 +446,86 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
         row["deterministic"] = three_runs_equal(dfn, (n, 1, n))
     else:
         row["deterministic"] = three_runs_equal(dfn, (None, None, None))
-    d_s, t_s = interleaved_medians([dfn, tfn], device, reps=sizes.reps)
-    row["ms"], row["torch_ms"] = 1e3 * d_s, 1e3 * t_s
-    row["ratio"] = d_s / t_s
+    d_runs, t_runs = interleaved_runs([dfn, tfn], device, reps=sizes.reps)
+    row.update(compare_times(d_runs, t_runs))
     return row
+
+
+# ---- kernel warm-up ---------------------------------------------------------------------------
+
+_KERNEL_LIBRARY = {"cpu": "Numba", "cuda": "Triton"}
+
+
+@contextlib.contextmanager
+def _numba_compilations(device: torch.device):
+    """Collect Numba's compile events in the block (a list; None off the CPU).
+
+    A kernel loaded from the disk cache raises no such event, so an empty list tells a cache
+    load from a compilation.
+    """
+    if device.type != "cpu":
+        yield None
+        return
+    from numba.core import event
+
+    with event.install_recorder("numba:compile") as recorder:
+        yield recorder.buffer
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
+
+
+def warm_up(sizes: Sizes, device: torch.device, *,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Compile (or load from the disk cache) every kernel the table uses, one dtype at a time,
+    saying so before and after each: one call per primitive and mode on inputs of the
+    report's shapes, timed.
+
+    Without it the first row of each dtype compiled silently for tens of seconds. The shapes
+    are the report's own because Triton specializes a kernel on its arguments (a size of 1,
+    one divisible by 16): a toy shape could compile a variant the table never runs. Returns one
+    entry per step, for the JSON: ``seconds``, and ``compiled`` (True / False on the CPU,
+    None where it cannot be told).
+    """
+    say = progress or (lambda line: None)
+    steps = []
+
+    # The first detsum call has start-up costs of its own (the first call through a
+    # torch.library op imports torch._dynamo: about a second). A call on the reference backend
+    # pays them with no kernel involved, so that they do not count as the first dtype's.
+    say("first detsum call, on the reference backend (one-time start-up, no kernel) ...")
+    start = time.perf_counter()
+    with detsum.backend("reference"):
+        detsum.segment_sum(torch.ones(1, 1, device=device), torch.tensor([0, 1], device=device))
+    seconds = time.perf_counter() - start
+    say(f"... {_seconds(seconds)}")
+    steps.append({"step": "dispatch", "dtype": None, "seconds": seconds, "compiled": None})
+
+    library = _KERNEL_LIBRARY.get(device.type, device.type)
+    for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
+        say(f"compiling the {library} kernels for {dtype_name} (first run only: later runs "
+            f"load them from the disk cache) ...")
+        cases = {primitive: make_case(primitive, dtype, "well", sizes, device,
+                                      seed=10 * d_i + p_i, with_exact=False)
+                 for p_i, primitive in enumerate(PRIMITIVES)}
+        with _numba_compilations(device) as events:
+            start = time.perf_counter()
+            for primitive, case in cases.items():
+                for mode in detsum.MODES:
+                    try:
+                        detsum_fn(primitive, case, mode)()
+                    except NotImplementedError:
+                        pass  # the row says so, as "n/a"
+            sync(device)
+            seconds = time.perf_counter() - start
+        compiled = None if events is None else bool(events)
+        how = {True: "compiled, and saved to the disk cache",
+               False: "loaded from the disk cache", None: "compiled or loaded from disk"}[compiled]
+        say(f"... {dtype_name} kernels ready in {_seconds(seconds)} ({how})")
+        steps.append({"step": f"{library.lower()} kernels", "dtype": dtype_name,
+                      "seconds": seconds, "compiled": compiled})
+    return steps
 
 
 # ---- the whole report ---------------------------------------------------------------------------
@@ -418,9 +557,11 @@ def environment(device: torch.device) -> dict:
 
 def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         progress: Callable[[str], None] | None = None) -> dict:
-    """Every row of the report, with the environment; ``progress`` gets one line per row."""
+    """Every row of the report, with the environment, the kernel warm-up and a verdict per mode;
+    ``progress`` gets the warm-up's lines, then one line per row."""
     device = device or default_device()
     started = time.perf_counter()
+    warmup = warm_up(sizes, device, progress=progress)
     rows = []
     for p_i, primitive in enumerate(PRIMITIVES):
         for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
@@ -437,7 +578,9 @@ def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         "environment": environment(device),
         "sizes": dataclasses.asdict(sizes),
         "elapsed_s": time.perf_counter() - started,
+        "warmup": warmup,
         "rows": rows,
+        "verdicts": {mode: verdict(mode, rows) for mode in detsum.MODES},
     }
 
 
@@ -460,23 +603,156 @@ def _num(x, digits: int | None = None) -> str:
     return f"{x:.{digits}f}"
 
 
-COLUMNS = (
-    # (header, key, formatter)
-    ("primitive", "primitive", str),
-    ("mode", "mode", str),
-    ("dtype", "dtype", str),
-    ("autograd", "autograd_match", None),
-    ("ulps well", "ulps_well", _num),
-    ("ulps cancel", "ulps_cancel", _num),
-    ("det", "deterministic", _num),
-    ("ms", "ms", lambda x: _num(x, 3)),
-    ("torch op", "torch_op", str),
-    ("t.ulps well", "torch_ulps_well", _num),
-    ("t.ulps cancel", "torch_ulps_cancel", _num),
-    ("t.det", "torch_deterministic", _num),
-    ("t.ms", "torch_ms", lambda x: _num(x, 3)),
-    ("ratio", "ratio", lambda x: _num(x, 2)),
+def _percent(x: float | None) -> str:
+    return "n/a" if x is None else f"±{100 * x:.0f}%"
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    header: str
+    cell: Callable[[dict], str]
+    # What the column means, printed under the table; {sample_rows} and {reps} are filled in.
+    meaning: str
+
+
+def _autograd_cell(row: dict) -> str:
+    if row["mode"] != "autograd":
+        return "-"
+    return "n/a" if row["autograd_match"] is None else _num(row["autograd_match"])
+
+
+def _noisy_cell(row: dict) -> str:
+    if row.get("noisy") is None:
+        return "n/a"
+    return "yes" if row["noisy"] else ""
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("primitive", lambda r: r["primitive"],
+           "the detsum function measured: segment_sum (rows summed by CSR offsets), index_add, "
+           "scatter_reduce(..., 'sum')"),
+    Column("mode", lambda r: r["mode"],
+           "detsum's accumulation mode (docs/modes.md): autograd = torch's own arithmetic, "
+           "fp32 = fp32 accumulator (fp64 for fp64 data) in a fixed order, kahan = compensated, "
+           "promised within 1 ulp, exact = correctly rounded"),
+    Column("dtype", lambda r: r["dtype"],
+           "the data type: float32, float16, bfloat16, float64"),
+    Column("autograd", _autograd_cell,
+           "'autograd' rows only: yes if detsum gives the very bits of torch's own gradient "
+           "(x.grad of x[index]; index_put(accumulate=True) for scatter_reduce; torch with "
+           "deterministic algorithms on) on both data sets; '-' in the other modes"),
+    Column("ulps well", lambda r: _num(r["ulps_well"]),
+           "detsum's largest error against the exact sum rounded once, in ulps (units in the "
+           "last place of the dtype; 0 = correctly rounded), over {sample_rows} sampled output "
+           "rows of well-conditioned data: positive terms, nothing cancels"),
+    Column("ulps cancel", lambda r: _num(r["ulps_cancel"]),
+           "the same on cancellation-heavy data: terms come in pairs +b, -RN(b(1-2^-j)), "
+           "j = 2..12, whose exact sum is about b*2^-j, so running sums are up to 4096x the "
+           "result and their rounding errors are many ulps of it; large values here are "
+           "expected of any method that rounds as it goes"),
+    Column("det", lambda r: _num(r["deterministic"]),
+           "yes if three runs give the same bits (CPU: Numba on N threads, then 1, then N)"),
+    Column("ms", lambda r: _num(r["ms"], 3),
+           "detsum's median wall time over {reps} runs, in milliseconds"),
+    Column("torch op", lambda r: r["torch_op"],
+           "the torch call a user would make instead, on the same inputs; index_put(acc) is "
+           "index_put(..., accumulate=True), autograd's own path"),
+    Column("t.ulps well", lambda r: _num(r["torch_ulps_well"]), "'ulps well' of the torch op"),
+    Column("t.ulps cancel", lambda r: _num(r["torch_ulps_cancel"]),
+           "'ulps cancel' of the torch op"),
+    Column("t.det", lambda r: _num(r["torch_deterministic"]),
+           "'det' of the torch op, with its default settings (what users get)"),
+    Column("t.ms", lambda r: _num(r["torch_ms"], 3), "'ms' of the torch op"),
+    Column("ratio", lambda r: _num(r["ratio"], 2),
+           "ms / t.ms (< 1: detsum is faster); the detsum and torch calls take turns, so both "
+           "see the same changes in machine load"),
+    Column("spread", lambda r: _percent(r.get("ratio_spread")),
+           "how much the timed runs varied: for each side the interquartile range of its runs "
+           "over their median; the two added (JSON: spread, torch_spread, ratio_spread)"),
+    Column("noisy", _noisy_cell,
+           "yes when ratio / (1 + spread) <= 1 <= ratio * (1 + spread): the runs varied too "
+           "much to tell which side is faster; rerun on a quieter machine"),
 )
+
+# Left-aligned columns: the names; the rest are numbers.
+_LEFT = {"primitive", "mode", "dtype", "torch op"}
+
+
+def legend(sizes: dict) -> list[str]:
+    """One entry per column of the table: what it shows, in the user's words."""
+    width = max(len(c.header) for c in COLUMNS)
+    lines = ["columns:"]
+    for column in COLUMNS:
+        text = column.meaning.format(**sizes)
+        lines += textwrap.wrap(text, width=100, initial_indent=f"  {column.header:<{width}}  ",
+                               subsequent_indent=" " * (width + 4))
+    return lines
+
+
+_NAMES_ONLY = 4  # failing rows named in a verdict before "and N more"
+
+
+def _row_list(rows: Sequence[dict], detail: Callable[[dict], str] | None = None) -> str:
+    names = [f"{r['primitive']} {r['dtype']}" + (f" ({detail(r)})" if detail else "")
+             for r in rows]
+    if len(names) > _NAMES_ONLY:
+        names = names[:_NAMES_ONLY] + [f"and {len(names) - _NAMES_ONLY} more"]
+    return ", ".join(names)
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2f}" if ratio < 10 else f"{ratio:.0f}"
+
+
+def _worst_ulps(row: dict) -> float:
+    return max(row["ulps_well"], row["ulps_cancel"])
+
+
+def verdict(mode: str, rows: Sequence[dict]) -> str:
+    """One line on ``mode``'s rows: each promise of the mode, kept in how many rows, with the
+    rows that break it named; then the error (fp32) and the time against torch."""
+    mine = [r for r in rows if r["mode"] == mode]
+    ran = [r for r in mine if not r.get("error")]
+    parts = []
+
+    def check(kept: Callable[[dict], bool], promise: str, broken: str,
+              detail: Callable[[dict], str] | None = None) -> None:
+        failed = [r for r in ran if not kept(r)]
+        if failed:
+            parts.append(f"{broken} in {len(failed)} of {len(ran)} rows: "
+                         f"{_row_list(failed, detail)}")
+        else:
+            parts.append(f"{promise} in {len(ran)}/{len(ran)} rows")
+
+    if mine and not ran:
+        return f"{mode}: not run in any row: {mine[0]['error']}"
+    if mode == "autograd":
+        check(lambda r: r["autograd_match"] is True, "bit-identical to torch's autograd",
+              "NOT bit-identical to torch's autograd")
+    elif mode == "kahan":
+        check(lambda r: _worst_ulps(r) <= 1, "within 1 ulp of the exact sum",
+              "MORE than 1 ulp from the exact sum", lambda r: f"{_num(_worst_ulps(r))} ulps")
+    elif mode == "exact":
+        check(lambda r: _worst_ulps(r) == 0, "0 ulps (correctly rounded)",
+              "NOT correctly rounded", lambda r: f"{_num(_worst_ulps(r))} ulps")
+    check(lambda r: r["deterministic"] is True, "deterministic", "NOT deterministic")
+    if mode == "fp32" and ran:
+        worst = {k: max(r[k] for r in ran) for k in ("ulps_well", "ulps_cancel",
+                                                     "torch_ulps_well", "torch_ulps_cancel")}
+        parts.append(f"at most {_num(worst['ulps_well'])} / {_num(worst['ulps_cancel'])} ulps "
+                     f"(well / cancel; the torch ops: {_num(worst['torch_ulps_well'])} / "
+                     f"{_num(worst['torch_ulps_cancel'])})")
+    timed = [r for r in ran if r.get("ratio") is not None]
+    if timed:
+        ratios = sorted(r["ratio"] for r in timed)
+        noisy = sum(bool(r["noisy"]) for r in timed)
+        parts.append(f"{_times(ratios[0])}-{_times(ratios[-1])}x the torch op's time (median "
+                     f"{_times(statistics.median(ratios))}x; {noisy} of {len(timed)} ratios "
+                     f"noisy)")
+    if len(ran) < len(mine):
+        skipped = [r for r in mine if r.get("error")]
+        parts.append(f"not run in {len(skipped)} rows: {_row_list(skipped, lambda r: r['error'])}")
+    return f"{mode}: " + "; ".join(parts)
 
 
 def format_table(report: dict) -> str:
@@ -490,23 +766,12 @@ def format_table(report: dict) -> str:
         f"sampled output rows; times: median of {sizes['reps']}, detsum and torch taking turns",
         "",
     ]
-    cells = []
-    for row in report["rows"]:
-        line = []
-        for _, key, fmt in COLUMNS:
-            if key == "autograd_match":
-                value = row[key]
-                line.append("-" if row["mode"] != "autograd" else ("n/a" if value is None
-                                                                     else _num(value)))
-            else:
-                line.append(fmt(row[key]))
-        cells.append(line)
-    headers = [h for h, _, _ in COLUMNS]
+    cells = [[column.cell(row) for column in COLUMNS] for row in report["rows"]]
+    headers = [column.header for column in COLUMNS]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
-    left = {"primitive", "mode", "dtype", "torch op"}
 
     def fmt_line(values):
-        return "  ".join(v.ljust(w) if h in left else v.rjust(w)
+        return "  ".join(v.ljust(w) if h in _LEFT else v.rjust(w)
                          for v, w, h in zip(values, widths, headers)).rstrip()
 
     lines.append(fmt_line(headers))
@@ -517,19 +782,25 @@ def format_table(report: dict) -> str:
             lines.append("")
         previous = row["primitive"]
         lines.append(fmt_line(line))
+    lines += ["", *legend(sizes), ""]
     errors = sorted({row["error"] for row in report["rows"] if row.get("error")})
-    lines += [
-        "",
-        "autograd: 'autograd' mode bit-identical to torch (x.grad of x[index] for segment_sum "
-        "and index_add, index_put(accumulate=True) for scatter_reduce; torch deterministic "
-        "algorithms on)",
-        "ulps well / cancel: positive terms / cancelling pairs (see detsum.report.make_source); "
-        "t.* = the torch op on the same inputs",
-        "det: 3 runs bitwise equal (detsum: numba threads N, 1, N; torch: default settings); "
-        "ratio = detsum ms / torch ms (< 1: detsum faster)",
-        f"total {report['elapsed_s']:.1f} s",
-    ]
     lines += [f"n/a: {e}" for e in errors]
+    warmup = report.get("warmup", [])
+    kernels = [s for s in warmup if s["dtype"] is not None]
+    if kernels:
+        how = {True: "compiled", False: "loaded from the disk cache",
+               None: "compiled or loaded from disk"}
+        if len({s["compiled"] for s in kernels}) == 1:
+            lines.append("kernels, before the table: " + ", ".join(
+                f"{s['dtype']} {_seconds(s['seconds'])}" for s in kernels)
+                + f" (all {how[kernels[0]['compiled']]})")
+        else:
+            lines.append("kernels, before the table: " + ", ".join(
+                f"{s['dtype']} {_seconds(s['seconds'])} ({how[s['compiled']]})"
+                for s in kernels))
+    lines.append(f"total {report['elapsed_s']:.1f} s")
+    lines += ["", "verdict per mode, from the rows above:"]
+    lines += [verdict(mode, report["rows"]) for mode in detsum.MODES]
     return "\n".join(lines)
 
 

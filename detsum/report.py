@@ -491,17 +491,6 @@ def warm_up(sizes: Sizes, device: torch.device, *,
     say = progress or (lambda line: None)
     steps = []
 
-    # The first detsum call has start-up costs of its own (the first call through a
-    # torch.library op imports torch._dynamo: about a second). A call on the reference backend
-    # pays them with no kernel involved, so that they do not count as the first dtype's.
-    say("first detsum call, on the reference backend (one-time start-up, no kernel) ...")
-    start = time.perf_counter()
-    with detsum.backend("reference"):
-        detsum.segment_sum(torch.ones(1, 1, device=device), torch.tensor([0, 1], device=device))
-    seconds = time.perf_counter() - start
-    say(f"... {_seconds(seconds)}")
-    steps.append({"step": "dispatch", "dtype": None, "seconds": seconds, "compiled": None})
-
     library = _KERNEL_LIBRARY.get(device.type, device.type)
     for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
         say(f"compiling the {library} kernels for {dtype_name} (first run only: later runs "

@@ -469,3 +469,40 @@ def test_worked_example(capsys):
         assert row["autograd_mode_vs_autograd"] == 0.0
     # The story: the naive recipe differs from autograd in half precision.
     assert any(r["naive_vs_autograd"] > 0 for r in rows if r["dtype"] == "bfloat16")
+
+
+# ---- the weighted unpermute by blocks (CPU, "fp32" / "kahan") -----------------------------------
+
+@pytest.mark.parametrize("block_bytes", [64, 1000], ids=["one-token-blocks", "uneven-blocks"])
+@pytest.mark.parametrize(("dtype", "weights_dtype"),
+                         [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                          (torch.float16, torch.float16), (torch.float32, torch.float32),
+                          (torch.float64, torch.float32)], ids=dtype_id)
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+@pytest.mark.parametrize("row_shape", [(5,), (3, 4)], ids=["rows", "3d-rows"])
+def test_weighted_unpermute_by_blocks_gives_the_bits_of_one_pass(
+        mode, dtype, weights_dtype, block_bytes, row_shape, monkeypatch):
+    """Each token's sum and each row's dot product use its own rows only: blocks of any size
+    give the bits of one pass over all rows, forward and backward."""
+    topk, tokens = 3, 11
+    g = torch.Generator().manual_seed(7)
+    gather_indices, _ = moe.route(torch.randint(0, E, (tokens, topk), generator=g), E)
+    y = torch.randn((tokens * topk,) + row_shape, generator=g).to(dtype)
+    weights = torch.softmax(torch.randn(tokens, topk, generator=g), -1).to(weights_dtype)
+    grad_out = torch.randn((tokens,) + row_shape, generator=g).to(
+        torch.promote_types(dtype, weights_dtype))
+
+    def run():
+        y_leaf, w_leaf = y.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = moe.unpermute(y_leaf, gather_indices, topk, weights=w_leaf, mode=mode)
+        out.backward(grad_out)
+        return out, y_leaf.grad, w_leaf.grad
+
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "_PRODUCT_BLOCK_BYTES", block_bytes)
+        blocked = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(moe, "_blocked", lambda device, acc_mode: False)
+        one_pass = run()
+    for got, expected in zip(blocked, one_pass):
+        assert_same_bits(got, expected)

@@ -12,7 +12,8 @@ import math
 import torch
 
 from detsum import kernels
-from detsum._validation import raise_first_out_of_range, raise_index_out_of_range
+from detsum._validation import (assert_on_device, raise_first_out_of_range,
+                                raise_index_out_of_range)
 from detsum.backend import check_backend_runs
 
 #: Tests set this to True: every output is NaN-filled before a kernel writes it, so an element
@@ -42,18 +43,20 @@ def one_segment(num_rows: int, device: torch.device) -> torch.Tensor:
 
 
 def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
-                    index_name: str, size_name: str, promised_sorted: bool, backend_name: str
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(order, offsets) of the segments that a 1-D ``index`` defines, after checking its values.
+                    index_name: str, size_name: str, promised_sorted: bool, backend_name: str,
+                    check: str = "host") -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(order, offsets) of the segments that a 1-D ``index`` defines, after checking its values
+    as ``check`` says (``_validation.check_level``).
 
     The plan is built where the kernels run: the Numba backend takes a stable counting sort
-    that validates the index in the same pass; every other backend (the GPU first of all)
-    takes torch ops on the index's device (``_device_plan``). A promised-sorted index needs no
-    order: its segments are contiguous.
+    that validates the index in the same pass, whatever ``check`` is (on the CPU the check is
+    free, and a kernel must never read outside its source); every other backend (the GPU
+    first of all) takes torch ops on the index's device (``_device_plan``). A promised-sorted
+    index needs no order: its segments are contiguous.
     """
     if backend_name != "numba" or index.device.type != "cpu":
         return _device_plan(caller, index, num_segments, index_name=index_name,
-                            size_name=size_name, promised_sorted=promised_sorted)
+                            size_name=size_name, promised_sorted=promised_sorted, check=check)
     from detsum.kernels.numba import plan
 
     if promised_sorted:
@@ -76,16 +79,18 @@ SPARSE_ROWS_PER_SOURCE_ROW = 8
 
 
 def rows_with_terms(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
-                    size_name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    size_name: str, check: str = "host"
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For a 1-D ``index`` that feeds few of ``num_segments`` output rows: (the output rows
     that receive terms, ascending; each source row's position among them), after checking
-    ``index``'s values. None when most rows receive terms (plan them all).
+    ``index``'s values. None when most rows receive terms (plan them all), and whenever
+    ``check`` is not "host": the number of rows with terms is a host read.
 
     Every output row's result depends only on its own base row and terms, in order of
     appearance; the positions keep that order (a stable plan of them is the same order), so
     computing the rows with terms on their own gives the same bits.
     """
-    if num_segments <= SPARSE_ROWS_PER_SOURCE_ROW * index.numel():
+    if check != "host" or num_segments <= SPARSE_ROWS_PER_SOURCE_ROW * index.numel():
         return None
     targets, positions = torch.unique(index, sorted=True, return_inverse=True)
     if targets.numel():
@@ -103,9 +108,10 @@ def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position:
 
 
 def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
-                 size_name: str, promised_sorted: bool
+                 size_name: str, promised_sorted: bool, check: str
                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The plan from torch ops on the index's device, with one host read (the validation).
+    """The plan from torch ops on the index's device, with one host read (the validation) under
+    check="host" and none otherwise.
 
     ``torch.sort(stable=True)`` gives the canonical order (positions in order of appearance
     within a value), and the sorted values give the offsets by a binary search per segment
@@ -118,9 +124,16 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     if index.numel() == 0:
         return (None if promised_sorted else index.new_empty(0, dtype=torch.int64),
                 torch.zeros(num_segments + 1, dtype=torch.int64, device=index.device))
+    in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
     if promised_sorted:
         out_of_range = ((index < 0) | (index >= num_segments)).any()
         decreasing = (index[1:] < index[:-1]).any()
+        if check != "host":
+            if check == "device":
+                assert_on_device(~out_of_range, caller, in_range)
+                assert_on_device(~decreasing, caller,
+                                 f"sorted=True but {index_name} decreases somewhere")
+            return None, torch.searchsorted(index.contiguous(), boundaries)
         bad_range, bad_order = torch.stack([out_of_range, decreasing]).tolist()
         if bad_range:
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
@@ -129,9 +142,12 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
             _raise_unsorted(caller, index_name, index, first)
         return None, torch.searchsorted(index.contiguous(), boundaries)
     values, order = torch.sort(index, stable=True)
-    low, high = values[[0, -1]].tolist()
-    if low < 0 or high >= num_segments:
-        raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+    if check == "device":
+        assert_on_device((values[0] >= 0) & (values[-1] < num_segments), caller, in_range)
+    elif check == "host":
+        low, high = values[[0, -1]].tolist()
+        if low < 0 or high >= num_segments:
+            raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
     return order, torch.searchsorted(values, boundaries)
 
 

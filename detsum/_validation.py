@@ -64,6 +64,28 @@ def check_flag(caller: str, name: str, value: object) -> bool:
     return value
 
 
+#: How a primitive checks the values of its index (see ``check_level``).
+CHECK_LEVELS = ("host", "device", "off")
+
+
+def check_level(caller: str, check: object) -> str:
+    """The ``check`` argument: "host" (the default: values read back and checked before
+    anything runs, with an error naming the first bad position), "device" (checked on the
+    index's device with no host read: a bad value fails at the next synchronisation, with a
+    message naming the argument but not the position), or "off" (not checked on a GPU)."""
+    if check not in CHECK_LEVELS:
+        raise ValueError(f"{caller}: check={check!r}; expected one of "
+                         f"{', '.join(map(repr, CHECK_LEVELS))}")
+    return check
+
+
+def assert_on_device(condition: torch.Tensor, caller: str, what: str) -> None:
+    """Fail (at the next synchronisation, on a GPU) unless ``condition`` holds: check="device".
+    No host read: on a GPU this queues a kernel that stops the stream on failure."""
+    torch._assert_async(condition, f"{caller}: {what} (found by check='device'; "
+                                   f"check='host' names the first bad position)")
+
+
 def check_shape(caller: str, name: str, shape: object) -> torch.Size:
     """A shape: a sequence (tuple, list, torch.Size) of non-negative ints."""
     expected = "expected a sequence of non-negative ints such as (4, 3)"

@@ -14,16 +14,17 @@ _CALLER = "detsum.index_add"
 # ---- operators: out of place and in place -------------------------------------------------------
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-         alpha: float, mode: str, out3: torch.Tensor | None, *,
+         alpha: float, mode: str, out3: torch.Tensor | None, *, check: str = "host",
          index_checked: bool = False) -> torch.Tensor:
-    """The shared body: validate index values, plan, launch. Writes ``out3`` when given.
-    ``index_checked``: the index holds positions among the rows with terms, in range."""
+    """The shared body: validate index values (as ``check`` says), plan, launch. Writes
+    ``out3`` when given. ``index_checked``: the index holds positions among the rows with
+    terms, in range."""
     num_segments = input.shape[dim]
     backend_name = current_backend(input.device.type, _CALLER)
     sparse = None
     if not index_checked and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, num_segments, index_name="index",
-                                           size_name=f"input.size({dim})")
+                                           size_name=f"input.size({dim})", check=check)
     if sparse is not None:
         targets, positions = sparse
         rows = _run(input.index_select(dim, targets), dim, positions, source, alpha, mode, None,
@@ -39,7 +40,7 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     else:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
-            promised_sorted=False, backend_name=backend_name)
+            promised_sorted=False, backend_name=backend_name, check=check)
     if backend_name == "reference":
         result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
         if out3 is None:
@@ -56,23 +57,23 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     return out3
 
 
-def _index_add(input, dim, index, source, alpha, acc_mode):
+def _index_add(input, dim, index, source, alpha, acc_mode, check="host"):
     """The out-of-place operator's body (also called directly, see ``_dispatch``)."""
-    return _run(input, dim, index, source, alpha, acc_mode, None).view(input.shape)
+    return _run(input, dim, index, source, alpha, acc_mode, None, check=check).view(input.shape)
 
 
 @torch.library.custom_op("detsum::index_add", mutates_args=())
 def index_add_op(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-                 alpha: float, acc_mode: str) -> torch.Tensor:
-    return _index_add(input, dim, index, source, alpha, acc_mode)
+                 alpha: float, acc_mode: str, check: str = "host") -> torch.Tensor:
+    return _index_add(input, dim, index, source, alpha, acc_mode, check)
 
 
 @index_add_op.register_fake
-def _(input, dim, index, source, alpha, acc_mode):
+def _(input, dim, index, source, alpha, acc_mode, check="host"):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
-def _index_add_inplace(input, dim, index, source, alpha, acc_mode):
+def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host"):
     """The in-place operator's body (also called directly, see ``_dispatch``)."""
     # Here, not only in the public function: a compiled graph calls this operator directly.
     _validation.check_inplace_target("detsum.index_add_", "input", input, index=index,
@@ -80,26 +81,29 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode):
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
-        _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim))
+        _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim),
+             check=check)
     else:
-        input.copy_(_run(input, dim, index, source, alpha, acc_mode, None).view(input.shape))
+        input.copy_(_run(input, dim, index, source, alpha, acc_mode, None,
+                         check=check).view(input.shape))
 
 
 @torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
 def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
-                         source: torch.Tensor, alpha: float, acc_mode: str) -> None:
-    _index_add_inplace(input, dim, index, source, alpha, acc_mode)
+                         source: torch.Tensor, alpha: float, acc_mode: str,
+                         check: str = "host") -> None:
+    _index_add_inplace(input, dim, index, source, alpha, acc_mode, check)
 
 
 @index_add_inplace_op.register_fake
-def _(input, dim, index, source, alpha, acc_mode):
+def _(input, dim, index, source, alpha, acc_mode, check="host"):
     return None
 
 
 # ---- autograd: input passes through, source gathers its target rows ---------------------------
 
 def _setup_context(ctx, inputs, output):
-    _, dim, index, _, alpha, _ = inputs
+    _, dim, index, _, alpha, *_ = inputs
     ctx.save_for_backward(index)
     ctx.dim, ctx.alpha = dim, alpha
 
@@ -109,7 +113,7 @@ def _backward(ctx, grad):
     grad_source = grad.index_select(ctx.dim, index)
     if ctx.alpha != 1.0:
         grad_source = grad_source * ctx.alpha
-    return grad, None, None, grad_source, None, None
+    return grad, None, None, grad_source, None, None, None
 
 
 index_add_op.register_autograd(_backward, setup_context=_setup_context)
@@ -117,8 +121,9 @@ index_add_op.register_autograd(_backward, setup_context=_setup_context)
 
 # ---- public functions ---------------------------------------------------------------------------
 
-def _check(input, dim, index, source, alpha, mode, caller):
+def _check(input, dim, index, source, alpha, mode, check, caller):
     mode = parse_mode(mode, caller=caller)
+    _validation.check_level(caller, check)
     _validation.check_float(caller, "input", input)
     _validation.check_float(caller, "source", source)
     _validation.check_index(caller, "index", index, one_d=True)
@@ -162,19 +167,19 @@ _ORDER_DOC = """
 
 
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
-              alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
+              alpha: float = 1, mode: str | Mode = "fp32", check: str = "host") -> torch.Tensor:
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
-                                             _CALLER)
+                                             check, _CALLER)
     if _dispatch.direct_call_ok(input, index, source):
-        return _index_add(input, dim, index, source, alpha, mode.value)
-    return index_add_op(input, dim, index, source, alpha, mode.value)
+        return _index_add(input, dim, index, source, alpha, mode.value, check)
+    return index_add_op(input, dim, index, source, alpha, mode.value, check)
 
 
 def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
-               alpha: float = 1, mode: str | Mode = "fp32") -> torch.Tensor:
+               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host") -> torch.Tensor:
     caller = "detsum.index_add_"
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
-                                             caller)
+                                             check, caller)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
         # The in-place operator has no autograd formula of its own; copying the out-of-place
@@ -184,14 +189,14 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
         # eager detsum does too.
         if not torch.compiler.is_compiling():
             _validation.check_inplace_target(caller, "input", input, index=index, source=source)
-        return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value))
+        return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value, check))
     if _dispatch.direct_call_ok(input, index, source):
-        _index_add_inplace(input, dim, index, source, alpha, mode.value)
+        _index_add_inplace(input, dim, index, source, alpha, mode.value, check)
         # What the operator's mutates_args does: a saved copy of input is now stale, and
         # autograd must say so if a backward reads it.
         torch.autograd.graph.increment_version(input)
         return input
-    index_add_inplace_op(input, dim, index, source, alpha, mode.value)
+    index_add_inplace_op(input, dim, index, source, alpha, mode.value, check)
     return input
 
 
@@ -207,6 +212,12 @@ index_add.__doc__ = """Out-of-place ``torch.index_add``: ``out[..., index[k], ..
         source: ``input``'s dtype and shape except ``source.size(dim) == len(index)``.
         alpha: scale of ``source``.
         mode: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
+        check: how ``index``'s values are checked. ``"host"`` (default): read back before
+            anything runs; a bad value is an ``IndexError`` naming its position. ``"device"``:
+            on the index's device, with no host read (no synchronisation, so the call can be
+            captured in a CUDA graph); a bad value fails at the next synchronisation, naming
+            the argument. ``"off"``: not checked on a GPU (a bad value's row is left out). On
+            CPU every level checks, for free, in the pass that plans the sum.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.

@@ -20,15 +20,24 @@ REDUCTIONS = ("sum", "mean", "prod", "amax", "amin")
 
 # ---- operator ---------------------------------------------------------------------------------
 
-def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backend_name: str
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets) over flattened elements, output element (o, index, i) per source (o, n, i)."""
+def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backend_name: str,
+                      check: str = "host") -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets) over flattened elements, output element (o, index, i) per source (o, n, i),
+    after checking ``index``'s values as ``check`` says (always on the Numba backend: there a
+    host read costs no synchronisation)."""
     outer, num_segments, inner = input3.shape
-    low, high = torch.stack(torch.aminmax(index)).tolist() if index.numel() else (0, 0)
-    if low < 0 or high >= num_segments:
-        bad = int(((index < 0) | (index >= num_segments)).reshape(-1).nonzero()[0])
-        _validation.raise_index_out_of_range(_CALLER, "index", index, bad, num_segments,
-                                             f"input.size({dim})")
+    if backend_name == "numba":
+        check = "host"
+    if check == "device" and index.numel():
+        _validation.assert_on_device(((index >= 0) & (index < num_segments)).all(), _CALLER,
+                                     f"index has a value outside [0, input.size({dim}) = "
+                                     f"{num_segments})")
+    elif check == "host":
+        low, high = torch.stack(torch.aminmax(index)).tolist() if index.numel() else (0, 0)
+        if low < 0 or high >= num_segments:
+            bad = int(((index < 0) | (index >= num_segments)).reshape(-1).nonzero()[0])
+            _validation.raise_index_out_of_range(_CALLER, "index", index, bad, num_segments,
+                                                 f"input.size({dim})")
     index3 = _segments.rows_view(index, dim).to(torch.int64)
     outer_ids = torch.arange(outer, device=index.device).view(-1, 1, 1)
     inner_ids = torch.arange(inner, device=index.device).view(1, 1, -1)
@@ -38,21 +47,22 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backe
 
 @torch.library.custom_op("detsum::scatter_reduce", mutates_args=())
 def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
-                      reduce: str, include_self: bool, acc_mode: str, sorted: bool) -> torch.Tensor:
-    return _run(input, dim, index, src, reduce, include_self, acc_mode, sorted)
+                      reduce: str, include_self: bool, acc_mode: str, sorted: bool,
+                      check: str = "host") -> torch.Tensor:
+    return _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, check=check)
 
 
-def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *,
+def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, check="host",
          index_checked=False):
-    """The operator's body: validate index values, plan, launch. ``index_checked``: the index
-    holds positions among the rows with terms, in range."""
+    """The operator's body: validate index values (as ``check`` says), plan, launch.
+    ``index_checked``: the index holds positions among the rows with terms, in range."""
     input3 = _segments.rows_view(input, dim)
     backend_name = current_backend(input.device.type, _CALLER)
     rowwise = index.dim() == 1
     sparse = None
     if not index_checked and rowwise and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
-                                           size_name=f"input.size({dim})")
+                                           size_name=f"input.size({dim})", check=check)
     if sparse is not None:
         # Rows without terms keep input (include_self or not), as in torch.
         targets, positions = sparse
@@ -70,10 +80,11 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *,
     elif rowwise:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, input.shape[dim], index_name="index",
-            size_name=f"input.size({dim})", promised_sorted=sorted, backend_name=backend_name)
+            size_name=f"input.size({dim})", promised_sorted=sorted, backend_name=backend_name,
+            check=check)
         src3, base3 = _segments.rows_view(src, dim), input3
     else:
-        order, offsets = _elementwise_plan(input3, index, dim, backend_name)
+        order, offsets = _elementwise_plan(input3, index, dim, backend_name, check)
         src3, base3 = src.reshape(1, -1, 1), input3.reshape(1, -1, 1)
     if backend_name == "reference":
         return reference.scatter_reduce(input, dim, index, src, reduce,
@@ -87,7 +98,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *,
 
 
 @scatter_reduce_op.register_fake
-def _(input, dim, index, src, reduce, include_self, acc_mode, sorted):
+def _(input, dim, index, src, reduce, include_self, acc_mode, sorted, check="host"):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
@@ -98,7 +109,7 @@ def _(input, dim, index, src, reduce, include_self, acc_mode, sorted):
 # deterministic as forward.
 
 def _setup_context(ctx, inputs, output):
-    input, dim, index, src, reduce, include_self, _, _ = inputs
+    input, dim, index, src, reduce, include_self, *_ = inputs
     ctx.dim, ctx.reduce, ctx.include_self = dim, reduce, include_self
     ctx.save_for_backward(input, index, src, output)
 
@@ -112,8 +123,9 @@ def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.T
     """How many source positions where ``src_mask`` holds land on each element of ``input``."""
     counter = acc_dtype(input.dtype)
     zeros = torch.zeros(input.shape, dtype=counter, device=input.device)
+    # The index was checked by the forward call, as its check said: not again (no host read).
     return torch.ops.detsum.scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum",
-                                           True, "fp32", False)
+                                           True, "fp32", False, "off")
 
 
 def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor
@@ -121,8 +133,10 @@ def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.
     """How many source positions land on each element of ``input`` (every one counts)."""
     if index.dim() == 1:
         # Whole rows: every column of an output row has its row's count, so one count per row
-        # (an integer count is exact in any order, so torch's bincount gives it).
-        counts = torch.bincount(index.to(torch.int64), minlength=input.shape[dim])
+        # (an integer count is exact in any order, so torch's integer index_add_ gives it;
+        # bincount's output size would be a host read).
+        counts = torch.zeros(input.shape[dim], dtype=torch.int64, device=input.device)
+        counts.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int64))
         shape = [1] * input.dim()
         shape[dim] = -1
         return counts.to(acc_dtype(input.dtype)).view(shape).expand(input.shape)
@@ -152,7 +166,7 @@ def _backward(ctx, grad):
             zero_members = zero_members + (input == 0)
         product_of_nonzeros = torch.ops.detsum.scatter_reduce(
             input.masked_fill(input == 0, 1), dim, index, src.masked_fill(zeros_in_src, 1),
-            "prod", include_self, "fp32", False)
+            "prod", include_self, "fp32", False, "off")
 
         def others(member: torch.Tensor, product: torch.Tensor, nonzeros: torch.Tensor,
                    zero_count: torch.Tensor) -> torch.Tensor:
@@ -169,7 +183,7 @@ def _backward(ctx, grad):
         if ctx.needs_input_grad[0]:  # most callers scatter into fresh zeros
             received = _count_every(input, dim, index, src) > 0
             grad_self = grad.masked_fill(received, 0)
-    return grad_self, None, None, grad_src, None, None, None, None
+    return grad_self, None, None, grad_src, None, None, None, None, None
 
 
 scatter_reduce_op.register_autograd(_backward, setup_context=_setup_context)
@@ -179,7 +193,7 @@ scatter_reduce_op.register_autograd(_backward, setup_context=_setup_context)
 
 def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                    reduce: str, *, include_self: bool = True, mode: str | Mode = "fp32",
-                   sorted: bool = False) -> torch.Tensor:
+                   sorted: bool = False, check: str = "host") -> torch.Tensor:
     """Out-of-place ``torch.scatter_reduce`` with a fixed, deterministic order.
 
     Each source position ``k`` along ``dim`` goes to output position ``index[k]`` (a 1-D
@@ -198,7 +212,14 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         include_self: whether ``input``'s values take part (and count for ``"mean"``).
         mode: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
         sorted: promise that a 1-D ``index`` is nondecreasing. detsum checks the promise
-            (one pass over the index) and skips building an order.
+            (one pass over the index, as ``check`` says) and skips building an order.
+        check: how ``index``'s values are checked. ``"host"`` (default): read back before
+            anything runs; a bad value is an ``IndexError`` naming its position. ``"device"``:
+            on the index's device, with no host read (no synchronisation, so the call can be
+            captured in a CUDA graph); a bad value fails at the next synchronisation, naming
+            the argument. ``"off"``: not checked on a GPU (a bad value is the caller's
+            promise broken: its element lands elsewhere or nowhere). On CPU every level
+            checks, for free.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.
@@ -241,14 +262,17 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         tensor([3., 4.])
     """
     dim, mode = _validation.run_check(_check, input, dim, index, src, reduce, include_self,
-                                      mode, sorted)
+                                      mode, sorted, check)
     if _dispatch.direct_call_ok(input, index, src):
-        return _run(input, dim, index, src, reduce, include_self, mode.value, sorted)
-    return scatter_reduce_op(input, dim, index, src, reduce, include_self, mode.value, sorted)
+        return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
+                    check=check)
+    return scatter_reduce_op(input, dim, index, src, reduce, include_self, mode.value, sorted,
+                             check)
 
 
-def _check(input, dim, index, src, reduce, include_self, mode, sorted):
+def _check(input, dim, index, src, reduce, include_self, mode, sorted, check):
     mode = parse_mode(mode, caller=_CALLER)
+    _validation.check_level(_CALLER, check)
     _validation.check_flag(_CALLER, "include_self", include_self)
     _validation.check_flag(_CALLER, "sorted", sorted)
     if reduce not in REDUCTIONS:

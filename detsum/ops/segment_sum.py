@@ -13,11 +13,28 @@ _CALLER = "detsum.segment_sum"
 
 # ---- operator ---------------------------------------------------------------------------------
 
-def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int) -> None:
-    """Check offsets (and perm) with one fused reduction and one host read."""
-    checks = [offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).any().to(offsets.dtype)]
-    if perm is not None and perm.numel():
-        checks.append(((perm < 0) | (perm >= num_rows)).any().to(offsets.dtype))
+def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int,
+                  check: str, backend_name: str) -> None:
+    """Check offsets (and perm) with one fused reduction and one host read, or as ``check``
+    says; always on the Numba backend (there a host read costs no synchronisation, and the
+    kernel must never read outside src)."""
+    decreasing = (offsets[1:] < offsets[:-1]).any()
+    perm_bad = (((perm < 0) | (perm >= num_rows)).any() if perm is not None and perm.numel()
+                else None)
+    if check != "host" and backend_name != "numba":
+        if check == "device":
+            _validation.assert_on_device((offsets[0] == 0) & (offsets[-1] == num_rows)
+                                         & ~decreasing, _CALLER,
+                                         f"offsets do not run from 0 to src.size(dim) = "
+                                         f"{num_rows} without decreasing")
+            if perm_bad is not None:
+                _validation.assert_on_device(~perm_bad, _CALLER,
+                                             f"perm has a value outside [0, src.size(dim) = "
+                                             f"{num_rows})")
+        return
+    checks = [offsets[0], offsets[-1], decreasing.to(offsets.dtype)]
+    if perm_bad is not None:
+        checks.append(perm_bad.to(offsets.dtype))
     first, last, decreasing, *perm_bad = torch.stack(checks).tolist()
     if first != 0:
         raise ValueError(f"{_CALLER}: offsets[0] = {first}; expected 0")
@@ -32,11 +49,11 @@ def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: in
         _validation.raise_index_out_of_range(_CALLER, "perm", perm, bad, num_rows, "src.size(dim)")
 
 
-def _segment_sum(src, offsets, dim, perm, acc_mode):
+def _segment_sum(src, offsets, dim, perm, acc_mode, check="host"):
     """The operator's body (also called directly, see ``_dispatch``)."""
     num_rows = src.shape[dim]
-    _check_values(offsets, perm, num_rows)
     backend_name = current_backend(src.device.type, _CALLER)
+    _check_values(offsets, perm, num_rows, check, backend_name)
     if backend_name == "reference":
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
     src3 = _segments.rows_view(src, dim)
@@ -51,8 +68,9 @@ def _segment_sum(src, offsets, dim, perm, acc_mode):
 
 @torch.library.custom_op("detsum::segment_sum", mutates_args=())
 def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
-                   perm: torch.Tensor | None, acc_mode: str) -> torch.Tensor:
-    return _segment_sum(src, offsets, dim, perm, acc_mode)
+                   perm: torch.Tensor | None, acc_mode: str, check: str = "host"
+                   ) -> torch.Tensor:
+    return _segment_sum(src, offsets, dim, perm, acc_mode, check)
 
 
 def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
@@ -62,14 +80,14 @@ def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
 
 
 @segment_sum_op.register_fake
-def _(src, offsets, dim, perm, acc_mode):
+def _(src, offsets, dim, perm, acc_mode, check="host"):
     return src.new_empty(_out_shape(src, dim, offsets))
 
 
 # ---- autograd: each source row receives its segment's gradient row ---------------------------
 
 def _setup_context(ctx, inputs, output):
-    src, offsets, dim, perm, acc_mode = inputs
+    src, offsets, dim, perm, acc_mode, *_ = inputs
     ctx.save_for_backward(offsets, perm)
     ctx.dim, ctx.acc_mode, ctx.src_shape = dim, acc_mode, src.shape
 
@@ -82,12 +100,13 @@ def _backward(ctx, grad):
         torch.arange(counts.numel(), device=grad.device), counts, output_size=num_rows)
     grad_positions = grad.index_select(dim, segment_of_position)
     if perm is None:
-        return grad_positions, None, None, None, None
+        return grad_positions, None, None, None, None, None
     # perm may repeat a row; adding (not copying) gives the right gradient then, and for a true
-    # permutation each row receives exactly one term, so the sum is exact in every mode.
+    # permutation each row receives exactly one term, so the sum is exact in every mode. Its
+    # values were checked by the forward call (as its check said): none here, no host read.
     grad_src = torch.ops.detsum.index_add(grad.new_zeros(ctx.src_shape), dim, perm,
-                                          grad_positions, 1.0, ctx.acc_mode)
-    return grad_src, None, None, None, None
+                                          grad_positions, 1.0, ctx.acc_mode, "off")
+    return grad_src, None, None, None, None, None
 
 
 segment_sum_op.register_autograd(_backward, setup_context=_setup_context)
@@ -96,7 +115,8 @@ segment_sum_op.register_autograd(_backward, setup_context=_setup_context)
 # ---- public function ---------------------------------------------------------------------------
 
 def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
-                perm: torch.Tensor | None = None, mode: str | Mode = "fp32") -> torch.Tensor:
+                perm: torch.Tensor | None = None, mode: str | Mode = "fp32",
+                check: str = "host") -> torch.Tensor:
     r"""Sum runs of rows of ``src`` along ``dim``, segment by segment, deterministically.
 
     ``offsets`` is a CSR pointer: output row ``s`` (along ``dim``) is
@@ -113,6 +133,12 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
         dim: the dimension of ``src`` that is segmented (negative counts from the end).
         perm: optional 1-D int32/int64 ``[N]`` of row numbers in ``[0, N)``.
         mode: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
+        check: how the values of ``offsets`` and ``perm`` are checked. ``"host"`` (default):
+            read back before anything runs, with an error naming the first bad position.
+            ``"device"``: on their device, with no host read (no synchronisation, so the call
+            can be captured in a CUDA graph); bad values fail at the next synchronisation.
+            ``"off"``: not checked on a GPU, where bad values are the caller's promise broken
+            (the kernel may read outside ``src``). On CPU every level checks, for free.
 
     Returns:
         ``src``'s shape with ``dim`` of size ``S``, contiguous, of ``src``'s dtype.
@@ -146,14 +172,15 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
         tensor([[5., 6.],
                 [4., 6.]])
     """
-    dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode)
+    dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode, check)
     if _dispatch.direct_call_ok(src, offsets, perm):
-        return _segment_sum(src, offsets, dim, perm, mode.value)
-    return segment_sum_op(src, offsets, dim, perm, mode.value)
+        return _segment_sum(src, offsets, dim, perm, mode.value, check)
+    return segment_sum_op(src, offsets, dim, perm, mode.value, check)
 
 
-def _check(src, offsets, dim, perm, mode):
+def _check(src, offsets, dim, perm, mode, check):
     mode = parse_mode(mode, caller=_CALLER)
+    _validation.check_level(_CALLER, check)
     _validation.check_float(_CALLER, "src", src)
     # Malformed offsets are a ValueError whatever is wrong with them, their dtype included.
     _validation.check_index(_CALLER, "offsets", offsets, one_d=True, dtype_error=ValueError)

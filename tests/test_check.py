@@ -158,3 +158,62 @@ def test_cpu_checks_at_every_level(check):
 def test_a_bad_level_is_refused(call):
     with pytest.raises(ValueError, match=r"check=.*expected one of 'host', 'device', 'off'"):
         call()
+
+
+def test_compiled_device_level_gives_eager_bits():
+    init, index, src, offsets, perm = _inputs(2)
+
+    def layer(init, index, src):
+        return (detsum.index_add(init, 0, index, src, check="device")
+                + detsum.scatter_reduce(init, 0, index, src, "mean", check="off"))
+
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    assert_same_bits(compiled(init, index, src), layer(init, index, src))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("call", CALLS)
+def test_no_synchronisation_on_cuda(call):
+    """torch's own detector of host synchronisations, forward and backward."""
+    init, index, src, offsets, perm = (t.cuda() for t in _inputs())
+    src.requires_grad_(True)
+    calls = _calls("device", init, index, src, offsets, perm)
+    calls[call]()  # compile the kernels and warm the caches first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = calls[call]()
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture_and_replay():
+    """A forward and backward of index_add with check="device", captured once and replayed,
+    gives the eager bits."""
+    init, index, src, _, _ = (t.cuda() for t in _inputs())
+    grad_out = torch.ones_like(init)
+
+    def step(src):
+        leaf = src.detach().requires_grad_(True)
+        out = detsum.index_add(init, 0, index, leaf, mode="kahan", check="device")
+        out.backward(grad_out)
+        return out, leaf.grad
+
+    expected = step(src)
+    static_src = src.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(static_src)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static_src)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected):
+        assert_same_bits(got, want)

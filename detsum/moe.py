@@ -424,7 +424,8 @@ def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: to
             torch.mul(grad_rows, scale, out=grad_y[block])
         else:
             grad_y[block] = (grad_rows * scale).to(y.dtype)
-        products = grad_rows.to(acc).mul_(y[block]).reshape(-1, features)
+        # (The row count spelled out: a reshape to -1 is ambiguous when there are no features.)
+        products = grad_rows.to(acc).mul_(y[block]).reshape(grad_rows.shape[0], features)
         # Feature-major, each row's sum over its features is a sum of contiguous rows, which
         # the kernel reads in place: 0.8 ns a product with the transposing copy, against 1.6
         # for the kernel's strided read of row-major products (one element per cache line).

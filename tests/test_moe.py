@@ -479,7 +479,8 @@ def test_worked_example(capsys):
                           (torch.float16, torch.float16), (torch.float32, torch.float32),
                           (torch.float64, torch.float32)], ids=dtype_id)
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
-@pytest.mark.parametrize("row_shape", [(5,), (3, 4)], ids=["rows", "3d-rows"])
+@pytest.mark.parametrize("row_shape", [(5,), (3, 4), (0,), (3, 0)],
+                         ids=["rows", "3d-rows", "no-features", "3d-no-features"])
 def test_weighted_unpermute_by_blocks_gives_the_bits_of_one_pass(
         mode, dtype, weights_dtype, block_bytes, row_shape, monkeypatch):
     """Each token's sum and each row's dot product use its own rows only: blocks of any size

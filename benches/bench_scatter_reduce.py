@@ -81,3 +81,52 @@ def test_scatter_reduce_graph(benchmark, baselines, device, dtype, reduce, impl)
                               _op(reduce, "torch", d), device, reps=ROUNDS[device])
     run_case(benchmark, fn, device, rounds=ROUNDS[device], warmup_rounds=WARMUP, info=info,
              baseline=f"torch.scatter_reduce({reduce})", baseline_case=case, baseline_s=base_s)
+
+
+# ---- the speed issue's mean: forward and backward at the GNN shape --------------------------
+
+MEAN_GRAPH = (1_000_000, 100_000, 64)  # edges, nodes, features (CPU and GPU alike)
+_mean_data: dict[str, tuple] = {}
+
+
+def mean_graph(device: str) -> tuple:
+    if device not in _mean_data:
+        _mean_data.clear()
+        gen = torch.Generator().manual_seed(2)
+        edges, nodes, features = MEAN_GRAPH
+        index = torch.randint(0, nodes, (edges,), generator=gen)
+        src = torch.randn(edges, features, generator=gen)
+        upstream = torch.randn(nodes, features, generator=gen)
+        _mean_data[device] = tuple(t.to(device) for t in (
+            index, index.view(-1, 1).expand(-1, features), src,
+            torch.zeros(nodes, features), upstream))
+    return _mean_data[device]
+
+
+@pytest.mark.parametrize("include_self", [True, False], ids=["include_self", "exclude_self"])
+@pytest.mark.parametrize("impl", ["detsum-fp32", "torch"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_scatter_reduce_mean_forward_backward(benchmark, device, impl, include_self):
+    """scatter_reduce(..., "mean") and the backward of its source, 1M edge rows of 64 fp32
+    into 100k node rows (the speed issue's target: detsum at most half torch's time)."""
+    index, index2, src, init, upstream = mean_graph(device)
+
+    def step():
+        leaf = src.detach().requires_grad_()
+        if impl == "torch":
+            out = torch.scatter_reduce(init, 0, index2, leaf, "mean", include_self=include_self)
+        else:
+            out = detsum.scatter_reduce(init, 0, index, leaf, "mean", include_self=include_self)
+        out.backward(upstream)
+        return leaf.grad
+
+    step()
+    sync(device)
+    self_id = "include_self" if include_self else "exclude_self"
+    benchmark.group = f"scatter_reduce mean fwd+bwd {device}"
+    info = {"primitive": "scatter_reduce mean fwd+bwd",
+            "case": "gnn E={} N={} H={} {}".format(*MEAN_GRAPH, self_id), "device": device,
+            "dtype": "fp32", "impl": impl, "max_ulps": None}
+    run_case(benchmark, step, device, rounds=ROUNDS[device], warmup_rounds=1, info=info,
+             baseline="torch.scatter_reduce(mean) forward and backward",
+             baseline_case=f"test_scatter_reduce_mean_forward_backward[{device}-torch-{self_id}]")

@@ -184,16 +184,19 @@ def hf_targets(data: dict) -> list[str]:
 
 
 #: The speed issue's ratios against torch in the same run (median over median): the small
-#: in-place call (bench_dispatch.py) and the GNN index_add at each target width
-#: (bench_gnn_index_add.py).
+#: in-place call (bench_dispatch.py), the GNN index_add at each target width
+#: (bench_gnn_index_add.py) and scatter_reduce's mean, forward and backward
+#: (bench_scatter_reduce.py).
 SMALL_CALL_TARGET = 2.0
 GNN_INDEX_ADD_TARGET = 1.0
+MEAN_FORWARD_BACKWARD_TARGET = 0.5
 GNN_TARGET_WIDTHS = (16, 64, 128)
 
 
 def speed_targets(data: dict) -> list[str]:
-    """bench_dispatch.py's small index_add_ and bench_gnn_index_add.py's widths: detsum over
-    torch, each with the spread of the two medians (interquartile range over median)."""
+    """bench_dispatch.py's small index_add_, bench_gnn_index_add.py's widths and
+    bench_scatter_reduce.py's mean forward and backward: detsum over torch, each with the
+    spread of the two medians (interquartile range over median)."""
     stats = {b["name"]: b["stats"] for b in data["benchmarks"]}
     lines = []
     for b in data["benchmarks"]:
@@ -204,6 +207,8 @@ def speed_targets(data: dict) -> list[str]:
             limit = SMALL_CALL_TARGET
         elif e.get("primitive") == "gnn index_add" and e.get("width") in GNN_TARGET_WIDTHS:
             limit = GNN_INDEX_ADD_TARGET
+        elif e.get("primitive") == "scatter_reduce mean fwd+bwd":
+            limit = MEAN_FORWARD_BACKWARD_TARGET
         else:
             continue
         base = stats.get(e.get("baseline_case"))

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 import detsum
-from detsum import moe
+from detsum import _dispatch, moe
 from detsum.modes import Mode, parse_mode
 
 __all__ = ["IMPLEMENTATION", "experts_forward", "register", "use_detsum_experts"]
@@ -89,14 +89,13 @@ def _(rows, weight, offsets, loop_zeros):
     return rows.new_empty((rows.shape[0], weight.shape[1]))
 
 
-@torch.library.custom_op("detsum::hf_expert_linear_backward", mutates_args=())
-def expert_linear_backward_op(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                              offsets: torch.Tensor, rows_need_grad: bool,
-                              weight_needs_grad: bool, loop_zeros: bool
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def _expert_linear_gradients(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                             offsets: torch.Tensor, rows_need_grad: bool,
+                             weight_needs_grad: bool, loop_zeros: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``expert_linear_op`` as autograd computes them for ``linear``:
     ``grad @ weight[e]`` and ``grad.T @ rows`` per expert (an expert without rows: zeros).
-    A gradient nobody needs comes back empty."""
+    A gradient nobody needs comes back empty. The body of ``expert_linear_backward_op``."""
     grad_rows = grad.new_empty(rows.shape if rows_need_grad else (0,))
     grad_weight = weight.new_empty(weight.shape if weight_needs_grad else (0,))
     bounds = offsets.tolist()
@@ -119,6 +118,15 @@ def expert_linear_backward_op(grad: torch.Tensor, rows: torch.Tensor, weight: to
     return grad_rows, grad_weight
 
 
+@torch.library.custom_op("detsum::hf_expert_linear_backward", mutates_args=())
+def expert_linear_backward_op(grad: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                              offsets: torch.Tensor, rows_need_grad: bool,
+                              weight_needs_grad: bool, loop_zeros: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _expert_linear_gradients(grad, rows, weight, offsets, rows_need_grad,
+                                    weight_needs_grad, loop_zeros)
+
+
 @expert_linear_backward_op.register_fake
 def _(grad, rows, weight, offsets, rows_need_grad, weight_needs_grad, loop_zeros):
     return (grad.new_empty(rows.shape if rows_need_grad else (0,)),
@@ -134,7 +142,11 @@ def _expert_linear_setup(ctx, inputs, output):
 def _expert_linear_backward(ctx, grad):
     rows, weight, offsets = ctx.saved_tensors
     rows_need_grad, weight_needs_grad = ctx.needs_input_grad[:2]
-    grad_rows, grad_weight = expert_linear_backward_op(
+    # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py); a
+    # traced one (torch.compile) sees the operator.
+    gradients = (_expert_linear_gradients if _dispatch.direct_call_ok(grad, rows, weight, offsets)
+                 else expert_linear_backward_op)
+    grad_rows, grad_weight = gradients(
         grad, rows, weight, offsets, rows_need_grad, weight_needs_grad, ctx.loop_zeros)
     return (grad_rows if rows_need_grad else None,
             grad_weight if weight_needs_grad else None, None, None)

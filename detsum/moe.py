@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from detsum import _segments, _validation
+from detsum import _dispatch, _segments, _validation
 from detsum.modes import Mode, acc_dtype, parse_mode
 
 __all__ = ["permute", "route", "unpermute"]
@@ -374,8 +374,12 @@ def _unpermute_backward(ctx, grad):
         return grad_rows, None, None, None, None, None
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
     if _blocked(y.device, ctx.acc_mode):
-        grad_y, dots = _weighted_backward_by_blocks(grad, y, gather_indices // ctx.topk,
-                                                    position_weights, ctx.acc_mode)
+        tokens = gather_indices // ctx.topk
+        # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
+        gradients = (_weighted_gradients_by_blocks
+                     if _dispatch.direct_call_ok(grad, y, tokens, position_weights)
+                     else _weighted_backward_by_blocks)
+        grad_y, dots = gradients(grad, y, tokens, position_weights, ctx.acc_mode)
         grad_weights = dots.index_select(0, _slot_positions(gather_indices))
         return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None,
                 None)
@@ -402,13 +406,12 @@ def _unpermute_backward(ctx, grad):
     return grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None
 
 
-@torch.library.custom_op("detsum::moe_unpermute_weighted_backward", mutates_args=())
-def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
-                                 position_weights: torch.Tensor, acc_mode: str
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _weighted_gradients_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
+                                  position_weights: torch.Tensor, acc_mode: str
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_y, dots) of ``_unpermute_backward``, per block of permuted rows: the same
-    elementwise products and per-row sums, never more than a block of them in memory. An
-    operator of its own, so that a compiled backward sees one call, not a loop of blocks."""
+    elementwise products and per-row sums, never more than a block of them in memory. The
+    body of ``_weighted_backward_by_blocks``."""
     acc = acc_dtype(grad.dtype)
     features = math.prod(y.shape[1:])
     rows_per_block = _rows_per_block(features, acc)
@@ -432,6 +435,15 @@ def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: to
         dots[block] = _segment_sum_body(products.T.contiguous(), one_segment, 0,
                                         acc_mode).view(-1)
     return grad_y, dots
+
+
+@torch.library.custom_op("detsum::moe_unpermute_weighted_backward", mutates_args=())
+def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
+                                 position_weights: torch.Tensor, acc_mode: str
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An operator of its own, so that a compiled backward sees one call, not a loop of
+    blocks."""
+    return _weighted_gradients_by_blocks(grad, y, tokens, position_weights, acc_mode)
 
 
 @_weighted_backward_by_blocks.register_fake

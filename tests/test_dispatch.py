@@ -92,3 +92,22 @@ def test_the_direct_in_place_call_marks_input_as_changed():
         detsum.index_add_(init, 0, index, src)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_eager_backward_of_the_weighted_unpermute_skips_its_operator(monkeypatch):
+    """The backward calls the operator's body: the same gradients, with the operator refused."""
+    from detsum import moe
+
+    gather_indices, _ = moe.route(torch.tensor([[0, 2], [1, 0], [2, 1]]), 3)
+    y = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(2))
+
+    def gradients():
+        y_leaf, w_leaf = y.clone().requires_grad_(), weights.clone().requires_grad_()
+        moe.unpermute(y_leaf, gather_indices, 2, weights=w_leaf).sum().backward()
+        return y_leaf.grad, w_leaf.grad
+
+    unpatched = gradients()
+    monkeypatch.setattr(moe, "_weighted_backward_by_blocks", _refuse)
+    for got, expected in zip(gradients(), unpatched):
+        assert torch.equal(got, expected)

@@ -369,12 +369,11 @@ def _unpermute_backward(ctx, grad):
         return grad.index_select(0, gather_indices), None, None, None, None, None
     # Every permuted row p received its token's gradient row (times its weight). grad has the
     # output's dtype: the promoted one when weights are wider than y.
-    grad_rows = grad.index_select(0, gather_indices // ctx.topk)
+    tokens = gather_indices // ctx.topk
     if weights is None:
-        return grad_rows, None, None, None, None, None
+        return grad.index_select(0, tokens), None, None, None, None, None
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
     if _blocked(y.device, ctx.acc_mode):
-        tokens = gather_indices // ctx.topk
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
         gradients = (_weighted_gradients_by_blocks
                      if _dispatch.direct_call_ok(grad, y, tokens, position_weights)
@@ -383,6 +382,7 @@ def _unpermute_backward(ctx, grad):
         grad_weights = dots.index_select(0, _slot_positions(gather_indices))
         return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None,
                 None)
+    grad_rows = grad.index_select(0, tokens)
     # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
     # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
     # weights). The same bits in every mode; the weights themselves are never rounded.
@@ -422,11 +422,8 @@ def _weighted_gradients_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: t
     for p0 in range(0, y.shape[0], rows_per_block):
         block = slice(p0, min(y.shape[0], p0 + rows_per_block))
         grad_rows = grad.index_select(0, tokens[block])
-        scale = position_weights[block].view(scale_shape)
-        if grad_rows.dtype == y.dtype:
-            torch.mul(grad_rows, scale, out=grad_y[block])
-        else:
-            grad_y[block] = (grad_rows * scale).to(y.dtype)
+        # The product in grad's dtype, then (the copy) rounded to y's, as in one pass.
+        grad_y[block] = grad_rows * position_weights[block].view(scale_shape)
         # (The row count spelled out: a reshape to -1 is ambiguous when there are no features.)
         products = grad_rows.to(acc).mul_(y[block]).reshape(grad_rows.shape[0], features)
         # Feature-major, each row's sum over its features is a sum of contiguous rows, which

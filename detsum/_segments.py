@@ -126,21 +126,23 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
                 torch.zeros(num_segments + 1, dtype=torch.int64, device=index.device))
     in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
     if promised_sorted:
+        offsets = torch.searchsorted(index.contiguous(), boundaries)
+        if check == "off":
+            return None, offsets
         out_of_range = ((index < 0) | (index >= num_segments)).any()
         decreasing = (index[1:] < index[:-1]).any()
-        if check != "host":
-            if check == "device":
-                assert_on_device(~out_of_range, caller, in_range)
-                assert_on_device(~decreasing, caller,
-                                 f"sorted=True but {index_name} decreases somewhere")
-            return None, torch.searchsorted(index.contiguous(), boundaries)
+        if check == "device":
+            assert_on_device(~out_of_range, caller, in_range)
+            assert_on_device(~decreasing, caller,
+                             f"sorted=True but {index_name} decreases somewhere")
+            return None, offsets
         bad_range, bad_order = torch.stack([out_of_range, decreasing]).tolist()
         if bad_range:
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
         if bad_order:
             first = int((index[1:] < index[:-1]).nonzero()[0]) + 1
             _raise_unsorted(caller, index_name, index, first)
-        return None, torch.searchsorted(index.contiguous(), boundaries)
+        return None, offsets
     values, order = torch.sort(index, stable=True)
     if check == "device":
         assert_on_device((values[0] >= 0) & (values[-1] < num_segments), caller, in_range)

@@ -18,19 +18,20 @@ def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: in
     """Check offsets (and perm) with one fused reduction and one host read, or as ``check``
     says; always on the Numba backend (there a host read costs no synchronisation, and the
     kernel must never read outside src)."""
+    if backend_name != "numba" and check == "off":
+        return
     decreasing = (offsets[1:] < offsets[:-1]).any()
     perm_bad = (((perm < 0) | (perm >= num_rows)).any() if perm is not None and perm.numel()
                 else None)
-    if check != "host" and backend_name != "numba":
-        if check == "device":
-            _validation.assert_on_device((offsets[0] == 0) & (offsets[-1] == num_rows)
-                                         & ~decreasing, _CALLER,
-                                         f"offsets do not run from 0 to src.size(dim) = "
-                                         f"{num_rows} without decreasing")
-            if perm_bad is not None:
-                _validation.assert_on_device(~perm_bad, _CALLER,
-                                             f"perm has a value outside [0, src.size(dim) = "
-                                             f"{num_rows})")
+    if backend_name != "numba" and check == "device":
+        _validation.assert_on_device((offsets[0] == 0) & (offsets[-1] == num_rows)
+                                     & ~decreasing, _CALLER,
+                                     f"offsets do not run from 0 to src.size(dim) = "
+                                     f"{num_rows} without decreasing")
+        if perm_bad is not None:
+            _validation.assert_on_device(~perm_bad, _CALLER,
+                                         f"perm has a value outside [0, src.size(dim) = "
+                                         f"{num_rows})")
         return
     checks = [offsets[0], offsets[-1], decreasing.to(offsets.dtype)]
     if perm_bad is not None:

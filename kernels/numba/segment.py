@@ -560,9 +560,9 @@ def launch_threads():
 _MIN_BLOCK_ELEMENTS = 65536
 
 
-def work_split(rows, inner, nthreads, terms=None):
+def work_split(rows, inner, nthreads, terms):
     """(column chunk, thread blocks) for ``rows`` output rows of ``inner`` columns reducing
-    ``terms`` term rows in all (unknown: None): equal column chunks of at most _CHUNK, in
+    ``terms`` term rows in all: equal column chunks of at most _CHUNK, in
     whole 64-byte lines where possible; with few output rows, narrower ones (down to
     _MIN_CHUNK), so that every thread gets items; one block for a small launch."""
     target = _CHUNK
@@ -571,9 +571,7 @@ def work_split(rows, inner, nthreads, terms=None):
     pieces = -(-inner // target)
     chunk = min(inner, (-(-inner // pieces) + 15) // 16 * 16)
     n_items = rows * -(-inner // chunk)
-    n_blocks = min(n_items, 64 * nthreads)
-    if terms is not None:
-        n_blocks = min(n_blocks, max(1, (terms + rows) * inner // _MIN_BLOCK_ELEMENTS))
+    n_blocks = min(n_items, 64 * nthreads, max(1, (terms + rows) * inner // _MIN_BLOCK_ELEMENTS))
     return chunk, n_blocks
 
 

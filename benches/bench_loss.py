@@ -7,13 +7,16 @@ Cases (group "loss batch_grad <device>"):
 
 - ``torch-mean-backward``: ``F.cross_entropy(model(x), y).backward()``, the baseline: autograd
   sums over the batch inside its matmuls (fast, and the order is the matmul's);
-- ``per-sample-only``: the per-sample gradients that ``batch_grad`` evaluates (``grad`` of
-  each sample alone, returned by ``per_sample_grads`` in 8 blocks of 32), dropped as they come:
-  the inherent cost;
+- ``per-sample-only``: the per-sample gradients as ``batch_grad`` evaluates them (each sample
+  alone, its ``nn.Linear`` weights as factors: ``loss._SampleGradients``), dropped as they
+  come: the inherent cost;
+- ``per-sample-grads``: ``loss.per_sample_grads`` in 8 blocks of 32, which also forms every
+  weight's rows;
 - ``detsum-fp32`` / ``detsum-kahan``: ``loss.batch_grad(..., chunk_size=32)``;
 - ``reduction-fp32`` / ``reduction-kahan``: the deterministic reduction alone, a
-  ``GradAccumulator`` fed 8 blocks of 32 per-sample gradients (one block, computed once, added
-  8 times: the same work as 256 samples). Its ratio is to the ``detsum-<mode>`` case of the
+  ``GradAccumulator`` fed 8 blocks of 32 per-sample gradients in the form ``batch_grad`` feeds
+  it (the weights as ``OuterProducts``; one block, computed once, added 8 times: the same work
+  as 256 samples). Its ratio is to the ``detsum-<mode>`` case of the
   same run: the reduction's share of ``batch_grad``'s time (the issue's target: < 10%).
 
 Every ``detsum-*`` case also records ``peak_mib``: the peak memory of one ``batch_grad`` call
@@ -40,8 +43,8 @@ from detsum import loss
 
 BATCH, CHUNK, CLASSES = 256, 32, 100
 WIDTHS = (1024, 2048, 2048, 1792, CLASSES)
-IMPLS = ["torch-mean-backward", "per-sample-only", "detsum-fp32", "detsum-kahan",
-         "reduction-fp32", "reduction-kahan"]
+IMPLS = ["torch-mean-backward", "per-sample-only", "per-sample-grads", "detsum-fp32",
+         "detsum-kahan", "reduction-fp32", "reduction-kahan"]
 ROUNDS = {"cpu": 3, "cuda": 10}
 PEAK_CHUNKS = (8, 32, 64)
 PER_SAMPLE_LOSS = nn.CrossEntropyLoss(reduction="none")
@@ -78,15 +81,21 @@ def _fn(impl: str, model, x, y):
         return mean_backward
     if impl == "per-sample-only":
         def per_sample_only():
+            gradients = loss._SampleGradients("bench", model, PER_SAMPLE_LOSS)
+            for i in range(BATCH):
+                gradients(x, y, i)
+        return per_sample_only
+    if impl == "per-sample-grads":
+        def per_sample_grads():
             for start in range(0, BATCH, CHUNK):
                 loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[start:start + CHUNK],
-                                      y[start:start + CHUNK], chunk_size=CHUNK)
-        return per_sample_only
+                                      y[start:start + CHUNK])
+        return per_sample_grads
     mode = impl.split("-", 1)[1]
     if impl.startswith("detsum-"):
         return lambda: loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode=mode,
                                        chunk_size=CHUNK)
-    block = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[:CHUNK], y[:CHUNK], chunk_size=CHUNK)
+    block = factored_block(model, x[:CHUNK], y[:CHUNK])
 
     def reduction():
         accumulator = loss.GradAccumulator(model.named_parameters(), mode=mode)
@@ -94,6 +103,21 @@ def _fn(impl: str, model, x, y):
             accumulator.add(block)
         return accumulator.result("mean")
     return reduction
+
+
+def factored_block(model, x, y) -> dict:
+    """The per-sample gradients of ``x`` in the form batch_grad gathers them: OuterProducts
+    for the nn.Linear weights, rows for the rest."""
+    gradients = loss._SampleGradients("bench", model, PER_SAMPLE_LOSS)
+    samples = [gradients(x, y, i) for i in range(x.shape[0])]
+    block = {}
+    for name, first in samples[0].items():
+        if isinstance(first, loss.OuterProducts):
+            block[name] = loss.OuterProducts(torch.stack([s[name].left for s in samples]),
+                                             torch.stack([s[name].right for s in samples]))
+        else:
+            block[name] = torch.stack([s[name] for s in samples])
+    return block
 
 
 def measure_peak_mib(device: str, chunk_size: int, mode: str) -> float:

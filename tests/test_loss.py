@@ -539,8 +539,8 @@ def test_batch_grad_split_invariant_on_cuda(mode):
 
 
 def test_a_forward_that_changes_its_buffers_is_refused_in_detsum_words():
-    """A BatchNorm in training mode updates its running statistics in place: torch.func's
-    words ("attempted to call in-place operation ... captured Tensor") once reached the user."""
+    """A BatchNorm in training mode updates its running statistics in place (then fails on a
+    batch of one, in torch's words): refused for the change, which is put back."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3),
                                 torch.nn.Linear(3, 2))
@@ -552,7 +552,7 @@ def test_a_forward_that_changes_its_buffers_is_refused_in_detsum_words():
     before = {name: t.clone() for name, t in model.state_dict().items()}
     for call in (lambda: loss.batch_grad(model, lossf, inputs, targets),
                  lambda: loss.per_sample_grads(model, lossf, inputs, targets)):
-        with pytest.raises(ValueError, match=r"changes a tensor in place .*'1' \(BatchNorm1d\)"
+        with pytest.raises(ValueError, match=r"changes its buffers in place .*'1' \(BatchNorm1d\)"
                            r".*model\.eval\(\)"):
             call()
     assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())

@@ -45,6 +45,59 @@ def _resume(total: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tensor) 
                      carry3=None if comp is None else comp.view(1, 1, -1))
 
 
+#: Products formed at once where a backend has no kernel that forms them itself (elements).
+_PRODUCT_BLOCK = 1 << 22
+
+
+def _products(left: torch.Tensor, right: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The rows ``left[i] (x) right[i]`` materialised, ``[k, O * K]`` in ``acc``: each product
+    rounded once to the data dtype (torch's elementwise multiply, IEEE), then widened."""
+    return (left.unsqueeze(2) * right.unsqueeze(1)).reshape(left.shape[0], -1).to(acc)
+
+
+def _product_blocks(left: torch.Tensor, right: torch.Tensor):
+    """(rows lo, hi, output rows o_lo, o_hi) covering the products in blocks of at most about
+    ``_PRODUCT_BLOCK`` elements: whole output rows, all rows of a block before the next."""
+    k, rows = left.shape
+    cols = right.shape[1]
+    per_row = max(1, min(rows, _PRODUCT_BLOCK // max(cols, 1)))
+    per_block = max(1, _PRODUCT_BLOCK // max(per_row * cols, 1))
+    for o_lo in range(0, rows, per_row):
+        for lo in range(0, k, per_block):
+            yield lo, min(k, lo + per_block), o_lo, min(rows, o_lo + per_row)
+
+
+def add_exact_products(state: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
+                       acc: torch.dtype) -> None:
+    """Add the rows ``left[i] (x) right[i]`` to an ``"exact"`` state of acc type ``acc``
+    (``_limbs``; columns: the ``O * K`` elements), formed block by block: an exact sum needs
+    no order."""
+    cols = right.shape[1]
+    for lo, hi, o_lo, o_hi in _product_blocks(left, right):
+        _limbs.add_terms(state[:, o_lo * cols:o_hi * cols],
+                         _products(left[lo:hi, o_lo:o_hi], right[lo:hi], acc))
+
+
+def _resume_products(total: torch.Tensor, comp: torch.Tensor | None, left: torch.Tensor,
+                     right: torch.Tensor) -> None:
+    """``_resume`` over the rows ``left[i] (x) right[i]``: on the numba backend without
+    forming them; elsewhere formed block by block (each block of output rows runs over the
+    terms in order, so the bits are those of one launch over the materialised rows)."""
+    if left.shape[0] == 0:
+        return
+    rule = KAHAN if comp is not None else WIDE
+    if current_backend(total.device.type, "detsum.RunningSum.add") == "numba":
+        from detsum.kernels.numba.outer import resume_products
+
+        resume_products(total, comp, left, right, rule)
+        return
+    cols = right.shape[1]
+    for lo, hi, o_lo, o_hi in _product_blocks(left, right):
+        columns = slice(o_lo * cols, o_hi * cols)
+        _resume(total[columns], None if comp is None else comp[columns],
+                _products(left[lo:hi, o_lo:o_hi], right[lo:hi], total.dtype))
+
+
 class RunningSum:
     """A deterministic sum of rows added in any number of pieces.
 
@@ -149,22 +202,45 @@ class RunningSum:
             self.count += rows.shape[0]
             return
         flat = rows.reshape(rows.shape[0], self._total.numel()).to(self._total.dtype)
+        self._continue(flat.shape[0], lambda total, comp, lo, hi: _resume(total, comp,
+                                                                          flat[lo:hi]),
+                       lambda i, out: out.copy_(flat[i]))
+
+    def _add_products(self, left: torch.Tensor, right: torch.Tensor) -> None:
+        """Add the rows ``left[i] (x) right[i]`` (``[k, O]`` and ``[k, K]``, this sum's dtype,
+        for a ``shape`` of ``(O, K)``): each element ``RN_dtype(left[i, o] * right[i, k])``,
+        as ``add`` would add those rows materialised, with the same bits, without forming
+        them. Arguments are the caller's to check (``detsum.loss.GradAccumulator``)."""
+        k = left.shape[0]
+        if self.mode is Mode.EXACT:
+            add_exact_products(self._state, left, right, self._acc)
+            self.count += k
+            return
+        self._continue(k, lambda total, comp, lo, hi: _resume_products(
+                           total, comp, left[lo:hi], right[lo:hi]),
+                       lambda i, out: out.view(left.shape[1], right.shape[1]).copy_(
+                           torch.mul(left[i].unsqueeze(1), right[i])))
+
+    def _continue(self, n: int, resume, first_row) -> None:
+        """Add ``n`` rows, cutting them at the contract's chunk boundaries: ``resume(total,
+        comp, lo, hi)`` continues the running sum ``total`` (``comp``: its compensation, or
+        None) over rows ``lo .. hi - 1``; ``first_row(i, out)`` writes row ``i`` into ``out``
+        (acc type), where a later chunk starts from its own first term."""
         start = 0
-        while start < flat.shape[0]:
+        while start < n:
             filled = self.count % CHUNK_TERMS
-            piece = flat[start:start + CHUNK_TERMS - filled]
-            start += piece.shape[0]
+            stop = min(n, start + CHUNK_TERMS - filled)
             if self.count < CHUNK_TERMS:
-                _resume(self._total, self._total_comp, piece)
+                resume(self._total, self._total_comp, start, stop)
+            elif filled == 0:
+                first_row(start, self._part)
+                if self._part_comp is not None:
+                    self._part_comp.zero_()
+                resume(self._part, self._part_comp, start + 1, stop)
             else:
-                if filled == 0:
-                    self._part.copy_(piece[0])
-                    if self._part_comp is not None:
-                        self._part_comp.zero_()
-                    _resume(self._part, self._part_comp, piece[1:])
-                else:
-                    _resume(self._part, self._part_comp, piece)
-            self.count += piece.shape[0]
+                resume(self._part, self._part_comp, start, stop)
+            self.count += stop - start
+            start = stop
             if self.count > CHUNK_TERMS and self.count % CHUNK_TERMS == 0:
                 self._fold_part(self._total, self._total_comp)
 

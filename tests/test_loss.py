@@ -319,6 +319,25 @@ def test_a_sample_has_the_same_bits_in_any_batch_at_any_position(kind):
 
 
 @pytest.mark.parametrize("kind", LAYER_KINDS)
+def test_a_sample_has_the_bits_of_its_own_backward(kind):
+    """Each per-sample gradient is what ``loss.backward()`` gives the sample alone: the same
+    torch operations on the same tensors. The nn.Linear weights, formed from their factors,
+    may differ there in the sign of a zero product only (loss.OuterProducts)."""
+    model, x, y = layer_problem(kind, 5)
+    got = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
+    linear_weights = {f"{name}.weight".lstrip(".") for name, module in model.named_modules()
+                      if type(module) is torch.nn.Linear}
+    for i in range(5):
+        model.zero_grad()
+        PER_SAMPLE_LOSS(model(x[i:i + 1].clone()), y[i:i + 1].clone()).sum().backward()
+        for name, p in model.named_parameters():
+            if name in linear_weights:
+                assert_same_bits(got[name][i] + 0.0, p.grad + 0.0)
+            else:
+                assert_same_bits(got[name][i], p.grad)
+
+
+@pytest.mark.parametrize("kind", LAYER_KINDS)
 def test_batch_grad_same_bits_for_every_split_and_chunk_size(kind):
     model, x, y = layer_problem(kind, 13)
     want = loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode="kahan")

@@ -1,0 +1,164 @@
+"""The weighted combination of MoE rows and its weight gradient, without a buffer of products.
+
+- ``gather_scale_sum``: ``out[t] = sum over j < topk of RN_A(A(y[positions[t * topk + j]]) *
+  w[t * topk + j])``, the terms in order of ``j``, as ``segment.segment_reduce`` sums the rows
+  of those products (one segment per token, no base: the sum starts from +0.0), under rule
+  WIDE or KAHAN (with its final ``s + c``). ``topk <= CHUNK_TERMS``: one chunk per token.
+- ``row_dots``: ``dots[p] = sum over h of RN_A(g[tokens[p], h] * A(y[p, h]))``, the features in
+  order, cut into the contract's chunks of ``CHUNK_TERMS`` terms (each later chunk summed from
+  its own first term, then folded), as ``segment_reduce`` sums the columns of the products'
+  transpose.
+
+``A`` is the acc type (fp32 for bf16, fp16 and fp32 rows, fp64 for fp64); ``w`` and ``g``
+arrive in it. Each product is one multiplication in ``A``, rounded once, as ``y.to(A) * w``
+rounds it. No fused multiply-add: Numba compiles without fastmath.
+
+Why: the products, formed, were written and read again (block by block to stay in cache);
+here each row of ``y`` is read once and each product is consumed where it is made.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import prange
+
+from .. import CHUNK_TERMS, KAHAN, WIDE
+from ..rounding import bf16_bits_to_f32, f16_bits_to_f32
+from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, threads
+
+__all__ = ["gather_scale_sum", "row_dots"]
+
+#: Fewest products per launch for a second thread to pay its wake-up (see
+#: segment._MIN_BLOCK_ELEMENTS); only the schedule changes, never a result.
+_MIN_PARALLEL_PRODUCTS = 65536
+
+
+def _make_kernels(fmt, dec, cvt):
+    format_njit = _njit_named_for(fmt)
+
+    @format_njit(inline="always")
+    def neumaier(s, c, t):
+        u = s + t
+        # Both sides computed and one selected: the column loop stays branch-free.
+        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
+        return u, c + d
+
+    @format_njit(parallel=True, cache=True)
+    def forward(out, y, positions, weights, tokens, topk, cols, kahan):
+        # A token's output row is its own: which thread sums it never matters.
+        for t in prange(tokens):
+            row = out[t * cols:(t + 1) * cols]
+            zero = cvt(0.0)
+            for h in range(cols):
+                row[h] = zero
+            if kahan:
+                comp = np.zeros(cols, dtype=out.dtype)
+                for j in range(topk):
+                    p = positions[t * topk + j]
+                    w = weights[t * topk + j]
+                    src = y[p * cols:(p + 1) * cols]
+                    for h in range(cols):
+                        row[h], comp[h] = neumaier(row[h], comp[h], dec(src[h]) * w)
+                for h in range(cols):
+                    s = row[h]
+                    c = comp[h]
+                    # The kernels' final step: a NaN or inf sum, or a zero compensation, stays.
+                    row[h] = s + c if np.isfinite(s) and c != 0 else s
+            else:
+                for j in range(topk):
+                    p = positions[t * topk + j]
+                    w = weights[t * topk + j]
+                    src = y[p * cols:(p + 1) * cols]
+                    for h in range(cols):
+                        row[h] += dec(src[h]) * w
+
+    @format_njit(parallel=True, cache=True)
+    def dots(out, grad, tokens, y, rows, cols, kahan):
+        for p in prange(rows):
+            g = grad[tokens[p] * cols:(tokens[p] + 1) * cols]
+            r = y[p * cols:(p + 1) * cols]
+            s = cvt(0.0)
+            c = cvt(0.0)
+            first_end = min(cols, CHUNK_TERMS)
+            if kahan:
+                for h in range(first_end):
+                    s, c = neumaier(s, c, g[h] * dec(r[h]))
+            else:
+                for h in range(first_end):
+                    s += g[h] * dec(r[h])
+            start = first_end
+            while start < cols:
+                end = min(cols, start + CHUNK_TERMS)
+                part = g[start] * dec(r[start])
+                part_comp = cvt(0.0)
+                if kahan:
+                    for h in range(start + 1, end):
+                        part, part_comp = neumaier(part, part_comp, g[h] * dec(r[h]))
+                    s, c = neumaier(s, c, part)
+                    c = c + part_comp
+                else:
+                    for h in range(start + 1, end):
+                        part += g[h] * dec(r[h])
+                    s = s + part
+                start = end
+            if kahan and np.isfinite(s) and c != 0:
+                s = s + c
+            out[p] = s
+
+    return forward, dots
+
+
+_KERNELS = {
+    torch.float32: _make_kernels("wf32", _f32, _f32),
+    torch.float64: _make_kernels("wf64", _f64, _f64),
+    torch.bfloat16: _make_kernels("wbf16", bf16_bits_to_f32, _f32),
+    torch.float16: _make_kernels("wf16", f16_bits_to_f32, _f32),
+}
+
+
+def _check_rule(rule: int) -> bool:
+    if rule not in (WIDE, KAHAN):
+        raise ValueError(f"weighted kernels: rule {rule}; expected WIDE or KAHAN")
+    return rule == KAHAN
+
+
+def gather_scale_sum(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor,
+                     topk: int, rule: int) -> torch.Tensor:
+    """``out`` ``[T, *y.shape[1:]]`` in the acc type (see the module docstring). ``y``: rows
+    of any dtype; ``positions``: ``T * topk`` row numbers (int64); ``weights``: ``T * topk``
+    values in the acc type, slot order. ``topk`` at most CHUNK_TERMS."""
+    kahan = _check_rule(rule)
+    if topk > CHUNK_TERMS:
+        raise ValueError(f"gather_scale_sum: topk={topk} exceeds one chunk ({CHUNK_TERMS})")
+    tokens = positions.numel() // topk
+    cols = y[0].numel() if y.shape[0] else int(np.prod(y.shape[1:]))
+    out = torch.empty((tokens,) + tuple(y.shape[1:]), dtype=weights.dtype)
+    if tokens == 0 or cols == 0:
+        return out.zero_()
+    forward, _ = _KERNELS[y.dtype]
+    parallel = tokens > 1 and tokens * topk * cols >= _MIN_PARALLEL_PRODUCTS
+    with threads(launch_threads() if parallel else 1):
+        forward(_flat(out)[0], _flat(y.contiguous())[0], _flat(positions.contiguous())[0],
+                _flat(weights.contiguous())[0], tokens, topk, cols, kahan)
+    return out
+
+
+def row_dots(grad: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor, rule: int
+             ) -> torch.Tensor:
+    """``dots`` ``[P]`` in the acc type: row ``p`` of ``y`` (``[P, ...]``, any dtype) against
+    row ``tokens[p]`` of ``grad`` (``[T, ...]``, the acc type) (see the module docstring)."""
+    kahan = _check_rule(rule)
+    rows = y.shape[0]
+    cols = int(np.prod(y.shape[1:]))
+    out = torch.empty(rows, dtype=grad.dtype)
+    if rows == 0:
+        return out
+    if cols == 0:
+        return out.zero_()
+    _, dots = _KERNELS[y.dtype]
+    parallel = rows > 1 and rows * cols >= _MIN_PARALLEL_PRODUCTS
+    with threads(launch_threads() if parallel else 1):
+        dots(_flat(out)[0], _flat(grad.contiguous())[0], _flat(tokens.contiguous())[0],
+             _flat(y.contiguous())[0], rows, cols, kahan)
+    return out

@@ -22,6 +22,12 @@ The modes mean what they mean for the primitives:
 The combined rows of ``unpermute`` have torch's promoted dtype of the rows and the weights in
 every mode (bf16 rows with fp32 routing weights give fp32, as the naive composition does), and
 fp32 weights are never rounded to the rows' dtype, forward or backward.
+
+Each function checks its routing as ``check`` says, with the primitives' levels: ``"host"``
+reads it back and names the first bad position, ``"device"`` checks it on the device with no
+host read, ``"off"`` trusts it (a broken promise still stays inside every tensor). Backward
+passes never check again and, on a GPU, never read back (docs/moe.md, "Checks and host
+reads").
 """
 
 from __future__ import annotations
@@ -332,7 +338,7 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     ``index_put_`` does (on CUDA: torch's CUDA arithmetic, see the determinism contract), so
     it is bit-identical to the gradient of ``x[gather_indices // topk]``; ``"fp32"``
     accumulates in fp32 and rounds once; ``"kahan"`` compensates as well. Deterministic in
-    every mode. It checks nothing and reads nothing back, at every level.
+    every mode. It checks nothing again and, on a GPU, reads nothing back, at every level.
 
     Example:
         >>> import torch

@@ -22,6 +22,12 @@ The modes mean what they mean for the primitives:
 The combined rows of ``unpermute`` have torch's promoted dtype of the rows and the weights in
 every mode (bf16 rows with fp32 routing weights give fp32, as the naive composition does), and
 fp32 weights are never rounded to the rows' dtype, forward or backward.
+
+Each function checks its routing as ``check`` says, with the primitives' levels: ``"host"``
+reads it back and names the first bad position, ``"device"`` checks it on the device with no
+host read, ``"off"`` trusts it (a broken promise still stays inside every tensor). Backward
+passes never check again and, on a GPU, never read back (docs/moe.md, "Checks and host
+reads").
 """
 
 from __future__ import annotations
@@ -36,40 +42,35 @@ from detsum.modes import Mode, acc_dtype, parse_mode
 __all__ = ["permute", "route", "unpermute"]
 
 
+# ---- check levels -------------------------------------------------------------------------------
+
+def _check_level(caller: str, check: object, *, false_means: str) -> str:
+    """The ``check`` argument as a level: "host", "device" or "off" (as the primitives take
+    it), or True and False, the flag it was before the levels: True is "host", False what it
+    meant to ``caller`` then (``false_means``)."""
+    if isinstance(check, bool):
+        return "host" if check else false_means
+    if not isinstance(check, str) or check not in _validation.CHECK_LEVELS:
+        error = TypeError if not isinstance(check, str) else ValueError
+        raise error(f"{caller}: check={check!r}; expected one of 'host', 'device', 'off' "
+                    f"(or True or False, the flag's old values)")
+    return check
+
+
 # ---- routing ------------------------------------------------------------------------------------
 
-def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = True
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the (token, slot) pairs by expert: the permutation ``permute`` and ``unpermute`` use.
-
-    Args:
-        selected_experts: ``[T, topk]`` (or ``[T]`` for top-1) int32/int64 expert ids.
-        num_experts: the number of experts ``E``.
-        check: verify that every id lies in ``[0, E)`` (one host read of two numbers).
-
-    Returns:
-        ``(gather_indices, tokens_per_expert)``: ``gather_indices`` [T * topk] int64 is the
-        stable argsort of ``selected_experts.view(-1)`` (expert by expert; within an expert,
-        tokens in order), ``tokens_per_expert`` [E] int64 the rows each expert receives.
-        Computed on the tensor's device with no host synchronisation besides the check.
-
-    Example:
-        >>> import torch
-        >>> from detsum import moe
-        >>> moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
-        (tensor([1, 0, 2, 3]), tensor([1, 2, 1]))
-    """
+def _route(selected_experts: torch.Tensor, num_experts: int, check: str
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operator's body (also called directly, see ``_dispatch``)."""
     caller = "detsum.moe.route"
-    _validation.check_index(caller, "selected_experts", selected_experts, one_d=False)
-    _validation.check_flag(caller, "check", check)
-    if selected_experts.dim() > 2:
-        raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
-                         f"{tuple(selected_experts.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{caller}: num_experts={num_experts!r}; expected a positive int")
     flat = selected_experts.reshape(-1)
     experts, gather_indices = torch.sort(flat, stable=True)
-    if check and flat.numel():
+    # The sort puts the smallest and the largest id at the ends: checking costs no pass.
+    if check == "device" and flat.numel():
+        _validation.assert_on_device((experts[0] >= 0) & (experts[-1] < num_experts), caller,
+                                     f"selected_experts has a value outside [0, num_experts = "
+                                     f"{num_experts})")
+    elif check == "host" and flat.numel():
         low, high = experts[[0, -1]].tolist()
         if low < 0 or high >= num_experts:
             _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
@@ -79,15 +80,103 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: bool = Tru
     return gather_indices, starts[1:] - starts[:-1]
 
 
+# An operator, so that the host read of check="host" runs inside it: under torch.compile the
+# call stays in the graph instead of breaking it on a data-dependent branch.
+@torch.library.custom_op("detsum::moe_route", mutates_args=())
+def route_op(selected_experts: torch.Tensor, num_experts: int, check: str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _route(selected_experts, num_experts, check)
+
+
+@route_op.register_fake
+def _(selected_experts, num_experts, check):
+    return (selected_experts.new_empty(selected_experts.numel(), dtype=torch.int64),
+            selected_experts.new_empty(num_experts, dtype=torch.int64))
+
+
+def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool = "host"
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the (token, slot) pairs by expert: the permutation ``permute`` and ``unpermute`` use.
+
+    Args:
+        selected_experts: ``[T, topk]`` (or ``[T]`` for top-1) int32/int64 expert ids.
+        num_experts: the number of experts ``E``.
+        check: how the ids are checked to lie in ``[0, E)``. ``"host"`` (default): the
+            smallest and largest id read back (one host read of two numbers), with an error
+            naming the first bad position. ``"device"``: compared on the ids' device, with no
+            host read; a bad id fails at the next synchronisation (on CPU at once).
+            ``"off"``: not checked; an id below 0 or from ``E`` up is then counted by no
+            expert: its pair still has its place in ``gather_indices`` (before expert 0's
+            pairs, or after the last expert's), and ``tokens_per_expert`` sums to fewer than
+            ``T * topk``. True means ``"host"`` and False ``"off"`` (the flag's old values).
+
+    Returns:
+        ``(gather_indices, tokens_per_expert)``: ``gather_indices`` [T * topk] int64 is the
+        stable argsort of ``selected_experts.view(-1)`` (expert by expert; within an expert,
+        tokens in order), ``tokens_per_expert`` [E] int64 the rows each expert receives.
+        Computed on the tensor's device with no host synchronisation besides ``"host"``'s
+        check. ``torch.compile(fullgraph=True)`` traces it at every level (the check's read
+        runs inside an operator).
+
+    Raises:
+        IndexError: with ``check="host"``, an id outside ``[0, E)``, named with its position.
+        RuntimeError: with ``check="device"``, an id outside ``[0, E)`` (from
+            ``torch._assert_async``, naming ``selected_experts``; on a GPU at the next
+            synchronisation).
+        ValueError: a bad ``num_experts``, ``selected_experts`` shape or ``check``.
+        TypeError: ``selected_experts`` not an integer tensor, or ``check`` neither a string
+            nor a bool.
+
+    Example:
+        >>> import torch
+        >>> from detsum import moe
+        >>> moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
+        (tensor([1, 0, 2, 3]), tensor([1, 2, 1]))
+    """
+    level = _validation.run_check(_check_route, selected_experts, num_experts, check)
+    if _dispatch.direct_call_ok(selected_experts):
+        return _route(selected_experts, num_experts, level)
+    return route_op(selected_experts, num_experts, level)
+
+
+def _check_route(selected_experts, num_experts, check):
+    caller = "detsum.moe.route"
+    _validation.check_index(caller, "selected_experts", selected_experts, one_d=False)
+    level = _check_level(caller, check, false_means="off")
+    if selected_experts.dim() > 2:
+        raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
+                         f"{tuple(selected_experts.shape)}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{caller}: num_experts={num_experts!r}; expected a positive int")
+    return level
+
+
 # ---- shared index plumbing ----------------------------------------------------------------------
 
-def _slot_positions(gather_indices: torch.Tensor) -> torch.Tensor:
-    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits. Only for
-    a gather_indices already verified to be a permutation."""
+def _slot_positions(gather_indices: torch.Tensor, unreached: int = 0) -> torch.Tensor:
+    """positions[j] = p with gather_indices[p] == j: where each (token, slot) row sits, the
+    inverse of the permutation. Defined for any values in [0, n], n being a spare slot that is
+    dropped: a slot that no value names gets ``unreached``, one that several name the largest
+    of their p."""
     n = gather_indices.numel()
-    positions = torch.empty(n, dtype=torch.int64, device=gather_indices.device)
-    return positions.scatter_(0, gather_indices.to(torch.int64),
-                              torch.arange(n, device=gather_indices.device))
+    device = gather_indices.device
+    positions = torch.full((n + 1,), unreached, dtype=torch.int64, device=device)
+    # amax rather than scatter_: with a repeated value (a promise broken under check="off")
+    # scatter_ leaves the winner unspecified, and on a GPU it can change from run to run.
+    positions.scatter_reduce_(0, gather_indices.to(torch.int64),
+                              torch.arange(n, device=device), "amax")
+    return positions[:n]
+
+
+def _trusted(gather_indices: torch.Tensor, check: str) -> torch.Tensor:
+    """gather_indices as the operators compute with it: checked values as they are; under
+    check="off", each value outside [0, n) taken as the nearest bound (one pass over the
+    indices, nothing read back), so that a broken promise still reads and writes inside every
+    tensor."""
+    n = gather_indices.numel()
+    if check != "off" or n == 0:
+        return gather_indices
+    return gather_indices.clamp(0, n - 1)
 
 
 def _token_offsets(num_tokens: int, topk: int, device) -> torch.Tensor:
@@ -105,22 +194,27 @@ def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
                                              "T * topk")
 
 
-def _check_permutation(caller: str, gather_indices: torch.Tensor) -> torch.Tensor:
-    """Verify that gather_indices holds each of 0 .. n-1 once and return its inverse (as
-    ``_slot_positions``): one O(n) scatter and one host read, no sort.
+def _check_permutation(caller: str, gather_indices: torch.Tensor, check: str) -> torch.Tensor:
+    """Verify that gather_indices holds each of 0 .. n-1 once, read back (check="host") or on
+    the device (check="device"), and return its inverse (``_slot_positions``): one O(n)
+    scatter, no sort.
 
     n values that all lie in [0, n) and together reach all n slots are a permutation, so the
     bounds and the coverage of the inverse are the whole check. An out-of-range value writes to
-    a spare slot n, never outside the buffer, so the check itself cannot fail in torch's words.
+    the spare slot n, never outside the buffer, so the check itself cannot fail in torch's words.
     """
     n = gather_indices.numel()
-    device = gather_indices.device
     in_range = (gather_indices >= 0) & (gather_indices < n)
-    slots = torch.where(in_range, gather_indices, n).to(torch.int64)
-    positions = torch.full((n + 1,), -1, dtype=torch.int64, device=device)
-    positions = positions.scatter_(0, slots, torch.arange(n, device=device))[:n]
-    out_of_range, slot_without_row = torch.stack(
-        [~in_range.all(), (positions < 0).any()]).tolist()
+    positions = _slot_positions(torch.where(in_range, gather_indices, n), unreached=-1)
+    out_of_range, slot_without_row = ~in_range.all(), (positions < 0).any()
+    if check == "device":
+        _validation.assert_on_device(~out_of_range, caller,
+                                     f"gather_indices has a value outside [0, T * topk = {n})")
+        _validation.assert_on_device(~slot_without_row, caller,
+                                     f"gather_indices holds a value more than once; expected "
+                                     f"a permutation of 0 .. T * topk - 1 = {n - 1}")
+        return positions
+    out_of_range, slot_without_row = torch.stack([out_of_range, slot_without_row]).tolist()
     if out_of_range:
         _validation.raise_first_out_of_range(caller, "gather_indices", gather_indices, n,
                                              "T * topk")
@@ -150,16 +244,22 @@ def _check_common(caller, rows_name, rows, gather_indices, mode, n_expected):
 
 # ---- permute ------------------------------------------------------------------------------------
 
+#: permute's level for check=False, the flag's old "no permutation check": the bounds alone,
+#: read back as under "host", a repeated value allowed.
+_BOUNDS_ONLY = "bounds"
+
+
 @torch.library.custom_op("detsum::moe_permute", mutates_args=())
 def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str,
-               check: bool) -> torch.Tensor:
-    # The index checks read values back, so they run here, inside the operator: under
+               check: str) -> torch.Tensor:
+    # The index checks that read values back run here, inside the operator: under
     # torch.compile they run with it instead of breaking the graph.
-    if check:
-        _check_permutation("detsum.moe.permute", gather_indices)
-    else:
-        _check_bounds("detsum.moe.permute", gather_indices)
-    return x.index_select(0, gather_indices // topk)
+    caller = "detsum.moe.permute"
+    if check == _BOUNDS_ONLY:
+        _check_bounds(caller, gather_indices)
+    elif check != "off":
+        _check_permutation(caller, gather_indices, check)
+    return x.index_select(0, _trusted(gather_indices, check) // topk)
 
 
 @permute_op.register_fake
@@ -170,20 +270,21 @@ def _(x, gather_indices, topk, acc_mode, check):
 def _permute_setup(ctx, inputs, output):
     x, gather_indices, topk, acc_mode, check = inputs
     ctx.save_for_backward(gather_indices)
-    ctx.num_tokens, ctx.topk, ctx.acc_mode = x.shape[0], topk, acc_mode
+    ctx.num_tokens, ctx.topk, ctx.acc_mode, ctx.check = x.shape[0], topk, acc_mode, check
 
 
 def _permute_backward(ctx, grad):
     (gather_indices,) = ctx.saved_tensors
     # Each token's rows in increasing permuted position: the order in which autograd's
     # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
-    # finds them without assuming a permutation: under check=False a repeated value is allowed,
-    # and its token then has more rows (and another fewer), each summed all the same.
-    tokens = gather_indices // ctx.topk
+    # finds them without assuming a permutation: under check=False or "off" a repeated value is
+    # allowed, and its token then has more rows (and another fewer), each summed all the same.
+    tokens = _trusted(gather_indices, ctx.check) // ctx.topk
     sorted_tokens, token_rows = torch.sort(tokens, stable=True)
     boundaries = torch.arange(ctx.num_tokens + 1, dtype=tokens.dtype, device=tokens.device)
+    # Offsets and rows built here, right by construction: nothing to check, nothing read back.
     grad_x = torch.ops.detsum.segment_sum(
-        grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows, ctx.acc_mode)
+        grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows, ctx.acc_mode, "off")
     return grad_x, None, None, None, None
 
 
@@ -191,7 +292,7 @@ permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
 
 
 def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
-            mode: str | Mode = "fp32", check: bool = True) -> torch.Tensor:
+            mode: str | Mode = "fp32", check: str | bool = "host") -> torch.Tensor:
     """Gather token rows into expert order: ``y[p] = x[gather_indices[p] // topk]``.
 
     Args:
@@ -200,27 +301,36 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         topk: slots per token.
         mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
             ``"kahan"`` or ``"autograd"``.
-        check: True: verify that ``gather_indices`` is a permutation (one O(T * topk) scatter
-            and one host read). False, for a hot loop once the routing is known to be right:
-            verify only ``0 <= gather_indices < T * topk`` (one min/max pass and one host
-            read, as every detsum primitive reads its index bounds back), and allow a value
-            to repeat (see below).
+        check: how ``gather_indices`` is checked to be a permutation. ``"host"`` (default):
+            one O(T * topk) scatter and one host read, before anything is computed, with an
+            error naming the first bad position or the repeated value. ``"device"``: the same
+            conditions on ``gather_indices``' device, with no host read (no synchronisation:
+            the call can be captured in a CUDA graph); a bad value fails at the next
+            synchronisation (on CPU at once). ``"off"``: not checked (see below what a bad
+            value then gives). True means ``"host"``; False keeps the flag's old meaning:
+            the bounds only, read back (one min/max pass and one host read), a repeated
+            value allowed.
 
     Returns:
         ``[T * topk, ...]``. Forward is an exact gather in every mode.
 
     Raises:
-        IndexError: a value of ``gather_indices`` outside ``[0, T * topk)``, named with its
-            position, whatever ``check`` is; before anything is computed.
-        ValueError: with ``check=True``, a repeated value; before anything is computed.
+        IndexError: with ``check="host"`` or False, a value of ``gather_indices`` outside
+            ``[0, T * topk)``, named with its position; before anything is computed.
+        ValueError: with ``check="host"``, a repeated value; before anything is computed.
+            Also a bad ``topk``, ``mode``, ``check`` or ``gather_indices`` length.
+        RuntimeError: with ``check="device"``, either mistake (from ``torch._assert_async``,
+            naming ``gather_indices`` but not the position; on a GPU at the next
+            synchronisation).
 
-    The bounds are checked even with ``check=False`` because an out-of-range value is the one
-    mistake that would otherwise surface in torch's words (CPU) or as a device-side assert
-    (CUDA); the permutation check proper is what the flag skips. Without it, a repeated value
-    is no hazard: ``permute`` is a gather, defined for any index in range, and its backward
-    sums each token's gradient rows whatever their number (it never inverts the
-    permutation), so the result and the gradient are exactly those of
-    ``x[gather_indices // topk]``.
+    A repeated value is no hazard for ``permute`` itself: it is a gather, defined for any
+    index in range, and its backward sums each token's gradient rows whatever their number (it
+    never inverts the permutation), so the result and the gradient are exactly those of
+    ``x[gather_indices // topk]``; the check is there to catch a routing mistake early. Under
+    ``"off"`` a value outside ``[0, T * topk)`` is taken as the nearest bound (below 0: slot 0
+    of token 0; from ``T * topk`` up: the last slot of token ``T - 1``), forward and backward,
+    so nothing is read or written outside ``x``, the result or the gradient; the result and
+    gradient are then those of ``x[gather_indices.clamp(0, T * topk - 1) // topk]``.
 
     Backward: ``grad_x[t]`` sums the ``topk`` rows ``grad_y[p]`` with
     ``gather_indices[p] // topk == t`` in increasing ``p`` (the order autograd meets them),
@@ -228,7 +338,7 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     ``index_put_`` does (on CUDA: torch's CUDA arithmetic, see the determinism contract), so
     it is bit-identical to the gradient of ``x[gather_indices // topk]``; ``"fp32"``
     accumulates in fp32 and rounds once; ``"kahan"`` compensates as well. Deterministic in
-    every mode.
+    every mode. It checks nothing again and, on a GPU, reads nothing back, at every level.
 
     Example:
         >>> import torch
@@ -240,16 +350,16 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
                 [2.],
                 [2.]])
     """
-    mode = _validation.run_check(_check_permute, x, gather_indices, topk, mode, check)
-    return permute_op(x, gather_indices, topk, mode.value, check)
+    mode, level = _validation.run_check(_check_permute, x, gather_indices, topk, mode, check)
+    return permute_op(x, gather_indices, topk, mode.value, level)
 
 
 def _check_permute(x, gather_indices, topk, mode, check):
     caller = "detsum.moe.permute"
     _check_topk(caller, topk)
     _validation.check_float(caller, "x", x)
-    _validation.check_flag(caller, "check", check)
-    return _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk)
+    level = _check_level(caller, check, false_means=_BOUNDS_ONLY)
+    return _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk), level
 
 
 # ---- unpermute ----------------------------------------------------------------------------------
@@ -300,10 +410,11 @@ def _rows_per_block(features: int, acc: torch.dtype) -> int:
 def _segment_sum_body(rows: torch.Tensor, offsets: torch.Tensor, dim: int,
                       acc_mode: str) -> torch.Tensor:
     # The operator's body, called within this operator's own body: the dispatcher has done its
-    # work once already, and a block costs about what a dispatch does.
+    # work once already, and a block costs about what a dispatch does. The offsets are built
+    # here, right by construction: nothing to check, nothing read back.
     from detsum.ops.segment_sum import _segment_sum
 
-    return _segment_sum(rows, offsets, dim, None, acc_mode)
+    return _segment_sum(rows, offsets, dim, None, acc_mode, "off")
 
 
 def _weighted_sum_by_blocks(y: torch.Tensor, positions: torch.Tensor,
@@ -330,27 +441,41 @@ def _weighted_sum_by_blocks(y: torch.Tensor, positions: torch.Tensor,
 
 @torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
 def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
-                 weights: torch.Tensor | None, reduce: bool, acc_mode: str) -> torch.Tensor:
-    # Checked inside the operator (it reads values back), and in every case: see unpermute.
-    positions = _check_permutation("detsum.moe.unpermute", gather_indices)
+                 weights: torch.Tensor | None, reduce: bool, acc_mode: str,
+                 check: str = "host") -> torch.Tensor:
+    # Checked inside the operator: under torch.compile the host read of "host" runs with it
+    # instead of breaking the graph.
+    if check == "off":
+        gather_indices = _trusted(gather_indices, check)
+        positions = _slot_positions(gather_indices)
+    else:
+        positions = _check_permutation("detsum.moe.unpermute", gather_indices, check)
     if not reduce:
         return y.index_select(0, positions)
     num_tokens = y.shape[0] // topk
     out_dtype = _combined_dtype(y, weights)
     if weights is not None and _blocked(y.device, acc_mode):
-        return _weighted_sum_by_blocks(y, positions, weights.reshape(-1), topk, out_dtype,
+        slot_weights = weights.reshape(-1)
+        if check == "off":
+            # Each slot weighted as the row it takes, as in one pass below: the same weights
+            # for a permutation; for a broken one (unchecked), a slot that no row names takes
+            # row 0 with row 0's weight on every path.
+            slot_weights = slot_weights.index_select(0, gather_indices).index_select(0, positions)
+        return _weighted_sum_by_blocks(y, positions, slot_weights, topk, out_dtype,
                                        acc_mode).to(out_dtype)
     rows = y
     if weights is not None:
         rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype,
                               acc_mode)
+    # The offsets are built here and the positions are checked (or, under "off", in range by
+    # construction): nothing to check again, nothing read back.
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
-                                       positions, _sum_mode(acc_mode))
+                                       positions, _sum_mode(acc_mode), "off")
     return out.to(out_dtype)
 
 
 @unpermute_op.register_fake
-def _(y, gather_indices, topk, weights, reduce, acc_mode):
+def _(y, gather_indices, topk, weights, reduce, acc_mode, check="host"):
     if not reduce:
         return y.new_empty(y.shape)
     return y.new_empty((y.shape[0] // topk,) + tuple(y.shape[1:]),
@@ -358,20 +483,22 @@ def _(y, gather_indices, topk, weights, reduce, acc_mode):
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y, gather_indices, topk, weights, reduce, acc_mode = inputs
+    y, gather_indices, topk, weights, reduce, acc_mode, check = inputs
     ctx.save_for_backward(y, gather_indices, weights)
-    ctx.topk, ctx.reduce, ctx.acc_mode = topk, reduce, acc_mode
+    ctx.topk, ctx.reduce, ctx.acc_mode, ctx.check = topk, reduce, acc_mode, check
 
 
 def _unpermute_backward(ctx, grad):
     y, gather_indices, weights = ctx.saved_tensors
+    # Checked by the forward call, as its level said: nothing checked or read back here.
+    gather_indices = _trusted(gather_indices, ctx.check)
     if not ctx.reduce:
-        return grad.index_select(0, gather_indices), None, None, None, None, None
+        return grad.index_select(0, gather_indices), None, None, None, None, None, None
     # Every permuted row p received its token's gradient row (times its weight). grad has the
     # output's dtype: the promoted one when weights are wider than y.
     tokens = gather_indices // ctx.topk
     if weights is None:
-        return grad.index_select(0, tokens), None, None, None, None, None
+        return grad.index_select(0, tokens), None, None, None, None, None, None
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
     if _blocked(y.device, ctx.acc_mode):
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
@@ -381,7 +508,7 @@ def _unpermute_backward(ctx, grad):
         grad_y, dots = gradients(grad, y, tokens, position_weights, ctx.acc_mode)
         grad_weights = dots.index_select(0, _slot_positions(gather_indices))
         return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None,
-                None)
+                None, None)
     grad_rows = grad.index_select(0, tokens)
     # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
     # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
@@ -401,9 +528,10 @@ def _unpermute_backward(ctx, grad):
         products = products.reshape(y.shape[0], features)
         dots = torch.ops.detsum.segment_sum(
             products, _segments.one_segment(products.shape[1], y.device), 1, None,
-            ctx.acc_mode).view(-1)
+            ctx.acc_mode, "off").view(-1)
     grad_weights = dots.index_select(0, _slot_positions(gather_indices))
-    return grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None
+    return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None,
+            None)
 
 
 def _weighted_gradients_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
@@ -454,7 +582,7 @@ unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_set
 
 def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
               weights: torch.Tensor | None = None, reduce: bool = True,
-              mode: str | Mode = "fp32", check: bool = True) -> torch.Tensor:
+              mode: str | Mode = "fp32", check: str | bool = "host") -> torch.Tensor:
     """Bring expert-ordered rows back to their tokens, and combine each token's ``topk`` rows.
 
     Args:
@@ -467,10 +595,15 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
             False: ``[T * topk, ...]`` in (token, slot) order, ``out[gather_indices[p]] = y[p]``
             (exact).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
-        check: kept for symmetry with ``permute``; ``unpermute`` verifies ``gather_indices``
-            either way. It inverts the permutation anyway, and verifying the inverse costs one
-            host read on top of it (no sort); a slot that no row reaches would leave its
-            output undefined, so that check is never skipped.
+        check: how ``gather_indices`` is checked to be a permutation, in the pass that
+            inverts it (no sort). ``"host"`` (default): one host read, before anything is
+            computed, with an error naming the first bad position or the repeated value.
+            ``"device"``: the same conditions on ``gather_indices``' device, with no host
+            read (no synchronisation: the call can be captured in a CUDA graph); a bad value
+            fails at the next synchronisation (on CPU at once). ``"off"``: not checked (see
+            below what a bad value then gives). True and False both mean ``"host"``: before
+            the levels the flag was kept for symmetry with ``permute`` and ``unpermute``
+            verified ``gather_indices`` either way.
 
     Returns:
         ``reduce=True`` with weights: dtype ``torch.promote_types(y.dtype, weights.dtype)``,
@@ -479,9 +612,23 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         downstream. Otherwise ``y``'s dtype.
 
     Raises:
-        IndexError: a value of ``gather_indices`` outside ``[0, T * topk)``, named with its
-            position; before anything is computed.
-        ValueError: a repeated value (whatever ``check`` is); before anything is computed.
+        IndexError: with ``check="host"`` (or True, or False), a value of ``gather_indices``
+            outside ``[0, T * topk)``, named with its position; before anything is computed.
+        ValueError: with ``check="host"`` (or True, or False), a repeated value; before
+            anything is computed. Also a bad ``topk``, ``mode``, ``check``, ``reduce`` or
+            shape.
+        RuntimeError: with ``check="device"``, either mistake (from ``torch._assert_async``,
+            naming ``gather_indices`` but not the position; on a GPU at the next
+            synchronisation).
+
+    Under ``"off"`` a bad ``gather_indices`` is a broken promise that still reads and writes
+    inside every tensor, and gives the same bits on every run. With
+    ``v = gather_indices.clamp(0, T * topk - 1)``, slot ``j`` takes the row at the last
+    position ``p`` with ``v[p] == j``, or row 0 when there is none (``reduce=False``:
+    ``out[j] = y[p]``); with weights, each row ``p`` is weighted by ``weights.view(-1)[v[p]]``
+    (on the CPU's blocked path and in one pass alike); the sums are those below. Backward
+    applies its formulas to ``v`` (each row ``p`` receives the gradient of the slot ``v[p]``),
+    which is then not the gradient of that output.
 
     Order and rounding of ``reduce=True`` (slots ``k = 0 .. topk - 1`` in order, from 0), with
     ``R`` the output dtype and ``acc`` its accumulator (fp32; fp64 when ``R`` is float64).
@@ -534,9 +681,9 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         tensor([[13.3333],
                 [30.0000]])
     """
-    mode = _validation.run_check(_check_unpermute, y, gather_indices, topk, weights, reduce,
-                                 mode, check)
-    return unpermute_op(y, gather_indices, topk, weights, reduce, mode.value)
+    mode, level = _validation.run_check(_check_unpermute, y, gather_indices, topk, weights,
+                                        reduce, mode, check)
+    return unpermute_op(y, gather_indices, topk, weights, reduce, mode.value, level)
 
 
 def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):
@@ -544,7 +691,7 @@ def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):
     _check_topk(caller, topk)
     _validation.check_float(caller, "y", y)
     _validation.check_flag(caller, "reduce", reduce)
-    _validation.check_flag(caller, "check", check)
+    level = _check_level(caller, check, false_means="host")
     if y.shape[0] % topk:
         raise ValueError(f"{caller}: y has {y.shape[0]} rows; expected a multiple of "
                          f"topk = {topk} (T * topk rows)")
@@ -560,4 +707,4 @@ def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):
             raise ValueError(f"{caller}: weights has shape {tuple(weights.shape)}; expected "
                              f"[T, topk] = {list(expected)}")
         _validation.check_same_device(caller, y=y, weights=weights)
-    return mode
+    return mode, level

@@ -296,19 +296,26 @@ def test_compiled_gives_eager_bits(mode, weights_dtype, check):
         assert_same_bits(got, expected)
 
 
-@pytest.mark.parametrize("check", [True, False])
+@pytest.mark.parametrize("check", ["host", "device", "off"])
 @pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
 def test_opcheck(weights_dtype, check):
     # Small: opcheck runs each operator several times, backward included.
-    _, gather_indices, _, x, y, weights, _, _ = setup(torch.bfloat16, 2, tokens=4, hidden=3,
-                                                      weights_dtype=weights_dtype)
-    for mode in detsum.MODES:
-        torch.library.opcheck(torch.ops.detsum.moe_permute,
-                              (x.clone().requires_grad_(), gather_indices, 2, mode, check))
+    selected, gather_indices, _, x, y, weights, _, _ = setup(torch.bfloat16, 2, tokens=4,
+                                                             hidden=3, weights_dtype=weights_dtype)
+    torch.library.opcheck(torch.ops.detsum.moe_route, (selected, E, check))
+    # The other levels run the same arithmetic: two modes (one per weighted path) are enough.
+    modes = detsum.MODES if check == "host" else ("fp32", "autograd")
+    # permute's own level for check=False: the bounds alone.
+    for permute_check in (check, "bounds") if check == "host" else (check,):
+        for mode in modes:
+            torch.library.opcheck(torch.ops.detsum.moe_permute,
+                                  (x.clone().requires_grad_(), gather_indices, 2, mode,
+                                   permute_check))
+    for mode in modes:
         for w, reduce in ((weights.clone().requires_grad_(), True), (None, True), (None, False)):
             torch.library.opcheck(torch.ops.detsum.moe_unpermute,
                                   (y.clone().requires_grad_(), gather_indices, 2, w, reduce,
-                                   mode))
+                                   mode, check))
 
 
 def test_autocast_bf16():

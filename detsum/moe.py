@@ -37,6 +37,8 @@ import math
 import torch
 
 from detsum import _dispatch, _segments, _validation
+from detsum.backend import current_backend
+from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
 from detsum.modes import Mode, acc_dtype, parse_mode
 
 __all__ = ["permute", "route", "unpermute"]
@@ -417,6 +419,16 @@ def _segment_sum_body(rows: torch.Tensor, offsets: torch.Tensor, dim: int,
     return _segment_sum(rows, offsets, dim, None, acc_mode, "off")
 
 
+def _fused_rule(y: torch.Tensor, acc: torch.dtype, acc_mode: str) -> int | None:
+    """The rule of the fused kernels (kernels/numba/weighted.py: the products consumed where
+    they are made, the bits of the blocks below), or None where they do not apply: another
+    backend, "exact", or an acc type wider than y's own (fp32 rows with fp64 weights)."""
+    if (acc_mode not in (Mode.FP32.value, Mode.KAHAN.value) or acc != acc_dtype(y.dtype)
+            or current_backend(y.device.type, "detsum.moe.unpermute") != "numba"):
+        return None
+    return KAHAN if acc_mode == Mode.KAHAN.value else WIDE
+
+
 def _weighted_sum_by_blocks(y: torch.Tensor, positions: torch.Tensor,
                             slot_weights: torch.Tensor, topk: int, out_dtype: torch.dtype,
                             acc_mode: str) -> torch.Tensor:
@@ -424,6 +436,11 @@ def _weighted_sum_by_blocks(y: torch.Tensor, positions: torch.Tensor,
     order of k, per block of tokens: the products of ``_weighted_rows`` and the sum of
     ``segment_sum``, block by block."""
     acc = acc_dtype(out_dtype)
+    rule = _fused_rule(y, acc, acc_mode)
+    if rule is not None and topk <= CHUNK_TERMS:
+        from detsum.kernels.numba.weighted import gather_scale_sum
+
+        return gather_scale_sum(y, positions, slot_weights.to(acc), topk, rule)
     num_tokens = positions.numel() // topk
     features = math.prod(y.shape[1:])
     tokens_per_block = max(1, _rows_per_block(features, acc) // topk)
@@ -545,6 +562,15 @@ def _weighted_gradients_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: t
     rows_per_block = _rows_per_block(features, acc)
     scale_shape = (-1,) + (1,) * (grad.dim() - 1)
     grad_y = torch.empty_like(y, memory_format=torch.contiguous_format)
+    rule = _fused_rule(y, acc, acc_mode)
+    if rule is not None:
+        from detsum.kernels.numba.weighted import row_dots
+
+        for p0 in range(0, y.shape[0], rows_per_block):
+            block = slice(p0, min(y.shape[0], p0 + rows_per_block))
+            grad_y[block] = (grad.index_select(0, tokens[block])
+                             * position_weights[block].view(scale_shape))
+        return grad_y, row_dots(grad.to(acc), tokens, y, rule)
     dots = torch.empty(y.shape[0], dtype=acc, device=y.device)
     one_segment = _segments.one_segment(features, y.device)
     for p0 in range(0, y.shape[0], rows_per_block):

@@ -456,8 +456,8 @@ def test_mismatched_dtypes_are_named():
 
 @pytest.mark.parametrize("bad_id", [8, -1])
 def test_expert_id_out_of_range_is_named(bad_id):
-    """route() runs with check=False (its check is a host read outside any operator); the ids
-    are checked where the row counts are read, inside the operator, before any product."""
+    """route() runs with check=False: the ids are checked once, where the row counts are read,
+    inside the operator, before any product."""
     experts = experts_module("mixtral", torch.float32)
     hidden, top_k_index, top_k_weights, _ = block_inputs(experts, torch.float32)
     top_k_index[3, 1] = bad_id

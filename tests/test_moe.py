@@ -484,7 +484,10 @@ def test_worked_example(capsys):
 @pytest.mark.parametrize(("dtype", "weights_dtype"),
                          [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
                           (torch.float16, torch.float16), (torch.float32, torch.float32),
-                          (torch.float64, torch.float32)], ids=dtype_id)
+                          (torch.float64, torch.float32),
+                          # fp64 weights: an acc type wider than the rows' own, which the
+                          # fused kernels leave to the blocks of torch products
+                          (torch.bfloat16, torch.float64)], ids=dtype_id)
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
 @pytest.mark.parametrize("row_shape", [(5,), (3, 4), (0,), (3, 0)],
                          ids=["rows", "3d-rows", "no-features", "3d-no-features"])

@@ -97,3 +97,7 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="exceeds one chunk"):
         weighted.gather_scale_sum(y.repeat(CHUNK_TERMS, 1), torch.arange(4 * CHUNK_TERMS),
                                   weights.repeat(CHUNK_TERMS), 2 * CHUNK_TERMS, WIDE)
+    with pytest.raises(IndexError, match=r"positions holds 0 .. 4; expected row numbers in \[0, 4\)"):
+        weighted.gather_scale_sum(y, torch.tensor([0, 1, 2, 4]), weights, 2, WIDE)
+    with pytest.raises(IndexError, match=r"tokens holds -1 .. 1"):
+        weighted.row_dots(grad, torch.tensor([0, 1, -1, 0]), y, WIDE)

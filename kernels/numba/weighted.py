@@ -123,6 +123,16 @@ def _check_rule(rule: int) -> bool:
     return rule == KAHAN
 
 
+def _check_rows(name: str, numbers: torch.Tensor, count: int) -> None:
+    """The kernels read rows by these numbers without bounds checks: one out of range would
+    read outside the tensor, so it is refused here (the callers never pass one)."""
+    if numbers.numel():
+        low, high = torch.aminmax(numbers)
+        if int(low) < 0 or int(high) >= count:
+            raise IndexError(f"weighted kernels: {name} holds {int(low)} .. {int(high)}; "
+                             f"expected row numbers in [0, {count})")
+
+
 def gather_scale_sum(y: torch.Tensor, positions: torch.Tensor, weights: torch.Tensor,
                      topk: int, rule: int) -> torch.Tensor:
     """``out`` ``[T, *y.shape[1:]]`` in the acc type (see the module docstring). ``y``: rows
@@ -136,6 +146,7 @@ def gather_scale_sum(y: torch.Tensor, positions: torch.Tensor, weights: torch.Te
     out = torch.empty((tokens,) + tuple(y.shape[1:]), dtype=weights.dtype)
     if tokens == 0 or cols == 0:
         return out.zero_()
+    _check_rows("positions", positions, y.shape[0])
     forward, _ = _KERNELS[y.dtype]
     parallel = tokens > 1 and tokens * topk * cols >= _MIN_PARALLEL_PRODUCTS
     with threads(launch_threads() if parallel else 1):
@@ -156,6 +167,7 @@ def row_dots(grad: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor, rule: in
         return out
     if cols == 0:
         return out.zero_()
+    _check_rows("tokens", tokens, grad.shape[0])
     _, dots = _KERNELS[y.dtype]
     parallel = rows > 1 and rows * cols >= _MIN_PARALLEL_PRODUCTS
     with threads(launch_threads() if parallel else 1):

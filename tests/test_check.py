@@ -588,3 +588,76 @@ def test_moe_compiled_fullgraph_gives_eager_bits(check):
             on_the_gpu_path = run(compiled)
         for got, want in zip(on_the_gpu_path, expected, strict=True):
             assert_same_bits(got, want)
+
+
+def _moe_on_cuda(call):
+    """A call of _MOE_CALLS on CUDA inputs at check="device": () -> [out, gradients], with its
+    output gradient made on the device beforehand (a copy from the host synchronises)."""
+    function, differentiable, mode, dtype, weights_dtype, keywords = _MOE_CALLS[call]
+    inputs = {name: value.cuda() if isinstance(value, torch.Tensor) else value
+              for name, value in _moe_inputs(dtype, weights_dtype).items()}
+    grads = {}
+
+    def run():
+        leaves = {name: inputs[name].clone().requires_grad_() for name in differentiable}
+        arguments = {name: leaves.get(name, inputs[name]) for name in inputs
+                     if name != "grad_seed"}
+        with unittest.mock.patch.object(moe, "_blocked", lambda device, acc_mode: False) \
+                if call.endswith("one-pass") else contextlib.nullcontext():
+            out = function(arguments, "device", mode=mode, **keywords)
+        if "out" not in grads:
+            grads["out"] = torch.randn(out.shape, device=out.device).to(out.dtype)
+        out.backward(grads["out"])
+        return [out] + [leaves[name].grad for name in differentiable]
+    return run
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("call", list(_MOE_CALLS))
+def test_moe_no_synchronisation_on_cuda(call):
+    """torch's own detector of host synchronisations, on permute and unpermute forward and
+    backward at check="device"."""
+    run = _moe_on_cuda(call)
+    expected = run()  # compile the kernels and make the output gradient first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for a, b in zip(got, expected, strict=True):
+        assert_same_bits(a, b)
+
+
+@pytest.mark.cuda
+def test_moe_backward_cuda_graph_capture_and_replay():
+    """An MoE layer's permute, expert and weighted unpermute, forward and backward at
+    check="device", captured once and replayed: the eager bits."""
+    t = {name: value.cuda() if isinstance(value, torch.Tensor) else value
+         for name, value in _moe_inputs(torch.bfloat16, torch.float32).items()}
+    grad_out = torch.randn(_TOKENS, _FEATURES, device="cuda")
+
+    def step(x, weights):
+        x_leaf, w_leaf = x.detach().requires_grad_(True), weights.detach().requires_grad_(True)
+        rows = moe.permute(x_leaf, t["gather_indices"], _TOPK, check="device")
+        out = moe.unpermute(rows * 2, t["gather_indices"], _TOPK, weights=w_leaf,
+                            check="device")
+        out.backward(grad_out)
+        return out, x_leaf.grad, w_leaf.grad
+
+    expected = step(t["x"], t["weights"])
+    static_x, static_w = t["x"].clone(), t["weights"].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(static_x, static_w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(static_x, static_w)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, expected, strict=True):
+        assert_same_bits(got, want)

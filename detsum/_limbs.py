@@ -1,4 +1,7 @@
-"""The exact state of a running sum, in torch integer ops (any device): add terms, round.
+"""The exact state of a running sum, in torch integer ops (any device): add terms, round. On
+CPU (the numba backend) ``add_terms`` and ``round_state`` run kernels that compute the same
+integers per element in one pass (``kernels/numba/exact_state.py``); these torch operations
+run everywhere else, and under ``detsum.backend("reference")``.
 
 Layout and limits are those of ``detsum.kernels`` (EXACT STATE): a sum is an integer ``N`` of
 units (``2**-149`` for fp32 terms, ``2**-1074`` for fp64 terms) in int64 limbs of ``LIMB_BITS``
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from detsum.backend import current_backend
 from detsum.kernels import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
 
 COUNTERS = 4
@@ -44,11 +48,24 @@ def new_state(numel: int, acc_dtype: torch.dtype, device: torch.device) -> torch
                        device=device)
 
 
+def _on_numba(state: torch.Tensor) -> bool:
+    """Whether the CPU kernels (kernels/numba/exact_state.py: the same integers, per element in
+    one pass) do the work; elsewhere, and under ``detsum.backend("reference")``, these torch
+    operations do."""
+    return (state.device.type == "cpu"
+            and current_backend("cpu", "detsum exact state") == "numba")
+
+
 def add_terms(state: torch.Tensor, terms: torch.Tensor) -> None:
     """Add ``terms`` ``[k, numel]`` (fp32 or fp64, the acc type) into ``state``, in place, and
     normalise it. ``k`` may be anything: the terms go in steps of at most
     ``MAX_TERMS_PER_STATE`` rows, each followed by a normalisation. ``state`` may be a slice
     of columns of a larger state (the elements of one parameter among many)."""
+    if _on_numba(state):
+        from detsum.kernels.numba import exact_state
+
+        exact_state.add_terms(state, terms)
+        return
     numel = state.shape[1]
     n_limbs = state.shape[0] - COUNTERS
     rows_per_step = max(1, min(MAX_TERMS_PER_STATE, _STEP_ELEMENTS // max(numel, 1)))
@@ -146,6 +163,12 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
 
     ``count`` must be at most ``MAX_TERMS_PER_STATE`` (the long division keeps its remainder
     times 2**32 in an int64)."""
+    if _on_numba(state):
+        from detsum.kernels.numba import exact_state
+
+        precision, min_quantum = _TARGETS[dtype]
+        return exact_state.round_state(state, precision, min_quantum,
+                                       _UNIT_EXPONENT[acc_dtype], count).to(dtype)
     n_limbs = state.shape[0] - COUNTERS
     limbs = state[:n_limbs].clone()
     counters = state[n_limbs:]

@@ -78,9 +78,13 @@ def expert_linear_op(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Te
             f"detsum.hf.experts_forward: {rows.shape[0] - bounds[-1]} of the {rows.shape[0]} "
             f"(token, slot) pairs of top_k_index name an expert outside [0, {weight.shape[0]}) "
             f"(expected 0 <= top_k_index < num_experts = {weight.shape[0]})")
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if start < end:
-            torch.mm(rows[start:end], weight[expert].t(), out=out[start:end])
+    # One split per tensor instead of a slice per expert: at a few dozen rows per expert the
+    # Python around the products is what a step can spend beyond the model's own loop.
+    counts = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    for expert, (expert_rows, expert_out) in enumerate(zip(rows.split(counts),
+                                                           out.split(counts))):
+        if expert_rows.shape[0]:
+            torch.mm(expert_rows, weight[expert].t(), out=expert_out)
     return out
 
 
@@ -99,17 +103,20 @@ def _expert_linear_gradients(grad: torch.Tensor, rows: torch.Tensor, weight: tor
     grad_rows = grad.new_empty(rows.shape if rows_need_grad else (0,))
     grad_weight = weight.new_empty(weight.shape if weight_needs_grad else (0,))
     bounds = offsets.tolist()
+    counts = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
     experts_with_rows = 0
-    for expert, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if start == end:
+    grads, expert_rows = grad.split(counts), rows.split(counts)
+    grad_rows_by_expert = grad_rows.split(counts) if rows_need_grad else grads
+    for expert, count in enumerate(counts):
+        if count == 0:
             if weight_needs_grad:
                 grad_weight[expert].zero_()
             continue
         experts_with_rows += 1
         if rows_need_grad:
-            torch.mm(grad[start:end], weight[expert], out=grad_rows[start:end])
+            torch.mm(grads[expert], weight[expert], out=grad_rows_by_expert[expert])
         if weight_needs_grad:
-            torch.mm(grad[start:end].t(), rows[start:end], out=grad_weight[expert])
+            torch.mm(grads[expert].t(), expert_rows[expert], out=grad_weight[expert])
     if weight_needs_grad and loop_zeros and experts_with_rows > 1:
         # In the loop, autograd sums one weight gradient per expert, each zeros outside its
         # expert: adding those zeros turns a -0.0 (an underflow, or all products -0.0) into

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from detsum import _dispatch, _segments, _validation, reference
+from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import Mode, parse_mode, rule_for
 
@@ -34,6 +35,20 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
             out3.copy_(_segments.rows_view(input, dim))
         out3.index_copy_(1, targets, rows)
         return out3
+    if backend_name == "numba" and not index_checked:
+        from detsum.kernels.numba import small
+
+        input3, source3 = _segments.rows_view(input, dim), _segments.rows_view(source, dim)
+        rule = rule_for(Mode(mode), "sum", "cpu", input3.shape[2])
+        if out3 is None:
+            out3 = _segments.new_output(input3, num_segments)
+        if small.fits(source3, out3, rule):
+            # A small launch in one call, without a plan (the same bits: see its module).
+            first_bad = small.index_add_small(source3, index, input3, out3, alpha, rule)
+            if first_bad >= 0:
+                raise_index_out_of_range(_CALLER, "index", index, first_bad, num_segments,
+                                         f"input.size({dim})")
+            return out3
     if index_checked:
         # Checked once already (on a GPU, that check is a host read).
         order, offsets = _segments.plan_from_keys(index, num_segments, backend_name)

@@ -1,0 +1,135 @@
+"""A small index_add in one serial call: the index checked, then every term added to its output
+row in order of appearance, without a plan.
+
+``index_add_small(src, index, base, out, alpha, rule)`` computes what ``segment.segment_reduce``
+computes for ``index_add`` (reduce SUM, the base included, one segment per output row, the
+segments' rows in order of appearance) when no segment can be cut into chunks: at most
+``CHUNK_TERMS`` terms in all. Walking the terms in their own order visits each output row's
+terms in the canonical order, so no order and no offsets are needed. The arithmetic is the
+segment kernel's, element by element, for rules WIDE, KAHAN and ROUND_EACH (see its module
+docstring): ``acc = A(base)``; per term ``t = A(x) * A(alpha)`` (ROUND_EACH: ``RN_D`` of it
+unless ``alpha == 1``) added as the rule says; KAHAN's final ``s + c``; then rounded to the
+dtype. Every output row is written, those without terms too (their base through the acc
+type, as the segment kernel writes them).
+
+Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
+the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks
+the bits against the general path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import CHUNK_TERMS, KAHAN, ROUND_EACH, WIDE
+from ..rounding import (
+    bf16_bits_to_f32,
+    f16_bits_to_f32,
+    f32_to_bf16_bits,
+    f32_to_f16_bits,
+    round_f32_to_bf16,
+    round_f32_to_f16,
+)
+from .segment import _f32, _f64, _njit_named_for
+
+__all__ = ["index_add_small", "fits"]
+
+#: Largest launch (elements of the source and the output) taken here; larger ones pay for a
+#: plan and threads (see segment._MIN_BLOCK_ELEMENTS).
+MAX_ELEMENTS = 65536
+
+
+def _make(fmt, dec, rnd, enc, cvt, acc_dtype):
+    format_njit = _njit_named_for(fmt)
+
+    @format_njit(inline="always")
+    def neumaier(s, c, t):
+        u = s + t
+        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
+        return u, c + d
+
+    @format_njit(cache=True)
+    def kernel(src, index, base, out, alpha, rule):
+        outer, n, inner = src.shape
+        rows = out.shape[1]
+        # Every index value is checked before anything is written (out may be base itself).
+        for i in range(n):
+            if index[i] < 0 or index[i] >= rows:
+                return i
+        a = cvt(alpha)
+        acc = np.empty((rows, inner), dtype=acc_dtype)
+        comp = np.zeros((rows, inner), dtype=acc_dtype)
+        for o in range(outer):
+            for s in range(rows):
+                for j in range(inner):
+                    acc[s, j] = dec(base[o, s, j])
+            if rule == KAHAN:
+                comp[:, :] = 0
+                for i in range(n):
+                    v = index[i]
+                    for j in range(inner):
+                        acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j],
+                                                         dec(src[o, i, j]) * a)
+                for s in range(rows):
+                    for j in range(inner):
+                        x, c = acc[s, j], comp[s, j]
+                        out[o, s, j] = enc(x + c if np.isfinite(x) and c != 0 else x)
+                continue
+            if rule == ROUND_EACH and alpha == 1.0:
+                for i in range(n):
+                    v = index[i]
+                    for j in range(inner):
+                        acc[v, j] = rnd(acc[v, j] + dec(src[o, i, j]))
+            elif rule == ROUND_EACH:
+                # torch rounds source * alpha to the dtype before adding.
+                for i in range(n):
+                    v = index[i]
+                    for j in range(inner):
+                        acc[v, j] = rnd(acc[v, j] + rnd(dec(src[o, i, j]) * a))
+            else:
+                for i in range(n):
+                    v = index[i]
+                    for j in range(inner):
+                        acc[v, j] = acc[v, j] + dec(src[o, i, j]) * a
+            for s in range(rows):
+                for j in range(inner):
+                    out[o, s, j] = enc(acc[s, j])
+        return -1
+
+    return kernel
+
+
+_KERNELS = {
+    torch.float32: _make("sf32", _f32, _f32, _f32, _f32, np.float32),
+    torch.float64: _make("sf64", _f64, _f64, _f64, _f64, np.float64),
+    torch.bfloat16: _make("sbf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
+                          np.float32),
+    torch.float16: _make("sf16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32,
+                         np.float32),
+}
+
+
+def fits(src3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
+    """Whether ``index_add_small`` computes this launch: few terms (no segment reaches a chunk
+    boundary), a small launch, a rule it has."""
+    return (src3.shape[1] <= CHUNK_TERMS and rule in (WIDE, KAHAN, ROUND_EACH)
+            and src3.numel() + out3.numel() <= MAX_ELEMENTS)
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of ``t`` with its strides (16-bit floats as their uint16 bits)."""
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor,
+                    out3: torch.Tensor, alpha: float, rule: int) -> int:
+    """Write ``out3`` (``[outer, S, inner]``; it may be ``base3`` itself) and return -1, or
+    return the first position of ``index`` outside ``[0, S)`` having written nothing."""
+    base = _array(base3)
+    out = base if out3 is base3 else _array(out3)
+    return _KERNELS[src3.dtype](_array(src3), index.detach().numpy(), base, out, float(alpha),
+                                int(rule))

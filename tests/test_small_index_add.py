@@ -1,0 +1,95 @@
+"""kernels/numba/small.py: a small index_add, in one call without a plan, gives the bits of the
+general path (the plan and the segment kernel) in every mode it takes, on every layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import detsum
+from conftest import (DTYPES, LAYOUTS, assert_same_bits, dtype_id, make_data, strided_copy,
+                      with_rows)
+from detsum.kernels import CHUNK_TERMS
+from detsum.kernels.numba import small
+
+MODES = ("fp32", "kahan", "autograd")
+
+
+def general(monkeypatch, function):
+    """function() with every launch on the general path."""
+    with monkeypatch.context() as patch:
+        patch.setattr(small, "MAX_ELEMENTS", -1)
+        return function()
+
+
+def problem(template, dim, rows, num_segments, dtype, seed):
+    source = make_data(with_rows(template, rows), dtype, seed=seed, spread=True)
+    input_shape = list(source.shape)
+    input_shape[dim] = num_segments
+    input = make_data(tuple(input_shape), dtype, seed=seed + 1, spread=True)
+    index = torch.randint(0, num_segments, (rows,), generator=torch.Generator().manual_seed(seed))
+    return input, index, source
+
+
+@pytest.mark.parametrize(("template", "dim"), LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("alpha", [1, 0.37, -3])
+def test_small_launches_give_the_bits_of_the_general_path(mode, dtype, template, dim, alpha,
+                                                           monkeypatch):
+    input, index, source = problem(template, dim, 23, 6, dtype, seed=len(mode) + 7)
+    call = lambda: detsum.index_add(input, dim, index, source, alpha=alpha, mode=mode)  # noqa: E731
+    assert_same_bits(call(), general(monkeypatch, call))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_strided_and_at_the_size_limits(mode, dtype, monkeypatch):
+    """In place (out is the input itself), on strided tensors, with an int32 index, at the
+    most terms a segment may take (CHUNK_TERMS) and one more (the general path's split)."""
+    for rows in (0, 1, CHUNK_TERMS, CHUNK_TERMS + 1):
+        input, index, source = problem((None, 5), 0, rows, 4, dtype, seed=rows)
+        index = index.int()
+        index[:rows] = 2  # one segment takes every term
+        for make in (lambda t: t.clone(), strided_copy):
+            def call():
+                target = make(input)
+                detsum.index_add_(target, 0, index, make(source), alpha=0.5, mode=mode)
+                return target
+            assert_same_bits(call(), general(monkeypatch, call))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_special_values(mode, dtype, monkeypatch):
+    big = torch.finfo(dtype).max
+    source = torch.tensor([[-0.0, float("inf"), big], [float("nan"), -float("inf"), big],
+                           [-0.0, 1.0, -big], [2.0, -0.0, big]], dtype=dtype)
+    input = torch.tensor([[-0.0, 1.0, 0.0], [float("nan"), 0.0, -big], [0.0, -0.0, 1.0]],
+                         dtype=dtype)
+    index = torch.tensor([0, 1, 0, 2])
+    call = lambda: detsum.index_add(input, 0, index, source, mode=mode)  # noqa: E731
+    assert_same_bits(call(), general(monkeypatch, call))
+
+
+def test_a_bad_index_is_named_and_nothing_is_written():
+    input = torch.zeros(4, 3)
+    source = torch.ones(5, 3)
+    for bad, position in ((torch.tensor([0, 1, 4, 2, 0]), 2), (torch.tensor([0, -1, 0, 0, 1]), 1)):
+        target = input.clone()
+        with pytest.raises(IndexError, match=rf"index\[{position}\] = {int(bad[position])} is "
+                                             rf"out of range"):
+            detsum.index_add_(target, 0, bad, source)
+        assert torch.equal(target, input)
+
+
+def test_large_launches_take_the_general_path(monkeypatch):
+    """The small path is a shortcut, never the only way: a launch over its limits is planned."""
+    calls, original = [], small.index_add_small
+    monkeypatch.setattr(small, "index_add_small",
+                        lambda *args: calls.append(args) or original(*args))
+    input, index, source = problem((None, 8), 0, CHUNK_TERMS + 1, 4, torch.float32, seed=1)
+    detsum.index_add(input, 0, index, source)
+    assert not calls
+    detsum.index_add(input, 0, index[:10], source[:10])
+    assert len(calls) == 1

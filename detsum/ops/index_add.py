@@ -16,10 +16,10 @@ _CALLER = "detsum.index_add"
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
          alpha: float, mode: str, out3: torch.Tensor | None, *, check: str = "host",
-         index_checked: bool = False) -> torch.Tensor:
+         index_checked: bool = False, out_is_input: bool = False) -> torch.Tensor:
     """The shared body: validate index values (as ``check`` says), plan, launch. Writes
-    ``out3`` when given. ``index_checked``: the index holds positions among the rows with
-    terms, in range."""
+    ``out3`` when given (``out_is_input``: it is ``input``'s own rows view, in place).
+    ``index_checked``: the index holds positions among the rows with terms, in range."""
     num_segments = input.shape[dim]
     backend_name = current_backend(input.device.type, _CALLER)
     sparse = None
@@ -38,7 +38,9 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     if backend_name == "numba" and not index_checked:
         from detsum.kernels.numba import small
 
-        input3, source3 = _segments.rows_view(input, dim), _segments.rows_view(source, dim)
+        # In place, out3 is input's own view: one view fewer, and the kernel reads it once.
+        input3 = out3 if out_is_input else _segments.rows_view(input, dim)
+        source3 = _segments.rows_view(source, dim)
         rule = rule_for(Mode(mode), "sum", "cpu", input3.shape[2])
         if out3 is None:
             out3 = _segments.new_output(input3, num_segments)
@@ -97,7 +99,7 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host")
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
         _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim),
-             check=check)
+             check=check, out_is_input=True)
     else:
         input.copy_(_run(input, dim, index, source, alpha, acc_mode, None,
                          check=check).view(input.shape))

@@ -119,7 +119,8 @@ def fits(src3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
 
 def _array(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of ``t`` with its strides (16-bit floats as their uint16 bits)."""
-    t = t.detach()
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype in (torch.bfloat16, torch.float16):
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()
@@ -131,5 +132,4 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
     return the first position of ``index`` outside ``[0, S)`` having written nothing."""
     base = _array(base3)
     out = base if out3 is base3 else _array(out3)
-    return _KERNELS[src3.dtype](_array(src3), index.detach().numpy(), base, out, float(alpha),
-                                int(rule))
+    return _KERNELS[src3.dtype](_array(src3), index.numpy(), base, out, float(alpha), int(rule))

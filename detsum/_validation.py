@@ -132,7 +132,7 @@ def check_index(caller: str, name: str, t: object, *, one_d: bool,
 
 def check_dim(caller: str, dim: object, ndim: int) -> int:
     """Normalise ``dim`` (negative counts from the end) or raise IndexError."""
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):
+    if type(dim) is not int and (isinstance(dim, bool) or not isinstance(dim, numbers.Integral)):
         raise TypeError(f"{caller}: dim must be an int, got {type(dim).__name__}")
     if not -ndim <= dim < ndim:
         raise IndexError(f"{caller}: dim={dim} is out of range for a {ndim}-D tensor "
@@ -141,9 +141,10 @@ def check_dim(caller: str, dim: object, ndim: int) -> int:
 
 
 def check_same_device(caller: str, **tensors: torch.Tensor) -> None:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        listed = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+    present = [t for t in tensors.values() if t is not None]
+    if present and any(t.device != present[0].device for t in present[1:]):
+        listed = ", ".join(f"{name} on {t.device}" for name, t in tensors.items()
+                           if t is not None)
         raise ValueError(f"{caller}: all tensors must be on one device; got {listed}")
 
 
@@ -156,9 +157,8 @@ def check_same_dtype(caller: str, name_a: str, a: torch.Tensor, name_b: str, b: 
 def check_shapes_except_dim(caller: str, name_a: str, a: torch.Tensor, name_b: str,
                             b: torch.Tensor, dim: int) -> None:
     """``a`` and ``b`` must agree in rank and in every size except along ``dim``."""
-    if a.dim() != b.dim() or any(
-        sa != sb for d, (sa, sb) in enumerate(zip(a.shape, b.shape)) if d != dim
-    ):
+    if a.dim() != b.dim() or a.shape[:dim] != b.shape[:dim] or (
+            a.shape[dim + 1:] != b.shape[dim + 1:]):
         raise ValueError(
             f"{caller}: {name_b} has shape {tuple(b.shape)} but {name_a} has "
             f"{tuple(a.shape)}; expected the same shape except along dim {dim}"
@@ -166,7 +166,9 @@ def check_shapes_except_dim(caller: str, name_a: str, a: torch.Tensor, name_b: s
 
 
 def check_alpha(caller: str, alpha: object) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+    # int and float first: the abstract-class test costs more than a small call's arithmetic.
+    if type(alpha) is not float and type(alpha) is not int and (
+            isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)):
         raise TypeError(f"{caller}: alpha must be a real number, got {alpha!r}")
     return float(alpha)
 
@@ -208,6 +210,13 @@ def _element_byte_starts(t: torch.Tensor) -> torch.Tensor:
     return starts.reshape(-1) * t.element_size()
 
 
+def _extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from t's first element to one past its last (t nonempty, strides nonnegative)."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     """[first byte, one past the last byte] that t's elements can touch in its storage."""
     first = t.storage_offset() * t.element_size()
@@ -229,7 +238,7 @@ def _is_dense(t: torch.Tensor) -> bool:
 def has_internal_overlap(t: torch.Tensor) -> bool:
     """Some two elements of ``t`` share memory (an expanded stride-0 view, or an as_strided
     overlap)."""
-    if t.numel() <= 1 or _is_dense(t):
+    if t.numel() <= 1 or t.is_contiguous() or _is_dense(t):
         return False
     starts = _element_byte_starts(t)
     return starts.unique().numel() < starts.numel()
@@ -238,9 +247,14 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Some element of ``a`` and some element of ``b`` overlap in memory (exact: interleaved
     views such as ``x[::2]`` and ``x[1::2]`` do not)."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+    if a.numel() == 0 or b.numel() == 0:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    # Address ranges first: apart, they share nothing (the common case, decided without the
+    # device and storage objects, which cost more than the rest of a small call's checks).
+    if (a.data_ptr() + _extent_bytes(a) <= b.data_ptr()
+            or b.data_ptr() + _extent_bytes(b) <= a.data_ptr()):
+        return False
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
     (a_first, a_last), (b_first, b_last) = _byte_span(a), _byte_span(b)
     if a_last <= b_first or b_last <= a_first:

@@ -33,6 +33,8 @@ class Mode(str, enum.Enum):
 
 
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
+#: Each mode by its name: a dict lookup, where ``Mode(name)`` costs an Enum call.
+MODE_BY_NAME: dict[str, Mode] = {m.value: m for m in Mode}
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -45,7 +47,7 @@ def parse_mode(mode: object, *, caller: str) -> Mode:
     if isinstance(mode, Mode):
         return mode
     if isinstance(mode, str) and mode in MODES:
-        return Mode(mode)
+        return MODE_BY_NAME[mode]
     raise ValueError(f"{caller}: mode={mode!r} is not a detsum mode; expected one of {MODES}")
 
 

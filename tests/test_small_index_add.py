@@ -45,8 +45,9 @@ def test_small_launches_give_the_bits_of_the_general_path(mode, dtype, template,
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
 def test_in_place_strided_and_at_the_size_limits(mode, dtype, monkeypatch):
-    """In place (out is the input itself), on strided tensors, with an int32 index, at the
-    most terms a segment may take (CHUNK_TERMS) and one more (the general path's split)."""
+    """In place (out is the input itself), with an int32 index, at the most terms a segment
+    may take (CHUNK_TERMS) and one more (the general path's split); strided tensors too (the
+    general path takes them)."""
     for rows in (0, 1, CHUNK_TERMS, CHUNK_TERMS + 1):
         input, index, source = problem((None, 5), 0, rows, 4, dtype, seed=rows)
         index = index.int()
@@ -93,3 +94,6 @@ def test_large_launches_take_the_general_path(monkeypatch):
     assert not calls
     detsum.index_add(input, 0, index[:10], source[:10])
     assert len(calls) == 1
+    detsum.index_add(input, 0, index[:10], strided_copy(source[:10]))
+    detsum.index_add(input[:, ::2], 0, index[:10], source[:10, ::2])
+    assert len(calls) == 1  # strided: the general kernel, not a compile of another layout

@@ -7,7 +7,7 @@ import torch
 from detsum import _dispatch, _segments, _validation, reference
 from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
-from detsum.modes import Mode, parse_mode, rule_for
+from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
 
 _CALLER = "detsum.index_add"
 
@@ -41,10 +41,10 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         # In place, out3 is input's own view: one view fewer, and the kernel reads it once.
         input3 = out3 if out_is_input else _segments.rows_view(input, dim)
         source3 = _segments.rows_view(source, dim)
-        rule = rule_for(Mode(mode), "sum", "cpu", input3.shape[2])
+        rule = rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2])
         if out3 is None:
             out3 = _segments.new_output(input3, num_segments)
-        if small.fits(source3, out3, rule):
+        if small.fits(source3, input3, out3, rule):
             # A small launch in one call, without a plan (the same bits: see its module).
             first_bad = small.index_add_small(source3, index, input3, out3, alpha, rule)
             if first_bad >= 0:

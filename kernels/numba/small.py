@@ -40,7 +40,7 @@ __all__ = ["index_add_small", "fits"]
 MAX_ELEMENTS = 65536
 
 
-def _make(fmt, dec, rnd, enc, cvt, acc_dtype):
+def _make(fmt, dec, rnd, enc, cvt, acc_dtype, acc_is_data):
     format_njit = _njit_named_for(fmt)
 
     @format_njit(inline="always")
@@ -50,7 +50,7 @@ def _make(fmt, dec, rnd, enc, cvt, acc_dtype):
         return u, c + d
 
     @format_njit(cache=True)
-    def kernel(src, index, base, out, alpha, rule):
+    def kernel(src, index, base, out, alpha, rule, in_place):
         outer, n, inner = src.shape
         rows = out.shape[1]
         # Every index value is checked before anything is written (out may be base itself).
@@ -58,6 +58,17 @@ def _make(fmt, dec, rnd, enc, cvt, acc_dtype):
             if index[i] < 0 or index[i] >= rows:
                 return i
         a = cvt(alpha)
+        if rule != KAHAN and acc_is_data:
+            # fp32 and fp64 data outside KAHAN: the acc type is the data type and every
+            # rounding to it is the identity, so the rows are summed where they lie.
+            if not in_place:
+                out[:, :, :] = base
+            for o in range(outer):
+                for i in range(n):
+                    v = index[i]
+                    for j in range(inner):
+                        out[o, v, j] = out[o, v, j] + src[o, i, j] * a
+            return -1
         acc = np.empty((rows, inner), dtype=acc_dtype)
         comp = np.zeros((rows, inner), dtype=acc_dtype)
         for o in range(outer):
@@ -101,20 +112,23 @@ def _make(fmt, dec, rnd, enc, cvt, acc_dtype):
 
 
 _KERNELS = {
-    torch.float32: _make("sf32", _f32, _f32, _f32, _f32, np.float32),
-    torch.float64: _make("sf64", _f64, _f64, _f64, _f64, np.float64),
+    torch.float32: _make("sf32", _f32, _f32, _f32, _f32, np.float32, True),
+    torch.float64: _make("sf64", _f64, _f64, _f64, _f64, np.float64, True),
     torch.bfloat16: _make("sbf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
-                          np.float32),
+                          np.float32, False),
     torch.float16: _make("sf16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32,
-                         np.float32),
+                         np.float32, False),
 }
 
 
-def fits(src3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
+def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
     """Whether ``index_add_small`` computes this launch: few terms (no segment reaches a chunk
-    boundary), a small launch, a rule it has."""
+    boundary), a small launch, a rule it has, contiguous rows. (Contiguous only: each layout
+    is a compiled specialisation of its own, compiled on first use, and a small call of an
+    unusual layout is better served by the general kernel than by a compile.)"""
     return (src3.shape[1] <= CHUNK_TERMS and rule in (WIDE, KAHAN, ROUND_EACH)
-            and src3.numel() + out3.numel() <= MAX_ELEMENTS)
+            and src3.numel() + out3.numel() <= MAX_ELEMENTS and src3.is_contiguous()
+            and base3.is_contiguous() and out3.is_contiguous())
 
 
 def _array(t: torch.Tensor) -> np.ndarray:
@@ -132,4 +146,8 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
     return the first position of ``index`` outside ``[0, S)`` having written nothing."""
     base = _array(base3)
     out = base if out3 is base3 else _array(out3)
-    return _KERNELS[src3.dtype](_array(src3), index.numpy(), base, out, float(alpha), int(rule))
+    if index.dtype != torch.int64 or not index.is_contiguous():
+        # One index type and layout: one compiled specialisation per data format.
+        index = index.to(torch.int64, memory_format=torch.contiguous_format)
+    return _KERNELS[src3.dtype](_array(src3), index.numpy(), base, out, float(alpha), int(rule),
+                                out3 is base3)

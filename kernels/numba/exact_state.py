@@ -25,7 +25,7 @@ from numba import njit, prange
 from .. import NORMALISE_EVERY
 from ..rounding import f32_as_u32, f64_as_u64
 from .exact import _deposit, _finish, _normalise
-from .segment import launch_threads, threads
+from .segment import _njit_named_for, launch_threads, threads
 
 __all__ = ["add_terms", "round_state"]
 
@@ -60,55 +60,52 @@ def _count_and_deposit(limbs, counters, exponent, significand, negative, top_exp
 _BLOCK = 1024
 
 
-@njit(parallel=True, cache=True)
-def _add_f32(state, terms, n_limbs):
-    rows, numel = terms.shape
-    for b in prange((numel + _BLOCK - 1) // _BLOCK):
-        # The highest term's digits reach limb 8 of 10 (fp32 units).
-        limbs = np.empty(n_limbs, dtype=np.int64)
-        counters = np.empty(_COUNTERS, dtype=np.int64)
-        for e in range(b * _BLOCK, min(numel, (b + 1) * _BLOCK)):
-            for i in range(n_limbs):
-                limbs[i] = state[i, e]
-            counters[:] = 0
-            for r in range(rows):
-                bits = np.int64(f32_as_u32(np.float32(terms[r, e])))
-                _count_and_deposit(limbs, counters, (bits >> 23) & 0xFF, bits & 0x7FFFFF,
-                                   (bits >> 31) != 0, 0xFF, np.int64(1) << 23)
-                if (r + 1) % NORMALISE_EVERY == 0:
-                    _normalise(limbs, n_limbs)
-            _normalise(limbs, n_limbs)
-            for i in range(n_limbs):
-                state[i, e] = limbs[i]
-            for c in range(_COUNTERS):
-                state[n_limbs + c, e] += counters[c]
+@njit(cache=True, inline="always")
+def _f32_fields(t):
+    """(biased exponent, stored significand, sign, the exponent of inf/NaN, the implicit bit)
+    of the fp32 value ``t``."""
+    bits = np.int64(f32_as_u32(np.float32(t)))
+    return (bits >> 23) & 0xFF, bits & 0x7FFFFF, (bits >> 31) != 0, 0xFF, np.int64(1) << 23
 
 
-@njit(parallel=True, cache=True)
-def _add_f64(state, terms, n_limbs):
-    rows, numel = terms.shape
-    for b in prange((numel + _BLOCK - 1) // _BLOCK):
-        # The highest term's digits reach limb 65 of 67 (fp64 units).
-        limbs = np.empty(n_limbs, dtype=np.int64)
-        counters = np.empty(_COUNTERS, dtype=np.int64)
-        for e in range(b * _BLOCK, min(numel, (b + 1) * _BLOCK)):
-            for i in range(n_limbs):
-                limbs[i] = state[i, e]
-            counters[:] = 0
-            for r in range(rows):
-                bits = f64_as_u64(np.float64(terms[r, e]))
-                _count_and_deposit(limbs, counters,
-                                   np.int64((bits >> np.uint64(52)) & np.uint64(0x7FF)),
-                                   np.int64(bits & np.uint64(0xFFFFFFFFFFFFF)),
-                                   (bits >> np.uint64(63)) != np.uint64(0), 0x7FF,
-                                   np.int64(1) << 52)
-                if (r + 1) % NORMALISE_EVERY == 0:
-                    _normalise(limbs, n_limbs)
-            _normalise(limbs, n_limbs)
-            for i in range(n_limbs):
-                state[i, e] = limbs[i]
-            for c in range(_COUNTERS):
-                state[n_limbs + c, e] += counters[c]
+@njit(cache=True, inline="always")
+def _f64_fields(t):
+    """As ``_f32_fields``, for the fp64 value ``t``."""
+    bits = f64_as_u64(np.float64(t))
+    return (np.int64((bits >> np.uint64(52)) & np.uint64(0x7FF)),
+            np.int64(bits & np.uint64(0xFFFFFFFFFFFFF)), (bits >> np.uint64(63)) != np.uint64(0),
+            0x7FF, np.int64(1) << 52)
+
+
+def _make_adder(fmt, fields):
+    @_njit_named_for(fmt)(parallel=True, cache=True)
+    def add(state, terms, n_limbs):
+        rows, numel = terms.shape
+        for b in prange((numel + _BLOCK - 1) // _BLOCK):
+            # The highest term's digits reach limb 8 of 10 (fp32 units) or 65 of 67 (fp64).
+            limbs = np.empty(n_limbs, dtype=np.int64)
+            counters = np.empty(_COUNTERS, dtype=np.int64)
+            for e in range(b * _BLOCK, min(numel, (b + 1) * _BLOCK)):
+                for i in range(n_limbs):
+                    limbs[i] = state[i, e]
+                counters[:] = 0
+                for r in range(rows):
+                    exponent, significand, negative, top_exponent, implicit = fields(terms[r, e])
+                    _count_and_deposit(limbs, counters, exponent, significand, negative,
+                                       top_exponent, implicit)
+                    if (r + 1) % NORMALISE_EVERY == 0:
+                        _normalise(limbs, n_limbs)
+                _normalise(limbs, n_limbs)
+                for i in range(n_limbs):
+                    state[i, e] = limbs[i]
+                for c in range(_COUNTERS):
+                    state[n_limbs + c, e] += counters[c]
+
+    return add
+
+
+_add_f32 = _make_adder("f32", _f32_fields)
+_add_f64 = _make_adder("f64", _f64_fields)
 
 
 @njit(parallel=True, cache=True)

@@ -10,10 +10,12 @@ KAHAN its compensation ``comp``) over rows ``0 .. n - 1`` in order, exactly as
 caller, ``detsum.RunningSum``, cuts its pieces at the chunk boundaries of the contract).
 
 The arithmetic per element (acc type ``A``): ``t = A(RN_D(left * right))``; WIDE ``s =
-RN_A(s + t)``; KAHAN Neumaier's step with the same formula as the segment kernel. The
-product is exact in ``A`` for bf16 and fp16 data (8 + 8 and 11 + 11 significant bits), then
-rounded to ``D``; for fp32 and fp64 it is one IEEE multiplication. No fused multiply-add:
-Numba compiles without fastmath, so LLVM never contracts the product into the sum.
+RN_A(s + t)``; KAHAN Neumaier's step (``segment.neumaier``, the segment kernel's). For bf16
+and fp16 data the product is formed in ``A`` (exact there, 8 + 8 and 11 + 11 significant
+bits, unless it leaves fp32's range) and rounded to ``D``, as torch's elementwise product of
+two such tensors does; for fp32 and fp64 it is one IEEE multiplication. No fused
+multiply-add: Numba compiles without fastmath, so LLVM never contracts the product into the
+sum.
 
 Why a kernel: materialised, the rows of a batch of 32 samples of a 2048 x 2048 layer are
 512 MiB written and read again; here each output row stays in L1 while the samples' rows of
@@ -28,7 +30,7 @@ from numba import prange
 
 from .. import KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32, round_f32_to_bf16, round_f32_to_f16
-from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, threads
+from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
 
 __all__ = ["resume_products"]
 
@@ -42,17 +44,12 @@ def _make_kernel(fmt, dec, rnd):
     rounds an acc value to the data dtype (staying in the acc type)."""
     format_njit = _njit_named_for(fmt)
 
-    @format_njit(inline="always")
-    def neumaier(s, c, t):
-        u = s + t
-        # Both sides computed and one selected: the column loop stays branch-free.
-        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
-        return u, c + d
-
     # One output row per iteration of the parallel loop: it owns its elements outright and
     # sums each of them over the samples in order, so which thread runs it never matters.
     # Four samples per pass over the row: its elements are loaded and stored once per four
-    # terms, still added one term at a time in order (1.3x faster on the project's VM).
+    # terms, still added one term at a time in order (1.3x faster on the project's VM). One
+    # kernel per rule, each loop written out: a first version with the rule as a flag tested
+    # in one kernel (and flat indexing) ran at a quarter of this speed.
 
     @format_njit(parallel=True, cache=True)
     def wide(total, left, right, n, rows, cols):

@@ -168,6 +168,16 @@ def _f64(x):
     return np.float64(x)
 
 
+@njit(cache=True, inline="always")
+def neumaier(s, c, t):
+    """Neumaier's step: ``s + t`` and the compensation ``c`` plus that addition's exact error
+    (the contract's KAHAN rule; every kernel that sums under it takes this one)."""
+    u = s + t
+    # Both sides are computed and one selected: the column loop stays branch-free.
+    d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
+    return u, c + d
+
+
 def _njit_named_for(fmt):
     """``njit`` for the closures of ``_make_block``, under a qualname that names ``fmt``.
 
@@ -206,13 +216,6 @@ def _make_block(fmt, dec, rnd, enc, cvt):
     per segment that overhead was a fifth of the running time.
     """
     format_njit = _njit_named_for(fmt)
-
-    @format_njit(inline="always")
-    def neumaier(s, c, t):
-        u = s + t
-        # Both sides are computed and one selected: the column loop stays branch-free.
-        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
-        return u, c + d
 
     @format_njit(inline="always")
     def load(acc, a, start, step, w):

@@ -31,7 +31,7 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
-from .segment import _f32, _f64, _njit_named_for
+from .segment import _f32, _f64, _njit_named_for, neumaier
 
 __all__ = ["index_add_small", "fits"]
 
@@ -42,12 +42,6 @@ MAX_ELEMENTS = 65536
 
 def _make(fmt, dec, rnd, enc, cvt, acc_dtype, acc_is_data):
     format_njit = _njit_named_for(fmt)
-
-    @format_njit(inline="always")
-    def neumaier(s, c, t):
-        u = s + t
-        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
-        return u, c + d
 
     @format_njit(cache=True)
     def kernel(src, index, base, out, alpha, rule, in_place):

@@ -25,7 +25,7 @@ from numba import prange
 
 from .. import CHUNK_TERMS, KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32
-from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, threads
+from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
 
 __all__ = ["gather_scale_sum", "row_dots"]
 
@@ -36,13 +36,6 @@ _MIN_PARALLEL_PRODUCTS = 65536
 
 def _make_kernels(fmt, dec, cvt):
     format_njit = _njit_named_for(fmt)
-
-    @format_njit(inline="always")
-    def neumaier(s, c, t):
-        u = s + t
-        # Both sides computed and one selected: the column loop stays branch-free.
-        d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
-        return u, c + d
 
     @format_njit(parallel=True, cache=True)
     def forward(out, y, positions, weights, tokens, topk, cols, kahan):

@@ -82,8 +82,8 @@ def _fn(impl: str, model, x, y):
     if impl == "per-sample-only":
         def per_sample_only():
             gradients = loss._SampleGradients("bench", model, PER_SAMPLE_LOSS)
-            for i in range(BATCH):
-                gradients(x, y, i)
+            for _ in gradients.each(x, y, 0, BATCH):
+                pass
         return per_sample_only
     if impl == "per-sample-grads":
         def per_sample_grads():
@@ -109,7 +109,7 @@ def factored_block(model, x, y) -> dict:
     """The per-sample gradients of ``x`` in the form batch_grad gathers them: OuterProducts
     for the nn.Linear weights, rows for the rest."""
     gradients = loss._SampleGradients("bench", model, PER_SAMPLE_LOSS)
-    samples = [gradients(x, y, i) for i in range(x.shape[0])]
+    samples = list(gradients.each(x, y, 0, x.shape[0]))
     block = {}
     for name, first in samples[0].items():
         if isinstance(first, loss.OuterProducts):

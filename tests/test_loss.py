@@ -491,7 +491,7 @@ def test_a_forward_that_is_not_a_function_of_the_sample_is_refused(make_model):
                              (loss.per_sample_grads, "per_sample_grads")):
         with pytest.raises(ValueError, match=rf"detsum.loss.{caller}: the model's forward is not "
                                              r"a deterministic function of one sample: sample "
-                                             r"0, evaluated alone twice, gave two gradients "
+                                             r"0, evaluated twice, gave two gradients "
                                              r"\(\d+ of \d+ elements of '[a-z.]+' differ"):
             function(model, PER_SAMPLE_LOSS, x, y)
     assert_same_grads(dict(model.named_parameters()), before)
@@ -504,8 +504,8 @@ def test_a_forward_that_draws_random_numbers_is_refused():
     state = torch.get_rng_state()
     for function in (loss.batch_grad, loss.per_sample_grads):
         with pytest.raises(ValueError, match=r"the model's forward \(or loss_fn\) drew random "
-                                             r"numbers from torch's generator while sample 0 was "
-                                             r"evaluated .* call model.eval\(\)"):
+                                             r"numbers from torch's generator while samples 0 to 3 "
+                                             r"were evaluated .* call model.eval\(\)"):
             function(model, PER_SAMPLE_LOSS, x, y)
     model.eval()  # the same model without its dropout is accepted
     loss.batch_grad(model, PER_SAMPLE_LOSS, x, y)

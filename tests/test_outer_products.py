@@ -241,6 +241,36 @@ class SometimesUsed(torch.nn.Module):
         return self.head(h)
 
 
+class WeightReadOutside(torch.nn.Module):
+    """A layer's weight also read by the parent's forward (tied by hand): the layer's output
+    carries only part of the weight's gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(x) + 0.5 * torch.nn.functional.linear(
+            x, self.lin.weight)))
+
+
+class BiasReadOutside(torch.nn.Module):
+    """A layer's bias added again by the parent, on the samples with a positive first
+    feature only: some samples of a joint group use it outside the layer, the others not."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.lin(x))
+        if x[0, 0] > 0:
+            h = h * self.lin.bias
+        return self.head(h)
+
+
 def scaled_head():
     torch.manual_seed(4)
     return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), ScaledLinear(6, 3)).eval()
@@ -254,6 +284,8 @@ MODELS = {
     "tied": lambda: Tied().eval(),
     "subclass": scaled_head,
     "sometimes-used": lambda: SometimesUsed().eval(),
+    "weight-read-outside": lambda: WeightReadOutside().eval(),
+    "bias-read-outside": lambda: BiasReadOutside().eval(),
 }
 
 
@@ -273,7 +305,7 @@ def test_batch_grad_equals_the_sum_of_formed_per_sample_gradients(kind, mode):
     torch.manual_seed(0)
     model = MODELS[kind]()
     x, y = batch_for(model)
-    if kind == "sometimes-used":
+    if kind in ("sometimes-used", "bias-read-outside"):
         x[::3, 0] = x[::3, 0].abs()
         x[1::3, 0] = -x[1::3, 0].abs()
     want = reference_batch_grad(model, x, y, mode)
@@ -331,3 +363,25 @@ def test_a_model_changed_in_place_downstream_keeps_its_factors():
     inplace = loss.batch_grad(mlp(inplace=True), PER_SAMPLE_LOSS, x, y, mode="kahan")
     for name in plain:
         assert_same_bits(inplace[name], plain[name])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_samples_run_together_have_the_bits_of_each_alone(dtype, monkeypatch):
+    """An nn.Linear-only model's samples go through one torch.autograd.grad call per
+    JOINT_SAMPLES of them, and each gets the bits it gets alone, in every group and across
+    their boundaries."""
+    model = mlp(dtype)
+    n = 2 * loss.JOINT_SAMPLES + 3
+    x, y = batch_for(model, n=n)
+    loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[:1], y[:1])  # the model's self-check
+    engine_calls = []
+    grad = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad",
+                        lambda *args, **kwargs: engine_calls.append(1) or grad(*args, **kwargs))
+    together = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y)
+    monkeypatch.undo()
+    assert len(engine_calls) == -(-n // loss.JOINT_SAMPLES)
+    for i in range(n):
+        alone = loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[i:i + 1], y[i:i + 1])
+        for name, g in alone.items():
+            assert_same_bits(together[name][i], g[0])

@@ -174,12 +174,22 @@ class _Outgoing:
     Why sign-magnitude: a negative value's normalised limbs are its two's complement, all ones
     above its magnitude; its magnitude's limbs are zero there, as a positive value's are, so a
     gradient's limbs in use are a few rows (two or three for fp32 gradients). Every digit is
-    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64."""
+    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64.
 
-    def __init__(self, state: torch.Tensor, count: int):
-        self.state, self.count = state, count
+    With ``kernels`` (a CPU state and payload under the numba backend, see :func:`_outgoing`),
+    ``kernels/numba/wire.py`` finds the header values here, in one pass over the state, and
+    writes the digits and counters in another: the same integers. These torch operations run
+    everywhere else, and under ``detsum.backend("reference")``."""
+
+    def __init__(self, state: torch.Tensor, count: int, *, kernels: bool):
+        self.state, self.count, self.kernels = state, count, kernels
         n_limbs = state.shape[0] - _limbs.COUNTERS
         self.n_limbs = n_limbs
+        if kernels:
+            from detsum.kernels.numba import wire
+
+            self._header = wire.scan(state, count)
+            return
         limbs = state[:n_limbs]
         bottom = _lowest_row_in_use(limbs)
         self.first, self.digits = bottom, limbs[:0]
@@ -212,6 +222,8 @@ class _Outgoing:
 
     def header(self) -> list[int]:
         """top, minus bottom, then per counter its maximum and the maximum of its negation."""
+        if self.kernels:
+            return self._header
         values = [self.first + self.digits.shape[0] - 1 if self.digits.shape[0] else -1,
                   -(self.first if self.digits.shape[0] else self.n_limbs)]
         for k in range(_limbs.COUNTERS):
@@ -223,18 +235,34 @@ class _Outgoing:
                 values += [0, 0]
         return values
 
-    def write(self, part: torch.Tensor, wire: _Wire) -> None:
-        """This state's part of the payload (``wire.size`` int64): its count, its digits in
+    def write(self, part: torch.Tensor, layout: _Wire) -> None:
+        """This state's part of the payload (``layout.size`` int64): its count, its digits in
         the window, the counters that go."""
+        if self.kernels:
+            from detsum.kernels.numba import wire
+
+            wire.encode(self.state, self.count, part.numpy(), layout.bottom,
+                        layout.rows(self.n_limbs), layout.kinds, layout.fields, layout.bits)
+            return
         part[0] = self.count
-        window, counters = wire.split(part, self.n_limbs, self.state.shape[1])
-        start, stop = self.first - wire.bottom, self.first - wire.bottom + self.digits.shape[0]
+        window, counters = layout.split(part, self.n_limbs, self.state.shape[1])
+        start = self.first - layout.bottom
+        stop = start + self.digits.shape[0]
         window[:start].zero_()
         window[start:stop] = self.digits
         window[stop:].zero_()
-        for q, k in enumerate(wire.kinds):
-            counters[q] = (self.counter(k) if wire.fields == 1
-                           else _pack(self.counter(k), wire.fields, wire.bits))
+        for q, k in enumerate(layout.kinds):
+            counters[q] = (self.counter(k) if layout.fields == 1
+                           else _pack(self.counter(k), layout.fields, layout.bits))
+
+
+def _outgoing(states: Sequence[tuple[torch.Tensor, int]]) -> list[_Outgoing]:
+    """This rank's states as it sends them. The payload goes on the first state's device;
+    where that is the CPU, the kernels do the work of every CPU state under the numba backend
+    (``_limbs._on_numba``)."""
+    on_cpu = bool(states) and states[0][0].device.type == "cpu"
+    return [_Outgoing(state, count, kernels=on_cpu and _limbs._on_numba(state))
+            for state, count in states]
 
 
 def _local_header(outgoing: Sequence[_Outgoing]) -> torch.Tensor:
@@ -341,7 +369,8 @@ class _Wire:
     def decode(self, payload: torch.Tensor, outgoing: Sequence[_Outgoing],
                out: Sequence[torch.Tensor] | None) -> list[tuple[torch.Tensor, int]]:
         """The states and total counts that ``payload``, a sum of every rank's, holds: into
-        ``out`` or new tensors. ``outgoing``: this rank's states (their shapes)."""
+        ``out`` or new tensors. ``outgoing``: this rank's states (their shapes); the kernels
+        decode the states that they encoded (``_Outgoing.kernels``), in one pass each."""
         offsets, offset = [], 0
         for o in outgoing:
             offsets.append(offset)
@@ -351,29 +380,38 @@ class _Wire:
         for i, (o, offset, total) in enumerate(zip(outgoing, offsets, totals)):
             numel, n_limbs = o.state.shape[1], o.n_limbs
             summed = _unwritten(torch.empty_like(o.state)) if out is None else out[i]
-            window, counters = self.split(payload[offset:offset + self.size(n_limbs, numel)],
-                                          n_limbs, numel)
-            rows = self.rows(n_limbs)
-            if rows:
-                # Below the window every rank's limbs are zero; above it, the carries of the
-                # sum.
-                summed[:self.bottom] = 0
-                limbs = summed[self.bottom:self.bottom + rows]
-                limbs.copy_(window)
-                _limbs.normalise(limbs)
-                _carry_out(summed[:n_limbs], self.bottom + rows)
+            part = payload[offset:offset + self.size(n_limbs, numel)]
+            if o.kernels and summed.device.type == "cpu":
+                from detsum.kernels.numba import wire
+
+                wire.decode(part.numpy(), self.bottom, self.rows(n_limbs), self.kinds,
+                            self.fields, self.bits, total, summed)
             else:
-                summed[:n_limbs] = 0  # no rank has a digit in this state's limbs
-            summed[n_limbs:] = 0
-            for q, k in enumerate(self.kinds):
-                summed[n_limbs + k] = (counters[q] if self.fields == 1
-                                       else _unpack(counters[q], self.fields, self.bits, numel))
-            # What went on the wire was the complement (or nothing, where it was zero
-            # everywhere).
-            not_neg_zero = summed[n_limbs + _limbs.NOT_NEG_ZERO]
-            not_neg_zero.copy_(total - not_neg_zero)
+                self._decode(part, total, summed)
             results.append((summed, total))
         return results
+
+    def _decode(self, part: torch.Tensor, total: int, summed: torch.Tensor) -> None:
+        """A state's ``part`` of the summed payload, of ``total`` rows, into ``summed``."""
+        n_limbs, numel = summed.shape[0] - _limbs.COUNTERS, summed.shape[1]
+        window, counters = self.split(part, n_limbs, numel)
+        rows = self.rows(n_limbs)
+        if rows:
+            # Below the window every rank's limbs are zero; above it, the carries of the sum.
+            summed[:self.bottom] = 0
+            limbs = summed[self.bottom:self.bottom + rows]
+            limbs.copy_(window)
+            _limbs.normalise(limbs)
+            _carry_out(summed[:n_limbs], self.bottom + rows)
+        else:
+            summed[:n_limbs] = 0  # no rank has a digit in this state's limbs
+        summed[n_limbs:] = 0
+        for q, k in enumerate(self.kinds):
+            summed[n_limbs + k] = (counters[q] if self.fields == 1
+                                   else _unpack(counters[q], self.fields, self.bits, numel))
+        # What went on the wire was the complement (or nothing, where it was zero everywhere).
+        not_neg_zero = summed[n_limbs + _limbs.NOT_NEG_ZERO]
+        not_neg_zero.copy_(total - not_neg_zero)
 
 
 def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]],
@@ -395,16 +433,16 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
     rank hands to the two all-reduces (``"header_bytes"``, ``"payload_bytes"``)."""
     if local_error is not None:
         fail_together(caller, group, fields, local_error)
-    outgoing = [_Outgoing(state, count) for state, count in states]
+    outgoing = _outgoing(states)
     maxima = _exchange(caller, group, fields, _local_header(outgoing))
-    wire = _Wire(maxima, dist.get_world_size(group))
-    payload = wire.encode(outgoing)
+    layout = _Wire(maxima, dist.get_world_size(group))
+    payload = layout.encode(outgoing)
     if sent is not None:
         sent["header_bytes"] = 8 * (2 + _HEADER_VALUES)
         sent["payload_bytes"] = payload.numel() * payload.element_size()
     # Integer addition: exact, so the same sums in any order the backend chooses.
     dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
-    return wire.decode(payload, outgoing, out)
+    return layout.decode(payload, outgoing, out)
 
 
 def all_reduce_(running_sum: RunningSum, group=None) -> None:

@@ -29,7 +29,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from detsum import _limbs
+from detsum import _limbs, _segments
 from detsum.kernels import LIMB_BITS
 from detsum.modes import Mode
 from detsum.ops.running_sum import RunningSum
@@ -174,12 +174,22 @@ class _Outgoing:
     Why sign-magnitude: a negative value's normalised limbs are its two's complement, all ones
     above its magnitude; its magnitude's limbs are zero there, as a positive value's are, so a
     gradient's limbs in use are a few rows (two or three for fp32 gradients). Every digit is
-    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64."""
+    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64.
 
-    def __init__(self, state: torch.Tensor, count: int):
-        self.state, self.count = state, count
+    With ``kernels`` (a CPU state and payload under the numba backend, see :func:`_outgoing`),
+    ``kernels/numba/wire.py`` finds the header values here, in one pass over the state, and
+    writes the digits and counters in another: the same integers. These torch operations run
+    everywhere else, and under ``detsum.backend("reference")``."""
+
+    def __init__(self, state: torch.Tensor, count: int, *, kernels: bool):
+        self.state, self.count, self.kernels = state, count, kernels
         n_limbs = state.shape[0] - _limbs.COUNTERS
         self.n_limbs = n_limbs
+        if kernels:
+            from detsum.kernels.numba import wire
+
+            self._header = wire.scan(state, count)
+            return
         limbs = state[:n_limbs]
         bottom = _lowest_row_in_use(limbs)
         self.first, self.digits = bottom, limbs[:0]
@@ -212,6 +222,8 @@ class _Outgoing:
 
     def header(self) -> list[int]:
         """top, minus bottom, then per counter its maximum and the maximum of its negation."""
+        if self.kernels:
+            return self._header
         values = [self.first + self.digits.shape[0] - 1 if self.digits.shape[0] else -1,
                   -(self.first if self.digits.shape[0] else self.n_limbs)]
         for k in range(_limbs.COUNTERS):
@@ -222,6 +234,41 @@ class _Outgoing:
             else:
                 values += [0, 0]
         return values
+
+    def write(self, part: torch.Tensor, layout: _Wire) -> None:
+        """This state's part of the payload (``layout.size`` int64): its count, its digits in
+        the window, the counters that go."""
+        if self.kernels:
+            from detsum.kernels.numba import wire
+
+            wire.encode(self.state, self.count, part.numpy(), layout.bottom,
+                        layout.rows(self.n_limbs), layout.kinds, layout.fields, layout.bits)
+            return
+        part[0] = self.count
+        window, counters = layout.split(part, self.n_limbs, self.state.shape[1])
+        start = self.first - layout.bottom
+        stop = start + self.digits.shape[0]
+        window[:start].zero_()
+        window[start:stop] = self.digits
+        window[stop:].zero_()
+        for q, k in enumerate(layout.kinds):
+            counters[q] = (self.counter(k) if layout.fields == 1
+                           else _pack(self.counter(k), layout.fields, layout.bits))
+
+
+def _outgoing(states: Sequence[tuple[torch.Tensor, int]]) -> list[_Outgoing]:
+    """This rank's states as it sends them. The payload goes on the first state's device;
+    where that is the CPU, the kernels do the work of every CPU state under the numba backend
+    (``_limbs._on_numba``)."""
+    on_cpu = bool(states) and states[0][0].device.type == "cpu"
+    return [_Outgoing(state, count, kernels=on_cpu and _limbs._on_numba(state))
+            for state, count in states]
+
+
+def _local_header(outgoing: Sequence[_Outgoing]) -> torch.Tensor:
+    """This rank's header values (``_HEADER_VALUES``): the maxima over its states."""
+    return torch.tensor([max(values) for values in zip(*(o.header() for o in outgoing))]
+                        if outgoing else [0] * _HEADER_VALUES, dtype=torch.int64)
 
 
 def _pack(values: torch.Tensor, fields: int, bits: int) -> torch.Tensor:
@@ -257,10 +304,114 @@ def _carry_out(limbs: torch.Tensor, above: int) -> None:
     limbs[last] = sign
 
 
-def _rows(top: int, bottom: int, n_limbs: int) -> int:
-    """Rows of the window ``[bottom, top]`` within a state of ``n_limbs`` limbs (fp32 and fp64
-    states summed in one call share one window)."""
-    return max(0, min(top, n_limbs - 1) - bottom + 1)
+#: What an int64 that nothing wrote holds under test (``_segments.POISON_OUTPUTS``).
+_POISON = 0x5EED_5EED_5EED_5EED
+
+
+def _unwritten(tensor: torch.Tensor) -> torch.Tensor:
+    """A new ``tensor``, poisoned under test: an element that nothing writes fails there."""
+    if _segments.POISON_OUTPUTS:
+        tensor.fill_(_POISON)
+    return tensor
+
+
+class _Wire:
+    """The payload's layout, which the header's maxima fix alike on every rank: the window of
+    limb rows ``[bottom, top]`` that every state's digits go in, the counters that go
+    (``kinds``: those that some rank needs), and their packing (``fields`` to an int64, of
+    ``bits`` bits each). A state's part of the payload is its row count, its digits in the
+    window row by row, then each counter of ``kinds`` in lanes."""
+
+    def __init__(self, maxima: Sequence[int], ranks: int):
+        self.top, self.bottom = maxima[0], -maxima[1]
+        extremes = maxima[2:]
+        self.kinds = [k for k in range(_limbs.COUNTERS)
+                      if extremes[2 * k] > 0 or extremes[2 * k + 1] > 0]
+        if any(extremes[2 * k + 1] > 0 for k in self.kinds):
+            # A negative counter (a state loaded by hand): one per int64.
+            self.fields, self.bits = 1, 64
+        else:
+            # Each counter's sum over the ranks is at most `ranks` times the largest value.
+            bits = (max((ranks * extremes[2 * k]).bit_length() for k in self.kinds)
+                    if self.kinds else 1)
+            self.fields, self.bits = max(1, 63 // bits), bits
+
+    def rows(self, n_limbs: int) -> int:
+        """Rows of the window within a state of ``n_limbs`` limbs (fp32 and fp64 states
+        summed in one call share one window)."""
+        return max(0, min(self.top, n_limbs - 1) - self.bottom + 1)
+
+    def lanes(self, numel: int) -> int:
+        return -(-numel // self.fields)
+
+    def size(self, n_limbs: int, numel: int) -> int:
+        return 1 + self.rows(n_limbs) * numel + len(self.kinds) * self.lanes(numel)
+
+    def split(self, part: torch.Tensor, n_limbs: int, numel: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A state's ``part`` of the payload as its window ``[rows, numel]`` and its counters
+        ``[len(kinds), lanes]`` (views)."""
+        rows = self.rows(n_limbs)
+        return (part[1:1 + rows * numel].view(rows, numel),
+                part[1 + rows * numel:].view(len(self.kinds), self.lanes(numel)))
+
+    def encode(self, outgoing: Sequence[_Outgoing]) -> torch.Tensor:
+        """The payload of ``outgoing``, this rank's states."""
+        sizes = [self.size(o.n_limbs, o.state.shape[1]) for o in outgoing]
+        device = outgoing[0].state.device if outgoing else torch.device("cpu")
+        payload = _unwritten(torch.empty(sum(sizes), dtype=torch.int64, device=device))
+        offset = 0
+        for o, size in zip(outgoing, sizes):
+            o.write(payload[offset:offset + size], self)
+            offset += size
+        return payload
+
+    def decode(self, payload: torch.Tensor, outgoing: Sequence[_Outgoing],
+               out: Sequence[torch.Tensor] | None) -> list[tuple[torch.Tensor, int]]:
+        """The states and total counts that ``payload``, a sum of every rank's, holds: into
+        ``out`` or new tensors. ``outgoing``: this rank's states (their shapes); the kernels
+        decode the states that they encoded (``_Outgoing.kernels``), in one pass each."""
+        offsets, offset = [], 0
+        for o in outgoing:
+            offsets.append(offset)
+            offset += self.size(o.n_limbs, o.state.shape[1])
+        totals = payload[offsets].tolist()
+        results = []
+        for i, (o, offset, total) in enumerate(zip(outgoing, offsets, totals)):
+            numel, n_limbs = o.state.shape[1], o.n_limbs
+            summed = _unwritten(torch.empty_like(o.state)) if out is None else out[i]
+            part = payload[offset:offset + self.size(n_limbs, numel)]
+            if o.kernels and summed.device.type == "cpu":
+                from detsum.kernels.numba import wire
+
+                wire.decode(part.numpy(), self.bottom, self.rows(n_limbs), self.kinds,
+                            self.fields, self.bits, total, summed)
+            else:
+                self._decode(part, total, summed)
+            results.append((summed, total))
+        return results
+
+    def _decode(self, part: torch.Tensor, total: int, summed: torch.Tensor) -> None:
+        """A state's ``part`` of the summed payload, of ``total`` rows, into ``summed``."""
+        n_limbs, numel = summed.shape[0] - _limbs.COUNTERS, summed.shape[1]
+        window, counters = self.split(part, n_limbs, numel)
+        rows = self.rows(n_limbs)
+        if rows:
+            # Below the window every rank's limbs are zero; above it, the carries of the sum.
+            summed[:self.bottom] = 0
+            limbs = summed[self.bottom:self.bottom + rows]
+            limbs.copy_(window)
+            _limbs.normalise(limbs)
+            _carry_out(summed[:n_limbs], self.bottom + rows)
+        else:
+            summed[:n_limbs] = 0  # no rank has a digit in this state's limbs
+        summed[n_limbs:] = 0
+        for q, k in enumerate(self.kinds):
+            summed[n_limbs + k] = (counters[q] if self.fields == 1
+                                   else _unpack(counters[q], self.fields, self.bits, numel))
+        # What went on the wire was the complement (or nothing, where it was zero everywhere).
+        not_neg_zero = summed[n_limbs + _limbs.NOT_NEG_ZERO]
+        not_neg_zero.copy_(total - not_neg_zero)
 
 
 def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]],
@@ -282,77 +433,16 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
     rank hands to the two all-reduces (``"header_bytes"``, ``"payload_bytes"``)."""
     if local_error is not None:
         fail_together(caller, group, fields, local_error)
-    outgoing = [_Outgoing(state, count) for state, count in states]
-    local = torch.tensor([max(values) for values in zip(*(o.header() for o in outgoing))]
-                         if outgoing else [0] * _HEADER_VALUES, dtype=torch.int64)
-    maxima = _exchange(caller, group, fields, local)
-    top, bottom = maxima[0], -maxima[1]
-    extremes = maxima[2:]
-    kinds = [k for k in range(_limbs.COUNTERS) if extremes[2 * k] > 0 or extremes[2 * k + 1] > 0]
-    ranks = dist.get_world_size(group)
-    if any(extremes[2 * k + 1] > 0 for k in kinds):
-        packing = (1, 64)  # a negative counter (a state loaded by hand): one per int64
-    else:
-        # Each counter's sum over the ranks is at most `ranks` times the largest value.
-        bits = max((ranks * extremes[2 * k]).bit_length() for k in kinds) if kinds else 1
-        packing = (max(1, 63 // bits), bits)
-
-    def lanes(numel: int) -> int:
-        return -(-numel // packing[0])
-
-    sizes = [1 + _rows(top, bottom, o.n_limbs) * o.state.shape[1]
-             + len(kinds) * lanes(o.state.shape[1]) for o in outgoing]
-    device = outgoing[0].state.device if outgoing else torch.device("cpu")
-    payload = torch.empty(sum(sizes), dtype=torch.int64, device=device)
-    offset = 0
-    for o in outgoing:
-        numel, rows = o.state.shape[1], _rows(top, bottom, o.n_limbs)
-        payload[offset] = o.count
-        window = payload[offset + 1:offset + 1 + rows * numel].view(rows, numel)
-        start, stop = o.first - bottom, o.first - bottom + o.digits.shape[0]
-        window[:start].zero_()
-        window[start:stop] = o.digits
-        window[stop:].zero_()
-        offset += 1 + rows * numel
-        for k in kinds:
-            counter = o.counter(k)
-            payload[offset:offset + lanes(numel)] = (counter if packing[0] == 1
-                                                     else _pack(counter, *packing))
-            offset += lanes(numel)
+    outgoing = _outgoing(states)
+    maxima = _exchange(caller, group, fields, _local_header(outgoing))
+    layout = _Wire(maxima, dist.get_world_size(group))
+    payload = layout.encode(outgoing)
     if sent is not None:
         sent["header_bytes"] = 8 * (2 + _HEADER_VALUES)
         sent["payload_bytes"] = payload.numel() * payload.element_size()
     # Integer addition: exact, so the same sums in any order the backend chooses.
     dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
-
-    results, offset, count_positions = [], 0, []
-    for i, o in enumerate(outgoing):
-        numel, n_limbs = o.state.shape[1], o.n_limbs
-        summed = torch.empty_like(o.state) if out is None else out[i]
-        count_positions.append(offset)
-        offset += 1
-        # Below the window every rank's limbs are zero; above it, the carries of the sum.
-        summed[:min(bottom, n_limbs)] = 0
-        rows = _rows(top, bottom, n_limbs)
-        if rows:
-            window = summed[bottom:bottom + rows]
-            window.copy_(payload[offset:offset + rows * numel].view(rows, numel))
-            offset += rows * numel
-            _limbs.normalise(window)
-            _carry_out(summed[:n_limbs], bottom + rows)
-        counters = summed[n_limbs:]
-        counters.zero_()
-        for k in kinds:
-            received = payload[offset:offset + lanes(numel)]
-            counters[k] = received if packing[0] == 1 else _unpack(received, *packing, numel)
-            offset += lanes(numel)
-        results.append(summed)
-    totals = payload[count_positions].tolist()
-    for summed, total, o in zip(results, totals, outgoing):
-        # What went on the wire was the complement (or nothing, where it was zero everywhere).
-        not_neg_zero = summed[o.n_limbs + _limbs.NOT_NEG_ZERO]
-        not_neg_zero.copy_(total - not_neg_zero)
-    return list(zip(results, totals))
+    return layout.decode(payload, outgoing, out)
 
 
 def all_reduce_(running_sum: RunningSum, group=None) -> None:

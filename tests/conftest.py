@@ -98,6 +98,20 @@ def make_data(shape, dtype, *, seed=0, spread=False):
     return x.to(dtype)
 
 
+def terms_with_specials(rows: int, numel: int, acc: torch.dtype, seed: int) -> torch.Tensor:
+    """``[rows, numel]`` terms of an exact state (``acc`` fp32 or fp64) over the whole exponent
+    range, both signs, with zeros of both signs, subnormals, the largest values, infinities and
+    NaNs sprinkled in: every counter is nonzero somewhere."""
+    terms = make_data((rows, numel), acc, seed=seed, spread=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    tiny = torch.finfo(acc).smallest_normal
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny / 4,
+                             -tiny / 8, torch.finfo(acc).max, -torch.finfo(acc).max], dtype=acc)
+    picks = torch.rand((rows, numel), generator=g) < 0.05
+    terms[picks] = specials[torch.randint(0, len(specials), (int(picks.sum()),), generator=g)]
+    return terms
+
+
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import detsum
-from conftest import assert_same_bits, dtype_id, make_data
+from conftest import assert_same_bits, dtype_id, make_data, terms_with_specials
 from detsum import _limbs
 from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.kernels.numba import exact_state
@@ -15,19 +15,6 @@ from detsum.kernels.numba import exact_state
 ACC_DTYPES = (torch.float32, torch.float64)
 ROUNDED = {torch.float32: (torch.float32, torch.bfloat16, torch.float16),
            torch.float64: (torch.float64,)}
-
-
-def terms_with_specials(rows, numel, acc, seed):
-    """Terms over the whole exponent range, both signs, with zeros of both signs, subnormals,
-    infinities and NaNs sprinkled in."""
-    terms = make_data((rows, numel), acc, seed=seed, spread=True)
-    g = torch.Generator().manual_seed(seed + 1)
-    tiny = torch.finfo(acc).smallest_normal
-    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny / 4,
-                             -tiny / 8, torch.finfo(acc).max, -torch.finfo(acc).max], dtype=acc)
-    picks = torch.rand((rows, numel), generator=g) < 0.05
-    terms[picks] = specials[torch.randint(0, len(specials), (int(picks.sum()),), generator=g)]
-    return terms
 
 
 def both_ways(function):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import detsum
-from conftest import dtype_id, make_data
+from conftest import dtype_id, make_data, terms_with_specials
 from detsum import _limbs, distributed
 from detsum.kernels import EXACT_LIMBS
 from detsum.kernels.numba import wire
@@ -33,19 +33,6 @@ def exact_state(terms: torch.Tensor) -> torch.Tensor:
     with detsum.backend("reference"):
         _limbs.add_terms(state, terms)
     return state
-
-
-def spread_terms(rows: int, numel: int, acc: torch.dtype, seed: int) -> torch.Tensor:
-    """Terms over many binades, both signs, with both zeros, subnormals, the largest values,
-    infinities and NaNs sprinkled in: every counter is nonzero somewhere."""
-    terms = make_data((rows, numel), acc, seed=seed, spread=True)
-    g = torch.Generator().manual_seed(seed + 1)
-    tiny = torch.finfo(acc).smallest_normal
-    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), tiny / 4,
-                             -tiny / 8, torch.finfo(acc).max, -torch.finfo(acc).max], dtype=acc)
-    picks = torch.rand((rows, numel), generator=g) < 0.05
-    terms[picks] = specials[torch.randint(0, len(specials), (int(picks.sum()),), generator=g)]
-    return terms
 
 
 def powers_of_the_limb_base(numel: int, acc: torch.dtype, seed: int) -> torch.Tensor:
@@ -100,7 +87,7 @@ def states_of(case: str, acc: torch.dtype, numel: int, seed: int) -> tuple[torch
     elif case == "narrow":  # a gradient's: a window of two or three limbs
         terms = make_data((4, numel), acc, seed=seed) * 2.0**-10
     else:
-        terms = spread_terms(6, numel, acc, seed)
+        terms = terms_with_specials(6, numel, acc, seed)
         if case == "all negative":
             terms = -terms.abs()
         elif case == "single nonzero":

@@ -402,9 +402,9 @@ class _SampleGradients:
     - the forward must not change the model's buffers (a BatchNorm in training mode updates
       its running statistics): the buffers are put back and the call refused;
     - the first time a model is seen, its first sample is evaluated a second time, alone, and
-      both results must have the same bits: this catches state the forward changes between calls,
-      random numbers drawn outside torch, and nondeterministic kernels that show on that
-      sample.
+      both results must have the same bits: this catches state the forward changes between
+      calls, random numbers drawn outside torch, and nondeterministic kernels that show on
+      that sample.
 
     Later samples are checked for changed buffers too (a forward that changes them for some
     samples only), but by then the change is made.

@@ -55,7 +55,7 @@ ALL_REDUCE_IMPLS = ["fp32-all_reduce", "exact-all_reduce", "exact-whole-state"]
 STEP_IMPLS = ["ddp-step", "exact-step", "exact-step-local", "per-sample-only"]
 GRADIENTS = ("example", "mlp")
 SAMPLES_PER_RANK = 4
-ROUNDS = {"all_reduce": 30, "step": 15}
+ROUNDS = {"all_reduce": 30, "step": 100}
 WARMUP = 3
 PER_SAMPLE_LOSS = nn.CrossEntropyLoss(reduction="none")
 

@@ -117,6 +117,11 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
 def normalise(limbs: torch.Tensor) -> None:
     """Carry every limb (row) but the last into [0, 2**LIMB_BITS), in place; the value is
     unchanged."""
+    if _on_numba(limbs):
+        from detsum.kernels.numba import exact_state
+
+        exact_state.normalise(limbs)
+        return
     for i in range(limbs.shape[0] - 1):
         carry = limbs[i] >> LIMB_BITS  # arithmetic shift: floor division
         limbs[i] &= _DIGIT

@@ -6,15 +6,19 @@ states of every rank is an integer all-reduce: exact in whatever order or tree t
 ranks holding any shards of them. A floating-point all-reduce promises nothing of the kind:
 its order, and so its bits, follow the number of ranks and the algorithm the backend picks.
 
-One sum over ranks is two collectives (docs/distributed.md has the proof of exactness):
+One sum over ranks is one collective for small states, two for the others (docs/distributed.md
+has the proof of exactness). Both are all-reduced with SUM, integers:
 
-1. a header, all-reduced with MAX: a fingerprint of what the ranks must agree on (shapes,
-   dtypes, mode and the like) and its negation, whose two maxima are equal only when every
-   rank sent the same fingerprint; the highest and the lowest limb that any rank's states use
-   in sign-magnitude form; and each counter's largest value and largest negated value;
-2. the payload, all-reduced with SUM: each state's row count, its limbs inside that window as
-   sign-magnitude digits, and only the counters that some rank needs, packed several to an
-   int64 where their sum over the ranks is known to fit.
+1. the header, ``HEADER_INT64S`` int64 on every call whatever the states, so that ranks in
+   different calls still pair up, and find out: the bytes of a fingerprint of what the ranks
+   must agree on (shapes, dtypes, mode and the like) and their squares, whose sums show
+   whether every rank sent the same bytes; for each limb row, how many ranks' states use it
+   in sign-magnitude form; each counter's largest value and largest negated value, summed
+   over the ranks. Its room after these holds the states themselves, whole, where they fit
+   (``_ROOM``): the sum is then complete after this one collective;
+2. otherwise the payload: each state's row count, its limbs inside the window of rows that
+   any rank uses, as sign-magnitude digits, and only the counters that some rank needs,
+   packed several to an int64 where their sum over the ranks is known to fit.
 
 Ranks that disagree get the same error on every rank, naming what differs and where, before
 any state is touched. The loss functions (``detsum.loss``) take part through the helpers here.
@@ -30,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from detsum import _limbs, _segments
-from detsum.kernels import LIMB_BITS
+from detsum.kernels import EXACT_LIMBS, LIMB_BITS
 from detsum.modes import Mode
 from detsum.ops.running_sum import RunningSum
 
@@ -109,40 +113,66 @@ def _raise_disagreement(caller: str, group, fields: dict) -> None:
                      f"same detsum and Python versions")
 
 
-#: The header after the fingerprint: the window of limbs in use (its top, minus its bottom),
-#: then for each counter its largest value and its largest negated value.
-_HEADER_VALUES = 2 + 2 * _limbs.COUNTERS
+#: A rank's own header values (``_Outgoing.header``, the maxima over its states): the window
+#: of limbs in use (its top, minus its bottom), then for each counter its largest value and
+#: its largest negated value.
+_LOCAL_VALUES = 2 + 2 * _limbs.COUNTERS
 _ALL_ONES = (1 << LIMB_BITS) - 1
 
+_FINGERPRINT_BYTES = 8
+#: The most limb rows a state has (an fp64 one).
+_MAX_ROWS = max(EXACT_LIMBS.values())
+#: The header's values (its start): the fingerprint's bytes, their squares, a count of ranks
+#: per limb row, two sums per counter (``_summable``).
+_HEADER_VALUES = 2 * _FINGERPRINT_BYTES + _MAX_ROWS + 2 * _limbs.COUNTERS
+#: The header's size on every call: 64 KiB. Its room after the values holds small states
+#: whole (the distributed example's 484 fp32 parameters take 6777 int64 of it).
+HEADER_INT64S = 8192
+_ROOM = HEADER_INT64S - _HEADER_VALUES
 
-def _exchange(caller: str, group, fields: dict, values: torch.Tensor) -> list[int]:
-    """All-reduce with MAX the fingerprint of ``fields``, its negation, then ``values``
-    (``_HEADER_VALUES`` int64); return the maxima of ``values``. Raises the same error on
-    every rank when the ranks' fields differ. Every call sends a header of one size, so that
-    ranks in different calls still pair up, and find out."""
+
+def _new_header(fields: dict, device: torch.device,
+                layout_values: Sequence[int] | None = None) -> torch.Tensor:
+    """A header of ``fields``' fingerprint and this rank's ``layout_values``
+    (:func:`_summable`; zeros where None), its room zero."""
     fingerprint = _fingerprint(fields)
-    device = _header_device(group)
-    header = torch.cat([torch.tensor([fingerprint, -fingerprint], dtype=torch.int64,
-                                     device=device), values.to(device)])
-    dist.all_reduce(header, op=dist.ReduceOp.MAX, group=group)
-    received = header.tolist()
-    if received[0] != -received[1]:  # max(f) != min(f): two ranks sent two fingerprints
-        _raise_disagreement(caller, group, fields)
-    return received[2:]
+    digits = [(fingerprint >> (8 * i)) & 0xFF for i in range(_FINGERPRINT_BYTES)]
+    values = (digits + [d * d for d in digits]
+              + list(layout_values or [0] * (_HEADER_VALUES - 2 * _FINGERPRINT_BYTES)))
+    header = torch.zeros(HEADER_INT64S, dtype=torch.int64, device=device)
+    header[:_HEADER_VALUES] = torch.tensor(values, dtype=torch.int64)
+    return header
+
+
+def _exchange(caller: str, group, fields: dict, header: torch.Tensor) -> list[int]:
+    """All-reduce ``header`` (:func:`_new_header` of ``fields``) with SUM, in place; return
+    the sums of its layout values. Raises the same error on every rank when the ranks' fields
+    differ. Every call sends a header of one size, so that ranks in different calls still
+    pair up, and find out."""
+    dist.all_reduce(header, op=dist.ReduceOp.SUM, group=group)
+    received = header[:_HEADER_VALUES].tolist()
+    ranks = dist.get_world_size(group)
+    for i in range(_FINGERPRINT_BYTES):
+        # The sums of n bytes b_r and of their squares: (sum b_r)**2 <= n * sum b_r**2, equal
+        # only when every b_r is the same (Cauchy-Schwarz), in exact integers.
+        total, squares = received[i], received[_FINGERPRINT_BYTES + i]
+        if total * total != ranks * squares:
+            _raise_disagreement(caller, group, fields)
+    return received[2 * _FINGERPRINT_BYTES:]
 
 
 def agree(caller: str, group, fields: dict) -> None:
     """One small collective: every rank of ``group`` passes ``fields`` (names to picklable
     values with a stable ``repr``), and all of them raise, naming the first field that differs
     and on which ranks, unless every rank passed the same."""
-    _exchange(caller, group, fields, torch.zeros(_HEADER_VALUES, dtype=torch.int64))
+    _exchange(caller, group, fields, _new_header(fields, _header_device(group)))
 
 
 def fail_together(caller: str, group, fields: dict, error: Exception) -> NoReturn:
     """Raise ``error`` (an argument error found on this rank) where another rank may be in
     :func:`sum_over_ranks`: the header goes out first, so that every rank raises, this error
     where all ranks found it, the disagreement (naming this rank) where only some did."""
-    _exchange(caller, group, fields, torch.zeros(_HEADER_VALUES, dtype=torch.int64))
+    agree(caller, group, fields)
     raise error
 
 
@@ -266,9 +296,20 @@ def _outgoing(states: Sequence[tuple[torch.Tensor, int]]) -> list[_Outgoing]:
 
 
 def _local_header(outgoing: Sequence[_Outgoing]) -> torch.Tensor:
-    """This rank's header values (``_HEADER_VALUES``): the maxima over its states."""
-    return torch.tensor([max(values) for values in zip(*(o.header() for o in outgoing))]
-                        if outgoing else [0] * _HEADER_VALUES, dtype=torch.int64)
+    """This rank's header values (``_LOCAL_VALUES``): the maxima over its states."""
+    values = ([max(column) for column in zip(*(o.header() for o in outgoing))] if outgoing
+              else [-1, 0] + [0] * (_LOCAL_VALUES - 2))  # no states: an empty window
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _summable(local: Sequence[int]) -> list[int]:
+    """This rank's layout values in the header, from its maxima (:func:`_local_header`), as
+    numbers whose sums over the ranks fix the layout (:class:`_Wire`): 1 for each limb row
+    in its window, 0 for the others; each counter's extremes, at least 0. The sum of a
+    counter's largest values is at least the largest, and bounds the counter's sum."""
+    top, bottom = local[0], -local[1]
+    return ([int(bottom <= row <= top) for row in range(_MAX_ROWS)]
+            + [max(value, 0) for value in local[2:]])
 
 
 def _pack(values: torch.Tensor, fields: int, bits: int) -> torch.Tensor:
@@ -316,23 +357,26 @@ def _unwritten(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class _Wire:
-    """The payload's layout, which the header's maxima fix alike on every rank: the window of
+    """The payload's layout, which the header's sums fix alike on every rank: the window of
     limb rows ``[bottom, top]`` that every state's digits go in, the counters that go
     (``kinds``: those that some rank needs), and their packing (``fields`` to an int64, of
     ``bits`` bits each). A state's part of the payload is its row count, its digits in the
     window row by row, then each counter of ``kinds`` in lanes."""
 
-    def __init__(self, maxima: Sequence[int], ranks: int):
-        self.top, self.bottom = maxima[0], -maxima[1]
-        extremes = maxima[2:]
+    def __init__(self, sums: Sequence[int]):
+        """``sums``: the sums over the ranks of their :func:`_summable` values."""
+        used = [row for row in range(_MAX_ROWS) if sums[row]]
+        # The union of the ranks' windows; an empty one where no rank has a digit.
+        self.top, self.bottom = (used[-1], used[0]) if used else (-1, 0)
+        bounds = sums[_MAX_ROWS:]
         self.kinds = [k for k in range(_limbs.COUNTERS)
-                      if extremes[2 * k] > 0 or extremes[2 * k + 1] > 0]
-        if any(extremes[2 * k + 1] > 0 for k in self.kinds):
+                      if bounds[2 * k] > 0 or bounds[2 * k + 1] > 0]
+        if any(bounds[2 * k + 1] > 0 for k in self.kinds):
             # A negative counter (a state loaded by hand): one per int64.
             self.fields, self.bits = 1, 64
         else:
-            # Each counter's sum over the ranks is at most `ranks` times the largest value.
-            bits = (max((ranks * extremes[2 * k]).bit_length() for k in self.kinds)
+            # Each counter's sum over the ranks is at most the sum of the ranks' largest.
+            bits = (max(bounds[2 * k].bit_length() for k in self.kinds)
                     if self.kinds else 1)
             self.fields, self.bits = max(1, 63 // bits), bits
 
@@ -423,26 +467,71 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
     rows): normalised states and the total counts, the same on every rank. The results go
     into ``out`` (which may be the states themselves) or new tensors.
 
-    Two collectives: the header (``fields`` agreed; the window of limbs that any rank uses,
-    over all the states; the counters' extremes) and the payload: each state's count, its
-    digits in that window, and the counters that some rank needs, packed several to an int64
-    where their sum over the ranks is known to fit. Every rank must pass the same number of
-    states with the same shapes (``fields`` should say so). ``local_error``: this rank found
-    an error in its arguments; it sends the header and raises that error where every rank
-    did the same, the disagreement otherwise. ``sent``, where given, receives the bytes each
-    rank hands to the two all-reduces (``"header_bytes"``, ``"payload_bytes"``)."""
+    One collective where the states and their counts fit in the header's room (``_ROOM``
+    int64): the header (``fields`` agreed) carries them whole. Two otherwise: the header
+    (``fields`` agreed; the window of limbs that any rank uses, over all the states; the
+    counters' extremes) and the payload: each state's count, its digits in that window, and
+    the counters that some rank needs, packed several to an int64 where their sum over the
+    ranks is known to fit. Every rank must pass the same number of states with the same
+    shapes (``fields`` should say so): ranks whose fields differ raise before either path
+    reads what it received. ``local_error``: this rank found an error in its arguments; it
+    sends the header and raises that error where every rank did the same, the disagreement
+    otherwise. ``sent``, where given, receives the bytes each rank hands to the all-reduces
+    (``"header_bytes"``, ``"payload_bytes"``)."""
     if local_error is not None:
         fail_together(caller, group, fields, local_error)
+    device = _header_device(group)
+    if sum(1 + state.numel() for state, _ in states) <= _ROOM:
+        header = _new_header(fields, device)
+        room = header[_HEADER_VALUES:]
+        _write_whole(states, room)
+        if sent is not None:
+            sent["header_bytes"], sent["payload_bytes"] = 8 * HEADER_INT64S, 0
+        # Integer addition, as for the payload below.
+        _exchange(caller, group, fields, header)
+        return _read_whole(room, states, out)
     outgoing = _outgoing(states)
-    maxima = _exchange(caller, group, fields, _local_header(outgoing))
-    layout = _Wire(maxima, dist.get_world_size(group))
+    header = _new_header(fields, device, _summable(_local_header(outgoing).tolist()))
+    layout = _Wire(_exchange(caller, group, fields, header))
     payload = layout.encode(outgoing)
     if sent is not None:
-        sent["header_bytes"] = 8 * (2 + _HEADER_VALUES)
+        sent["header_bytes"] = 8 * HEADER_INT64S
         sent["payload_bytes"] = payload.numel() * payload.element_size()
     # Integer addition: exact, so the same sums in any order the backend chooses.
     dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=group)
     return layout.decode(payload, outgoing, out)
+
+
+def _write_whole(states: Sequence[tuple[torch.Tensor, int]], room: torch.Tensor) -> None:
+    """Each state's count, then the state itself, one after the other into ``room``."""
+    offset = 0
+    for state, count in states:
+        room[offset] = count
+        room[offset + 1:offset + 1 + state.numel()].view(state.shape).copy_(state)
+        offset += 1 + state.numel()
+
+
+def _read_whole(room: torch.Tensor, states: Sequence[tuple[torch.Tensor, int]],
+                out: Sequence[torch.Tensor] | None) -> list[tuple[torch.Tensor, int]]:
+    """The states and counts that ``room``, the sum of every rank's :func:`_write_whole`,
+    holds, normalised: into ``out`` or new tensors.
+
+    Every limb but a state's last is in ``[0, 2**32)`` on each rank and its last below
+    ``2**31`` in magnitude, so fewer than ``2**31`` ranks sum every limb exactly in int64;
+    normalising the sum gives the one normalised form of the summed integers. The counters
+    are sums of counts."""
+    offsets, offset = [], 0
+    for state, _ in states:
+        offsets.append(offset)
+        offset += 1 + state.numel()
+    totals = room[offsets].tolist() if offsets else []
+    results = []
+    for i, ((state, _), offset, total) in enumerate(zip(states, offsets, totals)):
+        summed = _unwritten(torch.empty_like(state)) if out is None else out[i]
+        summed.copy_(room[offset + 1:offset + 1 + state.numel()].view(state.shape))
+        _limbs.normalise(summed[:state.shape[0] - _limbs.COUNTERS])
+        results.append((summed, total))
+    return results
 
 
 def all_reduce_(running_sum: RunningSum, group=None) -> None:

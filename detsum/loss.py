@@ -1016,9 +1016,10 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
             total count): the same bits on every rank, for every number of ranks and every
             sharding, equal to ``batch_grad(mode="exact")`` in one process on all the samples
             (on one machine type, torch build and thread count: the per-sample gradients come
-            from torch's kernels). Other modes are refused with a group. A collective of two
-            all-reduces (docs/distributed.md): every rank of the group calls it, and the first
-            one checks that the ranks agree on the parameters, mode and reduction. An error
+            from torch's kernels). Other modes are refused with a group. A collective, one
+            all-reduce for a model whose state fits in its header, two for a larger one
+            (docs/distributed.md): every rank of the group calls it, and the first all-reduce
+            checks that the ranks agree on the parameters, mode and reduction. An error
             found on one rank (its shard's checks, its per-sample gradients) is raised on
             every rank, naming that rank.
 

@@ -234,6 +234,10 @@ def _check_errors(w: int, group, rank: int, found: dict) -> None:
                                            "fp32" if rank == 1 else "exact")
     found[f"{w}/error/shape"] = disagreeing((3, 2) if rank == w - 1 else (2, 3),
                                             torch.float32, "exact")
+    # One rank's state too large for the header's room: it would send a second collective
+    # that the others never join, but every rank raises after the header.
+    found[f"{w}/error/shape beyond the room"] = disagreeing(
+        (40, 30) if rank == w - 1 else (2, 3), torch.float32, "exact")
     found[f"{w}/error/dtype"] = disagreeing((2, 3), torch.float64 if rank == 0 else
                                             torch.float32, "exact")
     short = slice(0, 4 if rank == w - 1 else 5)
@@ -250,6 +254,38 @@ def _check_errors(w: int, group, rank: int, found: dict) -> None:
     found[f"{w}/error/work"] = _error(lambda: loss.batch_grad(
         model, scalar_loss if rank == 0 else PER_SAMPLE_LOSS, x[:2], y[:2], mode="exact",
         group=group))
+
+
+def _check_collectives(w: int, group, rank: int, found: dict) -> None:
+    """The all-reduces that a sum over ranks makes: one where the states fit in the header's
+    room, two where they do not."""
+    calls = []
+    plain = dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return plain(tensor, *args, **kwargs)
+
+    model = _model()
+    x, y = _batch()
+    share = _cut(BATCH_CUTS[w], rank)
+    cases = {
+        "small running sum": lambda: detsum.distributed.all_reduce_(
+            detsum.RunningSum((3, 2), mode="exact"), group),
+        "large running sum": lambda: detsum.distributed.all_reduce_(
+            detsum.RunningSum((40, 30), mode="exact"), group),
+        "batch_grad": lambda: loss.batch_grad(model, PER_SAMPLE_LOSS, x[share], y[share],
+                                              mode="exact", group=group),
+        "reduce": lambda: loss.reduce(torch.ones(3), mode="exact", group=group),
+    }
+    dist.all_reduce = counted
+    try:
+        for name, call in cases.items():
+            calls.clear()
+            call()
+            found[f"{w}/collectives/{name}"] = list(calls)
+    finally:
+        dist.all_reduce = plain
 
 
 def _run_rank(rank: int, port: int, folder: str) -> None:
@@ -269,6 +305,16 @@ def _run_rank(rank: int, port: int, folder: str) -> None:
             _check_reduce(w, group, rank, found)
             _check_gradients(w, group, rank, found)
             _check_errors(w, group, rank, found)
+            _check_collectives(w, group, rank, found)
+            # Again with no room in the header: every state goes in the window's payload.
+            room, detsum.distributed._ROOM = detsum.distributed._ROOM, 0
+            try:
+                windowed = found.setdefault("window", {})
+                _check_all_reduce(w, group, rank, windowed)
+                _check_reduce(w, group, rank, windowed)
+                _check_gradients(w, group, rank, windowed)
+            finally:
+                detsum.distributed._ROOM = room
         # The default group: group=None in all_reduce_ is every rank.
         rows = _rows(torch.float32)
         mine = detsum.RunningSum((3, 2), mode="exact")
@@ -310,6 +356,16 @@ def _members(found: list[dict], w: int):
     return [(rank, found[rank]) for rank in range(w)]
 
 
+#: How the states went: whole in the header's room (they all fit there), or in the window's
+#: payload (the room set to nothing).
+PATHS = ("whole", "window")
+
+
+def _by(path: str, found: list[dict]) -> list[dict]:
+    """What every rank found with the states sent by ``path``."""
+    return found if path == "whole" else [theirs["window"] for theirs in found]
+
+
 # ---- the tests ----------------------------------------------------------------------------------
 
 def test_not_initialised_is_refused_and_changes_nothing():
@@ -333,8 +389,10 @@ def test_not_initialised_is_refused_and_changes_nothing():
             call()
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("w", GROUP_SIZES)
-def test_all_reduce_is_merging_every_shard_in_one_process(found, w):
+def test_all_reduce_is_merging_every_shard_in_one_process(found, w, path):
+    whole, found = found, _by(path, found)
     for rank, theirs in _members(found, w):
         for name in DTYPES:
             state, merged, total, merged_total, count = theirs[f"{w}/all_reduce/{name}"]
@@ -343,6 +401,7 @@ def test_all_reduce_is_merging_every_shard_in_one_process(found, w):
             assert count == ROWS
             # One rank holding every row: the same state, whatever the number of ranks.
             assert torch.equal(state, found[0][f"1/all_reduce/{name}"][0]), (rank, name)
+            assert torch.equal(state, whole[rank][f"{w}/all_reduce/{name}"][0]), (rank, name)
         crafted, crafted_merged = theirs[f"{w}/all_reduce/crafted"]
         assert torch.equal(crafted, crafted_merged), rank
         dealt_state, dealt_sum = theirs[f"{w}/all_reduce/dealt"]
@@ -350,19 +409,22 @@ def test_all_reduce_is_merging_every_shard_in_one_process(found, w):
         empty_state, empty_sum, empty_count = theirs[f"{w}/all_reduce/empty"]
         assert not empty_state.any() and empty_count == 0
         assert torch.equal(empty_sum, torch.zeros(3, 2))
-    assert torch.equal(found[RANKS - 1]["default group"], found[0]["1/all_reduce/fp32"][0])
+    assert torch.equal(whole[RANKS - 1]["default group"], found[0]["1/all_reduce/fp32"][0])
 
 
-def test_the_special_values_survive_the_sum_over_ranks(found):
-    total = found[3]["4/all_reduce/fp32"][2]
+@pytest.mark.parametrize("path", PATHS)
+def test_the_special_values_survive_the_sum_over_ranks(found, path):
+    total = _by(path, found)[3]["4/all_reduce/fp32"][2]
     assert total[0, 0].item() == 0.0 and total[0, 0].signbit()  # every term was -0.0
     assert total[0, 1].item() == torch.inf
     assert total[1, 0].isnan() and total[1, 1].isnan()
     assert total[2, 0].item() == torch.inf  # 13 more terms of +3e38 than of -3e38: beyond fp32
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("w", GROUP_SIZES)
-def test_reduce_over_ranks_gives_the_one_process_bits(found, w):
+def test_reduce_over_ranks_gives_the_one_process_bits(found, w, path):
+    found = _by(path, found)
     for rank, theirs in _members(found, w):
         for key in (k for k in theirs if k.startswith(f"{w}/reduce/")):
             value, expected, grad, expected_grad = theirs[key]
@@ -371,8 +433,10 @@ def test_reduce_over_ranks_gives_the_one_process_bits(found, w):
             assert_same_bits(grad, expected_grad)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("w", GROUP_SIZES)
-def test_batch_grad_over_ranks_gives_the_one_process_bits(found, w):
+def test_batch_grad_over_ranks_gives_the_one_process_bits(found, w, path):
+    found = _by(path, found)
     one_process = found[0]["1/one process"]
     for rank, theirs in _members(found, w):
         for reduction in ("mean", "sum"):
@@ -389,6 +453,16 @@ def test_batch_grad_over_ranks_gives_the_one_process_bits(found, w):
             assert_same_bits(mean[name], one_process["mean"][name])
             assert_same_bits(mean_again[name], one_process["mean"][name])
             assert_same_bits(total[name], one_process["sum"][name])
+
+
+def test_small_states_take_one_collective_and_large_ones_two(found):
+    header = detsum.distributed.HEADER_INT64S
+    for w in GROUP_SIZES:
+        for rank, theirs in _members(found, w):
+            for name in ("small running sum", "batch_grad", "reduce"):
+                assert theirs[f"{w}/collectives/{name}"] == [header], (w, rank, name)
+            header_size, payload_size = theirs[f"{w}/collectives/large running sum"]
+            assert header_size == header and payload_size > 0, (w, rank)
 
 
 def test_errors_name_the_argument_the_values_and_the_ranks(found):
@@ -424,14 +498,16 @@ def test_errors_name_the_argument_the_values_and_the_ranks(found):
             "mode": f"'exact' on {_ranks([r for r in range(w) if r != 1])}; 'fp32' on rank 1",
             "shape": f"(2, 3) on {_ranks(others)}; (3, 2) on rank {last}",
             "dtype": f"torch.float64 on rank 0; torch.float32 on {_ranks(list(range(1, w)))}",
+            "shape beyond the room": f"(2, 3) on {_ranks(others)}; (40, 30) on rank {last}",
         }
         for rank, theirs in _members(found, w):
-            for what, values in expected.items():
-                error, unchanged = theirs[f"{w}/error/{what}"]
+            for case, values in expected.items():
+                error, unchanged = theirs[f"{w}/error/{case}"]
+                what = case.removesuffix(" beyond the room")
                 assert error == (f"ValueError: detsum.distributed.all_reduce_: the ranks of the "
                                  f"group disagree on {what}: {values}; expected the same {what} "
                                  f"on every rank"), error
-                assert unchanged, (w, rank, what)
+                assert unchanged, (w, rank, case)
             shard = theirs[f"{w}/error/shard"]
             assert shard.startswith("ValueError: detsum.loss.batch_grad: the ranks of the group "
                                     "disagree on arguments: "), shard

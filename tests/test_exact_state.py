@@ -43,6 +43,28 @@ def test_additions_give_the_states_of_the_torch_operations(acc, rows):
 
 
 @pytest.mark.parametrize("acc", ACC_DTYPES, ids=dtype_id)
+def test_normalising_gives_the_limbs_of_the_torch_operations(acc):
+    """Limbs as a sum over ranks leaves them (each up to a few times 2**32, the last of
+    either sign), and a slice of rows of a state, as the callers pass."""
+    g = torch.Generator().manual_seed(9)
+    n_limbs = _limbs.limb_count(acc)
+    state = torch.randint(0, 2**34, (n_limbs + _limbs.COUNTERS, 300), generator=g)
+    state[n_limbs - 1] = torch.randint(-2**33, 2**33, (300,), generator=g)
+    state[:, :7] = torch.tensor([0, -1, 2**32 - 1, 2**32, -2**31, 2**62, -2**62])
+    state[:n_limbs - 1, :7] = state[:n_limbs - 1, :7].abs() % 2**40
+
+    def normalised():
+        limbs = state.clone()
+        _limbs.normalise(limbs[:n_limbs])
+        return limbs
+
+    got, expected = both_ways(normalised)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, state)  # carries happened
+    assert ((got[:n_limbs - 1] >= 0) & (got[:n_limbs - 1] < 2**32)).all()
+
+
+@pytest.mark.parametrize("acc", ACC_DTYPES, ids=dtype_id)
 def test_roundings_give_the_values_of_the_torch_operations(acc):
     """Sums of spread terms (most elements), special values, all -0.0, exact zeros,
     cancellations to a few units, and states that are not normalised (the sum of two

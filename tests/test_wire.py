@@ -113,14 +113,15 @@ def poisoned(states: list[torch.Tensor]) -> list[torch.Tensor]:
 def over_ranks(ranks: list[list[tuple[torch.Tensor, int]]], kernels: list[bool],
                decode_with_kernels: bool, *, widen: list[int] | None = None):
     """sum_over_ranks for every rank of ``ranks`` (each a list of ``(state, count)``), in one
-    process, rank ``r`` on the kernels where ``kernels[r]``: the header's maxima (with
+    process, rank ``r`` on the kernels where ``kernels[r]``: the header's sums (with
     ``widen``'s, as from another rank, where given), each rank's payload, and their sum
     decoded into poisoned tensors. Returns (the payloads, the decoded ``(state, count)``)."""
     outgoing = [[distributed._Outgoing(state, count, kernels=k) for state, count in states]
                 for states, k in zip(ranks, kernels)]
-    headers = [distributed._local_header(o) for o in outgoing] + (
-        [torch.tensor(widen)] if widen is not None else [])
-    layout = distributed._Wire(torch.stack(headers).amax(0).tolist(), len(ranks))
+    headers = [distributed._local_header(o).tolist() for o in outgoing] + (
+        [widen] if widen is not None else [])
+    layout = distributed._Wire([sum(values) for values in
+                                zip(*map(distributed._summable, headers))])
     payloads = [layout.encode(o) for o in outgoing]
     receiver = [distributed._Outgoing(state, count, kernels=decode_with_kernels)
                 for state, count in ranks[0]]
@@ -195,7 +196,9 @@ def test_counters_packed_for_any_number_of_ranks(ranks):
         results = {}
         for kernels in (True, False):
             o = [distributed._Outgoing(state, count, kernels=kernels)]
-            layout = distributed._Wire(distributed._local_header(o).tolist(), ranks)
+            # As if every rank had sent this state's header.
+            layout = distributed._Wire([ranks * value for value in distributed._summable(
+                distributed._local_header(o).tolist())])
             payload = layout.encode(o)
             [(summed, total)] = layout.decode(payload, o, poisoned([state]))
             results[kernels] = payload, summed, total, (layout.fields, layout.bits)

@@ -24,10 +24,10 @@ from numba import njit, prange
 
 from .. import NORMALISE_EVERY
 from ..rounding import f32_as_u32, f64_as_u64
-from .exact import _deposit, _finish, _normalise
+from .exact import _DIGIT_MASK, _deposit, _finish, _normalise
 from .segment import _njit_named_for, launch_threads, threads
 
-__all__ = ["add_terms", "round_state"]
+__all__ = ["add_terms", "normalise", "round_state"]
 
 _COUNTERS = 4
 #: Elements per launch below which one thread does the work (see segment._MIN_BLOCK_ELEMENTS).
@@ -123,6 +123,16 @@ def _round(out, state, n_limbs, count, is_mean, precision, min_quantum, unit_exp
                              unit_exponent)
 
 
+@njit(cache=True)
+def _normalise_rows(limbs):
+    # Row by row, so that the inner loop runs along a contiguous row and vectorises.
+    for i in range(limbs.shape[0] - 1):
+        for e in range(limbs.shape[1]):
+            value = limbs[i, e]
+            limbs[i, e] = value & _DIGIT_MASK
+            limbs[i + 1, e] += value >> 32  # arithmetic: floor(value / 2**32)
+
+
 def _launch_threads(numel: int) -> int:
     return launch_threads() if numel >= _MIN_PARALLEL_ELEMENTS else 1
 
@@ -140,6 +150,14 @@ def add_terms(state: torch.Tensor, terms: torch.Tensor) -> None:
             _add_f64(state_np, terms_np, n_limbs)
         else:
             _add_f32(state_np, terms_np, n_limbs)
+
+
+def normalise(limbs: torch.Tensor) -> None:
+    """``_limbs.normalise`` on CPU: every row (limb) of ``limbs`` ``[L, numel]`` but the last
+    carried into ``[0, 2**32)``, in place, in one pass (the torch operations take three per
+    row: 0.1 ms for the distributed example's 484 parameters)."""
+    if limbs.numel():
+        _normalise_rows(limbs.numpy())
 
 
 def round_state(state: torch.Tensor, precision: int, min_quantum: int, unit_exponent: int,

@@ -42,7 +42,7 @@ __all__ = ["scan", "encode", "decode"]
 
 _COUNTERS = 4
 _NOT_NEG_ZERO = 3
-#: The header values after the fingerprint (distributed._HEADER_VALUES).
+#: A state's header values (distributed._LOCAL_VALUES).
 _HEADER = 2 + 2 * _COUNTERS
 _DIGIT = (1 << LIMB_BITS) - 1
 #: Elements per block: a thread's unit of work.

@@ -60,6 +60,22 @@ def test_in_place_strided_and_at_the_size_limits(mode, dtype, monkeypatch):
             assert_same_bits(call(), general(monkeypatch, call))
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
+def test_a_strided_index_is_read_by_its_strides(index_dtype, monkeypatch):
+    """The kernel reads the index from its address, one int64 after another: an index of
+    every other element (or of another type) reaches it as a contiguous int64 copy."""
+    calls, original = [], small.index_add_small
+    monkeypatch.setattr(small, "index_add_small",
+                        lambda *args: calls.append(args) or original(*args))
+    input, _, source = problem((None, 5), 0, 23, 6, torch.float32, seed=3)
+    every_other = torch.arange(46).remainder(6).flip(0).to(index_dtype)[::2]
+    assert not every_other.is_contiguous()
+    call = lambda: detsum.index_add(input, 0, every_other, source)  # noqa: E731
+    assert_same_bits(call(), general(monkeypatch, call))
+    assert_same_bits(call(), detsum.index_add(input, 0, every_other.clone(), source))
+    assert calls  # the small path took it
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
 def test_special_values(mode, dtype, monkeypatch):

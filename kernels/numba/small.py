@@ -14,13 +14,17 @@ type, as the segment kernel writes them).
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
 the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks
-the bits against the general path.
+the bits against the general path. The tensors reach the kernel as addresses and sizes, not as
+NumPy arrays, which cost more to make than the arithmetic (benches/NOTES.md).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .. import CHUNK_TERMS, KAHAN, ROUND_EACH, WIDE
 from ..rounding import (
@@ -40,7 +44,16 @@ __all__ = ["index_add_small", "fits"]
 MAX_ELEMENTS = 65536
 
 
-def _make(fmt, dec, rnd, enc, cvt, acc_dtype, acc_is_data):
+@intrinsic
+def _at(typingctx, address):
+    """The int ``address`` (a tensor's ``data_ptr()``) as a pointer, for ``numba.carray``."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+def _make(fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data):
     format_njit = _njit_named_for(fmt)
 
     @format_njit(cache=True)
@@ -102,16 +115,27 @@ def _make(fmt, dec, rnd, enc, cvt, acc_dtype, acc_is_data):
                     out[o, s, j] = enc(acc[s, j])
         return -1
 
-    return kernel
+    # The tensors arrive as the addresses of their contiguous storage and their sizes: three
+    # tensors turned into NumPy arrays for the call cost more (about 0.6 µs each) than the
+    # arithmetic of a small call.
+    @format_njit(cache=True)
+    def kernel_at(src, index, base, out, outer, n, inner, rows, alpha, rule, in_place):
+        return kernel(carray(_at(src), (outer, n, inner), data_dtype),
+                      carray(_at(index), (n,), np.int64),
+                      carray(_at(base), (outer, rows, inner), data_dtype),
+                      carray(_at(out), (outer, rows, inner), data_dtype), alpha, rule, in_place)
+
+    return kernel_at
 
 
 _KERNELS = {
-    torch.float32: _make("sf32", _f32, _f32, _f32, _f32, np.float32, True),
-    torch.float64: _make("sf64", _f64, _f64, _f64, _f64, np.float64, True),
+    torch.float32: _make("sf32", _f32, _f32, _f32, _f32, np.float32, np.float32, True),
+    torch.float64: _make("sf64", _f64, _f64, _f64, _f64, np.float64, np.float64, True),
+    # 16-bit floats as their uint16 bits.
     torch.bfloat16: _make("sbf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
-                          np.float32, False),
+                          np.uint16, np.float32, False),
     torch.float16: _make("sf16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32,
-                         np.float32, False),
+                         np.uint16, np.float32, False),
 }
 
 
@@ -125,23 +149,15 @@ def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int)
             and base3.is_contiguous() and out3.is_contiguous())
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of ``t`` with its strides (16-bit floats as their uint16 bits)."""
-    if t.requires_grad:
-        t = t.detach()
-    if t.dtype in (torch.bfloat16, torch.float16):
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
-
-
 def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor,
                     out3: torch.Tensor, alpha: float, rule: int) -> int:
     """Write ``out3`` (``[outer, S, inner]``; it may be ``base3`` itself) and return -1, or
-    return the first position of ``index`` outside ``[0, S)`` having written nothing."""
-    base = _array(base3)
-    out = base if out3 is base3 else _array(out3)
-    if index.dtype != torch.int64 or not index.is_contiguous():
-        # One index type and layout: one compiled specialisation per data format.
-        index = index.to(torch.int64, memory_format=torch.contiguous_format)
-    return _KERNELS[src3.dtype](_array(src3), index.numpy(), base, out, float(alpha), int(rule),
-                                out3 is base3)
+    return the first position of ``index`` outside ``[0, S)`` having written nothing. The
+    three tensors must be contiguous (:func:`fits`)."""
+    # The kernel reads int64 elements one after another from the index's address. (``to``
+    # with a memory format returns a strided 1-D tensor unchanged: ``contiguous`` copies it.)
+    index = index.to(torch.int64).contiguous()
+    outer, n, inner = src3.shape
+    return _KERNELS[src3.dtype](src3.data_ptr(), index.data_ptr(), base3.data_ptr(),
+                                out3.data_ptr(), outer, n, inner, out3.shape[1], float(alpha),
+                                int(rule), out3 is base3)

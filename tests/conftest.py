@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import pathlib
+import sys
 import zlib
 
 import pytest
@@ -17,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import detsum
+import detsum.kernels
 from detsum import _segments
 # Re-exported for the tests: torch's CPU fp32/fp64 index_put_ uses atomics from 32768 elements
 # with more than one thread; deterministic algorithms make it the serial sum the contract names.
@@ -161,3 +164,56 @@ def run_docs_example(name: str):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example.main()
+
+
+# ---- host reads ---------------------------------------------------------------------------------
+
+_OWN_CODE = (str(pathlib.Path(detsum.__file__).parent),
+             str(pathlib.Path(detsum.kernels.__file__).parent))
+_TENSOR_READS = ("tolist", "item", "numpy", "cpu", "nonzero", "__bool__", "__int__",
+                 "__index__", "__float__")
+_FUNCTION_READS = ("unique", "nonzero", "bincount")
+
+
+@contextlib.contextmanager
+def host_reads(on_read):
+    """Calls ``on_read(name, filename)`` at every read of a tensor's values into Python from
+    detsum's own code (detsum/ and its kernels/), before the read: the Python ways of reading
+    values are replaced for the duration. On a GPU each of them is a synchronisation."""
+    def guarded(name, original):
+        def read(*args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(_OWN_CODE):
+                on_read(name, caller)
+            return original(*args, **kwargs)
+        return read
+
+    saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_READS]
+    saved += [(torch, name, getattr(torch, name)) for name in _FUNCTION_READS]
+    try:
+        for owner, name, original in saved:
+            setattr(owner, name, guarded(name, original))
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+@contextlib.contextmanager
+def detsum_threads(count: int):
+    """detsum's CPU kernels on at most ``count`` threads (Numba's setting; they take up to
+    torch's count), torch's own operations on its threads as before: a test that compares
+    thread counts compares detsum's, never torch's BLAS, whose bits follow its thread count
+    on some CPUs. Torch needs ``count`` threads for the kernels to get them."""
+    import numba
+
+    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
+    if torch_threads < count:
+        pytest.skip(f"torch runs on {torch_threads} thread(s); the test needs {count}")
+    numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        numba.set_num_threads(numba_threads)
+        if torch.get_num_threads() != torch_threads:
+            torch.set_num_threads(torch_threads)

@@ -14,8 +14,9 @@ has the proof of exactness). Both are all-reduced with SUM, integers:
    must agree on (shapes, dtypes, mode and the like) and their squares, whose sums show
    whether every rank sent the same bytes; for each limb row, how many ranks' states use it
    in sign-magnitude form; each counter's largest value and largest negated value, summed
-   over the ranks. Its room after these holds the states themselves, whole, where they fit
-   (``_ROOM``): the sum is then complete after this one collective;
+   over the ranks. Its room after these holds the states' counts and the states themselves,
+   whole, where they fit (``_ROOM``): the sum is then complete after this one collective,
+   and one read back of the header's values and the counts;
 2. otherwise the payload: each state's row count, its limbs inside the window of rows that
    any rank uses, as sign-magnitude digits, and only the counters that some rank needs,
    packed several to an int64 where their sum over the ranks is known to fit.
@@ -144,13 +145,15 @@ def _new_header(fields: dict, device: torch.device,
     return header
 
 
-def _exchange(caller: str, group, fields: dict, header: torch.Tensor) -> list[int]:
+def _exchange(caller: str, group, fields: dict, header: torch.Tensor,
+              room_values: int = 0) -> tuple[list[int], list[int]]:
     """All-reduce ``header`` (:func:`_new_header` of ``fields``) with SUM, in place; return
-    the sums of its layout values. Raises the same error on every rank when the ranks' fields
-    differ. Every call sends a header of one size, so that ranks in different calls still
-    pair up, and find out."""
+    the sums of its layout values and of the first ``room_values`` int64 of its room, read
+    back together (one host read on a GPU). Raises the same error on every rank when the
+    ranks' fields differ. Every call sends a header of one size, so that ranks in different
+    calls still pair up, and find out."""
     dist.all_reduce(header, op=dist.ReduceOp.SUM, group=group)
-    received = header[:_HEADER_VALUES].tolist()
+    received = header[:_HEADER_VALUES + room_values].tolist()
     ranks = dist.get_world_size(group)
     for i in range(_FINGERPRINT_BYTES):
         # The sums of n bytes b_r and of their squares: (sum b_r)**2 <= n * sum b_r**2, equal
@@ -158,7 +161,7 @@ def _exchange(caller: str, group, fields: dict, header: torch.Tensor) -> list[in
         total, squares = received[i], received[_FINGERPRINT_BYTES + i]
         if total * total != ranks * squares:
             _raise_disagreement(caller, group, fields)
-    return received[2 * _FINGERPRINT_BYTES:]
+    return received[2 * _FINGERPRINT_BYTES:_HEADER_VALUES], received[_HEADER_VALUES:]
 
 
 def agree(caller: str, group, fields: dict) -> None:
@@ -488,11 +491,11 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
         if sent is not None:
             sent["header_bytes"], sent["payload_bytes"] = 8 * HEADER_INT64S, 0
         # Integer addition, as for the payload below.
-        _exchange(caller, group, fields, header)
-        return _read_whole(room, states, out)
+        _, totals = _exchange(caller, group, fields, header, room_values=len(states))
+        return _read_whole(room, states, totals, out)
     outgoing = _outgoing(states)
     header = _new_header(fields, device, _summable(_local_header(outgoing).tolist()))
-    layout = _Wire(_exchange(caller, group, fields, header))
+    layout = _Wire(_exchange(caller, group, fields, header)[0])
     payload = layout.encode(outgoing)
     if sent is not None:
         sent["header_bytes"] = 8 * HEADER_INT64S
@@ -503,34 +506,32 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
 
 
 def _write_whole(states: Sequence[tuple[torch.Tensor, int]], room: torch.Tensor) -> None:
-    """Each state's count, then the state itself, one after the other into ``room``."""
-    offset = 0
-    for state, count in states:
-        room[offset] = count
-        room[offset + 1:offset + 1 + state.numel()].view(state.shape).copy_(state)
-        offset += 1 + state.numel()
+    """The states' counts, then the states themselves one after the other, into ``room``."""
+    offset = len(states)
+    for i, (state, count) in enumerate(states):
+        room[i] = count
+        room[offset:offset + state.numel()].view(state.shape).copy_(state)
+        offset += state.numel()
 
 
 def _read_whole(room: torch.Tensor, states: Sequence[tuple[torch.Tensor, int]],
-                out: Sequence[torch.Tensor] | None) -> list[tuple[torch.Tensor, int]]:
-    """The states and counts that ``room``, the sum of every rank's :func:`_write_whole`,
-    holds, normalised: into ``out`` or new tensors.
+                totals: Sequence[int], out: Sequence[torch.Tensor] | None
+                ) -> list[tuple[torch.Tensor, int]]:
+    """The states that ``room``, the sum of every rank's :func:`_write_whole`, holds,
+    normalised, with their ``totals`` (its first values, read back with the header's): into
+    ``out`` or new tensors.
 
     Every limb but a state's last is in ``[0, 2**32)`` on each rank and its last below
     ``2**31`` in magnitude, so fewer than ``2**31`` ranks sum every limb exactly in int64;
     normalising the sum gives the one normalised form of the summed integers. The counters
     are sums of counts."""
-    offsets, offset = [], 0
-    for state, _ in states:
-        offsets.append(offset)
-        offset += 1 + state.numel()
-    totals = room[offsets].tolist() if offsets else []
-    results = []
-    for i, ((state, _), offset, total) in enumerate(zip(states, offsets, totals)):
+    results, offset = [], len(states)
+    for i, ((state, _), total) in enumerate(zip(states, totals)):
         summed = _unwritten(torch.empty_like(state)) if out is None else out[i]
-        summed.copy_(room[offset + 1:offset + 1 + state.numel()].view(state.shape))
+        summed.copy_(room[offset:offset + state.numel()].view(state.shape))
         _limbs.normalise(summed[:state.shape[0] - _limbs.COUNTERS])
         results.append((summed, total))
+        offset += state.numel()
     return results
 
 

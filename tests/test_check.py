@@ -10,51 +10,27 @@ Python ways of reading a tensor's values are replaced for the duration.
 from __future__ import annotations
 
 import contextlib
-import pathlib
-import sys
 import unittest.mock
 
 import pytest
 import torch
 
 import detsum
-import detsum.kernels
 from detsum import moe
-from conftest import assert_same_bits
+from conftest import assert_same_bits, host_reads
 
 pytest.importorskip("triton")
-
-_OWN_CODE = (str(pathlib.Path(detsum.__file__).parent),
-             str(pathlib.Path(detsum.kernels.__file__).parent))
-_TENSOR_READS = ("tolist", "item", "numpy", "cpu", "nonzero", "__bool__", "__int__",
-                 "__index__", "__float__")
-_FUNCTION_READS = ("unique", "nonzero", "bincount")
 
 
 class HostRead(AssertionError):
     pass
 
 
-@contextlib.contextmanager
 def no_host_reads():
     """Every read of a tensor's values into Python from detsum's own code raises HostRead."""
-    def guarded(name, original):
-        def read(*args, **kwargs):
-            caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(_OWN_CODE):
-                raise HostRead(f"{name} called from {caller}")
-            return original(*args, **kwargs)
-        return read
-
-    saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_READS]
-    saved += [(torch, name, getattr(torch, name)) for name in _FUNCTION_READS]
-    try:
-        for owner, name, original in saved:
-            setattr(owner, name, guarded(name, original))
-        yield
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
+    def refuse(name, caller):
+        raise HostRead(f"{name} called from {caller}")
+    return host_reads(refuse)
 
 
 def _inputs(seed=0):

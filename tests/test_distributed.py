@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import detsum
-from conftest import assert_same_bits
+from conftest import assert_same_bits, host_reads
 from detsum import loss
 
 RANKS = 4
@@ -286,6 +286,12 @@ def _check_collectives(w: int, group, rank: int, found: dict) -> None:
             found[f"{w}/collectives/{name}"] = list(calls)
     finally:
         dist.all_reduce = plain
+    # The torch operations that a GPU's states take (the numba kernels read CPU tensors'
+    # memory, as NumPy arrays): each read of values back is a synchronisation there.
+    reads = []
+    with detsum.backend("reference"), host_reads(lambda name, _: reads.append(name)):
+        cases["small running sum"]()
+    found[f"{w}/host reads/small running sum"] = reads
 
 
 def _run_rank(rank: int, port: int, folder: str) -> None:
@@ -463,6 +469,8 @@ def test_small_states_take_one_collective_and_large_ones_two(found):
                 assert theirs[f"{w}/collectives/{name}"] == [header], (w, rank, name)
             header_size, payload_size = theirs[f"{w}/collectives/large running sum"]
             assert header_size == header and payload_size > 0, (w, rank)
+            # The header's values and the states' counts come back in one read.
+            assert theirs[f"{w}/host reads/small running sum"] == ["tolist"], (w, rank)
 
 
 def test_errors_name_the_argument_the_values_and_the_ranks(found):

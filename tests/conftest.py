@@ -199,21 +199,14 @@ def host_reads(on_read):
             setattr(owner, name, original)
 
 
-@contextlib.contextmanager
 def detsum_threads(count: int):
     """detsum's CPU kernels on at most ``count`` threads (Numba's setting; they take up to
     torch's count), torch's own operations on its threads as before: a test that compares
     thread counts compares detsum's, never torch's BLAS, whose bits follow its thread count
     on some CPUs. Torch needs ``count`` threads for the kernels to get them."""
     import numba
+    from detsum.kernels.numba.segment import threads
 
-    torch_threads, numba_threads = torch.get_num_threads(), numba.get_num_threads()
-    if torch_threads < count:
-        pytest.skip(f"torch runs on {torch_threads} thread(s); the test needs {count}")
-    numba.set_num_threads(min(count, numba.config.NUMBA_NUM_THREADS))
-    try:
-        yield
-    finally:
-        numba.set_num_threads(numba_threads)
-        if torch.get_num_threads() != torch_threads:
-            torch.set_num_threads(torch_threads)
+    if torch.get_num_threads() < count:
+        pytest.skip(f"torch runs on {torch.get_num_threads()} thread(s); the test needs {count}")
+    return threads(min(count, numba.config.NUMBA_NUM_THREADS))

@@ -1,8 +1,8 @@
 """detsum.pyg: PyG's aggregations on detsum, and make_deterministic on whole layers.
 
 The layers run on a random graph of 10k nodes and 100k edges (64 input features, 32 output):
-forward and backward, the same bits over runs and thread counts, PyG's own bits where they
-hold by construction (fp32 data: torch's CPU scatter_add_/index_add_ add each node's terms in
+forward and backward, the same bits over runs and detsum's thread counts, PyG's own bits where
+they hold by construction (fp32 data: torch's CPU scatter_add_/index_add_ add each node's terms in
 fp32 in order of appearance, as "autograd" mode does, and as "fp32" mode does while no node
 receives more than 256 terms; bf16 sums: an fp32 buffer rounded once, "fp32" mode), and in
 bf16 an error against an fp64 run of the same layer no larger than PyG's. The aggregation

@@ -120,8 +120,8 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
 
     Order and rounding: the elements in index order (``losses.reshape(-1)``), converted
     exactly to the acc type (fp32; fp64 for float64), weighted products rounded once to the acc
-    type, summed as ``detsum.segment_sum`` does in ``mode`` (``"kahan"``: within 1 ulp of the
-    exact sum), divided in the acc type, rounded once to the dtype. ``"exact"``: the sum (and
+    type, summed as ``detsum.segment_sum`` does in ``mode`` (``"kahan"``: within ``Mode.KAHAN``'s
+    bound of the exact sum), divided in the acc type, rounded once to the dtype. ``"exact"``: the sum (and
     the unweighted mean) of those terms is rounded once, straight to the dtype, so it is the
     correctly rounded sum (mean) for every dtype; a weighted mean divides the two correctly
     rounded acc-type sums and rounds the quotient to the dtype. Every ``"exact"`` result is

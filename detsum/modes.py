@@ -20,7 +20,9 @@ class Mode(str, enum.Enum):
     #: Bit-identical to what PyTorch autograd computes on the same device (the gradient of
     #: ``x[index]``, i.e. ``index_put_(..., accumulate=True)``).
     AUTOGRAD = "autograd"
-    #: Neumaier-compensated sum in the accumulator type, rounded once: within 1 ulp of exact.
+    #: Neumaier-compensated sum in the accumulator type, rounded once. For N values (terms and
+    #: init) with exact sum S: ``|out - S| <= ulp(out) + 2 N**2 u**2 sum|x_i|`` (u = 2**-24 for
+    #: an fp32 accumulator, 2**-53 for fp64): within 1 ulp unless the terms cancel heavily.
     KAHAN = "kahan"
     #: Accumulate in fp32 (fp64 for fp64 data) in canonical order, round once. The default.
     FP32 = "fp32"

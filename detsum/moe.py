@@ -372,19 +372,24 @@ def _combined_dtype(y: torch.Tensor, weights: torch.Tensor | None) -> torch.dtyp
     return y.dtype if weights is None else torch.promote_types(y.dtype, weights.dtype)
 
 
-def _sum_mode(acc_mode: str) -> str:
-    # The naive composition sums the topk rows with torch's sum(dim=1): an fp32 accumulator,
-    # slot by slot, one rounding. That is the arithmetic of detsum's "fp32" mode.
-    return "fp32" if acc_mode == Mode.AUTOGRAD.value else acc_mode
+def _naive_combination(y: torch.Tensor, positions: torch.Tensor, topk: int,
+                       slot_weights: torch.Tensor | None) -> torch.Tensor:
+    """The naive composition itself, for "autograd": the rows in (token, slot) order, times the
+    slots' weights, summed over the slots by torch's ``sum(1)`` on the same shapes and layout.
+
+    torch's sum over the slots picks its order by the shape, the dtype and the CPU's vector
+    width (or the GPU's reduction kernel): no fixed order reproduces it on every machine, so
+    "autograd" runs torch's own operations, and has torch's bits wherever it runs."""
+    slots = y.index_select(0, positions).view((-1, topk) + tuple(y.shape[1:]))
+    if slot_weights is not None:
+        slots = slots * slot_weights.view((-1, topk) + (1,) * (y.dim() - 1))
+    return slots.sum(1)
 
 
-def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor, out_dtype: torch.dtype,
-                   acc_mode: str) -> torch.Tensor:
-    """y[p] * w[p]: as torch multiplies for "autograd" (in the promoted dtype, so fp32 weights
-    are never rounded to y's dtype), else in the accumulator type."""
+def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """y[p] * w[p] in the accumulator type of the output, one rounding per product."""
     shape = (-1,) + (1,) * (y.dim() - 1)
-    if acc_mode == Mode.AUTOGRAD.value:
-        return y * position_weights.view(shape)
     # Both factors convert to the accumulator exactly (it is at least as wide as either), and
     # the multiply promotes y on the fly: one pass, one rounding per product.
     return y * position_weights.to(acc_dtype(out_dtype)).view(shape)
@@ -471,23 +476,26 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
         return y.index_select(0, positions)
     num_tokens = y.shape[0] // topk
     out_dtype = _combined_dtype(y, weights)
-    if weights is not None and _blocked(y.device, acc_mode):
+    slot_weights = None
+    if weights is not None:
         slot_weights = weights.reshape(-1)
         if check == "off":
-            # Each slot weighted as the row it takes, as in one pass below: the same weights
-            # for a permutation; for a broken one (unchecked), a slot that no row names takes
-            # row 0 with row 0's weight on every path.
+            # Each slot weighted as the row it takes, on every path: the same weights for a
+            # permutation; for a broken one (unchecked), a slot that no row names takes row 0
+            # with row 0's weight.
             slot_weights = slot_weights.index_select(0, gather_indices).index_select(0, positions)
+    if acc_mode == Mode.AUTOGRAD.value:
+        return _naive_combination(y, positions, topk, slot_weights)
+    if weights is not None and _blocked(y.device, acc_mode):
         return _weighted_sum_by_blocks(y, positions, slot_weights, topk, out_dtype,
                                        acc_mode).to(out_dtype)
     rows = y
     if weights is not None:
-        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype,
-                              acc_mode)
+        rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype)
     # The offsets are built here and the positions are checked (or, under "off", in range by
     # construction): nothing to check again, nothing read back.
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
-                                       positions, _sum_mode(acc_mode), "off")
+                                       positions, acc_mode, "off")
     return out.to(out_dtype)
 
 
@@ -660,20 +668,19 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     ``R`` the output dtype and ``acc`` its accumulator (fp32; fp64 when ``R`` is float64).
     Weights are never rounded to ``y``'s dtype: fp32 weights stay fp32, forward and backward.
 
-    - ``"autograd"``: what the naive composition computes,
+    - ``"autograd"``: the naive composition itself,
       ``u = torch.empty_like(y).index_copy(0, gather_indices, y)`` then
-      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``: each product as torch's multiply
-      computes it (in ``R``, one rounding), the products summed in ``acc``, one rounding to
-      ``R`` (checked bit for bit on CPU, for every pair of dtypes). torch 2.13's CPU sum over
-      the slots of fp32/fp64 products is serial only up to 17 slots; from ``topk = 18`` it
-      adds them in blocks of 16, which this mode does not reproduce.
-    - ``"fp32"``: products and sum in ``acc``, one rounding to ``R``.
-    - ``"kahan"``: products in ``acc``, Neumaier-compensated sum, one rounding: within 1 ulp
-      of the exact sum of those products.
+      ``(u.view(T, topk, H) * weights[..., None]).sum(1)``, run by torch on the same shapes:
+      torch's bits for every ``topk``, ``H`` and pair of dtypes, on every CPU and GPU, whatever
+      order torch's ``sum`` takes there (on CPU it follows the shape and the vector width).
+      It forms the products and the unpermuted rows in memory, as the composition does.
+    - ``"fp32"``: products and sum in ``acc``, in slot order, one rounding to ``R``.
+    - ``"kahan"``: products in ``acc``, Neumaier-compensated sum, one rounding: within
+      ``Mode.KAHAN``'s bound of the exact sum of those products (1 ulp unless they cancel
+      heavily).
 
     A product in ``acc`` is exact when ``y`` and the weights are both half precision
     (fp16/bf16); bf16 rows times fp32 weights, or fp32 times fp32, round it once to fp32.
-    When ``R`` is fp32 or fp64, ``"fp32"`` is the same arithmetic as ``"autograd"``.
 
     Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` as torch's multiply computes it (in
     ``R``, one rounding), then rounded to ``y``'s dtype (a second rounding only when ``R`` is

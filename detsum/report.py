@@ -623,7 +623,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("mode", lambda r: r["mode"],
            "detsum's accumulation mode (docs/modes.md): autograd = torch's own arithmetic, "
            "fp32 = fp32 accumulator (fp64 for fp64 data) in a fixed order, kahan = compensated, "
-           "promised within 1 ulp, exact = correctly rounded"),
+           "within 1 ulp unless the terms cancel heavily, exact = correctly rounded"),
     Column("dtype", lambda r: r["dtype"],
            "the data type: float32, float16, bfloat16, float64"),
     Column("autograd", _autograd_cell,

@@ -165,7 +165,8 @@ _ORDER_DOC = """
       add), round to the dtype once at the end.
     - ``"kahan"``: the same terms, Neumaier-compensated sum in the accumulator, rounded once
       (``RN(s + c)``, or ``s`` itself when ``c == 0`` so that -0.0 stays -0.0): within 1 ulp
-      of the exact result except under extreme cancellation in fp32 data.
+      of the exact result unless the terms cancel heavily: ``|out - S| <=
+      ulp(out) + 2 N**2 u**2 sum|x_i|`` for N values (u: 2**-24, or 2**-53 for fp64).
     - ``"autograd"``: PyTorch's own arithmetic on the device, bit for bit:
       ``input.index_put_(indices, source * alpha, accumulate=True)``, which is what autograd
       computes for the gradient of ``x[index]``. On CPU that rounds ``source * alpha`` to the

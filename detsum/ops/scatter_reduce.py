@@ -227,7 +227,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     Order and rounding per reduction (acc = fp32, or fp64 for float64 data):
 
     - ``"sum"``: ``"fp32"``: accumulate in acc, round once. ``"kahan"``: Neumaier-compensated
-      in acc, rounded once (within 1 ulp of exact). ``"autograd"``: PyTorch's
+      in acc, rounded once (within 1 ulp of exact unless the terms cancel heavily; the bound
+      is ``Mode.KAHAN``'s). ``"autograd"``: PyTorch's
       ``index_put_(accumulate=True)`` arithmetic on the device (on CPU: round to the dtype
       after every add).
     - ``"mean"``: ``sum / count`` with the sum kept in acc (Neumaier in ``"kahan"``), the

@@ -149,7 +149,8 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
     - ``"fp32"``: accumulate in fp32 (fp64 for float64), round to the dtype once.
     - ``"kahan"``: Neumaier-compensated sum in the same accumulator, rounded once
       (``RN(s + c)``, or ``s`` itself when ``c == 0`` so that -0.0 stays -0.0); within 1 ulp
-      of the exact sum except under extreme cancellation in fp32 data.
+      of the exact sum unless the terms cancel heavily: ``|out - S| <=
+      ulp(out) + 2 N**2 u**2 sum|x_i|`` for N values (u: 2**-24, or 2**-53 for fp64).
     - ``"autograd"``: what PyTorch's own accumulation gives on the device (on CPU: round to
       the dtype after every add, from 0), i.e. the gradient autograd computes for
       ``src[r(p)]`` rows gathered into these segments.

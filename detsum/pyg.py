@@ -149,7 +149,7 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
     return exps / detsum.index_select(totals, d, index, mode=mode)
 
 
-# ---- min and max, with PyG's gradient --------------------------------------------------------------
+# ---- min and max, with PyG's gradient -------------------------------------------------------------
 
 class _SharedExtreme(torch.autograd.Function):
     """A minimum or maximum that ``reduced(src)`` computes (detsum's: exact in every mode),

@@ -163,7 +163,7 @@ def test_bf16_sage_is_no_further_from_fp64_than_pyg(graph):
     assert_same_bits(ours[1], theirs[1])
 
 
-# ---- max and min: PyG's gradient at tied extremes --------------------------------------------------
+# ---- max and min: PyG's gradient at tied extremes -------------------------------------------------
 
 TIED_FEATURES, TIED_NODES, LONELY_NODES = 8, 300, 5
 MAX_LAYERS = {

@@ -14,11 +14,12 @@ from detsum.scatter_compat import (  # torch_scatter's API, deterministic
     segment_max_coo, segment_max_csr, segment_mean_coo, segment_mean_csr, segment_min_coo,
     segment_min_csr, segment_sum_coo, segment_sum_csr,
 )
-from detsum.explain import Explanation, explain
+from detsum.explain import Explanation, Explanations, explain
 from detsum import pyg  # noqa: E402  (PyG adapter: imports torch_geometric on first use only)
 
 __all__ = [
     "Explanation",
+    "Explanations",
     "MODES",
     "Mode",
     "RunningSum",

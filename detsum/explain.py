@@ -6,13 +6,14 @@ import dataclasses
 import math
 import numbers
 import operator
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from detsum import _validation, reference
 from detsum.modes import FLOAT_DTYPES, acc_dtype
 
-__all__ = ["Explanation", "explain"]
+__all__ = ["Explanation", "Explanations", "explain"]
 
 #: Terms assumed per element when ``explain`` is not told: generous for per-sample sums over a
 #: batch, so that honest rounding is never called a bug; pass ``terms`` for a sharper verdict.
@@ -39,6 +40,10 @@ What to look for when a difference exceeds the rounding bound:
   the two results is the sign)."""
 
 
+# Significant digits that tell any two values of the dtype apart.
+_DIGITS = {torch.float64: 17, torch.float32: 9, torch.float16: 5, torch.bfloat16: 4}
+
+
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -54,9 +59,10 @@ class Explanation:
     #: inf where one side is NaN or infinite and the other is not.
     max_abs: float
     where: tuple[int, ...] | None
-    #: The largest distance in units in the last place of the dtype.
+    #: The largest distance in units in the last place of the dtype over all elements (its
+    #: element is ``max_ulps_where``, not necessarily ``where``).
     max_ulps: float
-    #: The rounding bound at the element of the largest difference.
+    #: The rounding bound at ``where``, the element of the largest difference.
     bound: float
     #: How many elements exceed their bound (NaN or inf mismatches included), of how many.
     exceeding: int
@@ -79,15 +85,46 @@ class Explanation:
     #: True when the bound is at least the terms' magnitude itself (too many terms for the
     #: precision): differences that large may be rounding, so the verdict tells nothing.
     vacuous: bool = False
+    #: The distance in ulps at ``where`` (the element of the largest absolute difference).
+    ulps_at_where: float = 0.0
+    #: Where the largest distance in ulps is (None if identical).
+    max_ulps_where: tuple[int, ...] | None = None
+    #: The largest relative difference ``|a - b| / max(|a|, |b|)`` (0 where both are 0; 2 at
+    #: most between finite values, 2 exactly for opposite signs; inf where the difference
+    #: is), and where it is (None if identical).
+    max_rel: float = 0.0
+    max_rel_where: tuple[int, ...] | None = None
+    #: The shape of ``a`` and ``b``.
+    shape: tuple[int, ...] = ()
+    #: ``(a, b)`` at each element named above, as Python floats.
+    values_at: dict[tuple[int, ...], tuple[float, float]] = dataclasses.field(
+        default_factory=dict, repr=False)
 
     def __str__(self) -> str:
-        dtype = _name(self.dtype)
         if self.verdict == "identical":
-            return f"identical: all {self.numel} elements have the same bits ({dtype})"
+            return (f"identical: all {self.numel} elements have the same bits "
+                    f"({_name(self.dtype)})")
+        lines = [f"verdict: {self.verdict}", *self._figures(),
+                 "assumed: " + self._arithmetic(), "assumed: " + self._magnitude(),
+                 *self._warnings()]
+        if self.verdict == "not rounding":
+            lines.append(_CAUSES)
+        return "\n".join(lines)
+
+    def _at(self, where: tuple[int, ...]) -> str:
+        """``[i, j]: a = ..., b = ...``: an element and both values there."""
+        digits = _DIGITS[self.dtype]
+        a, b = self.values_at[where]
+        return f"{list(where)}: a = {a:.{digits}g}, b = {b:.{digits}g}"
+
+    def _figures(self) -> list[str]:
+        """The differences, each at its own element, and the count beyond the bound."""
+        dtype = _name(self.dtype)
         lines = [
-            f"verdict: {self.verdict}",
-            f"largest difference {self.max_abs:.3g} at {list(self.where)}, "
-            f"{self.max_ulps:.0f} ulps of {dtype}; rounding bound there {self.bound:.3g}",
+            f"largest difference {self.max_abs:.3g} ({self.ulps_at_where:.0f} ulps of {dtype}) "
+            f"at {self._at(self.where)}; rounding bound there {self.bound:.3g}",
+            f"largest distance {self.max_ulps:.0f} ulps at {self._at(self.max_ulps_where)}",
+            f"largest relative difference {self.max_rel:.3g} at {self._at(self.max_rel_where)}",
             f"{self.exceeding} of {self.numel} elements exceed their rounding bound",
         ]
         if self.nonfinite_mismatches:
@@ -95,8 +132,11 @@ class Explanation:
                 f"NaN or infinite in one tensor only (or infinities of opposite sign) at "
                 f"{self.nonfinite_mismatches} of them: never rounding, but an overflow, an "
                 f"inf - inf or a 0/0 in one of the two computations")
-        lines.append("assumed: " + self._arithmetic())
-        lines.append("assumed: " + self._magnitude())
+        return lines
+
+    def _warnings(self) -> list[str]:
+        """What makes the verdict say less than it seems: a vacuous bound, a scale mismatch."""
+        lines = []
         if self.vacuous:
             lines.append(
                 f"the bound is as large as the terms' magnitude itself ({self.terms} terms are "
@@ -106,9 +146,7 @@ class Explanation:
         # A constant ratio within the bound (a 1-ulp difference on equal values) is rounding.
         if self.constant_ratio is not None and (self.verdict == "not rounding" or self.vacuous):
             lines.append(f"a / b = {self.constant_ratio:.6g} everywhere: a scale mismatch")
-        if self.verdict == "not rounding":
-            lines.append(_CAUSES)
-        return "\n".join(lines)
+        return lines
 
     def _terms_words(self) -> str:
         default = " (the default: pass terms=)" if self.terms_assumed else ""
@@ -141,10 +179,83 @@ class Explanation:
                 f"for a sharper bound, and where the terms are much larger than every result")
 
 
-def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
-            magnitude: torch.Tensor | float | None = None,
-            rounded_once: bool = False) -> Explanation:
-    """Compare two tensors that should hold the same quantity computed two ways.
+@dataclasses.dataclass(frozen=True)
+class Explanations(Mapping):
+    """The comparison of two dicts of tensors (``name -> tensor``, as
+    :func:`detsum.loss.batch_grad` returns), name by name: a read-only mapping from each name
+    to its :class:`Explanation`, in ``a``'s order, with an overall verdict."""
+
+    #: name -> the :class:`Explanation` of ``a[name]`` against ``b[name]``.
+    parts: dict[object, Explanation]
+
+    @property
+    def verdict(self) -> str:
+        """"not rounding" if any name's verdict is; else "rounding" if any name's is; else
+        "identical" (also for two empty dicts)."""
+        verdicts = {part.verdict for part in self.parts.values()}
+        for verdict in ("not rounding", "rounding"):
+            if verdict in verdicts:
+                return verdict
+        return "identical"
+
+    def __getitem__(self, name: object) -> Explanation:
+        return self.parts[name]
+
+    def __iter__(self) -> Iterator:
+        return iter(self.parts)
+
+    def __len__(self) -> int:
+        return len(self.parts)
+
+    def __str__(self) -> str:
+        """The overall verdict; a line per name, with the figures of those that are not
+        rounding; the assumptions once."""
+        parts = self.parts
+        if self.verdict == "identical":
+            return f"identical: all {len(parts)} tensors have the same bits"
+        by_verdict = {verdict: [name for name, part in parts.items() if part.verdict == verdict]
+                      for verdict in ("not rounding", "rounding", "identical")}
+        counts = [f"{len(names)} {verdict}" for verdict, names in by_verdict.items() if names]
+        lines = [f"verdict: {self.verdict} (of {len(parts)} tensors: {', '.join(counts)})"]
+        assumptions = []
+        for name, part in parts.items():
+            head = f"{name!r}, {_name(part.dtype)} {list(part.shape)}: {part.verdict}"
+            if part.verdict == "identical":
+                lines.append(head)
+                continue
+            assumptions.append("assumed: " + part._arithmetic())
+            if part.verdict == "rounding":
+                lines.append(f"{head}, largest difference {part.max_abs:.3g} at "
+                             f"{list(part.where)}, rounding bound there {part.bound:.3g}")
+                lines += ["  " + line for line in part._warnings()]
+                continue
+            extra = part._warnings()
+            if part.magnitude_estimated:
+                extra.append(f"every term assumed at most {part.largest_term:.3g} in size")
+            lines.append(head)
+            lines += ["  " + line for line in (*part._figures(), *extra)]
+        if any(part.magnitude_estimated for part in parts.values()):
+            judged = next(part for part in parts.values() if part.verdict != "identical")
+            assumptions.append(
+                f"assumed: no magnitude given: in each tensor every term at most the largest "
+                f"finite |a| or |b| of that tensor, so their absolute values sum to at most "
+                f"{judged.terms} times that at every element; pass magnitude= (a dict with a's "
+                f"names) for a sharper bound, and where the terms are much larger than every "
+                f"result")
+        else:
+            assumptions.append("assumed: magnitude given (the sum of the terms' absolute "
+                               "values)")
+        lines += list(dict.fromkeys(assumptions))  # once each, in order
+        if by_verdict["not rounding"]:
+            lines.append(_CAUSES)
+        return "\n".join(lines)
+
+
+def explain(a: torch.Tensor | Mapping, b: torch.Tensor | Mapping, *,
+            terms: int | None = None, magnitude: torch.Tensor | float | Mapping | None = None,
+            rounded_once: bool = False) -> Explanation | Explanations:
+    """Compare two tensors that should hold the same quantity computed two ways, or two dicts
+    of them, name by name.
 
     Each of ``a`` and ``b`` is taken to be a sum of at most ``n = terms`` values, the same values
     for both, computed in floating point in any order. Every term then passes through at most
@@ -190,25 +301,44 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
     infinity on one side only, or infinities of opposite sign, are never rounding (the bound
     assumes no overflow): they count among the elements exceeding it.
 
+    The report names each figure at its own element: the largest absolute difference (with
+    its distance in ulps and the rounding bound there), the largest distance in ulps (between
+    values of opposite signs it counts every value down to 0 and up again: 0.01 and -0.01 are
+    2e9 float32 ulps apart) and the largest relative difference, ``|a - b| / max(|a|, |b|)``,
+    are often three different elements.
+
+    Dicts of tensors (``name -> tensor``, as :func:`detsum.loss.batch_grad` returns; any
+    mapping): ``a`` and ``b`` must hold the same names, and each ``a[name]`` is compared with
+    ``b[name]`` as two tensors are, with the same ``terms`` and ``rounded_once``; without
+    ``magnitude``, each tensor's bound assumes every term at most its own largest finite
+    value. The result is an :class:`Explanations`, a mapping from each name (in ``a``'s
+    order) to its :class:`Explanation`, whose ``verdict`` is "not rounding" if any name's
+    is, else "rounding" if any name's is, else "identical"; ``str()`` of it gives a line per
+    name, the figures of each name that is not rounding, and the assumptions once.
+
     An argument of the wrong type raises TypeError, a wrong value ValueError, each naming the
-    argument, its value and what was expected.
+    argument (``a['0.weight']`` for a dict's tensor), its value and what was expected; two
+    dicts with different names raise ValueError naming the names in one only.
 
     Args:
-        a, b: same shape and float dtype.
+        a, b: same shape and float dtype; or two dicts with the same names, of such pairs.
         terms: how many values each element sums, or an upper bound on it (the batch size for
             an averaged gradient, the longest segment of a segmented sum): a positive int (not
             a bool or a float). Default 1024, generous for per-sample sums.
         magnitude: the sum of the terms' absolute values, per element (a tensor broadcastable
             to ``a``'s shape) or one number; finite and >= 0. For an averaged gradient, the
-            mean of the per-sample gradients' absolute values. Default: ``terms * T`` above.
+            mean of the per-sample gradients' absolute values. For dicts: one number, or a
+            dict with ``a``'s names (each a number or a tensor broadcastable to that name's).
+            Default: ``terms * T`` above.
         rounded_once: True when both ``a`` and ``b`` were accumulated in the acc type and
             rounded to the dtype once (detsum's ``"fp32"`` and ``"kahan"`` modes, torch's
             reductions with an fp32 accumulator): a sharper bound for bfloat16 and float16.
             Default False: the bound also covers rounding to the dtype after every add.
 
     Returns:
-        An :class:`Explanation`; ``str()`` of it is a short report that states the
-        assumptions and names the likely causes when the verdict is "not rounding".
+        An :class:`Explanation` (for dicts, an :class:`Explanations`); ``str()`` of it is a
+        short report that states the assumptions and names the likely causes when the verdict
+        is "not rounding".
 
     Example:
         >>> import torch, detsum
@@ -223,18 +353,78 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
         >>> every_add = detsum.segment_sum(rows, offsets, mode="autograd")
         >>> detsum.explain(once, every_add, terms=64).verdict
         'rounding'
+        >>> grads = {"weight": torch.tensor([1.0, 2.0]), "bias": torch.tensor([0.5])}
+        >>> report = detsum.explain(grads, {"weight": grads["weight"] * 2, "bias": grads["bias"]})
+        >>> report.verdict, report["weight"].verdict, report["bias"].verdict
+        ('not rounding', 'not rounding', 'identical')
     """
     caller = "detsum.explain"
-    for name, t in (("a", a), ("b", b)):
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return _explain_each(caller, a, b, terms, magnitude, rounded_once)
+    _check_pair(caller, "a", a, "b", b)
+    n = _check_terms(caller, terms)
+    _validation.check_flag(caller, "rounded_once", rounded_once)
+    given_magnitude = _check_magnitude(caller, "magnitude", magnitude, "a", a.shape)
+    return _compare(a, b, n, terms is None, given_magnitude, rounded_once)
+
+
+def _explain_each(caller: str, a: object, b: object, terms: object, magnitude: object,
+                  rounded_once: object) -> Explanations:
+    """``explain`` of two dicts, name by name; every argument checked before any comparison."""
+    if not (isinstance(a, Mapping) and isinstance(b, Mapping)):
+        raise TypeError(f"{caller}: a is a {type(a).__name__} but b is a {type(b).__name__}; "
+                        f"expected two tensors, or two dicts of tensors (name -> tensor, as "
+                        f"detsum.loss.batch_grad returns)")
+    _check_same_names(caller, "b", b, a)
+    for name in a:
+        _check_pair(caller, f"a[{name!r}]", a[name], f"b[{name!r}]", b[name])
+    n = _check_terms(caller, terms)
+    _validation.check_flag(caller, "rounded_once", rounded_once)
+    if isinstance(magnitude, Mapping):
+        _check_same_names(caller, "magnitude", magnitude, a)
+        magnitudes = {name: _check_magnitude(caller, f"magnitude[{name!r}]", magnitude[name],
+                                             f"a[{name!r}]", a[name].shape) for name in a}
+    elif isinstance(magnitude, torch.Tensor):
+        raise TypeError(f"{caller}: magnitude is a tensor of shape {tuple(magnitude.shape)} but "
+                        f"a and b are dicts; expected None, one number, or a dict with a's "
+                        f"names")
+    else:
+        magnitudes = {name: _check_magnitude(caller, "magnitude", magnitude, f"a[{name!r}]",
+                                             a[name].shape) for name in a}
+    return Explanations({name: _compare(a[name], b[name], n, terms is None, magnitudes[name],
+                                        rounded_once) for name in a})
+
+
+def _check_same_names(caller: str, name: str, mapping: Mapping, a: Mapping) -> None:
+    only_here = [key for key in mapping if key not in a]
+    only_a = [key for key in a if key not in mapping]
+    if only_here or only_a:
+        raise ValueError(f"{caller}: a and {name} hold different names: {only_a} in a only, "
+                         f"{only_here} in {name} only; expected the same names")
+
+
+def _check_pair(caller: str, a_name: str, a: object, b_name: str, b: object) -> None:
+    for name, t in ((a_name, a), (b_name, b)):
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{caller}: {name} must be a float tensor, got {got}")
     if a.shape != b.shape or a.dtype != b.dtype:
-        raise ValueError(f"{caller}: a is {a.dtype} {tuple(a.shape)} but b is {b.dtype} "
-                         f"{tuple(b.shape)}; expected the same shape and dtype")
-    n = _check_terms(caller, terms)
-    _validation.check_flag(caller, "rounded_once", rounded_once)
-    given_magnitude = _check_magnitude(caller, magnitude, a.shape)
+        raise ValueError(f"{caller}: {a_name} is {a.dtype} {tuple(a.shape)} but {b_name} is "
+                         f"{b.dtype} {tuple(b.shape)}; expected the same shape and dtype")
+
+
+def _largest(values: torch.Tensor, shape: torch.Size) -> tuple[float, tuple[int, ...]]:
+    """The largest of ``values`` (float64 of ``shape``, not empty, no NaN) and its element:
+    the first one, in row-major order, where several are equal."""
+    first = int(torch.argmax(values))
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), shape)) if len(
+        shape) else ()
+    return float(values[where]), where
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor, n: int, terms_assumed: bool,
+             given_magnitude: torch.Tensor | None, rounded_once: bool) -> Explanation:
+    """The :class:`Explanation` of two checked tensors."""
     a, b = a.detach().cpu(), b.detach().cpu()
     da, db = a.double(), b.double()
     nan_a, nan_b = torch.isnan(a), torch.isnan(b)
@@ -280,10 +470,6 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
         return torch.minimum(growth * magnitude_sum + unit_roundoff * abs_x + underflow, cap)
 
     bound = (error_of(abs_a) + error_of(abs_b)).expand_as(diff)
-    flat = diff.reshape(-1)
-    worst = int(torch.argmax(flat)) if flat.numel() else 0
-    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if (
-        a.dim() and flat.numel()) else ()
     exceeding = int(((diff > bound) | nonfinite_mismatch).sum())
     both = both_finite & (da != 0) & (db != 0)
     ratio = None
@@ -293,15 +479,33 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
                 (da != 0) | (db != 0)).logical_and(both_finite).sum() == 0:
             ratio = float(ratios[0])
     verdict = "identical" if same else ("rounding" if exceeding == 0 else "not rounding")
+    figures = {}
+    if a.numel():
+        # Each figure at its own element: the largest difference in absolute terms, in ulps
+        # (values of opposite signs are far apart in ulps, every value down to 0 counting) and
+        # relative to the values are often three different elements.
+        ulps = reference.ulp_distance(a, b)
+        larger = torch.maximum(abs_a, abs_b)
+        relative = torch.where(larger > 0, diff / larger, torch.zeros_like(diff))
+        relative = relative.masked_fill(nonfinite_mismatch, math.inf)
+        max_abs, where = _largest(diff, a.shape)
+        max_ulps, max_ulps_where = _largest(ulps, a.shape)
+        max_rel, max_rel_where = _largest(relative, a.shape)
+        figures = dict(max_abs=max_abs, bound=float(bound[where]), max_ulps=max_ulps,
+                       ulps_at_where=float(ulps[where]), max_rel=max_rel)
+        if not same:
+            figures.update(where=where, max_ulps_where=max_ulps_where,
+                           max_rel_where=max_rel_where,
+                           values_at={w: (float(da[w]), float(db[w]))
+                                      for w in (where, max_ulps_where, max_rel_where)})
     return Explanation(
-        verdict=verdict, max_abs=float(flat[worst]) if flat.numel() else 0.0,
-        where=None if same else where,
-        max_ulps=float(reference.ulp_distance(a, b).max()) if a.numel() else 0.0,
-        bound=float(bound.reshape(-1)[worst]) if flat.numel() else 0.0, exceeding=exceeding,
-        numel=a.numel(), terms=n, terms_assumed=terms is None,
+        verdict=verdict, **{"max_abs": 0.0, "where": None, "max_ulps": 0.0, "bound": 0.0,
+                            **figures},
+        exceeding=exceeding, numel=a.numel(), terms=n, terms_assumed=terms_assumed,
         magnitude_estimated=given_magnitude is None, dtype=a.dtype, constant_ratio=ratio,
         rounded_once=rounded_once, largest_term=largest_term,
-        nonfinite_mismatches=int(nonfinite_mismatch.sum()), vacuous=growth >= 1)
+        nonfinite_mismatches=int(nonfinite_mismatch.sum()), vacuous=growth >= 1,
+        shape=tuple(a.shape))
 
 
 def _growth(terms: int, step_roundoff: float) -> float:
@@ -329,34 +533,37 @@ def _check_terms(caller: str, terms: object) -> int:
     return count
 
 
-def _check_magnitude(caller: str, magnitude: object, shape: torch.Size) -> torch.Tensor | None:
-    """The magnitude as float64 on the CPU, or None; refused in detsum's words."""
+def _check_magnitude(caller: str, name: str, magnitude: object, target: str,
+                     shape: torch.Size) -> torch.Tensor | None:
+    """The magnitude ``name`` of the tensor ``target`` as float64 on the CPU, or None; refused
+    in detsum's words."""
     if magnitude is None:
         return None
-    expected = f"expected one number or a tensor broadcastable to a's shape {tuple(shape)}"
+    expected = (f"expected one number or a tensor broadcastable to {target}'s shape "
+                f"{tuple(shape)}")
     must_be = "expected finite and >= 0 (the sum of the terms' absolute values)"
     if isinstance(magnitude, torch.Tensor):
         if magnitude.dtype == torch.bool or magnitude.is_complex():
-            raise TypeError(f"{caller}: magnitude has dtype {magnitude.dtype}; {expected}, "
+            raise TypeError(f"{caller}: {name} has dtype {magnitude.dtype}; {expected}, "
                             f"of real numbers")
         try:
             fits = torch.broadcast_shapes(magnitude.shape, shape) == shape
         except RuntimeError:
             fits = False
         if not fits:
-            raise ValueError(f"{caller}: magnitude has shape {tuple(magnitude.shape)}; "
+            raise ValueError(f"{caller}: {name} has shape {tuple(magnitude.shape)}; "
                              f"{expected}")
         values = magnitude.detach().cpu().double()
         bad = ~torch.isfinite(values) | (values < 0)
         if bad.any():
-            raise ValueError(f"{caller}: magnitude holds {values[bad][0].item()}; {must_be}")
+            raise ValueError(f"{caller}: {name} holds {values[bad][0].item()}; {must_be}")
         return values
     if isinstance(magnitude, bool) or not isinstance(magnitude, numbers.Real):
-        raise TypeError(f"{caller}: magnitude={magnitude!r}; {expected}")
+        raise TypeError(f"{caller}: {name}={magnitude!r}; {expected}")
     try:
         value = float(magnitude)
     except OverflowError:  # an int beyond float range
         value = math.inf
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{caller}: magnitude={magnitude!r}; {must_be}")
+        raise ValueError(f"{caller}: {name}={magnitude!r}; {must_be}")
     return torch.tensor(value, dtype=torch.float64)

@@ -70,7 +70,9 @@ def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = 0, dim_size: int 
     PyG. PyG's ``"any"`` (an arbitrary one of the values) is refused: it has no fixed result.
     Order and rounding are :func:`detsum.scatter`'s in ``mode``: in ``"fp32"`` the terms of
     each row are summed in fp32 in order of appearance and rounded once (a mean divides that
-    sum before its rounding; PyG's mean rounds the sum to the dtype, then divides).
+    sum before its rounding; PyG's mean rounds the sum to the dtype, then divides). Min and
+    max are exact, and their gradient is PyG's in every mode (tied members share it; see
+    :class:`MaxAggregation`).
 
     **This operation is fully deterministic**: the same bits on every run, for every thread
     count and every backend that implements the mode.
@@ -90,8 +92,13 @@ def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = 0, dim_size: int 
         raise ValueError(f"{caller}: reduce={reduce!r} is not supported; expected one of "
                          f"{tuple(SCATTER_REDUCES)}")
     d = _normalized_dim(caller, dim, src)
-    return detsum.scatter(src, index, d, dim_size=dim_size, reduce=SCATTER_REDUCES[reduce],
-                          mode=mode)
+    reduction = SCATTER_REDUCES[reduce]
+    if reduction in ("min", "max"):
+        return _extreme_with_pygs_gradient(
+            src, lambda v: detsum.scatter(v, index, d, dim_size=dim_size, reduce=reduction,
+                                          mode=mode),
+            lambda: _lined_up(index, src, d), d)
+    return detsum.scatter(src, index, d, dim_size=dim_size, reduce=reduction, mode=mode)
 
 
 def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
@@ -142,6 +149,68 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
     return exps / detsum.index_select(totals, d, index, mode=mode)
 
 
+# ---- min and max, with PyG's gradient -------------------------------------------------------------
+
+class _SharedExtreme(torch.autograd.Function):
+    """A minimum or maximum that ``reduced(src)`` computes (detsum's: exact in every mode),
+    with the gradient of PyG's CPU path, torch's ``zeros.scatter_reduce_(dim, index, src,
+    "amax" or "amin", include_self=False)``, bit for bit: each output's gradient divided, in
+    the dtype, by its count of members equal to it, plus one where it is 0 (torch counts the
+    zero it starts from, though ``include_self=False`` leaves it out of the value); an equal
+    member takes that quotient, any other ``0 *`` the quotient (``-0.0`` where it is
+    negative, NaN where it is not finite: a NaN result has no equal member, so all of its
+    members get NaN). The count is an integer sum, the same in any order, rounded once to the
+    dtype as torch's CPU ``scatter_add_`` rounds it (in bf16, 301 ties count as 300)."""
+
+    @staticmethod
+    def forward(ctx, src, reduced, positions, dim):
+        result = reduced(src)
+        # The index after the reduction: the reduction checks it and names the caller's error.
+        index = positions()
+        ctx.save_for_backward(src, index, result)
+        ctx.dim = dim
+        return result
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, index, result = ctx.saved_tensors
+        dim = ctx.dim
+        is_member = src == result.gather(dim, index)
+        members = torch.zeros(result.shape, dtype=torch.int32, device=result.device)
+        members.scatter_add_(dim, index, is_member.to(torch.int32))
+        members += result == 0
+        shares = grad / members.to(grad.dtype)
+        return is_member * shares.gather(dim, index), None, None, None
+
+
+def _extreme_with_pygs_gradient(src: torch.Tensor, reduced, positions, dim: int
+                                ) -> torch.Tensor:
+    """``reduced(src)``, a min or max along ``dim``; while autograd records a floating
+    ``src``, with PyG's gradient (``_SharedExtreme``). ``positions()``: each element's output
+    position along ``dim``, an int64 tensor of ``src``'s shape (a broadcast view will do)."""
+    if not (src.is_floating_point() and src.requires_grad and torch.is_grad_enabled()):
+        return reduced(src)
+    return _SharedExtreme.apply(src, reduced, positions, dim)
+
+
+def _lined_up(index: torch.Tensor, src: torch.Tensor, dim: int) -> torch.Tensor:
+    """A 1-D ``index`` along ``dim``, broadcast to ``src``'s shape, as PyG's ``scatter`` does."""
+    shape = [1] * src.dim()
+    shape[dim] = -1
+    return index.to(torch.int64).view(shape).expand(src.shape)
+
+
+def _segments_of(pointer: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """The segment of every position along ``pointer``'s last dim that the (checked) CSR
+    ``pointer`` delimits, broadcast to ``src``'s shape: the index ``pointer`` describes."""
+    dim = pointer.dim() - 1
+    count = src.shape[dim]
+    positions = torch.arange(count, dtype=pointer.dtype, device=pointer.device)
+    positions = positions.expand(*pointer.shape[:-1], count).contiguous()
+    segments = torch.searchsorted(pointer.contiguous(), positions, right=True) - 1
+    return segments.view(*segments.shape, *[1] * (src.dim() - dim - 1)).expand(src.shape)
+
+
 # ---- aggregation modules (PyG's classes, built on first use) ---------------------------------------
 
 def _aggregate(caller: str, x: torch.Tensor, index: torch.Tensor | None,
@@ -150,12 +219,22 @@ def _aggregate(caller: str, x: torch.Tensor, index: torch.Tensor | None,
     """What PyG's ``Aggregation.reduce`` computes, on detsum: ``segment_csr`` when ``ptr`` is
     given (the same bits as the scatter of the index it describes), else ``scatter``."""
     d = dim + x.dim() if dim < 0 else dim
+    extreme = reduce in ("min", "max")
     if ptr is not None and reduce != "mul":
         pointer = ptr.view((1,) * d + (-1,)) if ptr.dim() == 1 else ptr
+        if extreme:
+            return _extreme_with_pygs_gradient(
+                x, lambda v: detsum.segment_csr(v, pointer, reduce=reduce, mode=mode),
+                lambda: _segments_of(pointer, x), pointer.dim() - 1)
         return detsum.segment_csr(x, pointer, reduce=reduce, mode=mode)
     if index is None:
         raise ValueError(f"{caller}: reduce='mul' needs index; got ptr alone (PyG's "
                          f"MulAggregation takes index only)")
+    if extreme:
+        return _extreme_with_pygs_gradient(
+            x, lambda v: detsum.scatter(v, index, d, dim_size=dim_size, reduce=reduce,
+                                        mode=mode),
+            lambda: _lined_up(index, x, d), d)
     return detsum.scatter(x, index, d, dim_size=dim_size, reduce=reduce, mode=mode)
 
 
@@ -163,7 +242,19 @@ _REDUCTION_DOC = """PyG's ``{name}`` on detsum: ``{name}(mode="fp32")`` plugs in
     ``MessagePassing(aggr=...)`` or runs alone, ``aggr(x, index, ptr=None, dim_size=None,
     dim=-2)``, with PyG's arguments and values. It reduces with :func:`detsum.segment_csr` when
     ``ptr`` is given{ptr_note}, else with :func:`detsum.scatter` and ``index``, in ``mode``
-    ({rounding}). Rows that receive nothing are {empty}."""
+    ({rounding}). Rows that receive nothing are {empty}.{gradient}"""
+
+_EXTREME_GRADIENT = """
+
+    The gradient is PyG's CPU gradient, bit for bit, in every mode: that of torch's
+    ``zeros.scatter_reduce_(dim, index, x, "a{reduce}", include_self=False)``, which PyG's
+    ``scatter`` runs on a CPU (and on a GPU without torch_scatter). The members equal to a
+    row's {reduce}imum share its gradient evenly: it is divided, in the dtype, by their
+    count, plus one where the {reduce}imum is 0 (torch counts the zero it starts from, so
+    there the shares add up to less than the gradient); a NaN row gives its members NaN.
+    With ``ptr``: the gradient of the index that ``ptr`` describes (PyG's ``ptr``-only path,
+    torch's ``_segment_reduce``, shares ties otherwise). torch_scatter's rule, all of it to
+    the first member, is :func:`detsum.scatter_{reduce}`'s, not this one's."""
 
 
 def _reduction_class(base: type, reduce: str) -> type:
@@ -189,6 +280,7 @@ def _reduction_class(base: type, reduce: str) -> type:
                 "exact in every mode; NaN propagates"}[reduce]
     doc = _REDUCTION_DOC.format(
         name=name, rounding=rounding, empty="1" if reduce == "mul" else "0",
+        gradient=_EXTREME_GRADIENT.format(reduce=reduce) if reduce in ("min", "max") else "",
         ptr_note=" (``ptr`` is ignored: PyG's product takes ``index`` only)"
         if reduce == "mul" else "")
     return type(name, (base,), {"__init__": __init__, "forward": forward, "__repr__": __repr__,
@@ -488,7 +580,10 @@ def make_deterministic(model: torch.nn.Module, *, mode: str | Mode = "fp32",
     for GCNConv, SAGEConv and GATConv (torch's CPU ``scatter_add_`` and ``index_add_`` add
     each node's terms in fp32 in order of appearance, rounding after every add), and so does
     ``"fp32"`` wherever a node receives at most 256 terms (longer sums it takes in chunks of
-    256); docs/switching.md has the table per mode and dtype.
+    256); docs/switching.md has the table per mode and dtype. Min and max aggregations are
+    exact, and their gradient is PyG's CPU gradient in every mode and dtype (tied members
+    share it evenly, as :class:`MaxAggregation` says), so the layers built on them (SAGEConv
+    or GINConv with ``aggr="max"``, EdgeConv) differ from PyG only where their sums do.
     """
     caller = "detsum.pyg.make_deterministic"
     pyg = _import_pyg(caller)

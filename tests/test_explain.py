@@ -86,6 +86,137 @@ def test_seed_scenario_view_trap_still_caught_without_magnitude(seed_scenario):
     assert "view across zero_grad()" in str(report)
 
 
+# ---- every figure at its own element -------------------------------------------------------------
+
+def test_each_figure_names_its_own_element():
+    """Largest absolute difference at [2], most ulps at [3] (opposite signs: the ulps from
+    each value down to 0 add up), largest relative difference at [1] (opposite signs and
+    equal sizes). Before: the report gave the largest ulps over all elements as if they were
+    those of the largest difference's element."""
+    a = torch.tensor([1.0, 1e-3, 100.0, 0.5])
+    b = torch.tensor([1.0, -1e-3, 101.0, -0.25])
+    report = detsum.explain(a, b, terms=4)
+    ulps = detsum.reference.ulp_distance(a, b)
+    assert (report.where, report.max_abs) == ((2,), 1.0)
+    assert report.ulps_at_where == ulps[2].item() == 2**17  # fp32 steps of 2**-17 at 100
+    assert (report.max_ulps_where, report.max_ulps) == ((3,), ulps[3].item())
+    assert ulps[3] == 0x3F000000 + 0x3E800000  # the bit patterns of 0.5 and 0.25
+    assert (report.max_rel_where, report.max_rel) == ((1,), 2.0)
+    assert str(report).splitlines()[1:4] == [
+        "largest difference 1 (131072 ulps of float32) at [2]: a = 100, b = 101; rounding "
+        "bound there 0.000205",
+        "largest distance 2105540608 ulps at [3]: a = 0.5, b = -0.25",
+        "largest relative difference 2 at [1]: a = 0.00100000005, b = -0.00100000005"]
+
+
+def test_seed_scenario_careless_report_names_each_figure_at_its_element(seed_scenario):
+    """docs/loss.md's careless loop against 'mean': the largest difference and the most ulps
+    are two elements (the latter where the two results have opposite signs). Before: the
+    report put the largest ulps over all 837 elements at the largest difference's element."""
+    _, careless, autograd_grad, batch = seed_scenario
+    report = detsum.explain(careless, autograd_grad, terms=batch)
+    difference = (careless.double() - autograd_grad.double()).abs()
+    ulps = detsum.reference.ulp_distance(careless, autograd_grad)
+    where, most_ulps = int(difference.argmax()), int(ulps.argmax())
+    assert where != most_ulps and careless[most_ulps] * autograd_grad[most_ulps] < 0
+    assert report.where == (where,) and report.max_ulps_where == (most_ulps,)
+    assert report.ulps_at_where == ulps[where].item() < report.max_ulps == ulps.max().item()
+    text = str(report)
+    assert f"({ulps[where].item():.0f} ulps of float32) at [{where}]: " in text
+    assert f"largest distance {ulps.max().item():.0f} ulps at [{most_ulps}]: " in text
+
+
+# ---- dicts of tensors: name by name --------------------------------------------------------------
+
+def split_like(flat: torch.Tensor, shapes: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A flat gradient cut into ``shapes``' names and shapes, in their order."""
+    parts = flat.split([t.numel() for t in shapes.values()])
+    return {name: part.view(t.shape) for (name, t), part in zip(shapes.items(), parts)}
+
+
+@pytest.fixture(scope="module")
+def batch_grads():
+    """loss.batch_grad's dicts in "fp32" and "kahan" mode, the careless loop's gradient cut
+    into the same names, and each name's magnitude (the mean of |per-sample gradient|)."""
+    example = load_loss_example()
+    model, x, y = example.make_problem()
+    per_sample_loss = torch.nn.CrossEntropyLoss(reduction="none")
+    fp32, kahan = (detsum.loss.batch_grad(model, per_sample_loss, x, y, mode=mode)
+                   for mode in ("fp32", "kahan"))
+    careless = split_like(example.one_at_a_time(model, x, y, careless=True), fp32)
+    per_sample = detsum.loss.per_sample_grads(model, per_sample_loss, x, y)
+    magnitude = {name: g.abs().mean(0) for name, g in per_sample.items()}
+    return fp32, kahan, careless, magnitude, len(x)
+
+
+def test_dicts_compare_name_by_name(batch_grads):
+    """Before: TypeError "a must be a float tensor, got dict"."""
+    fp32, kahan, careless, magnitude, batch = batch_grads
+    honest = detsum.explain(fp32, kahan, terms=batch, magnitude=magnitude)
+    assert isinstance(honest, detsum.Explanations) and list(honest) == list(fp32)
+    assert honest.verdict in ("identical", "rounding")
+    for name in fp32:
+        assert honest[name] == detsum.explain(fp32[name], kahan[name], terms=batch,
+                                              magnitude=magnitude[name])
+    assert "What to look for" not in str(honest)
+
+    mixed = dict(careless, **{"2.bias": fp32["2.bias"]})  # one name honest
+    report = detsum.explain(mixed, fp32, terms=batch)
+    assert report.verdict == "not rounding"
+    assert {name: part.verdict for name, part in report.items()} == {
+        "0.weight": "not rounding", "0.bias": "not rounding", "2.weight": "not rounding",
+        "2.bias": "identical"}
+    lines = str(report).splitlines()
+    assert lines[0] == "verdict: not rounding (of 4 tensors: 3 not rounding, 1 identical)"
+    assert "'2.bias', float32 [5]: identical" in lines
+    weight = report["0.weight"]
+    assert "'0.weight', float32 [32, 20]: not rounding" in lines
+    assert (f"  largest distance {weight.max_ulps:.0f} ulps at {list(weight.max_ulps_where)}"
+            in str(report))
+    assert str(report).count("view across zero_grad()") == 1
+    # Without magnitude, each name's bound takes its own largest value.
+    assert weight.largest_term == max(careless["0.weight"].abs().max().item(),
+                                      fp32["0.weight"].abs().max().item())
+
+
+def test_identical_dicts_and_empty_dicts():
+    grads = {"w": torch.ones(3), "b": torch.zeros(1)}
+    report = detsum.explain(grads, {k: v.clone() for k, v in grads.items()})
+    assert report.verdict == "identical" and len(report) == 2
+    assert str(report) == "identical: all 2 tensors have the same bits"
+    assert detsum.explain({}, {}).verdict == "identical"
+
+
+def test_dict_arguments_are_refused_in_detsums_words():
+    grads = {"w": torch.ones(3), "b": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"detsum\.explain: a and b hold different names: "
+                                         r"\['b'\] in a only, \['bias'\] in b only; expected "
+                                         r"the same names"):
+        detsum.explain(grads, {"w": torch.ones(3), "bias": torch.zeros(1)})
+    with pytest.raises(TypeError, match=r"detsum\.explain: a is a dict but b is a Tensor; "
+                                        r"expected two tensors, or two dicts of tensors"):
+        detsum.explain(grads, torch.ones(3))
+    with pytest.raises(TypeError, match=r"detsum\.explain: b\['b'\] must be a float tensor, "
+                                        r"got torch.int64"):
+        detsum.explain(grads, {"w": torch.ones(3), "b": torch.zeros(1, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"a\['w'\] is torch.float32 \(3,\) but b\['w'\] is "
+                                         r"torch.float32 \(2,\)"):
+        detsum.explain(grads, {"w": torch.ones(2), "b": torch.zeros(1)})
+    with pytest.raises(ValueError, match=r"a and magnitude hold different names: \['b'\] in a "
+                                         r"only"):
+        detsum.explain(grads, grads, magnitude={"w": 1.0})
+    with pytest.raises(ValueError, match=r"magnitude\['w'\] has shape \(2,\); expected one "
+                                         r"number or a tensor broadcastable to a\['w'\]'s shape "
+                                         r"\(3,\)"):
+        detsum.explain(grads, grads, magnitude={"w": torch.ones(2), "b": 1.0})
+    with pytest.raises(TypeError, match=r"magnitude is a tensor of shape \(3,\) but a and b "
+                                        r"are dicts"):
+        detsum.explain(grads, grads, magnitude=torch.ones(3))
+    with pytest.raises(TypeError, match=r"terms=1\.5"):
+        detsum.explain(grads, grads, terms=1.5)
+    assert detsum.explain(grads, grads, magnitude=2.0, terms=4).verdict == "identical"
+
+
 # ---- "fp32" mode against "autograd" mode: per-add rounding in the dtype -----------------------
 
 @pytest.mark.parametrize("dtype", NARROW, ids=dtype_id)

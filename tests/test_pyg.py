@@ -26,7 +26,9 @@ torch_geometric = pytest.importorskip("torch_geometric")
 import detsum  # noqa: E402
 import detsum.pyg  # noqa: E402
 from conftest import assert_same_bits, detsum_threads  # noqa: E402
-from torch_geometric.nn import GATConv, GCNConv, SAGEConv, aggr as pyg_aggr  # noqa: E402
+from torch_geometric.nn import (  # noqa: E402
+    EdgeConv, GATConv, GCNConv, GINConv, SAGEConv, aggr as pyg_aggr,
+)
 from torch_geometric.nn.conv import gat_conv, gcn_conv  # noqa: E402
 
 NODES, EDGES, IN_FEATURES, OUT_FEATURES = 10_000, 100_000, 64, 32
@@ -159,6 +161,142 @@ def test_bf16_sage_is_no_further_from_fp64_than_pyg(graph):
     assert error_ours.max() <= error_theirs.max()
     assert error_ours.mean() < error_theirs.mean()
     assert_same_bits(ours[1], theirs[1])
+
+
+# ---- max and min: PyG's gradient at tied extremes -------------------------------------------------
+
+TIED_FEATURES, TIED_NODES, LONELY_NODES = 8, 300, 5
+MAX_LAYERS = {
+    "SAGEConv": lambda: SAGEConv(TIED_FEATURES, TIED_FEATURES, aggr="max"),  # max over x_j
+    "GINConv": lambda: GINConv(torch.nn.Sequential(
+        torch.nn.Linear(TIED_FEATURES, TIED_FEATURES), torch.nn.ReLU(),
+        torch.nn.Linear(TIED_FEATURES, TIED_FEATURES)), aggr="max"),
+    # A ReLU last: many messages are 0, the maximum PyG's start value takes part in.
+    "EdgeConv": lambda: EdgeConv(torch.nn.Sequential(
+        torch.nn.Linear(2 * TIED_FEATURES, TIED_FEATURES), torch.nn.ReLU())),
+}
+
+
+@pytest.fixture(scope="module")
+def tied_graph():
+    """Every node sends two messages and receives two (two random permutations), and the two
+    edges of every third node are the same edge twice; a few more nodes send and receive
+    nothing. Features are small integers, so equal maxima abound, 0 among them. No node sums
+    more than two terms in a gather's backward, so rounding once (torch's CPU index_add_ in
+    bf16) and after every add ("autograd" mode) agree: the bits below depend on the maximum's
+    gradient alone."""
+    g = torch.Generator().manual_seed(31)
+    first = torch.randperm(TIED_NODES, generator=g)
+    moved = torch.arange(TIED_NODES)
+    moved = moved[moved % 3 != 0]
+    shuffle = torch.arange(TIED_NODES)
+    shuffle[moved] = moved[torch.randperm(moved.numel(), generator=g)]
+    second = first[shuffle]  # a permutation too, equal to first at every third node
+    source = torch.arange(TIED_NODES).repeat(2)
+    edge_index = torch.stack([source, torch.cat([first, second])])
+    x = torch.randint(-2, 3, (TIED_NODES + LONELY_NODES, TIED_FEATURES), generator=g).float()
+    upstream = torch.randn(TIED_NODES + LONELY_NODES, TIED_FEATURES, generator=g)
+    return edge_index, x, upstream
+
+
+def _max_layer_result(name, dtype, graph, mode=None) -> list[torch.Tensor]:
+    torch.manual_seed(13)
+    layer = MAX_LAYERS[name]().to(dtype)
+    if mode is None:
+        return forward_backward(layer, graph, dtype)
+    with detsum.pyg.make_deterministic(layer, mode=mode):
+        return forward_backward(layer, graph, dtype)
+
+
+@pytest.mark.parametrize("dtype, mode", [
+    (torch.float32, "autograd"), (torch.bfloat16, "autograd"), (torch.float64, "autograd"),
+    (torch.float32, "exact"), (torch.bfloat16, "fp32")])
+@pytest.mark.parametrize("name", MAX_LAYERS)
+def test_max_layers_have_pygs_gradient_at_ties(name, dtype, mode, tied_graph):
+    """PyG's max (torch's scatter_reduce_ "amax" into zeros, include_self=False) shares a
+    tied maximum's gradient evenly among the ties, and counts the zero start value among them
+    where the maximum is 0; the switched layers do the same in every mode: output, input
+    gradient and every parameter's gradient have PyG's bits."""
+    for got, expected in zip(_max_layer_result(name, dtype, tied_graph, mode),
+                             _max_layer_result(name, dtype, tied_graph)):
+        assert_same_bits(got, expected)
+
+
+@pytest.fixture(scope="module")
+def tied_messages():
+    """600 messages of small integers into 40 nodes, sorted by target (so ptr describes the
+    same groups); node 3 receives 301 messages whose first column is 3 (a count that bf16
+    rounds to 300), nodes 30 to 39 receive nothing."""
+    g = torch.Generator().manual_seed(17)
+    index = torch.cat([torch.randint(0, 30, (299,), generator=g),
+                       torch.full((301,), 3)]).sort(stable=True).values
+    x = torch.randint(-2, 3, (600, 4), generator=g).float()
+    x[index == 3, 0] = 3.0
+    ptr = torch.cat([torch.zeros(1, dtype=torch.long),
+                     torch.bincount(index, minlength=40).cumsum(0)])
+    upstream = torch.randn(40, 4, generator=g)
+    return x, index, ptr, upstream
+
+
+def _gradient(function, x, upstream):
+    x = x.detach().clone().requires_grad_()
+    out = function(x)
+    out.backward(upstream)
+    return out.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("name", ["MaxAggregation", "MinAggregation"])
+def test_extreme_aggregation_gradient_has_pygs_bits(name, dtype, tied_messages):
+    """The aggregation alone, in every mode, with index, with ptr, and with both (what
+    MessagePassing passes for a sorted EdgeIndex; PyG takes its index path then): PyG's
+    values and gradient, bit for bit. detsum's ptr path gives its index path's bits."""
+    x, index, ptr, upstream = (t.to(dtype) if t.is_floating_point() else t
+                               for t in tied_messages)
+    theirs = _gradient(lambda v: getattr(pyg_aggr, name)()(v, index, dim_size=40), x, upstream)
+    both = _gradient(lambda v: getattr(pyg_aggr, name)()(v, index, ptr=ptr), x, upstream)
+    for t, e in zip(both, theirs):
+        assert_same_bits(t, e)
+    for mode in detsum.MODES:
+        aggregation = getattr(detsum.pyg, name)(mode=mode)
+        for call in (lambda v: aggregation(v, index, dim_size=40),
+                     lambda v: aggregation(v, ptr=ptr),
+                     lambda v: aggregation(v, index, ptr=ptr)):
+            for got, expected in zip(_gradient(call, x, upstream), theirs):
+                assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["MaxAggregation", "MinAggregation"])
+def test_extreme_aggregation_gradient_at_signed_zeros_nan_and_infinities(name, dtype):
+    """0.0 tied with -0.0 (and the zero start counted), NaN (every member's gradient NaN),
+    infinities, a lone -0.0, an empty row, negative gradients (``0 * -g`` is -0.0)."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([0.0, -0.0, -0.0, 0.0, nan, 2.0, 1.0, -inf, -inf, 5.0, inf, -0.0],
+                     dtype=dtype).view(-1, 1)
+    index = torch.tensor([0, 0, 1, 1, 2, 2, 2, 3, 3, 4, 4, 6])
+    upstream = torch.tensor([1.0, -2.0, 3.0, 0.0, -0.5, 7.0, 1.5], dtype=dtype).view(-1, 1)
+    expected = _gradient(lambda v: getattr(pyg_aggr, name)()(v, index, dim_size=7), x, upstream)
+    for mode in detsum.MODES:
+        got = _gradient(lambda v: getattr(detsum.pyg, name)(mode=mode)(v, index, dim_size=7),
+                        x, upstream)
+        for a, b in zip(got, expected):
+            assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min", "amax", "amin"])
+def test_scatter_extreme_gradient_has_pygs_bits(reduce, tied_messages):
+    """detsum.pyg.scatter, which the switch routes conv modules' own reductions to."""
+    x, index, _, upstream = tied_messages
+    x = x.bfloat16()
+    upstream = upstream.bfloat16()
+    expected = _gradient(lambda v: torch_geometric.utils.scatter(v, index, 0, 40, reduce),
+                         x, upstream)
+    for mode in detsum.MODES:
+        got = _gradient(lambda v: detsum.pyg.scatter(v, index, 0, 40, reduce, mode=mode),
+                        x, upstream)
+        for a, b in zip(got, expected):
+            assert_same_bits(a, b)
 
 
 # ---- the switch: what it changes, and undoing it ------------------------------------------------

@@ -1,5 +1,6 @@
 """detsum: deterministic accumulation primitives for PyTorch."""
 
+from detsum._validation import IndexOutOfRangeError
 from detsum.backend import backend
 from detsum.modes import MODES, Mode
 from detsum.ops.index_add import index_add, index_add_
@@ -20,6 +21,7 @@ from detsum import pyg  # noqa: E402  (PyG adapter: imports torch_geometric on f
 __all__ = [
     "Explanation",
     "Explanations",
+    "IndexOutOfRangeError",
     "MODES",
     "Mode",
     "RunningSum",

@@ -12,12 +12,22 @@ import numbers
 
 import torch
 
+from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES
+
+
+class IndexOutOfRangeError(IndexError, RuntimeError):
+    """An index value outside the range its argument allows, found before anything is written.
+
+    Both an ``IndexError`` (as Python's own lookups raise) and a ``RuntimeError`` (as torch's
+    ``scatter_add_`` and torch_scatter's kernels raise for a bad index), so code written for
+    either, ``except IndexError`` or ``except RuntimeError``, catches it."""
 
 
 # ---- errors under torch.compile ----------------------------------------------------------------
 
-_CHECK_ERRORS = (TypeError, ValueError, IndexError, RuntimeError, NotImplementedError)
+_CHECK_ERRORS = (TypeError, ValueError, IndexOutOfRangeError, IndexError, RuntimeError,
+                 NotImplementedError)
 _ERROR_BY_NAME = {error.__name__: error for error in _CHECK_ERRORS}
 
 
@@ -30,8 +40,8 @@ def _raise_while_tracing(kind: str, message: str) -> None:
     # user as it is; a NotImplementedError is a graph break, after which dynamo runs the call
     # eagerly (the exact detsum error) or, with fullgraph=True, reports it with the message;
     # anything else would become a TorchRuntimeError around it.
-    if kind == "IndexError":
-        raise IndexError(message)
+    if issubclass(_ERROR_BY_NAME[kind], IndexError):
+        raise _ERROR_BY_NAME[kind](message)
     raise NotImplementedError(f"{kind}: {message}")
 
 
@@ -174,20 +184,37 @@ def check_alpha(caller: str, alpha: object) -> float:
 
 
 def raise_index_out_of_range(caller: str, name: str, index: torch.Tensor, position: int,
-                             size: int, what: str) -> None:
+                             size: int, what: str, *, size_included: bool = False) -> None:
+    """Raise IndexOutOfRangeError for ``index``'s value at flat ``position``, outside
+    ``[0, size)`` (``[0, size]`` when ``size_included``: a pointer such as ``indptr``);
+    ``what`` names the bound as the caller knows it (``"src.size(0)"``)."""
     value = int(index.reshape(-1)[position])
     where = f"{name}[{position}]" if index.dim() == 1 else (
         f"{name}{list(_unravel(position, index.shape))}")
-    raise IndexError(f"{caller}: {where} = {value} is out of range for {what} = {size} "
-                     f"(expected 0 <= {name} < {size})")
+    relation = "<=" if size_included else "<"
+    raise IndexOutOfRangeError(f"{caller}: {where} = {value} is out of range for {what} = "
+                               f"{size} (expected 0 <= {name} {relation} {size})")
 
 
 def raise_first_out_of_range(caller: str, name: str, index: torch.Tensor, size: int,
-                             what: str) -> None:
-    """Locate the first value of ``index`` (any shape) outside ``[0, size)``, known to exist,
-    and raise."""
-    position = int(((index < 0) | (index >= size)).reshape(-1).nonzero()[0])
-    raise_index_out_of_range(caller, name, index, position, size, what)
+                             what: str, *, size_included: bool = False) -> None:
+    """Locate the first value of ``index`` (any shape) outside ``[0, size)`` (``[0, size]``
+    when ``size_included``), known to exist, and raise."""
+    above = index > size if size_included else index >= size
+    position = int(((index < 0) | above).reshape(-1).nonzero()[0])
+    raise_index_out_of_range(caller, name, index, position, size, what,
+                             size_included=size_included)
+
+
+def check_exact_mean_terms(caller: str, terms: int, counted: str) -> None:
+    """An exact mean sums at most MAX_TERMS_PER_STATE terms per output element (its long
+    division keeps the remainder, below the count, shifted by 32 bits in an int64). ``terms``
+    bounds the count from shapes alone, so the check costs nothing and runs before any work;
+    ``counted`` says where the bound comes from, in the caller's words."""
+    if terms > MAX_TERMS_PER_STATE:
+        raise ValueError(f"{caller}: reduce='mean' with mode='exact' sums at most "
+                         f"{MAX_TERMS_PER_STATE} terms per output element; got up to {terms} "
+                         f"({counted}); expected fewer, or mode='fp32' or 'kahan'")
 
 
 def _unravel(flat: int, shape: torch.Size) -> tuple[int, ...]:

@@ -29,8 +29,21 @@ atomics, on the order of threads, or on an accident of its initial values):
   infinities.
 - Integer sums, products, minima and maxima are exact integer arithmetic (wrapping on
   overflow, as torch's), computed by torch's own scatter ops: any order gives the same
-  integers, so no detsum kernel is needed. Integer means divide with ``floor``, as
-  torch_scatter's.
+  integers, so no detsum kernel is needed, and every mode, ``"exact"`` included, gives them.
+  Integer means divide with ``floor``, as torch_scatter's.
+- **out=** may share memory with ``src``, ``index`` or ``indptr`` (``out=src``, or views that
+  overlap): every input is read as it was before ``out`` is written, which gives the bits of
+  a separate ``out`` holding the same values (the shared input is copied first, and only
+  then). torch_scatter refuses it in ``scatter_sum`` and ``scatter_mean`` and elsewhere gives
+  a result that depends on its kernels' order. An ``out`` whose own elements share memory
+  (an expanded view) is refused, by every function.
+- An index or ``indptr`` value out of range raises :class:`detsum.IndexOutOfRangeError`
+  before anything is written, naming the function, the argument, the position, the value and
+  the bound: an ``IndexError`` and a ``RuntimeError`` both, so code that catches
+  torch_scatter's ``RuntimeError`` keeps working.
+- ``reduce="mean"`` in ``mode="exact"`` (a float mean without ``out``) sums at most
+  ``2**30 - 1`` terms per output element: a larger ``src.size(dim)`` is refused before any
+  work.
 
 Under ``torch.compile(fullgraph=True)``, pass ``dim_size`` (or ``out``): without it the output
 size is read from the index on the host, which a full graph cannot contain. Compiled, every
@@ -85,13 +98,31 @@ def _check_reduce(caller: str, reduce: object, allowed: tuple[str, ...]) -> str:
     return "sum" if reduce == "add" else reduce
 
 
-def _check_mode(caller: str, mode: object, reduce: str) -> Mode:
+def _check_mode(caller: str, mode: object, reduce: str,
+                src_dtype: torch.dtype | None = None) -> Mode:
+    """``mode`` parsed; ``"exact"`` refused for a product of floats (or of a dtype not yet
+    known, ``src_dtype`` None). An integer product is exact in every mode."""
     mode = parse_mode(mode, caller=caller)
-    if reduce == "mul" and mode is Mode.EXACT:
-        raise ValueError(f"{caller}: reduce='mul' has no mode='exact': an exact product needs "
-                         f"the bits of every factor, so it cannot be kept in a fixed state; "
-                         f"expected mode='fp32', 'kahan' or 'autograd' for a product")
+    if reduce == "mul" and mode is Mode.EXACT and src_dtype not in INTEGER_DTYPES:
+        of_dtype, integers = "", ""
+        if src_dtype is not None:
+            of_dtype = f" for src of dtype {src_dtype}"
+            integers = " (integer products are exact in every mode)"
+        raise ValueError(f"{caller}: reduce='mul' has no mode='exact'{of_dtype}: an exact "
+                         f"product of floats needs the bits of every factor, so it cannot be "
+                         f"kept in a fixed state; expected mode='fp32', 'kahan' or 'autograd' "
+                         f"for a product of floats{integers}")
     return mode
+
+
+def _check_exact_mean(caller: str, src: torch.Tensor, dim: int, reduce: str, mode: Mode,
+                      out: torch.Tensor | None) -> None:
+    """A float mean without ``out`` is the primitive's mean (``"exact"``: at most 2**30 - 1
+    terms per output element, bounded by ``src.size(dim)``); with ``out`` it is a sum and an
+    integer count, without that limit."""
+    if reduce == "mean" and mode is Mode.EXACT and out is None and src.is_floating_point():
+        _validation.check_exact_mean_terms(caller, src.shape[dim],
+                                           f"src.size({dim}) = {src.shape[dim]}")
 
 
 def _check_dim_size(caller: str, dim_size: object) -> None:
@@ -102,6 +133,9 @@ def _check_dim_size(caller: str, dim_size: object) -> None:
 
 
 def _check_out(caller: str, out: torch.Tensor | None, src: torch.Tensor, dim: int) -> None:
+    """``out`` of ``src``'s dtype, device and shape except along ``dim``, with distinct elements
+    (an expanded view cannot hold one result per position). It may share memory with ``src``
+    or the index: see ``_apart_from``."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor):
@@ -109,6 +143,17 @@ def _check_out(caller: str, out: torch.Tensor | None, src: torch.Tensor, dim: in
     _validation.check_same_dtype(caller, "src", src, "out", out)
     _validation.check_same_device(caller, src=src, out=out)
     _validation.check_shapes_except_dim(caller, "src", src, "out", out, dim)
+    if not torch.compiler.is_compiling():
+        _validation.check_inplace_target(caller, "out", out)
+
+
+def _apart_from(out: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it where it shares memory with ``out``: every input is read as it
+    was before ``out`` is written, so ``out=src`` gives the bits of a separate ``out`` holding
+    the same values. (Under torch.compile, functionalization gives inputs the same meaning.)"""
+    if out is None or torch.compiler.is_compiling() or not _validation.shares_memory(out, t):
+        return t
+    return t.clone()
 
 
 def _broadcast_index(caller: str, index: object, src: torch.Tensor, dim: int) -> torch.Tensor:
@@ -152,6 +197,13 @@ def _check_index_values(caller: str, index: torch.Tensor, size: int, what: str) 
     low, high = (int(v) for v in torch.aminmax(index))
     if low < 0 or high >= size:
         _validation.raise_first_out_of_range(caller, "index", index, size, what)
+
+
+def _size_name(out: torch.Tensor | None, dim_size: int | None, dim: int) -> str:
+    """How the caller gave the output's size along ``dim``, for a message."""
+    if out is not None:
+        return f"out.size({dim})"
+    return "dim_size" if dim_size is not None else "index.max() + 1"
 
 
 def _output_size(index: torch.Tensor, dim_size: int | None) -> int:
@@ -333,23 +385,30 @@ def _finish(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 
 def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
              out: torch.Tensor | None, dim_size: int | None, reduce: str, mode: object,
-             want_arg: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+             want_arg: bool = True, size_name: str | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """scatter's body, for every function built on it: ``caller`` names the function called
+    and ``size_name`` the output's size along ``dim`` in that function's arguments (default:
+    ``out.size(dim)``, ``dim_size`` or ``index.max() + 1``, whichever gave it)."""
     def check():
         _check_src(caller, src)
         d = _validation.check_dim(caller, dim, src.dim())
         r = _check_reduce(caller, reduce, SCATTER_REDUCES)
-        m = _check_mode(caller, mode, r)
+        m = _check_mode(caller, mode, r, src.dtype)
         _check_dim_size(caller, dim_size)
         _check_out(caller, out, src, d)
         index_b = _broadcast_index(caller, index, src, d)
         _validation.check_same_device(caller, src=src, index=index)
+        _check_exact_mean(caller, src, d, r, m, out)
         return d, r, m, index_b
 
     d, r, m, index_b = _validation.run_check(check)
     size = out.shape[d] if out is not None else _output_size(index, dim_size)
     _check_index_values(caller, index, size,
-                        f"out.size({d})" if out is not None else
-                        "dim_size" if dim_size is not None else "index.max() + 1")
+                        size_name if size_name is not None else _size_name(out, dim_size, d))
+    src, separate_index = _apart_from(out, src), _apart_from(out, index)
+    if separate_index is not index:
+        index_b = _broadcast_index(caller, separate_index, src, d)
     if src.numel() == 0:
         result = out if out is not None else _joined_to(
             src, _sized_like(src, d, size, 1 if r == "mul" else 0))
@@ -362,10 +421,14 @@ def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
         return _finish(out, values), arg
     if r == "mean":
         return _finish(out, _mean_into(src, index_b, d, out, size, m)), None
-    if r == "sum" and out is not None and src.is_floating_point():
+    if (r == "sum" and out is not None and src.is_floating_point()
+            and not torch.compiler.is_compiling()):
+        # In place, no copy: the same kernel and bits as the path below. Eager only: a
+        # compiled graph cannot tell whether out shares memory with src, and inductor runs
+        # an in-place operator on the caller's own out.
         rows = _rows_index(index_b, d)
         if rows is not None:
-            return index_add_(out, d, rows, src, mode=m), None  # in place, no copy
+            return index_add_(out, d, rows, src, mode=m), None
     if out is not None:
         return _finish(out, _reduce_into(src, index_b, d, out, r, True, m)), None
     base = _sized_like(src, d, size, 1 if r == "mul" else 0)
@@ -392,12 +455,14 @@ def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
         index: int32/int64, values in ``[0, out.size(dim))``, broadcastable to ``src``.
         dim: the axis along which to index (default -1).
         out: optional destination of ``src``'s shape except along ``dim``: reduced into (its
-            values take part), written in place and returned.
+            values take part), written in place and returned. It may share memory with
+            ``src`` or ``index`` (read as they were before ``out`` is written).
         dim_size: the output's size along ``dim`` when ``out`` is not given (default
             ``index.max() + 1``, 0 for an empty index).
         reduce: ``"sum"`` (or ``"add"``), ``"mul"``, ``"mean"``, ``"min"`` or ``"max"``.
         mode: keyword only: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``
-            (``"mul"`` refuses ``"exact"``).
+            (``"mul"`` of floats refuses ``"exact"``; integers give the same result in every
+            mode).
 
     Returns:
         The reduced tensor (``out`` itself when given). Elements that receive nothing are 0
@@ -498,16 +563,16 @@ def _check_pointer_like(caller: str, name: str, t: object, src: torch.Tensor) ->
     return dim
 
 
-def _check_indptr_values(caller: str, indptr: torch.Tensor, rows: int) -> None:
-    """Nondecreasing along the last axis, within ``[0, rows]``: one host read (skipped while
-    torch.compile traces)."""
+def _check_indptr_values(caller: str, indptr: torch.Tensor, rows: int, what: str) -> None:
+    """Nondecreasing along the last axis, within ``[0, rows]`` (``what`` names ``rows`` in the
+    caller's arguments): one host read (skipped while torch.compile traces)."""
     if torch.compiler.is_compiling() or indptr.numel() == 0:
         return
     low, high = (int(v) for v in torch.aminmax(indptr))
     decreasing = bool((indptr[..., 1:] < indptr[..., :-1]).any())
     if low < 0 or high > rows:
-        _validation.raise_first_out_of_range(caller, "indptr", indptr, rows + 1,
-                                             "src.size(dim) + 1")
+        _validation.raise_first_out_of_range(caller, "indptr", indptr, rows, what,
+                                             size_included=True)
     if decreasing:
         position = int((indptr[..., 1:] < indptr[..., :-1]).reshape(-1).nonzero()[0])
         raise ValueError(f"{caller}: indptr decreases after its flat position {position}; "
@@ -535,16 +600,19 @@ def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
         _check_src(caller, src)
         d = _check_pointer_like(caller, "indptr", indptr, src)
         r = _check_reduce(caller, reduce, SEGMENT_REDUCES)
-        m = _check_mode(caller, mode, r)
+        m = _check_mode(caller, mode, r, src.dtype)
         if out is not None:
             _check_out(caller, out, src, d)
             if out.shape[d] != max(indptr.shape[-1] - 1, 0):
                 raise ValueError(f"{caller}: out has size {out.shape[d]} along dim {d}; "
-                                 f"expected indptr.size(-1) - 1 = {indptr.shape[-1] - 1}")
+                                 f"expected max(indptr.size(-1) - 1, 0) = "
+                                 f"{max(indptr.shape[-1] - 1, 0)}")
+        _check_exact_mean(caller, src, d, r, m, None)
         return d, r, m
 
     d, r, m = _validation.run_check(check)
-    _check_indptr_values(caller, indptr, src.shape[d])
+    _check_indptr_values(caller, indptr, src.shape[d], f"src.size({d})")
+    src, indptr = _apart_from(out, src), _apart_from(out, indptr)
     segments = max(indptr.shape[-1] - 1, 0)
     one_pointer = all(size == 1 for size in indptr.shape[:-1])
     if src.numel() == 0 or segments == 0:
@@ -590,7 +658,7 @@ def segment_csr(src: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor | Non
         indptr: int32/int64, nondecreasing along its last axis, values in
             ``[0, src.size(dim)]``.
         out: optional destination (``src``'s shape with ``indptr.size(-1) - 1`` along
-            ``dim``): overwritten and returned.
+            ``dim``): overwritten and returned; it may share memory with ``src``.
         reduce: ``"sum"`` (or ``"add"``), ``"mean"``, ``"min"`` or ``"max"``.
         mode: keyword only: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
 
@@ -657,17 +725,20 @@ def _segment_coo(caller: str, src: torch.Tensor, index: torch.Tensor,
         if index.shape[d] not in (1, src.shape[d]):
             raise ValueError(f"{caller}: index has size {index.shape[d]} along dim {d}; "
                              f"expected src.size({d}) = {src.shape[d]}")
-        _check_reduce(caller, reduce, SEGMENT_REDUCES)
+        r = _check_reduce(caller, reduce, SEGMENT_REDUCES)
         _check_dim_size(caller, dim_size)
+        _check_exact_mean(caller, src, d, r, _check_mode(caller, mode, r, src.dtype), out)
         return d
 
     d = _validation.run_check(check)
     _check_sorted(caller, index)
+    size_name = None
     if out is None and dim_size is None:
         last = index.select(d, index.shape[d] - 1) if index.numel() else index
         dim_size = int(last.max()) + 1 if index.numel() else 0
+        size_name = "the output's size, index's largest last value + 1"
     return _scatter(caller, src, index.expand(tuple(src.shape[:d + 1])), d, out, dim_size,
-                    reduce, mode, want_arg)
+                    reduce, mode, want_arg, size_name)
 
 
 def segment_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None,
@@ -682,7 +753,8 @@ def segment_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None
     Args:
         src: float32/float16/bfloat16/float64, or an integer dtype.
         index: int32/int64, sorted along its last axis, values in ``[0, out.size(dim))``.
-        out: optional destination, reduced into (its values take part), written in place.
+        out: optional destination, reduced into (its values take part), written in place;
+            it may share memory with ``src``.
         dim_size: the output's size along ``dim`` without ``out`` (default: the last index
             value plus one).
         reduce: ``"sum"`` (or ``"add"``), ``"mean"``, ``"min"`` or ``"max"``.
@@ -777,15 +849,20 @@ def gather_csr(src: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor | None
         segments = indptr.shape[-1] - 1
         if src.shape[d] != max(segments, 0) and src.numel() > 0:
             raise ValueError(f"{caller}: src has size {src.shape[d]} along dim {d}; expected "
-                             f"indptr.size(-1) - 1 = {segments}")
+                             f"max(indptr.size(-1) - 1, 0) = {max(segments, 0)}")
+        _check_out(caller, out, src, d)
         return d, parse_mode(mode, caller=caller)
 
     d, m = _validation.run_check(check)
     if out is not None:
-        length = out.shape[d]
+        length, length_name = out.shape[d], f"out.size({d})"
     else:
         length = int(indptr.reshape(-1)[-1]) if src.numel() > 0 and indptr.numel() else 0
-    _check_indptr_values(caller, indptr, length)
+        last = "indptr" + (f"[{', '.join(['-1'] * indptr.dim())}]" if indptr.dim() > 1
+                           else "[-1]")
+        length_name = f"the output's size along dim {d}, {last}"
+    _check_indptr_values(caller, indptr, length, length_name)
+    src, indptr = _apart_from(out, src), _apart_from(out, indptr)
     shape = list(src.shape)
     shape[d] = length
     if src.numel() == 0 or length == 0:
@@ -831,12 +908,17 @@ def gather_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
                 raise ValueError(f"{caller}: index of shape {tuple(index.shape)} does not "
                                  f"broadcast to src's leading sizes {tuple(src.shape[:d])}")
         _validation.check_same_device(caller, src=src, index=index)
+        _check_out(caller, out, src, d)
+        if out is not None and out.shape[d] != index.shape[d]:
+            raise ValueError(f"{caller}: out has size {out.shape[d]} along dim {d}; expected "
+                             f"index.size({d}) = {index.shape[d]}")
         return d, parse_mode(mode, caller=caller)
 
     d, m = _validation.run_check(check)
     shape = list(src.shape)
     shape[d] = index.shape[d]
     _check_index_values(caller, index, src.shape[d], f"src.size({d})")
+    src, index = _apart_from(out, src), _apart_from(out, index)
     if src.numel() == 0 or index.numel() == 0:
         return _finish(out, _joined_to(src, torch.zeros(shape, dtype=src.dtype,
                                                          device=src.device)))
@@ -932,12 +1014,12 @@ def scatter_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_softmax"
     _validation.run_check(_check_float_src, caller, src)
-    top = scatter(src, index, dim, dim_size=dim_size, reduce="max", mode=mode)
+    top = _scatter(caller, src, index, dim, None, dim_size, "max", mode, want_arg=False)[0]
     d = _validation.check_dim(caller, dim, src.dim())
     index_b = _broadcast_index(caller, index, src, d)
     m = parse_mode(mode, caller=caller)
     exps = (src - _gather(top, index_b, d, m)).exp()
-    totals = scatter_sum(exps, index, dim, dim_size=dim_size, mode=mode)
+    totals = _scatter(caller, exps, index, dim, None, dim_size, "sum", mode)[0]
     return exps / _gather(totals, index_b, d, m)
 
 
@@ -954,12 +1036,12 @@ def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_log_softmax"
     _validation.run_check(_check_float_src, caller, src)
-    top = scatter(src, index, dim, dim_size=dim_size, reduce="max", mode=mode)
+    top = _scatter(caller, src, index, dim, None, dim_size, "max", mode, want_arg=False)[0]
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
     m = parse_mode(mode, caller=caller)
     shifted = src - _gather(top, where, d, m)
-    totals = scatter_sum(shifted.exp(), index, dim, dim_size=dim_size, mode=mode)
+    totals = _scatter(caller, shifted.exp(), index, dim, None, dim_size, "sum", mode)[0]
     return shifted - _gather((totals + eps).log(), where, d, m)
 
 
@@ -982,16 +1064,19 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     _validation.run_check(_check_float_src, caller, src)
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
+    _validation.run_check(_check_out, caller, out, src, d)
+    size_name = _size_name(out, dim_size, d)
     if out is not None:
         dim_size = out.shape[d]
     elif dim_size is None:
         dim_size = _output_size(index, None)
-    top = scatter(src, index, d, _sized_like(src, d, dim_size, float("-inf")),
-                  dim_size=dim_size, reduce="max", mode=mode)
+    top = _scatter(caller, src, index, d, _sized_like(src, d, dim_size, float("-inf")),
+                   dim_size, "max", mode, want_arg=False, size_name=size_name)[0]
     shifted = src - _gather(top, where, d, parse_mode(mode, caller=caller))
     shifted = shifted.masked_fill(shifted.isnan(), float("-inf"))
     start = None if out is None else (out - top).exp()
-    totals = scatter_sum(shifted.exp(), index, d, start, dim_size=dim_size, mode=mode)
+    totals = _scatter(caller, shifted.exp(), index, d, start, dim_size, "sum", mode,
+                      size_name=size_name)[0]
     result = (totals + eps).log() + top
     if out is None:
         return result.nan_to_num(neginf=0.0)
@@ -1014,15 +1099,18 @@ def scatter_std(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     caller = "detsum.scatter_std"
     _validation.run_check(_check_float_src, caller, src)
     d = _validation.check_dim(caller, dim, src.dim())
+    _validation.run_check(_check_out, caller, out, src, d)
+    size_name = _size_name(out, dim_size, d)
     if out is not None:
         dim_size = out.shape[d]
     where = _broadcast_index(caller, index, src, d)
-    totals = scatter_sum(src, index, d, dim_size=dim_size, mode=mode)
+    totals = _scatter(caller, src, index, d, None, dim_size, "sum", mode,
+                      size_name=size_name)[0]
     count = _counts(where, d, totals.shape).to(totals.dtype).clamp_min(1)
     mean = totals / count
     deviations = src - _gather(mean, where, d, parse_mode(mode, caller=caller))
-    squares = scatter_sum(deviations * deviations, index, d, out, dim_size=totals.shape[d],
-                          mode=mode)
+    squares = _scatter(caller, deviations * deviations, index, d, out, totals.shape[d], "sum",
+                       mode, size_name=size_name)[0]
     if unbiased:
         count = (count - 1).clamp_min(1)
     return (squares / (count + 1e-6)).sqrt()

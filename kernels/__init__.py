@@ -87,15 +87,19 @@ def has_work(src, order, offsets, supported_dtypes) -> bool:
     return outer > 0 and offsets.shape[0] > 1 and inner > 0
 
 
-def has_exact_work(src, order, offsets, reduce, supported_dtypes) -> bool:
+def has_exact_work(src, order, offsets, reduce, supported_dtypes, counts_base) -> bool:
     """``has_work`` for the EXACT rule, which sums (SUM, MEAN) only and divides a mean by at
-    most MAX_TERMS_PER_STATE terms (the long division keeps its remainder << 32 in an int64)."""
+    most MAX_TERMS_PER_STATE terms (the long division keeps its remainder << 32 in an int64):
+    a segment's terms, plus its base row when ``counts_base`` (include_base with a base)."""
     if not has_work(src, order, offsets, supported_dtypes):
         return False
     if reduce not in (SUM, MEAN):
         raise ValueError("segment_reduce: the EXACT rule sums (SUM, MEAN) only")
     positions = order.shape[0] if order is not None else src.shape[1]
-    if reduce == MEAN and positions + 1 > MAX_TERMS_PER_STATE:
-        raise ValueError(f"segment_reduce: an exact mean of up to {positions + 1} terms; "
-                         f"expected at most {MAX_TERMS_PER_STATE}")
+    if reduce == MEAN and positions + counts_base > MAX_TERMS_PER_STATE:
+        # Only a launch this large pays for reading its longest segment (a host read).
+        longest = int((offsets[1:] - offsets[:-1]).max())
+        if longest + counts_base > MAX_TERMS_PER_STATE:
+            raise ValueError(f"segment_reduce: an exact mean of {longest + counts_base} "
+                             f"terms; expected at most {MAX_TERMS_PER_STATE}")
     return True

@@ -24,6 +24,13 @@ SCATTER_REDUCES = SEGMENT_REDUCES + ["mul"]
 FLOAT_MODES = ["fp32", "kahan", "autograd", "exact"]
 
 
+def table_modes(dtype):
+    """Integer tables run in every mode (integer arithmetic is exact in any order, so every
+    mode gives torch_scatter's integers, products included); float ones in the default mode
+    (the float modes are checked against the reference below)."""
+    return ["fp32"] if dtype.is_floating_point else FLOAT_MODES
+
+
 def tensor(values, dtype):
     return torch.tensor(values).to(dtype)
 
@@ -38,10 +45,11 @@ def table_id(table_list):
 @pytest.mark.parametrize("table", SCATTER_TABLES, ids=table_id(SCATTER_TABLES))
 def test_scatter_table(table, reduce):
     for dtype in TABLE_DTYPES:
-        check_scatter_table(table, reduce, dtype)
+        for mode in table_modes(dtype):
+            check_scatter_table(table, reduce, dtype, mode)
 
 
-def check_scatter_table(table, reduce, dtype):
+def check_scatter_table(table, reduce, dtype, mode):
     src, index = tensor(table["src"], dtype), tensor(table["index"], torch.long)
     expected = tensor(table[reduce], dtype)
     for layout in ("contiguous", "transposed"):
@@ -51,27 +59,29 @@ def check_scatter_table(table, reduce, dtype):
                 src = src.transpose(0, 1).contiguous().transpose(0, 1)
             if index.dim() > 1:
                 index = index.transpose(0, 1).contiguous().transpose(0, 1)
-        result = getattr(detsum, f"scatter_{reduce}")(src, index, table["dim"])
+        result = getattr(detsum, f"scatter_{reduce}")(src, index, table["dim"], mode=mode)
         if reduce in ("min", "max"):
             result, arg = result
-            assert torch.equal(arg, tensor(table[f"arg_{reduce}"], torch.long)), dtype
-        assert torch.equal(result, expected), dtype
-        assert torch.equal(detsum.scatter(src, index, table["dim"], reduce=reduce), expected), dtype
+            assert torch.equal(arg, tensor(table[f"arg_{reduce}"], torch.long)), (dtype, mode)
+        assert torch.equal(result, expected), (dtype, mode)
+        generic = detsum.scatter(src, index, table["dim"], reduce=reduce, mode=mode)
+        assert torch.equal(generic, expected), (dtype, mode)
 
 
 @pytest.mark.parametrize("reduce", SCATTER_REDUCES)
 @pytest.mark.parametrize("table", SCATTER_TABLES, ids=table_id(SCATTER_TABLES))
 def test_scatter_table_out(table, reduce):
     for dtype in TABLE_DTYPES:
-        check_scatter_table_out(table, reduce, dtype)
+        for mode in table_modes(dtype):
+            check_scatter_table_out(table, reduce, dtype, mode)
 
 
-def check_scatter_table_out(table, reduce, dtype):
+def check_scatter_table_out(table, reduce, dtype, mode):
     """out= takes part and is written in place (torch_scatter's test_out, where it can test)."""
     src, index = tensor(table["src"], dtype), tensor(table["index"], torch.long)
     expected = tensor(table[reduce], dtype)
     out = torch.full_like(expected, -2)
-    returned = getattr(detsum, f"scatter_{reduce}")(src, index, table["dim"], out)
+    returned = getattr(detsum, f"scatter_{reduce}")(src, index, table["dim"], out, mode=mode)
     if reduce in ("min", "max"):
         returned = returned[0]
     assert returned is out, dtype
@@ -98,10 +108,11 @@ def test_scatter_table_gradcheck(table, reduce):
 @pytest.mark.parametrize("table", SEGMENT_TABLES, ids=table_id(SEGMENT_TABLES))
 def test_segment_table(table, reduce):
     for dtype in TABLE_DTYPES:
-        check_segment_table(table, reduce, dtype)
+        for mode in table_modes(dtype):
+            check_segment_table(table, reduce, dtype, mode)
 
 
-def check_segment_table(table, reduce, dtype):
+def check_segment_table(table, reduce, dtype, mode):
     src = tensor(table["src"], dtype)
     index, indptr = tensor(table["index"], torch.long), tensor(table["indptr"], torch.long)
     expected = tensor(table[reduce], dtype)
@@ -110,13 +121,13 @@ def check_segment_table(table, reduce, dtype):
             src, index, indptr = (t.transpose(0, 1).contiguous().transpose(0, 1)
                                   if t.dim() > 1 else t for t in (src, index, indptr))
         for kind, pointer in (("csr", indptr), ("coo", index)):
-            result = getattr(detsum, f"segment_{reduce}_{kind}")(src, pointer)
+            result = getattr(detsum, f"segment_{reduce}_{kind}")(src, pointer, mode=mode)
             if reduce in ("min", "max"):
                 result, arg = result
                 assert torch.equal(arg, tensor(table[f"arg_{reduce}"], torch.long)), (kind, dtype)
-            assert torch.equal(result, expected), (kind, dtype)
-            generic = getattr(detsum, f"segment_{kind}")(src, pointer, reduce=reduce)
-            assert torch.equal(generic, expected), (kind, dtype)
+            assert torch.equal(result, expected), (kind, dtype, mode)
+            generic = getattr(detsum, f"segment_{kind}")(src, pointer, reduce=reduce, mode=mode)
+            assert torch.equal(generic, expected), (kind, dtype, mode)
 
 
 @pytest.mark.parametrize("reduce", SEGMENT_REDUCES)
@@ -606,3 +617,247 @@ def test_errors_name_the_argument_and_change_nothing():
     with pytest.raises(ValueError, match="expected a floating-point dtype"):
         detsum.scatter_softmax(src.long(), torch.tensor([0, 1, 0, 1]), 0)
     assert torch.equal(out, before)
+
+
+# ---- errors in the caller's words ---------------------------------------------------------------
+
+def test_pointer_errors_name_the_bound_they_break():
+    """Each message names the bound as the caller's arguments give it, with its real value:
+    indptr may reach src.size(dim) in segment_csr, the output's size (indptr's last value, or
+    out's size) in gather_csr."""
+    with pytest.raises(IndexError, match=r"detsum.gather_csr: indptr\[1, 1\] = 8 is out of range "
+                                         r"for the output's size along dim 1, indptr\[-1, -1\] = "
+                                         r"6 \(expected 0 <= indptr <= 6\)$"):
+        detsum.gather_csr(torch.ones(3, 1), torch.tensor([[3, 6], [6, 8], [2, 6]]))
+    with pytest.raises(IndexError, match=r"detsum.gather_csr: indptr\[2\] = 6 is out of range for "
+                                         r"out.size\(0\) = 5 \(expected 0 <= indptr <= 5\)$"):
+        detsum.gather_csr(torch.ones(2), torch.tensor([0, 2, 6]), torch.zeros(5))
+    with pytest.raises(IndexError, match=r"detsum.segment_sum_csr: indptr\[2\] = 6 is out of "
+                                         r"range for src.size\(0\) = 5 \(expected 0 <= indptr "
+                                         r"<= 5\)$"):
+        detsum.segment_sum_csr(torch.ones(5), torch.tensor([0, 3, 6]))
+    with pytest.raises(IndexError, match=r"detsum.segment_csr: indptr\[0, 0\] = -1 is out of "
+                                         r"range for src.size\(1\) = 4 "):
+        detsum.segment_csr(torch.ones(2, 4), torch.tensor([[-1, 4]]))
+    with pytest.raises(IndexError, match=r"detsum.segment_coo: index\[0\] = -1 is out of range "
+                                         r"for the output's size, index's largest last value "
+                                         r"\+ 1 = 2 "):
+        detsum.segment_coo(torch.ones(3), torch.tensor([-1, 0, 1]))
+    with pytest.raises(IndexError, match=r"detsum.gather_coo: index\[1\] = 3 is out of range for "
+                                         r"src.size\(0\) = 3 "):
+        detsum.gather_coo(torch.ones(3), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"detsum.segment_csr: out has size 3 along dim 0; "
+                                         r"expected max\(indptr.size\(-1\) - 1, 0\) = 2$"):
+        detsum.segment_csr(torch.ones(4), torch.tensor([0, 2, 4]), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"detsum.gather_coo: out has size 3 along dim 0; "
+                                         r"expected index.size\(0\) = 2$"):
+        detsum.gather_coo(torch.ones(4), torch.tensor([0, 2]), torch.zeros(3))
+    with pytest.raises(ValueError, match=r"detsum.gather_csr: out has dtype torch.float64 but "
+                                         r"src has torch.float32"):
+        detsum.gather_csr(torch.ones(2), torch.tensor([0, 1, 2]),
+                          torch.zeros(2, dtype=torch.float64))
+
+
+def test_composites_name_themselves_and_the_bound_their_caller_gave():
+    src = torch.ones(4)
+    index = torch.tensor([0, 1, 0, 3])
+    with pytest.raises(IndexError, match=r"detsum.scatter_softmax: index\[3\] = 3 is out of range "
+                                         r"for dim_size = 2 "):
+        detsum.scatter_softmax(src, index, dim_size=2)
+    with pytest.raises(IndexError, match=r"detsum.scatter_logsumexp: index\[3\] = 3 is out of "
+                                         r"range for out.size\(0\) = 2 "):
+        detsum.scatter_logsumexp(src, index, out=torch.zeros(2))
+    with pytest.raises(IndexError, match=r"detsum.scatter_std: index\[0\] = -1 is out of range "
+                                         r"for index.max\(\) \+ 1 = 4 "):
+        detsum.scatter_std(src, torch.tensor([-1, 1, 0, 3]))
+
+
+# One call per function of the torch_scatter API that takes an index or indptr, each with one
+# value out of range.
+_SRC4 = torch.ones(4, 2)
+_BAD_INDEX = torch.tensor([0, 1, 0, 7])
+_BAD_SORTED = torch.tensor([0, 1, 1, 7])
+BAD_INDEX_CALLS = {
+    "scatter": lambda: detsum.scatter(_SRC4, _BAD_INDEX, 0, dim_size=3),
+    **{f"scatter_{r}": (lambda r=r: getattr(detsum, f"scatter_{r}")(_SRC4, _BAD_INDEX, 0,
+                                                                  dim_size=3))
+       for r in SCATTER_REDUCES},
+    "segment_coo": lambda: detsum.segment_coo(_SRC4, _BAD_SORTED, dim_size=3),
+    **{f"segment_{r}_coo": (lambda r=r: getattr(detsum, f"segment_{r}_coo")(
+        _SRC4, _BAD_SORTED, dim_size=3)) for r in SEGMENT_REDUCES},
+    "segment_csr": lambda: detsum.segment_csr(_SRC4, torch.tensor([0, 2, 5])),
+    **{f"segment_{r}_csr": (lambda r=r: getattr(detsum, f"segment_{r}_csr")(
+        _SRC4, torch.tensor([0, 2, 5]))) for r in SEGMENT_REDUCES},
+    "gather_coo": lambda: detsum.gather_coo(_SRC4, torch.tensor([0, 4])),
+    "gather_csr": lambda: detsum.gather_csr(_SRC4, torch.tensor([0, 1, 2, 3, 9]),
+                                            torch.zeros(5, 2)),
+    "index_select": lambda: detsum.index_select(_SRC4, 0, torch.tensor([4])),
+    "scatter_softmax": lambda: detsum.scatter_softmax(_SRC4, _BAD_INDEX, 0, dim_size=3),
+    "scatter_log_softmax": lambda: detsum.scatter_log_softmax(_SRC4, _BAD_INDEX, 0,
+                                                              dim_size=3),
+    "scatter_logsumexp": lambda: detsum.scatter_logsumexp(_SRC4, _BAD_INDEX, 0, dim_size=3),
+    "scatter_std": lambda: detsum.scatter_std(_SRC4, _BAD_INDEX, 0, dim_size=3),
+}
+
+
+def test_every_index_taking_function_is_listed():
+    assert set(BAD_INDEX_CALLS) == set(detsum.scatter_compat.__all__)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INDEX_CALLS))
+def test_a_bad_index_is_caught_as_runtime_error_and_as_index_error(name):
+    """torch_scatter's callers catch RuntimeError (its kernels' error for a bad index); code
+    written for detsum or Python lookups catches IndexError: one exception serves both."""
+    call = BAD_INDEX_CALLS[name]
+    try:
+        call()
+    except RuntimeError as error:
+        assert isinstance(error, IndexError)
+        assert isinstance(error, detsum.IndexOutOfRangeError)
+        assert str(error).startswith(f"detsum.{name}: "), str(error)
+        assert "is out of range for" in str(error)
+    else:
+        raise AssertionError(f"detsum.{name} accepted an index out of range")
+    with pytest.raises(IndexError):
+        call()
+
+
+def test_exact_mul_of_integers_gives_the_other_modes_integers():
+    g = torch.Generator().manual_seed(3)
+    src = torch.randint(-9, 10, (40, 3), generator=g)
+    index = torch.randint(0, 6, (40,), generator=g)
+    for dtype in (torch.uint8, torch.int8, torch.int32, torch.int64):
+        values = src.abs().to(dtype) if dtype is torch.uint8 else src.to(dtype)
+        expected = detsum.scatter_mul(values, index, 0, dim_size=7)
+        assert torch.equal(detsum.scatter_mul(values, index, 0, dim_size=7, mode="exact"),
+                           expected), dtype
+        assert torch.equal(detsum.scatter(values, index, 0, dim_size=7, reduce="mul",
+                                          mode="exact"), expected), dtype
+    with pytest.raises(ValueError, match=r"detsum.scatter_mul: reduce='mul' has no "
+                                         r"mode='exact' for src of dtype torch.float64: "):
+        detsum.scatter_mul(src.double(), index, 0, mode="exact")
+
+
+# ---- out= sharing memory with the inputs ---------------------------------------------------------
+
+def _aliasing_cases():
+    """(name, call(src, out)) for every function with out=, on a [4, 3] src whose out has its
+    shape, so that out=src is a valid call."""
+    index = torch.tensor([2, 0, 3, 0])
+    sorted_index = torch.tensor([0, 0, 2, 3])
+    indptr = torch.tensor([0, 2, 2, 3, 4])
+    cases = [(f"scatter_{r}", lambda src, out, r=r: getattr(detsum, f"scatter_{r}")(
+        src, index, 0, out)) for r in SCATTER_REDUCES]
+    cases += [(f"scatter-{r}", lambda src, out, r=r: detsum.scatter(src, index, 0, out,
+                                                                     reduce=r))
+              for r in SCATTER_REDUCES]
+    cases += [(f"segment_{r}_coo", lambda src, out, r=r: getattr(detsum, f"segment_{r}_coo")(
+        src, sorted_index, out)) for r in SEGMENT_REDUCES]
+    cases += [(f"segment_{r}_csr", lambda src, out, r=r: getattr(detsum, f"segment_{r}_csr")(
+        src, indptr, out)) for r in SEGMENT_REDUCES]
+    cases += [("gather_coo", lambda src, out: detsum.gather_coo(src, index, out)),
+              ("gather_csr", lambda src, out: detsum.gather_csr(src, indptr, out)),
+              ("scatter_logsumexp", lambda src, out: detsum.scatter_logsumexp(src, index, 0,
+                                                                              out)),
+              ("scatter_std", lambda src, out: detsum.scatter_std(src, index, 0, out))]
+    return cases
+
+
+ALIASING_CASES = _aliasing_cases()
+
+
+@pytest.mark.parametrize("name,call", ALIASING_CASES, ids=[n for n, _ in ALIASING_CASES])
+def test_out_sharing_memory_with_src_gives_the_bits_of_a_separate_out(name, call):
+    """One rule for the whole API: out may share memory with src (out=src, or overlapping
+    views); every input is read as it was before out is written."""
+    values = torch.randn(5, 3, generator=torch.Generator().manual_seed(5))
+
+    def run(src, out):
+        result = call(src, out)
+        return result[0] if isinstance(result, tuple) else result
+
+    x = values[:4].clone()
+    separate_out = x.clone()
+    expected = run(x.clone(), separate_out)
+    assert_same_bits(run(x, x), expected)
+    assert_same_bits(x, separate_out)
+    # Overlapping views of one buffer: out starts one row after src.
+    buffer = values.clone()
+    src_view, out_view = buffer[:4], buffer[1:]
+    separate_out = out_view.clone()
+    expected = run(src_view.clone(), separate_out)
+    assert_same_bits(run(src_view, out_view), expected)
+    assert_same_bits(out_view, separate_out)
+
+
+def test_out_sharing_memory_with_src_compiled():
+    """The same rule under torch.compile, where the graph's inputs alias (inductor runs an
+    in-place operator on the caller's own tensor)."""
+    index = torch.tensor([2, 0, 3, 0])
+    values = torch.randn(4, 3, generator=torch.Generator().manual_seed(7))
+
+    def sum_into_src(x):
+        return detsum.scatter_sum(x, index, 0, out=x)
+
+    expected = sum_into_src(values.clone()).clone()
+    torch._dynamo.reset()
+    x = values.clone()
+    assert_same_bits(torch.compile(sum_into_src, fullgraph=True)(x), expected)
+    assert_same_bits(x, expected)
+
+
+def test_out_sharing_memory_with_src_keeps_the_gradient():
+    """The gradient of out=src is that of a separate out holding src's values."""
+    leaf = torch.randn(4, 3, generator=torch.Generator().manual_seed(6), requires_grad=True)
+    index = torch.tensor([2, 0, 3, 0])
+    x = leaf * 1
+    detsum.scatter_max(x, index, 0, out=x)
+    x.sum().backward()
+    aliased, leaf.grad = leaf.grad, None
+    src, out = leaf * 1, leaf * 1
+    detsum.scatter_max(src, index, 0, out=out)
+    out.sum().backward()
+    assert torch.equal(aliased, leaf.grad)
+
+
+def test_out_whose_elements_share_memory_is_refused_in_the_callers_words():
+    src = torch.ones(4, 3)
+    expanded = torch.zeros(1, 3).expand(2, 3)
+    index = torch.tensor([0, 1, 0, 1])
+    for name, call in (("scatter_sum", lambda: detsum.scatter_sum(src, index, 0, expanded)),
+                       ("scatter_max", lambda: detsum.scatter_max(src, index, 0, expanded)),
+                       ("segment_sum_csr", lambda: detsum.segment_sum_csr(
+                           src, torch.tensor([0, 2, 4]), expanded)),
+                       ("gather_coo", lambda: detsum.gather_coo(src, torch.tensor([0, 3]),
+                                                                expanded))):
+        with pytest.raises(ValueError, match=rf"^detsum.{name}: out has elements that share "
+                                             rf"memory .* pass out.clone\(\)$"):
+            call()
+    assert torch.equal(expanded, torch.zeros(2, 3))
+
+
+def test_exact_mean_over_the_term_limit_is_refused_before_any_work(monkeypatch):
+    """An exact mean divides by at most 2**30 - 1 terms; the bound is read from src's shape,
+    so a stride-0 src of 2**30 rows is refused at once, naming the function called."""
+    def work_began(*args, **kwargs):
+        raise AssertionError("the call began its work before refusing")
+
+    for name in ("scatter_reduce", "_check_index_values", "_check_indptr_values",
+                 "_check_sorted", "_segment_of_position"):
+        monkeypatch.setattr(detsum.scatter_compat, name, work_began)
+    rows = 2**30
+    src = torch.zeros(1, 2).expand(rows, 2)
+    index = torch.zeros(1, dtype=torch.long).expand(rows)
+    expected = (r"reduce='mean' with mode='exact' sums at most 1073741823 terms per output "
+                r"element; got up to 1073741824 \(src.size\(0\) = 1073741824\)")
+    for name, call in (
+            ("scatter_mean", lambda: detsum.scatter_mean(src, index, 0, dim_size=1,
+                                                         mode="exact")),
+            ("scatter", lambda: detsum.scatter(src, index, 0, dim_size=1, reduce="mean",
+                                               mode="exact")),
+            ("segment_mean_coo", lambda: detsum.segment_mean_coo(src, index, dim_size=1,
+                                                                 mode="exact")),
+            ("segment_csr", lambda: detsum.segment_csr(src, torch.tensor([0, rows]),
+                                                       reduce="mean", mode="exact"))):
+        with pytest.raises(ValueError, match=rf"^detsum.{name}: {expected}"):
+            call()

@@ -552,3 +552,73 @@ def test_prod_gradient_with_zeros_matches_torch(kind, include_self, n_zeros):
         torch.testing.assert_close(a, e, rtol=1e-15, atol=0, msg=f"grad of {name}")
     if n_zeros == 2 and kind == "row":
         assert (got[1][zero_rows] == 0).all()
+
+
+# ---- the exact mean's term limit -----------------------------------------------------------------
+
+def test_exact_mean_term_limit_counts_the_input_only_when_it_takes_part():
+    """At most MAX_TERMS_PER_STATE = 2**30 - 1 terms per output element: the source terms, plus
+    the input's own value with include_self (the kernels' base row). Checked on the pure
+    functions: a call of 2**30 terms is too large for a test."""
+    from detsum import _validation, kernels
+    limit = kernels.MAX_TERMS_PER_STATE
+    assert limit == 2**30 - 1
+    _validation.check_exact_mean_terms("detsum.f", limit, "src.size(0)")
+    with pytest.raises(ValueError, match=r"^detsum.f: reduce='mean' with mode='exact' sums at "
+                                         r"most 1073741823 terms per output element; got up to "
+                                         r"1073741824 \(src.size\(0\)\)"):
+        _validation.check_exact_mean_terms("detsum.f", limit + 1, "src.size(0)")
+    # The kernels' own check, on stride-0 views: shapes and offsets only, nothing summed.
+    dtypes = (torch.float32,)
+    one_segment = torch.tensor([0, limit])
+    src = torch.zeros(1, 1, 1).expand(1, limit, 1)
+    assert kernels.has_exact_work(src, None, one_segment, kernels.MEAN, dtypes, False)
+    with pytest.raises(ValueError, match="an exact mean of 1073741824 terms"):
+        kernels.has_exact_work(src, None, one_segment, kernels.MEAN, dtypes, True)
+    # More positions than the limit in all, fewer in every segment.
+    src = torch.zeros(1, 1, 1).expand(1, 2**30, 1)
+    halves = torch.tensor([0, 2**29, 2**30])
+    assert kernels.has_exact_work(src, None, halves, kernels.MEAN, dtypes, True)
+    with pytest.raises(ValueError, match="an exact mean of 1073741824 terms"):
+        kernels.has_exact_work(src, None, torch.tensor([0, 2**30]), kernels.MEAN, dtypes,
+                               False)
+
+
+def test_exact_mean_over_the_term_limit_is_refused_before_any_work(monkeypatch):
+    """The bound is src.size(dim) (+1 with include_self), read from shapes: a stride-0 src
+    one term over the limit is refused at once, in scatter_reduce's words."""
+    def work_began(*args, **kwargs):
+        raise AssertionError("the call began its work before refusing")
+
+    monkeypatch.setattr(detsum.ops.scatter_reduce, "_run", work_began)
+    limit = 2**30 - 1
+    for rows, include_self, counted in (
+            (limit + 1, False, r"src.size\(0\) = 1073741824"),
+            (limit, True, r"src.size\(0\) = 1073741823 and input's own value, "
+                          r"include_self=True")):
+        src = torch.zeros(1, 3).expand(rows, 3)
+        index = torch.zeros(1, dtype=torch.long).expand(rows)
+        with pytest.raises(ValueError, match=r"^detsum.scatter_reduce: reduce='mean' with "
+                                             r"mode='exact' sums at most 1073741823 terms per "
+                                             r"output element; got up to 1073741824 "
+                                             rf"\({counted}\)"):
+            detsum.scatter_reduce(torch.zeros(1, 3), 0, index, src, "mean",
+                                  include_self=include_self, mode="exact")
+    # Every other mode has no such limit: it gets as far as its work.
+    with pytest.raises(AssertionError, match="began its work"):
+        detsum.scatter_reduce(torch.zeros(1, 3), 0, index, src, "mean", mode="fp32")
+
+
+def test_a_bad_index_is_both_index_error_and_runtime_error():
+    """torch.scatter_reduce raises RuntimeError for an index out of range, Python's lookups
+    IndexError: detsum's error is both."""
+    for call in (lambda: detsum.scatter_reduce(torch.zeros(2), 0, torch.tensor([0, 2]),
+                                               torch.ones(2), "sum"),
+                 lambda: detsum.index_add(torch.zeros(2), 0, torch.tensor([0, 2]),
+                                          torch.ones(2)),
+                 lambda: detsum.segment_sum(torch.ones(2), torch.tensor([0, 2]),
+                                            perm=torch.tensor([0, 5]))):
+        with pytest.raises(RuntimeError, match="is out of range") as raised:
+            call()
+        assert isinstance(raised.value, IndexError)
+        assert type(raised.value) is detsum.IndexOutOfRangeError

@@ -237,7 +237,10 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
       sum rounded to the dtype, then divided in fp32 and rounded again (for fp32 and fp64
       data the same bits as ``"fp32"``).
     - ``"exact"`` (``"sum"`` and ``"mean"``): the exact sum (divided by the count for
-      ``"mean"``) rounded once: correctly rounded, and the same bits in any order.
+      ``"mean"``) rounded once: correctly rounded, and the same bits in any order. An exact
+      ``"mean"`` divides by at most ``2**30 - 1`` terms: a call in which ``src.size(dim)``
+      (plus one with ``include_self``), the most any output element can receive, is larger
+      is refused with a ``ValueError`` before any work.
     - ``"prod"``: serial product in acc, rounded once (torch's CPU ``scatter_reduce``
       computes the same), in every mode but ``"exact"``, which refuses it.
     - ``"amax"``/``"amin"``: exact in every mode, ``"exact"`` included. NaN propagates;
@@ -296,4 +299,9 @@ def _check(input, dim, index, src, reduce, include_self, mode, sorted, check):
     if sorted and index.dim() != 1:
         raise ValueError(f"{_CALLER}: sorted=True needs a 1-D index, got shape {tuple(index.shape)}")
     _validation.check_same_device(_CALLER, input=input, index=index, src=src)
+    if reduce == "mean" and mode is Mode.EXACT:
+        _validation.check_exact_mean_terms(
+            _CALLER, src.shape[dim] + include_self,
+            f"src.size({dim}) = {src.shape[dim]}" + (" and input's own value, include_self=True"
+                                                     if include_self else ""))
     return dim, mode

@@ -584,7 +584,8 @@ _KERNELS = {
 
 def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
     """``segment.segment_reduce`` for ``rule == EXACT`` (see the module docstring)."""
-    if not has_exact_work(src, order, offsets, reduce, _KERNELS):
+    if not has_exact_work(src, order, offsets, reduce, _KERNELS,
+                          include_base and base is not None):
         return
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1

@@ -886,7 +886,8 @@ _NORMALISE_EVERY = NORMALISE_EVERY
 
 def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
     """``segment_reduce`` for ``rule == EXACT`` (see the module's notes)."""
-    if not has_exact_work(src, order, offsets, reduce, _DATA_CODES):
+    if not has_exact_work(src, order, offsets, reduce, _DATA_CODES,
+                          include_base and base is not None):
         return
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1

@@ -96,14 +96,21 @@ def test_the_host_level_reads_values_back(call):
 
 
 @pytest.mark.parametrize("call", CALLS)
-@pytest.mark.parametrize("backend", ["numba", "triton"])
+@pytest.mark.parametrize("backend", ["numba", "triton", "reference"])
 def test_every_level_gives_the_same_bits(backend, call):
+    """Forward and backward, on a GPU's path where the levels differ (triton, reference)."""
     results = {}
-    with detsum.backend(backend):
+    with detsum.backend(backend) if backend == "numba" else gpu_path(backend):
         for check in ("host", "device", "off"):
-            results[check] = _calls(check, *_inputs(1))[call]()
-    assert_same_bits(results["device"], results["host"])
-    assert_same_bits(results["off"], results["host"])
+            init, index, src, offsets, perm = _inputs(1)
+            init.requires_grad_(True)
+            src.requires_grad_(True)
+            out = _calls(check, init, index, src, offsets, perm)[call]()
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+            results[check] = [out, src.grad] + ([] if init.grad is None else [init.grad])
+    for check in ("device", "off"):
+        for got, expected in zip(results[check], results["host"], strict=True):
+            assert_same_bits(got, expected)
 
 
 @pytest.mark.parametrize("primitive", ["index_add", "scatter_reduce", "segment_sum"])
@@ -654,7 +661,7 @@ def test_moe_host_level_reads_values_back(call):
 def test_moe_every_level_gives_the_same_bits(backend, call):
     """Forward and backward; True and False, the flag's old values, included."""
     run = _moe_call(call, seed=1)
-    with detsum.backend(backend):
+    with detsum.backend(backend) if backend == "numba" else gpu_path(backend):
         host = run("host")
         for check in ("device", "off", True, False):
             for got, expected in zip(run(check), host, strict=True):

@@ -232,6 +232,8 @@ _BAD_VALUE_CALLS = {
         t["src"], t["offsets"], check=check)),
     "segment_sum-perm-offsets": ("offsets", lambda t, check: detsum.segment_sum(
         t["src"], t["offsets"], perm=t["perm"], check=check)),
+    "segment_sum-exact": ("offsets", lambda t, check: detsum.segment_sum(
+        t["src"], t["offsets"], mode="exact", check=check)),
     "segment_sum-perm": ("perm", lambda t, check: detsum.segment_sum(
         t["src"], t["offsets"], perm=t["perm"], mode="kahan", check=check)),
 }
@@ -331,8 +333,9 @@ def _off_expected(call, t):
         return reference.scatter_reduce(init, 0, index, values[keep], reduce,
                                         include_self="without-self" not in call)
     perm = _clamped_perm(t["perm"], _ROWS) if "perm" in call else None
+    mode = {"segment_sum-perm": "kahan", "segment_sum-exact": "exact"}.get(call, "fp32")
     return reference.segment_sum(src, _launched_offsets(t["offsets"], _ROWS), perm=perm,
-                                 mode="kahan" if call == "segment_sum-perm" else "fp32")
+                                 mode=mode)
 
 
 _GPU_PATHS = [
@@ -433,6 +436,7 @@ _BACKWARD_CASES = {
         _gathered(g.t()[:, c], t["elementwise_index"][:, c], _SEGMENTS)
         for c in range(_COLUMNS)], 1)}),
     "segment_sum": (["src"], lambda t, g: {"src": _segment_gradient(t, g, False)}),
+    "segment_sum-exact": (["src"], lambda t, g: {"src": _segment_gradient(t, g, False)}),
     "segment_sum-perm-offsets": (["src"], lambda t, g: {"src": _segment_gradient(t, g, True)}),
     "segment_sum-perm": (["src"], lambda t, g: {"src": _segment_gradient(t, g, True)}),
 }

@@ -20,6 +20,60 @@ from detsum.backend import check_backend_runs
 #: a kernel forgets to write fails the bitwise comparison instead of passing by luck.
 POISON_OUTPUTS = False
 
+#: Tests set this to True: CPU tensors under the triton and reference backends are then checked
+#: as a GPU's are (``"device"`` on the device, ``"off"`` not at all, a bad value giving what
+#: ``"off"`` promises for it), so that the GPU's path runs on the CPU, in Triton's interpreter.
+#: Otherwise every level checks CPU tensors as ``"host"`` does (``check_that_runs``).
+GPU_CHECKS_ON_CPU = False
+
+
+def check_that_runs(check: str, device_type: str, backend_name: str) -> str:
+    """The check level a primitive applies: ``check`` on a GPU; ``"host"`` on the CPU whatever
+    ``check`` says (a host read costs no synchronisation there, and the Numba kernels must
+    never read outside a tensor), except under ``GPU_CHECKS_ON_CPU`` for the backends a GPU
+    runs."""
+    if device_type == "cpu" and (backend_name == "numba" or not GPU_CHECKS_ON_CPU):
+        return "host"
+    return check
+
+
+def backward_check(check: str, device_type: str) -> str:
+    """The check level whose values a backward pass sees: ``check_that_runs`` of its forward,
+    independent of the backend (a backward under ``GPU_CHECKS_ON_CPU`` allows for unchecked
+    values even where the forward checked them: the checked values give the same result)."""
+    if device_type == "cpu" and not GPU_CHECKS_ON_CPU:
+        return "host"
+    return check
+
+
+def clamped_index(index: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``index`` clamped into ``[0, size)``, the mask of its values already there), for a
+    backward that gathers with an index its forward did not check: every gather stays inside
+    its tensor, and the mask says which positions the forward left out. ``size > 0``."""
+    return index.clamp(0, size - 1), (index >= 0) & (index < size)
+
+
+def unchecked_offsets(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Offsets as a launch on unchecked values takes them: clamped into ``[0, num_rows]`` and
+    made nondecreasing (each the largest value up to it). Valid offsets are left as they are;
+    any others still make segments that lie inside the rows. Torch ops on the device: no host
+    read."""
+    return torch.cummax(offsets.to(torch.int64).clamp(0, num_rows), 0).values
+
+
+def index_as_planned(index: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """The output row each source row is reduced into under a ``sorted=True`` plan that was not
+    checked: the plan's offsets are ``torch.searchsorted(index, s)`` for each ``s`` in
+    ``0 .. num_segments`` (never read outside the index, and nondecreasing for any index, sorted
+    or not: a binary search's answer grows with the value sought), and position ``p`` belongs
+    to the segment ``s`` with ``offsets[s] <= p < offsets[s + 1]``. -1 or ``num_segments`` (out
+    of range: reduced into no row) for the positions before the first or after the last
+    segment. For a sorted index in range, ``index`` itself."""
+    boundaries = torch.arange(num_segments + 1, dtype=index.dtype, device=index.device)
+    offsets = torch.searchsorted(index.contiguous(), boundaries)
+    positions = torch.arange(index.numel(), dtype=torch.int64, device=index.device)
+    return torch.searchsorted(offsets, positions, right=True) - 1
+
 
 def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` as ``[outer, t.size(dim), inner]``; a view whenever the strides allow one."""
@@ -51,10 +105,15 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     as ``check`` says (``_validation.check_level``).
 
     The plan is built where the kernels run: the Numba backend takes a stable counting sort
-    that validates the index in the same pass, whatever ``check`` is (on the CPU the check is
-    free, and a kernel must never read outside its source); every other backend (the GPU
-    first of all) takes torch ops on the index's device (``_device_plan``). A promised-sorted
-    index needs no order: its segments are contiguous.
+    that validates the index in the same pass (its caller passes ``check_that_runs``, "host"
+    on the CPU); every other backend (the GPU first of all) takes torch ops on the index's
+    device (``_device_plan``). A promised-sorted index needs no order: its segments are
+    contiguous.
+
+    Unchecked values ("device", "off") still give a plan inside every tensor: segments whose
+    positions lie in ``[0, len(index))``, nondecreasing offsets. A value outside
+    ``[0, num_segments)`` is sorted before the first segment or after the last, so its row is
+    in none; a broken ``sorted=True`` promise gives the segments of ``index_as_planned``.
     """
     if backend_name != "numba" or index.device.type != "cpu":
         return _device_plan(caller, index, num_segments, index_name=index_name,

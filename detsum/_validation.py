@@ -82,7 +82,12 @@ def check_level(caller: str, check: object) -> str:
     """The ``check`` argument: "host" (the default: values read back and checked before
     anything runs, with an error naming the first bad position), "device" (checked on the
     index's device with no host read: a bad value fails at the next synchronisation, with a
-    message naming the argument but not the position), or "off" (not checked on a GPU)."""
+    message naming the argument but not the position), or "off" (not checked).
+
+    The levels differ on a GPU only: on CPU tensors every level checks as "host" does, with
+    its errors, on every backend (``_segments.check_that_runs``). On a GPU "off" never reads
+    or writes outside a tensor: each primitive's docstring says what it gives for a bad value,
+    and a "device" check that fails launches that same work before the failure is reported."""
     if check not in CHECK_LEVELS:
         raise ValueError(f"{caller}: check={check!r}; expected one of "
                          f"{', '.join(map(repr, CHECK_LEVELS))}")

@@ -373,10 +373,12 @@ def _trailing_size(shape, dim: int) -> int:
 
 
 def _segments_of(index: Sequence[int], n_out: int) -> list[list[int]]:
-    """For each output row j, the source rows i with index[i] == j, in increasing i."""
+    """For each output row j, the source rows i with index[i] == j, in increasing i. A value
+    outside [0, n_out) sends its row to no output row (what an unchecked bad value gives)."""
     segments: list[list[int]] = [[] for _ in range(n_out)]
     for i, j in enumerate(index):
-        segments[j].append(i)
+        if 0 <= j < n_out:
+            segments[j].append(i)
     return segments
 
 

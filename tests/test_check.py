@@ -1,10 +1,12 @@
 """The ``check`` levels of the primitives and of detsum.moe: "host" (default), "device" (no
 host read), "off".
 
-A GPU's launch path is the one every backend but Numba takes: the plan from torch ops on the
-index's device. Here it runs on the CPU through the triton backend (Triton's interpreter), and
-a host read anywhere in detsum's own code (detsum/ and its kernels/) fails the test: the
-Python ways of reading a tensor's values are replaced for the duration.
+On the CPU every level checks the primitives' values on every backend, as "host" does. A GPU's
+launch path is the one every backend but Numba takes: the plan from torch ops on the index's
+device, checked as the level says. Here it runs on the CPU through the triton backend (Triton's
+interpreter) with CPU tensors checked as a GPU's (``gpu_path``), and a host read anywhere in
+detsum's own code (detsum/ and its kernels/) fails the test: the Python ways of reading a
+tensor's values are replaced for the duration.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 import torch
 
 import detsum
-from detsum import moe
+from detsum import _segments, moe, reference
 from conftest import assert_same_bits, host_reads
 
 pytest.importorskip("triton")
@@ -31,6 +33,15 @@ def no_host_reads():
     def refuse(name, caller):
         raise HostRead(f"{name} called from {caller}")
     return host_reads(refuse)
+
+
+@contextlib.contextmanager
+def gpu_path(backend="triton"):
+    """CPU tensors on a GPU's path: ``backend``'s launch, with the values checked as on a GPU
+    (``_segments.GPU_CHECKS_ON_CPU``): "device" on the device, "off" not at all."""
+    with detsum.backend(backend), unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU",
+                                                             True):
+        yield
 
 
 def _inputs(seed=0):
@@ -71,7 +82,7 @@ def test_no_host_read_in_the_gpu_launch_path(check, call):
     """Forward and backward, with the plan of a GPU: not one value read into Python."""
     init, index, src, offsets, perm = _inputs()
     src.requires_grad_(True)
-    with detsum.backend("triton"), no_host_reads():
+    with gpu_path(), no_host_reads():
         out = _calls(check, init, index, src, offsets, perm)[call]()
         out.backward(torch.ones_like(out))
     assert torch.isfinite(src.grad).all()
@@ -80,19 +91,26 @@ def test_no_host_read_in_the_gpu_launch_path(check, call):
 @pytest.mark.parametrize("call", CALLS)
 def test_the_host_level_reads_values_back(call):
     """The guard sees the reads the default level makes (so the test above can fail)."""
-    with detsum.backend("triton"), no_host_reads(), pytest.raises(HostRead):
+    with gpu_path(), no_host_reads(), pytest.raises(HostRead):
         _calls("host", *_inputs())[call]()
 
 
 @pytest.mark.parametrize("call", CALLS)
-@pytest.mark.parametrize("backend", ["numba", "triton"])
+@pytest.mark.parametrize("backend", ["numba", "triton", "reference"])
 def test_every_level_gives_the_same_bits(backend, call):
+    """Forward and backward, on a GPU's path where the levels differ (triton, reference)."""
     results = {}
-    with detsum.backend(backend):
+    with detsum.backend(backend) if backend == "numba" else gpu_path(backend):
         for check in ("host", "device", "off"):
-            results[check] = _calls(check, *_inputs(1))[call]()
-    assert_same_bits(results["device"], results["host"])
-    assert_same_bits(results["off"], results["host"])
+            init, index, src, offsets, perm = _inputs(1)
+            init.requires_grad_(True)
+            src.requires_grad_(True)
+            out = _calls(check, init, index, src, offsets, perm)[call]()
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+            results[check] = [out, src.grad] + ([] if init.grad is None else [init.grad])
+    for check in ("device", "off"):
+        for got, expected in zip(results[check], results["host"], strict=True):
+            assert_same_bits(got, expected)
 
 
 @pytest.mark.parametrize("primitive", ["index_add", "scatter_reduce", "segment_sum"])
@@ -111,20 +129,337 @@ def test_device_level_fails_on_a_bad_index_naming_the_argument(primitive):
         "segment_sum": lambda: detsum.segment_sum(src, offsets, perm=bad_perm, check="device"),
     }[primitive]
     argument = "perm" if primitive == "segment_sum" else "index"
-    with detsum.backend("triton"), pytest.raises(RuntimeError,
-                                                 match=f"detsum.{primitive}: {argument} has a "
+    with gpu_path(), pytest.raises(RuntimeError, match=f"detsum.{primitive}: {argument} has a "
                                                        f"value outside.*check='device'"):
         call()
 
 
-@pytest.mark.parametrize("check", ["device", "off"])
-def test_cpu_checks_at_every_level(check):
-    """On the CPU the plan's own pass checks the index for free: the usual error, with the
-    position, whatever the level."""
-    init, index, src, _, _ = _inputs()
-    index[7] = 6
-    with pytest.raises(IndexError, match=r"index\[7\] = 6 is out of range"):
-        detsum.index_add(init, 0, index, src, check=check)
+# ---- bad values: on the CPU every level checks; on a GPU "off" stays inside every tensor -------
+# Small sizes: Triton's interpreter runs every program in Python.
+
+_ROWS, _COLUMNS, _SEGMENTS = 12, 3, 5
+_HUGE = 2**40
+
+
+def _bad_value_inputs():
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randn(_ROWS, _COLUMNS, generator=gen)
+    return {
+        "init": torch.randn(_SEGMENTS, _COLUMNS, generator=gen),
+        "target": torch.randn(_SEGMENTS, _COLUMNS, generator=gen),  # written in place
+        "index": torch.randint(0, _SEGMENTS, (_ROWS,), generator=gen),
+        "index32": torch.randint(0, _SEGMENTS, (_ROWS,), generator=gen, dtype=torch.int32),
+        "sorted_index": torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3, 4, 4, 4]),
+        "elementwise_index": torch.randint(0, _SEGMENTS, (_ROWS, _COLUMNS), generator=gen),
+        "src": src,
+        # prod: factors near 1, a zero among them (the gradient's special case)
+        "factors": (1 + src / 8).index_fill(0, torch.tensor([5]), 0.0),
+        "offsets": torch.tensor([0, 3, 3, 7, 9, _ROWS]),
+        "perm": torch.randperm(_ROWS, generator=gen),
+    }
+
+
+# The mistakes, by argument: position -> value (or the whole tensor, for offsets).
+_INDEX_MISTAKES = {
+    "negative": {4: -1},
+    "size": {4: _SEGMENTS},
+    "huge": {4: _HUGE},
+    "huge-negative": {4: -_HUGE},
+    "several": {2: _SEGMENTS, 5: -1, 9: _HUGE},
+}
+_MISTAKES = {
+    "index": _INDEX_MISTAKES,
+    "index32": {"negative": {4: -1}, "size": {4: _SEGMENTS}, "largest": {9: 2**31 - 1}},
+    "sorted_index": {"negative-first": {0: -1}, "size-last": {11: _SEGMENTS},
+                     "huge-last": {10: _HUGE, 11: _HUGE}, "decreasing": {6: 0},
+                     "decreasing-and-size": {6: 0, 11: _SEGMENTS}},
+    "elementwise_index": {"negative": {(4, 1): -1}, "size": {(0, 2): _SEGMENTS},
+                          "several": {(3, 0): _HUGE, (7, 2): -_HUGE, (11, 1): _SEGMENTS}},
+    "offsets": {
+        "first-not-0": [2, 3, 3, 7, 9, _ROWS],
+        "first-negative": [-4, 3, 3, 7, 9, _ROWS],
+        "last-short": [0, 3, 3, 7, 9, 10],
+        "last-huge": [0, 3, 3, 7, 9, _HUGE],
+        "decreasing": [0, 3, 8, 7, 9, _ROWS],
+        "beyond-rows-inside": [0, 3, 30, 7, 9, _ROWS],
+        "negative-inside": [0, 3, -2, 7, 9, _ROWS],
+        "everything": [5, 20, -1, 3, 2, 7],
+    },
+    "perm": {"negative": {3: -1}, "size": {3: _ROWS}, "huge": {3: _HUGE},
+             "several": {0: -_HUGE, 3: _ROWS, 11: -1}},
+}
+
+
+def _with_mistake(t, argument, mistake):
+    """A copy of the inputs whose ``argument`` holds ``mistake``."""
+    t = {name: value.clone() for name, value in t.items()}
+    change = _MISTAKES[argument][mistake]
+    if argument == "offsets":
+        t["offsets"] = torch.tensor(change)
+    else:
+        for position, value in change.items():
+            t[argument][position] = value
+    return t
+
+
+# name -> (the argument that goes wrong, the call: (inputs, check) -> result).
+_BAD_VALUE_CALLS = {
+    "index_add": ("index", lambda t, check: detsum.index_add(
+        t["init"], 0, t["index"], t["src"], check=check)),
+    "index_add-kahan-alpha": ("index", lambda t, check: detsum.index_add(
+        t["init"], 0, t["index"], t["src"], alpha=-2.0, mode="kahan", check=check)),
+    "index_add-int32": ("index32", lambda t, check: detsum.index_add(
+        t["init"], 0, t["index32"], t["src"], check=check)),
+    "index_add_": ("index", lambda t, check: detsum.index_add_(
+        t["target"], 0, t["index"], t["src"], check=check)),
+    "scatter_reduce-sum": ("index", lambda t, check: detsum.scatter_reduce(
+        t["init"], 0, t["index"], t["src"], "sum", check=check)),
+    "scatter_reduce-mean-without-self": ("index", lambda t, check: detsum.scatter_reduce(
+        t["init"], 0, t["index"], t["src"], "mean", include_self=False, check=check)),
+    "scatter_reduce-amax": ("index", lambda t, check: detsum.scatter_reduce(
+        t["init"], 0, t["index"], t["src"], "amax", check=check)),
+    "scatter_reduce-prod": ("index", lambda t, check: detsum.scatter_reduce(
+        t["init"], 0, t["index"], t["factors"], "prod", check=check)),
+    "scatter_reduce-sorted": ("sorted_index", lambda t, check: detsum.scatter_reduce(
+        t["init"], 0, t["sorted_index"], t["src"], "sum", sorted=True, check=check)),
+    "scatter_reduce-elementwise": ("elementwise_index", lambda t, check: detsum.scatter_reduce(
+        t["init"], 0, t["elementwise_index"], t["src"], "sum", check=check)),
+    # dim 1: several outer rows, whose keys a bad value would reach into
+    "scatter_reduce-elementwise-dim1": ("elementwise_index", lambda t, check: (
+        detsum.scatter_reduce(t["init"].t(), 1, t["elementwise_index"].t(), t["src"].t(), "sum",
+                              check=check))),
+    "segment_sum": ("offsets", lambda t, check: detsum.segment_sum(
+        t["src"], t["offsets"], check=check)),
+    "segment_sum-perm-offsets": ("offsets", lambda t, check: detsum.segment_sum(
+        t["src"], t["offsets"], perm=t["perm"], check=check)),
+    "segment_sum-exact": ("offsets", lambda t, check: detsum.segment_sum(
+        t["src"], t["offsets"], mode="exact", check=check)),
+    "segment_sum-perm": ("perm", lambda t, check: detsum.segment_sum(
+        t["src"], t["offsets"], perm=t["perm"], mode="kahan", check=check)),
+}
+
+BAD_VALUE_CASES = [pytest.param(call, mistake, id=f"{call}-{mistake}")
+                   for call, (argument, _) in _BAD_VALUE_CALLS.items()
+                   for mistake in _MISTAKES[argument]]
+
+
+@pytest.mark.parametrize("call,mistake", BAD_VALUE_CASES)
+@pytest.mark.parametrize("backend", ["numba", "reference", "triton"])
+def test_cpu_checks_every_level_on_every_backend(backend, call, mistake):
+    """On CPU tensors every level checks, on every backend: the error of the default level
+    (its type and words, naming the first bad position), before anything is written."""
+    argument, run = _BAD_VALUE_CALLS[call]
+    t = _with_mistake(_bad_value_inputs(), argument, mistake)
+    before = {name: value.clone() for name, value in t.items()}
+    with detsum.backend("numba"), pytest.raises((IndexError, ValueError)) as expected:
+        run(t, "host")
+    assert str(expected.value).startswith("detsum.")
+    for check in ("host", "device", "off"):
+        with detsum.backend(backend), pytest.raises(type(expected.value)) as raised:
+            run(t, check)
+        assert str(raised.value) == str(expected.value), check
+        for name, value in before.items():
+            assert torch.equal(t[name], value), (check, name)
+
+
+# ---- what "off" gives for a bad value, as the docstrings say, written out here in plain loops ----
+
+def _kept(index, size):
+    """The positions whose value lies in [0, size): the rows "off" reduces."""
+    return [p for p, value in enumerate(index.tolist()) if 0 <= value < size]
+
+
+def _planned_targets(sorted_index, size):
+    """Each position's output row under a sorted=True plan of an unchecked index (-1: none):
+    segment s holds positions searchsorted(index, s) .. searchsorted(index, s + 1) - 1."""
+    offsets = torch.searchsorted(sorted_index, torch.arange(size + 1, dtype=sorted_index.dtype,
+                                                            device=sorted_index.device)).tolist()
+    targets = [-1] * sorted_index.numel()
+    for s in range(size):
+        for p in range(offsets[s], offsets[s + 1]):
+            targets[p] = s
+    return torch.tensor(targets, device=sorted_index.device)
+
+
+def _launched_offsets(offsets, rows):
+    """Offsets clamped into [0, rows], then each the largest value up to it."""
+    launched, highest = [], 0
+    for value in offsets.tolist():
+        highest = max(highest, min(max(value, 0), rows))
+        launched.append(highest)
+    return torch.tensor(launched, device=offsets.device)
+
+
+def _clamped_perm(perm, rows):
+    return torch.tensor([min(max(value, 0), rows - 1) for value in perm.tolist()],
+                        device=perm.device)
+
+
+def _rows_kept(t, index_name, size):
+    keep = torch.tensor(_kept(t[index_name], size), dtype=torch.int64,
+                        device=t[index_name].device)
+    return t[index_name][keep], keep
+
+
+def _off_expected(call, t):
+    """What the docstrings say check="off" gives on a GPU, from the reference loops on the
+    rows a bad value leaves in."""
+    init, src = t["init"], t["src"]
+    if call.startswith("index_add"):
+        name = "index32" if call == "index_add-int32" else "index"
+        index, keep = _rows_kept(t, name, _SEGMENTS)
+        alpha, mode = (-2.0, "kahan") if call == "index_add-kahan-alpha" else (1, "fp32")
+        base = t["target"] if call == "index_add_" else init
+        return reference.index_add(base, 0, index, src[keep], alpha=alpha, mode=mode)
+    if call == "scatter_reduce-elementwise-dim1":
+        return _off_expected("scatter_reduce-elementwise", t).t()
+    if call == "scatter_reduce-elementwise":
+        index = t["elementwise_index"]
+        columns = []
+        for c in range(_COLUMNS):
+            keep = torch.tensor(_kept(index[:, c], _SEGMENTS), dtype=torch.int64,
+                                device=index.device)
+            columns.append(reference.scatter_reduce(init[:, c], 0, index[keep, c],
+                                                    src[keep, c], "sum"))
+        return torch.stack(columns, 1)
+    if call == "scatter_reduce-sorted":
+        t = dict(t, planned=_planned_targets(t["sorted_index"], _SEGMENTS))
+        index, keep = _rows_kept(t, "planned", _SEGMENTS)
+        return reference.scatter_reduce(init, 0, index, src[keep], "sum")
+    if call.startswith("scatter_reduce"):
+        reduce = call.split("-")[1]
+        index, keep = _rows_kept(t, "index", _SEGMENTS)
+        values = t["factors"] if reduce == "prod" else src
+        return reference.scatter_reduce(init, 0, index, values[keep], reduce,
+                                        include_self="without-self" not in call)
+    perm = _clamped_perm(t["perm"], _ROWS) if "perm" in call else None
+    mode = {"segment_sum-perm": "kahan", "segment_sum-exact": "exact"}.get(call, "fp32")
+    return reference.segment_sum(src, _launched_offsets(t["offsets"], _ROWS), perm=perm,
+                                 mode=mode)
+
+
+_GPU_PATHS = [
+    pytest.param("cpu", "triton", id="cpu-triton"),
+    pytest.param("cpu", "reference", id="cpu-reference"),
+    pytest.param("cuda", "triton", id="cuda-triton", marks=pytest.mark.cuda),
+    pytest.param("cuda", "reference", id="cuda-reference", marks=pytest.mark.cuda),
+]
+
+
+def _on(device, t):
+    return {name: value.to(device) for name, value in t.items()}
+
+
+@pytest.mark.parametrize("call,mistake", BAD_VALUE_CASES)
+@pytest.mark.parametrize("device,backend", _GPU_PATHS)
+def test_off_level_gives_what_the_docstrings_say(device, backend, call, mistake):
+    """A GPU's "off" reads and writes inside every tensor, whatever the values: an index value
+    outside [0, size) leaves its row (element) out, a broken sorted=True promise splits the
+    rows by a binary search, offsets are clamped into [0, N] and made nondecreasing, perm
+    values clamped into [0, N). The same bits on both backends, and no host read on triton's."""
+    argument, run = _BAD_VALUE_CALLS[call]
+    t = _on(device, _with_mistake(_bad_value_inputs(), argument, mistake))
+    expected = _off_expected(call, t)
+    guard = no_host_reads() if backend == "triton" else contextlib.nullcontext()
+    with gpu_path(backend), guard:
+        got = run(t, "off")
+    assert_same_bits(got, expected)
+    if call == "index_add_":
+        assert got is t["target"]
+
+
+@pytest.mark.parametrize("call,mistake", [
+    case for case in BAD_VALUE_CASES if case.values[1] in ("several", "everything", "decreasing")])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_device_level_launches_what_off_gives(backend, call, mistake, monkeypatch):
+    """On a GPU a failed "device" check is reported at the next synchronisation, after the
+    launch: that launch is the one of "off", inside every tensor. Here the check never fails
+    (as if not reported yet)."""
+    argument, run = _BAD_VALUE_CALLS[call]
+    t = _with_mistake(_bad_value_inputs(), argument, mistake)
+    with gpu_path(backend):
+        off = run(_with_mistake(_bad_value_inputs(), argument, mistake), "off")
+        monkeypatch.setattr(torch, "_assert_async", lambda *args: None)
+        assert_same_bits(run(t, "device"), off)
+
+
+# name -> (the argument that goes wrong, the call with what is differentiated, the gradient
+# "off" gives: (inputs, grad) -> {name: gradient}).
+def _gathered(grad, index, size, scale=1.0):
+    """grad's row of each position's value, scaled; +0.0 for a value out of range."""
+    rows = [grad[v] * scale if 0 <= v < size else torch.zeros_like(grad[0])
+            for v in index.tolist()]
+    return torch.stack(rows)
+
+
+def _segment_gradient(t, grad, with_perm):
+    """Each position in a segment adds its segment's gradient row to its (clamped) row; the
+    rows outside every segment receive nothing. Integer-valued gradients: exact in any order."""
+    offsets = _launched_offsets(t["offsets"], _ROWS).tolist()
+    rows = _clamped_perm(t["perm"], _ROWS).tolist() if with_perm else list(range(_ROWS))
+    out = torch.zeros(_ROWS, _COLUMNS, dtype=torch.float64)
+    for s in range(len(offsets) - 1):
+        for p in range(offsets[s], offsets[s + 1]):
+            out[rows[p]] += grad[s].double().cpu()
+    return out.to(grad.dtype).to(grad.device)
+
+
+def _kept_call_gradient(t, grad, reduce, include_self, planned=False):
+    """The gradients of a checked call on the rows that "off" keeps."""
+    index = _planned_targets(t["sorted_index"], _SEGMENTS) if planned else t["index"]
+    keep = torch.tensor(_kept(index, _SEGMENTS), dtype=torch.int64, device=index.device)
+    values = t["factors"] if reduce == "prod" else t["src"]
+    init, kept = t["init"].clone().requires_grad_(), values[keep].clone().requires_grad_()
+    detsum.scatter_reduce(init, 0, index[keep], kept, reduce,
+                          include_self=include_self).backward(grad)
+    grad_src = torch.zeros_like(values).index_copy_(0, keep, kept.grad)
+    return {"init": init.grad, "src": grad_src}
+
+
+_BACKWARD_CASES = {
+    "index_add-kahan-alpha": (["init", "src"], lambda t, g: {
+        "init": g, "src": _gathered(g, t["index"], _SEGMENTS, -2.0)}),
+    "scatter_reduce-sum": (["init", "src"], lambda t, g: _kept_call_gradient(t, g, "sum", True)),
+    "scatter_reduce-mean-without-self": (["init", "src"], lambda t, g: _kept_call_gradient(
+        t, g, "mean", False)),
+    "scatter_reduce-amax": (["init", "src"], lambda t, g: _kept_call_gradient(t, g, "amax",
+                                                                              True)),
+    "scatter_reduce-prod": (["init", "factors"], lambda t, g: {
+        ("factors" if name == "src" else name): value
+        for name, value in _kept_call_gradient(t, g, "prod", True).items()}),
+    "scatter_reduce-sorted": (["init", "src"], lambda t, g: _kept_call_gradient(
+        t, g, "sum", True, planned=True)),
+    "scatter_reduce-elementwise": (["src"], lambda t, g: {"src": torch.stack([
+        _gathered(g[:, c], t["elementwise_index"][:, c], _SEGMENTS)
+        for c in range(_COLUMNS)], 1)}),
+    "scatter_reduce-elementwise-dim1": (["src"], lambda t, g: {"src": torch.stack([
+        _gathered(g.t()[:, c], t["elementwise_index"][:, c], _SEGMENTS)
+        for c in range(_COLUMNS)], 1)}),
+    "segment_sum": (["src"], lambda t, g: {"src": _segment_gradient(t, g, False)}),
+    "segment_sum-exact": (["src"], lambda t, g: {"src": _segment_gradient(t, g, False)}),
+    "segment_sum-perm-offsets": (["src"], lambda t, g: {"src": _segment_gradient(t, g, True)}),
+    "segment_sum-perm": (["src"], lambda t, g: {"src": _segment_gradient(t, g, True)}),
+}
+
+
+@pytest.mark.parametrize("call,mistake", [case for case in BAD_VALUE_CASES
+                                          if case.values[0] in _BACKWARD_CASES])
+@pytest.mark.parametrize("device,backend", _GPU_PATHS)
+def test_off_level_backward_is_the_gradient_of_what_it_gives(device, backend, call, mistake):
+    """Backward under "off" reads and writes inside every tensor too, and gives the gradient of
+    the forward's result: a row (element) left out receives +0.0."""
+    argument, run = _BAD_VALUE_CALLS[call]
+    differentiable, expected_gradients = _BACKWARD_CASES[call]
+    t = _on(device, _with_mistake(_bad_value_inputs(), argument, mistake))
+    leaves = {name: t[name].clone().requires_grad_() for name in differentiable}
+    guard = no_host_reads() if backend == "triton" else contextlib.nullcontext()
+    with gpu_path(backend), guard:
+        out = run(dict(t, **leaves), "off")
+        grad = torch.randint(-4, 5, out.shape, generator=torch.Generator().manual_seed(11)
+                             ).to(out)
+        out.backward(grad)
+    for name, expected in expected_gradients(t, grad).items():
+        assert_same_bits(leaves[name].grad, expected)
 
 
 @pytest.mark.parametrize("call", [
@@ -286,7 +621,7 @@ def test_moe_no_host_read_in_the_gpu_launch_path(check, call):
     """Forward and backward of permute and unpermute, with the plan of a GPU: not one value
     read into Python, in moe's own code or in the primitives it calls."""
     run = _moe_call(call)
-    with detsum.backend("triton"), no_host_reads():
+    with gpu_path(), no_host_reads():
         results = run(check)
     assert all(torch.isfinite(t).all() for t in results)
 
@@ -309,7 +644,7 @@ def test_moe_weighted_backward_operator_reads_nothing_back(mode, check):
     grad = torch.randn(_TOKENS, _FEATURES)
     tokens = t["gather_indices"] // _TOPK
     position_weights = t["weights"].reshape(-1).index_select(0, t["gather_indices"])
-    with detsum.backend("triton"), no_host_reads():
+    with gpu_path(), no_host_reads():
         grad_y, dots = torch.ops.detsum.moe_unpermute_weighted_backward(
             grad, t["y"], tokens, position_weights, mode)
     assert torch.isfinite(grad_y).all() and torch.isfinite(dots).all()
@@ -321,7 +656,7 @@ def test_moe_host_level_reads_values_back(call):
     selected = _moe_inputs()["selected"]
     run = (lambda check: moe.route(selected, _EXPERTS, check=check)) if call == "route" else (
         _moe_call(call))
-    with detsum.backend("triton"), no_host_reads(), pytest.raises(HostRead):
+    with gpu_path(), no_host_reads(), pytest.raises(HostRead):
         run("host")
 
 
@@ -330,7 +665,7 @@ def test_moe_host_level_reads_values_back(call):
 def test_moe_every_level_gives_the_same_bits(backend, call):
     """Forward and backward; True and False, the flag's old values, included."""
     run = _moe_call(call, seed=1)
-    with detsum.backend(backend):
+    with detsum.backend(backend) if backend == "numba" else gpu_path(backend):
         host = run("host")
         for check in ("device", "off", True, False):
             for got, expected in zip(run(check), host, strict=True):
@@ -381,7 +716,7 @@ def test_moe_device_level_fails_naming_the_argument(call, mistake):
             else rf"holds a value more than once; expected a permutation of 0 \.\. "
                  rf"T \* topk - 1 = {_SLOTS - 1}")
     function = call.split("-")[0]
-    with detsum.backend("triton"), pytest.raises(
+    with gpu_path(), pytest.raises(
             RuntimeError, match=rf"detsum\.moe\.{function}: gather_indices {what} \(found by "
                                 rf"check='device'"):
         _MOE_FUNCTIONS[call](t, bad, "device")
@@ -442,8 +777,9 @@ def test_moe_off_level_keeps_a_broken_promise_in_bounds(backend, mistake):
     before = {name: t[name].clone() for name in ("x", "y", "weights")}
     bad_before = bad.clone()
     clamped, positions = _clamped_and_positions(bad)
+    path = gpu_path() if backend == "triton" else detsum.backend(backend)
     guard = no_host_reads() if backend == "triton" else contextlib.nullcontext()
-    with detsum.backend(backend), guard:
+    with path, guard:
         x = t["x"].clone().requires_grad_()
         gathered = moe.permute(x, bad, _TOPK, mode="autograd", check="off")
         gathered.backward(t["y"])
@@ -476,7 +812,7 @@ def test_moe_off_level_backward_stays_in_bounds(mistake):
     clamped, positions = _clamped_and_positions(bad)
     grad = torch.randn(_TOKENS, _FEATURES, generator=torch.Generator().manual_seed(3))
     gradients = {}
-    with detsum.backend("triton"), no_host_reads():
+    with gpu_path(), no_host_reads():
         for mode in ("fp32", "autograd"):
             y, w = t["y"].clone().requires_grad_(), t["weights"].clone().requires_grad_()
             moe.unpermute(y, bad, _TOPK, weights=w, mode=mode, check="off").backward(grad)
@@ -560,7 +896,7 @@ def test_moe_compiled_fullgraph_gives_eager_bits(check):
     for got, want in zip(run(compiled), expected, strict=True):
         assert_same_bits(got, want)
     if check != "host":
-        with detsum.backend("triton"), no_host_reads():
+        with gpu_path(), no_host_reads():
             on_the_gpu_path = run(compiled)
         for got, want in zip(on_the_gpu_path, expected, strict=True):
             assert_same_bits(got, want)

@@ -22,6 +22,7 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     ``index_checked``: the index holds positions among the rows with terms, in range."""
     num_segments = input.shape[dim]
     backend_name = current_backend(input.device.type, _CALLER)
+    check = _segments.check_that_runs(check, input.device.type, backend_name)
     sparse = None
     if not index_checked and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, num_segments, index_name="index",
@@ -120,16 +121,33 @@ def _(input, dim, index, source, alpha, acc_mode, check="host"):
 # ---- autograd: input passes through, source gathers its target rows ---------------------------
 
 def _setup_context(ctx, inputs, output):
-    _, dim, index, _, alpha, *_ = inputs
+    input, dim, index, _, alpha, _, *check = inputs
     ctx.save_for_backward(index)
-    ctx.dim, ctx.alpha = dim, alpha
+    ctx.dim, ctx.alpha, ctx.num_segments = dim, alpha, input.shape[dim]
+    ctx.check = check[0] if check else "host"
 
 
 def _backward(ctx, grad):
     (index,) = ctx.saved_tensors
-    grad_source = grad.index_select(ctx.dim, index)
+    dim = ctx.dim
+    check = _segments.backward_check(ctx.check, grad.device.type)
+    if check == "host":
+        grad_source = grad.index_select(dim, index)
+    elif ctx.num_segments == 0:  # every value is out of range: every row was left out
+        shape = list(grad.shape)
+        shape[dim] = index.numel()
+        return grad, None, None, grad.new_zeros(shape), None, None, None
+    else:
+        # Unchecked values: the gather stays inside grad. Under "off" the rows that the
+        # forward left out receive nothing; under "device" a bad value has failed already.
+        clamped, in_range = _segments.clamped_index(index, ctx.num_segments)
+        grad_source = grad.index_select(dim, clamped)
     if ctx.alpha != 1.0:
         grad_source = grad_source * ctx.alpha
+    if check == "off":
+        shape = [1] * grad.dim()
+        shape[dim] = index.numel()
+        grad_source = grad_source.masked_fill(~in_range.view(shape), 0)
     return grad, None, None, grad_source, None, None, None
 
 
@@ -234,8 +252,11 @@ index_add.__doc__ = """Out-of-place ``torch.index_add``: ``out[..., index[k], ..
             anything runs; a bad value is an ``IndexError`` naming its position. ``"device"``:
             on the index's device, with no host read (no synchronisation, so the call can be
             captured in a CUDA graph); a bad value fails at the next synchronisation, naming
-            the argument. ``"off"``: not checked on a GPU (a bad value's row is left out). On
-            CPU every level checks, for free, in the pass that plans the sum.
+            the argument. ``"off"``: not checked. On CPU tensors every level checks as
+            ``"host"`` does, on every backend. On a GPU ``"off"`` never reads or writes
+            outside a tensor: a value outside ``[0, input.size(dim))`` leaves its ``source``
+            row out (that row's gradient is 0); a ``"device"`` check that fails launches the
+            same before the failure is reported.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.

@@ -23,22 +23,25 @@ REDUCTIONS = ("sum", "mean", "prod", "amax", "amin")
 def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backend_name: str,
                       check: str = "host") -> tuple[torch.Tensor, torch.Tensor]:
     """(order, offsets) over flattened elements, output element (o, index, i) per source (o, n, i),
-    after checking ``index``'s values as ``check`` says (always on the Numba backend: there a
-    host read costs no synchronisation)."""
+    after checking ``index``'s values as ``check`` says (``_segments.check_that_runs``).
+    Unchecked, an element whose value lies outside ``[0, input.size(dim))`` is in no segment
+    (its key sorts before every other), never in another element's."""
     outer, num_segments, inner = input3.shape
-    if backend_name == "numba":
-        check = "host"
-    if check == "device" and index.numel():
-        _validation.assert_on_device(((index >= 0) & (index < num_segments)).all(), _CALLER,
-                                     f"index has a value outside [0, input.size({dim}) = "
-                                     f"{num_segments})")
-    elif check == "host":
+    index3 = _segments.rows_view(index, dim).to(torch.int64)
+    if check == "host":
         low, high = torch.stack(torch.aminmax(index)).tolist() if index.numel() else (0, 0)
         if low < 0 or high >= num_segments:
             bad = int(((index < 0) | (index >= num_segments)).reshape(-1).nonzero()[0])
             _validation.raise_index_out_of_range(_CALLER, "index", index, bad, num_segments,
                                                  f"input.size({dim})")
-    index3 = _segments.rows_view(index, dim).to(torch.int64)
+    else:
+        in_range = (index3 >= 0) & (index3 < num_segments)
+        if check == "device" and index.numel():
+            _validation.assert_on_device(in_range.all(), _CALLER,
+                                         f"index has a value outside [0, input.size({dim}) = "
+                                         f"{num_segments})")
+        # A key below every valid one: sorted before the first segment.
+        index3 = torch.where(in_range, index3, -outer * num_segments)
     outer_ids = torch.arange(outer, device=index.device).view(-1, 1, 1)
     inner_ids = torch.arange(inner, device=index.device).view(1, 1, -1)
     keys = ((outer_ids * num_segments + index3) * inner + inner_ids).reshape(-1)
@@ -58,6 +61,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     ``index_checked``: the index holds positions among the rows with terms, in range."""
     input3 = _segments.rows_view(input, dim)
     backend_name = current_backend(input.device.type, _CALLER)
+    check = _segments.check_that_runs(check, input.device.type, backend_name)
     rowwise = index.dim() == 1
     sparse = None
     if not index_checked and rowwise and backend_name != "reference":
@@ -87,6 +91,8 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         order, offsets = _elementwise_plan(input3, index, dim, backend_name, check)
         src3, base3 = src.reshape(1, -1, 1), input3.reshape(1, -1, 1)
     if backend_name == "reference":
+        if rowwise and sorted and check != "host":
+            index = _segments.index_as_planned(index, input.shape[dim])
         return reference.scatter_reduce(input, dim, index, src, reduce,
                                         include_self=include_self, mode=acc_mode)
     out3 = _segments.new_output(base3, base3.shape[1])
@@ -109,8 +115,9 @@ def _(input, dim, index, src, reduce, include_self, acc_mode, sorted, check="hos
 # deterministic as forward.
 
 def _setup_context(ctx, inputs, output):
-    input, dim, index, src, reduce, include_self, *_ = inputs
-    ctx.dim, ctx.reduce, ctx.include_self = dim, reduce, include_self
+    input, dim, index, src, reduce, include_self, _, sorted, *check = inputs
+    ctx.dim, ctx.reduce, ctx.include_self, ctx.sorted = dim, reduce, include_self, sorted
+    ctx.check = check[0] if check else "host"
     ctx.save_for_backward(input, index, src, output)
 
 
@@ -128,44 +135,74 @@ def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.T
                                            True, "fp32", False, "off")
 
 
-def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor
-                 ) -> torch.Tensor:
-    """How many source positions land on each element of ``input`` (every one counts)."""
+def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
+                 reached: torch.Tensor | None = None) -> torch.Tensor:
+    """How many source positions land on each element of ``input`` (every one counts, or those
+    where ``reached``, a mask of ``index``'s shape, holds)."""
     if index.dim() == 1:
         # Whole rows: every column of an output row has its row's count, so one count per row
         # (an integer count is exact in any order, so torch's integer index_add_ gives it;
         # bincount's output size would be a host read).
         counts = torch.zeros(input.shape[dim], dtype=torch.int64, device=input.device)
-        counts.index_add_(0, index.to(torch.int64), torch.ones_like(index, dtype=torch.int64))
+        ones = (torch.ones_like(index, dtype=torch.int64) if reached is None
+                else reached.to(torch.int64))
+        counts.index_add_(0, index.to(torch.int64), ones)
         shape = [1] * input.dim()
         shape[dim] = -1
         return counts.to(acc_dtype(input.dtype)).view(shape).expand(input.shape)
-    return _count(input, dim, index, torch.ones_like(src, dtype=torch.bool))
+    every = torch.ones_like(src, dtype=torch.bool)
+    return _count(input, dim, index, every if reached is None else reached)
 
 
 def _backward(ctx, grad):
     input, index, src, result = ctx.saved_tensors
     dim, reduce, include_self = ctx.dim, ctx.reduce, ctx.include_self
+    check = _segments.backward_check(ctx.check, grad.device.type)
+    reached = None  # the source positions the forward reduced, when not all of them
+    if check != "host":
+        # Unchecked values: every gather and count below stays inside its tensor. Under "off"
+        # the positions the forward left out take no part and receive nothing; under "device"
+        # a bad value has failed already, so only the bounds matter.
+        if input.shape[dim] == 0:  # every value is out of range: every position was left out
+            grad_self = grad if ctx.needs_input_grad[0] else None
+            return grad_self, None, None, torch.zeros_like(src), None, None, None, None, None
+        if ctx.sorted and check == "off":
+            index = _segments.index_as_planned(index, input.shape[dim])
+        index, in_range = _segments.clamped_index(index, input.shape[dim])
+        if check == "off":
+            reached = in_range
+    members = None
+    if reached is not None:
+        shape = [1] * src.dim()
+        shape[dim] = -1
+        members = reached.view(shape) if reached.dim() == 1 else reached
+
+    def among_members(mask: torch.Tensor) -> torch.Tensor:
+        return mask if members is None else mask & members
+
     if reduce in ("sum", "mean"):
         share = grad
         if reduce == "mean":
-            count = (_count_every(input, dim, index, src) + int(include_self)).clamp_min(1)
+            count = (_count_every(input, dim, index, src, reached) + int(include_self)
+                     ).clamp_min(1)
             share = (grad / count).to(grad.dtype)
         grad_src = _take(share, dim, index)
         grad_self = share if include_self else None
     elif reduce in ("amax", "amin"):
         src_is_result = src == _take(result, dim, index)
         self_is_result = (input == result) if include_self else torch.zeros_like(input, dtype=torch.bool)
-        ties = (_count(input, dim, index, src_is_result) + self_is_result).clamp_min(1)
+        ties = (_count(input, dim, index, among_members(src_is_result)) + self_is_result
+                ).clamp_min(1)
         grad_src = (_take(grad / ties, dim, index) * src_is_result).to(grad.dtype)
         grad_self = (grad * self_is_result / ties).to(grad.dtype) if include_self else None
     else:  # prod: d(product)/d(member) = product of the other members
         zeros_in_src = src == 0
-        zero_members = _count(input, dim, index, zeros_in_src)
+        zero_members = _count(input, dim, index, among_members(zeros_in_src))
         if include_self:
             zero_members = zero_members + (input == 0)
+        factors = src.masked_fill(zeros_in_src if members is None else zeros_in_src | ~members, 1)
         product_of_nonzeros = torch.ops.detsum.scatter_reduce(
-            input.masked_fill(input == 0, 1), dim, index, src.masked_fill(zeros_in_src, 1),
+            input.masked_fill(input == 0, 1), dim, index, factors,
             "prod", include_self, "fp32", False, "off")
 
         def others(member: torch.Tensor, product: torch.Tensor, nonzeros: torch.Tensor,
@@ -178,10 +215,12 @@ def _backward(ctx, grad):
             _take(zero_members, dim, index))
         grad_self = (grad * others(input, result, product_of_nonzeros, zero_members)
                      if include_self else None)
+    if members is not None:
+        grad_src = grad_src.masked_fill(~members, 0)
     if not include_self:
         grad_self = None
         if ctx.needs_input_grad[0]:  # most callers scatter into fresh zeros
-            received = _count_every(input, dim, index, src) > 0
+            received = _count_every(input, dim, index, src, reached) > 0
             grad_self = grad.masked_fill(received, 0)
     return grad_self, None, None, grad_src, None, None, None, None, None
 
@@ -217,9 +256,14 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
             anything runs; a bad value is an ``IndexError`` naming its position. ``"device"``:
             on the index's device, with no host read (no synchronisation, so the call can be
             captured in a CUDA graph); a bad value fails at the next synchronisation, naming
-            the argument. ``"off"``: not checked on a GPU (a bad value is the caller's
-            promise broken: its element lands elsewhere or nowhere). On CPU every level
-            checks, for free.
+            the argument. ``"off"``: not checked. On CPU tensors every level checks as
+            ``"host"`` does, on every backend. On a GPU ``"off"`` never reads or writes
+            outside a tensor: a value outside ``[0, input.size(dim))`` leaves its row (or
+            element) out; with ``sorted=True``, an index that is not nondecreasing has its
+            rows split by binary search: row ``p`` goes to the output row ``s`` with
+            ``searchsorted(index, s) <= p < searchsorted(index, s + 1)`` (none if there is no
+            such ``s``). The gradient is that of this result (0 for a row left out); a
+            ``"device"`` check that fails launches the same before the failure is reported.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.

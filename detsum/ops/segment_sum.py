@@ -14,16 +14,15 @@ _CALLER = "detsum.segment_sum"
 # ---- operator ---------------------------------------------------------------------------------
 
 def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int,
-                  check: str, backend_name: str) -> None:
-    """Check offsets (and perm) with one fused reduction and one host read, or as ``check``
-    says; always on the Numba backend (there a host read costs no synchronisation, and the
-    kernel must never read outside src)."""
-    if backend_name != "numba" and check == "off":
+                  check: str) -> None:
+    """Check offsets (and perm) as ``check`` says (``_segments.check_that_runs``): under "host"
+    with one fused reduction and one host read."""
+    if check == "off":
         return
     decreasing = (offsets[1:] < offsets[:-1]).any()
     perm_bad = (((perm < 0) | (perm >= num_rows)).any() if perm is not None and perm.numel()
                 else None)
-    if backend_name != "numba" and check == "device":
+    if check == "device":
         _validation.assert_on_device((offsets[0] == 0) & (offsets[-1] == num_rows)
                                      & ~decreasing, _CALLER,
                                      f"offsets do not run from 0 to src.size(dim) = "
@@ -50,11 +49,26 @@ def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: in
         _validation.raise_index_out_of_range(_CALLER, "perm", perm, bad, num_rows, "src.size(dim)")
 
 
+def _as_launched(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Unchecked offsets and perm as the launch takes them, inside ``src`` whatever their
+    values (the same for valid ones): offsets clamped into ``[0, N]`` and made nondecreasing,
+    perm values clamped into ``[0, N)``. Torch ops on the device: no host read."""
+    offsets = _segments.unchecked_offsets(offsets, num_rows)
+    if perm is not None:
+        perm = perm.clamp(0, max(num_rows - 1, 0))
+    return offsets, perm
+
+
 def _segment_sum(src, offsets, dim, perm, acc_mode, check="host"):
     """The operator's body (also called directly, see ``_dispatch``)."""
     num_rows = src.shape[dim]
     backend_name = current_backend(src.device.type, _CALLER)
-    _check_values(offsets, perm, num_rows, check, backend_name)
+    check = _segments.check_that_runs(check, src.device.type, backend_name)
+    _check_values(offsets, perm, num_rows, check)
+    if check != "host":
+        # Under "device" too: on a GPU the launch runs before a failed check is reported.
+        offsets, perm = _as_launched(offsets, perm, num_rows)
     if backend_name == "reference":
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
     src3 = _segments.rows_view(src, dim)
@@ -88,14 +102,18 @@ def _(src, offsets, dim, perm, acc_mode, check="host"):
 # ---- autograd: each source row receives its segment's gradient row ---------------------------
 
 def _setup_context(ctx, inputs, output):
-    src, offsets, dim, perm, acc_mode, *_ = inputs
+    src, offsets, dim, perm, acc_mode, *check = inputs
     ctx.save_for_backward(offsets, perm)
     ctx.dim, ctx.acc_mode, ctx.src_shape = dim, acc_mode, src.shape
+    ctx.check = check[0] if check else "host"
 
 
 def _backward(ctx, grad):
     offsets, perm = ctx.saved_tensors
     dim, num_rows = ctx.dim, ctx.src_shape[ctx.dim]
+    check = _segments.backward_check(ctx.check, grad.device.type)
+    if check != "host":
+        return _backward_unchecked(ctx, grad, offsets, perm, check), None, None, None, None, None
     counts = offsets[1:] - offsets[:-1]
     segment_of_position = torch.repeat_interleave(
         torch.arange(counts.numel(), device=grad.device), counts, output_size=num_rows)
@@ -108,6 +126,36 @@ def _backward(ctx, grad):
     grad_src = torch.ops.detsum.index_add(grad.new_zeros(ctx.src_shape), dim, perm,
                                           grad_positions, 1.0, ctx.acc_mode, "off")
     return grad_src, None, None, None, None, None
+
+
+def _backward_unchecked(ctx, grad, offsets, perm, check):
+    """The gradient of what the forward launched on values it did not check (``_as_launched``),
+    inside every tensor: each position in a segment passes its segment's gradient row to its
+    row, and the rows before the first segment and after the last receive nothing. Under
+    "device" a bad value has failed already, so only the bounds matter there: the rows outside
+    every segment then receive a gradient row of their own too (no pass to clear them)."""
+    dim, num_rows = ctx.dim, ctx.src_shape[ctx.dim]
+    num_segments = offsets.numel() - 1
+    if num_segments == 0 or num_rows == 0:
+        return grad.new_zeros(ctx.src_shape)
+    offsets, perm = _as_launched(offsets, perm, num_rows)
+    # Counts of the rows before the first segment, of each segment and of the rows after the
+    # last: they add up to num_rows exactly, as repeat_interleave's output_size must.
+    counts = torch.cat([offsets[:1], offsets[1:] - offsets[:-1], num_rows - offsets[-1:]])
+    segment_of_position = torch.repeat_interleave(
+        torch.arange(-1, num_segments + 1, device=grad.device), counts, output_size=num_rows)
+    in_a_segment = (segment_of_position >= 0) & (segment_of_position < num_segments)
+    grad_positions = grad.index_select(dim, segment_of_position.clamp(0, num_segments - 1))
+    if perm is None:
+        if check == "off":
+            shape = [1] * grad.dim()
+            shape[dim] = num_rows
+            grad_positions = grad_positions.masked_fill(~in_a_segment.view(shape), 0)
+        return grad_positions
+    # A position outside every segment goes to row num_rows: left out by index_add's "off".
+    rows = torch.where(in_a_segment, perm, num_rows)
+    return torch.ops.detsum.index_add(grad.new_zeros(ctx.src_shape), dim, rows, grad_positions,
+                                      1.0, ctx.acc_mode, "off")
 
 
 segment_sum_op.register_autograd(_backward, setup_context=_setup_context)
@@ -138,8 +186,13 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
             read back before anything runs, with an error naming the first bad position.
             ``"device"``: on their device, with no host read (no synchronisation, so the call
             can be captured in a CUDA graph); bad values fail at the next synchronisation.
-            ``"off"``: not checked on a GPU, where bad values are the caller's promise broken
-            (the kernel may read outside ``src``). On CPU every level checks, for free.
+            ``"off"``: not checked. On CPU tensors every level checks as ``"host"`` does, on
+            every backend. On a GPU ``"off"`` never reads or writes outside a tensor: it sums
+            with ``offsets`` clamped into ``[0, N]`` and made nondecreasing (each the largest
+            value up to it; the rows before the first offset and from the last on are then
+            left out) and ``perm`` values clamped into ``[0, N)``, and the gradient is that
+            of this sum; a ``"device"`` check that fails launches the same before the
+            failure is reported.
 
     Returns:
         ``src``'s shape with ``dim`` of size ``S``, contiguous, of ``src``'s dtype.

@@ -5,7 +5,10 @@ CONTRACT: the one of ``detsum.kernels.numba.segment`` (read it there), with two 
 ``CUDA_STRIDE_1`` only with inner size 1), and ``EXACT`` as ``detsum.kernels.numba.exact``
 defines it (the exact sum or mean rounded once; SUM and MEAN only, no carry). ``order`` and
 ``offsets`` are int64 tensors on the data's device, and nothing here reads them on the host: a
-launch never synchronises.
+launch never synchronises. Offsets need not start at 0 nor end at ``M`` here: nondecreasing
+values in ``[0, M]`` with ``order`` values in ``[0, N)`` keep every read and write inside the
+tensors (the positions outside every segment are never read), which is how detsum launches
+values it did not check (``check="off"`` on a GPU).
 
 IMPLEMENTATION NOTES (this backend):
 

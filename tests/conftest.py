@@ -197,6 +197,10 @@ def host_reads(on_read):
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+        if "torch._dynamo" in sys.modules:
+            # Dynamo looks up torch's functions by object in a table it fills on first use:
+            # filled while they were replaced, it would no longer know torch.bincount itself.
+            torch._dynamo.trace_rules.clear_lru_cache()
 
 
 def detsum_threads(count: int):

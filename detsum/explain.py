@@ -9,7 +9,7 @@ import operator
 
 import torch
 
-from detsum import _validation, reference
+from detsum import _transforms, _validation, reference
 from detsum.modes import FLOAT_DTYPES, acc_dtype
 
 __all__ = ["Explanation", "explain"]
@@ -229,6 +229,11 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{caller}: {name} must be a float tensor, got {got}")
+    for name, t in (("a", a), ("b", b), ("magnitude", magnitude)):
+        if isinstance(t, torch.Tensor) and _transforms.batched(t):
+            raise RuntimeError(f"{caller}: {name} is a tensor of torch.func.vmap; explain "
+                               f"compares two whole tensors and returns a report, not a tensor, "
+                               f"so it cannot run per sample: call it outside vmap")
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"{caller}: a is {a.dtype} {tuple(a.shape)} but b is {b.dtype} "
                          f"{tuple(b.shape)}; expected the same shape and dtype")

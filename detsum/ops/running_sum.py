@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from detsum import _limbs, _segments, _validation, reference
+from detsum import _limbs, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.kernels import CHUNK_TERMS, KAHAN, MAX_TERMS_PER_STATE, WIDE
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_ordered_mode
@@ -96,6 +96,13 @@ def _resume_products(total: torch.Tensor, comp: torch.Tensor | None, left: torch
         columns = slice(o_lo * cols, o_hi * cols)
         _resume(total[columns], None if comp is None else comp[columns],
                 _products(left[lo:hi, o_lo:o_hi], right[lo:hi], total.dtype))
+
+
+#: Why a RunningSum takes no tensor of a torch.func transform.
+_OUTSIDE_TRANSFORMS = ("a RunningSum keeps its state between calls, outside every transform, and "
+                       "has no gradient: add the rows outside the transform (or, for a "
+                       "gradient, differentiate detsum.segment_sum over all the rows, the same "
+                       "bits)")
 
 
 class RunningSum:
@@ -196,6 +203,7 @@ class RunningSum:
                              f"[k, {', '.join(map(str, self.shape))}]")
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
+        _transforms.refuse_transformed(caller, "rows", rows, _OUTSIDE_TRANSFORMS)
         if self.mode is Mode.EXACT:
             _limbs.add_terms(self._state,
                              rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
@@ -333,6 +341,7 @@ class RunningSum:
                              f"{expected} (the state() of a sum of this shape and dtype)")
         if state.device != self.device:
             raise ValueError(f"{caller}: state is on {state.device}; expected {self.device}")
+        _transforms.refuse_transformed(caller, "state", state, _OUTSIDE_TRANSFORMS)
         count = int(state[0])
         if count < 0:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")

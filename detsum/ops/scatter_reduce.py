@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _dispatch, _segments, _validation, reference
+from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
 
@@ -124,8 +124,8 @@ def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.T
     counter = acc_dtype(input.dtype)
     zeros = torch.zeros(input.shape, dtype=counter, device=input.device)
     # The index was checked by the forward call, as its check said: not again (no host read).
-    return torch.ops.detsum.scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum",
-                                           True, "fp32", False, "off")
+    return call_scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum", True, "fp32",
+                               False, "off")
 
 
 def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor
@@ -164,7 +164,7 @@ def _backward(ctx, grad):
         zero_members = _count(input, dim, index, zeros_in_src)
         if include_self:
             zero_members = zero_members + (input == 0)
-        product_of_nonzeros = torch.ops.detsum.scatter_reduce(
+        product_of_nonzeros = call_scatter_reduce(
             input.masked_fill(input == 0, 1), dim, index, src.masked_fill(zeros_in_src, 1),
             "prod", include_self, "fp32", False, "off")
 
@@ -186,7 +186,8 @@ def _backward(ctx, grad):
     return grad_self, None, None, grad_src, None, None, None, None, None
 
 
-scatter_reduce_op.register_autograd(_backward, setup_context=_setup_context)
+call_scatter_reduce = _transforms.register_autograd(scatter_reduce_op, _backward,
+                                                    setup_context=_setup_context, caller=_CALLER)
 
 
 # ---- public function ---------------------------------------------------------------------------
@@ -266,8 +267,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     if _dispatch.direct_call_ok(input, index, src):
         return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
                     check=check)
-    return scatter_reduce_op(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                             check)
+    return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
+                               check)
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check):

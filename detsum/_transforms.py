@@ -92,7 +92,7 @@ def register_autograd(op, backward: Callable[..., Any], *,
     def forward(*args):
         return op(*args)
 
-    function = type(op._name, (torch.autograd.Function,), {
+    function = type(caller, (torch.autograd.Function,), {
         "forward": staticmethod(forward),
         "setup_context": staticmethod(setup_context or _nothing_to_save),
         "backward": staticmethod(backward),

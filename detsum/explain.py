@@ -191,7 +191,8 @@ def explain(a: torch.Tensor, b: torch.Tensor, *, terms: int | None = None,
     assumes no overflow): they count among the elements exceeding it.
 
     An argument of the wrong type raises TypeError, a wrong value ValueError, each naming the
-    argument, its value and what was expected.
+    argument, its value and what was expected; a tensor of ``torch.func.vmap`` raises
+    RuntimeError (a report is not a tensor: call it outside ``vmap``).
 
     Args:
         a, b: same shape and float dtype.

@@ -147,7 +147,10 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
 
     Gradient: ``1 / n`` (``"mean"``), ``1`` (``"sum"``) or ``weight / sum(weight)`` for each
     element, computed in the acc type and rounded once. With a group, ``n`` and ``sum(weight)``
-    are over the group, and each rank gets the gradient of its own losses.
+    are over the group, and each rank gets the gradient of its own losses. The same under
+    ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward mode (``jvp``,
+    ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 
     Example:
         >>> import torch
@@ -713,6 +716,8 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
         ValueError: the forward draws random numbers from torch's generator (checked on every
             call), or, checked on a model's first call, sample 0 evaluated twice gives two
             gradients: its per-sample gradients would depend on the batch split.
+        RuntimeError: called inside a ``torch.func`` transform or a forward-mode level: it runs
+            ``torch.autograd`` itself, which a transform refuses inside it.
 
     Example:
         >>> import torch
@@ -911,7 +916,9 @@ class GradAccumulator:
     def add(self, per_sample_grads: dict[str, torch.Tensor | OuterProducts]) -> None:
         """Add the next samples' gradients: ``{name: [k, *param.shape]}`` for every parameter,
         where a matrix's may also be its factors, an :class:`OuterProducts` of ``[k, O]``
-        and ``[k, K]`` for a parameter of shape ``[O, K]`` (the same sum, bit for bit)."""
+        and ``[k, K]`` for a parameter of shape ``[O, K]`` (the same sum, bit for bit).
+        A tensor of a ``torch.func`` transform, or one that carries a forward-mode tangent,
+        raises RuntimeError: the sums outlive the transform and have no gradient."""
         caller = "detsum.loss.GradAccumulator.add"
         if not isinstance(per_sample_grads, dict):
             raise TypeError(f"{caller}: per_sample_grads must be a dict of tensors by parameter "
@@ -1063,6 +1070,8 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         ValueError: the model's forward is not a deterministic function of one sample (it draws
             random numbers, or, checked the first time a model is used, evaluating its first
             sample twice gives two results); see :func:`per_sample_grads`.
+        RuntimeError: called inside a ``torch.func`` transform or a forward-mode level, as
+            :func:`per_sample_grads`.
 
     What is invariant: each sample's gradient has the same bits whatever batch, position,
     ``microbatch_size`` or ``chunk_size`` it is evaluated with (it is evaluated alone, in

@@ -28,6 +28,10 @@ reads it back and names the first bad position, ``"device"`` checks it on the de
 host read, ``"off"`` trusts it (a broken promise still stays inside every tensor). Backward
 passes never check again and, on a GPU, never read back (docs/moe.md, "Checks and host
 reads").
+
+The gradients are the same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``;
+forward mode (``jvp``, ``jacfwd``) raises NotImplementedError, and so does a second derivative
+through the weighted ``unpermute`` on CPU in ``"fp32"``/``"kahan"`` (docs/determinism.md).
 """
 
 from __future__ import annotations

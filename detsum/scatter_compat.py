@@ -37,6 +37,11 @@ size is read from the index on the host, which a full graph cannot contain. Comp
 reduction gives eager's bits; the composites' ``exp``, ``log`` and ``sqrt`` are torch's
 elementwise ops, for which inductor writes its own code (its ``exp`` can differ from eager's in
 the last bit).
+
+Under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap`` every function gives the
+gradients (and per-sample results) of eager autograd, bit for bit; forward mode (``jvp``,
+``jacfwd``) raises NotImplementedError wherever detsum sums (the gathers pass tangents through
+torch's own ``gather``), docs/determinism.md.
 """
 
 from __future__ import annotations

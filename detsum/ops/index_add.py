@@ -181,6 +181,9 @@ _ORDER_DOC = """
 
     Gradient: ``input`` receives ``grad``; ``source`` receives
     ``grad.index_select(dim, index) * alpha`` (a gather; exact when ``alpha == 1``).
+    The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
+    mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 """
 
 

@@ -191,7 +191,10 @@ class RunningSum:
         self._part_comp = torch.empty_like(self._total) if kahan else None
 
     def add(self, rows: torch.Tensor) -> None:
-        """Add ``rows`` ``[k, *shape]`` (k may be 0) after the rows added so far."""
+        """Add ``rows`` ``[k, *shape]`` (k may be 0) after the rows added so far. A tensor of a
+        ``torch.func`` transform, or one that carries a forward-mode tangent, raises
+        RuntimeError: the state outlives the transform and has no gradient (differentiate
+        ``detsum.segment_sum`` over all the rows instead: the same bits)."""
         caller = "detsum.RunningSum.add"
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"{caller}: rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -329,7 +332,8 @@ class RunningSum:
 
     def load_state(self, state: torch.Tensor) -> None:
         """Replace this sum's state by ``state`` (from ``state()``, or an integer sum of
-        several, e.g. after ``torch.distributed.all_reduce``); it is normalised on the way in."""
+        several, e.g. after ``torch.distributed.all_reduce``); it is normalised on the way in.
+        A tensor of a ``torch.func`` transform raises RuntimeError, the state unchanged."""
         caller = "detsum.RunningSum.load_state"
         self._check_exact(caller)
         expected = (1 + self._state.numel(),)

@@ -252,6 +252,9 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     ``include_self=False`` only the source members share an ``amax``/``amin`` gradient (torch
     2.13 also counts an excluded input equal to the result, so its source gradients add up to
     less than the incoming gradient).
+    The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
+    mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 
     Example:
         >>> import torch, detsum

@@ -163,6 +163,9 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
     run, for every thread count and every backend that implements the mode.
 
     Gradient: each row ``r(p)`` receives its segment's gradient row (exact).
+    The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
+    mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 
     Example:
         >>> import torch, detsum

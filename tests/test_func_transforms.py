@@ -416,3 +416,31 @@ def test_compile_runs_a_transform_eagerly_or_refuses_it_under_fullgraph():
     with pytest.raises(Exception) as raised:
         torch.compile(step, backend="aot_eager", fullgraph=True)(_SRC)
     assert "detsum.index_add: a torch.func transform inside torch.compile" in str(raised.value)
+
+
+# ---- a process group ----------------------------------------------------------------------------
+
+def test_reduce_over_a_group_gives_eager_gradients_and_per_sample_sums():
+    """loss.reduce(group=...) runs its collective inside the transform: one rank of gloo here
+    (tests/test_distributed.py checks the sums over several ranks)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        for fn, args in [
+            (lambda v: loss.reduce(v, mode="exact", group=group), (_SRC,)),
+            (lambda v, w: loss.reduce(v, weight=w, mode="exact", group=group),
+             (_SRC, _SRC.abs())),
+        ]:
+            cotangent = _cotangent(fn, args)
+            leaves = _leaves(args)
+            eager = torch.autograd.grad(fn(*leaves), leaves, cotangent)
+            for transformed, expected in zip(vjp(fn, *args)[1](cotangent), eager):
+                assert_same_bits(transformed, expected)
+        samples = torch.stack([_SRC, make_data(_SRC.shape, DTYPE, seed=14)])
+        batched = vmap(lambda v: loss.reduce(v, mode="exact", group=group))(samples)
+        for b in range(2):
+            assert_same_bits(batched[b], loss.reduce(samples[b], mode="exact", group=group))
+    finally:
+        dist.destroy_process_group()

@@ -38,7 +38,7 @@ def active() -> bool:
     return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
 
 
-def forward_mode_refused(caller: str) -> NotImplementedError:
+def _forward_mode_refused(caller: str) -> NotImplementedError:
     """The error for a forward-mode derivative (a tangent reached ``caller``)."""
     return NotImplementedError(
         f"{caller}: forward-mode differentiation (torch.func.jvp, torch.func.jacfwd, "
@@ -49,7 +49,7 @@ def forward_mode_refused(caller: str) -> NotImplementedError:
 
 def _refuse_compiled(caller: str) -> None:
     raise NotImplementedError(
-        f"{caller}: a torch.func transform inside torch.compile is not supported (torch 2.13 "
+        f"{caller}: a torch.func transform inside torch.compile is not supported (torch "
         f"cannot trace detsum's operators under one); run the transform eagerly, or compile "
         f"the function and differentiate it with torch.autograd, which works")
 
@@ -68,7 +68,7 @@ def apply(function: type[torch.autograd.Function], caller: str, *args: Any) -> A
     key = (function, caller)
     if key not in _refusing:
         def jvp(ctx, *tangents):
-            raise forward_mode_refused(caller)
+            raise _forward_mode_refused(caller)
 
         _refusing[key] = type(function.__name__, (function,), {"jvp": staticmethod(jvp)})
     return _refusing[key].apply(*args)

@@ -11,14 +11,16 @@ which computes exactly what the operator computes (it *is* the operator's body).
 from __future__ import annotations
 
 import torch
+from torch.autograd import forward_ad
 
 
 def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
     """True when the operator would do nothing but call its implementation on ``tensors``:
     eager mode (not tracing), no tensor that autograd must record, no dispatch or function
-    mode active (fake tensors, tracing and debugging modes), and plain tensors only (no
-    subclass, no functorch wrapper from ``vmap`` or ``grad``)."""
-    if torch.compiler.is_compiling():
+    mode active (fake tensors, tracing and debugging modes), no forward-mode AD level open
+    (a tensor may carry a tangent), and plain tensors only (no subclass, no functorch
+    wrapper from ``vmap`` or ``grad``)."""
+    if torch.compiler.is_compiling() or forward_ad._current_level >= 0:
         return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from detsum import _validation, reference
+from detsum import _transforms, _validation, reference
 from detsum.modes import FLOAT_DTYPES, acc_dtype
 
 __all__ = ["Explanation", "Explanations", "explain"]
@@ -318,7 +318,9 @@ def explain(a: torch.Tensor | Mapping, b: torch.Tensor | Mapping, *,
 
     An argument of the wrong type raises TypeError, a wrong value ValueError, each naming the
     argument (``a['0.weight']`` for a dict's tensor), its value and what was expected; two
-    dicts with different names raise ValueError naming the names in one only.
+    dicts with different names raise ValueError naming the names in one only; a tensor of
+    ``torch.func.vmap`` raises RuntimeError (a report is not a tensor: call it outside
+    ``vmap``).
 
     Args:
         a, b: same shape and float dtype; or two dicts with the same names, of such pairs.
@@ -408,6 +410,11 @@ def _check_pair(caller: str, a_name: str, a: object, b_name: str, b: object) -> 
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{caller}: {name} must be a float tensor, got {got}")
+    for name, t in (("a", a), ("b", b), ("magnitude", magnitude)):
+        if isinstance(t, torch.Tensor) and _transforms.batched(t):
+            raise RuntimeError(f"{caller}: {name} is a tensor of torch.func.vmap; explain "
+                               f"compares two whole tensors and returns a report, not a tensor, "
+                               f"so it cannot run per sample: call it outside vmap")
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"{caller}: {a_name} is {a.dtype} {tuple(a.shape)} but {b_name} is "
                          f"{b.dtype} {tuple(b.shape)}; expected the same shape and dtype")

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 import detsum
-from detsum import _dispatch, moe
+from detsum import _dispatch, _transforms, moe
 from detsum.modes import Mode, parse_mode
 
 __all__ = ["IMPLEMENTATION", "experts_forward", "register", "use_detsum_experts"]
@@ -140,6 +140,13 @@ def _(grad, rows, weight, offsets, rows_need_grad, weight_needs_grad, loop_zeros
             weight.new_empty(weight.shape if weight_needs_grad else (0,)))
 
 
+call_expert_linear_backward = _transforms.register_autograd(
+    expert_linear_backward_op,
+    _transforms.refuse_second_order("detsum.hf.experts_forward",
+                                    "the gradient of the expert products"),
+    caller="detsum.hf.experts_forward")
+
+
 def _expert_linear_setup(ctx, inputs, output):
     rows, weight, offsets, loop_zeros = inputs
     ctx.save_for_backward(rows, weight, offsets)
@@ -152,14 +159,16 @@ def _expert_linear_backward(ctx, grad):
     # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py); a
     # traced one (torch.compile) sees the operator.
     gradients = (_expert_linear_gradients if _dispatch.direct_call_ok(grad, rows, weight, offsets)
-                 else expert_linear_backward_op)
+                 else call_expert_linear_backward)
     grad_rows, grad_weight = gradients(
         grad, rows, weight, offsets, rows_need_grad, weight_needs_grad, ctx.loop_zeros)
     return (grad_rows if rows_need_grad else None,
             grad_weight if weight_needs_grad else None, None, None)
 
 
-expert_linear_op.register_autograd(_expert_linear_backward, setup_context=_expert_linear_setup)
+call_expert_linear = _transforms.register_autograd(
+    expert_linear_op, _expert_linear_backward, setup_context=_expert_linear_setup,
+    caller="detsum.hf.experts_forward")
 
 
 # ---- routing ------------------------------------------------------------------------------------
@@ -279,9 +288,9 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
     else:
         rows = moe.permute(hidden_states, gather_indices, topk, mode=mode, check=False)
     loop_zeros = mode is Mode.AUTOGRAD
-    projected = expert_linear_op(rows, experts.gate_up_proj, boundaries, loop_zeros)
-    expert_rows = expert_linear_op(experts._apply_gate(projected), experts.down_proj, boundaries,
-                                   loop_zeros)
+    projected = call_expert_linear(rows, experts.gate_up_proj, boundaries, loop_zeros)
+    expert_rows = call_expert_linear(experts._apply_gate(projected), experts.down_proj,
+                                     boundaries, loop_zeros)
     if mode is Mode.AUTOGRAD:
         position_weights = top_k_weights.reshape(-1).index_select(0, gather_indices)
         weighted = (expert_rows * position_weights[:, None]).to(hidden_states.dtype)

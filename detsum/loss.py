@@ -26,10 +26,11 @@ from typing import NamedTuple
 
 import torch
 
-from detsum import _limbs, _segments, _validation, distributed
+from detsum import _limbs, _segments, _transforms, _validation, distributed
 from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.modes import Mode, acc_dtype, parse_ordered_mode
 from detsum.ops.running_sum import RunningSum, add_exact_products
+from detsum.ops.segment_sum import call_segment_sum
 
 __all__ = ["GradAccumulator", "OuterProducts", "batch_grad", "per_sample_grads", "reduce"]
 
@@ -54,19 +55,22 @@ def _ordered_sum(values: torch.Tensor, mode: Mode) -> torch.Tensor:
     """0-dim sum of a 1-D acc-type tensor, in index order, in ``mode`` (no final rounding
     beyond the acc type)."""
     offsets = _segments.one_segment(values.shape[0], values.device)
-    return torch.ops.detsum.segment_sum(values, offsets, 0, None, mode.value).view(())
+    return call_segment_sum(values, offsets, 0, None, mode.value, "host",
+                            caller="detsum.loss.reduce").view(())
 
 
 class _ExactSum(torch.autograd.Function):
-    """The exact sum of ``rows`` ``[n, k]`` (acc type), rounded once to ``dtype``: ``[k]``; with
-    ``mean``, divided by the row count first (exactly). With a ``group``, the sum and the count
-    are over every rank of it (``caller`` and ``fields`` name the call for the ranks' check).
-    Its gradient is the incoming one (divided by the count in the acc type) for every row, as
-    the other modes' ``sum`` (and ``/ n``) give: with a group, the gradient of the global loss
-    with respect to this rank's losses."""
+    """``(sum, count)``: the exact sum of ``rows`` ``[n, k]`` (acc type), rounded once to
+    ``dtype``: ``[k]``, with ``mean``, divided by the row count first (exactly); ``count`` is
+    that row count (an int). With a ``group``, the sum and the count are over every rank of it
+    (``caller`` and ``fields`` name the call for the ranks' check). Its gradient is the
+    incoming one (divided by the count in the acc type) for every row, as the other modes'
+    ``sum`` (and ``/ n``) give: with a group, the gradient of the global loss with respect to
+    this rank's losses. Under ``vmap`` the samples' columns are summed side by side, each its
+    own exact sum (the bits of one call per sample); forward mode is refused."""
 
     @staticmethod
-    def forward(ctx, rows, dtype, mean, caller, group, fields):
+    def forward(rows, dtype, mean, caller, group, fields):
         state = _limbs.new_state(rows.shape[1], rows.dtype, rows.device)
         _limbs.add_terms(state, rows)
         total = rows.shape[0]
@@ -80,20 +84,34 @@ class _ExactSum(torch.autograd.Function):
                 raise ValueError(f"{caller}: an exact mean of {total} losses over the group; "
                                  f"mode='exact' divides by at most {MAX_TERMS_PER_STATE} "
                                  f"(reduce the sum, or average partial means)")
-        ctx.count, ctx.shape = (total if mean else None), rows.shape
-        return _limbs.round_state(state, rows.dtype, dtype, ctx.count)
+        return _limbs.round_state(state, rows.dtype, dtype, total if mean else None), total
 
     @staticmethod
-    def backward(ctx, grad):
+    def setup_context(ctx, inputs, output):
+        rows, _, mean, *_ = inputs
+        ctx.count, ctx.shape = (output[1] if mean else None), rows.shape
+
+    @staticmethod
+    def backward(ctx, grad, _):
         wide = grad.to(acc_dtype(grad.dtype))
         if ctx.count is not None:
             wide = wide / ctx.count
         return wide.expand(ctx.shape), None, None, None, None, None
 
+    @staticmethod
+    def vmap(info, in_dims, rows, dtype, mean, caller, group, fields):
+        side_by_side = rows.movedim(in_dims[0], 1)
+        n, samples, k = side_by_side.shape
+        total, count = _transforms.apply(_ExactSum, caller or "detsum.loss.reduce",
+                                         side_by_side.reshape(n, samples * k), dtype, mean,
+                                         caller, group, fields)
+        return (total.view(samples, k), count), (0, None)
+
 
 def _exact_sum(rows: torch.Tensor, dtype: torch.dtype, mean: bool) -> torch.Tensor:
     """:class:`_ExactSum` of one process's 1-D acc-type ``rows``: a 0-dim tensor."""
-    return _ExactSum.apply(rows.unsqueeze(1), dtype, mean, None, None, None).view(())
+    return _transforms.apply(_ExactSum, "detsum.loss.reduce", rows.unsqueeze(1), dtype, mean,
+                             None, None, None)[0].view(())
 
 
 def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tensor | None = None,
@@ -129,7 +147,10 @@ def reduce(losses: torch.Tensor, reduction: str = "mean", *, weight: torch.Tenso
 
     Gradient: ``1 / n`` (``"mean"``), ``1`` (``"sum"``) or ``weight / sum(weight)`` for each
     element, computed in the acc type and rounded once. With a group, ``n`` and ``sum(weight)``
-    are over the group, and each rank gets the gradient of its own losses.
+    are over the group, and each rank gets the gradient of its own losses. The same under
+    ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward mode (``jvp``,
+    ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 
     Example:
         >>> import torch
@@ -209,16 +230,17 @@ def _reduce_over_ranks(caller, losses, reduction, weight, mode, group) -> torch.
             caller, group, {**fields, "arguments": distributed.describe_error(error)}, error)
     fields["arguments"] = "valid"
     if weight is None:
-        total = _ExactSum.apply(values.unsqueeze(1), losses.dtype,
-                                         reduction == "mean", caller, group, fields)
+        total, _ = _transforms.apply(_ExactSum, caller, values.unsqueeze(1), losses.dtype,
+                                     reduction == "mean", caller, group, fields)
         return total.view(())
     weighted = values * weight.reshape(-1).to(acc)
     if reduction == "sum":
-        return _ExactSum.apply(weighted.unsqueeze(1), losses.dtype, False, caller,
-                                        group, fields).view(())
+        return _transforms.apply(_ExactSum, caller, weighted.unsqueeze(1), losses.dtype, False,
+                                 caller, group, fields)[0].view(())
     # As the one-process weighted mean: two sums correctly rounded to the acc type, divided.
-    sums = _ExactSum.apply(torch.stack([weighted, weight.reshape(-1).to(acc)], 1),
-                                    acc, False, caller, group, fields)
+    sums, _ = _transforms.apply(_ExactSum, caller,
+                                torch.stack([weighted, weight.reshape(-1).to(acc)], 1), acc,
+                                False, caller, group, fields)
     return (sums[0] / sums[1]).to(losses.dtype)
 
 
@@ -644,6 +666,11 @@ class _SampleGradients:
                 if names else "no module in training mode has buffers")
 
 
+#: Why per_sample_grads and batch_grad refuse to run inside a torch.func transform.
+_OWN_AUTOGRAD = ("it runs torch.autograd on the model itself, which a transform refuses inside "
+                 "it: call it outside the transform (its gradients are per sample already)")
+
+
 def _materialised(gradient: dict[str, torch.Tensor | OuterProducts]) -> dict[str, torch.Tensor]:
     """One sample's gradient with every factored weight's outer product formed."""
     return {name: g.left.unsqueeze(1) * g.right if isinstance(g, OuterProducts) else g
@@ -689,6 +716,8 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
         ValueError: the forward draws random numbers from torch's generator (checked on every
             call), or, checked on a model's first call, sample 0 evaluated twice gives two
             gradients: its per-sample gradients would depend on the batch split.
+        RuntimeError: called inside a ``torch.func`` transform or a forward-mode level: it runs
+            ``torch.autograd`` itself, which a transform refuses inside it.
 
     Example:
         >>> import torch
@@ -700,6 +729,7 @@ def per_sample_grads(model: torch.nn.Module, loss_fn, inputs: torch.Tensor,
         {'weight': (5, 2, 3), 'bias': (5, 2)}
     """
     caller = "detsum.loss.per_sample_grads"
+    _transforms.refuse_inside(caller, _OWN_AUTOGRAD)
     batch = _check_batch(caller, model, inputs, targets)
     _check_positive(caller, "chunk_size", chunk_size)
     gradients = _SampleGradients(caller, model, loss_fn)
@@ -886,7 +916,9 @@ class GradAccumulator:
     def add(self, per_sample_grads: dict[str, torch.Tensor | OuterProducts]) -> None:
         """Add the next samples' gradients: ``{name: [k, *param.shape]}`` for every parameter,
         where a matrix's may also be its factors, an :class:`OuterProducts` of ``[k, O]``
-        and ``[k, K]`` for a parameter of shape ``[O, K]`` (the same sum, bit for bit)."""
+        and ``[k, K]`` for a parameter of shape ``[O, K]`` (the same sum, bit for bit).
+        A tensor of a ``torch.func`` transform, or one that carries a forward-mode tangent,
+        raises RuntimeError: the sums outlive the transform and have no gradient."""
         caller = "detsum.loss.GradAccumulator.add"
         if not isinstance(per_sample_grads, dict):
             raise TypeError(f"{caller}: per_sample_grads must be a dict of tensors by parameter "
@@ -920,6 +952,14 @@ class GradAccumulator:
                     f"{caller}: per_sample_grads[{name!r}] is {g.dtype} "
                     f"{tuple(g.shape)} on {g.device}; expected {dtype} "
                     f"[k, {', '.join(map(str, shape))}] on {device}")
+            factors = [("left", g.left), ("right", g.right)] if isinstance(g, OuterProducts) \
+                else [("", g)]
+            for part, t in factors:
+                _transforms.refuse_transformed(
+                    caller, f"per_sample_grads[{name!r}]" + (f".{part}" if part else ""), t,
+                    "a GradAccumulator keeps its sums between calls, outside every transform, "
+                    "and has no gradient: add gradients computed outside the transform (those "
+                    "that torch.func.vmap(torch.func.grad(...)) returns are)")
         k = next(iter(counts.values()))
         for name, g in per_sample_grads.items():
             if self.mode is Mode.EXACT:
@@ -1030,6 +1070,8 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         ValueError: the model's forward is not a deterministic function of one sample (it draws
             random numbers, or, checked the first time a model is used, evaluating its first
             sample twice gives two results); see :func:`per_sample_grads`.
+        RuntimeError: called inside a ``torch.func`` transform or a forward-mode level, as
+            :func:`per_sample_grads`.
 
     What is invariant: each sample's gradient has the same bits whatever batch, position,
     ``microbatch_size`` or ``chunk_size`` it is evaluated with (it is evaluated alone, in
@@ -1052,6 +1094,7 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         True
     """
     caller = "detsum.loss.batch_grad"
+    _transforms.refuse_inside(caller, _OWN_AUTOGRAD)
     if group is not None:
         distributed.check_group(caller, group, none_means="this process alone")
     try:

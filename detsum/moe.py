@@ -28,6 +28,10 @@ reads it back and names the first bad position, ``"device"`` checks it on the de
 host read, ``"off"`` trusts it (a broken promise still stays inside every tensor). Backward
 passes never check again and, on a GPU, never read back (docs/moe.md, "Checks and host
 reads").
+
+The gradients are the same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``;
+forward mode (``jvp``, ``jacfwd``) raises NotImplementedError, and so does a second derivative
+through the weighted ``unpermute`` on CPU in ``"fp32"``/``"kahan"`` (docs/determinism.md).
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ import math
 
 import torch
 
-from detsum import _dispatch, _segments, _validation
+from detsum import _dispatch, _segments, _transforms, _validation
 from detsum.backend import current_backend
 from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
 from detsum.modes import Mode, acc_dtype, parse_mode
+from detsum.ops.segment_sum import call_segment_sum
 
 __all__ = ["permute", "route", "unpermute"]
 
@@ -285,12 +290,14 @@ def _permute_backward(ctx, grad):
     sorted_tokens, token_rows = torch.sort(tokens, stable=True)
     boundaries = torch.arange(ctx.num_tokens + 1, dtype=tokens.dtype, device=tokens.device)
     # Offsets and rows built here, right by construction: nothing to check, nothing read back.
-    grad_x = torch.ops.detsum.segment_sum(
-        grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows, ctx.acc_mode, "off")
+    grad_x = call_segment_sum(grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows,
+                              ctx.acc_mode, "off")
     return grad_x, None, None, None, None
 
 
-permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+call_permute = _transforms.register_autograd(permute_op, _permute_backward,
+                                             setup_context=_permute_setup,
+                                             caller="detsum.moe.permute")
 
 
 def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
@@ -353,7 +360,7 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
                 [2.]])
     """
     mode, level = _validation.run_check(_check_permute, x, gather_indices, topk, mode, check)
-    return permute_op(x, gather_indices, topk, mode.value, level)
+    return call_permute(x, gather_indices, topk, mode.value, level)
 
 
 def _check_permute(x, gather_indices, topk, mode, check):
@@ -529,7 +536,7 @@ def _unpermute_backward(ctx, grad):
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
         gradients = (_weighted_gradients_by_blocks
                      if _dispatch.direct_call_ok(grad, y, tokens, position_weights)
-                     else _weighted_backward_by_blocks)
+                     else call_weighted_backward_by_blocks)
         grad_y, dots = gradients(grad, y, tokens, position_weights, ctx.acc_mode)
         grad_weights = dots.index_select(0, _slot_positions(gather_indices))
         return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None,
@@ -551,9 +558,8 @@ def _unpermute_backward(ctx, grad):
         # In order, in the accumulator ("kahan": compensated), rounded once.
         products = grad_rows.to(acc_dtype(grad.dtype)).mul_(y)  # exact for half grad and y
         products = products.reshape(y.shape[0], features)
-        dots = torch.ops.detsum.segment_sum(
-            products, _segments.one_segment(products.shape[1], y.device), 1, None,
-            ctx.acc_mode, "off").view(-1)
+        dots = call_segment_sum(products, _segments.one_segment(products.shape[1], y.device), 1,
+                                None, ctx.acc_mode, "off").view(-1)
     grad_weights = dots.index_select(0, _slot_positions(gather_indices))
     return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None,
             None)
@@ -611,7 +617,15 @@ def _(grad, y, tokens, position_weights, acc_mode):
             y.new_empty(y.shape[0], dtype=acc_dtype(grad.dtype)))
 
 
-unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+call_weighted_backward_by_blocks = _transforms.register_autograd(
+    _weighted_backward_by_blocks,
+    _transforms.refuse_second_order("detsum.moe.unpermute", "the gradient of weighted rows"),
+    caller="detsum.moe.unpermute")
+
+
+call_unpermute = _transforms.register_autograd(unpermute_op, _unpermute_backward,
+                                               setup_context=_unpermute_setup,
+                                               caller="detsum.moe.unpermute")
 
 
 def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
@@ -716,7 +730,7 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     """
     mode, level = _validation.run_check(_check_unpermute, y, gather_indices, topk, weights,
                                         reduce, mode, check)
-    return unpermute_op(y, gather_indices, topk, weights, reduce, mode.value, level)
+    return call_unpermute(y, gather_indices, topk, weights, reduce, mode.value, level)
 
 
 def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):

@@ -50,6 +50,11 @@ size is read from the index on the host, which a full graph cannot contain. Comp
 reduction gives eager's bits; the composites' ``exp``, ``log`` and ``sqrt`` are torch's
 elementwise ops, for which inductor writes its own code (its ``exp`` can differ from eager's in
 the last bit).
+
+Under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap`` every function gives the
+gradients (and per-sample results) of eager autograd, bit for bit; forward mode (``jvp``,
+``jacfwd``) raises NotImplementedError wherever detsum sums (the gathers pass tangents through
+torch's own ``gather``), docs/determinism.md.
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ import numbers
 
 import torch
 
-from detsum import _validation
+from detsum import _transforms, _validation
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_mode
 from detsum.ops.index_add import index_add, index_add_
 from detsum.ops.scatter_reduce import scatter_reduce
@@ -306,31 +311,39 @@ class _Extreme(torch.autograd.Function):
     gradient: all of it to the element at ``arg``, none to equal ones after it. ``arg`` is
     found in the forward when the caller asks for it, else only if a backward needs it."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, src, base, index_b, dim, reduce, base_counts, mode, want_arg):
+    def forward(src, base, index_b, dim, reduce, base_counts, mode, want_arg):
         result = _reduce_into(src, index_b, dim, base, reduce, base_counts, mode)
-        kept = _kept(result, base, base_counts)
-        arg = _first_positions(src, index_b, dim, result, kept) if want_arg else None
-        # ``kept`` rather than ``base``: base may be the caller's out, overwritten next.
-        ctx.save_for_backward(src, index_b, result, kept)
-        ctx.dim, ctx.arg = dim, arg
-        if arg is None:
+        if not want_arg:
             return result, torch.empty(0, dtype=torch.int64, device=src.device)
-        ctx.mark_non_differentiable(arg)
-        return result, arg
+        return result, _first_positions(src, index_b, dim, result,
+                                        _kept(result, base, base_counts))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        src, base, index_b, dim, _, base_counts, _, want_arg = inputs
+        result, arg = output
+        # ``kept`` rather than ``base``: base may be the caller's out, overwritten next.
+        # (``arg`` is an integer tensor: autograd never differentiates it.)
+        ctx.save_for_backward(src, index_b, result, _kept(result, base, base_counts),
+                              arg if want_arg else None)
+        ctx.dim = dim
 
     @staticmethod
     def backward(ctx, grad, _):
-        src, index_b, result, kept = ctx.saved_tensors
-        dim, arg = ctx.dim, ctx.arg
+        src, index_b, result, kept, arg = ctx.saved_tensors
+        dim = ctx.dim
         if arg is None:
             arg = _first_positions(src, index_b, dim, result, kept)
         positions_total = src.shape[dim]
         landed = arg < positions_total
-        # One slot past the end takes the outputs whose arg is no source position.
+        # One slot past the end takes the outputs whose arg is no source position. (Out of
+        # place: under vmap the zeros are one tensor and the gradients a batch.)
         shape = list(src.shape)
         shape[dim] += 1
-        spread = grad.new_zeros(shape).scatter_(dim, arg, grad)
+        spread = grad.new_zeros(shape).scatter(dim, arg, grad)
         grad_src = spread.narrow(dim, 0, positions_total)
         grad_base = grad.masked_fill(landed, 0) if kept is not None else None
         return grad_src, grad_base, None, None, None, None, None, None
@@ -346,8 +359,8 @@ def _kept(result: torch.Tensor, base: torch.Tensor, base_counts: bool) -> torch.
     return kept
 
 
-def _extreme(src: torch.Tensor, index_b: torch.Tensor, dim: int, out: torch.Tensor | None,
-             size: int, reduce: str, mode: Mode, want_arg: bool
+def _extreme(caller: str, src: torch.Tensor, index_b: torch.Tensor, dim: int,
+             out: torch.Tensor | None, size: int, reduce: str, mode: Mode, want_arg: bool
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values, arg) of min/max (``arg`` None unless ``want_arg``): see ``_Extreme``."""
     base = out if out is not None else _sized_like(src, dim, size, 0)
@@ -359,8 +372,8 @@ def _extreme(src: torch.Tensor, index_b: torch.Tensor, dim: int, out: torch.Tens
         arg = (_first_positions(src, index_b, dim, result, _kept(result, base, out is not None))
                if want_arg else None)
         return result, arg
-    values, arg = _Extreme.apply(src, base, index_b, dim, reduce, out is not None, mode,
-                                 want_arg)
+    values, arg = _transforms.apply(_Extreme, caller, src, base, index_b, dim, reduce,
+                                    out is not None, mode, want_arg)
     return values, (arg if want_arg else None)
 
 
@@ -417,7 +430,7 @@ def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
             arg = torch.full(result.shape, src.shape[d], dtype=torch.int64, device=src.device)
         return result, arg
     if r in ("min", "max"):
-        values, arg = _extreme(src, index_b, d, out, size, r, m, want_arg)
+        values, arg = _extreme(caller, src, index_b, d, out, size, r, m, want_arg)
         return _finish(out, values), arg
     if r == "mean":
         return _finish(out, _mean_into(src, index_b, d, out, size, m)), None
@@ -632,7 +645,7 @@ def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
     segment_index = _segment_of_position(indptr, tuple(src.shape[:d]), src.shape[d])
     index_b = _broadcast_index(caller, segment_index, src, d)
     if r in ("min", "max"):
-        values, arg = _extreme(src, index_b, d, None, segments + 1, r, m, want_arg)
+        values, arg = _extreme(caller, src, index_b, d, None, segments + 1, r, m, want_arg)
         return (_finish(out, values.narrow(d, 0, segments)),
                 arg.narrow(d, 0, segments) if want_arg else None)
     if r == "mean":
@@ -803,11 +816,17 @@ class _Gather(torch.autograd.Function):
     """``src.gather(dim, index_b)`` whose backward is detsum's deterministic scatter-sum (torch's
     own gather backward adds with atomics on a GPU)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, src, index_b, dim, mode):
+    def forward(src, index_b, dim, mode):
+        return src.gather(dim, index_b.to(torch.int64))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        src, index_b, dim, mode = inputs
         ctx.save_for_backward(index_b)
         ctx.dim, ctx.mode, ctx.rows = dim, mode, src.shape[dim]
-        return src.gather(dim, index_b.to(torch.int64))
 
     @staticmethod
     def backward(ctx, grad):
@@ -818,11 +837,12 @@ class _Gather(torch.autograd.Function):
                                include_self=False, mode=ctx.mode), None, None, None)
 
 
-def _gather(src: torch.Tensor, index_b: torch.Tensor, dim: int, mode: Mode) -> torch.Tensor:
+def _gather(caller: str, src: torch.Tensor, index_b: torch.Tensor, dim: int, mode: Mode
+            ) -> torch.Tensor:
     """``src.gather(dim, index_b)``; while autograd records, its gradient is summed by detsum in
     ``mode``. Every gather of a tensor that carries a gradient goes through here."""
     if src.is_floating_point() and torch.is_grad_enabled() and src.requires_grad:
-        return _Gather.apply(src, index_b, dim, mode)
+        return _transforms.apply(_Gather, caller, src, index_b, dim, mode)
     return src.gather(dim, index_b.to(torch.int64))
 
 
@@ -874,7 +894,7 @@ def gather_csr(src: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor | None
     segment = _segment_of_position(indptr, tuple(shape[:d]), length)
     segments = indptr.shape[-1] - 1
     index_b = _broadcast_index(caller, segment.clamp_max(segments - 1), like, d)
-    copied = _gather(src, index_b, d, m)
+    copied = _gather(caller, src, index_b, d, m)
     outside = segment == segments
     outside = outside.view(tuple(outside.shape) + (1,) * (len(shape) - outside.dim()))
     return _finish(out, copied.masked_fill(outside, 0))
@@ -924,18 +944,24 @@ def gather_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
                                                          device=src.device)))
     like = torch.empty(shape, dtype=src.dtype, device="meta")
     index_b = _broadcast_index(caller, index.expand(tuple(shape[:d + 1])), like, d)
-    return _finish(out, _gather(src, index_b, d, m))
+    return _finish(out, _gather(caller, src, index_b, d, m))
 
 
 class _IndexSelect(torch.autograd.Function):
     """``src.index_select(dim, index)`` whose backward is detsum's index_add (torch's own
     backward is an ``index_add_``, with atomics on a GPU)."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, src, dim, index, mode):
+    def forward(src, dim, index, mode):
+        return src.index_select(dim, index)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        src, dim, index, mode = inputs
         ctx.save_for_backward(index)
         ctx.dim, ctx.mode, ctx.shape = dim, mode, src.shape
-        return src.index_select(dim, index)
 
     @staticmethod
     def backward(ctx, grad):
@@ -989,7 +1015,7 @@ def index_select(src: torch.Tensor, dim: int, index: torch.Tensor, *,
     d, m = _validation.run_check(check)
     _check_index_values(caller, index, src.shape[d], f"src.size({d})")
     if src.is_floating_point() and torch.is_grad_enabled() and src.requires_grad:
-        return _IndexSelect.apply(src, d, index, m)
+        return _transforms.apply(_IndexSelect, caller, src, d, index, m)
     return src.index_select(d, index)
 
 
@@ -1018,9 +1044,9 @@ def scatter_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     d = _validation.check_dim(caller, dim, src.dim())
     index_b = _broadcast_index(caller, index, src, d)
     m = parse_mode(mode, caller=caller)
-    exps = (src - _gather(top, index_b, d, m)).exp()
+    exps = (src - _gather(caller, top, index_b, d, m)).exp()
     totals = _scatter(caller, exps, index, dim, None, dim_size, "sum", mode)[0]
-    return exps / _gather(totals, index_b, d, m)
+    return exps / _gather(caller, totals, index_b, d, m)
 
 
 def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -1040,9 +1066,9 @@ def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
     m = parse_mode(mode, caller=caller)
-    shifted = src - _gather(top, where, d, m)
+    shifted = src - _gather(caller, top, where, d, m)
     totals = _scatter(caller, shifted.exp(), index, dim, None, dim_size, "sum", mode)[0]
-    return shifted - _gather((totals + eps).log(), where, d, m)
+    return shifted - _gather(caller, (totals + eps).log(), where, d, m)
 
 
 def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
@@ -1065,14 +1091,22 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
     _validation.run_check(_check_out, caller, out, src, d)
-    size_name = _size_name(out, dim_size, d)
+    m = _validation.run_check(_check_mode, caller, mode, "max")
+    _validation.check_same_device(caller, src=src, index=index)
     if out is not None:
-        dim_size = out.shape[d]
+        dim_size, size_name = out.shape[d], f"out.size({d})"
     elif dim_size is None:
-        dim_size = _output_size(index, None)
-    top = _scatter(caller, src, index, d, _sized_like(src, d, dim_size, float("-inf")),
-                   dim_size, "max", mode, want_arg=False, size_name=size_name)[0]
-    shifted = src - _gather(top, where, d, parse_mode(mode, caller=caller))
+        dim_size, size_name = _output_size(index, None), "index.max() + 1"
+    else:
+        _validation.run_check(_check_dim_size, caller, dim_size)
+        size_name = "dim_size"
+    _check_index_values(caller, index, dim_size, size_name)
+    # The maximum from -inf, kept out of place: under vmap the start is one tensor and the
+    # maxima a batch, which no in-place write could hold.
+    top = _sized_like(src, d, dim_size, float("-inf"))
+    if src.numel():
+        top, _ = _extreme(caller, src, where, d, top, dim_size, "max", m, False)
+    shifted = src - _gather(caller, top, where, d, m)
     shifted = shifted.masked_fill(shifted.isnan(), float("-inf"))
     start = None if out is None else (out - top).exp()
     totals = _scatter(caller, shifted.exp(), index, d, start, dim_size, "sum", mode,
@@ -1108,7 +1142,7 @@ def scatter_std(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
                       size_name=size_name)[0]
     count = _counts(where, d, totals.shape).to(totals.dtype).clamp_min(1)
     mean = totals / count
-    deviations = src - _gather(mean, where, d, parse_mode(mode, caller=caller))
+    deviations = src - _gather(caller, mean, where, d, parse_mode(mode, caller=caller))
     squares = _scatter(caller, deviations * deviations, index, d, out, totals.shape[d], "sum",
                        mode, size_name=size_name)[0]
     if unbiased:

@@ -29,10 +29,10 @@ def _refuse(*args, **kwargs):
 @pytest.fixture
 def operators_refuse(monkeypatch):
     """Every primitive's registered operator raises when called from the public function."""
-    monkeypatch.setattr(index_add_module, "index_add_op", _refuse)
+    monkeypatch.setattr(index_add_module, "call_index_add", _refuse)
     monkeypatch.setattr(index_add_module, "index_add_inplace_op", _refuse)
-    monkeypatch.setattr(scatter_reduce_module, "scatter_reduce_op", _refuse)
-    monkeypatch.setattr(segment_sum_module, "segment_sum_op", _refuse)
+    monkeypatch.setattr(scatter_reduce_module, "call_scatter_reduce", _refuse)
+    monkeypatch.setattr(segment_sum_module, "call_segment_sum", _refuse)
 
 
 def test_plain_eager_calls_skip_the_operator_and_give_its_bits(operators_refuse):
@@ -108,6 +108,6 @@ def test_eager_backward_of_the_weighted_unpermute_skips_its_operator(monkeypatch
         return y_leaf.grad, w_leaf.grad
 
     unpatched = gradients()
-    monkeypatch.setattr(moe, "_weighted_backward_by_blocks", _refuse)
+    monkeypatch.setattr(moe, "call_weighted_backward_by_blocks", _refuse)
     for got, expected in zip(gradients(), unpatched):
         assert torch.equal(got, expected)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _dispatch, _segments, _validation, reference
+from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
@@ -151,7 +151,8 @@ def _backward(ctx, grad):
     return grad, None, None, grad_source, None, None, None
 
 
-index_add_op.register_autograd(_backward, setup_context=_setup_context)
+call_index_add = _transforms.register_autograd(index_add_op, _backward,
+                                               setup_context=_setup_context, caller=_CALLER)
 
 
 # ---- public functions ---------------------------------------------------------------------------
@@ -199,6 +200,9 @@ _ORDER_DOC = """
 
     Gradient: ``input`` receives ``grad``; ``source`` receives
     ``grad.index_select(dim, index) * alpha`` (a gather; exact when ``alpha == 1``).
+    The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
+    mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 """
 
 
@@ -208,7 +212,7 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
                                              check, _CALLER)
     if _dispatch.direct_call_ok(input, index, source):
         return _index_add(input, dim, index, source, alpha, mode.value, check)
-    return index_add_op(input, dim, index, source, alpha, mode.value, check)
+    return call_index_add(input, dim, index, source, alpha, mode.value, check)
 
 
 def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
@@ -217,15 +221,19 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
                                              check, caller)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
-    if torch.is_grad_enabled() and (input.requires_grad or source.requires_grad):
-        # The in-place operator has no autograd formula of its own; copying the out-of-place
-        # result in keeps the graph correct (copy_ is differentiable) at the cost of one pass.
-        # That path reads storage pointers only in eager mode (a traced tensor has none); the
-        # out-of-place result is right even for shared memory, but torch refuses the call, so
-        # eager detsum does too.
-        if not torch.compiler.is_compiling():
+    if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad
+                                                             or source.requires_grad)):
+        # The in-place operator has no autograd formula of its own (nor a vmap rule);
+        # copying the out-of-place result in keeps the graph correct (copy_ is
+        # differentiable, and batches) at the cost of one pass. That path reads storage
+        # pointers only in eager mode on plain tensors (a traced or transformed tensor has
+        # none); the out-of-place result is right even for shared memory, but torch refuses
+        # the call, so eager detsum does too.
+        if not torch.compiler.is_compiling() and not any(map(
+                torch._C._functorch.is_functorch_wrapped_tensor, (input, index, source))):
             _validation.check_inplace_target(caller, "input", input, index=index, source=source)
-        return input.copy_(index_add_op(input, dim, index, source, alpha, mode.value, check))
+        return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value, check,
+                                          caller=caller))
     if _dispatch.direct_call_ok(input, index, source):
         _index_add_inplace(input, dim, index, source, alpha, mode.value, check)
         # What the operator's mutates_args does: a saved copy of input is now stale, and

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from detsum import _limbs, _segments, _validation, reference
+from detsum import _limbs, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.kernels import CHUNK_TERMS, KAHAN, MAX_TERMS_PER_STATE, WIDE
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_ordered_mode
@@ -96,6 +96,13 @@ def _resume_products(total: torch.Tensor, comp: torch.Tensor | None, left: torch
         columns = slice(o_lo * cols, o_hi * cols)
         _resume(total[columns], None if comp is None else comp[columns],
                 _products(left[lo:hi, o_lo:o_hi], right[lo:hi], total.dtype))
+
+
+#: Why a RunningSum takes no tensor of a torch.func transform.
+_OUTSIDE_TRANSFORMS = ("a RunningSum keeps its state between calls, outside every transform, and "
+                       "has no gradient: add the rows outside the transform (or, for a "
+                       "gradient, differentiate detsum.segment_sum over all the rows, the same "
+                       "bits)")
 
 
 class RunningSum:
@@ -184,7 +191,10 @@ class RunningSum:
         self._part_comp = torch.empty_like(self._total) if kahan else None
 
     def add(self, rows: torch.Tensor) -> None:
-        """Add ``rows`` ``[k, *shape]`` (k may be 0) after the rows added so far."""
+        """Add ``rows`` ``[k, *shape]`` (k may be 0) after the rows added so far. A tensor of a
+        ``torch.func`` transform, or one that carries a forward-mode tangent, raises
+        RuntimeError: the state outlives the transform and has no gradient (differentiate
+        ``detsum.segment_sum`` over all the rows instead: the same bits)."""
         caller = "detsum.RunningSum.add"
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"{caller}: rows must be a torch.Tensor, got {type(rows).__name__}")
@@ -196,6 +206,7 @@ class RunningSum:
                              f"[k, {', '.join(map(str, self.shape))}]")
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
+        _transforms.refuse_transformed(caller, "rows", rows, _OUTSIDE_TRANSFORMS)
         if self.mode is Mode.EXACT:
             _limbs.add_terms(self._state,
                              rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
@@ -321,7 +332,8 @@ class RunningSum:
 
     def load_state(self, state: torch.Tensor) -> None:
         """Replace this sum's state by ``state`` (from ``state()``, or an integer sum of
-        several, e.g. after ``torch.distributed.all_reduce``); it is normalised on the way in."""
+        several, e.g. after ``torch.distributed.all_reduce``); it is normalised on the way in.
+        A tensor of a ``torch.func`` transform raises RuntimeError, the state unchanged."""
         caller = "detsum.RunningSum.load_state"
         self._check_exact(caller)
         expected = (1 + self._state.numel(),)
@@ -333,6 +345,7 @@ class RunningSum:
                              f"{expected} (the state() of a sum of this shape and dtype)")
         if state.device != self.device:
             raise ValueError(f"{caller}: state is on {state.device}; expected {self.device}")
+        _transforms.refuse_transformed(caller, "state", state, _OUTSIDE_TRANSFORMS)
         count = int(state[0])
         if count < 0:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _dispatch, _segments, _validation, reference
+from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
 
@@ -131,8 +131,8 @@ def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.T
     counter = acc_dtype(input.dtype)
     zeros = torch.zeros(input.shape, dtype=counter, device=input.device)
     # The index was checked by the forward call, as its check said: not again (no host read).
-    return torch.ops.detsum.scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum",
-                                           True, "fp32", False, "off")
+    return call_scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum", True, "fp32",
+                               False, "off")
 
 
 def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
@@ -201,7 +201,7 @@ def _backward(ctx, grad):
         if include_self:
             zero_members = zero_members + (input == 0)
         factors = src.masked_fill(zeros_in_src if members is None else zeros_in_src | ~members, 1)
-        product_of_nonzeros = torch.ops.detsum.scatter_reduce(
+        product_of_nonzeros = call_scatter_reduce(
             input.masked_fill(input == 0, 1), dim, index, factors,
             "prod", include_self, "fp32", False, "off")
 
@@ -225,7 +225,8 @@ def _backward(ctx, grad):
     return grad_self, None, None, grad_src, None, None, None, None, None
 
 
-scatter_reduce_op.register_autograd(_backward, setup_context=_setup_context)
+call_scatter_reduce = _transforms.register_autograd(scatter_reduce_op, _backward,
+                                                    setup_context=_setup_context, caller=_CALLER)
 
 
 # ---- public function ---------------------------------------------------------------------------
@@ -299,6 +300,9 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     ``include_self=False`` only the source members share an ``amax``/``amin`` gradient (torch
     2.13 also counts an excluded input equal to the result, so its source gradients add up to
     less than the incoming gradient).
+    The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
+    mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 
     Example:
         >>> import torch, detsum
@@ -314,8 +318,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     if _dispatch.direct_call_ok(input, index, src):
         return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
                     check=check)
-    return scatter_reduce_op(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                             check)
+    return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
+                               check)
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _dispatch, _segments, _validation, reference
+from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, parse_mode, rule_for
+from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
 
@@ -123,8 +124,8 @@ def _backward(ctx, grad):
     # perm may repeat a row; adding (not copying) gives the right gradient then, and for a true
     # permutation each row receives exactly one term, so the sum is exact in every mode. Its
     # values were checked by the forward call (as its check said): none here, no host read.
-    grad_src = torch.ops.detsum.index_add(grad.new_zeros(ctx.src_shape), dim, perm,
-                                          grad_positions, 1.0, ctx.acc_mode, "off")
+    grad_src = call_index_add(grad.new_zeros(ctx.src_shape), dim, perm, grad_positions, 1.0,
+                              ctx.acc_mode, "off")
     return grad_src, None, None, None, None, None
 
 
@@ -154,11 +155,12 @@ def _backward_unchecked(ctx, grad, offsets, perm, check):
         return grad_positions
     # A position outside every segment goes to row num_rows: left out by index_add's "off".
     rows = torch.where(in_a_segment, perm, num_rows)
-    return torch.ops.detsum.index_add(grad.new_zeros(ctx.src_shape), dim, rows, grad_positions,
-                                      1.0, ctx.acc_mode, "off")
+    return call_index_add(grad.new_zeros(ctx.src_shape), dim, rows, grad_positions, 1.0,
+                          ctx.acc_mode, "off")
 
 
-segment_sum_op.register_autograd(_backward, setup_context=_setup_context)
+call_segment_sum = _transforms.register_autograd(segment_sum_op, _backward,
+                                                 setup_context=_setup_context, caller=_CALLER)
 
 
 # ---- public function ---------------------------------------------------------------------------
@@ -215,6 +217,9 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
     run, for every thread count and every backend that implements the mode.
 
     Gradient: each row ``r(p)`` receives its segment's gradient row (exact).
+    The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
+    mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
+    (docs/determinism.md).
 
     Example:
         >>> import torch, detsum
@@ -230,7 +235,7 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
     dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode, check)
     if _dispatch.direct_call_ok(src, offsets, perm):
         return _segment_sum(src, offsets, dim, perm, mode.value, check)
-    return segment_sum_op(src, offsets, dim, perm, mode.value, check)
+    return call_segment_sum(src, offsets, dim, perm, mode.value, check)
 
 
 def _check(src, offsets, dim, perm, mode, check):

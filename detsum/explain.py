@@ -410,14 +410,18 @@ def _check_pair(caller: str, a_name: str, a: object, b_name: str, b: object) -> 
         if not isinstance(t, torch.Tensor) or t.dtype not in FLOAT_DTYPES:
             got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{caller}: {name} must be a float tensor, got {got}")
-    for name, t in (("a", a), ("b", b), ("magnitude", magnitude)):
-        if isinstance(t, torch.Tensor) and _transforms.batched(t):
-            raise RuntimeError(f"{caller}: {name} is a tensor of torch.func.vmap; explain "
-                               f"compares two whole tensors and returns a report, not a tensor, "
-                               f"so it cannot run per sample: call it outside vmap")
+    _refuse_vmap(caller, a_name, a)
+    _refuse_vmap(caller, b_name, b)
     if a.shape != b.shape or a.dtype != b.dtype:
         raise ValueError(f"{caller}: {a_name} is {a.dtype} {tuple(a.shape)} but {b_name} is "
                          f"{b.dtype} {tuple(b.shape)}; expected the same shape and dtype")
+
+
+def _refuse_vmap(caller: str, name: str, t: torch.Tensor) -> None:
+    if _transforms.batched(t):
+        raise RuntimeError(f"{caller}: {name} is a tensor of torch.func.vmap; explain compares "
+                           f"two whole tensors and returns a report, not a tensor, so it cannot "
+                           f"run per sample: call it outside vmap")
 
 
 def _largest(values: torch.Tensor, shape: torch.Size) -> tuple[float, tuple[int, ...]]:
@@ -550,6 +554,7 @@ def _check_magnitude(caller: str, name: str, magnitude: object, target: str,
                 f"{tuple(shape)}")
     must_be = "expected finite and >= 0 (the sum of the terms' absolute values)"
     if isinstance(magnitude, torch.Tensor):
+        _refuse_vmap(caller, name, magnitude)
         if magnitude.dtype == torch.bool or magnitude.is_complex():
             raise TypeError(f"{caller}: {name} has dtype {magnitude.dtype}; {expected}, "
                             f"of real numbers")

@@ -155,8 +155,12 @@ def _check_out(caller: str, out: torch.Tensor | None, src: torch.Tensor, dim: in
 def _apart_from(out: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
     """``t``, or a copy of it where it shares memory with ``out``: every input is read as it
     was before ``out`` is written, so ``out=src`` gives the bits of a separate ``out`` holding
-    the same values. (Under torch.compile, functionalization gives inputs the same meaning.)"""
-    if out is None or torch.compiler.is_compiling() or not _validation.shares_memory(out, t):
+    the same values. (Under torch.compile, functionalization gives inputs the same meaning.)
+    A tensor of a torch.func transform has no memory to compare: it is copied."""
+    if out is None or torch.compiler.is_compiling():
+        return t
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if not (wrapped(out) or wrapped(t)) and not _validation.shares_memory(out, t):
         return t
     return t.clone()
 

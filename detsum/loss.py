@@ -920,6 +920,14 @@ class GradAccumulator:
                     f"{caller}: per_sample_grads[{name!r}] is {g.dtype} "
                     f"{tuple(g.shape)} on {g.device}; expected {dtype} "
                     f"[k, {', '.join(map(str, shape))}] on {device}")
+        if self.mode is Mode.EXACT:
+            for block in self._blocks.values():
+                _validation.check_changeable(
+                    caller, "the accumulator's state", block.state,
+                    remedy="make the accumulator outside torch.inference_mode()")
+        else:
+            for running in self._sums.values():
+                running._check_changeable(caller, "accumulator")
         k = next(iter(counts.values()))
         for name, g in per_sample_grads.items():
             if self.mode is Mode.EXACT:

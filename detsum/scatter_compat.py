@@ -106,9 +106,16 @@ def _check_out(caller: str, out: torch.Tensor | None, src: torch.Tensor, dim: in
         return
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{caller}: out must be a torch.Tensor or None, got {type(out).__name__}")
+    _validation.check_changeable(caller, "out", out)
     _validation.check_same_dtype(caller, "src", src, "out", out)
     _validation.check_same_device(caller, src=src, out=out)
     _validation.check_shapes_except_dim(caller, "src", src, "out", out, dim)
+
+
+def _check_out_changeable(caller: str, out: object) -> None:
+    """For the functions that write ``out`` without :func:`_check_out`'s checks."""
+    if isinstance(out, torch.Tensor):
+        _validation.check_changeable(caller, "out", out)
 
 
 def _broadcast_index(caller: str, index: object, src: torch.Tensor, dim: int) -> torch.Tensor:
@@ -778,6 +785,7 @@ def gather_csr(src: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor | None
         if src.shape[d] != max(segments, 0) and src.numel() > 0:
             raise ValueError(f"{caller}: src has size {src.shape[d]} along dim {d}; expected "
                              f"indptr.size(-1) - 1 = {segments}")
+        _check_out_changeable(caller, out)
         return d, parse_mode(mode, caller=caller)
 
     d, m = _validation.run_check(check)
@@ -831,6 +839,7 @@ def gather_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
                 raise ValueError(f"{caller}: index of shape {tuple(index.shape)} does not "
                                  f"broadcast to src's leading sizes {tuple(src.shape[:d])}")
         _validation.check_same_device(caller, src=src, index=index)
+        _check_out_changeable(caller, out)
         return d, parse_mode(mode, caller=caller)
 
     d, m = _validation.run_check(check)
@@ -980,6 +989,7 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_logsumexp"
     _validation.run_check(_check_float_src, caller, src)
+    _check_out_changeable(caller, out)
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
     if out is not None:
@@ -1013,6 +1023,7 @@ def scatter_std(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_std"
     _validation.run_check(_check_float_src, caller, src)
+    _check_out_changeable(caller, out)
     d = _validation.check_dim(caller, dim, src.dim())
     if out is not None:
         dim_size = out.shape[d]

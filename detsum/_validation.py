@@ -9,6 +9,7 @@ Every message names the function, the argument, what came and what was expected.
 from __future__ import annotations
 
 import numbers
+import operator
 
 import torch
 
@@ -84,6 +85,21 @@ def assert_on_device(condition: torch.Tensor, caller: str, what: str) -> None:
     No host read: on a GPU this queues a kernel that stops the stream on failure."""
     torch._assert_async(condition, f"{caller}: {what} (found by check='device'; "
                                    f"check='host' names the first bad position)")
+
+
+def check_positive_int(caller: str, name: str, value: object) -> int:
+    """A count: a positive integer of any integral type (a NumPy int, a 0-d integer tensor:
+    what ``operator.index`` takes), returned as an int. A bool is refused, as a float is."""
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor)
+                                            and value.dtype == torch.bool):
+        try:
+            count = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if count >= 1:
+                return count
+    raise ValueError(f"{caller}: {name}={value!r}; expected a positive int")
 
 
 def check_shape(caller: str, name: str, shape: object) -> torch.Size:

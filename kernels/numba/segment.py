@@ -102,7 +102,6 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import AMAX, AMIN, CHUNK_TERMS, EXACT, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
-from . import forked, parallel_njit
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -111,6 +110,7 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
+from . import forked, parallel_njit
 
 __all__ = ["segment_reduce"]
 

@@ -9,6 +9,7 @@ Every message names the function, the argument, what came and what was expected.
 from __future__ import annotations
 
 import numbers
+import operator
 
 import torch
 
@@ -99,6 +100,21 @@ def assert_on_device(condition: torch.Tensor, caller: str, what: str) -> None:
     No host read: on a GPU this queues a kernel that stops the stream on failure."""
     torch._assert_async(condition, f"{caller}: {what} (found by check='device'; "
                                    f"check='host' names the first bad position)")
+
+
+def check_positive_int(caller: str, name: str, value: object) -> int:
+    """A count: a positive integer of any integral type (a NumPy int, a 0-d integer tensor:
+    what ``operator.index`` takes), returned as an int. A bool is refused, as a float is."""
+    if not isinstance(value, bool) and not (isinstance(value, torch.Tensor)
+                                            and value.dtype == torch.bool):
+        try:
+            count = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if count >= 1:
+                return count
+    raise ValueError(f"{caller}: {name}={value!r}; expected a positive int")
 
 
 def check_shape(caller: str, name: str, shape: object) -> torch.Size:
@@ -301,10 +317,30 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool((in_range & (candidates < b_starts + b.element_size())).any())
 
 
+def check_changeable(caller: str, name: str, t: torch.Tensor, *,
+                     remedy: str | None = None) -> None:
+    """``t`` may be changed in place: not an inference tensor (one made under
+    ``torch.inference_mode()``) outside inference mode. torch refuses that change with a
+    RuntimeError, but only after its kernel has written; detsum refuses it before anything is
+    written, with the same type. ``remedy`` replaces the advice to pass a clone. Not checked
+    while dynamo traces (it cannot trace ``is_inference``); the in-place operators check when
+    they run (:func:`check_inplace_target`)."""
+    if torch.compiler.is_compiling():
+        return
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            f"{caller}: {name} is an inference tensor (made under torch.inference_mode()), "
+            f"which cannot be changed in place outside inference mode; expected a normal "
+            f"tensor: {remedy or f'pass {name}.clone()'}, or call {caller} under "
+            f"torch.inference_mode()")
+
+
 def check_inplace_target(caller: str, target_name: str, target: torch.Tensor,
                          **read: torch.Tensor | None) -> None:
-    """The tensor written in place has distinct elements and shares no memory with the
-    tensors ``read`` (their results would depend on the order of the writes)."""
+    """The tensor written in place may be changed (:func:`check_changeable`), has distinct
+    elements and shares no memory with the tensors ``read`` (their results would depend on
+    the order of the writes)."""
+    check_changeable(caller, target_name, target)
     if has_internal_overlap(target):
         raise ValueError(
             f"{caller}: {target_name} has elements that share memory (shape "

@@ -29,7 +29,7 @@ def backend(name: str) -> Iterator[None]:
     Args:
         name: ``"numba"`` (CPU kernels), ``"reference"`` (slow Python loops from the
             determinism contract; for tests) or ``"triton"`` (GPU kernels; on CPU tensors
-            only under ``TRITON_INTERPRET=1``).
+            only under ``TRITON_INTERPRET=1``, set before triton is first imported).
 
     Every backend gives the same bits for the "fp32" and "kahan" modes; that is what the test
     suite checks by running each case under each backend.
@@ -69,7 +69,18 @@ def check_backend_runs(name: str, device_type: str, caller: str) -> None:
         raise ValueError(f"{caller}: the numba backend runs CPU tensors only, got "
                          f"{device_type} tensors; expected the default backend or "
                          f"detsum.backend('triton') for them")
-    if name == "triton" and device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if name != "triton" or device_type != "cpu":
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{caller}: the triton backend runs CPU tensors only in Triton's "
                          f"interpreter; expected TRITON_INTERPRET=1 set before triton is first "
                          f"imported, or CUDA tensors, or another backend")
+    from detsum.kernels.triton.segment import interpreted
+
+    if not interpreted():
+        raise ValueError(f"{caller}: the triton backend runs CPU tensors only in Triton's "
+                         f"interpreter, and TRITON_INTERPRET=1 was set after triton was first "
+                         f"imported (or after detsum's Triton kernels were), so triton made "
+                         f"its functions for a GPU; expected TRITON_INTERPRET=1 set before "
+                         f"triton is first imported (by anything), or CUDA tensors, or another "
+                         f"backend")

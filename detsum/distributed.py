@@ -561,7 +561,8 @@ def all_reduce_(running_sum: RunningSum, group=None) -> None:
     one rank (the ranks exchange a fingerprint of the mode, dtype and shape first).
 
     Raises:
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised; or the sum was made under
+            ``torch.inference_mode()`` and this call is outside it.
         ValueError: the sum's mode is not ``"exact"``; or the ranks disagree on the mode,
             dtype or shape (the message names the value on each rank).
 
@@ -584,6 +585,11 @@ def all_reduce_(running_sum: RunningSum, group=None) -> None:
         fail_together(caller, group, fields, ValueError(
             f"{caller}: running_sum has mode={running_sum.mode.value!r}; expected "
             f"mode='exact': {EXACT_ONLY}"))
+    try:
+        running_sum._check_changeable(caller)
+    except RuntimeError as error:
+        fail_together(caller, group, {**fields, "running_sum": describe_error(error)}, error)
+    fields["running_sum"] = "changeable"
     [(_, total)] = sum_over_ranks(caller, group, [(running_sum._state, running_sum.count)],
                                   fields, out=[running_sum._state])
     running_sum.count = total

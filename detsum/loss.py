@@ -960,6 +960,14 @@ class GradAccumulator:
                     "a GradAccumulator keeps its sums between calls, outside every transform, "
                     "and has no gradient: add gradients computed outside the transform (those "
                     "that torch.func.vmap(torch.func.grad(...)) returns are)")
+        if self.mode is Mode.EXACT:
+            for block in self._blocks.values():
+                _validation.check_changeable(
+                    caller, "the accumulator's state", block.state,
+                    remedy="make the accumulator outside torch.inference_mode()")
+        else:
+            for running in self._sums.values():
+                running._check_changeable(caller, "accumulator")
         k = next(iter(counts.values()))
         for name, g in per_sample_grads.items():
             if self.mode is Mode.EXACT:

@@ -107,7 +107,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
 
     Args:
         selected_experts: ``[T, topk]`` (or ``[T]`` for top-1) int32/int64 expert ids.
-        num_experts: the number of experts ``E``.
+        num_experts: the number of experts ``E``: a positive int (a NumPy or 0-d tensor int
+            too).
         check: how the ids are checked to lie in ``[0, E)``. ``"host"`` (default): the
             smallest and largest id read back (one host read of two numbers), with an error
             naming the first bad position. ``"device"``: compared on the ids' device, with no
@@ -140,7 +141,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
         >>> moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
         (tensor([1, 0, 2, 3]), tensor([1, 2, 1]))
     """
-    level = _validation.run_check(_check_route, selected_experts, num_experts, check)
+    level, num_experts = _validation.run_check(_check_route, selected_experts, num_experts,
+                                               check)
     if _dispatch.direct_call_ok(selected_experts):
         return _route(selected_experts, num_experts, level)
     return route_op(selected_experts, num_experts, level)
@@ -153,9 +155,7 @@ def _check_route(selected_experts, num_experts, check):
     if selected_experts.dim() > 2:
         raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
                          f"{tuple(selected_experts.shape)}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"{caller}: num_experts={num_experts!r}; expected a positive int")
-    return level
+    return level, _validation.check_positive_int(caller, "num_experts", num_experts)
 
 
 # ---- shared index plumbing ----------------------------------------------------------------------
@@ -233,11 +233,6 @@ def _check_permutation(caller: str, gather_indices: torch.Tensor, check: str) ->
     return positions
 
 
-def _check_topk(caller: str, topk: object) -> None:
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
-        raise ValueError(f"{caller}: topk={topk!r}; expected a positive int")
-
-
 def _check_common(caller, rows_name, rows, gather_indices, mode, n_expected):
     """Mode, and gather_indices' dtype, shape and device (its values are checked in the ops)."""
     mode = parse_mode(mode, caller=caller)
@@ -307,7 +302,7 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     Args:
         x: ``[T, ...]`` token rows, float32/float16/bfloat16/float64.
         gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
-        topk: slots per token.
+        topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
             ``"kahan"`` or ``"autograd"``.
         check: how ``gather_indices`` is checked to be a permutation. ``"host"`` (default):
@@ -359,16 +354,18 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
                 [2.],
                 [2.]])
     """
-    mode, level = _validation.run_check(_check_permute, x, gather_indices, topk, mode, check)
+    mode, level, topk = _validation.run_check(_check_permute, x, gather_indices, topk, mode,
+                                              check)
     return call_permute(x, gather_indices, topk, mode.value, level)
 
 
 def _check_permute(x, gather_indices, topk, mode, check):
     caller = "detsum.moe.permute"
-    _check_topk(caller, topk)
+    topk = _validation.check_positive_int(caller, "topk", topk)
     _validation.check_float(caller, "x", x)
     level = _check_level(caller, check, false_means=_BOUNDS_ONLY)
-    return _check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk), level
+    return (_check_common(caller, "x", x, gather_indices, mode, x.shape[0] * topk), level,
+            topk)
 
 
 # ---- unpermute ----------------------------------------------------------------------------------
@@ -636,7 +633,7 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
     Args:
         y: ``[T * topk, ...]`` rows in expert order (as ``permute`` made them).
         gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
-        topk: slots per token.
+        topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         weights: ``[T, topk]`` routing probabilities (any float dtype, not necessarily ``y``'s),
             or None for plain sums. Only with ``reduce=True``.
         reduce: True: ``[T, ...]``, ``out[t] = sum_k weights[t, k] * y[position of (t, k)]``.
@@ -728,14 +725,14 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         tensor([[13.3333],
                 [30.0000]])
     """
-    mode, level = _validation.run_check(_check_unpermute, y, gather_indices, topk, weights,
-                                        reduce, mode, check)
+    mode, level, topk = _validation.run_check(_check_unpermute, y, gather_indices, topk,
+                                              weights, reduce, mode, check)
     return call_unpermute(y, gather_indices, topk, weights, reduce, mode.value, level)
 
 
 def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):
     caller = "detsum.moe.unpermute"
-    _check_topk(caller, topk)
+    topk = _validation.check_positive_int(caller, "topk", topk)
     _validation.check_float(caller, "y", y)
     _validation.check_flag(caller, "reduce", reduce)
     level = _check_level(caller, check, false_means="host")
@@ -754,4 +751,4 @@ def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):
             raise ValueError(f"{caller}: weights has shape {tuple(weights.shape)}; expected "
                              f"[T, topk] = {list(expected)}")
         _validation.check_same_device(caller, y=y, weights=weights)
-    return mode, level
+    return mode, level, topk

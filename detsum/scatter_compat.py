@@ -145,6 +145,7 @@ def _check_out(caller: str, out: torch.Tensor | None, src: torch.Tensor, dim: in
         return
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{caller}: out must be a torch.Tensor or None, got {type(out).__name__}")
+    _validation.check_changeable(caller, "out", out)
     _validation.check_same_dtype(caller, "src", src, "out", out)
     _validation.check_same_device(caller, src=src, out=out)
     _validation.check_shapes_except_dim(caller, "src", src, "out", out, dim)

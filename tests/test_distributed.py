@@ -219,17 +219,22 @@ def _check_errors(w: int, group, rank: int, found: dict) -> None:
         model, PER_SAMPLE_LOSS, x[:0], y[:0], mode="exact", group=group))
     found[f"{w}/error/group type"] = _error(lambda: loss.reduce(
         torch.ones(3), mode="exact", group="world"))
-    if w == 1:
-        return
 
-    def disagreeing(shape, dtype, mode):
-        running = detsum.RunningSum(shape, dtype=dtype, mode=mode)
-        running.add(torch.ones((3, *shape), dtype=dtype))
+    def disagreeing(shape, dtype, mode, inference=False):
+        with torch.inference_mode(inference):
+            running = detsum.RunningSum(shape, dtype=dtype, mode=mode)
+            running.add(torch.ones((3, *shape), dtype=dtype))
         state = running.state() if mode == "exact" else running.sum()
         error = _error(lambda: detsum.distributed.all_reduce_(running, group))
         after = running.state() if mode == "exact" else running.sum()
         return error, torch.equal(state, after) and running.count == 3
 
+    # A sum made under torch.inference_mode(), reduced outside it: on every rank, then on one.
+    found[f"{w}/error/inference"] = disagreeing((2, 3), torch.float32, "exact", inference=True)
+    if w == 1:
+        return
+    found[f"{w}/error/inference on one rank"] = disagreeing((2, 3), torch.float32, "exact",
+                                                            inference=rank == w - 1)
     found[f"{w}/error/mode"] = disagreeing((2, 3), torch.float32,
                                            "fp32" if rank == 1 else "exact")
     found[f"{w}/error/shape"] = disagreeing((3, 2) if rank == w - 1 else (2, 3),
@@ -495,6 +500,11 @@ def test_errors_name_the_argument_the_values_and_the_ranks(found):
             assert theirs[f"{w}/error/group type"] == (
                 "TypeError: detsum.loss.reduce: group must be a torch.distributed.ProcessGroup "
                 "or None (this process alone), got str")
+            error, unchanged = theirs[f"{w}/error/inference"]
+            assert error.startswith(
+                "RuntimeError: detsum.distributed.all_reduce_: the running sum's state is an "
+                "inference tensor (made under torch.inference_mode())"), error
+            assert unchanged
         for rank in range(w, RANKS):
             assert found[rank][f"{w}/error/not a member"] == (
                 "ValueError: detsum.distributed.all_reduce_: this rank is not a member of "
@@ -516,6 +526,15 @@ def test_errors_name_the_argument_the_values_and_the_ranks(found):
                                  f"group disagree on {what}: {values}; expected the same {what} "
                                  f"on every rank"), error
                 assert unchanged, (w, rank, case)
+            error, unchanged = theirs[f"{w}/error/inference on one rank"]
+            assert error.startswith(
+                f"ValueError: detsum.distributed.all_reduce_: the ranks of the group disagree "
+                f"on running_sum: 'changeable' on {_ranks(others)}; 'RuntimeError: "
+                f"detsum.distributed.all_reduce_: the running sum's state is an inference "
+                f"tensor"), error
+            assert error.endswith(f"' on rank {last}; expected the same running_sum on every "
+                                  f"rank"), error
+            assert unchanged, (w, rank)
             shard = theirs[f"{w}/error/shard"]
             assert shard.startswith("ValueError: detsum.loss.batch_grad: the ranks of the group "
                                     "disagree on arguments: "), shard

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 
@@ -62,6 +63,34 @@ def test_route_rejects_bad_input():
         moe.route(torch.zeros(2, 2, 2, dtype=torch.long), 3)
     with pytest.raises(TypeError, match="selected_experts has dtype torch.float32"):
         moe.route(torch.zeros(4), 3)
+
+
+@pytest.mark.parametrize("integral", [int, np.int64, np.int32, np.uint8, torch.tensor],
+                         ids=["int", "np.int64", "np.int32", "np.uint8", "0-d tensor"])
+def test_counts_of_any_integral_type_are_taken(integral):
+    """num_experts and topk as NumPy or 0-d tensor ints (operator.index), as dim is taken."""
+    selected = torch.tensor([[2, 0], [0, 2], [1, 0]])
+    gather_indices, counts = moe.route(selected, integral(3))
+    assert gather_indices.tolist() == [1, 2, 5, 4, 0, 3] and counts.tolist() == [3, 1, 2]
+    x = torch.arange(3.0).view(3, 1)
+    y = moe.permute(x, gather_indices, integral(2))
+    assert torch.equal(y, moe.permute(x, gather_indices, 2))
+    assert torch.equal(moe.unpermute(y, gather_indices, integral(2)),
+                       moe.unpermute(y, gather_indices, 2))
+
+
+@pytest.mark.parametrize("count", [0, -1, True, 3.0, np.float64(3.0), np.int64(0), "3",
+                                   torch.tensor(True), torch.tensor(3.0)],
+                         ids=["0", "-1", "True", "3.0", "np.float64", "np.int64(0)", "str",
+                              "bool tensor", "float tensor"])
+def test_counts_that_are_no_positive_int_are_refused(count):
+    gather_indices, _ = moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
+    calls = {"num_experts": lambda: moe.route(torch.tensor([[1, 0], [1, 2]]), count),
+             "topk": lambda: moe.permute(torch.ones(2, 1), gather_indices, count)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError) as raised:
+            call()
+        assert str(raised.value).endswith(f"{name}={count!r}; expected a positive int"), name
 
 
 # ---- permute ------------------------------------------------------------------------------------

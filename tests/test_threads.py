@@ -8,7 +8,9 @@ loaded 2-core machine, against 11-16 ms on one thread).
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 import subprocess
 import sys
 
@@ -18,6 +20,8 @@ import pytest
 import torch
 
 import detsum
+from conftest import detsum_threads
+from detsum.kernels import numba as numba_kernels
 from detsum.kernels.numba import segment
 
 
@@ -97,3 +101,164 @@ def test_results_do_not_depend_on_the_thread_count(torch_threads):
         results.append(detsum.index_add(torch.zeros(37, 16), 0, index, rows, mode="kahan"))
     assert torch.equal(results[0].view(torch.int32), results[1].view(torch.int32))
     assert np.isfinite(results[0].numpy()).all()
+
+
+# ---- forked children: DataLoader workers, multiprocessing pools ---------------------------------
+
+def _dispatchers(value, found):
+    """The Numba dispatchers in ``value`` (a dispatcher, a parallel kernel, or a dict, tuple
+    or list of them) and in their closures, added to ``found``."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            _dispatchers(item, found)
+        return found
+    if isinstance(value, numba_kernels._ParallelKernel):
+        value = value.serial()
+    if isinstance(value, numba.core.registry.CPUDispatcher) and value not in found:
+        found.add(value)
+        for cell in value.py_func.__closure__ or ():
+            _dispatchers(cell.cell_contents, found)
+    return found
+
+
+def test_no_kernel_enters_the_pool_in_a_forked_process():
+    """A kernel compiled with parallel=True and called as it is enters Numba's OpenMP pool,
+    which kills a forked child: every such kernel must be a parallel_njit one, whose serial
+    twin runs there. Walks every kernel module's names, their tables and closures."""
+    found = set()
+    for info in pkgutil.iter_modules(numba_kernels.__path__):
+        module = importlib.import_module(f"{numba_kernels.__name__}.{info.name}")
+        for value in vars(module).values():
+            _dispatchers(value, found)
+    assert len(found) > 20
+    parallel = sorted(d.py_func.__qualname__ for d in found if d.targetoptions.get("parallel"))
+    assert not parallel, f"kernels that enter the pool in a forked child: {parallel}"
+
+
+def test_serial_twins_give_the_parallel_kernels_bits(monkeypatch):
+    """The kernels that the forked-children test below does not launch (products, the MoE
+    weighted sums, the wire format's), each on its parallel path, then through its serial
+    twin as in a forked child."""
+    from detsum.kernels import KAHAN, WIDE
+    from detsum.kernels.numba import outer, weighted
+
+    g = torch.Generator().manual_seed(5)
+    left, right = torch.randn(40, 300, generator=g), torch.randn(40, 64, generator=g)
+    y = torch.randn(900, 64, generator=g)
+    positions = torch.randint(0, 900, (1200,), generator=g)
+    weights = torch.rand(1200, generator=g)
+    grad = torch.randn(600, 64, generator=g)
+    tokens = torch.randint(0, 600, (900,), generator=g)
+
+    def launches():
+        results = []
+        for rule in (WIDE, KAHAN):
+            total = torch.randn(300 * 64, generator=torch.Generator().manual_seed(6))
+            comp = torch.zeros(300 * 64) if rule == KAHAN else None
+            outer.resume_products(total, comp, left, right, rule)
+            results += [total] if comp is None else [total, comp]
+            results.append(weighted.gather_scale_sum(y, positions, weights, 2, rule))
+            results.append(weighted.row_dots(grad, tokens, y, rule))
+        return [r.view(torch.int32) for r in results]
+
+    with detsum_threads(2):
+        parallel = launches()
+    monkeypatch.setattr(numba_kernels, "_forked", True)
+    serial = launches()
+    for got, want in zip(serial, parallel):
+        assert torch.equal(got, want)
+    twins = [k.serial() for k in outer._KERNELS[torch.float32] + weighted._KERNELS[torch.float32]]
+    assert all(twin.signatures for twin in twins)
+
+
+_CALLS_IN_FORKED_CHILDREN = """
+import multiprocessing, os, signal, sys
+import torch, detsum
+
+g = torch.Generator().manual_seed(0)
+# Made here, before any fork: the children compute on the parent's very tensors.
+rows = torch.randn(20000, 64, generator=g)
+index = torch.randint(0, 500, (20000,), generator=g)
+offsets = torch.tensor([0, 700, 700, 3000])
+products = torch.randn(300, 64, generator=g).double()
+
+
+def call(k):
+    # One launch of a CPU kernel per call (k), each a different parallel kernel.
+    if k == 0:  # the segment kernel, several blocks: a parallel launch in the parent
+        return detsum.index_add(torch.zeros(500, 64), 0, index, rows, alpha=0.3)
+    if k == 1:  # the small index_add path, a serial kernel
+        return detsum.index_add(torch.zeros(8, 4), 0, index[:30] % 8, rows[:30, :4])
+    if k == 2:  # the exact kernel
+        return detsum.segment_sum(rows[:3000], offsets, mode="exact")
+    running = detsum.RunningSum((64,), dtype=torch.float64, mode="exact")
+    running.add(products)  # the exact state's adder, then its rounding
+    return running.sum()
+
+
+def bits(results):
+    return [r.view(torch.int64 if r.dtype == torch.float64 else torch.int32) for r in results]
+
+
+class Calls(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, k):
+        return call(k)
+
+
+want = bits([call(k) for k in range(4)])  # in the parent: its layer starts, its pool runs
+
+
+def same(results):
+    return all(torch.equal(a, b) for a, b in zip(bits(results), want))
+
+
+# A plain fork, and a fork of that fork (which would wait for the pool's threads forever: an
+# alarm ends it). The first failure ends the run.
+for depth in (1, 2):
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(300)
+        if depth == 2 and os.fork() != 0:
+            os._exit(os.waitstatus_to_exitcode(os.wait()[1]) & 0xFF)
+        os._exit(0 if same([call(k) for k in range(4)]) else 1)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(f"fork depth {depth}: exit code {code}", flush=True)
+    if code:
+        sys.exit(1)
+
+loader = torch.utils.data.DataLoader(Calls(), batch_size=None, num_workers=2,
+                                     multiprocessing_context="fork", timeout=300)
+print("DataLoader workers: same bits", same(list(loader)), flush=True)
+
+
+
+def call_bytes(k):
+    # torch's own pickling of a tensor waits forever in a forked worker once the parent's
+    # OpenMP pool has run (torch alone does that): the bits travel as bytes.
+    return call(k).numpy().tobytes()
+
+
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    # A pool replaces a killed worker and waits for the lost task forever: hence the timeout.
+    got = pool.map_async(call_bytes, range(4)).get(timeout=300)
+    print("Pool workers: same bits", got == [w.numpy().tobytes() for w in want], flush=True)
+"""
+
+
+def test_forked_children_compute_the_parents_bits():
+    """As reported: a large index_add, then the same call in a forked child, which Numba's
+    OpenMP layer killed ("fork() called from a process already using GNU OpenMP, this is
+    unsafe"). In a fresh process (this one's layer and compiled kernels must not mask it): the
+    parent calls each kind of kernel, then forked children (a plain fork, a fork of a fork,
+    DataLoader workers, a multiprocessing pool) make the same calls on the same tensors."""
+    run = subprocess.run([sys.executable, "-c", _CALLS_IN_FORKED_CHILDREN],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.splitlines() == ["fork depth 1: exit code 0", "fork depth 2: exit code 0",
+                                       "DataLoader workers: same bits True",
+                                       "Pool workers: same bits True"], run.stderr[-3000:]

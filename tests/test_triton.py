@@ -310,6 +310,39 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch):
         detsum.segment_sum(torch.ones(3, 2), torch.tensor([0, 3]))
 
 
+_INTERPRETER_ASKED_TOO_LATE = """
+import os
+import torch, triton  # triton first, TRITON_INTERPRET unset: its own functions are compiled
+os.environ["TRITON_INTERPRET"] = "1"
+import detsum
+with detsum.backend("triton"):
+    try:
+        detsum.segment_sum(torch.ones(3, 2), torch.tensor([0, 3]))
+    except Exception as error:
+        print(f"{type(error).__name__}: {error}")
+"""
+
+
+def test_the_interpreter_asked_for_after_triton_was_imported_is_named():
+    """TRITON_INTERPRET=1 set after triton was imported: detsum's kernels are made for the
+    interpreter but triton.language's functions are not, and the call died inside Triton
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"). In a fresh process, as
+    this one imported triton under the interpreter."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _INTERPRETER_ASKED_TOO_LATE], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip() == (
+        "ValueError: detsum.segment_sum: the triton backend runs CPU tensors only in Triton's "
+        "interpreter, and TRITON_INTERPRET=1 was set after triton was first imported (or after "
+        "detsum's Triton kernels were), so triton made its functions for a GPU; expected "
+        "TRITON_INTERPRET=1 set before triton is first imported (by anything), or CUDA "
+        "tensors, or another backend"), run.stdout
+
+
 def test_bad_index_raises_before_writing():
     input = torch.zeros(4, 3, device=DEVICE)
     source = torch.ones(3, 3, device=DEVICE)

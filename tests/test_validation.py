@@ -173,6 +173,11 @@ def _inplace_refusals():
         y = torch.ones(4, 3, requires_grad=True) * 2  # not a leaf: the autograd path
         return y, torch.tensor([0, 1, 2]), y[1:4]
 
+    def inference_input():
+        with torch.inference_mode():
+            x = torch.zeros(4, 3)
+        return x, torch.tensor([0, 1]), torch.ones(2, 3)
+
     return [
         ("source_is_input", source_is_input, ValueError, ["source shares memory with input"]),
         ("overlapping_slices", overlapping_slices, ValueError, ["source shares memory"]),
@@ -184,6 +189,9 @@ def _inplace_refusals():
          ["leaf tensor that requires grad", "torch.no_grad()"]),
         ("graph_path_source_in_input", graph_path_source_in_input, ValueError,
          ["source shares memory with input"]),
+        ("inference_input", inference_input, RuntimeError,
+         ["detsum.index_add_: input is an inference tensor", "input.clone()",
+          "under torch.inference_mode()"]),
     ]
 
 
@@ -207,6 +215,110 @@ def test_inplace_refusals_come_before_any_work(make, exception, words, backend_n
     for word in words:
         assert word in str(raised.value), f"{word!r} missing from {str(raised.value)!r}"
     assert torch.equal(target.detach(), before)
+
+
+class _Operators(torch.overrides.TorchFunctionMode):
+    """Any function mode sends detsum's calls through its registered operators."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _operators_index_add_(target):
+    with _Operators():
+        detsum.index_add_(target, 0, torch.tensor([0, 2]), torch.ones(2, 3))
+
+
+_SOURCE, _INDEX = torch.arange(6.0).view(2, 3), torch.tensor([0, 2])
+
+# (id, a call that writes into its argument, a [4, 3] fp32 tensor, and what the refusal names)
+_WRITES_IN_PLACE = [
+    ("index_add_", lambda t: detsum.index_add_(t, 0, _INDEX, _SOURCE), "detsum.index_add_: input"),
+    ("index_add_ operator", _operators_index_add_, "detsum.index_add_: input"),
+    ("scatter_sum", lambda t: detsum.scatter_sum(_SOURCE, _INDEX, 0, out=t),
+     "detsum.scatter_sum: out"),
+    ("scatter_mean", lambda t: detsum.scatter_mean(_SOURCE, _INDEX, 0, out=t),
+     "detsum.scatter_mean: out"),
+    ("scatter_max", lambda t: detsum.scatter_max(_SOURCE, _INDEX, 0, out=t),
+     "detsum.scatter_max: out"),
+    ("scatter_logsumexp", lambda t: detsum.scatter_logsumexp(_SOURCE, _INDEX, 0, out=t),
+     "detsum.scatter_logsumexp: out"),
+    ("scatter_std", lambda t: detsum.scatter_std(_SOURCE, _INDEX, 0, out=t),
+     "detsum.scatter_std: out"),
+    ("segment_csr", lambda t: detsum.segment_csr(torch.ones(5, 3), torch.tensor([0, 1, 2, 3, 5]),
+                                                 out=t), "detsum.segment_csr: out"),
+    ("segment_coo", lambda t: detsum.segment_coo(_SOURCE, _INDEX, out=t),
+     "detsum.segment_coo: out"),
+    ("gather_csr", lambda t: detsum.gather_csr(torch.ones(4, 3), torch.tensor([0, 1, 2, 3, 4]),
+                                               out=t), "detsum.gather_csr: out"),
+    ("gather_coo", lambda t: detsum.gather_coo(torch.ones(4, 3), torch.tensor([3, 2, 1, 0]),
+                                               out=t), "detsum.gather_coo: out"),
+]
+
+
+@pytest.mark.parametrize("write,refused", [c[1:] for c in _WRITES_IN_PLACE],
+                         ids=[c[0] for c in _WRITES_IN_PLACE])
+def test_inference_tensors_change_only_under_inference_mode(write, refused):
+    """As torch: an inference tensor (made under torch.inference_mode()) cannot change in place
+    outside inference mode. torch raises only after its kernel has written; detsum refuses
+    first, with the same exception type, in its own words; under inference mode it writes
+    what it writes into a normal tensor."""
+    with torch.inference_mode():
+        target = torch.full((4, 3), 0.5)
+    with pytest.raises(RuntimeError) as raised:
+        write(target)
+    assert str(raised.value).startswith(f"{refused} is an inference tensor (made under "
+                                        f"torch.inference_mode())"), str(raised.value)
+    assert "torch.inference_mode()" in str(raised.value).split("expected")[1]
+    assert torch.equal(target, torch.full((4, 3), 0.5))
+    normal = torch.full((4, 3), 0.5)
+    write(normal)
+    with torch.inference_mode():
+        write(target)
+    assert torch.equal(target, normal)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
+def test_a_running_sum_made_under_inference_mode_changes_only_under_it(mode):
+    rows = torch.arange(12.0).view(4, 3)
+    with torch.inference_mode():
+        running = detsum.RunningSum((3,), mode=mode)
+        running.add(rows[:2])
+    before = running.sum()
+    calls = {"add": lambda: running.add(rows)}
+    if mode == "exact":
+        other = detsum.RunningSum((3,), mode=mode)
+        other.add(rows)
+        calls.update(merge=lambda: running.merge(other),
+                     load_state=lambda: running.load_state(other.state()))
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError) as raised:
+            call()
+        assert str(raised.value).startswith(
+            f"detsum.RunningSum.{name}: the running sum's state is an inference tensor"), name
+        assert "make the running sum outside torch.inference_mode()" in str(raised.value)
+        assert torch.equal(running.sum(), before) and running.count == 2, name
+    with torch.inference_mode():
+        running.add(rows[2:])
+    assert torch.equal(running.sum(), rows.sum(0)) and running.count == 4
+
+
+@pytest.mark.parametrize("mode", ["fp32", "exact"])
+def test_an_accumulator_made_under_inference_mode_changes_only_under_it(mode):
+    model = torch.nn.Linear(3, 2)
+    with torch.inference_mode():
+        accumulator = detsum.loss.GradAccumulator(model.named_parameters(), mode=mode)
+    grads = {name: torch.ones(2, *p.shape) for name, p in model.named_parameters()}
+    with pytest.raises(RuntimeError) as raised:
+        accumulator.add(grads)
+    assert str(raised.value).startswith("detsum.loss.GradAccumulator.add: the accumulator's "
+                                        "state is an inference tensor"), str(raised.value)
+    assert "make the accumulator outside torch.inference_mode()" in str(raised.value)
+    assert accumulator.count == 0
+    with torch.inference_mode():
+        accumulator.add(grads)
+        assert all(torch.equal(g, torch.full_like(g, 2.0))
+                   for g in accumulator.result("sum").values())
 
 
 def test_interleaved_views_are_separate_memory():

@@ -18,6 +18,7 @@ import detsum
 from conftest import dtype_id, make_data, terms_with_specials
 from detsum import _limbs, distributed
 from detsum.kernels import EXACT_LIMBS
+from detsum.kernels import numba as numba_kernels
 from detsum.kernels.numba import wire
 
 CPU = torch.device("cpu")
@@ -227,6 +228,22 @@ def test_the_same_on_any_thread_count(acc, monkeypatch):
             assert torch.equal(results[0][0], expected[0][0]), count
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_same_in_a_forked_process(monkeypatch):
+    """Through the kernels' serial twins, as in a process forked from one that had run them
+    (tests/test_threads.py): what the torch operations give."""
+    monkeypatch.setattr(wire, "_MIN_PARALLEL_ELEMENTS", 1)
+    numel = 5 * wire._BLOCK + 11
+    ranks = [[states_of(case, torch.float32, numel, seed=r)] for r, case in
+             enumerate(("spread", "negative zeros", "-2**(32 k)", "full top limbs"))]
+    expected_payloads, expected = over_ranks(ranks, [False] * 3, False)
+    monkeypatch.setattr(numba_kernels, "_forked", True)
+    payloads, results = over_ranks(ranks, [True] * 3, True)
+    for got, wanted in zip(payloads, expected_payloads):
+        assert torch.equal(got, wanted)
+    assert torch.equal(results[0][0], expected[0][0])
+    assert all(kernel.serial().signatures for kernel in (wire._scan, wire._encode, wire._decode))
 
 
 def test_zero_states_of_both_widths_decode_to_zero_everywhere():

@@ -283,8 +283,9 @@ index_add_.__doc__ = """In-place :func:`index_add`: writes into ``input`` and re
     Arguments as :func:`index_add`. Every argument is checked before anything is written, so a
     call that raises leaves ``input`` untouched. Refused, as by torch: an ``input`` whose
     elements share memory (an expanded view), an ``index`` or ``source`` that shares memory
-    with ``input`` (the result would depend on the order of the writes), and, while autograd
-    records, an ``input`` that is a leaf requiring grad.
+    with ``input`` (the result would depend on the order of the writes), an ``input`` made
+    under ``torch.inference_mode()`` outside inference mode (a RuntimeError), and, while
+    autograd records, an ``input`` that is a leaf requiring grad.
 """ + _ORDER_DOC + """
     Example:
         >>> import torch, detsum

@@ -207,6 +207,7 @@ class RunningSum:
         if rows.device != self.device:
             raise ValueError(f"{caller}: rows is on {rows.device}; expected {self.device}")
         _transforms.refuse_transformed(caller, "rows", rows, _OUTSIDE_TRANSFORMS)
+        self._check_changeable(caller)
         if self.mode is Mode.EXACT:
             _limbs.add_terms(self._state,
                              rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
@@ -216,6 +217,14 @@ class RunningSum:
         self._continue(flat.shape[0], lambda total, comp, lo, hi: _resume(total, comp,
                                                                           flat[lo:hi]),
                        lambda i, out: out.copy_(flat[i]))
+
+    def _check_changeable(self, caller: str, owner: str = "running sum") -> None:
+        """This sum may change: a sum made under ``torch.inference_mode()`` keeps its state in
+        inference tensors, which nothing may change outside inference mode. ``owner`` names
+        what the caller made (an accumulator holds running sums)."""
+        _validation.check_changeable(
+            caller, f"the {owner}'s state", self._state if self.mode is Mode.EXACT
+            else self._total, remedy=f"make the {owner} outside torch.inference_mode()")
 
     def _add_products(self, left: torch.Tensor, right: torch.Tensor) -> None:
         """Add the rows ``left[i] (x) right[i]`` (``[k, O]`` and ``[k, K]``, this sum's dtype,
@@ -318,6 +327,7 @@ class RunningSum:
         if mine != theirs:
             raise ValueError(f"{caller}: other has (shape, dtype, device, mode) = {theirs}; "
                              f"expected {mine}")
+        self._check_changeable(caller)
         self._state += other._state
         _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count += other.count
@@ -349,6 +359,7 @@ class RunningSum:
         count = int(state[0])
         if count < 0:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")
+        self._check_changeable(caller)
         self._state.copy_(state[1:].view(self._state.shape[1], self._state.shape[0]).t())
         _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count = count

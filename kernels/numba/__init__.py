@@ -7,9 +7,20 @@ runtime: one pool of threads for torch and the kernels, instead of two pools spi
 each other on a loaded machine (Numba's default prefers TBB when it is installed). Each launch
 runs on no more threads than torch is set to use, and leaves torch's setting as it found it
 (``segment.segment_reduce``); so does starting the layer, below.
+
+Forked children: GNU OpenMP's pool does not survive ``fork``. Numba's OpenMP layer kills a
+child of the process that started it as soon as the child enters a parallel region ("fork()
+called from a process already using GNU OpenMP, this is unsafe"), and a grandchild would wait
+forever for the pool's threads, which ``fork`` did not copy. So in a process forked from one
+that had loaded these kernels (a ``torch.utils.data.DataLoader`` worker, a
+``multiprocessing`` pool on Linux), every launch runs on the calling thread, through a serial
+twin of its kernel (see :func:`parallel_njit`): the same code compiled without
+``parallel=True``. Results never depend on the thread count, so the child computes the
+parent's bits.
 """
 
 import os
+import types
 
 import numba
 import torch
@@ -26,3 +37,61 @@ _torch_threads = torch.get_num_threads()
 numba.get_num_threads()
 if torch.get_num_threads() != _torch_threads:
     torch.set_num_threads(_torch_threads)
+
+_forked = False
+
+
+def _after_fork_in_child():
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only; the child's own children inherit it
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def forked() -> bool:
+    """Whether this process was forked (at any depth) from one that had loaded the kernels:
+    then no launch may enter the threading layer's pool."""
+    return _forked
+
+
+class _ParallelKernel:
+    """A ``parallel=True`` kernel that, in a forked process (:func:`forked`), runs its serial
+    twin instead, compiled on first use there (and cached on disk like the kernel itself)."""
+
+    def __init__(self, py_func, options):
+        self.py_func = py_func
+        self._options = options
+        self._parallel = numba.njit(parallel=True, **options)(py_func)
+        self._serial = None
+
+    def __call__(self, *args):
+        if _forked:
+            return self.serial()(*args)
+        return self._parallel(*args)
+
+    def serial(self):
+        """The same function compiled without ``parallel=True`` (``prange`` is then ``range``):
+        each item's arithmetic is the kernel's, only the schedule differs."""
+        if self._serial is None:
+            f = self.py_func
+            twin = types.FunctionType(f.__code__, f.__globals__, f.__name__, f.__defaults__,
+                                      f.__closure__)
+            # Numba's on-disk cache files a kernel under its module and qualname and keys it by
+            # argument types, not by the parallel option: under the kernel's own qualname the
+            # twin would load the parallel code, or overwrite it.
+            twin.__qualname__ = f"{f.__qualname__}_serial"
+            twin.__module__ = f.__module__
+            self._serial = numba.njit(**self._options)(twin)
+        return self._serial
+
+
+def parallel_njit(**options):
+    """``numba.njit(parallel=True, **options)`` for a kernel launched from Python, made safe in
+    forked processes (:class:`_ParallelKernel`). A kernel called from other compiled code
+    would enter the pool there: only launchers call these."""
+    def decorate(py_func):
+        return _ParallelKernel(py_func, options)
+
+    return decorate

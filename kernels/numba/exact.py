@@ -50,6 +50,7 @@ from ..rounding import (
     f64_as_u64,
     u32_as_f32,
 )
+from . import parallel_njit
 from .segment import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
 from .segment import _prefetch, launch_threads, threads, work_split
 
@@ -534,7 +535,7 @@ _block_bf16 = _make_exact_block("bf16", bf16_bits_to_f32, f32_to_bf16_bits, _f32
 _block_f16 = _make_exact_block("f16", f16_bits_to_f32, f32_to_f16_bits, _f32)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                 flag_scratch, n_positions, pf_dist):
@@ -544,7 +545,7 @@ def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_
                    limb_scratch, flag_scratch, n_positions, pf_dist)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                 flag_scratch, n_positions, pf_dist):
@@ -554,7 +555,7 @@ def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_
                    limb_scratch, flag_scratch, n_positions, pf_dist)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
                  include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                 flag_scratch, n_positions, pf_dist):
@@ -564,7 +565,7 @@ def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is
                     limb_scratch, flag_scratch, n_positions, pf_dist)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                 flag_scratch, n_positions, pf_dist):

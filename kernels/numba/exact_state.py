@@ -24,6 +24,7 @@ from numba import njit, prange
 
 from .. import NORMALISE_EVERY
 from ..rounding import f32_as_u32, f64_as_u64
+from . import parallel_njit
 from .exact import _DIGIT_MASK, _deposit, _finish, _normalise
 from .segment import _njit_named_for, launch_threads, threads
 
@@ -108,7 +109,7 @@ _add_f32 = _make_adder("f32", _f32_fields)
 _add_f64 = _make_adder("f64", _f64_fields)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _round(out, state, n_limbs, count, is_mean, precision, min_quantum, unit_exponent):
     numel = state.shape[1]
     for b in prange((numel + _BLOCK - 1) // _BLOCK):

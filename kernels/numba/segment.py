@@ -110,6 +110,7 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
+from . import forked, parallel_njit
 
 __all__ = ["segment_reduce"]
 
@@ -187,12 +188,13 @@ def _njit_named_for(fmt):
     loaded from an on-disk cache written by another process can be linked to the other
     format's code. Seen: every bf16 sum wrong after a process compiled fp16 first and loaded
     bf16 from the cache (tests/test_kernels_numba.py::test_cached_kernels_keep_their_format).
+    ``parallel=True`` gives a :func:`parallel_njit` kernel.
     """
 
-    def options(**njit_options):
+    def options(parallel=False, **njit_options):
         def decorate(fn):
             fn.__qualname__ = f"{fn.__qualname__}_{fmt}"
-            return njit(**njit_options)(fn)
+            return (parallel_njit if parallel else njit)(**njit_options)(fn)
 
         return decorate
 
@@ -485,7 +487,7 @@ _block_f16 = _make_block("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bi
 # the segment's order.
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
         pf_dist):
@@ -495,7 +497,7 @@ def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs,
             data_scratch, pf_dist)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
         pf_dist):
@@ -505,7 +507,7 @@ def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs,
             data_scratch, pf_dist)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
         pf_dist):
@@ -515,7 +517,7 @@ def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs
             data_scratch, pf_dist)
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
         reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
         pf_dist):
@@ -553,7 +555,10 @@ def _flat(t):
 
 def launch_threads():
     """No more threads than torch is set to use (torch.set_num_threads(1) means one), nor than
-    Numba is set to use."""
+    Numba is set to use; one in a forked process, whose launches run serially (see
+    ``detsum.kernels.numba``)."""
+    if forked():
+        return 1
     return max(1, min(torch.get_num_threads(), numba.get_num_threads()))
 
 

@@ -36,6 +36,7 @@ import torch
 from numba import njit, prange
 
 from .. import LIMB_BITS
+from . import parallel_njit
 from .segment import launch_threads, threads
 
 __all__ = ["scan", "encode", "decode"]
@@ -106,7 +107,7 @@ def _extremes(row, count, complement):
     return largest, smallest
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _scan(state, n_limbs, count, header):
     numel = state.shape[1]
     n_blocks = (numel + _BLOCK - 1) // _BLOCK
@@ -158,7 +159,7 @@ def _encode_digits(state, n_limbs, bottom, window, start, stop):
                 digits[j] = (magnitude ^ sign[j]) - sign[j]
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _encode(state, n_limbs, count, bottom, window, counters, kinds, fields, bits):
     numel = state.shape[1]
     for b in prange((numel + _BLOCK - 1) // _BLOCK):
@@ -233,7 +234,7 @@ def _decode_block(window, counters, bottom, kinds, fields, bits, total, out, sta
                 row[j] = total - value if complement else value
 
 
-@njit(parallel=True, cache=True)
+@parallel_njit(cache=True)
 def _decode(window, counters, bottom, kinds, fields, bits, total, out):
     numel = out.shape[1]
     for b in prange((numel + _BLOCK - 1) // _BLOCK):

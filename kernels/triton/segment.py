@@ -62,9 +62,13 @@ IMPLEMENTATION NOTES (this backend):
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 from .. import (
     AMAX,
@@ -86,7 +90,7 @@ from .. import (
     has_work,
 )
 
-__all__ = ["segment_reduce"]
+__all__ = ["interpreted", "segment_reduce"]
 
 # Triton kernels may only read module globals that are constexpr.
 _SUM = tl.constexpr(SUM)
@@ -1002,3 +1006,24 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
             offsets, parts_cum, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
             work_rows, outer, nseg, inner, USE_BASE=use_base, HAS_CARRY=has_carry, **common,
         )
+
+
+def _made_for_the_interpreter(namespace) -> bool:
+    jitted = [value for value in vars(namespace).values()
+              if isinstance(value, (JITFunction, InterpretedFunction))]
+    return all(isinstance(value, InterpretedFunction) for value in jitted)
+
+
+# Triton decides at each @triton.jit whether the function is compiled or interpreted, from
+# TRITON_INTERPRET as it is then: triton.language's own functions when triton is first
+# imported, this module's when it is.
+_INTERPRETED = (_made_for_the_interpreter(sys.modules[__name__])
+                and _made_for_the_interpreter(tl))
+
+
+def interpreted() -> bool:
+    """Whether these kernels, and the ``triton.language`` functions they call, run in Triton's
+    interpreter (on CPU tensors). With TRITON_INTERPRET=1 set after triton was first imported,
+    this module's kernels are interpreted but triton's own functions are not, and a launch
+    fails inside Triton ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    return _INTERPRETED

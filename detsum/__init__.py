@@ -7,6 +7,7 @@ from detsum.ops.index_add import index_add, index_add_
 from detsum.ops.running_sum import RunningSum
 from detsum.ops.scatter_reduce import scatter_reduce
 from detsum.ops.segment_sum import segment_sum
+from detsum.plans import Plan, plan
 from detsum import distributed, loss, moe  # noqa: E402  (consumers: need the ops above registered)
 from detsum.scatter_compat import (  # torch_scatter's API, deterministic
     gather_coo, gather_csr, index_select, scatter, scatter_add, scatter_log_softmax,
@@ -24,6 +25,7 @@ __all__ = [
     "IndexOutOfRangeError",
     "MODES",
     "Mode",
+    "Plan",
     "RunningSum",
     "backend",
     "distributed",
@@ -35,6 +37,7 @@ __all__ = [
     "index_select",
     "loss",
     "moe",
+    "plan",
     "pyg",
     "scatter",
     "scatter_add",

@@ -8,6 +8,7 @@ from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
+from detsum.plans import Plan, check_plan
 
 _CALLER = "detsum.index_add"
 
@@ -16,15 +17,18 @@ _CALLER = "detsum.index_add"
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
          alpha: float, mode: str, out3: torch.Tensor | None, *, check: str = "host",
-         index_checked: bool = False, out_is_input: bool = False) -> torch.Tensor:
+         index_checked: bool = False, out_is_input: bool = False,
+         planned: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
     """The shared body: validate index values (as ``check`` says), plan, launch. Writes
     ``out3`` when given (``out_is_input``: it is ``input``'s own rows view, in place).
-    ``index_checked``: the index holds positions among the rows with terms, in range."""
+    ``index_checked``: the index holds positions among the rows with terms, in range.
+    ``planned``: (order, offsets) of a ``detsum.Plan`` of ``index``, checked when it was made:
+    nothing to check or plan here."""
     num_segments = input.shape[dim]
     backend_name = current_backend(input.device.type, _CALLER)
     check = _segments.check_that_runs(check, input.device.type, backend_name)
     sparse = None
-    if not index_checked and backend_name != "reference":
+    if not index_checked and planned is None and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, num_segments, index_name="index",
                                            size_name=f"input.size({dim})", check=check)
     if sparse is not None:
@@ -52,7 +56,9 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
                 raise_index_out_of_range(_CALLER, "index", index, first_bad, num_segments,
                                          f"input.size({dim})")
             return out3
-    if index_checked:
+    if planned is not None:
+        order, offsets = planned
+    elif index_checked:
         # Checked once already (on a GPU, that check is a host read).
         order, offsets = _segments.plan_from_keys(index, num_segments, backend_name)
     else:
@@ -75,56 +81,72 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     return out3
 
 
-def _index_add(input, dim, index, source, alpha, acc_mode, check="host"):
+def _planned(order: torch.Tensor | None, offsets: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """The operators' plan arguments as ``_run`` takes them: None without a plan; a sorted
+    plan's order is an empty tensor (``Plan.order`` None)."""
+    if offsets is None:
+        return None
+    return (order if order is not None and order.numel() else None), offsets
+
+
+def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=None,
+               offsets=None):
     """The out-of-place operator's body (also called directly, see ``_dispatch``)."""
-    return _run(input, dim, index, source, alpha, acc_mode, None, check=check).view(input.shape)
+    return _run(input, dim, index, source, alpha, acc_mode, None, check=check,
+                planned=_planned(order, offsets)).view(input.shape)
 
 
 @torch.library.custom_op("detsum::index_add", mutates_args=())
 def index_add_op(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-                 alpha: float, acc_mode: str, check: str = "host") -> torch.Tensor:
-    return _index_add(input, dim, index, source, alpha, acc_mode, check)
+                 alpha: float, acc_mode: str, check: str = "host",
+                 order: torch.Tensor | None = None, offsets: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    return _index_add(input, dim, index, source, alpha, acc_mode, check, order, offsets)
 
 
 @index_add_op.register_fake
-def _(input, dim, index, source, alpha, acc_mode, check="host"):
+def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offsets=None):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
-def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host"):
+def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host", order=None,
+                       offsets=None):
     """The in-place operator's body (also called directly, see ``_dispatch``)."""
     # Here, not only in the public function: a compiled graph calls this operator directly.
     _validation.check_inplace_target("detsum.index_add_", "input", input, index=index,
                                      source=source)
+    planned = _planned(order, offsets)
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
         _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim),
-             check=check, out_is_input=True)
+             check=check, out_is_input=True, planned=planned)
     else:
-        input.copy_(_run(input, dim, index, source, alpha, acc_mode, None,
-                         check=check).view(input.shape))
+        input.copy_(_run(input, dim, index, source, alpha, acc_mode, None, check=check,
+                         planned=planned).view(input.shape))
 
 
 @torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
 def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
                          source: torch.Tensor, alpha: float, acc_mode: str,
-                         check: str = "host") -> None:
-    _index_add_inplace(input, dim, index, source, alpha, acc_mode, check)
+                         check: str = "host", order: torch.Tensor | None = None,
+                         offsets: torch.Tensor | None = None) -> None:
+    _index_add_inplace(input, dim, index, source, alpha, acc_mode, check, order, offsets)
 
 
 @index_add_inplace_op.register_fake
-def _(input, dim, index, source, alpha, acc_mode, check="host"):
+def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offsets=None):
     return None
 
 
 # ---- autograd: input passes through, source gathers its target rows ---------------------------
 
 def _setup_context(ctx, inputs, output):
-    input, dim, index, _, alpha, _, *check = inputs
+    input, dim, index, _, alpha, _, *rest = inputs
     ctx.save_for_backward(index)
     ctx.dim, ctx.alpha, ctx.num_segments = dim, alpha, input.shape[dim]
-    ctx.check = check[0] if check else "host"
+    ctx.check = rest[0] if rest else "host"
 
 
 def _backward(ctx, grad):
@@ -136,7 +158,7 @@ def _backward(ctx, grad):
     elif ctx.num_segments == 0:  # every value is out of range: every row was left out
         shape = list(grad.shape)
         shape[dim] = index.numel()
-        return grad, None, None, grad.new_zeros(shape), None, None, None
+        return grad, None, None, grad.new_zeros(shape), None, None, None, None, None
     else:
         # Unchecked values: the gather stays inside grad. Under "off" the rows that the
         # forward left out receive nothing; under "device" a bad value has failed already.
@@ -148,7 +170,7 @@ def _backward(ctx, grad):
         shape = [1] * grad.dim()
         shape[dim] = index.numel()
         grad_source = grad_source.masked_fill(~in_range.view(shape), 0)
-    return grad, None, None, grad_source, None, None, None
+    return grad, None, None, grad_source, None, None, None, None, None
 
 
 call_index_add = _transforms.register_autograd(index_add_op, _backward,
@@ -157,7 +179,7 @@ call_index_add = _transforms.register_autograd(index_add_op, _backward,
 
 # ---- public functions ---------------------------------------------------------------------------
 
-def _check(input, dim, index, source, alpha, mode, check, caller):
+def _check(input, dim, index, source, alpha, mode, check, caller, plan=None):
     mode = parse_mode(mode, caller=caller)
     _validation.check_level(caller, check)
     _validation.check_float(caller, "input", input)
@@ -171,7 +193,18 @@ def _check(input, dim, index, source, alpha, mode, check, caller):
         raise ValueError(f"{caller}: index has length {index.shape[0]}; expected "
                          f"source.size({dim}) = {source.shape[dim]}")
     _validation.check_same_device(caller, input=input, index=index, source=source)
+    if plan is not None:
+        plan = check_plan(caller, plan, index, input.shape[dim], f"input.size({dim})",
+                          index.shape[0], "len(index)")
     return dim, alpha, mode
+
+
+def _plan_arguments(plan: Plan | None, check: str) -> tuple[str, torch.Tensor | None,
+                                                           torch.Tensor | None]:
+    """(check, order, offsets) for the operators: a plan's own level and positions."""
+    if plan is None:
+        return check, None, None
+    return plan.check, plan.order, plan.offsets
 
 
 _ORDER_DOC = """
@@ -207,19 +240,23 @@ _ORDER_DOC = """
 
 
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
-              alpha: float = 1, mode: str | Mode = "fp32", check: str = "host") -> torch.Tensor:
+              alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
+              plan: Plan | None = None) -> torch.Tensor:
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
-                                             check, _CALLER)
+                                             check, _CALLER, plan)
+    check, order, offsets = _plan_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
-        return _index_add(input, dim, index, source, alpha, mode.value, check)
-    return call_index_add(input, dim, index, source, alpha, mode.value, check)
+        return _index_add(input, dim, index, source, alpha, mode.value, check, order, offsets)
+    return call_index_add(input, dim, index, source, alpha, mode.value, check, order, offsets)
 
 
 def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
-               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host") -> torch.Tensor:
+               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
+               plan: Plan | None = None) -> torch.Tensor:
     caller = "detsum.index_add_"
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
-                                             check, caller)
+                                             check, caller, plan)
+    check, order, offsets = _plan_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad
                                                              or source.requires_grad)):
@@ -233,14 +270,14 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                 torch._C._functorch.is_functorch_wrapped_tensor, (input, index, source))):
             _validation.check_inplace_target(caller, "input", input, index=index, source=source)
         return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value, check,
-                                          caller=caller))
+                                          order, offsets, caller=caller))
     if _dispatch.direct_call_ok(input, index, source):
-        _index_add_inplace(input, dim, index, source, alpha, mode.value, check)
+        _index_add_inplace(input, dim, index, source, alpha, mode.value, check, order, offsets)
         # What the operator's mutates_args does: a saved copy of input is now stale, and
         # autograd must say so if a backward reads it.
         torch.autograd.graph.increment_version(input)
         return input
-    index_add_inplace_op(input, dim, index, source, alpha, mode.value, check)
+    index_add_inplace_op(input, dim, index, source, alpha, mode.value, check, order, offsets)
     return input
 
 
@@ -265,6 +302,9 @@ index_add.__doc__ = """Out-of-place ``torch.index_add``: ``out[..., index[k], ..
             outside a tensor: a value outside ``[0, input.size(dim))`` leaves its ``source``
             row out (that row's gradient is 0); a ``"device"`` check that fails launches the
             same before the failure is reported.
+        plan: a :func:`detsum.plan` of ``index`` into ``input.size(dim)`` rows, or None. With
+            a plan, ``index`` is not checked again (the plan's own level stands for ``check``)
+            nor planned: the same bits, at the cost of the reduction alone.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.

@@ -13,6 +13,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
+from detsum.plans import Plan, check_plan
+from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
 REDUCTIONS = ("sum", "mean", "prod", "amax", "amin")
@@ -51,20 +53,33 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backe
 @torch.library.custom_op("detsum::scatter_reduce", mutates_args=())
 def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                       reduce: str, include_self: bool, acc_mode: str, sorted: bool,
-                      check: str = "host") -> torch.Tensor:
-    return _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, check=check)
+                      check: str = "host", order: torch.Tensor | None = None,
+                      offsets: torch.Tensor | None = None) -> torch.Tensor:
+    return _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, check=check,
+                planned=_planned(order, offsets))
+
+
+def _planned(order: torch.Tensor | None, offsets: torch.Tensor | None
+             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """The operator's plan arguments as ``_run`` takes them: None without a plan; a sorted
+    plan's order is an empty tensor or None."""
+    if offsets is None:
+        return None
+    return (order if order is not None and order.numel() else None), offsets
 
 
 def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, check="host",
-         index_checked=False):
+         index_checked=False, planned=None):
     """The operator's body: validate index values (as ``check`` says), plan, launch.
-    ``index_checked``: the index holds positions among the rows with terms, in range."""
+    ``index_checked``: the index holds positions among the rows with terms, in range.
+    ``planned``: (order, offsets) of a ``detsum.Plan`` of a 1-D ``index``, checked when it
+    was made: nothing to check or plan here."""
     input3 = _segments.rows_view(input, dim)
     backend_name = current_backend(input.device.type, _CALLER)
     check = _segments.check_that_runs(check, input.device.type, backend_name)
     rowwise = index.dim() == 1
     sparse = None
-    if not index_checked and rowwise and backend_name != "reference":
+    if not index_checked and rowwise and planned is None and backend_name != "reference":
         sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
                                            size_name=f"input.size({dim})", check=check)
     if sparse is not None:
@@ -76,7 +91,10 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         out3.copy_(input3)
         out3.index_copy_(1, targets, _segments.rows_view(rows, dim))
         return out3.view(input.shape)
-    if rowwise and index_checked and not sorted:
+    if planned is not None:
+        order, offsets = planned
+        src3, base3 = _segments.rows_view(src, dim), input3
+    elif rowwise and index_checked and not sorted:
         # Checked once already (on a GPU, that check is a host read). A sorted=True promise is
         # still checked below: the positions are sorted exactly when the index is.
         order, offsets = _segments.plan_from_keys(index, input.shape[dim], backend_name)
@@ -104,21 +122,24 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
 
 
 @scatter_reduce_op.register_fake
-def _(input, dim, index, src, reduce, include_self, acc_mode, sorted, check="host"):
+def _(input, dim, index, src, reduce, include_self, acc_mode, sorted, check="host", order=None,
+      offsets=None):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 # ---- autograd ---------------------------------------------------------------------------------
 # Gradients follow torch's definitions: sum and mean pass the (scaled) gradient through,
 # amax/amin split it evenly between all members equal to the result, prod gives each member
-# the product of the others. Counting goes through detsum's own sum, so backward is as
-# deterministic as forward.
+# the product of the others. Counts are integers, exact in any order; the product of the
+# others goes through detsum's own product, with the forward's plan when it had one, so
+# backward is as deterministic as forward.
 
 def _setup_context(ctx, inputs, output):
-    input, dim, index, src, reduce, include_self, _, sorted, *check = inputs
+    input, dim, index, src, reduce, include_self, _, sorted, *rest = inputs
     ctx.dim, ctx.reduce, ctx.include_self, ctx.sorted = dim, reduce, include_self, sorted
-    ctx.check = check[0] if check else "host"
-    ctx.save_for_backward(input, index, src, output)
+    ctx.check = rest[0] if rest else "host"
+    order, offsets = (rest[1], rest[2]) if len(rest) > 2 else (None, None)
+    ctx.save_for_backward(input, index, src, output, order, offsets)
 
 
 def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -129,6 +150,11 @@ def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
 def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
     """How many source positions where ``src_mask`` holds land on each element of ``input``."""
     counter = acc_dtype(input.dtype)
+    if index.dim() == 1:
+        # Integers, exact in any order: torch's integer index_add_ needs no plan.
+        counts = torch.zeros(input.shape, dtype=torch.int64, device=input.device)
+        counts.index_add_(dim, index.to(torch.int64), src_mask.to(torch.int64))
+        return counts.to(counter)
     zeros = torch.zeros(input.shape, dtype=counter, device=input.device)
     # The index was checked by the forward call, as its check said: not again (no host read).
     return call_scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum", True, "fp32",
@@ -155,7 +181,7 @@ def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.
 
 
 def _backward(ctx, grad):
-    input, index, src, result = ctx.saved_tensors
+    input, index, src, result, order, offsets = ctx.saved_tensors
     dim, reduce, include_self = ctx.dim, ctx.reduce, ctx.include_self
     check = _segments.backward_check(ctx.check, grad.device.type)
     reached = None  # the source positions the forward reduced, when not all of them
@@ -165,7 +191,7 @@ def _backward(ctx, grad):
         # a bad value has failed already, so only the bounds matter.
         if input.shape[dim] == 0:  # every value is out of range: every position was left out
             grad_self = grad if ctx.needs_input_grad[0] else None
-            return grad_self, None, None, torch.zeros_like(src), None, None, None, None, None
+            return grad_self, None, None, torch.zeros_like(src), *_NO_MORE_GRADIENTS
         if ctx.sorted and check == "off":
             index = _segments.index_as_planned(index, input.shape[dim])
         index, in_range = _segments.clamped_index(index, input.shape[dim])
@@ -203,7 +229,7 @@ def _backward(ctx, grad):
         factors = src.masked_fill(zeros_in_src if members is None else zeros_in_src | ~members, 1)
         product_of_nonzeros = call_scatter_reduce(
             input.masked_fill(input == 0, 1), dim, index, factors,
-            "prod", include_self, "fp32", False, "off")
+            "prod", include_self, "fp32", False, "off", order, offsets)
 
         def others(member: torch.Tensor, product: torch.Tensor, nonzeros: torch.Tensor,
                    zero_count: torch.Tensor) -> torch.Tensor:
@@ -222,8 +248,10 @@ def _backward(ctx, grad):
         if ctx.needs_input_grad[0]:  # most callers scatter into fresh zeros
             received = _count_every(input, dim, index, src, reached) > 0
             grad_self = grad.masked_fill(received, 0)
-    return grad_self, None, None, grad_src, None, None, None, None, None
+    return grad_self, None, None, grad_src, *_NO_MORE_GRADIENTS
 
+
+_NO_MORE_GRADIENTS = (None,) * 7
 
 call_scatter_reduce = _transforms.register_autograd(scatter_reduce_op, _backward,
                                                     setup_context=_setup_context, caller=_CALLER)
@@ -233,7 +261,8 @@ call_scatter_reduce = _transforms.register_autograd(scatter_reduce_op, _backward
 
 def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                    reduce: str, *, include_self: bool = True, mode: str | Mode = "fp32",
-                   sorted: bool = False, check: str = "host") -> torch.Tensor:
+                   sorted: bool = False, check: str = "host",
+                   plan: Plan | None = None) -> torch.Tensor:
     """Out-of-place ``torch.scatter_reduce`` with a fixed, deterministic order.
 
     Each source position ``k`` along ``dim`` goes to output position ``index[k]`` (a 1-D
@@ -265,6 +294,11 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
             ``searchsorted(index, s) <= p < searchsorted(index, s + 1)`` (none if there is no
             such ``s``). The gradient is that of this result (0 for a row left out); a
             ``"device"`` check that fails launches the same before the failure is reported.
+        plan: for a 1-D ``index``, a :func:`detsum.plan` of it into ``input.size(dim)`` rows,
+            or None. With a plan, ``index`` is not checked again (the plan's own level and
+            ``sorted`` stand for ``check`` and ``sorted``) nor planned, forward or backward:
+            the same bits, at the cost of the reduction alone. Without one, a ``"prod"`` that
+            autograd records makes one itself, for its forward and backward to share.
 
     Returns:
         A new contiguous tensor of ``input``'s shape and dtype.
@@ -314,15 +348,22 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         tensor([3., 4.])
     """
     dim, mode = _validation.run_check(_check, input, dim, index, src, reduce, include_self,
-                                      mode, sorted, check)
+                                      mode, sorted, check, plan)
+    if (plan is None and reduce == "prod" and index.dim() == 1 and torch.is_grad_enabled()
+            and (input.requires_grad or src.requires_grad)):
+        # The product's backward reduces by the index again: one plan for both.
+        plan = make_plan(index, input.shape[dim], sorted=sorted, check=check)
+    order = offsets = None
+    if plan is not None:
+        sorted, check, order, offsets = plan.sorted, plan.check, plan.order, plan.offsets
     if _dispatch.direct_call_ok(input, index, src):
         return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                    check=check)
+                    check=check, planned=_planned(order, offsets))
     return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                               check)
+                               check, order, offsets)
 
 
-def _check(input, dim, index, src, reduce, include_self, mode, sorted, check):
+def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):
     mode = parse_mode(mode, caller=_CALLER)
     _validation.check_level(_CALLER, check)
     _validation.check_flag(_CALLER, "include_self", include_self)
@@ -347,6 +388,13 @@ def _check(input, dim, index, src, reduce, include_self, mode, sorted, check):
     if sorted and index.dim() != 1:
         raise ValueError(f"{_CALLER}: sorted=True needs a 1-D index, got shape {tuple(index.shape)}")
     _validation.check_same_device(_CALLER, input=input, index=index, src=src)
+    if plan is not None:
+        if not rowwise:
+            raise ValueError(f"{_CALLER}: plan is given with an index of shape "
+                             f"{tuple(index.shape)}; expected a 1-D index (a plan orders whole "
+                             f"rows)")
+        check_plan(_CALLER, plan, index, input.shape[dim], f"input.size({dim})",
+                   index.shape[0], "len(index)")
     if reduce == "mean" and mode is Mode.EXACT:
         _validation.check_exact_mean_terms(
             _CALLER, src.shape[dim] + include_self,

@@ -7,6 +7,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, parse_mode, rule_for
+from detsum.plans import Plan, check_plan
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
@@ -61,13 +62,16 @@ def _as_launched(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int
     return offsets, perm
 
 
-def _segment_sum(src, offsets, dim, perm, acc_mode, check="host"):
-    """The operator's body (also called directly, see ``_dispatch``)."""
+def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None):
+    """The operator's body (also called directly, see ``_dispatch``). ``rows``: the output
+    row of each source row, given with the positions of a ``detsum.Plan`` (checked when it was
+    made, and inside every tensor whatever its level): nothing to check here."""
     num_rows = src.shape[dim]
     backend_name = current_backend(src.device.type, _CALLER)
     check = _segments.check_that_runs(check, src.device.type, backend_name)
-    _check_values(offsets, perm, num_rows, check)
-    if check != "host":
+    if rows is None:
+        _check_values(offsets, perm, num_rows, check)
+    if check != "host" and rows is None:
         # Under "device" too: on a GPU the launch runs before a failed check is reported.
         offsets, perm = _as_launched(offsets, perm, num_rows)
     if backend_name == "reference":
@@ -84,9 +88,9 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host"):
 
 @torch.library.custom_op("detsum::segment_sum", mutates_args=())
 def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
-                   perm: torch.Tensor | None, acc_mode: str, check: str = "host"
-                   ) -> torch.Tensor:
-    return _segment_sum(src, offsets, dim, perm, acc_mode, check)
+                   perm: torch.Tensor | None, acc_mode: str, check: str = "host",
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
+    return _segment_sum(src, offsets, dim, perm, acc_mode, check, rows)
 
 
 def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
@@ -96,37 +100,61 @@ def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
 
 
 @segment_sum_op.register_fake
-def _(src, offsets, dim, perm, acc_mode, check="host"):
+def _(src, offsets, dim, perm, acc_mode, check="host", rows=None):
     return src.new_empty(_out_shape(src, dim, offsets))
 
 
 # ---- autograd: each source row receives its segment's gradient row ---------------------------
 
 def _setup_context(ctx, inputs, output):
-    src, offsets, dim, perm, acc_mode, *check = inputs
-    ctx.save_for_backward(offsets, perm)
+    src, offsets, dim, perm, acc_mode, *rest = inputs
+    rows = rest[1] if len(rest) > 1 else None
+    ctx.save_for_backward(offsets, perm, rows)
     ctx.dim, ctx.acc_mode, ctx.src_shape = dim, acc_mode, src.shape
-    ctx.check = check[0] if check else "host"
+    ctx.check = rest[0] if rest else "host"
+
+
+_NO_MORE_GRADIENTS = (None, None, None, None, None, None)
 
 
 def _backward(ctx, grad):
-    offsets, perm = ctx.saved_tensors
+    offsets, perm, rows = ctx.saved_tensors
     dim, num_rows = ctx.dim, ctx.src_shape[ctx.dim]
     check = _segments.backward_check(ctx.check, grad.device.type)
+    if rows is not None:
+        return _backward_planned(ctx, grad, rows, offsets.numel() - 1, check), *_NO_MORE_GRADIENTS
     if check != "host":
-        return _backward_unchecked(ctx, grad, offsets, perm, check), None, None, None, None, None
+        return _backward_unchecked(ctx, grad, offsets, perm, check), *_NO_MORE_GRADIENTS
     counts = offsets[1:] - offsets[:-1]
     segment_of_position = torch.repeat_interleave(
         torch.arange(counts.numel(), device=grad.device), counts, output_size=num_rows)
     grad_positions = grad.index_select(dim, segment_of_position)
     if perm is None:
-        return grad_positions, None, None, None, None, None
+        return grad_positions, *_NO_MORE_GRADIENTS
     # perm may repeat a row; adding (not copying) gives the right gradient then, and for a true
     # permutation each row receives exactly one term, so the sum is exact in every mode. Its
     # values were checked by the forward call (as its check said): none here, no host read.
     grad_src = call_index_add(grad.new_zeros(ctx.src_shape), dim, perm, grad_positions, 1.0,
                               ctx.acc_mode, "off")
-    return grad_src, None, None, None, None, None
+    return grad_src, *_NO_MORE_GRADIENTS
+
+
+def _backward_planned(ctx, grad, rows, num_segments, check):
+    """The gradient of a sum by a plan: row ``r`` received its segment's gradient row, the
+    segment being ``rows[r]`` (the plan's index), so a gather gives it, with no sort. A plan
+    made at "off" left the rows of bad values out: they receive 0."""
+    dim = ctx.dim
+    if check == "host":
+        return grad.index_select(dim, rows)
+    if num_segments == 0:  # every value is out of range: every row was left out
+        return grad.new_zeros(ctx.src_shape)
+    clamped, in_range = _segments.clamped_index(rows, num_segments)
+    grad_src = grad.index_select(dim, clamped)
+    if check == "off":
+        shape = [1] * grad.dim()
+        shape[dim] = rows.numel()
+        grad_src = grad_src.masked_fill(~in_range.view(shape), 0)
+    return grad_src
 
 
 def _backward_unchecked(ctx, grad, offsets, perm, check):
@@ -165,9 +193,9 @@ call_segment_sum = _transforms.register_autograd(segment_sum_op, _backward,
 
 # ---- public function ---------------------------------------------------------------------------
 
-def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
+def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: int = 0,
                 perm: torch.Tensor | None = None, mode: str | Mode = "fp32",
-                check: str = "host") -> torch.Tensor:
+                check: str = "host", plan: Plan | None = None) -> torch.Tensor:
     r"""Sum runs of rows of ``src`` along ``dim``, segment by segment, deterministically.
 
     ``offsets`` is a CSR pointer: output row ``s`` (along ``dim``) is
@@ -195,6 +223,11 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
             left out) and ``perm`` values clamped into ``[0, N)``, and the gradient is that
             of this sum; a ``"device"`` check that fails launches the same before the
             failure is reported.
+        plan: instead of ``offsets`` and ``perm``, a :func:`detsum.plan` of an index of
+            length ``N`` into ``S`` rows: output row ``s`` then sums the rows ``k`` with
+            ``index[k] == s`` in increasing ``k`` (``offsets=plan.offsets``,
+            ``perm=plan.order``), checked when the plan was made, not again (the plan's own
+            level stands for ``check``); the gradient is then a gather by the plan's index.
 
     Returns:
         ``src``'s shape with ``dim`` of size ``S``, contiguous, of ``src``'s dtype.
@@ -232,16 +265,31 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor, *, dim: int = 0,
         tensor([[5., 6.],
                 [4., 6.]])
     """
-    dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode, check)
-    if _dispatch.direct_call_ok(src, offsets, perm):
-        return _segment_sum(src, offsets, dim, perm, mode.value, check)
-    return call_segment_sum(src, offsets, dim, perm, mode.value, check)
+    dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode, check, plan)
+    rows = None
+    if plan is not None:
+        offsets, perm, check, rows = plan.offsets, plan.order, plan.check, plan.index
+    if _dispatch.direct_call_ok(src, offsets, perm, rows):
+        return _segment_sum(src, offsets, dim, perm, mode.value, check, rows)
+    return call_segment_sum(src, offsets, dim, perm, mode.value, check, rows)
 
 
-def _check(src, offsets, dim, perm, mode, check):
+def _check(src, offsets, dim, perm, mode, check, plan):
     mode = parse_mode(mode, caller=_CALLER)
     _validation.check_level(_CALLER, check)
     _validation.check_float(_CALLER, "src", src)
+    if plan is not None:
+        if offsets is not None or perm is not None:
+            raise ValueError(f"{_CALLER}: plan is given with offsets or perm; expected either "
+                             f"plan alone (it holds both) or offsets (and perm) without it")
+        dim = _validation.check_dim(_CALLER, dim, src.dim())
+        check_plan(_CALLER, plan, None, plan.num_rows, "its number of segments",
+                   src.shape[dim], f"src.size({dim})")
+        _validation.check_same_device(_CALLER, src=src, plan=plan.offsets)
+        return dim, mode
+    if offsets is None:
+        raise TypeError(f"{_CALLER}: offsets is missing; expected the segments' CSR offsets, "
+                        f"or plan=")
     # Malformed offsets are a ValueError whatever is wrong with them, their dtype included.
     _validation.check_index(_CALLER, "offsets", offsets, one_d=True, dtype_error=ValueError)
     if offsets.numel() == 0:

@@ -1,0 +1,185 @@
+"""Plans: the canonical order of an index, built once and reused by every primitive.
+
+Every detsum primitive is a segmented reduction: output row ``s`` reduces the source rows ``k``
+with ``index[k] == s`` in increasing ``k``. Finding those rows (a stable sort of the index, or
+a counting sort on the CPU) and checking the index's values is the *plan*; without one, every
+call makes its own, forward and backward. ``detsum.plan`` makes it once, so that a GNN's
+layers, an MoE layer's forward and backward, or the steps of a training loop over a fixed
+graph share it, and a call with a plan launches its reduction and nothing else: no sort, no
+check, no host read.
+
+A plan says nothing about the data: the same plan gives the same bits in every mode and on
+every backend as the call without it (the order *is* the canonical order, whoever finds it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import torch
+
+from detsum import _segments, _validation
+from detsum.backend import current_backend
+
+__all__ = ["Plan", "plan"]
+
+_CALLER = "detsum.plan"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class Plan:
+    """The canonical order of a 1-D index into ``num_rows`` output rows (see :func:`plan`).
+
+    Pass it as ``plan=`` to :func:`detsum.index_add`, :func:`detsum.index_add_`,
+    :func:`detsum.scatter_reduce` (a 1-D index) and :func:`detsum.segment_sum`, with the index
+    it was made from. Its tensors live on the index's device; it holds no data, only positions.
+    """
+
+    #: The index the plan was made from (1-D, int32 or int64).
+    index: torch.Tensor
+    #: How many output rows: the size along ``dim`` of the tensor the index points into.
+    num_rows: int
+    #: Positions ``0 .. len(index) - 1`` in canonical order (int64), or None for a plan made
+    #: with ``sorted=True``, whose order is the positions themselves.
+    order: torch.Tensor | None
+    #: ``offsets[s] .. offsets[s + 1] - 1`` are the positions in ``order`` of output row
+    #: ``s``'s source rows (int64, ``num_rows + 1`` entries).
+    offsets: torch.Tensor
+    #: The level at which the index's values were checked ("host", "device" or "off"; CPU
+    #: tensors are checked as "host" at every level): the calls that use the plan give what
+    #: that level gives.
+    check: str
+    #: Whether the plan was made with ``sorted=True``.
+    sorted: bool
+    #: ``index._version`` when the plan was made: an index changed in place since then no
+    #: longer matches its plan, and calls refuse the pair.
+    index_version: int
+
+    def __repr__(self) -> str:
+        return (f"detsum.Plan(num_rows={self.num_rows}, length={self.index.shape[0]}, "
+                f"sorted={self.sorted}, check={self.check!r}, device={self.index.device})")
+
+
+def _build(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, offsets): the operator's body, also called directly in eager code. A sorted
+    plan's order is an empty tensor (an operator returns tensors only)."""
+    backend_name = current_backend(index.device.type, _CALLER)
+    check = _segments.check_that_runs(check, index.device.type, backend_name)
+    # The reference backend plans as every backend but Numba's does: by torch operations.
+    order, offsets = _segments.plan_from_index(
+        _CALLER, index, num_rows, index_name="index", size_name="num_rows",
+        promised_sorted=promised_sorted, backend_name=backend_name, check=check)
+    if order is None:
+        order = torch.empty(0, dtype=torch.int64, device=index.device)
+    return order, offsets
+
+
+@torch.library.custom_op("detsum::plan", mutates_args=())
+def plan_op(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _build(index, num_rows, promised_sorted, check)
+
+
+@plan_op.register_fake
+def _(index, num_rows, promised_sorted, check):
+    length = 0 if promised_sorted else index.shape[0]
+    return (index.new_empty(length, dtype=torch.int64),
+            index.new_empty(num_rows + 1, dtype=torch.int64))
+
+
+def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
+         check: str = "host") -> Plan:
+    """Make the plan of a 1-D ``index`` into ``num_rows`` output rows: check its values once
+    and find, for each output row, its source rows in canonical order (order of appearance).
+
+    Args:
+        index: 1-D int32/int64, values in ``[0, num_rows)``.
+        num_rows: the number of output rows (``input.size(dim)`` of the calls that will use
+            the plan): a non-negative int.
+        sorted: promise that ``index`` is nondecreasing (checked as ``check`` says): the plan
+            then holds no order at all.
+        check: how ``index``'s values are checked, once, here: ``"host"`` (default), read back
+            and any bad value named with its position; ``"device"``, on the index's device
+            with no host read (a bad value fails at the next synchronisation); ``"off"``, not
+            checked on a GPU (a value outside ``[0, num_rows)`` leaves its row out of every
+            call that uses the plan). On CPU tensors every level checks as ``"host"``.
+
+    Returns:
+        A :class:`Plan`. Calls that take it (``plan=``) check neither the index nor the plan's
+        positions again, sort nothing and read nothing back: on a GPU each is its reduction's
+        launch alone, which a CUDA graph can capture. Their backward passes reuse it too.
+
+    The plan gives the same bits as a call without it, in every mode and on every backend. It
+    stays valid as long as its index is not changed in place (a call with a changed index is
+    refused); it may be used on any backend and by every primitive whose index it describes
+    (``index_add``, ``index_add_``, ``scatter_reduce`` with that 1-D index, ``segment_sum``).
+
+    Example:
+        >>> import torch, detsum
+        >>> edges = torch.tensor([2, 0, 2, 1])
+        >>> p = detsum.plan(edges, 3)
+        >>> x = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+        >>> detsum.index_add(torch.zeros(3, 1), 0, edges, x, plan=p)
+        tensor([[2.],
+                [4.],
+                [4.]])
+        >>> detsum.segment_sum(x, plan=p)  # the same sums, without the zeros
+        tensor([[2.],
+                [4.],
+                [4.]])
+    """
+    _validation.run_check(_check, index, num_rows, sorted, check)
+    num_rows = int(num_rows)
+    if _can_call_directly(index):
+        order, offsets = _build(index, num_rows, sorted, check)
+    else:
+        order, offsets = plan_op(index, num_rows, sorted, check)
+    return Plan(index=index, num_rows=num_rows, order=None if sorted else order,
+                offsets=offsets, check=check, sorted=sorted, index_version=_version(index))
+
+
+def _can_call_directly(index: torch.Tensor) -> bool:
+    # A plan has no gradient: the operator is needed only where something traces the call.
+    return not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+
+
+def _version(index: torch.Tensor) -> int:
+    # A traced tensor has no version counter worth keeping: nothing changes it in place there.
+    return 0 if torch.compiler.is_compiling() else index._version
+
+
+def _check(index, num_rows, sorted, check):
+    _validation.check_index(_CALLER, "index", index, one_d=True)
+    if isinstance(num_rows, bool) or not isinstance(num_rows, numbers.Integral) or num_rows < 0:
+        raise ValueError(f"{_CALLER}: num_rows={num_rows!r}; expected a non-negative int")
+    _validation.check_flag(_CALLER, "sorted", sorted)
+    _validation.check_level(_CALLER, check)
+
+
+def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: int,
+               num_rows_name: str, length: int, length_name: str) -> Plan:
+    """``plan`` as a call takes it: a :class:`Plan` of ``index`` (the same tensor, unchanged
+    since) into ``num_rows`` rows with ``length`` positions, refused in ``caller``'s words."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{caller}: plan must be a detsum.Plan (from detsum.plan(index, "
+                        f"num_rows)), got {type(plan).__name__}")
+    if plan.num_rows != num_rows:
+        raise ValueError(f"{caller}: plan has num_rows = {plan.num_rows}; expected "
+                         f"{num_rows_name} = {num_rows}")
+    if plan.index.shape[0] != length:
+        raise ValueError(f"{caller}: plan was made from an index of length "
+                         f"{plan.index.shape[0]}; expected {length_name} = {length}")
+    if index is not None and index is not plan.index and not torch.compiler.is_compiling():
+        same = (index.device == plan.index.device and index.dtype == plan.index.dtype
+                and index.shape == plan.index.shape and index.stride() == plan.index.stride()
+                and index.data_ptr() == plan.index.data_ptr())
+        if not same:
+            raise ValueError(f"{caller}: index is not the tensor plan was made from; expected "
+                             f"plan.index (or a view of the same memory), or a plan made from "
+                             f"this index")
+    if not torch.compiler.is_compiling() and plan.index._version != plan.index_version:
+        raise ValueError(f"{caller}: plan's index was changed in place after the plan was "
+                         f"made; expected a new plan: detsum.plan(index, {plan.num_rows})")
+    return plan

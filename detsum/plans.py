@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from detsum import _segments, _validation
+from detsum import _dispatch, _segments, _transforms, _validation
 from detsum.backend import current_backend
 
 __all__ = ["Plan", "plan"]
@@ -141,8 +141,9 @@ def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
 
 
 def _can_call_directly(index: torch.Tensor) -> bool:
-    # A plan has no gradient: the operator is needed only where something traces the call.
-    return not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack()
+    # The operator is needed only where something traces or transforms the call (a plan has
+    # no gradient, but a transform's index has no memory of its own to plan).
+    return _dispatch.direct_call_ok(index) and not _transforms.active()
 
 
 def _version(index: torch.Tensor) -> int:

@@ -152,9 +152,9 @@ def _count(input: torch.Tensor, dim: int, index: torch.Tensor, src_mask: torch.T
     counter = acc_dtype(input.dtype)
     if index.dim() == 1:
         # Integers, exact in any order: torch's integer index_add_ needs no plan.
-        counts = torch.zeros(input.shape, dtype=torch.int64, device=input.device)
-        counts.index_add_(dim, index.to(torch.int64), src_mask.to(torch.int64))
-        return counts.to(counter)
+        # (Out of place: under vmap the zeros are one tensor and the mask a batch.)
+        zeros = torch.zeros(input.shape, dtype=torch.int64, device=input.device)
+        return zeros.index_add(dim, index.to(torch.int64), src_mask.to(torch.int64)).to(counter)
     zeros = torch.zeros(input.shape, dtype=counter, device=input.device)
     # The index was checked by the forward call, as its check said: not again (no host read).
     return call_scatter_reduce(zeros, dim, index, src_mask.to(counter), "sum", True, "fp32",

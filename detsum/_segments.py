@@ -230,7 +230,8 @@ def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str
 def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
            offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
            reduce: str, rule: int, alpha: float, include_base: bool,
-           carry3: torch.Tensor | None = None) -> None:
+           carry3: torch.Tensor | None = None,
+           chunks: tuple[torch.Tensor, int] | None = None) -> None:
     """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
     ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
     check_backend_runs(backend_name, src3.device.type, "detsum")
@@ -252,4 +253,5 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
         base3 = None if base3 is None else base3.permute(2, 1, 0)
         carry3 = None if carry3 is None else carry3.permute(2, 1, 0)
     segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
-                   rule=rule, alpha=alpha, include_base=include_base, carry=carry3)
+                   rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
+                   chunks=chunks)

@@ -19,7 +19,7 @@ import numbers
 
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation
+from detsum import _dispatch, _segments, _transforms, _validation, kernels
 from detsum.backend import current_backend
 
 __all__ = ["Plan", "plan"]
@@ -55,16 +55,51 @@ class Plan:
     #: ``index._version`` when the plan was made: an index changed in place since then no
     #: longer matches its plan, and calls refuse the pair.
     index_version: int
+    #: For the modes that split long segments into chunks ("fp32", "kahan"; see
+    #: ``detsum.kernels.CHUNK_TERMS``): the running count of each segment's chunks
+    #: (``detsum.kernels.chunk_ends``), on the index's device.
+    chunk_ends: torch.Tensor
+    #: How many chunks the long segments have in all: exact for a plan made at "host", which
+    #: reads it back with its check; else an upper bound from the index's length.
+    chunk_slots: int
+
+    def chunks(self) -> tuple[torch.Tensor, int]:
+        """The chunk split as the kernels' launchers take it (``chunks=``)."""
+        return self.chunk_ends, self.chunk_slots
 
     def __repr__(self) -> str:
         return (f"detsum.Plan(num_rows={self.num_rows}, length={self.index.shape[0]}, "
                 f"sorted={self.sorted}, check={self.check!r}, device={self.index.device})")
 
 
+#: A plan as the primitives' bodies take it: (order, or None for a sorted plan; offsets; the
+#: chunk split, or None to count it in the launch).
+Planned = tuple[torch.Tensor | None, torch.Tensor, tuple[torch.Tensor, int] | None]
+
+
+def operator_arguments(plan: Plan | None, check: str) -> tuple:
+    """What the primitives' operators take of ``plan`` (their last five arguments): the plan's
+    level, order, offsets and chunk split; without a plan, ``check`` and nothing else."""
+    if plan is None:
+        return check, None, None, None, -1
+    return plan.check, plan.order, plan.offsets, plan.chunk_ends, plan.chunk_slots
+
+
+def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,
+            chunk_ends: torch.Tensor | None = None, chunk_slots: int = -1) -> Planned | None:
+    """An operator's plan arguments as its body takes them: None without a plan. (An
+    operator cannot take None inside a list, so a sorted plan's order may come as an empty
+    tensor.)"""
+    if offsets is None:
+        return None
+    order = order if order is not None and order.numel() else None
+    return order, offsets, (chunk_ends, chunk_slots) if chunk_ends is not None else None
+
+
 def _build(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets): the operator's body, also called directly in eager code. A sorted
-    plan's order is an empty tensor (an operator returns tensors only)."""
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(order, offsets, chunk ends): the operator's body, also called directly in eager code.
+    A sorted plan's order is an empty tensor (an operator returns tensors only)."""
     backend_name = current_backend(index.device.type, _CALLER)
     check = _segments.check_that_runs(check, index.device.type, backend_name)
     # The reference backend plans as every backend but Numba's does: by torch operations.
@@ -73,12 +108,12 @@ def _build(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str
         promised_sorted=promised_sorted, backend_name=backend_name, check=check)
     if order is None:
         order = torch.empty(0, dtype=torch.int64, device=index.device)
-    return order, offsets
+    return order, offsets, kernels.chunk_ends(offsets)
 
 
 @torch.library.custom_op("detsum::plan", mutates_args=())
 def plan_op(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _build(index, num_rows, promised_sorted, check)
 
 
@@ -86,7 +121,8 @@ def plan_op(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: st
 def _(index, num_rows, promised_sorted, check):
     length = 0 if promised_sorted else index.shape[0]
     return (index.new_empty(length, dtype=torch.int64),
-            index.new_empty(num_rows + 1, dtype=torch.int64))
+            index.new_empty(num_rows + 1, dtype=torch.int64),
+            index.new_empty(num_rows, dtype=torch.int64))
 
 
 def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
@@ -101,7 +137,8 @@ def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
         sorted: promise that ``index`` is nondecreasing (checked as ``check`` says): the plan
             then holds no order at all.
         check: how ``index``'s values are checked, once, here: ``"host"`` (default), read back
-            and any bad value named with its position; ``"device"``, on the index's device
+            and any bad value named with its position (with the number of chunks that long
+            segments split into, a second read); ``"device"``, on the index's device
             with no host read (a bad value fails at the next synchronisation); ``"off"``, not
             checked on a GPU (a value outside ``[0, num_rows)`` leaves its row out of every
             call that uses the plan). On CPU tensors every level checks as ``"host"``.
@@ -133,11 +170,18 @@ def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
     _validation.run_check(_check, index, num_rows, sorted, check)
     num_rows = int(num_rows)
     if _can_call_directly(index):
-        order, offsets = _build(index, num_rows, sorted, check)
+        order, offsets, chunk_ends = _build(index, num_rows, sorted, check)
     else:
-        order, offsets = plan_op(index, num_rows, sorted, check)
+        order, offsets, chunk_ends = plan_op(index, num_rows, sorted, check)
+    if check == "host" and _can_call_directly(index):
+        # The split is known once here: a launch then runs no program and no fold for chunks
+        # that do not exist (an upper bound would launch both whenever the index is long).
+        chunk_slots = int(chunk_ends[-1]) if num_rows else 0
+    else:
+        chunk_slots = kernels.chunk_slots_bound(index.shape[0])
     return Plan(index=index, num_rows=num_rows, order=None if sorted else order,
-                offsets=offsets, check=check, sorted=sorted, index_version=_version(index))
+                offsets=offsets, check=check, sorted=sorted, index_version=_version(index),
+                chunk_ends=chunk_ends, chunk_slots=chunk_slots)
 
 
 def _can_call_directly(index: torch.Tensor) -> bool:

@@ -77,6 +77,22 @@ AMIN = 4
 REDUCE_CODES = {"sum": SUM, "mean": MEAN, "prod": PROD, "amax": AMAX, "amin": AMIN}
 
 
+def chunk_ends(offsets: torch.Tensor) -> torch.Tensor:
+    """For the split rules (WIDE, KAHAN): the inclusive running count of the chunks of the
+    segments longer than CHUNK_TERMS (0 chunks for the others), one entry per segment. A
+    launch that spreads chunks over programs finds each program's (segment, chunk) in it. Torch
+    operations on the offsets' device: no host read."""
+    counts = offsets[1:] - offsets[:-1]
+    parts = torch.where(counts > CHUNK_TERMS, (counts + CHUNK_TERMS - 1) // CHUNK_TERMS, 0)
+    return torch.cumsum(parts, 0)
+
+
+def chunk_slots_bound(positions: int) -> int:
+    """At most how many chunks the segments longer than CHUNK_TERMS of ``positions`` terms
+    have: a segment of n > C terms has ceil(n / C) < 2n / C chunks."""
+    return 2 * positions // CHUNK_TERMS
+
+
 def has_work(src, order, offsets, supported_dtypes) -> bool:
     """Check a launch's arguments against the contract; False when the output is empty."""
     if src.dtype not in supported_dtypes:

@@ -275,6 +275,8 @@ def inputs(backward: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
         "x": torch.randn(_TOKENS, _FEATURES, generator=gen),
         "weights": torch.softmax(torch.randn(_TOKENS, _TOPK, generator=gen), -1),
     }
+    # Made once, outside the counted calls (its positions are the same on every backend).
+    t["plan"] = detsum.plan(index, _SEGMENTS)
     if backward:
         for name in ("src", "x", "weights"):
             t[name].requires_grad_(True)
@@ -295,6 +297,16 @@ def _scatter_reduce(t, mode, check, sorted=False):
                                  sorted=sorted, check=check)
 
 
+def _with_plan(t, name, mode):
+    """A primitive with ``inputs()``'s plan: its check is the plan's."""
+    if name == "segment_sum":
+        return detsum.segment_sum(t["src"], mode=mode, plan=t["plan"])
+    if name == "index_add":
+        return detsum.index_add(t["init"], 0, t["index"], t["src"], mode=mode, plan=t["plan"])
+    return detsum.scatter_reduce(t["init"], 0, t["index"], t["src"], "sum", mode=mode,
+                                 plan=t["plan"])
+
+
 def _moe_layer(t, mode, check):
     """route, permute and the weighted unpermute (no expert between: its work is not
     detsum's)."""
@@ -311,6 +323,7 @@ def _scatter(t, dim_size=None):
 @dataclasses.dataclass(frozen=True)
 class Row:
     call: Callable[[dict[str, torch.Tensor]], torch.Tensor]
+    #: The call's check level, or "plan" for a call with a plan (made at "host" beforehand).
     check: str
     backward: bool = False
 
@@ -331,6 +344,12 @@ def _rows() -> dict[str, Row]:
         for check in CHECKS:
             rows[f"{name} fp32 {check} +backward"] = Row(
                 functools.partial(call, mode="fp32", check=check), check, backward=True)
+    for name in ("segment_sum", "index_add", "scatter_reduce"):
+        for mode in ("fp32", "kahan", "autograd", "exact"):
+            rows[f"{name} {mode} plan"] = Row(
+                functools.partial(_with_plan, name=name, mode=mode), "plan")
+        rows[f"{name} fp32 plan +backward"] = Row(
+            functools.partial(_with_plan, name=name, mode="fp32"), "plan", backward=True)
     # torch_scatter's API takes no check: it reads its index back as "host" does.
     rows["scatter sum"] = Row(_scatter, "host")
     rows["scatter sum dim_size"] = Row(functools.partial(_scatter, dim_size=_SEGMENTS), "host")

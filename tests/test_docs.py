@@ -16,8 +16,8 @@ def test_docs_build_without_warnings(tmp_path):
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
          str(tmp_path / "html")], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
-    for page in ("index", "quickstart", "modes", "determinism", "moe", "loss", "switching",
-                 "distributed",
+    for page in ("index", "quickstart", "modes", "determinism", "plans", "moe", "loss",
+                 "switching", "distributed",
                  "comparison", "api"):
         assert (tmp_path / "html" / f"{page}.html").exists(), page
     api = (tmp_path / "html" / "api.html").read_text()
@@ -36,6 +36,26 @@ def test_quickstart_code_runs():
     assert blocks, "no python block in quickstart.md"
     for block in blocks:
         exec(compile(block, "quickstart.md", "exec"), {"__name__": "quickstart"})
+
+
+def test_plans_page_code_runs():
+    """The plans page's blocks run: the first as it is, the custom Function's backward against
+    autograd's own gradient of x[index], bit for bit."""
+    text = (DOCS / "plans.md").read_text()
+    blocks = [re.sub(r"^  ", "", block, flags=re.M)
+              for block in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
+    assert len(blocks) == 2
+    namespace = {"__name__": "plans"}
+    for block in blocks:
+        exec(compile(block, "plans.md", "exec"), namespace)
+    import torch
+
+    x = torch.randn(4, 3, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.tensor([3, 0, 3, 3, 1])
+    grad = torch.randn(5, 3, dtype=torch.bfloat16)
+    (ours,) = torch.autograd.grad(namespace["Gather"].apply(x, index), x, grad)
+    (autograds,) = torch.autograd.grad(x[index], x, grad)
+    assert torch.equal(ours, autograds)
 
 
 def test_pages_name_only_files_of_the_project():

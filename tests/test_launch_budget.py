@@ -165,6 +165,21 @@ MEASURED = {
     "moe layer fp32 host +backward": (89, 3, 21, 2),
     "moe layer fp32 device +backward": (98, 0, 21, 2),
     "moe layer fp32 off +backward": (71, 0, 17, 2),
+    "segment_sum fp32 plan": (1, 0, 2, 0),
+    "segment_sum kahan plan": (1, 0, 2, 0),
+    "segment_sum autograd plan": (1, 0, 1, 0),
+    "segment_sum exact plan": (1, 0, 1, 0),
+    "segment_sum fp32 plan +backward": (2, 0, 2, 0),
+    "index_add fp32 plan": (1, 0, 2, 0),
+    "index_add kahan plan": (1, 0, 2, 0),
+    "index_add autograd plan": (1, 0, 1, 0),
+    "index_add exact plan": (1, 0, 1, 0),
+    "index_add fp32 plan +backward": (2, 0, 2, 0),
+    "scatter_reduce fp32 plan": (1, 0, 2, 0),
+    "scatter_reduce kahan plan": (1, 0, 2, 0),
+    "scatter_reduce autograd plan": (1, 0, 1, 0),
+    "scatter_reduce exact plan": (1, 0, 1, 0),
+    "scatter_reduce fp32 plan +backward": (2, 0, 2, 0),
     "scatter sum": (17, 4, 5, 1),
     "scatter sum dim_size": (16, 3, 5, 1),
 }
@@ -194,13 +209,24 @@ def _target(row: str, field: str, limit: int, *, met: bool = False):
                         id=f"{row}: {field} <= {limit}")
 
 
-def _rows(*names: str, modes=("fp32", "kahan"), suffix: str = "") -> list[str]:
+def _rows(*names: str, modes=("fp32", "kahan"), checks=CHECKS, suffix: str = "") -> list[str]:
     return [f"{name} {mode} {check}{suffix}" for name in names for mode in modes
-            for check in CHECKS]
+            for check in checks]
 
 
 # Calls check "device" or "off"; at "host" at most one host read more (``_target``).
 TARGETS = [
+    # Any primitive, any mode, with a plan (made at "host"): 1 Triton launch and at most 1
+    # other device op, no host read; forward and backward, no sort.
+    *(_target(row, "launches", 1, met=True)
+      for row in _rows("segment_sum", "index_add", "scatter_reduce",
+                       modes=("fp32", "kahan", "autograd", "exact"), checks=("plan",))),
+    *(_target(row, "device_ops", 2, met=True)
+      for row in _rows("segment_sum", "index_add", "scatter_reduce",
+                       modes=("fp32", "kahan", "autograd", "exact"), checks=("plan",))),
+    *(_target(row, field, 0, met=True) for field in ("host_reads", "sorts")
+      for row in _rows("segment_sum", "index_add", "scatter_reduce", modes=("fp32",),
+                       checks=("plan",), suffix=" +backward")),
     # Any primitive with a new unsorted index (no plan): at most 4 device ops, no host read.
     *(_target(row, "device_ops", 4) for row in _rows("index_add", "scatter_reduce")),
     *(_target(row, "host_reads", 0, met=True) for row in _rows("index_add", "scatter_reduce")),

@@ -8,7 +8,7 @@ from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import Plan, check_plan
+from detsum.plans import Plan, Planned, check_plan, operator_arguments, unpack
 
 _CALLER = "detsum.index_add"
 
@@ -18,11 +18,11 @@ _CALLER = "detsum.index_add"
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
          alpha: float, mode: str, out3: torch.Tensor | None, *, check: str = "host",
          index_checked: bool = False, out_is_input: bool = False,
-         planned: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
+         planned: Planned | None = None) -> torch.Tensor:
     """The shared body: validate index values (as ``check`` says), plan, launch. Writes
     ``out3`` when given (``out_is_input``: it is ``input``'s own rows view, in place).
     ``index_checked``: the index holds positions among the rows with terms, in range.
-    ``planned``: (order, offsets) of a ``detsum.Plan`` of ``index``, checked when it was made:
+    ``planned``: the positions of a ``detsum.Plan`` of ``index``, checked when it was made:
     nothing to check or plan here."""
     num_segments = input.shape[dim]
     backend_name = current_backend(input.device.type, _CALLER)
@@ -56,8 +56,9 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
                 raise_index_out_of_range(_CALLER, "index", index, first_bad, num_segments,
                                          f"input.size({dim})")
             return out3
+    chunks = None
     if planned is not None:
-        order, offsets = planned
+        order, offsets, chunks = planned
     elif index_checked:
         # Checked once already (on a GPU, that check is a host read).
         order, offsets = _segments.plan_from_keys(index, num_segments, backend_name)
@@ -77,46 +78,40 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     _segments.launch(backend_name, _segments.rows_view(source, dim), order, offsets, input3, out3,
                      reduce="sum",
                      rule=rule_for(Mode(mode), "sum", input.device.type, input3.shape[2]),
-                     alpha=alpha, include_base=True)
+                     alpha=alpha, include_base=True, chunks=chunks)
     return out3
 
 
-def _planned(order: torch.Tensor | None, offsets: torch.Tensor | None
-             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-    """The operators' plan arguments as ``_run`` takes them: None without a plan; a sorted
-    plan's order is an empty tensor (``Plan.order`` None)."""
-    if offsets is None:
-        return None
-    return (order if order is not None and order.numel() else None), offsets
-
-
 def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=None,
-               offsets=None):
+               offsets=None, chunk_ends=None, chunk_slots=-1):
     """The out-of-place operator's body (also called directly, see ``_dispatch``)."""
     return _run(input, dim, index, source, alpha, acc_mode, None, check=check,
-                planned=_planned(order, offsets)).view(input.shape)
+                planned=unpack(order, offsets, chunk_ends, chunk_slots)).view(input.shape)
 
 
 @torch.library.custom_op("detsum::index_add", mutates_args=())
 def index_add_op(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
                  alpha: float, acc_mode: str, check: str = "host",
-                 order: torch.Tensor | None = None, offsets: torch.Tensor | None = None
+                 order: torch.Tensor | None = None, offsets: torch.Tensor | None = None,
+                 chunk_ends: torch.Tensor | None = None, chunk_slots: int = -1
                  ) -> torch.Tensor:
-    return _index_add(input, dim, index, source, alpha, acc_mode, check, order, offsets)
+    return _index_add(input, dim, index, source, alpha, acc_mode, check, order, offsets,
+                      chunk_ends, chunk_slots)
 
 
 @index_add_op.register_fake
-def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offsets=None):
+def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offsets=None,
+      chunk_ends=None, chunk_slots=-1):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host", order=None,
-                       offsets=None):
+                       offsets=None, chunk_ends=None, chunk_slots=-1):
     """The in-place operator's body (also called directly, see ``_dispatch``)."""
     # Here, not only in the public function: a compiled graph calls this operator directly.
     _validation.check_inplace_target("detsum.index_add_", "input", input, index=index,
                                      source=source)
-    planned = _planned(order, offsets)
+    planned = unpack(order, offsets, chunk_ends, chunk_slots)
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
@@ -131,12 +126,15 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
 def index_add_inplace_op(input: torch.Tensor, dim: int, index: torch.Tensor,
                          source: torch.Tensor, alpha: float, acc_mode: str,
                          check: str = "host", order: torch.Tensor | None = None,
-                         offsets: torch.Tensor | None = None) -> None:
-    _index_add_inplace(input, dim, index, source, alpha, acc_mode, check, order, offsets)
+                         offsets: torch.Tensor | None = None,
+                         chunk_ends: torch.Tensor | None = None, chunk_slots: int = -1) -> None:
+    _index_add_inplace(input, dim, index, source, alpha, acc_mode, check, order, offsets,
+                       chunk_ends, chunk_slots)
 
 
 @index_add_inplace_op.register_fake
-def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offsets=None):
+def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offsets=None,
+      chunk_ends=None, chunk_slots=-1):
     return None
 
 
@@ -158,7 +156,7 @@ def _backward(ctx, grad):
     elif ctx.num_segments == 0:  # every value is out of range: every row was left out
         shape = list(grad.shape)
         shape[dim] = index.numel()
-        return grad, None, None, grad.new_zeros(shape), None, None, None, None, None
+        return grad, None, None, grad.new_zeros(shape), *_NO_MORE_GRADIENTS
     else:
         # Unchecked values: the gather stays inside grad. Under "off" the rows that the
         # forward left out receive nothing; under "device" a bad value has failed already.
@@ -170,8 +168,10 @@ def _backward(ctx, grad):
         shape = [1] * grad.dim()
         shape[dim] = index.numel()
         grad_source = grad_source.masked_fill(~in_range.view(shape), 0)
-    return grad, None, None, grad_source, None, None, None, None, None
+    return grad, None, None, grad_source, *_NO_MORE_GRADIENTS
 
+
+_NO_MORE_GRADIENTS = (None,) * 7
 
 call_index_add = _transforms.register_autograd(index_add_op, _backward,
                                                setup_context=_setup_context, caller=_CALLER)
@@ -197,14 +197,6 @@ def _check(input, dim, index, source, alpha, mode, check, caller, plan=None):
         plan = check_plan(caller, plan, index, input.shape[dim], f"input.size({dim})",
                           index.shape[0], "len(index)")
     return dim, alpha, mode
-
-
-def _plan_arguments(plan: Plan | None, check: str) -> tuple[str, torch.Tensor | None,
-                                                           torch.Tensor | None]:
-    """(check, order, offsets) for the operators: a plan's own level and positions."""
-    if plan is None:
-        return check, None, None
-    return plan.check, plan.order, plan.offsets
 
 
 _ORDER_DOC = """
@@ -244,10 +236,10 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
               plan: Plan | None = None) -> torch.Tensor:
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
                                              check, _CALLER, plan)
-    check, order, offsets = _plan_arguments(plan, check)
+    planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
-        return _index_add(input, dim, index, source, alpha, mode.value, check, order, offsets)
-    return call_index_add(input, dim, index, source, alpha, mode.value, check, order, offsets)
+        return _index_add(input, dim, index, source, alpha, mode.value, *planning)
+    return call_index_add(input, dim, index, source, alpha, mode.value, *planning)
 
 
 def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
@@ -256,7 +248,7 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
     caller = "detsum.index_add_"
     dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
                                              check, caller, plan)
-    check, order, offsets = _plan_arguments(plan, check)
+    planning = operator_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad
                                                              or source.requires_grad)):
@@ -269,15 +261,15 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
         if not torch.compiler.is_compiling() and not any(map(
                 torch._C._functorch.is_functorch_wrapped_tensor, (input, index, source))):
             _validation.check_inplace_target(caller, "input", input, index=index, source=source)
-        return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value, check,
-                                          order, offsets, caller=caller))
+        return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value,
+                                          *planning, caller=caller))
     if _dispatch.direct_call_ok(input, index, source):
-        _index_add_inplace(input, dim, index, source, alpha, mode.value, check, order, offsets)
+        _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
         # What the operator's mutates_args does: a saved copy of input is now stale, and
         # autograd must say so if a backward reads it.
         torch.autograd.graph.increment_version(input)
         return input
-    index_add_inplace_op(input, dim, index, source, alpha, mode.value, check, order, offsets)
+    index_add_inplace_op(input, dim, index, source, alpha, mode.value, *planning)
     return input
 
 

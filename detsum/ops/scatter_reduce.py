@@ -13,7 +13,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import Plan, check_plan
+from detsum.plans import Plan, check_plan, operator_arguments, unpack
 from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
@@ -54,26 +54,19 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backe
 def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                       reduce: str, include_self: bool, acc_mode: str, sorted: bool,
                       check: str = "host", order: torch.Tensor | None = None,
-                      offsets: torch.Tensor | None = None) -> torch.Tensor:
+                      offsets: torch.Tensor | None = None,
+                      chunk_ends: torch.Tensor | None = None, chunk_slots: int = -1
+                      ) -> torch.Tensor:
     return _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, check=check,
-                planned=_planned(order, offsets))
-
-
-def _planned(order: torch.Tensor | None, offsets: torch.Tensor | None
-             ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
-    """The operator's plan arguments as ``_run`` takes them: None without a plan; a sorted
-    plan's order is an empty tensor or None."""
-    if offsets is None:
-        return None
-    return (order if order is not None and order.numel() else None), offsets
+                planned=unpack(order, offsets, chunk_ends, chunk_slots))
 
 
 def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, check="host",
          index_checked=False, planned=None):
     """The operator's body: validate index values (as ``check`` says), plan, launch.
     ``index_checked``: the index holds positions among the rows with terms, in range.
-    ``planned``: (order, offsets) of a ``detsum.Plan`` of a 1-D ``index``, checked when it
-    was made: nothing to check or plan here."""
+    ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
+    made: nothing to check or plan here."""
     input3 = _segments.rows_view(input, dim)
     backend_name = current_backend(input.device.type, _CALLER)
     check = _segments.check_that_runs(check, input.device.type, backend_name)
@@ -91,8 +84,9 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         out3.copy_(input3)
         out3.index_copy_(1, targets, _segments.rows_view(rows, dim))
         return out3.view(input.shape)
+    chunks = None
     if planned is not None:
-        order, offsets = planned
+        order, offsets, chunks = planned
         src3, base3 = _segments.rows_view(src, dim), input3
     elif rowwise and index_checked and not sorted:
         # Checked once already (on a GPU, that check is a host read). A sorted=True promise is
@@ -116,14 +110,13 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     out3 = _segments.new_output(base3, base3.shape[1])
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
                      rule=rule_for(Mode(acc_mode), reduce, input.device.type, base3.shape[2]),
-                     alpha=1.0,
-                     include_base=include_self)
+                     alpha=1.0, include_base=include_self, chunks=chunks)
     return out3.view(input.shape)
 
 
 @scatter_reduce_op.register_fake
 def _(input, dim, index, src, reduce, include_self, acc_mode, sorted, check="host", order=None,
-      offsets=None):
+      offsets=None, chunk_ends=None, chunk_slots=-1):
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
@@ -138,8 +131,9 @@ def _setup_context(ctx, inputs, output):
     input, dim, index, src, reduce, include_self, _, sorted, *rest = inputs
     ctx.dim, ctx.reduce, ctx.include_self, ctx.sorted = dim, reduce, include_self, sorted
     ctx.check = rest[0] if rest else "host"
-    order, offsets = (rest[1], rest[2]) if len(rest) > 2 else (None, None)
-    ctx.save_for_backward(input, index, src, output, order, offsets)
+    order, offsets, chunk_ends = rest[1:4] if len(rest) > 3 else (None, None, None)
+    ctx.chunk_slots = rest[4] if len(rest) > 4 else -1
+    ctx.save_for_backward(input, index, src, output, order, offsets, chunk_ends)
 
 
 def _take(t: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
@@ -181,7 +175,7 @@ def _count_every(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.
 
 
 def _backward(ctx, grad):
-    input, index, src, result, order, offsets = ctx.saved_tensors
+    input, index, src, result, order, offsets, chunk_ends = ctx.saved_tensors
     dim, reduce, include_self = ctx.dim, ctx.reduce, ctx.include_self
     check = _segments.backward_check(ctx.check, grad.device.type)
     reached = None  # the source positions the forward reduced, when not all of them
@@ -229,7 +223,8 @@ def _backward(ctx, grad):
         factors = src.masked_fill(zeros_in_src if members is None else zeros_in_src | ~members, 1)
         product_of_nonzeros = call_scatter_reduce(
             input.masked_fill(input == 0, 1), dim, index, factors,
-            "prod", include_self, "fp32", False, "off", order, offsets)
+            "prod", include_self, "fp32", False, "off", order, offsets, chunk_ends,
+            ctx.chunk_slots)
 
         def others(member: torch.Tensor, product: torch.Tensor, nonzeros: torch.Tensor,
                    zero_count: torch.Tensor) -> torch.Tensor:
@@ -251,7 +246,7 @@ def _backward(ctx, grad):
     return grad_self, None, None, grad_src, *_NO_MORE_GRADIENTS
 
 
-_NO_MORE_GRADIENTS = (None,) * 7
+_NO_MORE_GRADIENTS = (None,) * 9
 
 call_scatter_reduce = _transforms.register_autograd(scatter_reduce_op, _backward,
                                                     setup_context=_setup_context, caller=_CALLER)
@@ -353,14 +348,14 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
             and (input.requires_grad or src.requires_grad)):
         # The product's backward reduces by the index again: one plan for both.
         plan = make_plan(index, input.shape[dim], sorted=sorted, check=check)
-    order = offsets = None
     if plan is not None:
-        sorted, check, order, offsets = plan.sorted, plan.check, plan.order, plan.offsets
+        sorted = plan.sorted
+    planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, src):
         return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                    check=check, planned=_planned(order, offsets))
+                    check=planning[0], planned=unpack(*planning[1:]))
     return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                               check, order, offsets)
+                               *planning)
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):

@@ -62,10 +62,12 @@ def _as_launched(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int
     return offsets, perm
 
 
-def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None):
+def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chunk_ends=None,
+                 chunk_slots=-1):
     """The operator's body (also called directly, see ``_dispatch``). ``rows``: the output
     row of each source row, given with the positions of a ``detsum.Plan`` (checked when it was
-    made, and inside every tensor whatever its level): nothing to check here."""
+    made, and inside every tensor whatever its level) and its chunk split: nothing to check
+    here."""
     num_rows = src.shape[dim]
     backend_name = current_backend(src.device.type, _CALLER)
     check = _segments.check_that_runs(check, src.device.type, backend_name)
@@ -82,15 +84,17 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None):
     _segments.launch(backend_name, src3, order, offsets.to(torch.int64), None, out3,
                      reduce="sum",
                      rule=rule_for(Mode(acc_mode), "sum", src.device.type, src3.shape[2]),
-                     alpha=1.0, include_base=False)
+                     alpha=1.0, include_base=False,
+                     chunks=None if chunk_ends is None else (chunk_ends, chunk_slots))
     return out3.view(_out_shape(src, dim, offsets))
 
 
 @torch.library.custom_op("detsum::segment_sum", mutates_args=())
 def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
                    perm: torch.Tensor | None, acc_mode: str, check: str = "host",
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
-    return _segment_sum(src, offsets, dim, perm, acc_mode, check, rows)
+                   rows: torch.Tensor | None = None, chunk_ends: torch.Tensor | None = None,
+                   chunk_slots: int = -1) -> torch.Tensor:
+    return _segment_sum(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chunk_slots)
 
 
 def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
@@ -100,7 +104,8 @@ def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
 
 
 @segment_sum_op.register_fake
-def _(src, offsets, dim, perm, acc_mode, check="host", rows=None):
+def _(src, offsets, dim, perm, acc_mode, check="host", rows=None, chunk_ends=None,
+      chunk_slots=-1):
     return src.new_empty(_out_shape(src, dim, offsets))
 
 
@@ -114,7 +119,7 @@ def _setup_context(ctx, inputs, output):
     ctx.check = rest[0] if rest else "host"
 
 
-_NO_MORE_GRADIENTS = (None, None, None, None, None, None)
+_NO_MORE_GRADIENTS = (None,) * 8
 
 
 def _backward(ctx, grad):
@@ -122,7 +127,8 @@ def _backward(ctx, grad):
     dim, num_rows = ctx.dim, ctx.src_shape[ctx.dim]
     check = _segments.backward_check(ctx.check, grad.device.type)
     if rows is not None:
-        return _backward_planned(ctx, grad, rows, offsets.numel() - 1, check), *_NO_MORE_GRADIENTS
+        grad_src = _backward_planned(ctx, grad, rows, offsets.numel() - 1, check)
+        return grad_src, *_NO_MORE_GRADIENTS
     if check != "host":
         return _backward_unchecked(ctx, grad, offsets, perm, check), *_NO_MORE_GRADIENTS
     counts = offsets[1:] - offsets[:-1]
@@ -266,12 +272,13 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
                 [4., 6.]])
     """
     dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode, check, plan)
-    rows = None
+    planning = (check,)
     if plan is not None:
-        offsets, perm, check, rows = plan.offsets, plan.order, plan.check, plan.index
-    if _dispatch.direct_call_ok(src, offsets, perm, rows):
-        return _segment_sum(src, offsets, dim, perm, mode.value, check, rows)
-    return call_segment_sum(src, offsets, dim, perm, mode.value, check, rows)
+        offsets, perm = plan.offsets, plan.order
+        planning = (plan.check, plan.index, plan.chunk_ends, plan.chunk_slots)
+    if _dispatch.direct_call_ok(src, offsets, perm):
+        return _segment_sum(src, offsets, dim, perm, mode.value, *planning)
+    return call_segment_sum(src, offsets, dim, perm, mode.value, *planning)
 
 
 def _check(src, offsets, dim, perm, mode, check, plan):

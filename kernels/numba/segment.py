@@ -2,7 +2,8 @@
 
 CONTRACT (shared by every backend; the Triton launcher will have the same signature):
 
-    segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base) -> None
+    segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
+                   carry=None, chunks=None) -> None
 
 - ``src``: CPU tensor ``[outer, N, inner]`` of float32, float64, float16 or bfloat16, any strides.
 - ``order``: int64 ``[M]`` or None. Segment ``s`` reduces the rows ``order[offsets[s]] ..
@@ -27,6 +28,10 @@ CONTRACT (shared by every backend; the Triton launcher will have the same signat
   sum resumes from ``(s, c)`` (instead of ``c = 0``) and stops before the final ``s + c``:
   ``out`` receives ``s`` and ``carry`` the new ``c`` (in place). Consecutive launches then
   compute what one launch over all their terms would, up to that final step.
+- ``chunks``: None, or ``(kernels.chunk_ends(offsets), slots)`` made beforehand (a
+  ``detsum.Plan`` holds them), ``slots`` at least the number of chunks of the long segments:
+  a launcher that spreads chunks over programs takes them instead of counting them itself.
+  They change no result; this backend, which chunks inside each segment's loop, ignores them.
 - ``include_base``: True: base row is the initial value of the segment (and counts for MEAN).
   False: an empty segment writes the base row unchanged (0 when base is None); a nonempty one
   starts from the reduction's identity (+0.0 for SUM/MEAN, 1 for PROD, the first term for
@@ -599,7 +604,7 @@ def threads(nthreads):
 
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
-                   carry=None):
+                   carry=None, chunks=None):
     """See the module docstring (the contract)."""
     if rule == EXACT:
         from .exact import segment_reduce_exact

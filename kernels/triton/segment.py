@@ -86,6 +86,8 @@ from .. import (
     SPLIT_RULES,
     SUM,
     WIDE,
+    chunk_ends,
+    chunk_slots_bound,
     has_exact_work,
     has_work,
 )
@@ -928,7 +930,7 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
 
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
-                   carry=None):
+                   carry=None, chunks=None):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes."""
     if rule == EXACT:
         if carry is not None:
@@ -974,13 +976,13 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     split = rule in SPLIT_RULES
     ncomp = 2 if rule == KAHAN else 1
     if split:
-        # Chunks of the segments longer than CHUNK_TERMS, counted on the device. Each such
-        # segment of n terms has ceil(n / C) < 2n / C chunks, so 2 M // C slots cover them all.
-        positions = order.shape[0] if has_order else num_rows
-        work_rows = 2 * positions // CHUNK_TERMS
-        counts = offsets[1:] - offsets[:-1]
-        parts = torch.where(counts > CHUNK_TERMS, (counts + CHUNK_TERMS - 1) // CHUNK_TERMS, 0)
-        parts_cum = torch.cumsum(parts, 0)
+        # Chunks of the segments longer than CHUNK_TERMS: counted on the device, or by the
+        # plan beforehand (which knows their exact number when it read its index back).
+        if chunks is None:
+            positions = order.shape[0] if has_order else num_rows
+            parts_cum, work_rows = chunk_ends(offsets), chunk_slots_bound(positions)
+        else:
+            parts_cum, work_rows = chunks
         work = torch.empty((outer, max(work_rows, 1), ncomp, inner), dtype=acc_dtype,
                            device=src.device)
     else:

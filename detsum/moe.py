@@ -46,7 +46,7 @@ from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
 from detsum.modes import Mode, acc_dtype, parse_mode
 from detsum.ops.segment_sum import call_segment_sum
 
-__all__ = ["permute", "route", "unpermute"]
+__all__ = ["Routing", "permute", "route", "unpermute"]
 
 
 # ---- check levels -------------------------------------------------------------------------------
@@ -66,8 +66,32 @@ def _check_level(caller: str, check: object, *, false_means: str) -> str:
 
 # ---- routing ------------------------------------------------------------------------------------
 
+class Routing(tuple):
+    """What :func:`route` returns: unpacks as ``(gather_indices, tokens_per_expert)``, and
+    carries what ``permute`` and ``unpermute`` would otherwise derive from ``gather_indices``
+    on every call, forward and backward. Pass it in place of ``gather_indices``."""
+
+    def __new__(cls, gather_indices: torch.Tensor, tokens_per_expert: torch.Tensor,
+                positions: torch.Tensor) -> Routing:
+        routing = super().__new__(cls, (gather_indices, tokens_per_expert))
+        #: ``positions[j] = p`` with ``gather_indices[p] == j``: where each (token, slot) row
+        #: sits in expert order, the inverse permutation (int64 [T * topk]).
+        routing.positions = positions
+        return routing
+
+    @property
+    def gather_indices(self) -> torch.Tensor:
+        """[T * topk] int64: the flat (token, slot) of each row in expert order."""
+        return self[0]
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """[E] int64: how many rows each expert receives."""
+        return self[1]
+
+
 def _route(selected_experts: torch.Tensor, num_experts: int, check: str
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The operator's body (also called directly, see ``_dispatch``)."""
     caller = "detsum.moe.route"
     flat = selected_experts.reshape(-1)
@@ -84,25 +108,30 @@ def _route(selected_experts: torch.Tensor, num_experts: int, check: str
                                                  num_experts, "num_experts")
     boundaries = torch.arange(num_experts + 1, dtype=flat.dtype, device=flat.device)
     starts = torch.searchsorted(experts, boundaries)
-    return gather_indices, starts[1:] - starts[:-1]
+    # A sort's indices are a permutation whatever the ids: its inverse is one scatter, with no
+    # two writes to one place.
+    positions = torch.empty_like(gather_indices).scatter_(
+        0, gather_indices, torch.arange(gather_indices.numel(), device=flat.device))
+    return gather_indices, starts[1:] - starts[:-1], positions
 
 
 # An operator, so that the host read of check="host" runs inside it: under torch.compile the
 # call stays in the graph instead of breaking it on a data-dependent branch.
 @torch.library.custom_op("detsum::moe_route", mutates_args=())
 def route_op(selected_experts: torch.Tensor, num_experts: int, check: str
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _route(selected_experts, num_experts, check)
 
 
 @route_op.register_fake
 def _(selected_experts, num_experts, check):
     return (selected_experts.new_empty(selected_experts.numel(), dtype=torch.int64),
-            selected_experts.new_empty(num_experts, dtype=torch.int64))
+            selected_experts.new_empty(num_experts, dtype=torch.int64),
+            selected_experts.new_empty(selected_experts.numel(), dtype=torch.int64))
 
 
 def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool = "host"
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          ) -> Routing:
     """Group the (token, slot) pairs by expert: the permutation ``permute`` and ``unpermute`` use.
 
     Args:
@@ -119,12 +148,16 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
             ``T * topk``. True means ``"host"`` and False ``"off"`` (the flag's old values).
 
     Returns:
-        ``(gather_indices, tokens_per_expert)``: ``gather_indices`` [T * topk] int64 is the
-        stable argsort of ``selected_experts.view(-1)`` (expert by expert; within an expert,
-        tokens in order), ``tokens_per_expert`` [E] int64 the rows each expert receives.
-        Computed on the tensor's device with no host synchronisation besides ``"host"``'s
-        check. ``torch.compile(fullgraph=True)`` traces it at every level (the check's read
-        runs inside an operator).
+        A :class:`Routing`, which unpacks as ``(gather_indices, tokens_per_expert)``:
+        ``gather_indices`` [T * topk] int64 is the stable argsort of
+        ``selected_experts.view(-1)`` (expert by expert; within an expert, tokens in order),
+        ``tokens_per_expert`` [E] int64 the rows each expert receives. It also holds the
+        inverse permutation; passed to ``permute`` and ``unpermute`` in place of
+        ``gather_indices``, it spares them checking it (a sort's indices are a permutation)
+        and inverting it, forward and backward: the same bits, fewer device ops. Computed on
+        the tensor's device with no host synchronisation besides ``"host"``'s check.
+        ``torch.compile(fullgraph=True)`` traces it at every level (the check's read runs
+        inside an operator).
 
     Raises:
         IndexError: with ``check="host"``, an id outside ``[0, E)``, named with its position.
@@ -144,8 +177,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
     level, num_experts = _validation.run_check(_check_route, selected_experts, num_experts,
                                                check)
     if _dispatch.direct_call_ok(selected_experts):
-        return _route(selected_experts, num_experts, level)
-    return route_op(selected_experts, num_experts, level)
+        return Routing(*_route(selected_experts, num_experts, level))
+    return Routing(*route_op(selected_experts, num_experts, level))
 
 
 def _check_route(selected_experts, num_experts, check):
@@ -188,6 +221,12 @@ def _trusted(gather_indices: torch.Tensor, check: str) -> torch.Tensor:
 
 def _token_offsets(num_tokens: int, topk: int, device) -> torch.Tensor:
     return torch.arange(num_tokens + 1, device=device) * topk
+
+
+def _no_chunks(topk: int) -> int:
+    """A sum over each token's topk rows as ``segment_sum`` takes its chunk split: 0 (no
+    segment long enough to split) when topk is at most CHUNK_TERMS, else -1 (count them)."""
+    return 0 if topk <= CHUNK_TERMS else -1
 
 
 def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
@@ -244,39 +283,58 @@ def _check_common(caller, rows_name, rows, gather_indices, mode, n_expected):
     return mode
 
 
+def _unrouted(gather_indices: torch.Tensor | Routing
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(gather_indices, its inverse when a :class:`Routing` brought it, else None)."""
+    if isinstance(gather_indices, Routing):
+        return gather_indices.gather_indices, gather_indices.positions
+    return gather_indices, None
+
+
 # ---- permute ------------------------------------------------------------------------------------
 
 #: permute's level for check=False, the flag's old "no permutation check": the bounds alone,
 #: read back as under "host", a repeated value allowed.
 _BOUNDS_ONLY = "bounds"
+#: The level of a Routing's gather_indices: a sort's indices, a permutation by construction,
+#: given with their inverse: nothing to check, clamp or invert.
+_ROUTED = "routed"
 
 
 @torch.library.custom_op("detsum::moe_permute", mutates_args=())
 def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str,
-               check: str) -> torch.Tensor:
+               check: str, positions: torch.Tensor | None = None) -> torch.Tensor:
     # The index checks that read values back run here, inside the operator: under
     # torch.compile they run with it instead of breaking the graph.
     caller = "detsum.moe.permute"
     if check == _BOUNDS_ONLY:
         _check_bounds(caller, gather_indices)
-    elif check != "off":
+    elif check not in ("off", _ROUTED):
         _check_permutation(caller, gather_indices, check)
     return x.index_select(0, _trusted(gather_indices, check) // topk)
 
 
 @permute_op.register_fake
-def _(x, gather_indices, topk, acc_mode, check):
+def _(x, gather_indices, topk, acc_mode, check, positions=None):
     return x.new_empty((gather_indices.shape[0],) + tuple(x.shape[1:]))
 
 
 def _permute_setup(ctx, inputs, output):
-    x, gather_indices, topk, acc_mode, check = inputs
-    ctx.save_for_backward(gather_indices)
+    x, gather_indices, topk, acc_mode, check, *positions = inputs
+    ctx.save_for_backward(gather_indices, positions[0] if positions else None)
     ctx.num_tokens, ctx.topk, ctx.acc_mode, ctx.check = x.shape[0], topk, acc_mode, check
 
 
 def _permute_backward(ctx, grad):
-    (gather_indices,) = ctx.saved_tensors
+    gather_indices, positions = ctx.saved_tensors
+    if positions is not None:
+        # A routing's inverse: token t's rows sit at positions[t * topk:(t + 1) * topk], and in
+        # increasing order they are the canonical order; each token has exactly topk rows.
+        token_rows = positions.view(-1, ctx.topk).sort(dim=1).values.view(-1)
+        grad_x = call_segment_sum(grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device),
+                                  0, token_rows, ctx.acc_mode, "off", gather_indices // ctx.topk,
+                                  None, _no_chunks(ctx.topk))
+        return grad_x, None, None, None, None, None
     # Each token's rows in increasing permuted position: the order in which autograd's
     # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
     # finds them without assuming a permutation: under check=False or "off" a repeated value is
@@ -287,7 +345,7 @@ def _permute_backward(ctx, grad):
     # Offsets and rows built here, right by construction: nothing to check, nothing read back.
     grad_x = call_segment_sum(grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows,
                               ctx.acc_mode, "off")
-    return grad_x, None, None, None, None
+    return grad_x, None, None, None, None, None
 
 
 call_permute = _transforms.register_autograd(permute_op, _permute_backward,
@@ -295,13 +353,16 @@ call_permute = _transforms.register_autograd(permute_op, _permute_backward,
                                              caller="detsum.moe.permute")
 
 
-def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
+def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, *,
             mode: str | Mode = "fp32", check: str | bool = "host") -> torch.Tensor:
     """Gather token rows into expert order: ``y[p] = x[gather_indices[p] // topk]``.
 
     Args:
         x: ``[T, ...]`` token rows, float32/float16/bfloat16/float64.
-        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
+        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``),
+            or the :class:`Routing` that ``route`` returned: then it is neither checked
+            (``check`` does not apply: it is a permutation by construction) nor inverted,
+            forward or backward.
         topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
             ``"kahan"`` or ``"autograd"``.
@@ -354,9 +415,12 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
                 [2.],
                 [2.]])
     """
+    gather_indices, positions = _unrouted(gather_indices)
     mode, level, topk = _validation.run_check(_check_permute, x, gather_indices, topk, mode,
                                               check)
-    return call_permute(x, gather_indices, topk, mode.value, level)
+    if positions is not None:
+        level = _ROUTED
+    return call_permute(x, gather_indices, topk, mode.value, level, positions)
 
 
 def _check_permute(x, gather_indices, topk, mode, check):
@@ -468,10 +532,12 @@ def _weighted_sum_by_blocks(y: torch.Tensor, positions: torch.Tensor,
 @torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
 def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
                  weights: torch.Tensor | None, reduce: bool, acc_mode: str,
-                 check: str = "host") -> torch.Tensor:
+                 check: str = "host", positions: torch.Tensor | None = None) -> torch.Tensor:
     # Checked inside the operator: under torch.compile the host read of "host" runs with it
     # instead of breaking the graph.
-    if check == "off":
+    if check == _ROUTED:
+        pass  # a routing: a permutation by construction, and its inverse
+    elif check == "off":
         gather_indices = _trusted(gather_indices, check)
         positions = _slot_positions(gather_indices)
     else:
@@ -497,14 +563,16 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
     if weights is not None:
         rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype)
     # The offsets are built here and the positions are checked (or, under "off", in range by
-    # construction): nothing to check again, nothing read back.
+    # construction): nothing to check again, nothing read back. Given each row's token, the
+    # sum takes them as a plan's: nothing clamped either.
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
-                                       positions, acc_mode, "off")
+                                       positions, acc_mode, "off", gather_indices // topk,
+                                       None, _no_chunks(topk))
     return out.to(out_dtype)
 
 
 @unpermute_op.register_fake
-def _(y, gather_indices, topk, weights, reduce, acc_mode, check="host"):
+def _(y, gather_indices, topk, weights, reduce, acc_mode, check="host", positions=None):
     if not reduce:
         return y.new_empty(y.shape)
     return y.new_empty((y.shape[0] // topk,) + tuple(y.shape[1:]),
@@ -512,22 +580,27 @@ def _(y, gather_indices, topk, weights, reduce, acc_mode, check="host"):
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y, gather_indices, topk, weights, reduce, acc_mode, check = inputs
-    ctx.save_for_backward(y, gather_indices, weights)
+    y, gather_indices, topk, weights, reduce, acc_mode, check, *positions = inputs
+    ctx.save_for_backward(y, gather_indices, weights, positions[0] if positions else None)
     ctx.topk, ctx.reduce, ctx.acc_mode, ctx.check = topk, reduce, acc_mode, check
 
 
+_NO_MORE_GRADIENTS = (None,) * 4
+
+
 def _unpermute_backward(ctx, grad):
-    y, gather_indices, weights = ctx.saved_tensors
+    y, gather_indices, weights, positions = ctx.saved_tensors
     # Checked by the forward call, as its level said: nothing checked or read back here.
     gather_indices = _trusted(gather_indices, ctx.check)
+    if positions is None and ctx.reduce and weights is not None:
+        positions = _slot_positions(gather_indices)
     if not ctx.reduce:
-        return grad.index_select(0, gather_indices), None, None, None, None, None, None
+        return grad.index_select(0, gather_indices), None, None, None, *_NO_MORE_GRADIENTS
     # Every permuted row p received its token's gradient row (times its weight). grad has the
     # output's dtype: the promoted one when weights are wider than y.
     tokens = gather_indices // ctx.topk
     if weights is None:
-        return grad.index_select(0, tokens), None, None, None, None, None, None
+        return grad.index_select(0, tokens), None, None, None, *_NO_MORE_GRADIENTS
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
     if _blocked(y.device, ctx.acc_mode):
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
@@ -535,9 +608,9 @@ def _unpermute_backward(ctx, grad):
                      if _dispatch.direct_call_ok(grad, y, tokens, position_weights)
                      else call_weighted_backward_by_blocks)
         grad_y, dots = gradients(grad, y, tokens, position_weights, ctx.acc_mode)
-        grad_weights = dots.index_select(0, _slot_positions(gather_indices))
-        return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None,
-                None, None)
+        grad_weights = dots.index_select(0, positions)
+        return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype),
+                *_NO_MORE_GRADIENTS)
     grad_rows = grad.index_select(0, tokens)
     # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
     # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
@@ -557,9 +630,9 @@ def _unpermute_backward(ctx, grad):
         products = products.reshape(y.shape[0], features)
         dots = call_segment_sum(products, _segments.one_segment(products.shape[1], y.device), 1,
                                 None, ctx.acc_mode, "off").view(-1)
-    grad_weights = dots.index_select(0, _slot_positions(gather_indices))
-    return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype), None, None,
-            None)
+    grad_weights = dots.index_select(0, positions)
+    return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype),
+            *_NO_MORE_GRADIENTS)
 
 
 def _weighted_gradients_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
@@ -625,14 +698,17 @@ call_unpermute = _transforms.register_autograd(unpermute_op, _unpermute_backward
                                                caller="detsum.moe.unpermute")
 
 
-def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
+def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, *,
               weights: torch.Tensor | None = None, reduce: bool = True,
               mode: str | Mode = "fp32", check: str | bool = "host") -> torch.Tensor:
     """Bring expert-ordered rows back to their tokens, and combine each token's ``topk`` rows.
 
     Args:
         y: ``[T * topk, ...]`` rows in expert order (as ``permute`` made them).
-        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``).
+        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``),
+            or the :class:`Routing` that ``route`` returned: then it is neither checked
+            (``check`` does not apply: it is a permutation by construction) nor inverted,
+            forward or backward.
         topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         weights: ``[T, topk]`` routing probabilities (any float dtype, not necessarily ``y``'s),
             or None for plain sums. Only with ``reduce=True``.
@@ -725,9 +801,13 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor, topk: int, *,
         tensor([[13.3333],
                 [30.0000]])
     """
+    gather_indices, positions = _unrouted(gather_indices)
     mode, level, topk = _validation.run_check(_check_unpermute, y, gather_indices, topk,
                                               weights, reduce, mode, check)
-    return call_unpermute(y, gather_indices, topk, weights, reduce, mode.value, level)
+    if positions is not None:
+        level = _ROUTED
+    return call_unpermute(y, gather_indices, topk, weights, reduce, mode.value, level,
+                          positions)
 
 
 def _check_unpermute(y, gather_indices, topk, weights, reduce, mode, check):

@@ -93,7 +93,7 @@ def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,
     if offsets is None:
         return None
     order = order if order is not None and order.numel() else None
-    return order, offsets, (chunk_ends, chunk_slots) if chunk_ends is not None else None
+    return order, offsets, (chunk_ends, chunk_slots) if chunk_slots >= 0 else None
 
 
 def _build(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str

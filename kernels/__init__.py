@@ -77,6 +77,10 @@ AMIN = 4
 REDUCE_CODES = {"sum": SUM, "mean": MEAN, "prod": PROD, "amax": AMAX, "amin": AMIN}
 
 
+#: ``chunks=`` of a launch whose caller knows that no segment is longer than CHUNK_TERMS.
+NO_CHUNKS = (None, 0)
+
+
 def chunk_ends(offsets: torch.Tensor) -> torch.Tensor:
     """For the split rules (WIDE, KAHAN): the inclusive running count of the chunks of the
     segments longer than CHUNK_TERMS (0 chunks for the others), one entry per segment. A

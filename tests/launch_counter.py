@@ -307,10 +307,11 @@ def _with_plan(t, name, mode):
                                  plan=t["plan"])
 
 
-def _moe_layer(t, mode, check):
+def _moe_layer(t, mode, check, routed=False):
     """route, permute and the weighted unpermute (no expert between: its work is not
-    detsum's)."""
-    gather_indices, _ = moe.route(t["selected"], _EXPERTS, check=check)
+    detsum's); ``routed``: the two take route's Routing itself, not its gather_indices."""
+    routing = moe.route(t["selected"], _EXPERTS, check=check)
+    gather_indices = routing if routed else routing[0]
     rows = moe.permute(t["x"], gather_indices, _TOPK, mode=mode, check=check)
     return moe.unpermute(rows, gather_indices, _TOPK, weights=t["weights"], mode=mode,
                          check=check)
@@ -344,6 +345,10 @@ def _rows() -> dict[str, Row]:
         for check in CHECKS:
             rows[f"{name} fp32 {check} +backward"] = Row(
                 functools.partial(call, mode="fp32", check=check), check, backward=True)
+    for check in CHECKS:
+        rows[f"moe layer fp32 {check} routed +backward"] = Row(
+            functools.partial(_moe_layer, mode="fp32", check=check, routed=True), check,
+            backward=True)
     for name in ("segment_sum", "index_add", "scatter_reduce"):
         for mode in ("fp32", "kahan", "autograd", "exact"):
             rows[f"{name} {mode} plan"] = Row(

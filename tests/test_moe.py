@@ -93,6 +93,77 @@ def test_counts_that_are_no_positive_int_are_refused(count):
         assert str(raised.value).endswith(f"{name}={count!r}; expected a positive int"), name
 
 
+# ---- the Routing -----------------------------------------------------------------------------
+
+def test_route_returns_a_routing_that_unpacks_as_before():
+    routing = moe.route(torch.tensor([[2, 0], [0, 2], [1, 0]]), 4)
+    gather_indices, counts = routing
+    assert isinstance(routing, moe.Routing) and isinstance(routing, tuple) and len(routing) == 2
+    assert routing.gather_indices is gather_indices and routing.tokens_per_expert is counts
+    assert routing.positions.tolist() == [4, 0, 1, 5, 3, 2]  # gather_indices [1, 2, 5, 4, 0, 3]
+    assert repr(routing) == repr((gather_indices, counts))
+
+
+@pytest.mark.parametrize("mode", detsum.MODES)
+@pytest.mark.parametrize(("dtype", "weights_dtype"),
+                         [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                          (torch.float16, torch.float16)], ids=dtype_id)
+@pytest.mark.parametrize("backend", ["numba", "reference", "triton"])
+def test_the_routing_gives_the_bits_of_its_gather_indices(backend, dtype, weights_dtype, mode):
+    """permute and unpermute (weighted, unweighted, reduce=False) given route's Routing: the
+    bits of the same calls given its gather_indices, forward and every gradient, at every
+    level of the gather_indices' check (the Routing needs none)."""
+    if backend == "triton" and mode == "exact" and dtype == torch.float16:
+        pytest.skip("exact fp16 on the interpreter: tests/test_exact_triton.py covers it")
+    selected, _, _, x, _, weights, _, grad_out = setup(dtype, 4, weights_dtype=weights_dtype)
+    with detsum.backend(backend):
+        routing = moe.route(selected, E)
+        results = []
+        for given, check in ((routing[0], "host"), (routing, "off")):
+            x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
+            y = moe.permute(x_leaf, given, 4, mode=mode, check=check)
+            out = moe.unpermute(y * 3, given, 4, weights=w_leaf, mode=mode, check=check)
+            plain = moe.unpermute(y, given, 4, mode=mode, check=check)
+            back = moe.unpermute(y, given, 4, reduce=False, mode=mode, check=check)
+            loss = (out.float() * grad_out.float()).sum() + plain.float().sum() + \
+                back.float().square().sum()
+            results.append((y, out, plain, back, *torch.autograd.grad(loss, (x_leaf, w_leaf))))
+    for got, expected in zip(results[1], results[0]):
+        assert_same_bits(got, expected)
+
+
+def test_a_routing_of_unchecked_ids_is_still_a_permutation():
+    """Under check="off" an id out of range is counted by no expert, but the Routing is a
+    sort's indices all the same: permute and unpermute take it as a permutation."""
+    selected = torch.tensor([[0, 7], [-1, 1], [1, 0]])
+    routing = moe.route(selected, 2, check="off")
+    assert sorted(routing.gather_indices.tolist()) == list(range(6))
+    x = torch.randn(3, 5)
+    y = moe.permute(x, routing, 2)
+    assert_same_bits(moe.unpermute(y, routing, 2, reduce=False),
+                     x.repeat_interleave(2, dim=0))
+
+
+def test_a_routing_compiles_in_one_graph():
+    selected, _, _, x, _, weights, _, grad_out = setup(torch.bfloat16, 2)
+
+    def layer(selected, x, w):
+        routing = moe.route(selected, E)
+        y = moe.permute(x, routing, 2)
+        return moe.unpermute(y * 2, routing, 2, weights=w)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for fn in (compiled, layer):
+        x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = fn(selected, x_leaf, w_leaf)
+        out.backward(grad_out)
+        if fn is compiled:
+            expected = (out, x_leaf.grad, w_leaf.grad)
+    for got, want in zip((out, x_leaf.grad, w_leaf.grad), expected):
+        assert_same_bits(got, want)
+
+
 # ---- permute ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("topk", [1, 4, 8])

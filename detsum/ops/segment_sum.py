@@ -66,8 +66,10 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
                  chunk_slots=-1):
     """The operator's body (also called directly, see ``_dispatch``). ``rows``: the output
     row of each source row, given with the positions of a ``detsum.Plan`` (checked when it was
-    made, and inside every tensor whatever its level) and its chunk split: nothing to check
-    here."""
+    made, and inside every tensor whatever its level): nothing to check here. ``chunk_ends``
+    and ``chunk_slots``: the chunk split of the segments (``kernels.chunk_ends`` and the number
+    of chunks), or ``chunk_slots=0`` alone when no segment is longer than
+    ``kernels.CHUNK_TERMS``; -1: the launch counts them."""
     num_rows = src.shape[dim]
     backend_name = current_backend(src.device.type, _CALLER)
     check = _segments.check_that_runs(check, src.device.type, backend_name)
@@ -85,7 +87,7 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
                      reduce="sum",
                      rule=rule_for(Mode(acc_mode), "sum", src.device.type, src3.shape[2]),
                      alpha=1.0, include_base=False,
-                     chunks=None if chunk_ends is None else (chunk_ends, chunk_slots))
+                     chunks=None if chunk_slots < 0 else (chunk_ends, chunk_slots))
     return out3.view(_out_shape(src, dim, offsets))
 
 

@@ -973,7 +973,9 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         )
         return
 
-    split = rule in SPLIT_RULES
+    # With no chunk at all (the caller knows: a plan, or segments of a known short length), a
+    # split rule reduces each segment serially from its init, as the unsplit launch does.
+    split = rule in SPLIT_RULES and not (chunks is not None and chunks[1] == 0)
     ncomp = 2 if rule == KAHAN else 1
     if split:
         # Chunks of the segments longer than CHUNK_TERMS: counted on the device, or by the

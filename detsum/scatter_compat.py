@@ -63,7 +63,8 @@ import numbers
 
 import torch
 
-from detsum import _transforms, _validation
+from detsum import _segments, _transforms, _validation
+from detsum.backend import current_backend
 from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_mode
 from detsum.ops.index_add import index_add, index_add_
 from detsum.ops.scatter_reduce import scatter_reduce
@@ -199,14 +200,34 @@ def _rows_index(index_b: torch.Tensor, dim: int) -> torch.Tensor | None:
     return rows
 
 
-def _check_index_values(caller: str, index: torch.Tensor, size: int, what: str) -> None:
-    """Every index value in ``[0, size)``: one host read (skipped while torch.compile traces;
-    the primitives check again inside their operators)."""
+def _check_index_values(caller: str, index: torch.Tensor, size: int | None, what: str) -> int:
+    """Check every index value to lie in ``[0, size)``, ``size`` being the output's size along
+    the dim, or ``index.max() + 1`` when None; return that size. One host read of the smallest
+    and largest value, or none on a GPU when the size is given: there the check runs on the
+    device (a bad value fails at the next synchronisation). Skipped while torch.compile
+    traces: the primitives then check inside their operators (``_INNER_CHECK``)."""
     if torch.compiler.is_compiling() or index.numel() == 0:
-        return
-    low, high = (int(v) for v in torch.aminmax(index))
+        return _output_size(index, size)
+    on_gpu = _segments.check_that_runs("device", index.device.type,
+                                       current_backend(index.device.type, caller)) != "host"
+    if size is not None and on_gpu:
+        _validation.assert_on_device(((index >= 0) & (index < size)).all(), caller,
+                                     f"index has a value outside [0, {what} = {size})")
+        return size
+    low, high = torch.stack(list(torch.aminmax(index))).tolist()
+    if size is None:
+        size = high + 1
     if low < 0 or high >= size:
         _validation.raise_first_out_of_range(caller, "index", index, size, what)
+    return size
+
+
+def _inner_check() -> str:
+    """The check level of the primitives that scatter's functions call on an index that they
+    checked themselves (``_check_index_values``): none more, except while torch.compile traces,
+    where that check is skipped and the primitives' own runs inside their operators. (On CPU
+    tensors the primitives check at every level, for free.)"""
+    return "host" if torch.compiler.is_compiling() else "off"
 
 
 def _size_name(out: torch.Tensor | None, dim_size: int | None, dim: int) -> str:
@@ -238,7 +259,8 @@ def _reduce_into(src: torch.Tensor, index_b: torch.Tensor, dim: int, base: torch
     if src.is_floating_point():
         primitive = {"sum": "sum", "mean": "mean", "mul": "prod", "min": "amin", "max": "amax"}
         return scatter_reduce(base, dim, index_b if rows is None else rows, src,
-                              primitive[reduce], include_self=base_counts, mode=mode)
+                              primitive[reduce], include_self=base_counts, mode=mode,
+                              check=_inner_check())
     index64 = index_b.to(torch.int64)
     if reduce == "sum":
         return (base if base_counts else torch.zeros_like(base)).scatter_add(dim, index64, src)
@@ -304,7 +326,7 @@ def _first_positions(src: torch.Tensor, index_b: torch.Tensor, dim: int, result:
         none_yet = torch.full(result.shape, float(positions_total), dtype=exact_type,
                               device=src.device)
         first = scatter_reduce(none_yet, dim, index_b if rows is None else rows, candidates,
-                               "amin")
+                               "amin", check=_inner_check())
         arg = first.to(torch.int64)
         if base_kept is not None:
             arg = arg.masked_fill(base_kept, positions_total)
@@ -421,9 +443,9 @@ def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
         return d, r, m, index_b
 
     d, r, m, index_b = _validation.run_check(check)
-    size = out.shape[d] if out is not None else _output_size(index, dim_size)
-    _check_index_values(caller, index, size,
-                        size_name if size_name is not None else _size_name(out, dim_size, d))
+    size = _check_index_values(
+        caller, index, out.shape[d] if out is not None else dim_size,
+        size_name if size_name is not None else _size_name(out, dim_size, d))
     src, separate_index = _apart_from(out, src), _apart_from(out, index)
     if separate_index is not index:
         index_b = _broadcast_index(caller, separate_index, src, d)
@@ -446,7 +468,7 @@ def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
         # an in-place operator on the caller's own out.
         rows = _rows_index(index_b, d)
         if rows is not None:
-            return index_add_(out, d, rows, src, mode=m), None
+            return index_add_(out, d, rows, src, mode=m, check=_inner_check()), None
     if out is not None:
         return _finish(out, _reduce_into(src, index_b, d, out, r, True, m)), None
     base = _sized_like(src, d, size, 1 if r == "mul" else 0)
@@ -838,8 +860,10 @@ class _Gather(torch.autograd.Function):
         (index_b,) = ctx.saved_tensors
         rows = _rows_index(index_b, ctx.dim)
         zeros = _sized_like(grad, ctx.dim, ctx.rows, 0)
+        # The index was checked by the forward call: not again.
         return (scatter_reduce(zeros, ctx.dim, index_b if rows is None else rows, grad, "sum",
-                               include_self=False, mode=ctx.mode), None, None, None)
+                               include_self=False, mode=ctx.mode, check=_inner_check()),
+                None, None, None)
 
 
 def _gather(caller: str, src: torch.Tensor, index_b: torch.Tensor, dim: int, mode: Mode
@@ -972,7 +996,9 @@ class _IndexSelect(torch.autograd.Function):
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
         zeros = grad.new_zeros(ctx.shape)
-        return index_add(zeros, ctx.dim, index, grad, mode=ctx.mode), None, None, None
+        # The index was checked by the forward call: not again.
+        return (index_add(zeros, ctx.dim, index, grad, mode=ctx.mode, check=_inner_check()),
+                None, None, None)
 
 
 def index_select(src: torch.Tensor, dim: int, index: torch.Tensor, *,
@@ -1101,11 +1127,11 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     if out is not None:
         dim_size, size_name = out.shape[d], f"out.size({d})"
     elif dim_size is None:
-        dim_size, size_name = _output_size(index, None), "index.max() + 1"
+        size_name = "index.max() + 1"
     else:
         _validation.run_check(_check_dim_size, caller, dim_size)
         size_name = "dim_size"
-    _check_index_values(caller, index, dim_size, size_name)
+    dim_size = _check_index_values(caller, index, dim_size, size_name)
     # The maximum from -inf, kept out of place: under vmap the start is one tensor and the
     # maxima a batch, which no in-place write could hold.
     top = _sized_like(src, d, dim_size, float("-inf"))

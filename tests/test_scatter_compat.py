@@ -9,12 +9,16 @@ IEEE special values, compile, and errors that leave every tensor untouched.
 
 from __future__ import annotations
 
+import contextlib
+import unittest.mock
+
 import pytest
 import torch
 from torch.autograd import gradcheck
 
 import detsum
-from conftest import DTYPES, assert_same_bits, dtype_id, make_data
+from conftest import DTYPES, assert_same_bits, dtype_id, host_reads, make_data
+from detsum import _segments
 from torch_scatter_tables import GATHER_TABLES, SCATTER_TABLES, SEGMENT_TABLES
 
 TABLE_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
@@ -861,3 +865,41 @@ def test_exact_mean_over_the_term_limit_is_refused_before_any_work(monkeypatch):
                                                        reduce="mean", mode="exact"))):
         with pytest.raises(ValueError, match=rf"^detsum.{name}: {expected}"):
             call()
+
+
+# ---- host reads on a GPU's path ------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _gpu_path():
+    """CPU tensors on a GPU's path: the triton backend, values checked as on a GPU."""
+    with detsum.backend("triton"), unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU",
+                                                              True):
+        yield
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "min", "max"])
+def test_on_a_gpu_an_index_is_read_back_once_or_not_at_all(reduce):
+    """torch_scatter's API reads its index back once, for its size and its check together,
+    and not at all when the size is given (then it checks on the device): the bits of the CPU's
+    path either way, and a bad value refused in the caller's words."""
+    g = torch.Generator().manual_seed(31)
+    src = torch.randn(40, 3, generator=g)
+    index = torch.randint(0, 6, (40,), generator=g)
+    expected = detsum.scatter(src, index, 0, reduce=reduce)
+    expected_sized = detsum.scatter(src, index, 0, dim_size=8, reduce=reduce)
+    with _gpu_path():
+        for dim_size, want, reads_allowed in ((None, expected, 1), (8, expected_sized, 0)):
+            reads = []
+            with host_reads(lambda name, where: reads.append(where)):
+                got = detsum.scatter(src, index, 0, dim_size=dim_size, reduce=reduce)
+            assert len(reads) <= reads_allowed, reads
+            assert_same_bits(got, want)
+        bad = index.clone()
+        bad[5] = -1
+        with pytest.raises(IndexError, match=r"detsum.scatter: index\[5\] = -1 is out of "
+                                             r"range"):
+            detsum.scatter(src, bad, 0, reduce=reduce)
+        # On a GPU, at the next synchronisation; on the CPU, at once.
+        with pytest.raises(RuntimeError, match=r"detsum.scatter: index has a value outside "
+                                               r"\[0, dim_size = 8\)"):
+            detsum.scatter(src, bad, 0, dim_size=8, reduce=reduce)

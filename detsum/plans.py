@@ -63,10 +63,6 @@ class Plan:
     #: reads it back with its check; else an upper bound from the index's length.
     chunk_slots: int
 
-    def chunks(self) -> tuple[torch.Tensor, int]:
-        """The chunk split as the kernels' launchers take it (``chunks=``)."""
-        return self.chunk_ends, self.chunk_slots
-
     def __repr__(self) -> str:
         return (f"detsum.Plan(num_rows={self.num_rows}, length={self.index.shape[0]}, "
                 f"sorted={self.sorted}, check={self.check!r}, device={self.index.device})")
@@ -86,10 +82,9 @@ def operator_arguments(plan: Plan | None, check: str) -> tuple:
 
 
 def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,
-            chunk_ends: torch.Tensor | None = None, chunk_slots: int = -1) -> Planned | None:
-    """An operator's plan arguments as its body takes them: None without a plan. (An
-    operator cannot take None inside a list, so a sorted plan's order may come as an empty
-    tensor.)"""
+           chunk_ends: torch.Tensor | None = None, chunk_slots: int = -1) -> Planned | None:
+    """An operator's plan arguments as its body takes them: None without a plan. A sorted
+    plan's order may come as an empty tensor (the plan operator returns tensors only)."""
     if offsets is None:
         return None
     order = order if order is not None and order.numel() else None

@@ -757,9 +757,8 @@ def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
     started = time.perf_counter()
     watch = MachineWatch(device)
     if watch.busy_now():
-        say(f"the machine is busy: other processes keep about "
-            f"{watch.before['others_load']:.1f} of its {watch.cores} cores busy (1-minute load "
-            f"average); if that lasts, the times will be printed but not ranked")
+        say(f"the machine is busy (other processes: load about {watch.before['others_load']:.1f} "
+            f"on {watch.cores} cores); if that lasts, times will be shown but not ranked")
     warmup = warm_up(sizes, device, progress=progress)
     watch.sample("after the warm-up")
     rows = []

@@ -26,7 +26,7 @@ mode and every float dtype, one row:
 
 A row's spread cannot see a machine that is busy through all of its runs. So the report also
 watches the machine (``MachineWatch``): the 1-minute load average less this process's own
-share, against the cores it may use, and a fixed calibration call timed after the warm-up,
+share, against the machine's cores, and a fixed calibration call timed after the warm-up,
 after every primitive and dtype, and at the end. When other processes kept more than
 ``BUSY_LOAD_PER_CORE`` of the cores busy, or the calibration call's time moved by more than
 ``CALIBRATION_DRIFT`` during the run, the run is **disturbed** (``disturbance``): the table and
@@ -244,8 +244,8 @@ def timed_comparison(detsum_call: Callable[[], object], torch_call: Callable[[],
 
 # ---- a disturbed run ----------------------------------------------------------------------------
 
-# Other processes' part of the 1-minute load average, per usable core, above which the machine
-# is called busy: detsum's kernels and torch's ops both run on every core.
+# Other processes' part of the 1-minute load average, per core, above which the machine is
+# called busy: detsum's kernels and torch's ops both run on every core.
 BUSY_LOAD_PER_CORE = 0.5
 # The calibration call's slowest median over its fastest above which the machine's speed
 # changed during the run.
@@ -258,10 +258,9 @@ CALIBRATION = f"a {CALIBRATION_SIZE} x {CALIBRATION_SIZE} float32 matrix product
 _LOAD_MEMORY_S = 60.0
 
 
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
+def machine_cores() -> int:
+    """The machine's cores: what its load average counts against (in a container, the load
+    average and this count are both the host's)."""
     return os.cpu_count() or 1
 
 
@@ -323,7 +322,7 @@ class MachineWatch:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.cores = usable_cores()
+        self.cores = machine_cores()
         gen = torch.Generator().manual_seed(0)
         self._matrix = torch.randn(CALIBRATION_SIZE, CALIBRATION_SIZE, generator=gen).to(device)
         self._cpu_use: list[tuple[float, float, float]] = []
@@ -692,11 +691,9 @@ def warm_up(sizes: Sizes, device: torch.device, *,
                                       seed=10 * d_i + p_i, with_exact=False)
                  for p_i, primitive in enumerate(PRIMITIVES)}
 
-        def announce(dtype_name=dtype_name):
-            say(f"compiling the Numba kernels for {dtype_name}: not in the disk cache yet "
-                f"(later runs load them from there) ...")
-
-        with _announced_compilations(device, announce) as compilations:
+        announcement = (f"compiling the Numba kernels for {dtype_name}: not in the disk cache "
+                        f"yet (later runs load them from there) ...")
+        with _announced_compilations(device, lambda: say(announcement)) as compilations:
             start = time.perf_counter()
             for primitive, case in cases.items():
                 for mode in detsum.MODES:
@@ -1130,7 +1127,7 @@ def format_table(report: dict, *, wide: bool = False) -> str:
     calibrations = [s["calibration_ms"] for s in machine.get("samples", [])
                     if s.get("calibration_ms") is not None]
     if calibrations:
-        lines += _wrap(f"machine: {machine['cores']} usable cores; the calibration call "
+        lines += _wrap(f"machine: {machine['cores']} cores; the calibration call "
                        f"({CALIBRATION}) took {min(calibrations):.2f} to "
                        f"{max(calibrations):.2f} ms over the run"
                        + ("; busy, times not ranked" if disturbed else "; quiet"))

@@ -250,10 +250,15 @@ BUSY_LOAD_PER_CORE = 0.5
 # The calibration call's slowest median over its fastest above which the machine's speed
 # changed during the run.
 CALIBRATION_DRIFT = 1.5
-# About a millisecond on two CPU cores: long enough that a thread's wake-up is lost in it, short
-# enough to repeat after every primitive and dtype.
-CALIBRATION_SIZE = 512
-CALIBRATION = f"a {CALIBRATION_SIZE} x {CALIBRATION_SIZE} float32 matrix product"
+# The calibration call is a square float32 matrix product of this size per device type: about
+# a millisecond on two CPU cores or on an H100, long enough that a thread's wake-up or a
+# kernel launch is lost in it, short enough to repeat after every primitive and dtype.
+CALIBRATION_SIZE = {"cpu": 512, "cuda": 4096}
+
+
+def calibration_name(device: torch.device | str) -> str:
+    n = CALIBRATION_SIZE.get(torch.device(device).type, CALIBRATION_SIZE["cpu"])
+    return f"a {n} x {n} float32 matrix product"
 # The kernel's 1-minute load average forgets as e^(-t / 60 s).
 _LOAD_MEMORY_S = 60.0
 
@@ -292,11 +297,12 @@ def own_load(cpu_use: Sequence[tuple[float, float, float]], now: float) -> float
 
 
 def disturbance(cores: int, others_load: Sequence[float | None],
-                calibration_ms: Sequence[float]) -> list[str]:
+                calibration_ms: Sequence[float], calibration: str = "") -> list[str]:
     """Why the run's times cannot be ranked, in the user's words; empty for a quiet run.
 
     ``others_load``: other processes' part of the 1-minute load average at each sample (None
-    where unknown); ``calibration_ms``: the calibration call's median time at each sample.
+    where unknown); ``calibration_ms``: the calibration call's median time at each sample;
+    ``calibration``: what that call is, for the message (``calibration_name``).
     """
     reasons = []
     known = [x for x in others_load if x is not None]
@@ -306,7 +312,8 @@ def disturbance(cores: int, others_load: Sequence[float | None],
     if len(calibration_ms) >= 2:
         fastest, slowest = min(calibration_ms), max(calibration_ms)
         if slowest > CALIBRATION_DRIFT * fastest:
-            reasons.append(f"a fixed calibration call ({CALIBRATION}) took {fastest:.2f} to "
+            what = f" ({calibration})" if calibration else ""
+            reasons.append(f"a fixed calibration call{what} took {fastest:.2f} to "
                            f"{slowest:.2f} ms during the run, {slowest / fastest:.1f}x apart")
     return reasons
 
@@ -324,7 +331,8 @@ class MachineWatch:
         self.device = device
         self.cores = machine_cores()
         gen = torch.Generator().manual_seed(0)
-        self._matrix = torch.randn(CALIBRATION_SIZE, CALIBRATION_SIZE, generator=gen).to(device)
+        n = CALIBRATION_SIZE.get(device.type, CALIBRATION_SIZE["cpu"])
+        self._matrix = torch.randn(n, n, generator=gen).to(device)
         self._cpu_use: list[tuple[float, float, float]] = []
         now, cpu = time.perf_counter(), time.process_time()
         # Before the first sample, this process imported its modules: about one busy thread
@@ -363,8 +371,10 @@ class MachineWatch:
             "cores": self.cores,
             "before": self.before,
             "samples": self.samples,
+            "calibration": calibration_name(self.device),
             "disturbed": disturbance(self.cores, [s["others_load"] for s in self.samples],
-                                     [s["calibration_ms"] for s in self.samples]),
+                                     [s["calibration_ms"] for s in self.samples],
+                                     calibration_name(self.device)),
         }
 
 
@@ -1128,9 +1138,9 @@ def format_table(report: dict, *, wide: bool = False) -> str:
                     if s.get("calibration_ms") is not None]
     if calibrations:
         lines += _wrap(f"machine: {machine['cores']} cores; the calibration call "
-                       f"({CALIBRATION}) took {min(calibrations):.2f} to "
-                       f"{max(calibrations):.2f} ms over the run"
-                       + ("; busy, times not ranked" if disturbed else "; quiet"))
+                       f"({machine.get('calibration', 'a matrix product')}) took "
+                       f"{min(calibrations):.2f} to {max(calibrations):.2f} ms over the run; "
+                       + ("busy, times not ranked" if disturbed else "quiet"))
     lines.append(f"total {report['elapsed_s']:.1f} s")
     lines += ["", "verdict per mode, from the rows above:"]
     for mode in detsum.MODES:

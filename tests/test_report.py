@@ -267,8 +267,10 @@ def test_disturbance_from_made_up_loads_and_calibrations():
     assert report.disturbance(2, [1.0], [1.0]) == []  # the edge: half the cores is quiet
     (busy,) = report.disturbance(2, [0.2, 1.3], [1.4, 1.5])
     assert "about 1.3 of the 2 cores busy" in busy
-    (drift,) = report.disturbance(16, [None, None], [1.4, 2.2, 1.5])
-    assert "took 1.40 to 2.20 ms during the run, 1.6x apart" in drift
+    (drift,) = report.disturbance(16, [None, None], [1.4, 2.2, 1.5],
+                                  report.calibration_name("cpu"))
+    assert drift == ("a fixed calibration call (a 512 x 512 float32 matrix product) took 1.40 "
+                     "to 2.20 ms during the run, 1.6x apart")
     assert len(report.disturbance(2, [1.9], [0.17, 18.5])) == 2
     # Unknown load (no load average) and a single calibration decide nothing.
     assert report.disturbance(2, [None], [5.0]) == []

@@ -307,8 +307,8 @@ def disturbance(cores: int, others_load: Sequence[float | None],
     reasons = []
     known = [x for x in others_load if x is not None]
     if known and max(known) > BUSY_LOAD_PER_CORE * cores:
-        reasons.append(f"other processes kept about {max(known):.1f} of the {cores} cores busy "
-                       f"(1-minute load average, this run's own share taken out)")
+        reasons.append(f"other processes kept the machine busy: a 1-minute load average of "
+                       f"about {max(known):.1f} besides this run's own, on {cores} cores")
     if len(calibration_ms) >= 2:
         fastest, slowest = min(calibration_ms), max(calibration_ms)
         if slowest > CALIBRATION_DRIFT * fastest:

@@ -266,7 +266,8 @@ def test_disturbance_from_made_up_loads_and_calibrations():
     assert report.disturbance(2, [0.1, 0.4, None], [1.40, 1.45, 1.52]) == []
     assert report.disturbance(2, [1.0], [1.0]) == []  # the edge: half the cores is quiet
     (busy,) = report.disturbance(2, [0.2, 1.3], [1.4, 1.5])
-    assert "about 1.3 of the 2 cores busy" in busy
+    assert busy == ("other processes kept the machine busy: a 1-minute load average of about "
+                    "1.3 besides this run's own, on 2 cores")
     (drift,) = report.disturbance(16, [None, None], [1.4, 2.2, 1.5],
                                   report.calibration_name("cpu"))
     assert drift == ("a fixed calibration call (a 512 x 512 float32 matrix product) took 1.40 "
@@ -414,8 +415,8 @@ def test_table_fits_120_columns_even_with_extreme_values():
 
 
 def test_disturbed_run_ranks_no_times():
-    reasons = ["other processes kept about 1.9 of the 2 cores busy (1-minute load average, "
-               "this run's own share taken out)"]
+    reasons = ["other processes kept the machine busy: a 1-minute load average of about 1.9 "
+               "besides this run's own, on 2 cores"]
     text = report.format_table(_made_up_report(disturbed=reasons))
     table = _table_lines(text)
     rows = [line for line in table[2:] if line and not line.endswith(":")]  # not block titles
@@ -424,7 +425,7 @@ def test_disturbed_run_ranks_no_times():
     assert "0.50" not in "\n".join(rows)
     under = text.split("\n".join(table), 1)[1]
     assert under.lstrip("\n").startswith("ratio ?: the machine was busy during the run, so no "
-                                          "time is ranked: other processes kept about 1.9")
+                                          "time is ranked: other processes kept the machine busy")
     verdicts = _verdict_lines(text)
     assert all("times not ranked: the machine was busy" in v for v in verdicts), verdicts
     assert not any("the torch op's time" in v for v in verdicts), verdicts

@@ -1,4 +1,4 @@
-"""Command line: ``python -m detsum report [--quick] [--json PATH] [--plot PATH]`` and
+"""Command line: ``python -m detsum report [--quick] [--wide] [--json PATH] [--plot PATH]`` and
 ``python -m detsum figures [--quick] [--out DIR] [--json PATH]``."""
 
 from __future__ import annotations

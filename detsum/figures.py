@@ -11,7 +11,8 @@ Two PNG files, drawn with matplotlib:
   segment of positive terms stops growing once half the sum's ulp exceeds the terms.
 - ``speed.png``: achieved GB/s of every benchmark case in committed pytest-benchmark JSON
   (``benches/results``), detsum's modes next to the torch ops, with the machine's copy
-  bandwidth (``torch-copy_``, same device and dtype) as the line to compare against.
+  bandwidth (``torch-copy_``, same device and dtype) as the line to compare against; one
+  panel per machine, titled with its name.
 
 matplotlib is imported only inside the ``plot_*`` functions: the data functions, and importing
 this module (the test suite collects every module for doctests), work without it.
@@ -325,18 +326,21 @@ def speed_data(json_paths: Sequence[str | Path] | None = None) -> dict:
             ``default_result_paths()``.
 
     Returns:
-        A JSON-serialisable dict: ``sources`` (the files read) and ``devices``, keyed by device
-        type (``"cpu"``, ``"cuda"``), each with ``machine`` and ``cases``: a list of
-        ``{"primitive", "case", "dtype", "copy_gbps", "copy_source", "bars"}``, where ``bars``
-        lists ``{"impl", "label", "gbps", "source"}``, detsum's modes first. ``copy_gbps`` is
-        the ``torch-copy_`` case's GB/s for the same device and dtype from the same file, else
-        from another of the files (the last one read), else None. Benchmarks without ``gbps``
-        are skipped; a case and implementation seen in several files keeps the last file's.
+        A JSON-serialisable dict: ``sources`` (the files read) and ``devices``: one panel per
+        machine, keyed by ``"<device type>: <machine>"`` (``"cpu: AMD EPYC"``; the device type
+        alone where a file names no machine), each with ``device``, ``machine`` and ``cases``:
+        a list of ``{"primitive", "case", "dtype", "copy_gbps", "copy_source", "bars"}``, where
+        ``bars`` lists ``{"impl", "label", "gbps", "source"}``, detsum's modes first. A panel
+        holds the measurements of one machine only, so every bar is labelled with the machine
+        it ran on. ``copy_gbps`` is the ``torch-copy_`` case's GB/s for the same device and
+        dtype from the same file, else from another file of the same machine (the last one
+        read), else None. Benchmarks without ``gbps`` are skipped; a case and implementation
+        seen in several files of one machine keeps the last file's.
     """
     paths = [str(p) for p in (default_result_paths() if json_paths is None else json_paths)]
     copies: dict[tuple[str, str, str], float] = {}
-    bars: dict[tuple, dict] = {}  # (device, primitive, case, dtype) -> impl -> bar
-    machines: dict[str, list[str]] = {}
+    bars: dict[tuple, dict] = {}  # (device, machine, primitive, case, dtype) -> impl -> bar
+    machine_of: dict[tuple[str, str], str] = {}  # (file, device) -> machine
     for path in paths:
         with open(path) as f:
             results = json.load(f)
@@ -349,27 +353,27 @@ def speed_data(json_paths: Sequence[str | Path] | None = None) -> dict:
                 continue
             device = str(info.get("device", "?")).split(":")[0]
             dtype = info.get("dtype", "?")
-            machine = {"cpu": cpu_name, "cuda": gpu_name}.get(device)
-            if machine and machine not in machines.setdefault(device, []):
-                machines[device].append(machine)
+            machine = {"cpu": cpu_name, "cuda": gpu_name}.get(device) or ""
+            machine_of[(path, device)] = machine
             impl = info.get("impl", bench.get("name", "?"))
             if impl == "torch-copy_":
                 copies[(path, device, dtype)] = gbps
                 continue
             primitive = info.get("primitive", bench.get("group") or "?")
-            key = (device, primitive, info.get("case", ""), dtype)
+            key = (device, machine, primitive, info.get("case", ""), dtype)
             bars.setdefault(key, {})[impl] = {
                 "impl": impl, "label": impl_label(impl, primitive), "gbps": gbps,
                 "source": path}
 
     devices: dict[str, dict] = {}
-    for (device, primitive, case, dtype), by_impl in bars.items():
+    for (device, machine, primitive, case, dtype), by_impl in bars.items():
         sources = [b["source"] for b in by_impl.values()]
         copy_source = next((s for s in reversed(sources) if (s, device, dtype) in copies), None)
         if copy_source is None:
-            copy_source = next((p for p in reversed(paths) if (p, device, dtype) in copies), None)
-        entry = devices.setdefault(device, {"machine": "; ".join(machines.get(device, [])),
-                                            "cases": []})
+            copy_source = next((p for p in reversed(paths) if (p, device, dtype) in copies
+                                and machine_of.get((p, device)) == machine), None)
+        panel = f"{device}: {machine}" if machine else device
+        entry = devices.setdefault(panel, {"device": device, "machine": machine, "cases": []})
         entry["cases"].append({
             "primitive": primitive, "case": case, "dtype": dtype,
             "copy_gbps": copies.get((copy_source, device, dtype)),
@@ -399,7 +403,7 @@ def _impl_color(impl: str, assigned: dict[str, str]) -> str:
 
 
 def plot_speed(data: dict, path: str | Path) -> None:
-    """Draw ``speed_data``'s result to the PNG file ``path``: one panel per device, a group of
+    """Draw ``speed_data``'s result to the PNG file ``path``: one panel per machine, a group of
     bars (GB/s, log scale) per benchmark case and dtype, and the copy bandwidth of the same
     device and dtype as a line over each group: dashed when the copy ran in the same file as
     the group's bars, dotted when it comes from another file."""
@@ -417,7 +421,7 @@ def plot_speed(data: dict, path: str | Path) -> None:
     colors: dict[str, str] = {}
     handles: dict[str, object] = {}
     copy_handles: dict[str, object] = {}
-    for ax, (device, entry) in zip(axes[:, 0], devices.items()):
+    for ax, (panel, entry) in zip(axes[:, 0], devices.items()):
         cases = entry["cases"]
         for x, case in enumerate(cases):
             n = len(case["bars"])
@@ -429,7 +433,7 @@ def plot_speed(data: dict, path: str | Path) -> None:
                 # A copy timed in another file (another run) is a weaker yardstick: dotted.
                 same_run = all(b["source"] == case["copy_source"] for b in case["bars"])
                 label = ("torch copy_, same run" if same_run
-                         else "torch copy_, another run on this device")
+                         else "torch copy_, another run on this machine")
                 copy_handles[label] = ax.hlines(
                     case["copy_gbps"], x - 0.46, x + 0.46, colors="black",
                     linestyles="--" if same_run else ":", linewidth=1.2)
@@ -443,8 +447,7 @@ def plot_speed(data: dict, path: str | Path) -> None:
         ax.set_xlim(-0.6, len(cases) - 0.4)
         ax.set_ylabel("GB/s (fewest bytes / median time)")
         ax.grid(True, axis="y", which="both", linewidth=0.4, alpha=0.5)
-        ax.set_title(f"{device}: {entry['machine']}" if entry["machine"] else device,
-                     fontsize=11)
+        ax.set_title(panel, fontsize=11)
         ax.set_xlabel(_shapes_note(cases), fontsize=8)
     labels = list(handles)
     legend_handles = [handles[k] for k in labels]

@@ -19,19 +19,35 @@ mode and every float dtype, one row:
 - **time**: median wall time of detsum and of the torch op, their calls taking turns
   (``interleaved_runs``); ratio = detsum / torch. Each side's **spread** is the interquartile
   range of its runs over their median, the ratio's is the sum of the two, and a row is
-  **noisy** when the ratio moved by that spread either way reaches 1 (``compare_times``,
-  ``is_noisy``): its runs cannot say which side is faster.
+  **noisy** when the ratio moved by that spread either way reaches 1, or when the spread
+  exceeds ``NOISY_SPREAD`` (``compare_times``, ``is_noisy``): its runs cannot say which side
+  is faster. A row that is noisy or whose spread exceeds ``RETIME_SPREAD`` is timed again, up
+  to ``RETIMES`` more times, and keeps its steadiest timing (``timed_comparison``).
+
+A row's spread cannot see a machine that is busy through all of its runs. So the report also
+watches the machine (``MachineWatch``): the 1-minute load average less this process's own
+share, against the machine's cores, and a fixed calibration call timed after the warm-up,
+after every primitive and dtype, and at the end. When other processes kept more than
+``BUSY_LOAD_PER_CORE`` of the cores busy, or the calibration call's time moved by more than
+``CALIBRATION_DRIFT`` during the run, the run is **disturbed** (``disturbance``): the table and
+the verdicts say why and rank no times (the ratio column shows ``?``; the JSON keeps every
+measurement).
 
 The torch op is the one a user would otherwise call: ``torch.segment_reduce(src, "sum",
 offsets=...)``, ``torch.index_add``, ``torch.scatter_reduce(..., "sum")`` for the "fp32",
 "kahan" and "exact" rows, and ``index_put(..., accumulate=True)`` (autograd's own path) for the
 "autograd" rows.
 
-What the user sees: before the table, each dtype's kernels compiled (first run) or loaded
-from the disk cache, timed (``warm_up``), so the rows never compile silently; under it, what
-every column means (``COLUMNS``, ``legend``: the same explanations as above, in the user's
-words) and one verdict per mode derived from the rows (``verdict``). The JSON carries all of
-it: the rows with their spreads, the warm-up steps and the verdicts.
+What the user sees: before the table, each dtype's kernels prepared and timed (``warm_up``),
+so the rows never compile silently. "compiling" is said only when Numba compiles: Numba raises
+its ``numba:compile`` event only after its disk cache has no entry for the kernel and its
+signature, so the report announces a compilation when the first such event starts and says
+"loaded from the disk cache" when none came. The table fits 120 columns (``NARROW_COLUMNS``, one
+block per primitive); ``--wide`` prints every column (``COLUMNS``). Right under the table,
+notes on what could read as a contradiction (``notes``), then what every column means
+(``legend``: the same explanations as above, in the user's words) and one verdict per mode
+derived from the rows (``verdict``). The JSON carries all of it: the rows with their spreads,
+the warm-up steps, the machine's load and calibration times, and the verdicts.
 
 The helpers here (data sets, exact references, ulps, timing) are also what ``benches/`` uses.
 """
@@ -44,6 +60,7 @@ import dataclasses
 import importlib.metadata
 import json
 import math
+import os
 import statistics
 import sys
 import textwrap
@@ -174,12 +191,22 @@ def spread(seconds: Sequence[float]) -> float:
     return (q3 - q1) / median if median > 0 else 0.0
 
 
-def is_noisy(ratio: float, ratio_spread: float) -> bool:
-    """Whether a time ratio, moved by its spread either way, reaches 1.
+# Past this spread (the middle half of one side's runs spread over half its median) a ratio
+# says little, on whichever side of 1 it falls.
+NOISY_SPREAD = 0.5
+# A row whose ratio is noisy or whose spread exceeds RETIME_SPREAD is timed again, up to
+# RETIMES more times: a burst of other work seldom lasts through three timings.
+RETIME_SPREAD = 0.25
+RETIMES = 2
 
-    Then the runs varied too much to say which side is faster: ``ratio / (1 + ratio_spread)
-    <= 1 <= ratio * (1 + ratio_spread)``.
+
+def is_noisy(ratio: float, ratio_spread: float) -> bool:
+    """Whether a time ratio's runs varied too much to say which side is faster: the ratio,
+    moved by its spread either way, reaches 1 (``ratio / (1 + ratio_spread) <= 1 <= ratio *
+    (1 + ratio_spread)``), or the spread exceeds ``NOISY_SPREAD``.
     """
+    if ratio_spread > NOISY_SPREAD:
+        return True
     return ratio / (1 + ratio_spread) <= 1 <= ratio * (1 + ratio_spread)
 
 
@@ -193,6 +220,162 @@ def compare_times(detsum_s: Sequence[float], torch_s: Sequence[float]) -> dict:
     return {"ms": ms, "torch_ms": torch_ms, "spread": d_spread, "torch_spread": t_spread,
             "ratio": ratio, "ratio_spread": ratio_spread,
             "noisy": is_noisy(ratio, ratio_spread)}
+
+
+def timed_comparison(detsum_call: Callable[[], object], torch_call: Callable[[], object],
+                     device: torch.device | str, *, reps: int,
+                     runs: Callable[..., list[list[float]]] = interleaved_runs) -> dict:
+    """``compare_times`` of the two calls timed in turns; timed again, up to ``RETIMES`` more
+    times, while the steadiest timing so far is noisy or spread over ``RETIME_SPREAD``. Returns
+    the steadiest (smallest ``ratio_spread``), with ``timings``: how many were taken.
+
+    ``runs`` times the calls (``interleaved_runs``' signature); tests pass made-up runs.
+    """
+    best = None
+    for timings in range(1, RETIMES + 2):
+        detsum_s, torch_s = runs([detsum_call, torch_call], device, reps=reps)
+        timing = compare_times(detsum_s, torch_s)
+        if best is None or timing["ratio_spread"] < best["ratio_spread"]:
+            best = timing
+        if not best["noisy"] and best["ratio_spread"] <= RETIME_SPREAD:
+            break
+    return {**best, "timings": timings}
+
+
+# ---- a disturbed run ----------------------------------------------------------------------------
+
+# Other processes' part of the 1-minute load average, per core, above which the machine is
+# called busy: detsum's kernels and torch's ops both run on every core.
+BUSY_LOAD_PER_CORE = 0.5
+# The calibration call's slowest median over its fastest above which the machine's speed
+# changed during the run.
+CALIBRATION_DRIFT = 1.5
+# The calibration call is a square float32 matrix product of this size per device type: about
+# a millisecond on two CPU cores or on an H100, long enough that a thread's wake-up or a
+# kernel launch is lost in it, short enough to repeat after every primitive and dtype.
+CALIBRATION_SIZE = {"cpu": 512, "cuda": 4096}
+
+
+def calibration_name(device: torch.device | str) -> str:
+    n = CALIBRATION_SIZE.get(torch.device(device).type, CALIBRATION_SIZE["cpu"])
+    return f"a {n} x {n} float32 matrix product"
+# The kernel's 1-minute load average forgets as e^(-t / 60 s).
+_LOAD_MEMORY_S = 60.0
+
+
+def machine_cores() -> int:
+    """The machine's cores: what its load average counts against (in a container, the load
+    average and this count are both the host's)."""
+    return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    """The 1-minute load average; None where the system has none (Windows)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def own_load(cpu_use: Sequence[tuple[float, float, float]], now: float) -> float:
+    """This process's part of a 1-minute load average read at ``now``.
+
+    ``cpu_use`` lists intervals ``(start, end, cpu_seconds)`` in wall-clock seconds; each
+    counts as ``cpu_seconds / (end - start)`` busy threads over it, forgotten as the load
+    average forgets (``e^(-t / 60 s)``).
+
+    >>> round(own_load([(0.0, 60.0, 120.0)], now=60.0), 3)  # two busy threads for a minute
+    1.264
+    """
+    total = 0.0
+    for start, end, cpu in cpu_use:
+        if end > start:
+            busy = cpu / (end - start)
+            total += busy * (math.exp(-(now - end) / _LOAD_MEMORY_S)
+                             - math.exp(-(now - start) / _LOAD_MEMORY_S))
+    return total
+
+
+def disturbance(cores: int, others_load: Sequence[float | None],
+                calibration_ms: Sequence[float], calibration: str = "") -> list[str]:
+    """Why the run's times cannot be ranked, in the user's words; empty for a quiet run.
+
+    ``others_load``: other processes' part of the 1-minute load average at each sample (None
+    where unknown); ``calibration_ms``: the calibration call's median time at each sample;
+    ``calibration``: what that call is, for the message (``calibration_name``).
+    """
+    reasons = []
+    known = [x for x in others_load if x is not None]
+    if known and max(known) > BUSY_LOAD_PER_CORE * cores:
+        reasons.append(f"other processes kept the machine busy: a 1-minute load average of "
+                       f"about {max(known):.1f} besides this run's own, on {cores} cores")
+    if len(calibration_ms) >= 2:
+        fastest, slowest = min(calibration_ms), max(calibration_ms)
+        if slowest > CALIBRATION_DRIFT * fastest:
+            what = f" ({calibration})" if calibration else ""
+            reasons.append(f"a fixed calibration call{what} took {fastest:.2f} to "
+                           f"{slowest:.2f} ms during the run, {slowest / fastest:.1f}x apart")
+    return reasons
+
+
+class MachineWatch:
+    """Samples the machine through a report: other processes' load and a calibration call.
+
+    Created before the warm-up, it reads the load at once (what the machine was doing before
+    the report started); ``sample`` reads it again and times the calibration call; ``summary``
+    is the JSON's ``machine`` entry, with ``disturbed``: the reasons from ``disturbance``,
+    computed from the samples taken during the run.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cores = machine_cores()
+        gen = torch.Generator().manual_seed(0)
+        n = CALIBRATION_SIZE.get(device.type, CALIBRATION_SIZE["cpu"])
+        self._matrix = torch.randn(n, n, generator=gen).to(device)
+        self._cpu_use: list[tuple[float, float, float]] = []
+        now, cpu = time.perf_counter(), time.process_time()
+        # Before the first sample, this process imported its modules: about one busy thread
+        # for as long as its CPU time.
+        self._cpu_use.append((now - cpu, now, cpu))
+        self._last = (now, cpu)
+        self.before = self._sample("before the warm-up", calibrate=False)
+        self.samples: list[dict] = []
+
+    def _sample(self, label: str, *, calibrate: bool) -> dict:
+        calibration_ms = None
+        if calibrate:
+            product = lambda: self._matrix @ self._matrix  # noqa: E731
+            calibration_ms = 1e3 * median_seconds(product, self.device, reps=5)
+        now, cpu = time.perf_counter(), time.process_time()
+        self._cpu_use.append((self._last[0], now, cpu - self._last[1]))
+        self._last = (now, cpu)
+        load = load_average()
+        others = None if load is None else max(0.0, load - own_load(self._cpu_use, now))
+        return {"at": label, "load": load, "others_load": others,
+                "calibration_ms": calibration_ms}
+
+    def sample(self, label: str) -> dict:
+        """Read the load and time the calibration call; ``label`` says when, for the JSON."""
+        entry = self._sample(label, calibrate=True)
+        self.samples.append(entry)
+        return entry
+
+    def busy_now(self) -> bool:
+        """Whether other processes were keeping the machine busy when the report started."""
+        return bool(self.before["others_load"] is not None
+                    and self.before["others_load"] > BUSY_LOAD_PER_CORE * self.cores)
+
+    def summary(self) -> dict:
+        return {
+            "cores": self.cores,
+            "before": self.before,
+            "samples": self.samples,
+            "calibration": calibration_name(self.device),
+            "disturbed": disturbance(self.cores, [s["others_load"] for s in self.samples],
+                                     [s["calibration_ms"] for s in self.samples],
+                                     calibration_name(self.device)),
+        }
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -425,7 +608,7 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
     except NotImplementedError as e:
         row["error"] = str(e)
         for key in ("autograd_match", "ulps_well", "ulps_cancel", "deterministic", "ms",
-                    "spread", "ratio", "ratio_spread", "noisy"):
+                    "spread", "ratio", "ratio_spread", "noisy", "timings"):
             row[key] = None
         (t_runs,) = interleaved_runs([tfn], device, reps=sizes.reps)
         row["torch_ms"], row["torch_spread"] = 1e3 * statistics.median(t_runs), spread(t_runs)
@@ -446,8 +629,7 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
         row["deterministic"] = three_runs_equal(dfn, (n, 1, n))
     else:
         row["deterministic"] = three_runs_equal(dfn, (None, None, None))
-    d_runs, t_runs = interleaved_runs([dfn, tfn], device, reps=sizes.reps)
-    row.update(compare_times(d_runs, t_runs))
+    row.update(timed_comparison(dfn, tfn, device, reps=sizes.reps))
     return row
 
 
@@ -457,19 +639,35 @@ _KERNEL_LIBRARY = {"cpu": "Numba", "cuda": "Triton"}
 
 
 @contextlib.contextmanager
-def _numba_compilations(device: torch.device):
-    """Collect Numba's compile events in the block (a list; None off the CPU).
+def _announced_compilations(device: torch.device, announce: Callable[[], None]):
+    """Call ``announce`` once, when Numba starts compiling in the block; yield a list that
+    holds one entry per compilation once the block ends (None off the CPU).
 
-    A kernel loaded from the disk cache raises no such event, so an empty list tells a cache
-    load from a compilation.
+    Numba raises its ``numba:compile`` event only after its disk cache has no entry for the
+    kernel and signature (``Dispatcher.compile``): a kernel loaded from the cache raises none,
+    so the announcement comes exactly when a compilation starts, and an empty list after the
+    block means everything was loaded.
     """
     if device.type != "cpu":
         yield None
         return
     from numba.core import event
 
-    with event.install_recorder("numba:compile") as recorder:
-        yield recorder.buffer
+    class Announcer(event.Listener):
+        def __init__(self):
+            self.compilations: list[object] = []
+
+        def on_start(self, started):
+            if not self.compilations:
+                announce()
+            self.compilations.append(started.data["dispatcher"])
+
+        def on_end(self, ended):
+            pass
+
+    announcer = Announcer()
+    with event.install_listener("numba:compile", announcer):
+        yield announcer.compilations
 
 
 def _seconds(x: float) -> str:
@@ -479,26 +677,33 @@ def _seconds(x: float) -> str:
 def warm_up(sizes: Sizes, device: torch.device, *,
             progress: Callable[[str], None] | None = None) -> list[dict]:
     """Compile (or load from the disk cache) every kernel the table uses, one dtype at a time,
-    saying so before and after each: one call per primitive and mode on inputs of the
-    report's shapes, timed.
+    saying which and how long it took: one call per primitive and mode on inputs of the
+    report's shapes.
 
     Without it the first row of each dtype compiled silently for tens of seconds. The shapes
     are the report's own because Triton specializes a kernel on its arguments (a size of 1,
-    one divisible by 16): a toy shape could compile a variant the table never runs. Returns one
-    entry per step, for the JSON: ``seconds``, and ``compiled`` (True / False on the CPU,
-    None where it cannot be told).
+    one divisible by 16): a toy shape could compile a variant the table never runs. On the CPU,
+    "compiling" is printed when Numba starts compiling (``_announced_compilations``), never
+    for a load from its disk cache. Returns one entry per step, for the JSON: ``seconds``, and
+    ``compiled`` (True / False on the CPU, None where it cannot be told).
     """
     say = progress or (lambda line: None)
     steps = []
 
     library = _KERNEL_LIBRARY.get(device.type, device.type)
     for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
-        say(f"compiling the {library} kernels for {dtype_name} (first run only: later runs "
-            f"load them from the disk cache) ...")
+        if device.type == "cpu":
+            say(f"preparing the Numba kernels for {dtype_name} ...")
+        else:
+            say(f"preparing the {library} kernels for {dtype_name} (compiled on first use, or "
+                f"loaded from {library}'s cache) ...")
         cases = {primitive: make_case(primitive, dtype, "well", sizes, device,
                                       seed=10 * d_i + p_i, with_exact=False)
                  for p_i, primitive in enumerate(PRIMITIVES)}
-        with _numba_compilations(device) as events:
+
+        announcement = (f"compiling the Numba kernels for {dtype_name}: not in the disk cache "
+                        f"yet (later runs load them from there) ...")
+        with _announced_compilations(device, lambda: say(announcement)) as compilations:
             start = time.perf_counter()
             for primitive, case in cases.items():
                 for mode in detsum.MODES:
@@ -508,10 +713,15 @@ def warm_up(sizes: Sizes, device: torch.device, *,
                         pass  # the row says so, as "n/a"
             sync(device)
             seconds = time.perf_counter() - start
-        compiled = None if events is None else bool(events)
-        how = {True: "compiled, and saved to the disk cache",
-               False: "loaded from the disk cache", None: "compiled or loaded from disk"}[compiled]
-        say(f"... {dtype_name} kernels ready in {_seconds(seconds)} ({how})")
+        compiled = None if compilations is None else bool(compilations)
+        if compiled is None:
+            say(f"... {dtype_name} kernels ready in {_seconds(seconds)} (compiled or loaded "
+                f"from {library}'s cache)")
+        elif compiled:
+            say(f"... {dtype_name} kernels compiled in {_seconds(seconds)}, and saved to the "
+                f"disk cache")
+        else:
+            say(f"... {dtype_name} kernels loaded from the disk cache in {_seconds(seconds)}")
         steps.append({"step": f"{library.lower()} kernels", "dtype": dtype_name,
                       "seconds": seconds, "compiled": compiled})
     return steps
@@ -546,11 +756,18 @@ def environment(device: torch.device) -> dict:
 
 def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
         progress: Callable[[str], None] | None = None) -> dict:
-    """Every row of the report, with the environment, the kernel warm-up and a verdict per mode;
-    ``progress`` gets the warm-up's lines, then one line per row."""
+    """Every row of the report, with the environment, the kernel warm-up, the machine's load
+    and calibration times (``MachineWatch``) and a verdict per mode; ``progress`` gets the
+    warm-up's lines, then one line per row."""
+    say = progress or (lambda line: None)
     device = device or default_device()
     started = time.perf_counter()
+    watch = MachineWatch(device)
+    if watch.busy_now():
+        say(f"the machine is busy (other processes: load about {watch.before['others_load']:.1f} "
+            f"on {watch.cores} cores); if that lasts, times will be shown but not ranked")
     warmup = warm_up(sizes, device, progress=progress)
+    watch.sample("after the warm-up")
     rows = []
     for p_i, primitive in enumerate(PRIMITIVES):
         for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
@@ -560,16 +777,19 @@ def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
             for mode in detsum.MODES:
                 row = report_row(primitive, mode, dtype_name, cases, sizes, device)
                 rows.append(row)
-                if progress:
-                    progress(f"[{time.perf_counter() - started:6.1f}s] {primitive} {mode} "
-                             f"{dtype_name}: {_summary(row)}")
+                say(f"[{time.perf_counter() - started:6.1f}s] {primitive} {mode} "
+                    f"{dtype_name}: {_summary(row)}")
+            watch.sample(f"after {primitive} {dtype_name}")
+    machine = watch.summary()
     return {
         "environment": environment(device),
         "sizes": dataclasses.asdict(sizes),
         "elapsed_s": time.perf_counter() - started,
         "warmup": warmup,
+        "machine": machine,
         "rows": rows,
-        "verdicts": {mode: verdict(mode, rows) for mode in detsum.MODES},
+        "verdicts": {mode: verdict(mode, rows, disturbed=machine["disturbed"])
+                     for mode in detsum.MODES},
     }
 
 
@@ -592,8 +812,30 @@ def _num(x, digits: int | None = None) -> str:
     return f"{x:.{digits}f}"
 
 
+def _ms(x: float | None) -> str:
+    """Milliseconds with about four significant digits, at most six characters below 1e6."""
+    if x is None:
+        return "n/a"
+    for below, digits in ((10, 3), (100, 2), (1000, 1)):
+        if x < below:
+            return f"{x:.{digits}f}"
+    return f"{x:.0f}"
+
+
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
 def _percent(x: float | None) -> str:
-    return "n/a" if x is None else f"±{100 * x:.0f}%"
+    if x is None:
+        return "n/a"
+    # The JSON keeps the value; past 100% its digits only distract from "these runs varied".
+    return f"±{100 * x:.0f}%" if x <= 1 else ">±100%"
+
+
+WIDTH = 120  # the default table and every line of text around it fit a terminal this wide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -610,12 +852,47 @@ def _autograd_cell(row: dict) -> str:
     return "n/a" if row["autograd_match"] is None else _num(row["autograd_match"])
 
 
+def _ratio_cell(row: dict) -> str:
+    # format_table marks the rows of a disturbed run: their ratios are not ranked.
+    return "?" if row.get("withheld") and row.get("ratio") is not None else _ratio(row["ratio"])
+
+
 def _noisy_cell(row: dict) -> str:
     if row.get("noisy") is None:
         return "n/a"
     return "yes" if row["noisy"] else ""
 
 
+def _pair(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None and b is None else f"{_num(a)}/{_num(b)}"
+
+
+_ULPS_MEANING = ("detsum's largest error against the exact sum rounded once, in ulps (units in "
+                 "the last place of the dtype; 0 = correctly rounded), over {sample_rows} "
+                 "sampled output rows")
+_WELL_MEANING = "well-conditioned data: positive terms, nothing cancels"
+_CANCEL_MEANING = ("cancellation-heavy data: terms come in pairs +b, -RN(b(1-2^-j)), j = 2..12, "
+                   "whose exact sum is about b*2^-j, so running sums are up to 4096x the "
+                   "result and their rounding errors are many ulps of it; large values here are "
+                   "expected of any method that rounds as it goes")
+_AUTOGRAD_MEANING = ("'autograd' rows only: yes if detsum gives the very bits of torch's own "
+                     "gradient (x.grad of x[index]; index_put(accumulate=True) for "
+                     "scatter_reduce) computed with torch.use_deterministic_algorithms(True), "
+                     "on both data sets; '-' in the other modes")
+_TORCH_DET_MEANING = ("'det' of the torch op with its default settings (what users get; "
+                      "deterministic algorithms off)")
+_RATIO_MEANING = ("ms / t.ms (< 1: detsum is faster); the detsum and torch calls take turns, so "
+                  "both see the same changes in machine load; '?' when the machine was busy "
+                  "(said under the table)")
+_SPREAD_MEANING = ("how much the timed runs varied: for each side the interquartile range of "
+                   "its runs over their median; the two added (JSON: spread, torch_spread, "
+                   "ratio_spread)")
+_NOISY_MEANING = (f"yes when ratio / (1 + spread) <= 1 <= ratio * (1 + spread), or the spread "
+                  f"is over {100 * NOISY_SPREAD:.0f}%: the runs varied too much to tell which "
+                  f"side is faster (rows over {100 * RETIME_SPREAD:.0f}% are timed again, up "
+                  f"to {RETIMES} times, and keep their steadiest timing)")
+
+#: Every column, for ``--wide``.
 COLUMNS: tuple[Column, ...] = (
     Column("primitive", lambda r: r["primitive"],
            "the detsum function measured: segment_sum (rows summed by CSR offsets), index_add, "
@@ -626,22 +903,12 @@ COLUMNS: tuple[Column, ...] = (
            "within 1 ulp unless the terms cancel heavily, exact = correctly rounded"),
     Column("dtype", lambda r: r["dtype"],
            "the data type: float32, float16, bfloat16, float64"),
-    Column("autograd", _autograd_cell,
-           "'autograd' rows only: yes if detsum gives the very bits of torch's own gradient "
-           "(x.grad of x[index]; index_put(accumulate=True) for scatter_reduce; torch with "
-           "deterministic algorithms on) on both data sets; '-' in the other modes"),
-    Column("ulps well", lambda r: _num(r["ulps_well"]),
-           "detsum's largest error against the exact sum rounded once, in ulps (units in the "
-           "last place of the dtype; 0 = correctly rounded), over {sample_rows} sampled output "
-           "rows of well-conditioned data: positive terms, nothing cancels"),
-    Column("ulps cancel", lambda r: _num(r["ulps_cancel"]),
-           "the same on cancellation-heavy data: terms come in pairs +b, -RN(b(1-2^-j)), "
-           "j = 2..12, whose exact sum is about b*2^-j, so running sums are up to 4096x the "
-           "result and their rounding errors are many ulps of it; large values here are "
-           "expected of any method that rounds as it goes"),
+    Column("autograd", _autograd_cell, _AUTOGRAD_MEANING),
+    Column("ulps well", lambda r: _num(r["ulps_well"]), f"{_ULPS_MEANING} of {_WELL_MEANING}"),
+    Column("ulps cancel", lambda r: _num(r["ulps_cancel"]), f"the same on {_CANCEL_MEANING}"),
     Column("det", lambda r: _num(r["deterministic"]),
            "yes if three runs give the same bits (CPU: Numba on N threads, then 1, then N)"),
-    Column("ms", lambda r: _num(r["ms"], 3),
+    Column("ms", lambda r: _ms(r["ms"]),
            "detsum's median wall time over {reps} runs, in milliseconds"),
     Column("torch op", lambda r: r["torch_op"],
            "the torch call a user would make instead, on the same inputs; index_put(acc) is "
@@ -649,32 +916,81 @@ COLUMNS: tuple[Column, ...] = (
     Column("t.ulps well", lambda r: _num(r["torch_ulps_well"]), "'ulps well' of the torch op"),
     Column("t.ulps cancel", lambda r: _num(r["torch_ulps_cancel"]),
            "'ulps cancel' of the torch op"),
-    Column("t.det", lambda r: _num(r["torch_deterministic"]),
-           "'det' of the torch op, with its default settings (what users get)"),
-    Column("t.ms", lambda r: _num(r["torch_ms"], 3), "'ms' of the torch op"),
-    Column("ratio", lambda r: _num(r["ratio"], 2),
-           "ms / t.ms (< 1: detsum is faster); the detsum and torch calls take turns, so both "
-           "see the same changes in machine load"),
-    Column("spread", lambda r: _percent(r.get("ratio_spread")),
-           "how much the timed runs varied: for each side the interquartile range of its runs "
-           "over their median; the two added (JSON: spread, torch_spread, ratio_spread)"),
-    Column("noisy", _noisy_cell,
-           "yes when ratio / (1 + spread) <= 1 <= ratio * (1 + spread): the runs varied too "
-           "much to tell which side is faster; rerun on a quieter machine"),
+    Column("t.det", lambda r: _num(r["torch_deterministic"]), _TORCH_DET_MEANING),
+    Column("t.ms", lambda r: _ms(r["torch_ms"]), "'ms' of the torch op"),
+    Column("ratio", _ratio_cell, _RATIO_MEANING),
+    Column("spread", lambda r: _percent(r.get("ratio_spread")), _SPREAD_MEANING),
+    Column("noisy", _noisy_cell, _NOISY_MEANING),
+)
+
+_BY_HEADER = {column.header: column for column in COLUMNS}
+
+#: The default table, within ``WIDTH`` columns: one block per primitive (its torch op named
+#: above it), each data set's ulps in one cell.
+NARROW_COLUMNS: tuple[Column, ...] = (
+    _BY_HEADER["mode"],
+    _BY_HEADER["dtype"],
+    _BY_HEADER["autograd"],
+    Column("ulps well/cancel", lambda r: _pair(r["ulps_well"], r["ulps_cancel"]),
+           f"{_ULPS_MEANING}; before the slash on {_WELL_MEANING}; after it on "
+           f"{_CANCEL_MEANING}"),
+    _BY_HEADER["det"],
+    _BY_HEADER["ms"],
+    Column("t.ulps well/cancel", lambda r: _pair(r["torch_ulps_well"], r["torch_ulps_cancel"]),
+           "'ulps well/cancel' of the torch op named above the block (index_put(acc) in "
+           "'autograd' rows)"),
+    _BY_HEADER["t.det"],
+    _BY_HEADER["t.ms"],
+    _BY_HEADER["ratio"],
+    _BY_HEADER["spread"],
+    _BY_HEADER["noisy"],
 )
 
 # Left-aligned columns: the names; the rest are numbers.
 _LEFT = {"primitive", "mode", "dtype", "torch op"}
 
 
-def legend(sizes: dict) -> list[str]:
+def _wrap(text: str, indent: str = "    ") -> list[str]:
+    return textwrap.wrap(text, width=WIDTH, subsequent_indent=indent,
+                         break_on_hyphens=False) or [""]
+
+
+def legend(sizes: dict, columns: Sequence[Column] = COLUMNS) -> list[str]:
     """One entry per column of the table: what it shows, in the user's words."""
-    width = max(len(c.header) for c in COLUMNS)
+    width = max(len(c.header) for c in columns)
     lines = ["columns:"]
-    for column in COLUMNS:
+    for column in columns:
         text = column.meaning.format(**sizes)
         lines += textwrap.wrap(text, width=100, initial_indent=f"  {column.header:<{width}}  ",
-                               subsequent_indent=" " * (width + 4))
+                               subsequent_indent=" " * (width + 4), break_on_hyphens=False)
+    return lines
+
+
+def notes(report: dict) -> list[str]:
+    """What the table could be misread as saying, cleared up right under it: a disturbed
+    run's unranked ratios, rows timed more than once, and an "autograd" row that agrees with
+    torch while the torch op is not deterministic."""
+    rows = report["rows"]
+    lines = []
+    disturbed = report.get("machine", {}).get("disturbed", [])
+    if disturbed:
+        lines += _wrap("ratio ?: the machine was busy during the run, so no time is ranked: "
+                       + "; ".join(disturbed) + ". The ms columns are what was measured, under "
+                       "that load; rerun on a quiet machine to compare speeds (the JSON keeps "
+                       "every ratio).")
+    retimed = [r for r in rows if (r.get("timings") or 1) > 1]
+    if retimed:
+        lines += _wrap(f"{len(retimed)} of {len(rows)} rows were timed more than once (their "
+                       f"runs varied by over {100 * RETIME_SPREAD:.0f}%); each shows its "
+                       f"steadiest timing.")
+    if any(r["mode"] == "autograd" and r.get("autograd_match") is True
+           and r.get("torch_deterministic") is False for r in rows):
+        lines += _wrap("autograd yes with t.det no: no contradiction. 'autograd' compares "
+                       "detsum with torch's gradient computed under "
+                       "torch.use_deterministic_algorithms(True); t.det runs the torch op with "
+                       "its default settings, where index_put(acc) on several CPU threads adds "
+                       "with atomics from 32768 elements on, so its bits change from run to "
+                       "run. detsum gives the deterministic bits every time.")
     return lines
 
 
@@ -697,9 +1013,10 @@ def _worst_ulps(row: dict) -> float:
     return max(row["ulps_well"], row["ulps_cancel"])
 
 
-def verdict(mode: str, rows: Sequence[dict]) -> str:
+def verdict(mode: str, rows: Sequence[dict], *, disturbed: Sequence[str] = ()) -> str:
     """One line on ``mode``'s rows: each promise of the mode, kept in how many rows, with the
-    rows that break it named; then the error (fp32) and the time against torch."""
+    rows that break it named; then the error (fp32) and the time against torch, unless
+    ``disturbed`` gives reasons why the run's times cannot be ranked (``disturbance``)."""
     mine = [r for r in rows if r["mode"] == mode]
     ran = [r for r in mine if not r.get("error")]
     parts = []
@@ -732,7 +1049,9 @@ def verdict(mode: str, rows: Sequence[dict]) -> str:
                      f"(well / cancel; the torch ops: {_num(worst['torch_ulps_well'])} / "
                      f"{_num(worst['torch_ulps_cancel'])})")
     timed = [r for r in ran if r.get("ratio") is not None]
-    if timed:
+    if timed and disturbed:
+        parts.append("times not ranked: the machine was busy (said under the table)")
+    elif timed:
         ratios = sorted(r["ratio"] for r in timed)
         noisy = sum(bool(r["noisy"]) for r in timed)
         parts.append(f"{_times(ratios[0])}-{_times(ratios[-1])}x the torch op's time (median "
@@ -744,52 +1063,88 @@ def verdict(mode: str, rows: Sequence[dict]) -> str:
     return f"{mode}: " + "; ".join(parts)
 
 
-def format_table(report: dict) -> str:
-    env, sizes = report["environment"], report["sizes"]
-    lines = [
-        f"detsum report: device {env['device']} ({env['device_name']}), torch {env['torch']}, "
-        f"detsum {env['detsum']}, numba {env['numba']}, python {env['python']}, "
-        f"threads torch {env['torch_threads']} / numba {env['numba_threads']}",
-        f"shapes: {sizes['n_src']} source rows x {sizes['h']} -> {sizes['n_out']} output rows "
-        f"(uneven segments); ulps = max error vs the exact sum on {sizes['sample_rows']} "
-        f"sampled output rows; times: median of {sizes['reps']}, detsum and torch taking turns",
-        "",
-    ]
-    cells = [[column.cell(row) for column in COLUMNS] for row in report["rows"]]
-    headers = [column.header for column in COLUMNS]
+def _table(rows: Sequence[dict], columns: Sequence[Column], *, blocks: bool) -> list[str]:
+    """The rows under a header line, aligned; a blank line between primitives, and with
+    ``blocks`` a line above each naming the primitive and its torch op."""
+    headers = [column.header for column in columns]
+    cells = [[column.cell(row) for column in columns] for row in rows]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(headers)]
 
     def fmt_line(values):
         return "  ".join(v.ljust(w) if h in _LEFT else v.rjust(w)
                          for v, w, h in zip(values, widths, headers)).rstrip()
 
-    lines.append(fmt_line(headers))
-    lines.append(fmt_line(["-" * w for w in widths]))
+    lines = [fmt_line(headers), fmt_line(["-" * w for w in widths])]
     previous = None
-    for row, line in zip(report["rows"], cells):
-        if previous is not None and row["primitive"] != previous:
-            lines.append("")
+    for row, line in zip(rows, cells):
+        if row["primitive"] != previous:
+            if previous is not None:
+                lines.append("")
+            if blocks:
+                ops = [r["torch_op"] for r in rows
+                       if r["primitive"] == row["primitive"] and r["mode"] != "autograd"]
+                against = f"torch's {ops[0]}" if ops else "torch"
+                lines.append(f"{row['primitive']}, against {against} (the t. columns; in "
+                             f"'autograd' rows index_put(acc), autograd's own path):")
         previous = row["primitive"]
         lines.append(fmt_line(line))
-    lines += ["", *legend(sizes), ""]
+    return lines
+
+
+def format_table(report: dict, *, wide: bool = False) -> str:
+    """The report as text: a header, the table, notes, the legend and the verdicts.
+
+    Every line fits ``WIDTH`` columns unless ``wide``, which prints every column of
+    ``COLUMNS`` in one flat table (about 180 columns).
+    """
+    env, sizes = report["environment"], report["sizes"]
+    machine = report.get("machine", {})
+    disturbed = machine.get("disturbed", [])
+    lines = [
+        *_wrap(f"detsum report: device {env['device']} ({env['device_name']}), torch "
+               f"{env['torch']}, detsum {env['detsum']}, numba {env['numba']}, python "
+               f"{env['python']}, threads torch {env['torch_threads']} / numba "
+               f"{env['numba_threads']}"),
+        *_wrap(f"shapes: {sizes['n_src']} source rows x {sizes['h']} -> {sizes['n_out']} output "
+               f"rows (uneven segments); ulps = max error vs the exact sum on "
+               f"{sizes['sample_rows']} sampled output rows; times: median of {sizes['reps']}, "
+               f"detsum and torch taking turns"),
+        "",
+    ]
+    rows = [{**row, "withheld": bool(disturbed)} for row in report["rows"]]
+    columns = COLUMNS if wide else NARROW_COLUMNS
+    lines += _table(rows, columns, blocks=not wide)
+    under = notes(report)
+    if under:
+        lines += ["", *under]
+    lines += ["", *legend(sizes, columns), ""]
     errors = sorted({row["error"] for row in report["rows"] if row.get("error")})
-    lines += [f"n/a: {e}" for e in errors]
+    for error in errors:
+        lines += _wrap(f"n/a: {error}")
     warmup = report.get("warmup", [])
     kernels = [s for s in warmup if s["dtype"] is not None]
     if kernels:
         how = {True: "compiled", False: "loaded from the disk cache",
                None: "compiled or loaded from disk"}
         if len({s["compiled"] for s in kernels}) == 1:
-            lines.append("kernels, before the table: " + ", ".join(
+            lines += _wrap("kernels, before the table: " + ", ".join(
                 f"{s['dtype']} {_seconds(s['seconds'])}" for s in kernels)
                 + f" (all {how[kernels[0]['compiled']]})")
         else:
-            lines.append("kernels, before the table: " + ", ".join(
+            lines += _wrap("kernels, before the table: " + ", ".join(
                 f"{s['dtype']} {_seconds(s['seconds'])} ({how[s['compiled']]})"
                 for s in kernels))
+    calibrations = [s["calibration_ms"] for s in machine.get("samples", [])
+                    if s.get("calibration_ms") is not None]
+    if calibrations:
+        lines += _wrap(f"machine: {machine['cores']} cores; the calibration call "
+                       f"({machine.get('calibration', 'a matrix product')}) took "
+                       f"{min(calibrations):.2f} to {max(calibrations):.2f} ms over the run; "
+                       + ("busy, times not ranked" if disturbed else "quiet"))
     lines.append(f"total {report['elapsed_s']:.1f} s")
     lines += ["", "verdict per mode, from the rows above:"]
-    lines += [verdict(mode, report["rows"]) for mode in detsum.MODES]
+    for mode in detsum.MODES:
+        lines += _wrap(verdict(mode, report["rows"], disturbed=disturbed))
     return "\n".join(lines)
 
 
@@ -828,7 +1183,10 @@ def plot(report: dict, path: str) -> None:
         times.bar(list(x), [r["ratio"] if r["ratio"] is not None else float("nan")
                             for r in mine], color="tab:gray")
         times.axhline(1.0, color="black", linewidth=0.8)
-        times.set_title(f"{primitive}: detsum time / torch time (< 1: faster)")
+        title = f"{primitive}: detsum time / torch time (< 1: faster)"
+        if report.get("machine", {}).get("disturbed"):
+            title += "\nthe machine was busy: not to be ranked"
+        times.set_title(title)
         times.set_xticks(list(x), labels, fontsize=7, rotation=60)
     axes[0][0].legend(fontsize=7)
     env = report["environment"]
@@ -845,6 +1203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also draw the report as a PNG at PATH (needs matplotlib)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes (a few seconds once Numba's cache is warm)")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column in one flat table (about 180 columns wide); by "
+                             "default the table fits 120")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -852,7 +1213,7 @@ def run_command(args: argparse.Namespace) -> int:
         print(line, file=sys.stderr, flush=True)
 
     report = run(QUICK if args.quick else FULL, progress=progress)
-    print(format_table(report))
+    print(format_table(report, wide=args.wide))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

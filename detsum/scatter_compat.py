@@ -45,9 +45,10 @@ atomics, on the order of threads, or on an accident of its initial values):
   ``2**30 - 1`` terms per output element: a larger ``src.size(dim)`` is refused before any
   work.
 
-Under ``torch.compile(fullgraph=True)``, pass ``dim_size`` (or ``out``): without it the output
-size is read from the index on the host, which a full graph cannot contain. Compiled, every
-reduction gives eager's bits; the composites' ``exp``, ``log`` and ``sqrt`` are torch's
+Under ``torch.compile(fullgraph=True)``, ``segment_coo`` needs ``dim_size`` (or ``out``) and
+``gather_csr`` needs ``out``; without ``dim_size``, the ``scatter_*`` functions and
+``gather_coo`` read ``index.max() + 1`` inside the graph when it runs, as in eager. Compiled,
+every reduction gives eager's bits; the composites' ``exp``, ``log`` and ``sqrt`` are torch's
 elementwise ops, for which inductor writes its own code (its ``exp`` can differ from eager's in
 the last bit).
 

@@ -8,24 +8,50 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 DOCS = pathlib.Path(__file__).parents[1] / "docs"
 
 
-def test_docs_build_without_warnings(tmp_path):
+@pytest.fixture(scope="module")
+def html(tmp_path_factory):
+    """The site built as `make docs` builds it; its folder."""
+    out = tmp_path_factory.mktemp("docs") / "html"
     run = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(DOCS),
-         str(tmp_path / "html")], capture_output=True, text=True, timeout=600)
+         str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-5000:]
+    return out
+
+
+def test_docs_build_without_warnings(html):
     for page in ("index", "quickstart", "modes", "determinism", "plans", "moe", "loss",
                  "switching", "distributed",
                  "comparison", "api"):
-        assert (tmp_path / "html" / f"{page}.html").exists(), page
-    api = (tmp_path / "html" / "api.html").read_text()
+        assert (html / f"{page}.html").exists(), page
+    api = (html / "api.html").read_text()
     for name in ("detsum.segment_sum", "detsum.index_add_", "detsum.scatter_reduce",
                  "detsum.moe.unpermute", "detsum.loss.batch_grad", "detsum.explain",
                  "detsum.RunningSum", "detsum.hf.use_detsum_experts",
                  "detsum.distributed.all_reduce_"):
         assert f'id="{name}"' in api, name
+
+
+def test_docs_read_offline(html):
+    """Math was left to MathJax from a CDN, so a page opened offline showed raw TeX: it is
+    drawn at build time into the page, and no page loads anything from the network."""
+    pages = {page.name: page.read_text() for page in html.glob("*.html")}
+    for name, text in pages.items():
+        assert "mathjax" not in text.lower(), name
+        assert not re.search(r'<script[^>]+src="(https?:)?//', text), name
+    api = pages["api.html"]
+    formula = r"\mathrm{out}_s = \sum_{p=\mathrm{offsets}[s]}"
+    drawn = re.findall(r'<img class="math[^"]*" src="data:image/svg\+xml;base64,[^"]+" '
+                       r'alt="([^"]*)"', api)
+    assert any(alt.startswith(formula) for alt in drawn), drawn
+    assert len(drawn) >= 5, drawn
+    # Long code lines wrap instead of hiding behind a scrollbar.
+    assert "pre-wrap" in (html / "_static" / "custom.css").read_text()
 
 
 def test_quickstart_code_runs():

@@ -32,5 +32,17 @@ def test_figures_command_draws_both_pictures(tmp_path):
     assert well["autograd"]["max"][-1] > 10 and well["fp32"]["max"][-1] == 0
     # Each panel names its machine: the CPU from pytest-benchmark's machine_info, the GPU from
     # the environment the benchmark conftest records.
-    for device, panel in data["speed"]["devices"].items():
-        assert panel["machine"], device
+    # A panel holds one machine's measurements: CPU results of an Intel Xeon and of an AMD EPYC
+    # were once drawn as one "cpu" panel titled with both.
+    for name, panel in data["speed"]["devices"].items():
+        assert panel["machine"], name
+        assert name == f"{panel['device']}: {panel['machine']}"
+        sources = {bar["source"] for case in panel["cases"] for bar in case["bars"]}
+        assert {_machine(source, panel["device"]) for source in sources} == {panel["machine"]}
+
+
+def _machine(path: str, device: str) -> str:
+    results = json.loads(pathlib.Path(path).read_text())
+    if device == "cuda":
+        return results["detsum_environment"]["gpu"]
+    return results["machine_info"]["cpu"]["brand_raw"]

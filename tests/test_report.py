@@ -89,20 +89,84 @@ def test_compile_lines_before_the_rows(quick_report):
     library = "Numba" if data["environment"]["device"] == "cpu" else "Triton"
     first_row = next(i for i, line in enumerate(lines) if " ulps " in line or "detsum:" in line)
     for name in report.DTYPES:
-        before = lines.index(f"compiling the {library} kernels for {name} (first run only: "
-                             f"later runs load them from the disk cache) ...")
-        after = next(i for i, line in enumerate(lines)
-                     if line.startswith(f"... {name} kernels ready in "))
+        before = next(i for i, line in enumerate(lines)
+                      if line.startswith(f"preparing the {library} kernels for {name} "))
+        after = next(i for i, line in enumerate(lines) if line.startswith(f"... {name} kernels "))
         assert before < after < first_row, name
-        assert re.fullmatch(rf"\.\.\. {name} kernels ready in \d+\.\d+ s \(.+\)", lines[after])
+        assert re.fullmatch(rf"\.\.\. {name} kernels (compiled in|loaded from the disk cache in"
+                            rf"|ready in) \d+\.\d+ s.*", lines[after])
     steps = [s for s in data["warmup"] if s["dtype"] is not None]
     assert [s["dtype"] for s in steps] == list(report.DTYPES)
     for step in data["warmup"]:
         assert isinstance(step["seconds"], float) and step["seconds"] > 0, step
     if library == "Numba":
-        # Whether Numba compiled or loaded from its cache is known, not guessed.
+        # Whether Numba compiled or loaded from its cache is known, not guessed, and
+        # "compiling" is said for exactly the dtypes that compiled.
         assert all(isinstance(s["compiled"], bool) for s in steps)
+        for step in steps:
+            said = any(line.startswith(f"compiling the Numba kernels for {step['dtype']}:")
+                       for line in lines)
+            assert said is step["compiled"], step
     assert "kernels, before the table: " in proc.stdout
+
+
+def _fresh_numba_function():
+    """A kernel no cache holds: calling it compiles."""
+    import numba
+
+    @numba.njit(cache=False)
+    def add_one(x):
+        return x + 1
+
+    return add_one
+
+
+def test_compilation_announced_only_when_numba_compiles():
+    said = []
+    compiled = _fresh_numba_function()
+    compiled(1)
+    with report._announced_compilations(torch.device("cpu"), lambda: said.append(1)) as events:
+        compiled(2)  # already compiled: nothing to announce
+    assert said == [] and events == []
+    fresh = _fresh_numba_function()
+    with report._announced_compilations(torch.device("cpu"), lambda: said.append(1)) as events:
+        fresh(1)
+        fresh(1.5)  # a second signature: a second compilation, announced once
+    assert said == [1] and len(events) == 2
+
+
+def _warm_up_lines(monkeypatch, kernel_call) -> tuple[list[str], list[dict]]:
+    lines: list[str] = []
+    monkeypatch.setattr(report, "detsum_fn", lambda primitive, case, mode: kernel_call)
+    steps = report.warm_up(report.QUICK, torch.device("cpu"), progress=lines.append)
+    return lines, steps
+
+
+def test_warm_up_says_loaded_not_compiling_when_nothing_compiles(monkeypatch):
+    """Kernels that load from Numba's disk cache (here: nothing to compile at all) are never
+    announced as compiling."""
+    lines, steps = _warm_up_lines(monkeypatch, lambda: None)
+    assert not any("compiling" in line for line in lines), lines
+    for name in report.DTYPES:
+        assert f"preparing the Numba kernels for {name} ..." in lines
+        assert any(line.startswith(f"... {name} kernels loaded from the disk cache in ")
+                   for line in lines), lines
+    assert [s["compiled"] for s in steps] == [False] * len(report.DTYPES)
+
+
+def test_warm_up_announces_a_compilation_as_it_starts(monkeypatch):
+    def compiles():
+        _fresh_numba_function()(1)
+
+    lines, steps = _warm_up_lines(monkeypatch, compiles)
+    for name in report.DTYPES:
+        before = lines.index(f"preparing the Numba kernels for {name} ...")
+        announced = lines.index(f"compiling the Numba kernels for {name}: not in the disk cache "
+                                f"yet (later runs load them from there) ...")
+        after = next(i for i, line in enumerate(lines)
+                     if line.startswith(f"... {name} kernels compiled in "))
+        assert before < announced < after
+    assert [s["compiled"] for s in steps] == [True] * len(report.DTYPES)
 
 
 # ---- timing: spread and the noisy flag -----------------------------------------------------------
@@ -118,7 +182,11 @@ def test_spread_fields(quick_report):
             assert row[key] >= 0, (where, key)
         assert row["ratio_spread"] == row["spread"] + row["torch_spread"], where
         assert row["noisy"] is report.is_noisy(row["ratio"], row["ratio_spread"]), where
-    assert re.search(r"\d\.\d\d +±\d+%", proc.stdout), "no 'ratio ±spread' in the table"
+        assert isinstance(row["timings"], int) and 1 <= row["timings"] <= 1 + report.RETIMES
+    if data["machine"]["disturbed"]:
+        assert re.search(r" \? +±\d+%", proc.stdout), "no '? ±spread' in the table"
+    else:
+        assert re.search(r"\d\.\d\d +±\d+%", proc.stdout), "no 'ratio ±spread' in the table"
 
 
 def test_spread_of_runs():
@@ -142,16 +210,84 @@ def test_noisy_rule_on_made_up_timings():
     assert a["ratio"] == pytest.approx(0.9) and a["noisy"]
     b = report.compare_times([1.1] * 5, [x + 0.1 for x in wobbly])
     assert b["ratio"] == pytest.approx(1.1) and b["noisy"]
-    # The rule's edge, both sides of 1 (exact in binary).
-    assert report.is_noisy(0.5, 1.0) and not report.is_noisy(0.5, 0.99)
-    assert report.is_noisy(2.0, 1.0) and not report.is_noisy(2.0, 0.99)
+    # The rule's edge, both sides of 1 (0.8 * 1.25 and 1.25 / 1.25 round to 1.0).
+    assert report.is_noisy(0.8, 0.25) and not report.is_noisy(0.8, 0.24)
+    assert report.is_noisy(1.25, 0.25) and not report.is_noisy(1.25, 0.24)
+    # Far from 1, but runs spread over NOISY_SPREAD say little about how far.
+    assert report.is_noisy(4.0, 0.51) and not report.is_noisy(4.0, 0.5)
+
+
+def test_wild_spread_is_noisy():
+    """A row once printed as '15.89 ±1376%' without the noisy flag: the ratio moved by its
+    spread stayed above 1, yet runs that vary fourteenfold rank nothing."""
+    assert report.is_noisy(15.89, 13.76)
+    detsum_s = [0.10, 0.11, 0.16, 2.9, 3.0]  # the scheduler held up half the runs
+    torch_s = [0.010, 0.010, 0.010, 0.011, 0.010]
+    timing = report.compare_times(detsum_s, torch_s)
+    assert timing["ratio"] == pytest.approx(16.0) and timing["noisy"]
+
+
+def _made_up_runs(*timings):
+    """A stand-in for interleaved_runs that returns the given (detsum, torch) runs in turn."""
+    calls = iter(timings)
+
+    def runs(fns, device, *, reps):
+        assert len(fns) == 2
+        return [list(side) for side in next(calls)]
+
+    return runs
+
+
+STEADY = ([1.0, 1.0, 1.01, 0.99, 1.0], [2.0, 2.0, 2.02, 1.98, 2.0])  # ratio 0.5, spread 0
+UNSTEADY = ([1.0, 1.5, 2.0, 2.5, 3.0], [2.0, 2.0, 2.02, 1.98, 2.0])  # ratio 1, spread 50%
+
+
+def test_steady_row_timed_once():
+    timing = report.timed_comparison(None, None, "cpu", reps=5, runs=_made_up_runs(STEADY))
+    assert timing["timings"] == 1 and timing["ratio"] == 0.5 and not timing["noisy"]
+
+
+def test_unsteady_row_timed_again_and_keeps_the_steadiest():
+    timing = report.timed_comparison(None, None, "cpu", reps=5,
+                                     runs=_made_up_runs(UNSTEADY, STEADY))
+    assert timing["timings"] == 2 and timing["ratio"] == 0.5 and not timing["noisy"]
+    # Never steady: every retime is taken, the smallest spread kept, and the row stays noisy.
+    wider = ([1.0, 1.0, 2.0, 3.0, 3.0], [2.0] * 5)  # spread 100%
+    timing = report.timed_comparison(None, None, "cpu", reps=5,
+                                     runs=_made_up_runs(wider, UNSTEADY, wider))
+    assert timing["timings"] == 1 + report.RETIMES
+    assert timing["ratio_spread"] == 0.5 and timing["noisy"]
+
+
+# ---- a disturbed run ----------------------------------------------------------------------------
+
+def test_disturbance_from_made_up_loads_and_calibrations():
+    # Quiet: others use under half the cores, the calibration call held steady.
+    assert report.disturbance(2, [0.1, 0.4, None], [1.40, 1.45, 1.52]) == []
+    assert report.disturbance(2, [1.0], [1.0]) == []  # the edge: half the cores is quiet
+    (busy,) = report.disturbance(2, [0.2, 1.3], [1.4, 1.5])
+    assert busy == ("other processes kept the machine busy: a 1-minute load average of about "
+                    "1.3 besides this run's own, on 2 cores")
+    (drift,) = report.disturbance(16, [None, None], [1.4, 2.2, 1.5],
+                                  report.calibration_name("cpu"))
+    assert drift == ("a fixed calibration call (a 512 x 512 float32 matrix product) took 1.40 "
+                     "to 2.20 ms during the run, 1.6x apart")
+    assert len(report.disturbance(2, [1.9], [0.17, 18.5])) == 2
+    # Unknown load (no load average) and a single calibration decide nothing.
+    assert report.disturbance(2, [None], [5.0]) == []
+
+
+def test_own_share_of_the_load_average():
+    # Two busy threads over the last minute: 2 * (1 - 1/e) of the load is this process's.
+    assert report.own_load([(0.0, 60.0, 120.0)], now=60.0) == pytest.approx(2 * (1 - math.exp(-1)))
+    # Ten minutes ago, forgotten; an idle stretch adds nothing.
+    assert report.own_load([(0.0, 10.0, 10.0), (10.0, 610.0, 0.0)], now=610.0) < 1e-4
 
 
 # ---- what the output explains -------------------------------------------------------------------
 
-def test_legend_names_every_column(quick_report):
-    proc, _ = quick_report
-    lines = proc.stdout.splitlines()
+def _legend(text: str) -> dict[str, str]:
+    lines = text.splitlines()
     start = lines.index("columns:")
     explained = {}
     for line in lines[start + 1:]:
@@ -160,19 +296,38 @@ def test_legend_names_every_column(quick_report):
         if not line.startswith("   "):  # an entry, not a continuation line
             header, _, meaning = line.strip().partition("  ")
             explained[header] = meaning.strip()
-    headers = [c.header for c in report.COLUMNS]
-    assert list(explained) == headers
-    assert all(explained.values()), explained
-    # The table's own header row has the same columns.
-    assert all(h in lines[3] for h in headers)
-    assert "+b, -RN(b(1-2^-j))" in proc.stdout
+    return explained
+
+
+def test_legend_names_every_column(quick_report):
+    proc, data = quick_report
+    for text, columns in ((proc.stdout, report.NARROW_COLUMNS),
+                          (report.format_table(data, wide=True), report.COLUMNS)):
+        explained = _legend(text)
+        headers = [c.header for c in columns]
+        assert list(explained) == headers
+        assert all(explained.values()), explained
+        # The table's own header row has the same columns.
+        header_row = next(line for line in text.splitlines() if line.startswith(headers[0]))
+        assert header_row.split() == " ".join(headers).split()
+    assert "+b, -RN(b(1-2^-j))" in " ".join(proc.stdout.split())
+
+
+def _verdict_lines(text: str) -> list[str]:
+    """The verdicts under the table, each joined back from its wrapped lines."""
+    lines = text.splitlines()
+    verdicts: list[str] = []
+    for line in lines[lines.index("verdict per mode, from the rows above:") + 1:]:
+        if line.startswith("    "):
+            verdicts[-1] += " " + line.strip()
+        else:
+            verdicts.append(line)
+    return verdicts
 
 
 def test_one_verdict_per_mode(quick_report):
     proc, data = quick_report
-    lines = proc.stdout.splitlines()
-    start = lines.index("verdict per mode, from the rows above:")
-    verdicts = lines[start + 1:]
+    verdicts = _verdict_lines(proc.stdout)
     assert [v.split(":")[0] for v in verdicts] == list(detsum.MODES)
     assert verdicts == [data["verdicts"][m] for m in detsum.MODES]
     n = len(report.PRIMITIVES) * len(report.DTYPES)
@@ -207,3 +362,93 @@ def test_verdict_reports_a_failure():
     assert "MORE than 1 ulp from the exact sum in 1 of 1 rows: index_add fp32 (2 ulps)" in line
     line = report.verdict("fp32", [_good_row(mode="fp32", noisy=True)])
     assert "1 of 1 ratios noisy" in line
+
+
+# ---- the table as printed: width, notes, a disturbed run ----------------------------------------
+
+def _made_up_report(*, disturbed=(), **changes) -> dict:
+    """A whole report of made-up rows (every primitive, mode and dtype), no measurement."""
+    changes = {"timings": 1, **changes}
+    rows = [_good_row(primitive=p, mode=m, dtype=d,
+                      torch_op="index_put(acc)" if m == "autograd" else p,
+                      autograd_match=True if m == "autograd" else None, **changes)
+            for p in report.PRIMITIVES for d in report.DTYPES for m in detsum.MODES]
+    return {"environment": {"device": "cpu", "device_name": "cpu", "torch": "2.13.0+cpu",
+                            "detsum": "0.1.0", "numba": "0.68.1", "python": "3.11.7",
+                            "torch_threads": 2, "numba_threads": 2},
+            "sizes": dataclasses.asdict(report.FULL), "elapsed_s": 61.0,
+            "warmup": [{"step": "numba kernels", "dtype": d, "seconds": 0.4, "compiled": False}
+                       for d in report.DTYPES],
+            "machine": {"cores": 2, "before": {}, "disturbed": list(disturbed),
+                        "samples": [{"at": "after the warm-up", "load": 0.1,
+                                     "others_load": 0.1, "calibration_ms": 1.4}]},
+            "rows": rows}
+
+
+def _table_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(("mode ", "primitive ")))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "" and lines[i + 1] != ""
+               and not lines[i + 1].startswith(tuple(report.PRIMITIVES)))
+    return lines[start:end]
+
+
+def test_table_fits_120_columns_even_with_extreme_values():
+    """The table once took 180 columns and wrapped in a terminal."""
+    extreme = _made_up_report(ulps_well=1.5e7, ulps_cancel=float("inf"), torch_ulps_well=2.5e8,
+                              torch_ulps_cancel=9.9e9, ms=98765.4, torch_ms=12345.6,
+                              ratio=123.4, ratio_spread=300.3, noisy=True, timings=3)
+    extreme["rows"][0].update(error="detsum has no kernels for this device yet", ms=None,
+                              ratio=None, ratio_spread=None, noisy=None, ulps_well=None,
+                              ulps_cancel=None, deterministic=None, autograd_match=None)
+    for data in (extreme, _made_up_report(disturbed=["a reason " * 30])):
+        text = report.format_table(data)
+        too_wide = [line for line in text.splitlines() if len(line) > 120]
+        assert not too_wide, too_wide
+    assert ">±100%" in report.format_table(extreme) and "30030%" not in report.format_table(
+        extreme)
+    # --wide: every column, one flat table.
+    wide = report.format_table(extreme, wide=True)
+    header = next(line for line in wide.splitlines() if line.startswith("primitive"))
+    assert header.split() == " ".join(c.header for c in report.COLUMNS).split()
+    assert len(header) > 120
+
+
+def test_disturbed_run_ranks_no_times():
+    reasons = ["other processes kept the machine busy: a 1-minute load average of about 1.9 "
+               "besides this run's own, on 2 cores"]
+    text = report.format_table(_made_up_report(disturbed=reasons))
+    table = _table_lines(text)
+    rows = [line for line in table[2:] if line and not line.endswith(":")]  # not block titles
+    assert len(rows) == len(report.PRIMITIVES) * len(report.DTYPES) * len(detsum.MODES)
+    assert all(re.search(r" \? +±20%", line) for line in rows), rows
+    assert "0.50" not in "\n".join(rows)
+    under = text.split("\n".join(table), 1)[1]
+    assert under.lstrip("\n").startswith("ratio ?: the machine was busy during the run, so no "
+                                          "time is ranked: other processes kept the machine busy")
+    verdicts = _verdict_lines(text)
+    assert all("times not ranked: the machine was busy" in v for v in verdicts), verdicts
+    assert not any("the torch op's time" in v for v in verdicts), verdicts
+    # The same rows from a quiet run: ratios shown and ranked.
+    quiet = report.format_table(_made_up_report())
+    assert "ratio ?" not in quiet and re.search(r" 0\.50 +±20%", quiet)
+    assert all("0.50-0.50x the torch op's time" in v for v in _verdict_lines(quiet))
+
+
+def test_autograd_agreement_beside_a_nondeterministic_torch_op_is_explained_under_the_table():
+    """'autograd yes ... index_put(acc) ... t.det no' read as a contradiction."""
+    data = _made_up_report()
+    assert "no contradiction" not in report.format_table(data)
+    data["rows"][0]["torch_deterministic"] = False
+    text = report.format_table(data)
+    under = text.split("\n".join(_table_lines(text)), 1)[1].lstrip("\n")
+    assert under.startswith("autograd yes with t.det no: no contradiction. 'autograd' compares "
+                            "detsum with torch's gradient computed under")
+    assert "torch.use_deterministic_algorithms(True)" in under.split("columns:")[0]
+
+
+def test_retimed_rows_are_said():
+    data = _made_up_report()
+    data["rows"][3]["timings"] = 2
+    assert (f"1 of {len(data['rows'])} rows were timed more than once"
+            in report.format_table(data))

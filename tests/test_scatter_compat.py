@@ -594,6 +594,32 @@ def test_compiled_functions_give_eager_bits():
         assert_same_bits(got, expected)
 
 
+def test_compiled_sizes_from_the_index_without_dim_size():
+    """What docs/switching.md says of dim_size under fullgraph: the scatter functions and
+    gather_coo need none (eager's bits, and a new size where the index grows); segment_coo
+    needs dim_size or out, gather_csr out."""
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(64, 8, generator=g)
+    index = torch.randint(0, 10, (64,), generator=g)
+    sized = (lambda src, index: detsum.scatter(src, index, 0, reduce="mean"),
+             lambda src, index: detsum.scatter_max(src, index, 0)[0],
+             lambda src, index: detsum.gather_coo(src[:10], index.sort().values))
+    for fn in sized:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)
+        assert_same_bits(compiled(src, index), fn(src, index))
+        grown = index.clone()
+        grown[0] = 12
+        if fn is not sized[2]:  # gather_coo's source has 10 rows
+            assert_same_bits(compiled(src, grown), fn(src, grown))
+    unsized = (lambda src, index: detsum.segment_coo(src, index.sort().values),
+               lambda src, index: detsum.gather_csr(src[:2], torch.tensor([0, 10, 64])))
+    for fn in unsized:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="data-dependent"):
+            torch.compile(fn, fullgraph=True)(src, index)
+
+
 def test_errors_name_the_argument_and_change_nothing():
     src = torch.ones(4, 3)
     out = torch.zeros(2, 3)

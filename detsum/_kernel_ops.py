@@ -1,13 +1,13 @@
 """The consumers' operations that have kernels of their own, and the one place that picks
 which implementation runs them.
 
-A Numba kernel does each of these on CPU in one pass (``kernels/numba/``); torch operations, or
-the primitives' own launches, do the same everywhere else, with the same bits. Each operation
-here has one signature on every backend, and the choice is made here alone: the kernel runs
-for CPU tensors under the numba backend (the default for them, see ``detsum.backend``); the
-torch operations run for other devices and under ``detsum.backend("reference")`` or
-``("triton")``. Consumers and adapters call these (and the primitives), never
-``detsum.kernels``; so does any code that needs the CPU kernels loaded (``load_cpu_kernels``).
+A Numba kernel does each of these on CPU in one pass (``kernels/numba/``); everywhere else
+torch operations, or the segment kernel of the backend that runs, do the same with the same
+bits. Each operation here has one signature on every backend, and the choice is made here
+alone: the Numba kernel runs for CPU tensors under the numba backend (their default, see
+``detsum.backend``), the others for other devices and under ``detsum.backend("reference")``
+or ``("triton")``. Consumers and adapters call these (and the primitives), never
+``detsum.kernels``; so does code that needs the CPU kernels loaded (``load_cpu_kernels``).
 
 - Running sums (``detsum.RunningSum``): ``resume_sum``, ``resume_outer_products``,
   ``add_exact_outer_products``.
@@ -68,8 +68,7 @@ def resume_sum(total: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tenso
         return
     state3 = total.view(1, 1, -1)
     _segments.launch(backend_name, rows.unsqueeze(0), None, _segments.one_segment(n, total.device),
-                     state3, state3, reduce="sum",
-                     rule=KAHAN if comp is not None else WIDE,
+                     state3, state3, reduce="sum", rule=KAHAN if comp is not None else WIDE,
                      alpha=1.0, include_base=True,
                      carry3=None if comp is None else comp.view(1, 1, -1))
 
@@ -108,8 +107,7 @@ def resume_outer_products(total: torch.Tensor, comp: torch.Tensor | None, left: 
     if current_backend(total.device.type, _RUNNING_SUM) == "numba":
         from detsum.kernels.numba.outer import resume_products
 
-        resume_products(total, comp, left, right,
-                        KAHAN if comp is not None else WIDE)
+        resume_products(total, comp, left, right, KAHAN if comp is not None else WIDE)
         return
     cols = right.shape[1]
     for lo, hi, o_lo, o_hi in _product_blocks(left, right):

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import run_case
-from detsum import _limbs, distributed, loss
+from detsum import _kernel_ops, _limbs, distributed, loss
 
 WORLD_SIZES = (2, 4)
 ALL_REDUCE_IMPLS = ["fp32-all_reduce", "exact-all_reduce", "exact-whole-state"]
@@ -124,7 +124,7 @@ class _Rank:
             start = 1
             for state, _ in states:
                 summed = buffer[start:start + state.numel()].view(state.shape)
-                _limbs.normalise(summed[:state.shape[0] - _limbs.COUNTERS])
+                _kernel_ops.normalise_limbs(summed[:state.shape[0] - _limbs.COUNTERS])
                 start += state.numel() + 1
         self.last_sent = {"payload_bytes": whole.numel() * 8, "header_bytes": 0}
         return whole_state, elements

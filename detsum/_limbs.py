@@ -1,7 +1,7 @@
-"""The exact state of a running sum, in torch integer ops (any device): add terms, round. On
-CPU (the numba backend) ``add_terms`` and ``round_state`` run kernels that compute the same
-integers per element in one pass (``kernels/numba/exact_state.py``); these torch operations
-run everywhere else, and under ``detsum.backend("reference")``.
+"""The exact state of a running sum, in torch integer ops (any device): add terms, normalise,
+round. On CPU, under the numba backend, kernels compute the same integers per element in one
+pass (``kernels/numba/exact_state.py``); ``detsum._kernel_ops`` picks which runs, and the
+consumers call it, not these functions, for those three steps.
 
 Layout and limits are those of ``detsum.kernels`` (EXACT STATE): a sum is an integer ``N`` of
 units (``2**-149`` for fp32 terms, ``2**-1074`` for fp64 terms) in int64 limbs of ``LIMB_BITS``
@@ -22,17 +22,16 @@ from __future__ import annotations
 
 import torch
 
-from detsum.backend import current_backend
-from detsum.kernels import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
+from detsum.modes import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
 
 COUNTERS = 4
 NAN, POS_INF, NEG_INF, NOT_NEG_ZERO = range(COUNTERS)
 _DIGIT = (1 << LIMB_BITS) - 1
 
 #: (precision, smallest quantum in units) of each dtype's rounding, and each acc type's unit.
-_TARGETS = {torch.bfloat16: (8, 16), torch.float16: (11, 125), torch.float32: (24, 0),
-            torch.float64: (53, 0)}
-_UNIT_EXPONENT = {torch.float32: -149, torch.float64: -1074}
+ROUNDING_TARGETS = {torch.bfloat16: (8, 16), torch.float16: (11, 125),
+                    torch.float32: (24, 0), torch.float64: (53, 0)}
+UNIT_EXPONENT = {torch.float32: -149, torch.float64: -1074}
 
 #: Terms decomposed per step: bounds the int64 temporaries (about 8 of this many elements).
 _STEP_ELEMENTS = 1 << 22
@@ -48,24 +47,11 @@ def new_state(numel: int, acc_dtype: torch.dtype, device: torch.device) -> torch
                        device=device)
 
 
-def _on_numba(state: torch.Tensor) -> bool:
-    """Whether the CPU kernels (kernels/numba/exact_state.py: the same integers, per element in
-    one pass) do the work; elsewhere, and under ``detsum.backend("reference")``, these torch
-    operations do."""
-    return (state.device.type == "cpu"
-            and current_backend("cpu", "detsum exact state") == "numba")
-
-
 def add_terms(state: torch.Tensor, terms: torch.Tensor) -> None:
     """Add ``terms`` ``[k, numel]`` (fp32 or fp64, the acc type) into ``state``, in place, and
     normalise it. ``k`` may be anything: the terms go in steps of at most
     ``MAX_TERMS_PER_STATE`` rows, each followed by a normalisation. ``state`` may be a slice
     of columns of a larger state (the elements of one parameter among many)."""
-    if _on_numba(state):
-        from detsum.kernels.numba import exact_state
-
-        exact_state.add_terms(state, terms)
-        return
     numel = state.shape[1]
     n_limbs = state.shape[0] - COUNTERS
     rows_per_step = max(1, min(MAX_TERMS_PER_STATE, _STEP_ELEMENTS // max(numel, 1)))
@@ -117,11 +103,6 @@ def _add_step(state: torch.Tensor, n_limbs: int, terms: torch.Tensor) -> None:
 def normalise(limbs: torch.Tensor) -> None:
     """Carry every limb (row) but the last into [0, 2**LIMB_BITS), in place; the value is
     unchanged."""
-    if _on_numba(limbs):
-        from detsum.kernels.numba import exact_state
-
-        exact_state.normalise(limbs)
-        return
     for i in range(limbs.shape[0] - 1):
         carry = limbs[i] >> LIMB_BITS  # arithmetic shift: floor division
         limbs[i] &= _DIGIT
@@ -168,12 +149,6 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
 
     ``count`` must be at most ``MAX_TERMS_PER_STATE`` (the long division keeps its remainder
     times 2**32 in an int64)."""
-    if _on_numba(state):
-        from detsum.kernels.numba import exact_state
-
-        precision, min_quantum = _TARGETS[dtype]
-        return exact_state.round_state(state, precision, min_quantum,
-                                       _UNIT_EXPONENT[acc_dtype], count).to(dtype)
     n_limbs = state.shape[0] - COUNTERS
     limbs = state[:n_limbs].clone()
     counters = state[n_limbs:]
@@ -197,7 +172,7 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
         half_below = (fraction >> (LIMB_BITS - 1)) != 0
         sticky_below = (((fraction & ((1 << (LIMB_BITS - 1)) - 1)) != 0)
                         | ((remainder << LIMB_BITS) % count != 0))
-    precision, min_quantum = _TARGETS[dtype]
+    precision, min_quantum = ROUNDING_TARGETS[dtype]
     nonzero = limbs != 0
     positions = torch.arange(n_limbs, device=limbs.device).unsqueeze(1).expand_as(limbs)
     top = torch.where(nonzero, positions, -1).amax(0)
@@ -218,7 +193,7 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
     sticky = torch.where(at_unit, sticky_below, half_below | sticky_below | own | under)
     round_up = half & (sticky | ((significand & 1) != 0))
     significand = significand + round_up.long()
-    magnitude = _scale(significand.double(), quantum + _UNIT_EXPONENT[acc_dtype])
+    magnitude = _scale(significand.double(), quantum + UNIT_EXPONENT[acc_dtype])
     value = torch.where(negative, -magnitude, magnitude)
     value = torch.where(counters[NOT_NEG_ZERO] == 0, -0.0, value)  # every term was -0.0
     value = torch.where(counters[NEG_INF] > 0, -torch.inf, value)

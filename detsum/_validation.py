@@ -13,8 +13,7 @@ import operator
 
 import torch
 
-from detsum.kernels import MAX_TERMS_PER_STATE
-from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES
+from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE
 
 
 class IndexOutOfRangeError(IndexError, RuntimeError):

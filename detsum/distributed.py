@@ -34,9 +34,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from detsum import _limbs, _segments
-from detsum.kernels import EXACT_LIMBS, LIMB_BITS
-from detsum.modes import Mode
+from detsum import _kernel_ops, _limbs, _segments, _wire
+from detsum.modes import EXACT_LIMBS, Mode
 from detsum.ops.running_sum import RunningSum
 
 __all__ = ["all_reduce_"]
@@ -114,11 +113,10 @@ def _raise_disagreement(caller: str, group, fields: dict) -> None:
                      f"same detsum and Python versions")
 
 
-#: A rank's own header values (``_Outgoing.header``, the maxima over its states): the window
-#: of limbs in use (its top, minus its bottom), then for each counter its largest value and
-#: its largest negated value.
+#: A rank's own header values (the maxima over its states of ``_wire.Outgoing.header``): the
+#: window of limbs in use (its top, minus its bottom), then for each counter its largest value
+#: and its largest negated value.
 _LOCAL_VALUES = 2 + 2 * _limbs.COUNTERS
-_ALL_ONES = (1 << LIMB_BITS) - 1
 
 _FINGERPRINT_BYTES = 8
 #: The most limb rows a state has (an fp64 one).
@@ -179,126 +177,7 @@ def fail_together(caller: str, group, fields: dict, error: Exception) -> NoRetur
     raise error
 
 
-def _lowest_row_in_use(limbs: torch.Tensor) -> int:
-    """The lowest limb (row) nonzero in any element; the limb count when there is none."""
-    for i in range(limbs.shape[0]):
-        if int(torch.count_nonzero(limbs[i])):  # several times faster than any() on CPU
-            return i
-    return limbs.shape[0]
-
-
-def _highest_row_beyond_sign(limbs: torch.Tensor, negative: torch.Tensor, bottom: int) -> int:
-    """The highest limb (row) where some element differs from what its sign alone puts there
-    (0 above a nonnegative value; all ones, and -1 in the last limb, above a negative one);
-    ``bottom - 1`` when none does."""
-    last = limbs.shape[0] - 1
-    fill = negative.long() * _ALL_ONES
-    for i in range(last, bottom - 1, -1):
-        if not torch.equal(limbs[i], -negative.long() if i == last else fill):
-            return i
-    return bottom - 1
-
-
-class _Outgoing:
-    """One exact state as this rank sends it: the digits of its value in sign-magnitude form,
-    ``sign * |value|``'s limbs, in the rows ``[first, first + len(digits))`` that hold any;
-    its counters; and its part of the header.
-
-    Why sign-magnitude: a negative value's normalised limbs are its two's complement, all ones
-    above its magnitude; its magnitude's limbs are zero there, as a positive value's are, so a
-    gradient's limbs in use are a few rows (two or three for fp32 gradients). Every digit is
-    below ``2**32`` in magnitude, so a sum of fewer than ``2**31`` of them stays within int64.
-
-    With ``kernels`` (a CPU state and payload under the numba backend, see :func:`_outgoing`),
-    ``kernels/numba/wire.py`` finds the header values here, in one pass over the state, and
-    writes the digits and counters in another: the same integers. These torch operations run
-    everywhere else, and under ``detsum.backend("reference")``."""
-
-    def __init__(self, state: torch.Tensor, count: int, *, kernels: bool):
-        self.state, self.count, self.kernels = state, count, kernels
-        n_limbs = state.shape[0] - _limbs.COUNTERS
-        self.n_limbs = n_limbs
-        if kernels:
-            from detsum.kernels.numba import wire
-
-            self._header = wire.scan(state, count)
-            return
-        limbs = state[:n_limbs]
-        bottom = _lowest_row_in_use(limbs)
-        self.first, self.digits = bottom, limbs[:0]
-        if bottom < n_limbs:
-            negative = limbs[-1] < 0
-            # A multiply by the sign: torch.where with a broadcast condition is several times
-            # slower on CPU.
-            sign = 1 - 2 * negative.long()
-            last = min(_highest_row_beyond_sign(limbs, negative, bottom) + 1, n_limbs - 1)
-            # The limbs above `last` hold the sign alone: worth -2**(32 * (last + 1)) for a
-            # negative value, nothing for the others. One more row stands for them.
-            extra = 1 if last < n_limbs - 1 else 0
-            magnitude = torch.empty((last + 1 - bottom + extra, state.shape[1]),
-                                    dtype=torch.int64, device=state.device)
-            torch.mul(limbs[bottom:last + 1], sign, out=magnitude[:last + 1 - bottom])
-            if extra:
-                magnitude[-1] = negative
-            _limbs.normalise(magnitude)
-            used = torch.count_nonzero(magnitude, dim=1).nonzero().flatten().tolist()
-            self.first = bottom + used[0]
-            self.digits = magnitude[used[0]:used[-1] + 1] * sign
-        # -0.0 terms are rare, so the count of terms other than -0.0 goes as its complement,
-        # zero where every term was something else: when it is zero on every rank, and no
-        # rank saw NaN or an infinity, no counter goes on the wire.
-        self.complement = count - state[n_limbs + _limbs.NOT_NEG_ZERO]
-
-    def counter(self, k: int) -> torch.Tensor:
-        """Counter ``k`` as it goes on the wire."""
-        return self.complement if k == _limbs.NOT_NEG_ZERO else self.state[self.n_limbs + k]
-
-    def header(self) -> list[int]:
-        """top, minus bottom, then per counter its maximum and the maximum of its negation."""
-        if self.kernels:
-            return self._header
-        values = [self.first + self.digits.shape[0] - 1 if self.digits.shape[0] else -1,
-                  -(self.first if self.digits.shape[0] else self.n_limbs)]
-        for k in range(_limbs.COUNTERS):
-            row = self.counter(k)
-            if row.numel() and int(torch.count_nonzero(row)):  # mostly zero: one fast pass
-                smallest, largest = torch.aminmax(row)
-                values += [int(largest), -int(smallest)]
-            else:
-                values += [0, 0]
-        return values
-
-    def write(self, part: torch.Tensor, layout: _Wire) -> None:
-        """This state's part of the payload (``layout.size`` int64): its count, its digits in
-        the window, the counters that go."""
-        if self.kernels:
-            from detsum.kernels.numba import wire
-
-            wire.encode(self.state, self.count, part.numpy(), layout.bottom,
-                        layout.rows(self.n_limbs), layout.kinds, layout.fields, layout.bits)
-            return
-        part[0] = self.count
-        window, counters = layout.split(part, self.n_limbs, self.state.shape[1])
-        start = self.first - layout.bottom
-        stop = start + self.digits.shape[0]
-        window[:start].zero_()
-        window[start:stop] = self.digits
-        window[stop:].zero_()
-        for q, k in enumerate(layout.kinds):
-            counters[q] = (self.counter(k) if layout.fields == 1
-                           else _pack(self.counter(k), layout.fields, layout.bits))
-
-
-def _outgoing(states: Sequence[tuple[torch.Tensor, int]]) -> list[_Outgoing]:
-    """This rank's states as it sends them. The payload goes on the first state's device;
-    where that is the CPU, the kernels do the work of every CPU state under the numba backend
-    (``_limbs._on_numba``)."""
-    on_cpu = bool(states) and states[0][0].device.type == "cpu"
-    return [_Outgoing(state, count, kernels=on_cpu and _limbs._on_numba(state))
-            for state, count in states]
-
-
-def _local_header(outgoing: Sequence[_Outgoing]) -> torch.Tensor:
+def _local_header(outgoing: Sequence[_wire.Outgoing]) -> torch.Tensor:
     """This rank's header values (``_LOCAL_VALUES``): the maxima over its states."""
     values = ([max(column) for column in zip(*(o.header() for o in outgoing))] if outgoing
               else [-1, 0] + [0] * (_LOCAL_VALUES - 2))  # no states: an empty window
@@ -313,39 +192,6 @@ def _summable(local: Sequence[int]) -> list[int]:
     top, bottom = local[0], -local[1]
     return ([int(bottom <= row <= top) for row in range(_MAX_ROWS)]
             + [max(value, 0) for value in local[2:]])
-
-
-def _pack(values: torch.Tensor, fields: int, bits: int) -> torch.Tensor:
-    """Nonnegative ``values`` (1-D), ``fields`` to an int64 of ``bits`` bits each."""
-    lanes = -(-values.numel() // fields)
-    padded = torch.zeros(lanes * fields, dtype=torch.int64, device=values.device)
-    padded[:values.numel()] = values
-    shifts = torch.arange(fields, device=values.device) * bits
-    # The fields' bits are disjoint: the sum is an OR, exact.
-    return (padded.view(lanes, fields) << shifts).sum(1)
-
-
-def _unpack(lanes: torch.Tensor, fields: int, bits: int, numel: int) -> torch.Tensor:
-    shifts = torch.arange(fields, device=lanes.device) * bits
-    return ((lanes.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
-
-
-def _carry_out(limbs: torch.Tensor, above: int) -> None:
-    """Normalise ``limbs`` whose rows below ``above`` are normalised but for the last of them,
-    which holds the rest of the value (any int64), and whose rows from ``above`` up hold
-    anything: they are overwritten with that rest's carry, in normalised form."""
-    last = limbs.shape[0] - 1
-    if above > last:
-        return
-    rest = limbs[above - 1] >> LIMB_BITS  # below 2**31 in magnitude: an int64 shifted by 32
-    limbs[above - 1] &= _ALL_ONES
-    if above == last:
-        limbs[last] = rest
-        return
-    sign = rest >> LIMB_BITS  # -1 or 0
-    limbs[above] = rest & _ALL_ONES
-    limbs[above + 1:last] = (sign & _ALL_ONES).unsqueeze(0)
-    limbs[last] = sign
 
 
 #: What an int64 that nothing wrote holds under test (``_segments.POISON_OUTPUTS``).
@@ -364,7 +210,7 @@ class _Wire:
     limb rows ``[bottom, top]`` that every state's digits go in, the counters that go
     (``kinds``: those that some rank needs), and their packing (``fields`` to an int64, of
     ``bits`` bits each). A state's part of the payload is its row count, its digits in the
-    window row by row, then each counter of ``kinds`` in lanes."""
+    window row by row, then each counter of ``kinds`` in lanes (``detsum._wire``)."""
 
     def __init__(self, sums: Sequence[int]):
         """``sums``: the sums over the ranks of their :func:`_summable` values."""
@@ -394,30 +240,22 @@ class _Wire:
     def size(self, n_limbs: int, numel: int) -> int:
         return 1 + self.rows(n_limbs) * numel + len(self.kinds) * self.lanes(numel)
 
-    def split(self, part: torch.Tensor, n_limbs: int, numel: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A state's ``part`` of the payload as its window ``[rows, numel]`` and its counters
-        ``[len(kinds), lanes]`` (views)."""
-        rows = self.rows(n_limbs)
-        return (part[1:1 + rows * numel].view(rows, numel),
-                part[1 + rows * numel:].view(len(self.kinds), self.lanes(numel)))
-
-    def encode(self, outgoing: Sequence[_Outgoing]) -> torch.Tensor:
+    def encode(self, outgoing: Sequence[_wire.Outgoing]) -> torch.Tensor:
         """The payload of ``outgoing``, this rank's states."""
         sizes = [self.size(o.n_limbs, o.state.shape[1]) for o in outgoing]
         device = outgoing[0].state.device if outgoing else torch.device("cpu")
         payload = _unwritten(torch.empty(sum(sizes), dtype=torch.int64, device=device))
         offset = 0
         for o, size in zip(outgoing, sizes):
-            o.write(payload[offset:offset + size], self)
+            o.write(payload[offset:offset + size], self.bottom, self.rows(o.n_limbs),
+                    self.kinds, self.fields, self.bits)
             offset += size
         return payload
 
-    def decode(self, payload: torch.Tensor, outgoing: Sequence[_Outgoing],
+    def decode(self, payload: torch.Tensor, outgoing: Sequence[_wire.Outgoing],
                out: Sequence[torch.Tensor] | None) -> list[tuple[torch.Tensor, int]]:
         """The states and total counts that ``payload``, a sum of every rank's, holds: into
-        ``out`` or new tensors. ``outgoing``: this rank's states (their shapes); the kernels
-        decode the states that they encoded (``_Outgoing.kernels``), in one pass each."""
+        ``out`` or new tensors. ``outgoing``: this rank's states (their shapes)."""
         offsets, offset = [], 0
         for o in outgoing:
             offsets.append(offset)
@@ -428,37 +266,10 @@ class _Wire:
             numel, n_limbs = o.state.shape[1], o.n_limbs
             summed = _unwritten(torch.empty_like(o.state)) if out is None else out[i]
             part = payload[offset:offset + self.size(n_limbs, numel)]
-            if o.kernels and summed.device.type == "cpu":
-                from detsum.kernels.numba import wire
-
-                wire.decode(part.numpy(), self.bottom, self.rows(n_limbs), self.kinds,
-                            self.fields, self.bits, total, summed)
-            else:
-                self._decode(part, total, summed)
+            _kernel_ops.decode_state(part, self.bottom, self.rows(n_limbs), self.kinds,
+                                     self.fields, self.bits, total, summed)
             results.append((summed, total))
         return results
-
-    def _decode(self, part: torch.Tensor, total: int, summed: torch.Tensor) -> None:
-        """A state's ``part`` of the summed payload, of ``total`` rows, into ``summed``."""
-        n_limbs, numel = summed.shape[0] - _limbs.COUNTERS, summed.shape[1]
-        window, counters = self.split(part, n_limbs, numel)
-        rows = self.rows(n_limbs)
-        if rows:
-            # Below the window every rank's limbs are zero; above it, the carries of the sum.
-            summed[:self.bottom] = 0
-            limbs = summed[self.bottom:self.bottom + rows]
-            limbs.copy_(window)
-            _limbs.normalise(limbs)
-            _carry_out(summed[:n_limbs], self.bottom + rows)
-        else:
-            summed[:n_limbs] = 0  # no rank has a digit in this state's limbs
-        summed[n_limbs:] = 0
-        for q, k in enumerate(self.kinds):
-            summed[n_limbs + k] = (counters[q] if self.fields == 1
-                                   else _unpack(counters[q], self.fields, self.bits, numel))
-        # What went on the wire was the complement (or nothing, where it was zero everywhere).
-        not_neg_zero = summed[n_limbs + _limbs.NOT_NEG_ZERO]
-        not_neg_zero.copy_(total - not_neg_zero)
 
 
 def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]],
@@ -493,7 +304,7 @@ def sum_over_ranks(caller: str, group, states: Sequence[tuple[torch.Tensor, int]
         # Integer addition, as for the payload below.
         _, totals = _exchange(caller, group, fields, header, room_values=len(states))
         return _read_whole(room, states, totals, out)
-    outgoing = _outgoing(states)
+    outgoing = _kernel_ops.outgoing_states(states)
     header = _new_header(fields, device, _summable(_local_header(outgoing).tolist()))
     layout = _Wire(_exchange(caller, group, fields, header)[0])
     payload = layout.encode(outgoing)
@@ -529,7 +340,7 @@ def _read_whole(room: torch.Tensor, states: Sequence[tuple[torch.Tensor, int]],
     for i, ((state, _), total) in enumerate(zip(states, totals)):
         summed = _unwritten(torch.empty_like(state)) if out is None else out[i]
         summed.copy_(room[offset:offset + state.numel()].view(state.shape))
-        _limbs.normalise(summed[:state.shape[0] - _limbs.COUNTERS])
+        _kernel_ops.normalise_limbs(summed[:state.shape[0] - _limbs.COUNTERS])
         results.append((summed, total))
         offset += state.numel()
     return results

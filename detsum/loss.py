@@ -26,10 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from detsum import _limbs, _segments, _transforms, _validation, distributed
-from detsum.kernels import MAX_TERMS_PER_STATE
-from detsum.modes import Mode, acc_dtype, parse_ordered_mode
-from detsum.ops.running_sum import RunningSum, add_exact_products
+from detsum import _kernel_ops, _limbs, _segments, _transforms, _validation, distributed
+from detsum.modes import MAX_TERMS_PER_STATE, Mode, acc_dtype, parse_ordered_mode
+from detsum.ops.running_sum import RunningSum
 from detsum.ops.segment_sum import call_segment_sum
 
 __all__ = ["GradAccumulator", "OuterProducts", "batch_grad", "per_sample_grads", "reduce"]
@@ -72,7 +71,7 @@ class _ExactSum(torch.autograd.Function):
     @staticmethod
     def forward(rows, dtype, mean, caller, group, fields):
         state = _limbs.new_state(rows.shape[1], rows.dtype, rows.device)
-        _limbs.add_terms(state, rows)
+        _kernel_ops.add_exact_terms(state, rows)
         total = rows.shape[0]
         if group is not None:
             [(state, total)] = distributed.sum_over_ranks(caller, group, [(state, total)],
@@ -84,7 +83,8 @@ class _ExactSum(torch.autograd.Function):
                 raise ValueError(f"{caller}: an exact mean of {total} losses over the group; "
                                  f"mode='exact' divides by at most {MAX_TERMS_PER_STATE} "
                                  f"(reduce the sum, or average partial means)")
-        return _limbs.round_state(state, rows.dtype, dtype, total if mean else None), total
+        return (_kernel_ops.round_exact_state(state, rows.dtype, dtype, total if mean else None),
+                total)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -804,15 +804,16 @@ class _ExactColumns:
     def add(self, name: str, rows: torch.Tensor | OuterProducts) -> None:
         start, stop, _ = self.columns[name]
         if isinstance(rows, OuterProducts):
-            add_exact_products(self.state[:, start:stop], rows.left, rows.right, self.acc)
+            _kernel_ops.add_exact_outer_products(self.state[:, start:stop], rows.left,
+                                                 rows.right, self.acc)
         else:
-            _limbs.add_terms(self.state[:, start:stop],
-                             rows.reshape(rows.shape[0], stop - start).to(self.acc))
+            _kernel_ops.add_exact_terms(self.state[:, start:stop],
+                                        rows.reshape(rows.shape[0], stop - start).to(self.acc))
 
     def split(self, state: torch.Tensor, count: int | None) -> dict[str, torch.Tensor]:
         """``state`` (this block's, or its sum over ranks) rounded once to the dtype (divided
         by ``count`` first, exactly, where given), one view per parameter."""
-        values = _limbs.round_state(state, self.acc, self.dtype, count)
+        values = _kernel_ops.round_exact_state(state, self.acc, self.dtype, count)
         return {name: values[start:stop].view(shape)
                 for name, (start, stop, shape) in self.columns.items()}
 

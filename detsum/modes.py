@@ -41,6 +41,17 @@ MODE_BY_NAME: dict[str, Mode] = {m.value: m for m in Mode}
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
+# The numbers of the modes' arithmetic that code outside the kernels needs; the kernels, which
+# compute that arithmetic, define them (see ``detsum.kernels``). The chunk length of the
+# canonical order of "fp32" and "kahan" (part of the determinism contract):
+CHUNK_TERMS = kernels.CHUNK_TERMS
+# The exact state of "exact": limbs of LIMB_BITS bits, EXACT_LIMBS of them per element ("fp32"
+# units for fp32-family data, "fp64" units for fp64), and the terms a normalised state absorbs
+# (also the largest count an exact mean divides by):
+LIMB_BITS = kernels.LIMB_BITS
+EXACT_LIMBS = kernels.EXACT_LIMBS
+MAX_TERMS_PER_STATE = kernels.MAX_TERMS_PER_STATE
+
 
 def parse_mode(mode: object, *, caller: str) -> Mode:
     """Return the Mode for ``mode`` (a string or a Mode) or raise ValueError naming the choices."""

@@ -40,10 +40,8 @@ import math
 
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation
-from detsum.backend import current_backend
-from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
-from detsum.modes import Mode, acc_dtype, parse_mode
+from detsum import _dispatch, _kernel_ops, _segments, _transforms, _validation
+from detsum.modes import CHUNK_TERMS, Mode, acc_dtype, parse_mode
 from detsum.ops.segment_sum import call_segment_sum
 
 __all__ = ["Routing", "permute", "route", "unpermute"]
@@ -463,70 +461,12 @@ def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor,
     return y * position_weights.to(acc_dtype(out_dtype)).view(shape)
 
 
-#: The weighted unpermute's products, per block of tokens, on CPU (about 2 MB: they stay in
-#: the cache between the multiply and the sum). One buffer of all products was a pass through
-#: memory each way (512 MB at T=16384, top-8, H=1024) and made the forward 1.6x and the
-#: backward 3.8x the naive composition.
-_PRODUCT_BLOCK_BYTES = 1 << 21
-
-
 def _blocked(device: torch.device, acc_mode: str) -> bool:
     """Whether the weighted unpermute runs by blocks of tokens: on CPU, where the cache is what
     a pass through memory costs, and for "fp32"/"kahan" ("autograd" is torch's own
     composition). Each token's sum and each row's dot product involve its own rows only, so
     the blocks give the same bits as one pass."""
     return device.type == "cpu" and acc_mode != Mode.AUTOGRAD.value
-
-
-def _rows_per_block(features: int, acc: torch.dtype) -> int:
-    return max(1, _PRODUCT_BLOCK_BYTES // (max(1, features) * acc.itemsize))
-
-
-def _segment_sum_body(rows: torch.Tensor, offsets: torch.Tensor, dim: int,
-                      acc_mode: str) -> torch.Tensor:
-    # The operator's body, called within this operator's own body: the dispatcher has done its
-    # work once already, and a block costs about what a dispatch does. The offsets are built
-    # here, right by construction: nothing to check, nothing read back.
-    from detsum.ops.segment_sum import _segment_sum
-
-    return _segment_sum(rows, offsets, dim, None, acc_mode, "off")
-
-
-def _fused_rule(y: torch.Tensor, acc: torch.dtype, acc_mode: str) -> int | None:
-    """The rule of the fused kernels (kernels/numba/weighted.py: the products consumed where
-    they are made, the bits of the blocks below), or None where they do not apply: another
-    backend, "exact", or an acc type wider than y's own (fp32 rows with fp64 weights)."""
-    if (acc_mode not in (Mode.FP32.value, Mode.KAHAN.value) or acc != acc_dtype(y.dtype)
-            or current_backend(y.device.type, "detsum.moe.unpermute") != "numba"):
-        return None
-    return KAHAN if acc_mode == Mode.KAHAN.value else WIDE
-
-
-def _weighted_sum_by_blocks(y: torch.Tensor, positions: torch.Tensor,
-                            slot_weights: torch.Tensor, topk: int, out_dtype: torch.dtype,
-                            acc_mode: str) -> torch.Tensor:
-    """out[t] = the sum over k of RN_acc(acc(y[positions[t * topk + k]]) * acc(w[t, k])), in
-    order of k, per block of tokens: the products of ``_weighted_rows`` and the sum of
-    ``segment_sum``, block by block."""
-    acc = acc_dtype(out_dtype)
-    rule = _fused_rule(y, acc, acc_mode)
-    if rule is not None and topk <= CHUNK_TERMS:
-        from detsum.kernels.numba.weighted import gather_scale_sum
-
-        return gather_scale_sum(y, positions, slot_weights.to(acc), topk, rule)
-    num_tokens = positions.numel() // topk
-    features = math.prod(y.shape[1:])
-    tokens_per_block = max(1, _rows_per_block(features, acc) // topk)
-    weights_acc = slot_weights.to(acc).view((-1,) + (1,) * (y.dim() - 1))
-    offsets = _token_offsets(min(tokens_per_block, num_tokens), topk, y.device)
-    out = torch.empty((num_tokens,) + tuple(y.shape[1:]), dtype=acc, device=y.device)
-    for t0 in range(0, num_tokens, tokens_per_block):
-        t1 = min(num_tokens, t0 + tokens_per_block)
-        slots = slice(t0 * topk, t1 * topk)
-        # Converting first is exact; the multiply then rounds once in acc, as y * w_acc does.
-        products = y.index_select(0, positions[slots]).to(acc).mul_(weights_acc[slots])
-        out[t0:t1] = _segment_sum_body(products, offsets[:t1 - t0 + 1], 0, acc_mode)
-    return out
 
 
 @torch.library.custom_op("detsum::moe_unpermute", mutates_args=())
@@ -557,8 +497,8 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
     if acc_mode == Mode.AUTOGRAD.value:
         return _naive_combination(y, positions, topk, slot_weights)
     if weights is not None and _blocked(y.device, acc_mode):
-        return _weighted_sum_by_blocks(y, positions, slot_weights, topk, out_dtype,
-                                       acc_mode).to(out_dtype)
+        return _kernel_ops.weighted_token_sums(y, positions, slot_weights, topk, out_dtype,
+                                               acc_mode).to(out_dtype)
     rows = y
     if weights is not None:
         rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype)
@@ -604,7 +544,7 @@ def _unpermute_backward(ctx, grad):
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
     if _blocked(y.device, ctx.acc_mode):
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
-        gradients = (_weighted_gradients_by_blocks
+        gradients = (_kernel_ops.weighted_gradients
                      if _dispatch.direct_call_ok(grad, y, tokens, position_weights)
                      else call_weighted_backward_by_blocks)
         grad_y, dots = gradients(grad, y, tokens, position_weights, ctx.acc_mode)
@@ -635,50 +575,13 @@ def _unpermute_backward(ctx, grad):
             *_NO_MORE_GRADIENTS)
 
 
-def _weighted_gradients_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
-                                  position_weights: torch.Tensor, acc_mode: str
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_y, dots) of ``_unpermute_backward``, per block of permuted rows: the same
-    elementwise products and per-row sums, never more than a block of them in memory. The
-    body of ``_weighted_backward_by_blocks``."""
-    acc = acc_dtype(grad.dtype)
-    features = math.prod(y.shape[1:])
-    rows_per_block = _rows_per_block(features, acc)
-    scale_shape = (-1,) + (1,) * (grad.dim() - 1)
-    grad_y = torch.empty_like(y, memory_format=torch.contiguous_format)
-    rule = _fused_rule(y, acc, acc_mode)
-    if rule is not None:
-        from detsum.kernels.numba.weighted import row_dots
-
-        for p0 in range(0, y.shape[0], rows_per_block):
-            block = slice(p0, min(y.shape[0], p0 + rows_per_block))
-            grad_y[block] = (grad.index_select(0, tokens[block])
-                             * position_weights[block].view(scale_shape))
-        return grad_y, row_dots(grad.to(acc), tokens, y, rule)
-    dots = torch.empty(y.shape[0], dtype=acc, device=y.device)
-    one_segment = _segments.one_segment(features, y.device)
-    for p0 in range(0, y.shape[0], rows_per_block):
-        block = slice(p0, min(y.shape[0], p0 + rows_per_block))
-        grad_rows = grad.index_select(0, tokens[block])
-        # The product in grad's dtype, then (the copy) rounded to y's, as in one pass.
-        grad_y[block] = grad_rows * position_weights[block].view(scale_shape)
-        # (The row count spelled out: a reshape to -1 is ambiguous when there are no features.)
-        products = grad_rows.to(acc).mul_(y[block]).reshape(grad_rows.shape[0], features)
-        # Feature-major, each row's sum over its features is a sum of contiguous rows, which
-        # the kernel reads in place: 0.8 ns a product with the transposing copy, against 1.6
-        # for the kernel's strided read of row-major products (one element per cache line).
-        dots[block] = _segment_sum_body(products.T.contiguous(), one_segment, 0,
-                                        acc_mode).view(-1)
-    return grad_y, dots
-
-
 @torch.library.custom_op("detsum::moe_unpermute_weighted_backward", mutates_args=())
 def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
                                  position_weights: torch.Tensor, acc_mode: str
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """An operator of its own, so that a compiled backward sees one call, not a loop of
     blocks."""
-    return _weighted_gradients_by_blocks(grad, y, tokens, position_weights, acc_mode)
+    return _kernel_ops.weighted_gradients(grad, y, tokens, position_weights, acc_mode)
 
 
 @_weighted_backward_by_blocks.register_fake

@@ -71,7 +71,7 @@ from fractions import Fraction
 import torch
 
 import detsum
-from detsum import reference
+from detsum import _kernel_ops, reference
 
 PRIMITIVES: tuple[str, ...] = ("segment_sum", "index_add", "scatter_reduce")
 DTYPES: dict[str, torch.dtype] = {
@@ -569,7 +569,7 @@ def numba_threads(n: int | None):
         return
     import numba
 
-    import detsum.kernels.numba  # noqa: F401  (starts Numba's threads, torch's kept)
+    _kernel_ops.load_cpu_kernels()
 
     previous = numba.get_num_threads()
     numba.set_num_threads(n)
@@ -623,7 +623,7 @@ def report_row(primitive: str, mode: str, dtype_name: str, cases: dict[str, Case
     if device.type == "cpu":
         import numba
 
-        import detsum.kernels.numba  # noqa: F401  (starts Numba's threads, torch's kept)
+        _kernel_ops.load_cpu_kernels()
 
         n = numba.get_num_threads()
         row["deterministic"] = three_runs_equal(dfn, (n, 1, n))
@@ -739,7 +739,7 @@ def _version(name: str) -> str:
 def environment(device: torch.device) -> dict:
     import numba
 
-    import detsum.kernels.numba  # noqa: F401  (starts Numba's threads, torch's kept)
+    _kernel_ops.load_cpu_kernels()
 
     env = {
         "device": str(device),

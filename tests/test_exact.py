@@ -16,7 +16,7 @@ import torch
 
 import detsum
 from detsum import kernels, reference
-from detsum.kernels.numba import segment as numba_segment
+from detsum.kernels.numba import common as numba_common
 from conftest import DTYPES, assert_same_bits, dtype_id
 
 BACKENDS = ("numba", "reference")
@@ -270,7 +270,7 @@ def test_any_order_of_the_terms_gives_the_same_bits(backend, dtype):
 @pytest.mark.parametrize("min_block_elements", (1, None), ids=("64-blocks-a-thread", "default"))
 def test_same_bits_for_any_thread_count(min_block_elements, monkeypatch):
     if min_block_elements is not None:
-        monkeypatch.setattr(numba_segment, "_MIN_BLOCK_ELEMENTS", min_block_elements)
+        monkeypatch.setattr(numba_common, "_MIN_BLOCK_ELEMENTS", min_block_elements)
     src = whole_range((5000, 33), torch.bfloat16, seed=31)
     g = torch.Generator().manual_seed(32)
     index = torch.randint(0, 50, (5000,), generator=g)

@@ -1,5 +1,5 @@
-"""kernels/numba/exact_state.py against detsum._limbs' torch operations: the same states after
-every addition, the same roundings of every state."""
+"""kernels/numba/exact_state.py against detsum._limbs' torch operations, as detsum._kernel_ops
+runs them: the same states after every addition, the same roundings of every state."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import detsum
 from conftest import assert_same_bits, dtype_id, make_data, terms_with_specials
-from detsum import _limbs
+from detsum import _kernel_ops, _limbs
 from detsum.kernels import MAX_TERMS_PER_STATE
 from detsum.kernels.numba import exact_state
 
@@ -29,13 +29,13 @@ def both_ways(function):
 def test_additions_give_the_states_of_the_torch_operations(acc, rows):
     numel = 37
     start = _limbs.new_state(numel, acc, torch.device("cpu"))
-    _limbs.add_terms(start, make_data((3, numel), acc, seed=rows, spread=True))
+    _kernel_ops.add_exact_terms(start, make_data((3, numel), acc, seed=rows, spread=True))
 
     def add():
         state = start.clone()
-        _limbs.add_terms(state, terms_with_specials(rows, numel, acc, seed=rows + 1))
+        _kernel_ops.add_exact_terms(state, terms_with_specials(rows, numel, acc, seed=rows + 1))
         # A slice of columns of a larger state, as GradAccumulator adds one parameter's.
-        _limbs.add_terms(state[:, 5:20], make_data((rows, 15), acc, seed=rows + 2))
+        _kernel_ops.add_exact_terms(state[:, 5:20], make_data((rows, 15), acc, seed=rows + 2))
         return state
 
     got, expected = both_ways(add)
@@ -55,7 +55,7 @@ def test_normalising_gives_the_limbs_of_the_torch_operations(acc):
 
     def normalised():
         limbs = state.clone()
-        _limbs.normalise(limbs[:n_limbs])
+        _kernel_ops.normalise_limbs(limbs[:n_limbs])
         return limbs
 
     got, expected = both_ways(normalised)
@@ -72,20 +72,20 @@ def test_roundings_give_the_values_of_the_torch_operations(acc):
     numel = 400
     state = _limbs.new_state(numel, acc, torch.device("cpu"))
     with detsum.backend("reference"):
-        _limbs.add_terms(state, terms_with_specials(40, numel, acc, seed=3))
+        _kernel_ops.add_exact_terms(state, terms_with_specials(40, numel, acc, seed=3))
         terms = make_data((2, numel), acc, seed=4, spread=True)
         cancel = torch.stack([terms[0], -terms[0] + torch.finfo(acc).smallest_normal * 3])
         cancelling = _limbs.new_state(numel, acc, torch.device("cpu"))
-        _limbs.add_terms(cancelling, cancel)
+        _kernel_ops.add_exact_terms(cancelling, cancel)
         all_negative_zero = _limbs.new_state(numel, acc, torch.device("cpu"))
-        _limbs.add_terms(all_negative_zero, torch.full((3, numel), -0.0, dtype=acc))
+        _kernel_ops.add_exact_terms(all_negative_zero, torch.full((3, numel), -0.0, dtype=acc))
     merged = state + cancelling  # not normalised
     for candidate in (state, cancelling, all_negative_zero, merged,
                       _limbs.new_state(numel, acc, torch.device("cpu"))):
         for dtype in ROUNDED[acc]:
             for count in (None, 1, 3, 40, MAX_TERMS_PER_STATE):
                 got, expected = both_ways(
-                    lambda: _limbs.round_state(candidate, acc, dtype, count))
+                    lambda: _kernel_ops.round_exact_state(candidate, acc, dtype, count))
                 assert_same_bits(got, expected)
 
 
@@ -100,8 +100,8 @@ def test_same_states_on_any_thread_count(acc, monkeypatch):
         for count in (1, 2):
             torch.set_num_threads(count)
             state = _limbs.new_state(numel, acc, torch.device("cpu"))
-            _limbs.add_terms(state, terms)
-            results.append((state, _limbs.round_state(state, acc, acc, 9)))
+            _kernel_ops.add_exact_terms(state, terms)
+            results.append((state, _kernel_ops.round_exact_state(state, acc, acc, 9)))
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0][0], results[1][0])

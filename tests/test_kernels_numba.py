@@ -16,7 +16,7 @@ import torch
 from detsum import kernels as K
 from detsum.kernels.numba.plan import check_sorted_offsets, counting_sort
 from detsum.kernels.numba.segment import segment_reduce
-from detsum.kernels.numba import segment as numba_segment
+from detsum.kernels.numba import common as numba_common
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 RULES = (K.WIDE, K.KAHAN, K.ROUND_EACH)
@@ -275,7 +275,7 @@ def test_thread_count_does_not_matter(dtype, rule, min_block_elements, monkeypat
     """Every schedule gives the same bits: one thread or several, few blocks (the default
     for this size) or as many as the kernel ever makes."""
     if min_block_elements is not None:
-        monkeypatch.setattr(numba_segment, "_MIN_BLOCK_ELEMENTS", min_block_elements)
+        monkeypatch.setattr(numba_common, "_MIN_BLOCK_ELEMENTS", min_block_elements)
     g = torch.Generator().manual_seed(11)
     index = torch.randint(0, 300, (5000,), generator=g)
     order, offsets, bad = counting_sort(index, 300)

@@ -10,7 +10,7 @@ import torch
 
 import detsum
 from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, run_docs_example
-from detsum import moe, reference
+from detsum import _kernel_ops, moe, reference
 
 HALF = (torch.float16, torch.bfloat16)
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -647,7 +647,7 @@ def test_weighted_unpermute_by_blocks_gives_the_bits_of_one_pass(
         return out, y_leaf.grad, w_leaf.grad
 
     with monkeypatch.context() as patch:
-        patch.setattr(moe, "_PRODUCT_BLOCK_BYTES", block_bytes)
+        patch.setattr(_kernel_ops, "_PRODUCT_BLOCK_BYTES", block_bytes)
         blocked = run()
     with monkeypatch.context() as patch:
         patch.setattr(moe, "_blocked", lambda device, acc_mode: False)

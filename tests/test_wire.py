@@ -11,12 +11,14 @@ decoded states are poisoned before anything writes them (conftest's ``poison_out
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import detsum
 from conftest import dtype_id, make_data, terms_with_specials
-from detsum import _limbs, distributed
+from detsum import _kernel_ops, _limbs, _wire, distributed
 from detsum.kernels import EXACT_LIMBS
 from detsum.kernels import numba as numba_kernels
 from detsum.kernels.numba import wire
@@ -31,8 +33,7 @@ NUMELS = (0, 1, 7, 3 * wire._BLOCK + 5)
 def exact_state(terms: torch.Tensor) -> torch.Tensor:
     """The exact state of ``terms`` ``[k, numel]`` (fp32 or fp64), from the torch operations."""
     state = _limbs.new_state(terms.shape[1], terms.dtype, CPU)
-    with detsum.backend("reference"):
-        _limbs.add_terms(state, terms)
+    _limbs.add_terms(state, terms)
     return state
 
 
@@ -111,30 +112,43 @@ def poisoned(states: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.full_like(state, distributed._POISON) for state in states]
 
 
+def on_the_kernels(kernels: bool):
+    """CPU states on the kernels (the numba backend, their default) or, where not
+    ``kernels``, on the torch operations."""
+    return contextlib.nullcontext() if kernels else detsum.backend("reference")
+
+
+def sent(states: list[tuple[torch.Tensor, int]], kernels: bool) -> list:
+    """``states`` as a rank sends them, on the kernels where ``kernels``."""
+    with on_the_kernels(kernels):
+        outgoing = _kernel_ops.outgoing_states(states)
+    assert all(o.kernels == kernels for o in outgoing)
+    return outgoing
+
+
 def over_ranks(ranks: list[list[tuple[torch.Tensor, int]]], kernels: list[bool],
                decode_with_kernels: bool, *, widen: list[int] | None = None):
     """sum_over_ranks for every rank of ``ranks`` (each a list of ``(state, count)``), in one
     process, rank ``r`` on the kernels where ``kernels[r]``: the header's sums (with
     ``widen``'s, as from another rank, where given), each rank's payload, and their sum
     decoded into poisoned tensors. Returns (the payloads, the decoded ``(state, count)``)."""
-    outgoing = [[distributed._Outgoing(state, count, kernels=k) for state, count in states]
-                for states, k in zip(ranks, kernels)]
+    outgoing = [sent(states, k) for states, k in zip(ranks, kernels)]
     headers = [distributed._local_header(o).tolist() for o in outgoing] + (
         [widen] if widen is not None else [])
     layout = distributed._Wire([sum(values) for values in
                                 zip(*map(distributed._summable, headers))])
     payloads = [layout.encode(o) for o in outgoing]
-    receiver = [distributed._Outgoing(state, count, kernels=decode_with_kernels)
-                for state, count in ranks[0]]
+    receiver = sent(ranks[0], decode_with_kernels)
     out = poisoned([state for state, _ in ranks[0]])
-    return payloads, layout.decode(torch.stack(payloads).sum(0), receiver, out)
+    with on_the_kernels(decode_with_kernels):
+        return payloads, layout.decode(torch.stack(payloads).sum(0), receiver, out)
 
 
 def test_the_kernels_run_on_cpu_under_numba_only():
     state = _limbs.new_state(3, torch.float32, CPU)
-    assert [o.kernels for o in distributed._outgoing([(state, 0)] * 2)] == [True, True]
+    assert [o.kernels for o in _kernel_ops.outgoing_states([(state, 0)] * 2)] == [True, True]
     with detsum.backend("reference"):
-        assert [o.kernels for o in distributed._outgoing([(state, 0)])] == [False]
+        assert [o.kernels for o in _kernel_ops.outgoing_states([(state, 0)])] == [False]
 
 
 @pytest.mark.parametrize("numel", NUMELS)
@@ -143,7 +157,7 @@ def test_the_kernels_run_on_cpu_under_numba_only():
 def test_header_values_are_the_torch_operations(acc, case, numel):
     state, rows = states_of(case, acc, numel, seed=numel)
     for count in (rows, rows + 3, 0):  # complements of every sign
-        expected = distributed._Outgoing(state, count, kernels=False).header()
+        expected = _wire.Outgoing(state, count).header()
         assert wire.scan(state, count) == expected, (case, count)
 
 
@@ -196,12 +210,13 @@ def test_counters_packed_for_any_number_of_ranks(ranks):
         state, count = states_of(case, torch.float32, numel, seed=ranks % 97)
         results = {}
         for kernels in (True, False):
-            o = [distributed._Outgoing(state, count, kernels=kernels)]
+            o = sent([(state, count)], kernels)
             # As if every rank had sent this state's header.
             layout = distributed._Wire([ranks * value for value in distributed._summable(
                 distributed._local_header(o).tolist())])
             payload = layout.encode(o)
-            [(summed, total)] = layout.decode(payload, o, poisoned([state]))
+            with on_the_kernels(kernels):
+                [(summed, total)] = layout.decode(payload, o, poisoned([state]))
             results[kernels] = payload, summed, total, (layout.fields, layout.bits)
         assert torch.equal(results[True][0], results[False][0]), case
         assert torch.equal(results[True][1], results[False][1]), case

@@ -17,85 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-from detsum import _limbs, _segments, _transforms, _validation, reference
-from detsum.backend import current_backend
-from detsum.kernels import CHUNK_TERMS, KAHAN, MAX_TERMS_PER_STATE, WIDE
-from detsum.modes import FLOAT_DTYPES, Mode, acc_dtype, parse_ordered_mode
+from detsum import _kernel_ops, _limbs, _transforms, _validation
+from detsum.modes import (CHUNK_TERMS, FLOAT_DTYPES, MAX_TERMS_PER_STATE, Mode, acc_dtype,
+                          parse_ordered_mode)
 
 __all__ = ["RunningSum"]
-
-
-def _resume(total: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tensor) -> None:
-    """Continue the running sum ``total`` (1-D, acc type; ``comp`` its Kahan compensation, or
-    None for a plain wide sum) over ``rows`` ``[n, total.numel()]``, in place."""
-    n = rows.shape[0]
-    if n == 0:
-        return
-    backend_name = current_backend(total.device.type, "detsum.RunningSum.add")
-    if backend_name == "reference":
-        s, c = reference.resume_sum(total, comp, list(rows))
-        total.copy_(s)
-        if comp is not None:
-            comp.copy_(c)
-        return
-    state3 = total.view(1, 1, -1)
-    _segments.launch(backend_name, rows.unsqueeze(0), None, _segments.one_segment(n, total.device),
-                     state3, state3, reduce="sum", rule=KAHAN if comp is not None else WIDE,
-                     alpha=1.0, include_base=True,
-                     carry3=None if comp is None else comp.view(1, 1, -1))
-
-
-#: Products formed at once where a backend has no kernel that forms them itself (elements).
-_PRODUCT_BLOCK = 1 << 22
-
-
-def _products(left: torch.Tensor, right: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """The rows ``left[i] (x) right[i]`` materialised, ``[k, O * K]`` in ``acc``: each product
-    rounded once to the data dtype (torch's elementwise multiply, IEEE), then widened."""
-    return (left.unsqueeze(2) * right.unsqueeze(1)).reshape(left.shape[0], -1).to(acc)
-
-
-def _product_blocks(left: torch.Tensor, right: torch.Tensor):
-    """(rows lo, hi, output rows o_lo, o_hi) covering the products in blocks of at most about
-    ``_PRODUCT_BLOCK`` elements: whole output rows, all rows of a block before the next."""
-    k, rows = left.shape
-    cols = right.shape[1]
-    per_row = max(1, min(rows, _PRODUCT_BLOCK // max(cols, 1)))
-    per_block = max(1, _PRODUCT_BLOCK // max(per_row * cols, 1))
-    for o_lo in range(0, rows, per_row):
-        for lo in range(0, k, per_block):
-            yield lo, min(k, lo + per_block), o_lo, min(rows, o_lo + per_row)
-
-
-def add_exact_products(state: torch.Tensor, left: torch.Tensor, right: torch.Tensor,
-                       acc: torch.dtype) -> None:
-    """Add the rows ``left[i] (x) right[i]`` to an ``"exact"`` state of acc type ``acc``
-    (``_limbs``; columns: the ``O * K`` elements), formed block by block: an exact sum needs
-    no order."""
-    cols = right.shape[1]
-    for lo, hi, o_lo, o_hi in _product_blocks(left, right):
-        _limbs.add_terms(state[:, o_lo * cols:o_hi * cols],
-                         _products(left[lo:hi, o_lo:o_hi], right[lo:hi], acc))
-
-
-def _resume_products(total: torch.Tensor, comp: torch.Tensor | None, left: torch.Tensor,
-                     right: torch.Tensor) -> None:
-    """``_resume`` over the rows ``left[i] (x) right[i]``: on the numba backend without
-    forming them; elsewhere formed block by block (each block of output rows runs over the
-    terms in order, so the bits are those of one launch over the materialised rows)."""
-    if left.shape[0] == 0:
-        return
-    rule = KAHAN if comp is not None else WIDE
-    if current_backend(total.device.type, "detsum.RunningSum.add") == "numba":
-        from detsum.kernels.numba.outer import resume_products
-
-        resume_products(total, comp, left, right, rule)
-        return
-    cols = right.shape[1]
-    for lo, hi, o_lo, o_hi in _product_blocks(left, right):
-        columns = slice(o_lo * cols, o_hi * cols)
-        _resume(total[columns], None if comp is None else comp[columns],
-                _products(left[lo:hi, o_lo:o_hi], right[lo:hi], total.dtype))
 
 
 #: Why a RunningSum takes no tensor of a torch.func transform.
@@ -209,13 +135,13 @@ class RunningSum:
         _transforms.refuse_transformed(caller, "rows", rows, _OUTSIDE_TRANSFORMS)
         self._check_changeable(caller)
         if self.mode is Mode.EXACT:
-            _limbs.add_terms(self._state,
-                             rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
+            _kernel_ops.add_exact_terms(
+                self._state, rows.reshape(rows.shape[0], self.shape.numel()).to(self._acc))
             self.count += rows.shape[0]
             return
         flat = rows.reshape(rows.shape[0], self._total.numel()).to(self._total.dtype)
-        self._continue(flat.shape[0], lambda total, comp, lo, hi: _resume(total, comp,
-                                                                          flat[lo:hi]),
+        self._continue(flat.shape[0], lambda total, comp, lo, hi: _kernel_ops.resume_sum(
+                           total, comp, flat[lo:hi]),
                        lambda i, out: out.copy_(flat[i]))
 
     def _check_changeable(self, caller: str, owner: str = "running sum") -> None:
@@ -233,10 +159,10 @@ class RunningSum:
         them. Arguments are the caller's to check (``detsum.loss.GradAccumulator``)."""
         k = left.shape[0]
         if self.mode is Mode.EXACT:
-            add_exact_products(self._state, left, right, self._acc)
+            _kernel_ops.add_exact_outer_products(self._state, left, right, self._acc)
             self.count += k
             return
-        self._continue(k, lambda total, comp, lo, hi: _resume_products(
+        self._continue(k, lambda total, comp, lo, hi: _kernel_ops.resume_outer_products(
                            total, comp, left[lo:hi], right[lo:hi]),
                        lambda i, out: out.view(left.shape[1], right.shape[1]).copy_(
                            torch.mul(left[i].unsqueeze(1), right[i])))
@@ -266,9 +192,9 @@ class RunningSum:
 
     def _fold_part(self, total: torch.Tensor, total_comp: torch.Tensor | None) -> None:
         """Fold the chunk in progress into (total, total_comp): the contract's chunk fold."""
-        _resume(total, total_comp, self._part.unsqueeze(0))
+        _kernel_ops.resume_sum(total, total_comp, self._part.unsqueeze(0))
         if total_comp is not None:
-            _resume(total_comp, None, self._part_comp.unsqueeze(0))
+            _kernel_ops.resume_sum(total_comp, None, self._part_comp.unsqueeze(0))
 
     def _value(self) -> torch.Tensor:
         """The sum so far in the acc type: state left as it is, so adding may go on."""
@@ -279,7 +205,7 @@ class RunningSum:
         if total_comp is None:
             return total
         compensated = total.clone()
-        _resume(compensated, None, total_comp.unsqueeze(0))
+        _kernel_ops.resume_sum(compensated, None, total_comp.unsqueeze(0))
         # The kernels' final step: s + c only for a finite s and a nonzero c.
         return torch.where(torch.isfinite(total) & (total_comp != 0), compensated, total)
 
@@ -288,7 +214,8 @@ class RunningSum:
         if self.mode is Mode.EXACT:
             if self.count == 0:
                 return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            return _limbs.round_state(self._state, self._acc, self.dtype).view(self.shape)
+            return _kernel_ops.round_exact_state(self._state, self._acc,
+                                                 self.dtype).view(self.shape)
         return self._value().to(self.dtype).view(self.shape)
 
     def mean(self) -> torch.Tensor:
@@ -301,8 +228,8 @@ class RunningSum:
             if self.count > MAX_TERMS_PER_STATE:
                 raise ValueError(f"{caller}: {self.count} rows were added; an exact mean "
                                  f"divides by at most {MAX_TERMS_PER_STATE} (use sum())")
-            return _limbs.round_state(self._state, self._acc, self.dtype,
-                                      count=self.count).view(self.shape)
+            return _kernel_ops.round_exact_state(self._state, self._acc, self.dtype,
+                                                 count=self.count).view(self.shape)
         return (self._value() / self.count).to(self.dtype).view(self.shape)
 
     # ---- "exact" only: merging and the integer state ------------------------------------
@@ -329,7 +256,7 @@ class RunningSum:
                              f"expected {mine}")
         self._check_changeable(caller)
         self._state += other._state
-        _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
+        _kernel_ops.normalise_limbs(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count += other.count
 
     def state(self) -> torch.Tensor:
@@ -361,6 +288,6 @@ class RunningSum:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")
         self._check_changeable(caller)
         self._state.copy_(state[1:].view(self._state.shape[1], self._state.shape[0]).t())
-        _limbs.normalise(self._state[:self._state.shape[0] - _limbs.COUNTERS])
+        _kernel_ops.normalise_limbs(self._state[:self._state.shape[0] - _limbs.COUNTERS])
         self.count = count
 

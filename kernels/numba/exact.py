@@ -51,8 +51,8 @@ from ..rounding import (
     u32_as_f32,
 )
 from . import parallel_njit
-from .segment import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
-from .segment import _prefetch, launch_threads, threads, work_split
+from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
+from .common import _prefetch, launch_threads, threads, work_split
 
 __all__ = ["segment_reduce_exact"]
 

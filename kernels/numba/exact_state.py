@@ -26,12 +26,12 @@ from .. import NORMALISE_EVERY
 from ..rounding import f32_as_u32, f64_as_u64
 from . import parallel_njit
 from .exact import _DIGIT_MASK, _deposit, _finish, _normalise
-from .segment import _njit_named_for, launch_threads, threads
+from .common import _njit_named_for, launch_threads, threads
 
 __all__ = ["add_terms", "normalise", "round_state"]
 
 _COUNTERS = 4
-#: Elements per launch below which one thread does the work (see segment._MIN_BLOCK_ELEMENTS).
+#: Elements per launch below which one thread does the work (see common._MIN_BLOCK_ELEMENTS).
 _MIN_PARALLEL_ELEMENTS = 16384
 
 

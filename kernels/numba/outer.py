@@ -10,7 +10,7 @@ KAHAN its compensation ``comp``) over rows ``0 .. n - 1`` in order, exactly as
 caller, ``detsum.RunningSum``, cuts its pieces at the chunk boundaries of the contract).
 
 The arithmetic per element (acc type ``A``): ``t = A(RN_D(left * right))``; WIDE ``s =
-RN_A(s + t)``; KAHAN Neumaier's step (``segment.neumaier``, the segment kernel's). For bf16
+RN_A(s + t)``; KAHAN Neumaier's step (``common.neumaier``, the segment kernel's). For bf16
 and fp16 data the product is formed in ``A`` (exact there, 8 + 8 and 11 + 11 significant
 bits, unless it leaves fp32's range) and rounded to ``D``, as torch's elementwise product of
 two such tensors does; for fp32 and fp64 it is one IEEE multiplication. No fused
@@ -30,12 +30,12 @@ from numba import prange
 
 from .. import KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32, round_f32_to_bf16, round_f32_to_f16
-from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
 
 __all__ = ["resume_products"]
 
 #: Fewest products per launch for a second thread to pay its wake-up (see
-#: segment._MIN_BLOCK_ELEMENTS); only the schedule changes, never a result.
+#: common._MIN_BLOCK_ELEMENTS); only the schedule changes, never a result.
 _MIN_PARALLEL_PRODUCTS = 65536
 
 

@@ -35,12 +35,12 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
-from .segment import _f32, _f64, _njit_named_for, neumaier
+from .common import _f32, _f64, _njit_named_for, neumaier
 
 __all__ = ["index_add_small", "fits"]
 
 #: Largest launch (elements of the source and the output) taken here; larger ones pay for a
-#: plan and threads (see segment._MIN_BLOCK_ELEMENTS).
+#: plan and threads (see common._MIN_BLOCK_ELEMENTS).
 MAX_ELEMENTS = 65536
 
 

@@ -25,12 +25,12 @@ from numba import prange
 
 from .. import CHUNK_TERMS, KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32
-from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
 
 __all__ = ["gather_scale_sum", "row_dots"]
 
 #: Fewest products per launch for a second thread to pay its wake-up (see
-#: segment._MIN_BLOCK_ELEMENTS); only the schedule changes, never a result.
+#: common._MIN_BLOCK_ELEMENTS); only the schedule changes, never a result.
 _MIN_PARALLEL_PRODUCTS = 65536
 
 

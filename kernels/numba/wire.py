@@ -37,7 +37,7 @@ from numba import njit, prange
 
 from .. import LIMB_BITS
 from . import parallel_njit
-from .segment import launch_threads, threads
+from .common import launch_threads, threads
 
 __all__ = ["scan", "encode", "decode"]
 
@@ -49,7 +49,7 @@ _DIGIT = (1 << LIMB_BITS) - 1
 #: Elements per block: a thread's unit of work.
 _BLOCK = 1024
 #: Elements below which one thread does the work: each pass costs a few ns per element, and
-#: waking a second thread about 30 us (see segment._MIN_BLOCK_ELEMENTS).
+#: waking a second thread about 30 us (see common._MIN_BLOCK_ELEMENTS).
 _MIN_PARALLEL_ELEMENTS = 65536
 
 

@@ -20,7 +20,6 @@ tree on GPU) and so does matmul inside autograd. ``"autograd"`` mode has no mean
 from __future__ import annotations
 
 import collections
-import warnings
 import weakref
 from typing import NamedTuple
 

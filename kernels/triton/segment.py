@@ -58,6 +58,11 @@ IMPLEMENTATION NOTES (this backend):
   then a shuffle-down tree; ``_stride1_kernel`` runs it on a 32-wide vector, and the tree as
   five explicit halvings (``reshape`` + ``split``), each a single add per lane, so the pairing
   is exactly torch's.
+
+- Launch: through ``launch.Kernel``, which calls a specialisation's compiled kernel directly
+  after its first launch, for about 10 us of host time where Triton's ``JITFunction.run``
+  takes 20-25 us (see launch.py); in Triton's interpreter, as ``kernel[grid](...)``. The
+  launchers' host arithmetic is plain Python for the same reason.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ from .. import (
     has_exact_work,
     has_work,
 )
+from .launch import Kernel
 
 __all__ = ["interpreted", "segment_reduce"]
 
@@ -862,7 +868,24 @@ def _exact_kernel(
 
 # ---- launcher ----------------------------------------------------------------------------------
 
+# Each launch after a specialisation's first calls its compiled kernel directly (see launch.py).
+_launch_segment = Kernel(_segment_kernel)
+_launch_fold = Kernel(_fold_kernel)
+_launch_stride1 = Kernel(_stride1_kernel)
+_launch_exact = Kernel(_exact_kernel)
+
 _DATA_CODES = {torch.float32: 0, torch.float64: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+# triton.cdiv and triton.next_power_of_2 are constexpr functions in recent Triton releases: a
+# few microseconds per call on the host, for an integer division.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of 2 at least ``n`` (``n >= 1``)."""
+    return 1 << (n - 1).bit_length()
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -903,7 +926,7 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
     has_order = order is not None
     precision, min_quantum, unit_exponent, n_limbs = _EXACT_TARGETS[src.dtype]
     # One lane more than the limbs: the mean's quotient moves up a lane (see _exact_value).
-    lanes = triton.next_power_of_2(n_limbs + 1)
+    lanes = _next_power_of_2(n_limbs + 1)
     acc_dtype = _acc_dtype(src.dtype)
     offsets = offsets.contiguous()
     order = order.contiguous() if has_order else offsets  # never read without HAS_ORDER
@@ -913,19 +936,19 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
     src_s, out_s = _as_stored(src), _as_stored(out)
     base_s = _as_stored(base) if has_base else out_s  # never read without HAS_BASE
     term_bits = 24 if scaled else _DATA_BITS[src.dtype]
-    block = min(max(triton.next_power_of_2(inner), 16), _ROW_BYTES // src.element_size(),
+    block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size(),
                 max(_EXACT_STATE_LIMBS // lanes, 16))
     num_warps = max(1, min(8, block * lanes // 512))
-    grid = (nseg, min(triton.cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
-    _exact_kernel[grid](
-        src_s, *src_s.stride(), order, offsets, base_s, *base_s.stride(), out_s, *out_s.stride(),
-        alpha_t, outer, inner,
+    grid = (nseg, min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    _launch_exact(
+        grid, (src_s, *src_s.stride(), order, offsets, base_s, *base_s.stride(), out_s,
+               *out_s.stride(), alpha_t, outer, inner),
+        num_warps=num_warps,
         REDUCE=int(reduce), DATA=_DATA_CODES[src.dtype], ACC=_tl_acc(src.dtype),
         HAS_ORDER=has_order, HAS_BASE=has_base, USE_BASE=has_base and bool(include_base),
         SCALED=scaled, HEADROOM=2.0 ** (52 - term_bits), PRECISION=precision,
         MIN_QUANTUM=min_quantum, UNIT_EXPONENT=unit_exponent, N_LIMBS=n_limbs, LANES=lanes,
-        NORMALISE_EVERY=_NORMALISE_EVERY, BLOCK=block, num_warps=num_warps,
-        enable_fp_fusion=False,
+        NORMALISE_EVERY=_NORMALISE_EVERY, BLOCK=block,
     )
 
 
@@ -964,12 +987,12 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
 
     if rule == CUDA_STRIDE_1:
         grid = (nseg, min(outer, _MAX_GRID_YZ))
-        _stride1_kernel[grid](
-            src_s, src_s.stride(0), src_s.stride(1), order, offsets,
-            base_s, base_s.stride(0), base_s.stride(1), out_s, out_s.stride(0), out_s.stride(1),
-            alpha_t, outer,
-            DATA=data, ACC=acc_tl, HAS_ORDER=has_order, HAS_BASE=has_base,
-            USE_BASE=use_base, SCALED=scaled, num_warps=1, enable_fp_fusion=False,
+        _launch_stride1(
+            grid, (src_s, src_s.stride(0), src_s.stride(1), order, offsets, base_s,
+                   base_s.stride(0), base_s.stride(1), out_s, out_s.stride(0), out_s.stride(1),
+                   alpha_t, outer),
+            num_warps=1, DATA=data, ACC=acc_tl, HAS_ORDER=has_order, HAS_BASE=has_base,
+            USE_BASE=use_base, SCALED=scaled,
         )
         return
 
@@ -991,24 +1014,28 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         work_rows = 0
         parts_cum = offsets  # never read without SPLIT
         work = out  # never written without SPLIT
-    block = min(max(triton.next_power_of_2(inner), 16), _ROW_BYTES // src.element_size())
+    block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size())
     num_warps = max(1, min(8, block * src.element_size() // 512))
-    grid_yz = (min(triton.cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
-    common = dict(REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, NCOMP=ncomp,
-                  CHUNK=CHUNK_TERMS, BLOCK=block, num_warps=num_warps,
-                  enable_fp_fusion=False)
-    _segment_kernel[(nseg + work_rows, *grid_yz)](
-        src_s, *src_s.stride(), order, offsets, parts_cum,
-        base_s, *base_s.stride(), out_s, *out_s.stride(), carry_s, *carry_s.stride(),
-        work, work_rows, alpha_t, outer, nseg, inner,
-        HAS_ORDER=has_order, HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry,
-        SCALED=scaled,
-        SPLIT=split, FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), **common,
+    grid_yz = (min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    _launch_segment(
+        (nseg + work_rows, *grid_yz),
+        (src_s, *src_s.stride(), order, offsets, parts_cum, base_s, *base_s.stride(), out_s,
+         *out_s.stride(), carry_s, *carry_s.stride(), work, work_rows, alpha_t, outer, nseg,
+         inner),
+        num_warps=num_warps,
+        REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, HAS_ORDER=has_order,
+        HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry, SCALED=scaled, SPLIT=split,
+        FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), NCOMP=ncomp,
+        CHUNK=CHUNK_TERMS, BLOCK=block,
     )
     if split and work_rows > 0:
-        _fold_kernel[(work_rows, *grid_yz)](
-            offsets, parts_cum, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
-            work_rows, outer, nseg, inner, USE_BASE=use_base, HAS_CARRY=has_carry, **common,
+        _launch_fold(
+            (work_rows, *grid_yz),
+            (offsets, parts_cum, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
+             work_rows, outer, nseg, inner),
+            num_warps=num_warps,
+            REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, USE_BASE=use_base,
+            HAS_CARRY=has_carry, NCOMP=ncomp, CHUNK=CHUNK_TERMS, BLOCK=block,
         )
 
 

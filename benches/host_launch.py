@@ -1,0 +1,237 @@
+"""Host time of a detsum call on the GPU path, measured without a GPU: the device work stubbed.
+
+Issue "One plan, one launch", item 4: a call with a plan is one Triton launch, and on a GPU
+what it costs is host time (Python, dispatch, the launch). Here the kernels are compiled for
+an H100 (sm_90) and Triton's driver launch is a no-op (tests/triton_stub.py), CPU tensors
+stand for CUDA ones (no memory is read: nothing runs), and every call goes through detsum's
+public function, its launcher and Triton's launch path up to the driver. Each case is timed
+as calls per round, rounds interleaved across the cases; the yardstick is
+``torch.Tensor.index_add_`` on CPU tensors of the same size, in the same rounds.
+
+Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
+directly after a specialisation's first launch) and "JITFunction.run" (``DIRECT_LAUNCH``
+off: Triton's launch every time, the path before). Calls (the inputs of
+tests/launch_counter.py: 256 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of
+4 experts):
+
+- ``index_add`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32" and "kahan";
+- ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing``, and the whole layer
+  with ``moe.route`` (forward only);
+- one launch of ``_segment_kernel`` alone (detsum's ``Kernel``, or ``JITFunction.run``, and
+  ``JITFunction.run`` with its check of module globals emptied: what passing them as
+  constexprs would save it).
+
+    python benches/host_launch.py [--rounds 300] [--calls 20] [--note TEXT] [--json PATH]
+
+Prints a table (median us per call, its 10th-90th percentile over rounds, and the median
+of the per-round ratios to ``index_add_``) and writes the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROWS, SEGMENTS, FEATURES = 256, 16, 4
+TOKENS, TOPK, EXPERTS = 64, 2, 4
+
+
+def _import_compiled() -> None:
+    """Import triton, detsum and the stub with the kernels compiled, not interpreted (the stub
+    compiles them for sm_90): TRITON_INTERPRET off before triton is first imported. Here, not
+    at the top, so that importing this file (pytest's doctest collection) changes nothing."""
+    global triton, triton_stub, detsum, kernels, moe, launch, segment
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, str(ROOT / "tests"))
+    import triton
+    import triton_stub
+
+    import detsum
+    from detsum import kernels, moe
+    from detsum.kernels.triton import launch, segment
+
+
+def _inputs() -> dict:
+    gen = torch.Generator().manual_seed(0)
+    index = torch.randint(0, SEGMENTS, (ROWS,), generator=gen)
+    t = {
+        "index": index,
+        "src": torch.randn(ROWS, FEATURES, generator=gen),
+        "init": torch.randn(SEGMENTS, FEATURES, generator=gen),
+        "work": torch.randn(SEGMENTS, FEATURES, generator=gen),
+        "selected": torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen),
+        "x": torch.randn(TOKENS, FEATURES, generator=gen),
+        "weights": torch.softmax(torch.randn(TOKENS, TOPK, generator=gen), -1),
+    }
+    with triton_stub.cpu_tensors_as_cuda():
+        t["plan"] = detsum.plan(index, SEGMENTS)
+        t["routing"] = moe.route(t["selected"], EXPERTS)
+    return t
+
+
+def _detsum_calls(t: dict) -> dict:
+    calls = {}
+    for mode in ("fp32", "kahan"):
+        calls[f"index_add {mode} plan"] = lambda mode=mode: detsum.index_add(
+            t["init"], 0, t["index"], t["src"], mode=mode, plan=t["plan"])
+        calls[f"segment_sum {mode} plan"] = lambda mode=mode: detsum.segment_sum(
+            t["src"], mode=mode, plan=t["plan"])
+        calls[f"scatter_reduce {mode} plan"] = lambda mode=mode: detsum.scatter_reduce(
+            t["init"], 0, t["index"], t["src"], "sum", mode=mode, plan=t["plan"])
+
+    def permute_unpermute():
+        rows = moe.permute(t["x"], t["routing"], TOPK)
+        return moe.unpermute(rows, t["routing"], TOPK, weights=t["weights"])
+
+    def moe_layer():
+        routing = moe.route(t["selected"], EXPERTS)
+        rows = moe.permute(t["x"], routing, TOPK)
+        return moe.unpermute(rows, routing, TOPK, weights=t["weights"])
+
+    calls["moe permute + unpermute, Routing given"] = permute_unpermute
+    calls["moe layer: route + permute + unpermute"] = moe_layer
+    return calls
+
+
+def _launch_alone(t: dict) -> dict:
+    """One launch of _segment_kernel with index_add's arguments (fp32 mode, a plan)."""
+    src = t["src"].unsqueeze(0)
+    out = torch.empty(1, SEGMENTS, FEATURES)
+    base = t["init"].unsqueeze(0)
+    args = (src, *src.stride(), t["plan"].order, t["plan"].offsets, t["plan"].offsets, base,
+            *base.stride(), out, *out.stride(), out, *out.stride(), out, 0, out, 1, SEGMENTS,
+            FEATURES)
+    constexprs = dict(REDUCE=kernels.SUM, RULE=kernels.WIDE, DATA=0, ACC=segment.tl.float32,
+                      HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, HAS_CARRY=False,
+                      SCALED=False, SPLIT=False, FIRST_TERM_START=False, NCOMP=1,
+                      CHUNK=kernels.CHUNK_TERMS, BLOCK=16)
+    grid = (SEGMENTS, 1, 1)
+    jitted = segment._segment_kernel
+    kernel = launch.Kernel(jitted)
+
+    def jitfunction_run():
+        jitted[grid](*args, num_warps=1, enable_fp_fusion=False, **constexprs)
+
+    def jitfunction_run_no_global_check():
+        used_globals = jitted.used_global_vals
+        jitted.used_global_vals = {}
+        try:
+            jitfunction_run()
+        finally:
+            jitted.used_global_vals = used_globals
+
+    return {"kernel": lambda: kernel(grid, args, num_warps=1, **constexprs),
+            "jitfunction_run": jitfunction_run,
+            "jitfunction_run_no_global_check": jitfunction_run_no_global_check}
+
+
+def _time_rounds(cases: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+    """us per call of each case (name -> (call, launch path or None)) in each round; the
+    cases take turns within a round, in an order shuffled each round (a case timed right
+    after another runs a few microseconds slower or faster, whatever it is)."""
+    times = {name: [] for name in cases}
+    direct_launch = launch.DIRECT_LAUNCH
+    order = list(cases)
+    shuffle = random.Random(0).shuffle
+    try:
+        for _ in range(rounds + 1):  # the first round untimed: compiles, fills the caches
+            shuffle(order)
+            for name in order:
+                fn, path = cases[name]
+                launch.DIRECT_LAUNCH = path != "JITFunction.run"
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                times[name].append((time.perf_counter() - start) / calls * 1e6)
+    finally:
+        launch.DIRECT_LAUNCH = direct_launch
+    return {name: spent[1:] for name, spent in times.items()}
+
+
+def _summary(times: list[float], baseline: list[float]) -> dict:
+    deciles = statistics.quantiles(times, n=10)
+    ratios = [a / b for a, b in zip(times, baseline)]
+    ratio_deciles = statistics.quantiles(ratios, n=10)
+    return {"median_us": statistics.median(times), "p10_us": deciles[0],
+            "p90_us": deciles[-1], "ratio_to_index_add_": statistics.median(ratios),
+            "ratio_p10": ratio_deciles[0], "ratio_p90": ratio_deciles[-1]}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--calls", type=int, default=20, help="calls per case and round")
+    parser.add_argument("--note", default="", help="kept in the JSON (what was measured)")
+    parser.add_argument("--json", type=pathlib.Path, default=ROOT / "benches" / "results" / (
+        f"cpu-host-launch-{datetime.date.today().isoformat()}.json"))
+    args = parser.parse_args()
+    _import_compiled()
+    triton_stub.install(record=False)
+    t = _inputs()
+    baseline = "torch.Tensor.index_add_"
+    cases = {baseline: (lambda: t["work"].index_add_(0, t["index"], t["src"]), None)}
+    with triton_stub.cpu_tensors_as_cuda():
+        for name, fn in _detsum_calls(t).items():
+            for path in ("direct", "JITFunction.run"):
+                cases[f"{name} | {path}"] = fn, path
+        alone = _launch_alone(t)
+        cases["_segment_kernel launch alone | direct"] = alone["kernel"], "direct"
+        cases["_segment_kernel launch alone | JITFunction.run"] = \
+            alone["jitfunction_run"], "JITFunction.run"
+        cases["_segment_kernel launch alone | JITFunction.run, no global check"] = \
+            alone["jitfunction_run_no_global_check"], "JITFunction.run"
+        load_start = os.getloadavg()
+        times = _time_rounds(cases, args.rounds, args.calls)
+        load_end = os.getloadavg()
+
+    results = {name: _summary(spent, times[baseline]) for name, spent in times.items()}
+    width = max(map(len, results))
+    print(f"host time per call, us: median (p10-p90 over {args.rounds} rounds of "
+          f"{args.calls} calls); ratio: median (p10-p90) of the per-round ratio to {baseline}")
+    for name, r in results.items():
+        print(f"{name:{width}s}  {r['median_us']:7.1f} ({r['p10_us']:6.1f}-{r['p90_us']:6.1f})"
+              f"  {r['ratio_to_index_add_']:6.2f} ({r['ratio_p10']:.2f}-{r['ratio_p90']:.2f})")
+    print(f"load average at start / end: {load_start[0]:.2f} / {load_end[0]:.2f}")
+    report = {
+        "what": __doc__.splitlines()[0],
+        "inputs": {"rows": ROWS, "segments": SEGMENTS, "features": FEATURES, "dtype": "fp32",
+                   "moe_tokens": TOKENS, "moe_topk": TOPK, "moe_experts": EXPERTS},
+        "note": args.note, "rounds": args.rounds, "calls_per_round": args.calls,
+        "baseline": baseline,
+        "results": results,
+        "times_us": {name: [round(us, 2) for us in spent] for name, spent in times.items()},
+        "environment": {"cpu": _cpu_name(),
+                        "cores": os.cpu_count(), "torch": torch.__version__,
+                        "triton": triton.__version__, "python": platform.python_version(),
+                        "torch_threads": torch.get_num_threads(),
+                        "load_average": {"start": load_start, "end": load_end}},
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

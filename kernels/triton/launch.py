@@ -1,0 +1,151 @@
+"""Launching detsum's Triton kernels with little host work.
+
+``Kernel(jitted)(grid, args, num_warps=..., **constexprs)`` launches the ``@triton.jit``
+function ``jitted`` as ``jitted[grid](*args, num_warps=..., enable_fp_fusion=False,
+**constexprs)`` does (every detsum kernel runs without FMA contraction: see segment.py).
+
+Why: ``JITFunction.run``, Triton's launch, spends about 25 us of host time on a launch of
+``_segment_kernel`` on a 2-core EPYC with triton 3.9 (20 us with 3.6; benches/NOTES.md,
+benches/host_launch.py): it binds the arguments, specialises each of them, turns the
+specialisation into a string key, re-checks every module-level ``tl.constexpr`` the kernel
+reads (6.6 us for the ten that ``_segment_kernel`` reads) and builds the launch metadata. A
+call with a plan is one launch, so that is 25 of the about 60 us it costs through
+``JITFunction.run``. Here the first launch of each specialisation goes through
+``JITFunction.run``, which compiles the kernel (or finds it in its cache), launches it and
+returns the ``CompiledKernel``; later launches with the same key call that compiled kernel
+as ``JITFunction.run`` does after its own lookup: about 10 us in all, half of it computing
+the key.
+
+THE KEY (``specialisation_key``). Triton compiles one kernel per specialisation of the
+arguments, and a launch must run the one compiled for its own arguments: a kernel compiled
+for 16-byte aligned pointers, say, reads misaligned ones wrongly on a GPU, silently. The key
+is at least as fine as Triton's (tests/test_triton_launch.py checks it against the key
+``JITFunction.run`` computes, and the kernel it picks): the current device; ``num_warps``;
+the options ``JITFunction.run`` reads from Triton's knobs at each launch (``debug``,
+``instrumentation_mode`` and, from 3.9, ``fpsan_homomorphic_casts``); each constexpr's value
+and type (``True == 1 == 1.0`` in Python, not to the compiler); each tensor's dtype and
+whether its data pointer is a multiple of 16; and for each integer whether it equals 1
+(Triton makes a 1 a constant), whether it is a multiple of 16, whether it fits an int32
+(Triton passes it as i32, else as i64) and whether it needs a u64.
+
+Left out on purpose: Triton's check, at each launch, that the module-level ``tl.constexpr``
+values a kernel reads have not changed since it was compiled. detsum's are constants that
+nothing reassigns, so the check would cost every launch those 6.6 us and never fire.
+Passing them to the kernels as constexpr parameters instead would spare ``JITFunction.run``
+the check too, but it runs only where the direct launch cannot (below), so they stay module
+constants.
+
+FALLBACK: ``JITFunction.run`` on every launch where the direct call cannot be shown to do
+what it would:
+
+- the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``: the kernel is an
+  ``InterpretedFunction``, launched as before);
+- a Triton outside the releases whose launch path this follows (``DIRECT_LAUNCH``);
+- a launch hook (a profiler's), a pre-run hook of the kernel or a stage-inspection hook is
+  installed: ``JITFunction.run`` hands the first launch metadata and calls the others, which
+  the direct call would skip;
+- ``JITFunction.run`` returned no ``CompiledKernel`` (an asynchronous compile, or a
+  ``jit_cache_hook`` that declined to compile): nothing is kept, the next launch asks again.
+"""
+
+from __future__ import annotations
+
+import triton
+from triton import knobs
+from triton.compiler import CompiledKernel
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+try:
+    from triton.knobs import HookChain
+except ImportError:  # a Triton outside DIRECT_LAUNCH's releases
+    HookChain = None
+
+__all__ = ["DIRECT_LAUNCH", "Kernel", "specialisation_key"]
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
+
+
+#: Whether a launch after its specialisation's first calls the compiled kernel directly: in
+#: the releases pyproject accepts, whose ``JITFunction.run`` (its key, the knobs it reads,
+#: the arguments it hands ``CompiledKernel.run``) this module follows; checked on 3.6, 3.8
+#: and 3.9. False: ``JITFunction.run`` launches every time.
+DIRECT_LAUNCH = (3, 6) <= _release(triton.__version__) < (3, 10)
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_UINT64_MIN = 2**63
+
+
+def specialisation_key(device: int, num_warps: int, constexpr_values, args) -> tuple:
+    """The key of a launch's compiled kernel (see THE KEY above): equal keys, same kernel.
+
+    ``args`` are tensors and ints (the kernel's other parameters), ``constexpr_values`` the
+    constexprs' values in the kernel's order."""
+    compilation = knobs.compilation
+    return (device, num_warps, knobs.runtime.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None),
+            *constexpr_values, *map(type, constexpr_values),
+            *[(arg == 1, arg & 15 == 0, _INT32_MIN <= arg <= _INT32_MAX, arg >= _UINT64_MIN)
+              if type(arg) is int else (arg.dtype, arg.data_ptr() & 15 == 0)
+              for arg in args])
+
+
+def _hooks_installed(jitted: JITFunction) -> bool:
+    """Whether ``JITFunction.run`` would call a hook at this launch (an empty HookChain, the
+    knobs' default, calls nothing)."""
+    runtime = knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return bool((enter is not None and (type(enter) is not HookChain or enter.calls))
+                or (leave is not None and (type(leave) is not HookChain or leave.calls))
+                or jitted.pre_run_hooks
+                or getattr(runtime, "add_stages_inspection_hook", None) is not None)
+
+
+class Kernel:
+    """A ``@triton.jit`` kernel, launched by ``self(grid, args, num_warps=..., **constexprs)``.
+
+    ``args`` holds the values of the kernel's parameters that are not constexpr (tensors and
+    ints), in order; ``constexprs`` the others by name, in the kernel's order: their values
+    go to the compiled kernel by position, so a launch that names them in another order
+    raises.
+    """
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+        self._compiled: dict[tuple, CompiledKernel] = {}
+        self._jit = isinstance(jitted, JITFunction)
+        if self._jit:
+            names = [p.name for p in jitted.params]
+            self._constexpr_names = tuple(p.name for p in jitted.params if p.is_constexpr)
+            if names[len(names) - len(self._constexpr_names):] != list(self._constexpr_names):
+                raise AssertionError(f"{jitted.fn.__name__}: the constexpr parameters must "
+                                     f"come after all the others")
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, *, num_warps: int, **constexprs):
+        jitted = self.jitted
+        if not (self._jit and DIRECT_LAUNCH) or _hooks_installed(jitted):
+            jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)
+            return
+        if tuple(constexprs) != self._constexpr_names:
+            raise TypeError(f"{jitted.fn.__name__}: constexprs {tuple(constexprs)}; expected "
+                            f"{self._constexpr_names}, in that order")
+        device = driver.active.get_current_device()
+        values = constexprs.values()
+        key = specialisation_key(device, num_warps, values, args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = jitted.run(*args, grid=grid, warmup=False, num_warps=num_warps,
+                                  enable_fp_fusion=False, **constexprs)
+            if isinstance(compiled, CompiledKernel):
+                self._compiled[key] = compiled
+            return
+        grid_x, grid_y, grid_z = tuple(grid) + (1,) * (3 - len(grid))
+        # What JITFunction.run hands the compiled kernel after its own lookup: every
+        # parameter's value (the launcher skips the constexprs), and no launch metadata or
+        # hooks, since none would run.
+        compiled.run(grid_x, grid_y, grid_z, driver.active.get_current_stream(device),
+                     compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *values)

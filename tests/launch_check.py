@@ -1,0 +1,324 @@
+"""Check detsum's direct Triton launches (kernels/triton/launch.py) against
+``JITFunction.run``, with the kernels compiled for sm_90 and no GPU (tests/triton_stub.py).
+
+Run by tests/test_triton_launch.py in a subprocess without TRITON_INTERPRET (under the
+interpreter the kernels are not compiled). Prints one JSON object:
+
+- ``keys``: per kernel, for launches that each change one property of a real launch's
+  arguments (a tensor's alignment or dtype, an integer's value, a constexpr's value or
+  type, ``num_warps``, a knob of Triton's), the keys that group them differently from the key
+  Triton computes for the same arguments (``JITFunction.run``'s cache key, captured):
+  ``unsafe`` lists launches with one detsum key and several Triton keys (a kernel compiled for
+  other arguments would run), ``split`` the launches that detsum's key keeps apart from
+  others of the same Triton key, and the counts of distinct keys each way;
+- ``replays``: each launch of a set of detsum calls, replayed twice with the same argument
+  objects through Kernels that start with an empty cache: how many times ``JITFunction.run``
+  ran (once for a key not seen before, else never), and whether the launch ran the compiled
+  kernel that ``JITFunction.run`` picks for those arguments, handing the driver the same
+  arguments as it does;
+- ``fallback``: each launch made twice through a Kernel that starts empty, with
+  ``DIRECT_LAUNCH`` off and with a launch hook installed: how many times ``JITFunction.run``
+  ran and the driver launched, each time, and how many times the hook was called;
+- ``order_error``: the message when constexprs come in another order than the kernel's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import unittest.mock
+
+import torch
+import triton
+import triton.language as tl
+import triton.runtime.jit as triton_jit
+from triton import knobs
+
+import triton_stub
+
+import detsum
+from detsum import kernels
+from detsum.kernels.triton import launch, segment
+
+# ---- the launches of some detsum calls ------------------------------------------------------
+
+def _calls() -> list:
+    """detsum calls that launch each kernel: with a plan in "fp32", "kahan" and "exact",
+    long segments (the fold kernel), a misaligned source, bf16 data with alpha, a mean, CUDA's
+    stride-1 rule."""
+    gen = torch.Generator().manual_seed(0)
+    rows, segments, features = 600, 7, 5
+    index = torch.randint(0, segments, (rows,), generator=gen)
+    src = torch.randn(rows, features, generator=gen)
+    init = torch.randn(segments, features, generator=gen)
+    misaligned = torch.randn(rows * features + 1, generator=gen)[1:].view(rows, features)
+    plan = detsum.plan(index, segments)
+    calls = [lambda mode=mode: detsum.index_add(init, 0, index, src, mode=mode, plan=plan)
+             for mode in ("fp32", "kahan", "exact")]
+    calls += [
+        lambda: detsum.segment_sum(src, plan=plan),
+        lambda: detsum.index_add(init, 0, index, misaligned, plan=plan),
+        lambda: detsum.index_add(init, 0, index, src),  # chunks counted in the launch: fold
+        lambda: detsum.index_add(init.bfloat16(), 0, index, src.bfloat16(), alpha=0.5,
+                                 plan=plan),
+        lambda: detsum.scatter_reduce(init, 0, index, src, "mean", plan=plan),
+    ]
+    offsets = plan.offsets
+    calls.append(lambda: segment.segment_reduce(
+        src[:, :1].unsqueeze(0), plan.order, offsets, init[:, :1].unsqueeze(0),
+        torch.empty(1, segments, 1), reduce=kernels.SUM, rule=kernels.CUDA_STRIDE_1,
+        alpha=1.0, include_base=True))
+    return calls
+
+
+def recorded_launches() -> list[tuple]:
+    """(Kernel, grid, args, num_warps, constexprs) of every launch of ``_calls()``."""
+    launches = []
+    call = launch.Kernel.__call__
+
+    def record(self, grid, args, *, num_warps, **constexprs):
+        launches.append((self, grid, args, num_warps, constexprs))
+        return call(self, grid, args, num_warps=num_warps, **constexprs)
+
+    with triton_stub.cpu_tensors_as_cuda(), \
+            unittest.mock.patch.object(launch.Kernel, "__call__", record):
+        for c in _calls():
+            c()
+    return launches
+
+
+# ---- keys ---------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def triton_keys(into: list):
+    """While on, ``JITFunction.run`` appends its cache key to ``into`` and compiles nothing
+    (it returns None where it would compile, before any launch)."""
+    compute = triton_jit.compute_cache_key
+
+    def capture(*args, **kwargs):
+        key = compute(*args, **kwargs)
+        into.append(key)
+        return key
+
+    with unittest.mock.patch.object(triton_jit, "compute_cache_key", capture), \
+            unittest.mock.patch.object(triton_jit.JITFunction, "_do_compile",
+                                       lambda *args, **kwargs: None):
+        yield
+
+
+_INTS = (0, 1, 2, 3, 15, 16, 17, 48, -1, -16, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63)
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a tensor whose data pointer is 16-byte aligned plus one element."""
+    buffer = torch.empty(t.numel() + 1, dtype=t.dtype)
+    return buffer[1:].view(t.shape).copy_(t)
+
+
+def _knob_variants():
+    """(namespace, name, value) of each knob ``JITFunction.run`` puts in a launch's options,
+    set to other than its default."""
+    yield knobs.runtime, "debug", True
+    yield knobs.compilation, "instrumentation_mode", "a profiler's"
+    if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # from triton 3.9
+        yield knobs.compilation, "fpsan_homomorphic_casts", True
+
+
+def variants(args: tuple, num_warps: int, constexprs: dict):
+    """(name, args, num_warps, constexprs, knob) launches, each one property away from the
+    given one; ``knob``: None, or (namespace, name, value) to set during the launch."""
+    yield "as recorded", args, num_warps, constexprs, None
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            yield f"arg {i} misaligned", args[:i] + (_misaligned(arg),) + args[i + 1:], \
+                num_warps, constexprs, None
+            other = torch.float64 if arg.dtype != torch.float64 else torch.float32
+            yield f"arg {i} {other}", args[:i] + (arg.to(other),) + args[i + 1:], \
+                num_warps, constexprs, None
+        else:
+            for value in _INTS:
+                yield f"arg {i} = {value}", args[:i] + (value,) + args[i + 1:], num_warps, \
+                    constexprs, None
+    for name, value in constexprs.items():
+        if isinstance(value, bool):
+            # Equal in Python, yet a different specialisation for Triton.
+            yield f"{name} as int", args, num_warps, dict(constexprs, **{name: int(value)}), \
+                None
+            yield f"{name} flipped", args, num_warps, dict(constexprs, **{name: not value}), \
+                None
+        elif isinstance(value, int):
+            yield f"{name} + 1", args, num_warps, dict(constexprs, **{name: value + 1}), None
+            yield f"{name} as float", args, num_warps, \
+                dict(constexprs, **{name: float(value)}), None
+        elif isinstance(value, tl.dtype):
+            other = tl.float64 if value != tl.float64 else tl.float32
+            yield f"{name} {other}", args, num_warps, dict(constexprs, **{name: other}), None
+    yield "num_warps * 2", args, num_warps * 2, constexprs, None
+    for knob in _knob_variants():
+        yield f"knob {knob[1]}", args, num_warps, constexprs, knob
+
+
+def check_keys(launches) -> dict:
+    found = {}
+    seen_kernels = set()
+    for kernel, grid, args, num_warps, constexprs in launches:
+        name = kernel.jitted.fn.__name__
+        if name in seen_kernels:
+            continue  # one recorded launch per kernel: its variants cover the properties
+        seen_kernels.add(name)
+        ours_to_triton: dict[tuple, set] = {}
+        triton_to_ours: dict[str, set] = {}
+        names: dict[tuple, list] = {}
+        for label, v_args, v_warps, v_constexprs, knob in variants(args, num_warps,
+                                                                   constexprs):
+            triton_key = []
+            with contextlib.ExitStack() as stack:
+                if knob is not None:
+                    stack.enter_context(unittest.mock.patch.object(*knob))
+                ours = launch.specialisation_key(0, v_warps, v_constexprs.values(), v_args)
+                with triton_keys(triton_key):
+                    kernel.jitted.run(*v_args, grid=grid, warmup=True, num_warps=v_warps,
+                                      enable_fp_fusion=False, **v_constexprs)
+            (triton_key,) = triton_key
+            ours_to_triton.setdefault(ours, set()).add(triton_key)
+            triton_to_ours.setdefault(triton_key, set()).add(ours)
+            names.setdefault(ours, []).append(label)
+        # Finer than Triton's is safe (one more compiled kernel looked up): where detsum's key
+        # splits one of Triton's, the launches apart from the main group.
+        split = [names[ours] for group in triton_to_ours.values() if len(group) > 1
+                 for ours in sorted(group, key=lambda k: -len(names[k]))[1:]]
+        found[name] = {
+            "launches": sum(len(v) for v in names.values()),
+            "unsafe": [names[ours] for ours, keys in ours_to_triton.items() if len(keys) > 1],
+            "detsum_keys": len(ours_to_triton),
+            "triton_keys": len(triton_to_ours),
+            "split": split,
+        }
+    found["kernels"] = sorted(seen_kernels)
+    return found
+
+
+# ---- replays -------------------------------------------------------------------------------------
+
+class _Counted:
+    """Counts the calls of one JITFunction's ``run`` (an instance attribute in front of it)."""
+
+    def __init__(self, jitted):
+        self.jitted, self.calls = jitted, 0
+
+    def __enter__(self):
+        run = self.jitted.run
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return run(*args, **kwargs)
+
+        self.jitted.run = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.jitted.run
+
+
+def _driver_calls(kernel, grid, args, num_warps, constexprs, how) -> tuple[list, int]:
+    """The driver's launches, and JITFunction.run's count, of one launch made ``how``."""
+    triton_stub.LAUNCHES.clear()
+    with _Counted(kernel.jitted) as counted:
+        if how == "JITFunction.run":
+            kernel.jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False,
+                                **constexprs)
+        else:
+            kernel(grid, args, num_warps=num_warps, **constexprs)
+    return list(triton_stub.LAUNCHES), counted.calls
+
+
+def _idle(hooks_and_metadata: tuple) -> bool:
+    """Whether a launch's metadata and hooks do nothing: None (a direct launch), or hooks
+    that call nothing (JITFunction.run's, when no hook is installed)."""
+    _, *hooks = hooks_and_metadata
+    return all(hook is None or not getattr(hook, "calls", True) for hook in hooks)
+
+
+def _same_driver_call(ours: tuple, triton_call: tuple) -> bool:
+    """Same launcher (the same compiled kernel) and the same arguments, tensors the same
+    objects, but for the launch metadata and hooks, which only need to do nothing."""
+    (our_launcher, our_args), (their_launcher, their_args) = ours, triton_call
+    head = 6  # grid x, y, z, stream, function, packed metadata
+    return (our_launcher is their_launcher and len(our_args) == len(their_args)
+            and our_args[:head] == their_args[:head]
+            and _idle(our_args[head:head + 3]) and _idle(their_args[head:head + 3])
+            and all(a is b for a, b in zip(our_args[head + 3:], their_args[head + 3:])))
+
+
+def check_replays(launches) -> list[dict]:
+    """Every launch replayed twice in order through Kernels that start empty and are shared
+    by all the launches (so a launch can find another's entry), each time beside the same
+    launch through JITFunction.run."""
+    fresh: dict[str, launch.Kernel] = {}
+    results = []
+    for replay in (1, 2):
+        for kernel, grid, args, num_warps, constexprs in launches:
+            name = kernel.jitted.fn.__name__
+            ours = fresh.setdefault(name, launch.Kernel(kernel.jitted))
+            direct, runs = _driver_calls(ours, grid, args, num_warps, constexprs, "direct")
+            triton_call, _ = _driver_calls(kernel, grid, args, num_warps, constexprs,
+                                           "JITFunction.run")
+            picked = kernel.jitted.run(*args, grid=grid, warmup=True, num_warps=num_warps,
+                                       enable_fp_fusion=False, **constexprs)
+            results.append({
+                "replay": replay, "kernel": name, "jitfunction_runs": runs,
+                "driver_launches": [len(direct), len(triton_call)],
+                "same_as_jitfunction_run": (len(direct) == len(triton_call) == 1
+                                            and _same_driver_call(direct[0], triton_call[0])),
+                "kernel_triton_picks": len(direct) == 1 and picked.run is direct[0][0],
+            })
+    return results
+
+
+def _twice_through_an_empty_kernel(kernel, grid, args, num_warps, constexprs) -> list[int]:
+    """JITFunction.run's count and the driver's launches, of the first and second launch."""
+    fresh = launch.Kernel(kernel.jitted)
+    first, second = (_driver_calls(fresh, grid, args, num_warps, constexprs, "direct")
+                     for _ in range(2))
+    return [first[1], second[1], len(first[0]), len(second[0])]
+
+
+def check_fallback(launches) -> dict:
+    with unittest.mock.patch.object(launch, "DIRECT_LAUNCH", False):
+        off = [_twice_through_an_empty_kernel(*recorded) for recorded in launches]
+    calls = []
+
+    def hook(metadata):
+        calls.append(metadata)
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        hooked = [_twice_through_an_empty_kernel(*recorded) for recorded in launches]
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    return {"direct_launch_off": off, "launch_hook": hooked, "hook_calls": len(calls),
+            "launches": len(launches)}
+
+
+def check_order_error(launches) -> str:
+    kernel, grid, args, num_warps, constexprs = launches[0]
+    reordered = dict(reversed(list(constexprs.items())))
+    try:
+        kernel(grid, args, num_warps=num_warps, **reordered)
+    except TypeError as error:
+        return str(error)
+    return ""
+
+
+def main() -> dict:
+    triton_stub.install()
+    launches = recorded_launches()
+    return {"triton": triton.__version__, "direct_launch": launch.DIRECT_LAUNCH,
+            "keys": check_keys(launches), "replays": check_replays(launches),
+            "fallback": check_fallback(launches), "order_error": check_order_error(launches)}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))
+    sys.stdout.flush()

@@ -1,0 +1,193 @@
+"""The direct launch of detsum's Triton kernels (kernels/triton/launch.py): after a
+specialisation's first launch, its compiled kernel is called without ``JITFunction.run``.
+
+What can go wrong is silent on a GPU: a launch running a kernel compiled for other arguments
+(other alignment, say). Without a GPU, tests/launch_check.py compiles the kernels for sm_90
+and stubs the driver's launch (tests/triton_stub.py), and checks the key and the launches
+against what ``JITFunction.run`` computes and does; the tests below read its findings. On a
+GPU, the last test compares the bits of both launch paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import unittest.mock
+
+import pytest
+import torch
+
+import detsum
+from conftest import assert_same_bits
+
+triton = pytest.importorskip("triton")
+
+from detsum.kernels.triton import launch, segment  # noqa: E402
+
+
+# ---- the key, on its own -----------------------------------------------------------------------
+
+def _key(*args, num_warps=4, **constexprs):
+    return launch.specialisation_key(0, num_warps, constexprs.values(), args)
+
+
+def test_key_keeps_apart_what_triton_compiles_apart():
+    """Each property Triton specialises on changes the key."""
+    buffer = torch.zeros(64)
+    aligned, misaligned = buffer[:16], buffer[1:17]
+    assert aligned.data_ptr() % 16 == 0 and misaligned.data_ptr() % 16 != 0
+    assert _key(aligned) != _key(misaligned)
+    assert _key(aligned) != _key(aligned.double())
+    for a, b in [(1, 2), (16, 17), (0, 1), (2**31 - 16, 2**31), (-(2**31), -(2**31) - 16),
+                 (2**63 - 16, 2**63)]:
+        # a 1 becomes a constant; a multiple of 16 is marked; i32, i64 and u64 differ
+        assert _key(a) != _key(b), (a, b)
+    # equal in Python, not to Triton
+    assert len({_key(BLOCK=True), _key(BLOCK=1), _key(BLOCK=1.0)}) == 3
+    assert _key(BLOCK=16) != _key(BLOCK=32)
+    assert _key(aligned, num_warps=4) != _key(aligned, num_warps=8)
+
+
+def test_key_is_shared_by_what_triton_compiles_alike():
+    """Integers of one class and tensors of one dtype and alignment share the key: a new
+    size or a new tensor finds the kernel compiled for the old ones."""
+    assert _key(torch.zeros(16), 2, 16, 2**31 + 1) == _key(torch.ones(64), 3, 48, 2**40 + 7)
+    assert _key(2**31 - 1) == _key(-1)
+
+
+def test_key_follows_triton_debug_knob():
+    """Triton puts its ``debug`` knob in a launch's options: set, it is another kernel."""
+    from triton import knobs
+
+    before = _key(3)
+    with unittest.mock.patch.object(knobs.runtime, "debug", True):
+        assert _key(3) != before
+
+
+def test_direct_launch_only_in_checked_releases():
+    """The releases pyproject accepts launch directly; any other uses JITFunction.run (the
+    fallback itself is checked in test_fallback_launches_through_jitfunction_run)."""
+    assert launch._release("3.10.0+git1a2b") == (3, 10)
+    assert launch._release("3.6.0") == (3, 6)
+    assert launch.DIRECT_LAUNCH == ((3, 6) <= launch._release(triton.__version__) < (3, 10))
+
+
+def test_interpreted_kernels_launch_as_before():
+    """Under TRITON_INTERPRET=1 a kernel is an InterpretedFunction, launched through its
+    ``run`` every time (which the launch counter of tests/launch_counter.py relies on)."""
+    if not segment.interpreted():
+        pytest.skip("the kernels are compiled here")
+    assert not segment._launch_segment._jit
+    runs = []
+    run = segment._segment_kernel.run
+
+    def counted(*args, **kwargs):
+        runs.append(kwargs["grid"])
+        return run(*args, **kwargs)
+
+    index = torch.tensor([0, 1, 1, 0])
+    with detsum.backend("triton"), \
+            unittest.mock.patch.object(segment._segment_kernel, "run", counted):
+        plan = detsum.plan(index, 2)
+        for _ in range(2):
+            detsum.index_add(torch.zeros(2, 3), 0, index, torch.ones(4, 3), plan=plan)
+    assert len(runs) == 2
+
+
+# ---- against JITFunction.run, compiled for sm_90 without a GPU ---------------------------------
+
+@pytest.fixture(scope="module")
+def launch_check() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                       "launch_check.py")],
+                         capture_output=True, text=True, env=env, timeout=900,
+                         cwd=os.path.dirname(__file__))
+    if run.returncode != 0 and "ptxas" in run.stderr:
+        pytest.skip(f"no ptxas to compile with: {run.stderr[-300:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_key_is_at_least_as_fine_as_triton(launch_check):
+    """Over launches each one property away from a real launch of each kernel, no two with
+    the same detsum key have different Triton keys. Where detsum's key is finer, it is only
+    a constexpr's type (Triton memoises its key on a tuple, in which True == 1 == 1.0)."""
+    keys = launch_check["keys"]
+    assert keys["kernels"] == ["_exact_kernel", "_fold_kernel", "_segment_kernel",
+                               "_stride1_kernel"]
+    for name in keys["kernels"]:
+        found = keys[name]
+        assert found["launches"] > 100, name
+        assert found["unsafe"] == [], (name, found["unsafe"])
+        for group in found["split"]:
+            assert all(label.endswith((" as int", " as float")) for label in group), group
+
+
+def test_direct_launch_runs_what_jitfunction_run_runs(launch_check):
+    """Each launch of a set of detsum calls (every kernel, each mode with a plan, a
+    misaligned source after an aligned one, bf16 with alpha, long segments), replayed twice
+    through launchers that start empty: a key's first launch goes through JITFunction.run,
+    every later one does not, and each hands the driver the compiled kernel that
+    JITFunction.run picks for its arguments, with the same arguments as JITFunction.run."""
+    assert launch_check["direct_launch"]
+    replays = launch_check["replays"]
+    assert {r["kernel"] for r in replays} == {"_segment_kernel", "_fold_kernel",
+                                              "_stride1_kernel", "_exact_kernel"}
+    first = [r for r in replays if r["replay"] == 1]
+    assert sum(r["jitfunction_runs"] for r in first) >= 8  # distinct keys, each once
+    for replay in replays:
+        assert replay["jitfunction_runs"] in ((0, 1) if replay["replay"] == 1 else (0,)), replay
+        assert replay["driver_launches"] == [1, 1], replay
+        assert replay["same_as_jitfunction_run"], replay
+        assert replay["kernel_triton_picks"], replay
+
+
+def test_fallback_launches_through_jitfunction_run(launch_check):
+    """With DIRECT_LAUNCH off, and with a launch hook installed, every launch goes through
+    JITFunction.run, and the hook sees each one."""
+    fallback = launch_check["fallback"]
+    # JITFunction.run's count and the driver's launches, at the first and second launch
+    assert fallback["direct_launch_off"] == [[1, 1, 1, 1]] * fallback["launches"]
+    assert fallback["launch_hook"] == [[1, 1, 1, 1]] * fallback["launches"]
+    assert fallback["hook_calls"] == 2 * fallback["launches"]
+
+
+def test_constexprs_out_of_order_are_refused(launch_check):
+    assert launch_check["order_error"].startswith("_segment_kernel: constexprs ('BLOCK',")
+    assert "expected ('REDUCE', 'RULE'," in launch_check["order_error"]
+
+
+# ---- on a GPU: the same bits either way --------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd", "exact"])
+def test_direct_launch_gives_jitfunction_run_bits(mode):
+    """Every primitive with a plan, an unplanned call with long segments (the fold kernel),
+    a misaligned source, bf16 with alpha, one-element rows: launched directly (after a first
+    launch) and through JITFunction.run, the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    rows, segments, features = 3000, 9, 33
+    index = torch.randint(0, segments, (rows,), generator=gen).cuda()
+    src = torch.randn(rows, features, generator=gen).cuda()
+    init = torch.randn(segments, features, generator=gen).cuda()
+    misaligned = torch.randn(rows * features + 1, generator=gen).cuda()[1:].view(rows, features)
+    plan = detsum.plan(index, segments)
+    calls = [
+        lambda: detsum.index_add(init, 0, index, src, mode=mode, plan=plan),
+        lambda: detsum.index_add(init, 0, index, misaligned, mode=mode, plan=plan),
+        lambda: detsum.index_add(init.bfloat16(), 0, index, src.bfloat16(), alpha=0.5,
+                                 mode=mode, plan=plan),
+        lambda: detsum.segment_sum(src, mode=mode, plan=plan),
+        lambda: detsum.scatter_reduce(init, 0, index, src, "sum", mode=mode, plan=plan),
+        lambda: detsum.index_add(init, 0, index, src, mode=mode),
+        # slice size 1: torch's stride-1 rule in "autograd" mode
+        lambda: detsum.index_add(init[:, 0], 0, index, src[:, 0], mode=mode, plan=plan),
+    ]
+    for call in calls:
+        with unittest.mock.patch.object(launch, "DIRECT_LAUNCH", False):
+            expected = call()
+        for _ in range(2):  # the first launch may compile; the second is direct
+            assert_same_bits(call(), expected)

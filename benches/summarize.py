@@ -1,4 +1,4 @@
-"""Print a short table from a pytest-benchmark JSON written by the detsum benchmarks.
+"""Print a short table from a benchmark JSON written by the detsum benchmarks.
 
     python benches/summarize.py benches/results/cpu-2026-11-21.json
 
@@ -6,6 +6,10 @@ Columns: case, median ms, GB/s (fewest bytes / median), ratio to the torch basel
 (``torch.Tensor.index_add_`` for the MoE index_add cases; see ``baseline`` in extra_info), max
 ulps against the exact sum on sampled rows. Then the targets of the MoE case, from the medians
 of the same run.
+
+``benches/host_launch.py`` writes its own form (per-call host microseconds, no
+``benchmarks`` list); it is printed as a table of medians and percentiles against the torch
+op of the same run, with the 25 µs target for a call with a plan.
 """
 
 from __future__ import annotations
@@ -224,6 +228,8 @@ def speed_targets(data: dict) -> list[str]:
 
 def targets(data: dict) -> list[str]:
     """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
+    if is_host_time(data):
+        return host_time_targets(data)
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -250,7 +256,42 @@ def targets(data: dict) -> list[str]:
             + pyg_targets(data) + hf_targets(data) + speed_targets(data))
 
 
+HOST_TIME_TARGET_US = 25.0
+
+
+def is_host_time(data: dict) -> bool:
+    """Whether ``data`` is a ``benches/host_launch.py`` report rather than pytest-benchmark's."""
+    return "benchmarks" not in data and "times_us" in data
+
+
+def host_time_targets(data: dict) -> list[str]:
+    """One line per call with a plan on the direct launch path: its median against 25 µs."""
+    return [f"{name}: {r['median_us']:.1f} us (p10 {r['p10_us']:.1f}, p90 {r['p90_us']:.1f}; "
+            f"target <= {HOST_TIME_TARGET_US:g}) "
+            f"{'met' if r['median_us'] <= HOST_TIME_TARGET_US else 'MISSED'}"
+            for name, r in data["results"].items() if " plan | direct" in name]
+
+
+def host_time_table(data: dict) -> str:
+    env = data.get("environment", {})
+    out = [f"{data.get('date', '?')}  {env.get('cpu', '?')}  {env.get('cores', '?')} cores  "
+           f"torch {env.get('torch', '?')}  triton {env.get('triton', '?')}",
+           f"host time per call, device work stubbed; ratio = median / median of "
+           f"{data.get('baseline', 'the baseline')}", ""]
+    width = max(map(len, data["results"]), default=4)
+    out.append(f"{'case'.ljust(width)}  {'median us':>9}  {'p10':>7}  {'p90':>7}  {'ratio':>6}")
+    for name, r in data["results"].items():
+        out.append(f"{name.ljust(width)}  {r['median_us']:9.1f}  {r['p10_us']:7.1f}  "
+                   f"{r['p90_us']:7.1f}  {r.get('ratio_to_index_add_', float('nan')):6.2f}")
+    t = host_time_targets(data)
+    if t:
+        out += ["", "Targets:"] + ["  " + x for x in t]
+    return "\n".join(out)
+
+
 def table(data: dict) -> str:
+    if is_host_time(data):
+        return host_time_table(data)
     rs = rows(data)
     headers = ["case", "median ms", "GB/s", "ratio", "max ulps"]
     cells = [[r["case"], _fmt(r["median_ms"], 2), _fmt(r["gbps"], 2), _fmt(r["ratio"], 2),

@@ -2,8 +2,11 @@
 
 Two index layouts: a 1-D index of length ``src.size(dim)`` sends whole rows (the fast path,
 one segment per output row); an index of ``src``'s full shape sends single elements (torch's
-own semantics), which is run as a 1-D segmented reduction over the flattened tensors with
-keys ``(outer, index, inner)``, so both layouts share every kernel.
+own semantics). One of those that broadcasts a row index over the other dims (the way torch
+and PyG users write a row index) is run as that row index (``_as_rows``). Any other runs on
+the Numba backend without a plan (``_stream_elements``), and elsewhere as a 1-D segmented
+reduction over the flattened tensors with keys ``(outer, index, inner)``. Every layout gives
+each output element the same terms in the same order, so the same bits.
 """
 
 from __future__ import annotations
@@ -95,6 +98,13 @@ def _as_rows(input: torch.Tensor, dim: int, index: torch.Tensor, reduce: str, ac
     return rows
 
 
+def _streams(backend_name: str, device_type: str, rule: int) -> bool:
+    """Whether an elementwise index runs without a plan (``_stream_elements``): on the Numba
+    backend, under every rule but EXACT (whose state per output element, dozens of limbs, is
+    too large to keep for every element of a block)."""
+    return backend_name == "numba" and device_type == "cpu" and rule != kernels.EXACT
+
+
 def _stream_elements(input, dim, index, src, reduce, include_self, rule) -> torch.Tensor:
     """The elementwise layout on the Numba backend without a plan: each output element gets
     the terms and arithmetic the plan of ``_elementwise_plan`` would give it (same bits),
@@ -154,7 +164,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         src3, base3 = _segments.rows_view(src, dim), input3
     else:
         rule = rule_for(Mode(acc_mode), reduce, input.device.type, 1)
-        if backend_name == "numba" and input.device.type == "cpu" and rule != kernels.EXACT:
+        if _streams(backend_name, input.device.type, rule):
             return _stream_elements(input, dim, index, src, reduce, include_self, rule)
         order, offsets = _elementwise_plan(input3, index, dim, backend_name, check)
         src3, base3 = src.reshape(1, -1, 1), input3.reshape(1, -1, 1)
@@ -312,6 +322,10 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     shape, as in ``torch.scatter_reduce``). Each output element reduces, in this order:
     ``input``'s own value if ``include_self``, then its source values in increasing ``k``
     (order of appearance along ``dim``). Elements that receive nothing keep ``input``.
+    An index of ``src``'s shape that repeats one row index along the other dims runs as fast
+    as that 1-D index, with the same bits: found from its strides when it is a stride-0 view
+    (``index.view(-1, 1).expand_as(src)``), and, under ``check="host"`` only, by one
+    comparison pass when its values are materialised (on a GPU that pass is a host read).
 
     Args:
         input: float32, float16, bfloat16 or float64; ``src``'s shape except along ``dim``.

@@ -226,6 +226,34 @@ def speed_targets(data: dict) -> list[str]:
     return lines
 
 
+#: scatter_reduce with torch's own index form (bench_scatter_reduce.py): detsum over
+#: torch.scatter_reduce with the same index, per form (an elementwise index has no target).
+TORCH_FORM_TARGETS = {"expanded": 1.0, "materialised": 1.2}
+
+
+def torch_form_targets(data: dict) -> list[str]:
+    """bench_scatter_reduce.py's torch-form cases: each detsum mode over torch with the same
+    index, with the spread of the two medians (interquartile range over median)."""
+    stats = {b["name"]: b["stats"] for b in data["benchmarks"]}
+    lines = []
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if e.get("primitive") != "scatter_reduce torch form" or e.get("impl") == "torch":
+            continue
+        base = stats.get(e.get("baseline_case"))
+        if base is None:
+            continue
+        r = b["stats"]["median"] / base["median"]
+        spread = max(b["stats"]["iqr"] / b["stats"]["median"], base["iqr"] / base["median"])
+        limit = TORCH_FORM_TARGETS.get(e["form"])
+        verdict = "" if limit is None else (f"; target <= {limit:g}) "
+                                            f"{'met' if r <= limit else 'MISSED'}")
+        lines.append(f"{e['device']} scatter_reduce {e['reduce']} {e['dtype']} index "
+                     f"{e['form']}: {e['impl']} / torch: {r:.2f} (spread {spread:.0%}"
+                     + (verdict or ")"))
+    return lines
+
+
 def targets(data: dict) -> list[str]:
     """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
     if is_host_time(data):
@@ -253,7 +281,8 @@ def targets(data: dict) -> list[str]:
             lines.append(f"{device} {dtype}: {label}: {r:.2f} (target {sense} {limit:g}) "
                          f"{'met' if ok else 'MISSED'}")
     return (lines + exact_targets(data) + loss_targets(data) + scatter_compat_targets(data)
-            + pyg_targets(data) + hf_targets(data) + speed_targets(data))
+            + pyg_targets(data) + hf_targets(data) + speed_targets(data)
+            + torch_form_targets(data))
 
 
 HOST_TIME_TARGET_US = 25.0

@@ -2,15 +2,20 @@
 
 Two index layouts: a 1-D index of length ``src.size(dim)`` sends whole rows (the fast path,
 one segment per output row); an index of ``src``'s full shape sends single elements (torch's
-own semantics), which is run as a 1-D segmented reduction over the flattened tensors with
-keys ``(outer, index, inner)``, so both layouts share every kernel.
+own semantics). One of those that broadcasts a row index over the other dims (the way torch
+and PyG users write a row index) is run as that row index (``_as_rows``). Any other runs on
+the Numba backend without a plan (``_stream_elements``), and elsewhere as a 1-D segmented
+reduction over the flattened tensors with keys ``(outer, index, inner)``. Every layout gives
+each output element the same terms in the same order, so the same bits.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation, reference
+from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
 from detsum.plans import Plan, check_plan, operator_arguments, unpack
@@ -50,6 +55,81 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backe
     return _segments.plan_from_keys(keys, outer * num_segments * inner, backend_name)
 
 
+def _broadcast_rows(index: torch.Tensor, dim: int, check: str) -> torch.Tensor | None:
+    """The 1-D row index that ``index`` (of ``src``'s shape) broadcasts over every dim but
+    ``dim``, or None when it holds other values or the answer would cost a host read.
+
+    A view, found without reading values, when those dims have stride 0 or size 1
+    (``index.view(-1, 1).expand_as(src)``, as torch and PyG users write it). Otherwise, under
+    ``check="host"`` only, one comparison of ``index`` with its first slice across ``dim``
+    (on a GPU a host read, so never under "device" or "off"). Each output element then
+    reduces, in the same order, exactly the terms the row path gives its row: same bits."""
+    if index.dim() < 2 or index.numel() == 0:
+        return None
+    rows = index
+    for d in reversed(range(index.dim())):
+        if d != dim:
+            rows = rows.select(d, 0)
+    if all(index.stride(d) == 0 or index.shape[d] == 1 for d in range(index.dim()) if d != dim):
+        return rows
+    if check != "host":
+        return None
+    shape = [1] * index.dim()
+    shape[dim] = -1
+    return rows if torch.equal(index, rows.view(shape).expand(index.shape)) else None
+
+
+def _as_rows(input: torch.Tensor, dim: int, index: torch.Tensor, reduce: str, acc_mode: str,
+             check: str) -> torch.Tensor:
+    """``index``, or the 1-D row index it broadcasts (``_broadcast_rows``) where the row path
+    computes the same arithmetic: everywhere but "autograd" sums on CUDA, whose rule follows
+    the slice size (1 for an index of ``src``'s shape, as torch flattens it). Under
+    ``check="host"`` a row index with a bad value is not taken either: the error then names
+    the position in ``index`` as the caller passed it."""
+    rows = _broadcast_rows(index, dim, check)
+    if rows is None:
+        return index
+    mode, device_type = Mode(acc_mode), input.device.type
+    inner = math.prod(input.shape[dim + 1:])
+    if rule_for(mode, reduce, device_type, 1) != rule_for(mode, reduce, device_type, inner):
+        return index
+    if check == "host":
+        if rows.device.type == "cpu":
+            # NumPy's pass: torch's wakes a second thread for 1M values, a time slice (8 ms,
+            # against 0.2 ms) whenever the other core is busy.
+            values = rows.numpy()
+            low, high = int(values.min()), int(values.max())
+        else:
+            low, high = torch.stack(torch.aminmax(rows)).tolist()
+        if low < 0 or high >= input.shape[dim]:
+            return index
+    return rows
+
+
+def _streams(backend_name: str, device_type: str, rule: int) -> bool:
+    """Whether an elementwise index runs without a plan (``_stream_elements``): on the Numba
+    backend, under every rule but EXACT (whose state per output element, dozens of limbs, is
+    too large to keep for every element of a block)."""
+    return backend_name == "numba" and device_type == "cpu" and rule != kernels.EXACT
+
+
+def _stream_elements(input, dim, index, src, reduce, include_self, rule) -> torch.Tensor:
+    """The elementwise layout on the Numba backend without a plan: each output element gets
+    the terms and arithmetic the plan of ``_elementwise_plan`` would give it (same bits),
+    from one pass over ``src`` and ``index`` (``detsum.kernels.numba.scatter``), which checks
+    every index value as it reads it; a bad one is reported as the check="host" path does."""
+    from detsum.kernels.numba.scatter import scatter_elements
+
+    input3 = _segments.rows_view(input, dim)
+    out3 = _segments.new_output(input3, input3.shape[1])
+    if scatter_elements(_segments.rows_view(src, dim), _segments.rows_view(index, dim), input3,
+                        out3, reduce=kernels.REDUCE_CODES[reduce], rule=rule,
+                        include_base=include_self):
+        _validation.raise_first_out_of_range(_CALLER, "index", index, input.shape[dim],
+                                             f"input.size({dim})")
+    return out3.view(input.shape)
+
+
 @torch.library.custom_op("detsum::scatter_reduce", mutates_args=())
 def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
                       reduce: str, include_self: bool, acc_mode: str, sorted: bool,
@@ -70,6 +150,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     input3 = _segments.rows_view(input, dim)
     backend_name = current_backend(input.device.type, _CALLER)
     check = _segments.check_that_runs(check, input.device.type, backend_name)
+    index = _as_rows(input, dim, index, reduce, acc_mode, check)
     rowwise = index.dim() == 1
     sparse = None
     if not index_checked and rowwise and planned is None and backend_name != "reference":
@@ -100,6 +181,9 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
             check=check)
         src3, base3 = _segments.rows_view(src, dim), input3
     else:
+        rule = rule_for(Mode(acc_mode), reduce, input.device.type, 1)
+        if _streams(backend_name, input.device.type, rule):
+            return _stream_elements(input, dim, index, src, reduce, include_self, rule)
         order, offsets = _elementwise_plan(input3, index, dim, backend_name, check)
         src3, base3 = src.reshape(1, -1, 1), input3.reshape(1, -1, 1)
     if backend_name == "reference":
@@ -178,6 +262,9 @@ def _backward(ctx, grad):
     input, index, src, result, order, offsets, chunk_ends = ctx.saved_tensors
     dim, reduce, include_self = ctx.dim, ctx.reduce, ctx.include_self
     check = _segments.backward_check(ctx.check, grad.device.type)
+    rows = _broadcast_rows(index, dim, check)
+    if rows is not None:  # the same gradient, from row gathers and counts per row
+        index = rows
     reached = None  # the source positions the forward reduced, when not all of them
     if check != "host":
         # Unchecked values: every gather and count below stays inside its tensor. Under "off"
@@ -265,6 +352,10 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     shape, as in ``torch.scatter_reduce``). Each output element reduces, in this order:
     ``input``'s own value if ``include_self``, then its source values in increasing ``k``
     (order of appearance along ``dim``). Elements that receive nothing keep ``input``.
+    An index of ``src``'s shape that repeats one row index along the other dims runs as fast
+    as that 1-D index, with the same bits: found from its strides when it is a stride-0 view
+    (``index.view(-1, 1).expand_as(src)``), and, under ``check="host"`` only, by one
+    comparison pass when its values are materialised (on a GPU that pass is a host read).
 
     Args:
         input: float32, float16, bfloat16 or float64; ``src``'s shape except along ``dim``.

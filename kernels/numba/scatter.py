@@ -1,0 +1,382 @@
+"""scatter_reduce with an index of the source's shape: each element to its own output element.
+
+``scatter_elements(src, index, base, out, *, reduce, rule, include_base) -> bool``
+
+- ``src``, ``index``: ``[outer, N, inner]`` CPU tensors, any strides; ``src`` float32,
+  float64, float16 or bfloat16, ``index`` int32 or int64. Source element ``(o, n, i)`` goes to
+  output element ``(o, index[o, n, i], i)``.
+- ``base``, ``out``: ``[outer, S, inner]`` of ``src``'s dtype, any non-overlapping strides;
+  ``out`` is not ``base``.
+- ``reduce``: kernels.SUM, MEAN, PROD, AMAX or AMIN; ``rule``: WIDE, KAHAN or ROUND_EACH.
+- Returns False, with every element of ``out`` written, when every index value lies in
+  ``[0, S)``; otherwise True (elements with a bad value take part nowhere, ``out`` is
+  written all the same; the caller raises).
+
+Each output element is what ``segment.segment_reduce`` computes for it (alpha 1, a base):
+the same terms in the same order, increasing ``n`` (the contract's order of appearance along
+``dim``), with the same arithmetic, chunks of ``CHUNK_TERMS`` terms under WIDE and KAHAN
+included; the module docstring of ``segment`` states it rule by rule. Only the schedule
+differs: instead of a plan (a sort of every element by its output element, then a gather of
+single elements), one work item streams the source rows of ``outer`` index ``o`` in
+increasing ``n`` over a block of columns, and reduces each element where its index sends it,
+into a state of the block's ``S x width`` output elements: the accumulator (and Neumaier's
+compensation, a later chunk's partial result and its compensation where the rule has them)
+and a count of terms so far. The count says when a chunk starts and ends, the mean's
+divisor, and whether an element received anything (one that received nothing keeps
+``base`` bit for bit without ``include_base``). Items own their output elements outright, so
+the thread count never matters. No plan also means no validation pass: the item checks each
+index value where it reads it.
+
+Why: a plan over ``outer * N * inner`` elements and ``outer * S * inner`` segments
+(1M x 64 into 100k x 64) took seconds to build, where this is one pass over src and index.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import prange
+
+from .. import AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE
+from ..rounding import (
+    bf16_bits_to_f32,
+    f16_bits_to_f32,
+    f32_to_bf16_bits,
+    f32_to_f16_bits,
+    round_f32_to_bf16,
+    round_f32_to_f16,
+)
+from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+
+__all__ = ["scatter_elements"]
+
+#: An item takes as many columns as keep its state (``S x width`` elements) within this many
+#: bytes: whole rows (every column of a source row in one stream) where they fit, else the
+#: largest power of two that does, so that the state stays in the caches. 1M x 64 random
+#: elements into 100k x 64, two threads: "fp32" 0.22-0.25 s at 4 and 8 columns, 0.98 s at 16;
+#: "kahan" (a compensation too) 0.32 s at 4 columns, 0.74 s at 8.
+_STATE_BYTES = 8 << 20
+#: Fewest source elements per thread block (as ``segment._MIN_BLOCK_ELEMENTS``: waking a
+#: second thread costs more than a small launch). Only the schedule changes, never a result.
+_MIN_BLOCK_ELEMENTS = 65536
+
+_OP_ADD = 0
+_OP_ADD_ROUND = 1
+_OP_KAHAN = 2
+_OP_MUL = 3
+_OP_MAX = 4
+_OP_MIN = 5
+
+def _make_kernel(fmt, dec, rnd, enc, cvt):
+    """The kernel for one data format (see ``segment._make_block`` for ``dec``, ``rnd``,
+    ``enc`` and ``cvt``, and for why each format's functions compile under names of their
+    own)."""
+
+    def every_term(name, combine):
+        """The pass over the rows for one operation: each term joins its element, unsplit,
+        and is counted. Its loop body is a load, a count and ``combine``: a branch on the
+        operation, a test of the count, or the chunks' arithmetic beside it (never run) made
+        the loop two to three times slower (measured on 1M x 64 random elements into
+        100k x 64), so each operation has a loop of its own, and the elements of more than
+        CHUNK_TERMS terms are done again by ``long_segments``."""
+
+        @_njit_named_for(f"{fmt}_{name}")()
+        def run(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg):
+            bad = 0
+            for n in range(nrows):
+                r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
+                x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
+                for j in range(w):
+                    # Unsigned: Numba adds no negative-index fix-up to these accesses.
+                    k = index[np.uint64(x0 + j * xs[2])]
+                    if k < 0 or k >= nseg:
+                        bad = 1
+                        continue
+                    e = np.uint64(k * w + j)
+                    count[e] += 1
+                    acc[e] = combine(acc[e], dec(src[np.uint64(r0 + j * ss[2])]))
+            return bad
+
+        return run
+
+    format_njit = _njit_named_for(fmt)
+
+    @format_njit(inline="always")
+    def add(y, x):
+        return y + x
+
+    @format_njit(inline="always")
+    def add_round(y, x):
+        return rnd(y + x)
+
+    @format_njit(inline="always")
+    def mul(y, x):
+        return y * x
+
+    @format_njit(inline="always")
+    def larger(y, x):
+        # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
+        return x if (x != x or x > y) and y == y else y
+
+    @format_njit(inline="always")
+    def smaller(y, x):
+        return x if (x != x or x < y) and y == y else y
+
+    every_add = every_term("add", add)
+    every_add_round = every_term("add_round", add_round)
+    every_mul = every_term("mul", mul)
+    every_max = every_term("max", larger)
+    every_min = every_term("min", smaller)
+
+    @format_njit()
+    def every_kahan(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg):
+        """``every_term`` for Neumaier's sum: the compensation is state of its own."""
+        bad = 0
+        for n in range(nrows):
+            r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
+            x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
+            for j in range(w):
+                k = index[np.uint64(x0 + j * xs[2])]
+                if k < 0 or k >= nseg:
+                    bad = 1
+                    continue
+                e = np.uint64(k * w + j)
+                count[e] += 1
+                acc[e], comp[e] = neumaier(acc[e], comp[e], dec(src[np.uint64(r0 + j * ss[2])]))
+        return bad
+
+    @format_njit()
+    def long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, op, use_base, ident,
+                      acc, comp, part, pcomp, count, seen):
+        """The elements of more than CHUNK_TERMS terms (``count``), done again in chunks: the
+        first chunk into acc from the start, each later one reduced from its own first term
+        and folded in once complete (the last, shorter one by ``item``). ``seen`` counts the
+        terms again. The index values were checked by the first pass."""
+        for s in range(nseg):
+            b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
+            for j in range(w):
+                e = s * w + j
+                seen[e] = 0
+                if count[e] > CHUNK_TERMS:
+                    acc[e] = dec(base[b0 + j * bs[2]]) if use_base else ident
+                    if op == _OP_KAHAN:
+                        comp[e] = 0.0
+        for n in range(nrows):
+            r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
+            x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
+            for j in range(w):
+                k = index[np.uint64(x0 + j * xs[2])]
+                if k < 0 or k >= nseg:
+                    continue
+                e = np.uint64(k * w + j)
+                if count[e] <= CHUNK_TERMS:
+                    continue
+                c = seen[e]
+                seen[e] = c + 1
+                x = dec(src[np.uint64(r0 + j * ss[2])])
+                if c < CHUNK_TERMS:
+                    if op == _OP_KAHAN:
+                        acc[e], comp[e] = neumaier(acc[e], comp[e], x)
+                    elif op == _OP_MUL:
+                        acc[e] = acc[e] * x
+                    else:
+                        acc[e] = acc[e] + x
+                    continue
+                r = c % CHUNK_TERMS
+                if r == 0:
+                    part[e] = x
+                    if op == _OP_KAHAN:
+                        pcomp[e] = 0.0
+                elif op == _OP_KAHAN:
+                    part[e], pcomp[e] = neumaier(part[e], pcomp[e], x)
+                elif op == _OP_MUL:
+                    part[e] = part[e] * x
+                else:
+                    part[e] = part[e] + x
+                if r == CHUNK_TERMS - 1:
+                    fold(op, acc, comp, part, pcomp, e)
+
+    @format_njit(inline="always")
+    def fold(op, acc, comp, part, pcomp, e):
+        """Fold a completed later chunk (part, and pcomp under KAHAN) into element e."""
+        if op == _OP_KAHAN:
+            acc[e], c = neumaier(acc[e], comp[e], part[e])
+            comp[e] = c + pcomp[e]
+        elif op == _OP_MUL:
+            acc[e] = acc[e] * part[e]
+        else:
+            acc[e] = acc[e] + part[e]
+
+    @format_njit()
+    def item(src, ss, index, xs, base, bs, out, us, o, j0, w, nrows, nseg, op, split, use_base,
+             mean, mean_round, acc, comp, part, pcomp, count, seen):
+        """Columns j0 .. j0 + w - 1 of outer index o; state element ``s * w + j``. Returns
+        1 when an index value lies outside [0, nseg), else 0."""
+        if op == _OP_MUL:
+            ident = cvt(1.0)
+        elif op == _OP_MAX:
+            # Below every value: the first term replaces it, as the first term starts a
+            # segment without base (a NaN is taken, an equal -inf is the same bits).
+            ident = cvt(-np.inf)
+        elif op == _OP_MIN:
+            ident = cvt(np.inf)
+        else:
+            ident = cvt(0.0)
+        zero = cvt(0.0)
+        for s in range(nseg):
+            b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
+            e0 = s * w
+            for j in range(w):
+                acc[e0 + j] = dec(base[b0 + j * bs[2]]) if use_base else ident
+                count[e0 + j] = 0
+            if op == _OP_KAHAN:
+                for j in range(w):
+                    comp[e0 + j] = zero
+
+        if op == _OP_ADD:
+            bad = every_add(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
+        elif op == _OP_ADD_ROUND:
+            bad = every_add_round(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
+        elif op == _OP_KAHAN:
+            bad = every_kahan(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg)
+        elif op == _OP_MUL:
+            bad = every_mul(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
+        elif op == _OP_MAX:
+            bad = every_max(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
+        else:
+            bad = every_min(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
+        if split and nrows > CHUNK_TERMS and count[:nseg * w].max() > CHUNK_TERMS:
+            long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, op, use_base,
+                          ident, acc, comp, part, pcomp, count, seen)
+
+        for s in range(nseg):
+            b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
+            u0 = o * us[0] + s * us[1] + j0 * us[2]
+            e0 = s * w
+            for j in range(w):
+                e = e0 + j
+                c = count[e]
+                if c == 0 and not use_base:
+                    # Nothing reached it: the base element unchanged (a bit copy).
+                    out[u0 + j * us[2]] = base[b0 + j * bs[2]]
+                    continue
+                if split and c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
+                    fold(op, acc, comp, part, pcomp, e)  # the last, shorter chunk
+                v = acc[e]
+                if op == _OP_KAHAN:
+                    # As segment_reduce: the compensation joins a finite sum, and only when
+                    # nonzero (a sum of -0.0 terms stays -0.0).
+                    cj = comp[e]
+                    v = v + cj if np.isfinite(v) and cj != 0 else v
+                if mean:
+                    divisor = cvt(c + (1 if use_base else 0))
+                    v = rnd(v) / divisor if mean_round else v / divisor
+                out[u0 + j * us[2]] = enc(v)
+        return bad
+
+    @format_njit(parallel=True, cache=True)
+    def kernel(src, ss, index, xs, base, bs, out, us, shape, width, reduce, rule, use_base,
+               acc_scratch, comp_scratch, part_scratch, pcomp_scratch, count_scratch,
+               seen_scratch, bad):
+        outer, nrows, nseg, inner = shape
+        if reduce == PROD:
+            op = _OP_MUL
+        elif reduce == AMAX:
+            op = _OP_MAX
+        elif reduce == AMIN:
+            op = _OP_MIN
+        elif rule == KAHAN:
+            op = _OP_KAHAN
+        elif rule == ROUND_EACH and reduce == SUM:
+            op = _OP_ADD_ROUND
+        else:
+            # WIDE, and MEAN under ROUND_EACH (summed wide, rounded before the division).
+            op = _OP_ADD
+        # amax / amin give the same bits split or not, so only sums and products are split.
+        split = (rule == WIDE or rule == KAHAN) and op != _OP_MAX and op != _OP_MIN
+        mean = reduce == MEAN
+        mean_round = mean and rule == ROUND_EACH
+        pieces = (inner + width - 1) // width
+        n_items = outer * pieces
+        n_blocks = bad.shape[0]
+        for b in prange(n_blocks):
+            failed = 0
+            for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
+                o = it // pieces
+                j0 = (it % pieces) * width
+                w = min(width, inner - j0)
+                failed |= item(src, ss, index, xs, base, bs, out, us, o, j0, w, nrows, nseg,
+                               op, split, use_base, mean, mean_round, acc_scratch[b],
+                               comp_scratch[b], part_scratch[b], pcomp_scratch[b],
+                               count_scratch[b], seen_scratch[b])
+            bad[b] = failed
+
+    return kernel
+
+
+_KERNELS = {
+    torch.float32: (_make_kernel("f32", _f32, _f32, _f32, _f32), np.float32),
+    torch.float64: (_make_kernel("f64", _f64, _f64, _f64, _f64), np.float64),
+    torch.bfloat16: (_make_kernel("bf16", bf16_bits_to_f32, round_f32_to_bf16,
+                                  f32_to_bf16_bits, _f32), np.float32),
+    torch.float16: (_make_kernel("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits,
+                                 _f32), np.float32),
+}
+
+
+def work_split(outer, inner, nseg, state_bytes, nthreads, elements):
+    """(columns per item, thread blocks): as many columns as ``_STATE_BYTES`` allows (at least
+    one); narrower items when there are fewer items than threads; one block for a small
+    launch."""
+    width = inner
+    if nseg * inner * state_bytes > _STATE_BYTES:
+        width = 1
+        while 2 * width * nseg * state_bytes <= _STATE_BYTES:
+            width *= 2
+    pieces = -(-inner // width)
+    while outer * pieces < nthreads and pieces < inner:
+        pieces = min(inner, 2 * pieces)
+    width = -(-inner // pieces)
+    pieces = -(-inner // width)
+    n_blocks = min(outer * pieces, nthreads, max(1, elements // _MIN_BLOCK_ELEMENTS))
+    return width, n_blocks
+
+
+def scatter_elements(src, index, base, out, *, reduce, rule, include_base):
+    """See the module docstring (the contract)."""
+    if src.dtype not in _KERNELS:
+        raise TypeError(f"scatter_elements: unsupported dtype {src.dtype}")
+    if rule not in (WIDE, KAHAN, ROUND_EACH):
+        raise ValueError(f"scatter_elements: rule {rule} is not implemented")
+    outer, nrows, inner = src.shape
+    nseg = base.shape[1]
+    if outer == 0 or inner == 0 or nseg == 0:
+        return False
+    kernel, acc_dtype = _KERNELS[src.dtype]
+    src_np, ss = _flat(src)
+    index_np, xs = _flat(index)
+    base_np, bs = _flat(base)
+    out_np, us = _flat(out)
+    reduce, rule = int(reduce), int(rule)
+    kahan = reduce in (SUM, MEAN) and rule == KAHAN
+    # Counts of at most nrows: int32 halves the state that every term touches.
+    count_dtype = np.int32 if nrows < 2**31 else np.int64
+    state_bytes = np.dtype(acc_dtype).itemsize * (2 if kahan else 1) + np.dtype(count_dtype).itemsize
+    nthreads = launch_threads()
+    width, n_blocks = work_split(outer, inner, nseg, state_bytes, nthreads, src.numel())
+    state = nseg * width
+    # Only the state the rule reads is allocated at full size.
+    kahan_state = state if kahan else 1
+    chunk_state = state if rule in (WIDE, KAHAN) and nrows > CHUNK_TERMS else 1
+    acc = np.empty((n_blocks, state), dtype=acc_dtype)
+    comp = np.empty((n_blocks, kahan_state), dtype=acc_dtype)
+    part = np.empty((n_blocks, chunk_state), dtype=acc_dtype)
+    pcomp = np.empty((n_blocks, min(kahan_state, chunk_state)), dtype=acc_dtype)
+    count = np.empty((n_blocks, state), dtype=count_dtype)
+    seen = np.empty((n_blocks, chunk_state), dtype=count_dtype)
+    bad = np.zeros(n_blocks, dtype=np.int64)
+    with threads(nthreads if n_blocks > 1 else 1):
+        kernel(src_np, ss, index_np, xs, base_np, bs, out_np, us, (outer, nrows, nseg, inner),
+               width, reduce, rule, bool(include_base), acc, comp, part, pcomp, count, seen,
+               bad)
+    return bool(bad.any())

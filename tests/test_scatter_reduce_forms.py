@@ -14,6 +14,8 @@ likewise.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 import types
 import unittest.mock
 
@@ -155,23 +157,45 @@ def check_every_path(input, dim, index, src, reduce, mode, *, row_path: bool):
         assert_equal_bits(got, oracle, f"{what}, against the reference")
 
 
-@pytest.mark.parametrize("template,dim", SHAPES)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("form", BROADCAST_FORMS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("mode,reduce", MODE_REDUCTION_PARAMS)
+def covering(full: list[list], cycled: list) -> list:
+    """pytest params: every combination of the ``full`` axes, each with the next value of
+    ``cycled`` in turn. Its length (5 shapes) is prime to every full axis's, so each of its
+    values meets every value of every full axis, at the cost of the full axes alone. A value
+    is one argument, or a ``pytest.param`` of several; ids join the values' ids."""
+    def parts(value):
+        if isinstance(value, type(pytest.param())):
+            return tuple(value.values), value.id
+        if isinstance(value, torch.dtype):
+            return (value,), dtype_id(value)
+        return (value,), str(value)
+
+    assert all(math.gcd(len(cycled), len(axis)) == 1 for axis in full)
+    out = []
+    for k, combination in enumerate(itertools.product(*full)):
+        values, ids = (), []
+        for value in (*combination, cycled[k % len(cycled)]):
+            v, i = parts(value)
+            values += v
+            ids.append(i)
+        out.append(pytest.param(*values, id="-".join(ids)))
+    return out
+
+
+@pytest.mark.parametrize(
+    "mode,reduce,dtype,form,case,template,dim",
+    covering([MODE_REDUCTION_PARAMS, [torch.float32, torch.bfloat16], BROADCAST_FORMS, CASES],
+             SHAPES))
 def test_a_broadcast_row_index_takes_the_row_path_with_the_same_bits(
         mode, reduce, dtype, form, case, template, dim):
     input, index, src = make_case(template, dim, form, case, dtype, reduce)
     check_every_path(input, dim, index, src, reduce, mode, row_path=True)
 
 
-@pytest.mark.parametrize("template,dim", SHAPES)
-@pytest.mark.parametrize("case", CASES + ["short-int32"])
-@pytest.mark.parametrize("form", ELEMENTWISE_FORMS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
-                         ids=dtype_id)
-@pytest.mark.parametrize("mode,reduce", MODE_REDUCTION_PARAMS)
+@pytest.mark.parametrize(
+    "mode,reduce,dtype,form,case,template,dim",
+    covering([MODE_REDUCTION_PARAMS,
+              [torch.float32, torch.bfloat16, torch.float16, torch.float64], ELEMENTWISE_FORMS,
+              CASES + ["short-int32"]], SHAPES))
 def test_an_elementwise_index_without_a_plan_gives_the_plan_bits(
         mode, reduce, dtype, form, case, template, dim):
     index_dtype = torch.int32 if case.endswith("int32") else torch.int64

@@ -184,8 +184,9 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     within a value), and the sorted values give the offsets by a binary search per segment
     boundary: neither needs the host. The sort already yields the smallest and largest
     value, so validating costs no extra pass over the index, just the one read of those two
-    numbers; a promised-sorted index is checked by one fused reduction instead. Bad values are
-    located (a slower, second look) only to write the error message.
+    numbers; a promised-sorted index is checked by one pass for its order and a read of that
+    with its two ends. Bad values are located (a slower, second look) only to write the error
+    message.
     """
     if index.numel() == 0:
         return (None if promised_sorted else index.new_empty(0, dtype=torch.int64),
@@ -197,15 +198,18 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
             offsets = offsets.offsets()
         if check == "off":
             return None, offsets
-        out_of_range = ((index < 0) | (index >= num_segments)).any()
         decreasing = (index[1:] < index[:-1]).any()
         if check == "device":
+            out_of_range = ((index < 0) | (index >= num_segments)).any()
             assert_on_device(~out_of_range, caller, in_range)
             assert_on_device(~decreasing, caller,
                              f"sorted=True but {index_name} decreases somewhere")
             return None, offsets
-        bad_range, bad_order = torch.stack([out_of_range, decreasing]).tolist()
-        if bad_range:
+        # A nondecreasing index lies in range when its two ends do: one read of the three.
+        low, high, bad_order = torch.stack([index[0], index[-1],
+                                            decreasing.to(index.dtype)]).tolist()
+        if low < 0 or high >= num_segments or (
+                bad_order and bool(((index < 0) | (index >= num_segments)).any())):
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
         if bad_order:
             first = int((index[1:] < index[:-1]).nonzero()[0]) + 1

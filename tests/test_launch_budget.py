@@ -149,7 +149,7 @@ MEASURED = {
     "scatter_reduce kahan host": (4, 1, 2, 1),
     "scatter_reduce kahan device": (4, 0, 3, 1),
     "scatter_reduce kahan off": (3, 0, 2, 1),
-    "scatter_reduce sorted fp32 host": (9, 1, 2, 0),
+    "scatter_reduce sorted fp32 host": (6, 1, 2, 0),
     "scatter_reduce sorted fp32 device": (12, 0, 2, 0),
     "scatter_reduce sorted fp32 off": (2, 0, 2, 0),
     "segment_sum fp32 host +backward": (11, 1, 3, 0),

@@ -11,7 +11,7 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
 directly after a specialisation's first launch) and "JITFunction.run" (``DIRECT_LAUNCH``
 off: Triton's launch every time, the path before). Calls (the inputs of
-tests/launch_counter.py: 256 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of
+tests/launch_counter.py: 512 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of
 4 experts):
 
 - ``index_add`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32" and "kahan";

@@ -11,7 +11,7 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
 directly after a specialisation's first launch) and "JITFunction.run" (``DIRECT_LAUNCH``
 off: Triton's launch every time, the path before). Calls (the inputs of
-tests/launch_counter.py: 256 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of
+tests/launch_counter.py: 512 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of
 4 experts):
 
 - ``index_add`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32" and "kahan";
@@ -109,13 +109,14 @@ def _launch_alone(t: dict) -> dict:
     src = t["src"].unsqueeze(0)
     out = torch.empty(1, SEGMENTS, FEATURES)
     base = t["init"].unsqueeze(0)
-    args = (src, *src.stride(), t["plan"].order, t["plan"].offsets, t["plan"].offsets, base,
-            *base.stride(), out, *out.stride(), out, *out.stride(), out, 0, out, 1, SEGMENTS,
+    order = t["plan"].order
+    args = (src, *src.stride(), order, t["plan"].offsets, order.shape[0], 0, base,
+            *base.stride(), out, *out.stride(), out, *out.stride(), out, out, out, 1, SEGMENTS,
             FEATURES)
     constexprs = dict(REDUCE=kernels.SUM, RULE=kernels.WIDE, DATA=0, ACC=segment.tl.float32,
                       HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, HAS_CARRY=False,
                       SCALED=False, SPLIT=False, FIRST_TERM_START=False, NCOMP=1,
-                      CHUNK=kernels.CHUNK_TERMS, BLOCK=16)
+                      CHUNK=kernels.CHUNK_TERMS, KEYED=False, CHECK_KEYS=False, BLOCK=16)
     grid = (SEGMENTS, 1, 1)
     jitted = segment._segment_kernel
     kernel = launch.Kernel(jitted)

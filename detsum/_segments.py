@@ -12,8 +12,8 @@ import math
 import torch
 
 from detsum import kernels
-from detsum._validation import (assert_on_device, raise_first_out_of_range,
-                                raise_index_out_of_range)
+from detsum._validation import (assert_on_device, device_check_message,
+                                raise_first_out_of_range, raise_index_out_of_range)
 from detsum.backend import check_backend_runs
 
 #: Tests set this to True: every output is NaN-filled before a kernel writes it, so an element
@@ -100,7 +100,8 @@ def one_segment(num_rows: int, device: torch.device) -> torch.Tensor:
 
 def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
                     index_name: str, size_name: str, promised_sorted: bool, backend_name: str,
-                    check: str = "host") -> tuple[torch.Tensor | None, torch.Tensor]:
+                    check: str = "host", as_keys: bool = False
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | kernels.SortedKeys]:
     """(order, offsets) of the segments that a 1-D ``index`` defines, after checking its values
     as ``check`` says (``_validation.check_level``).
 
@@ -114,10 +115,15 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     positions lie in ``[0, len(index))``, nondecreasing offsets. A value outside
     ``[0, num_segments)`` is sorted before the first segment or after the last, so its row is
     in none; a broken ``sorted=True`` promise gives the segments of ``index_as_planned``.
+
+    ``as_keys``: for a launch on the triton backend, which finds the segments' bounds itself
+    in the sorted keys (``kernels.SortedKeys``; its "device" check too): no offsets computed
+    here. Other backends are given offsets.
     """
     if backend_name != "numba" or index.device.type != "cpu":
         return _device_plan(caller, index, num_segments, index_name=index_name,
-                            size_name=size_name, promised_sorted=promised_sorted, check=check)
+                            size_name=size_name, promised_sorted=promised_sorted, check=check,
+                            as_keys=as_keys and backend_name == "triton")
     from detsum.kernels.numba import plan
 
     if promised_sorted:
@@ -169,8 +175,8 @@ def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position:
 
 
 def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
-                 size_name: str, promised_sorted: bool, check: str
-                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                 size_name: str, promised_sorted: bool, check: str, as_keys: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | kernels.SortedKeys]:
     """The plan from torch ops on the index's device, with one host read (the validation) under
     check="host" and none otherwise.
 
@@ -178,49 +184,62 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     within a value), and the sorted values give the offsets by a binary search per segment
     boundary: neither needs the host. The sort already yields the smallest and largest
     value, so validating costs no extra pass over the index, just the one read of those two
-    numbers; a promised-sorted index is checked by one fused reduction instead. Bad values are
-    located (a slower, second look) only to write the error message.
+    numbers; a promised-sorted index is checked by one pass for its order and a read of that
+    with its two ends. Bad values are located (a slower, second look) only to write the error
+    message.
     """
-    boundaries = torch.arange(num_segments + 1, dtype=index.dtype, device=index.device)
     if index.numel() == 0:
         return (None if promised_sorted else index.new_empty(0, dtype=torch.int64),
                 torch.zeros(num_segments + 1, dtype=torch.int64, device=index.device))
     in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
     if promised_sorted:
-        offsets = torch.searchsorted(index.contiguous(), boundaries)
+        offsets = kernels.SortedKeys(index, num_segments)
+        if not as_keys:
+            offsets = offsets.offsets()
         if check == "off":
             return None, offsets
-        out_of_range = ((index < 0) | (index >= num_segments)).any()
         decreasing = (index[1:] < index[:-1]).any()
         if check == "device":
+            out_of_range = ((index < 0) | (index >= num_segments)).any()
             assert_on_device(~out_of_range, caller, in_range)
             assert_on_device(~decreasing, caller,
                              f"sorted=True but {index_name} decreases somewhere")
             return None, offsets
-        bad_range, bad_order = torch.stack([out_of_range, decreasing]).tolist()
-        if bad_range:
+        # A nondecreasing index lies in range when its two ends do: one read of the three.
+        low, high, bad_order = torch.stack([index[0], index[-1],
+                                            decreasing.to(index.dtype)]).tolist()
+        if low < 0 or high >= num_segments or (
+                bad_order and bool(((index < 0) | (index >= num_segments)).any())):
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
         if bad_order:
             first = int((index[1:] < index[:-1]).nonzero()[0]) + 1
             _raise_unsorted(caller, index_name, index, first)
         return None, offsets
     values, order = torch.sort(index, stable=True)
+    if check == "device" and as_keys:
+        # The launch checks the sorted values' two ends itself, on the device.
+        return order, kernels.SortedKeys(values, num_segments,
+                                         device_check_message(caller, in_range))
     if check == "device":
         assert_on_device((values[0] >= 0) & (values[-1] < num_segments), caller, in_range)
     elif check == "host":
         low, high = values[[0, -1]].tolist()
         if low < 0 or high >= num_segments:
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
-    return order, torch.searchsorted(values, boundaries)
+    keys = kernels.SortedKeys(values, num_segments)
+    return order, keys if as_keys else keys.offsets()
 
 
-def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, offsets) for 1-D ``keys`` already known to lie in ``[0, num_segments)``."""
+def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str, *,
+                   as_keys: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | kernels.SortedKeys]:
+    """(order, offsets) for 1-D ``keys`` already known to lie in ``[0, num_segments)``;
+    ``as_keys``: as ``plan_from_index`` says."""
     if backend_name != "numba" or keys.device.type != "cpu":
         values, order = torch.sort(keys, stable=True)
-        boundaries = torch.arange(num_segments + 1, dtype=keys.dtype, device=keys.device)
-        return order, torch.searchsorted(values, boundaries)
+        sorted_keys = kernels.SortedKeys(values, num_segments)
+        return order, (sorted_keys if as_keys and backend_name == "triton"
+                       else sorted_keys.offsets())
     from detsum.kernels.numba import plan
 
     order, offsets, _ = plan.counting_sort(keys, num_segments)

@@ -97,8 +97,14 @@ def check_level(caller: str, check: object) -> str:
 def assert_on_device(condition: torch.Tensor, caller: str, what: str) -> None:
     """Fail (at the next synchronisation, on a GPU) unless ``condition`` holds: check="device".
     No host read: on a GPU this queues a kernel that stops the stream on failure."""
-    torch._assert_async(condition, f"{caller}: {what} (found by check='device'; "
-                                   f"check='host' names the first bad position)")
+    torch._assert_async(condition, device_check_message(caller, what))
+
+
+def device_check_message(caller: str, what: str) -> str:
+    """The error of a failed check="device" (``assert_on_device``), for a check that a
+    launch makes on the device itself."""
+    return (f"{caller}: {what} (found by check='device'; check='host' names the first bad "
+            f"position)")
 
 
 def check_positive_int(caller: str, name: str, value: object) -> int:

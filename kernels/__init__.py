@@ -6,6 +6,8 @@ preallocated output. The arithmetic of each rule is defined in the determinism
 contract (``docs/determinism.md``) and picked in ``detsum/modes.py``; the integer codes below are the only thing the kernels see of it.
 """
 
+import dataclasses
+
 import torch
 
 # Arithmetic rules. A mode resolves to one rule per (reduction, dtype, device, slice size) in
@@ -77,15 +79,46 @@ AMIN = 4
 REDUCE_CODES = {"sum": SUM, "mean": MEAN, "prod": PROD, "amax": AMAX, "amin": AMIN}
 
 
+@dataclasses.dataclass(frozen=True)
+class SortedKeys:
+    """Segment bounds given by a sorted index instead of offsets (``offsets=`` of a launch on
+    a backend that takes them: the Triton one): segment ``s`` starts at
+    ``torch.searchsorted(keys, s)`` (the first key ``>= s``) and ends where ``s + 1`` starts,
+    for ``s`` in ``[0, num_segments)``. The launch finds those bounds itself, so the caller
+    runs no ``searchsorted``; keys that are not sorted give the segments those searches give.
+    A key outside ``[0, num_segments)`` is in no segment."""
+
+    #: 1-D int32/int64 on the data's device: a stable sort's values, or an index promised sorted.
+    keys: torch.Tensor
+    num_segments: int
+    #: For sorted keys not checked yet (check="device"): the error of ``torch._assert_async``
+    #: when the first key is below 0 or the last one not below ``num_segments``, a check that
+    #: the launch makes on the device (no op of its own but the assert), after its reduction.
+    range_error: str | None = None
+
+    def check_range(self) -> None:
+        """The range check by torch ops, for a launch that does not make it itself."""
+        if self.range_error is not None:
+            torch._assert_async((self.keys[0] >= 0) & (self.keys[-1] < self.num_segments),
+                                self.range_error)
+
+    def offsets(self) -> torch.Tensor:
+        """The offsets these keys stand for (two device ops), after the range check."""
+        self.check_range()
+        boundaries = torch.arange(self.num_segments + 1, dtype=self.keys.dtype,
+                                  device=self.keys.device)
+        return torch.searchsorted(self.keys.contiguous(), boundaries)
+
+
 #: ``chunks=`` of a launch whose caller knows that no segment is longer than CHUNK_TERMS.
 NO_CHUNKS = (None, 0)
 
 
 def chunk_ends(offsets: torch.Tensor) -> torch.Tensor:
     """For the split rules (WIDE, KAHAN): the inclusive running count of the chunks of the
-    segments longer than CHUNK_TERMS (0 chunks for the others), one entry per segment. A
-    launch that spreads chunks over programs finds each program's (segment, chunk) in it. Torch
-    operations on the offsets' device: no host read."""
+    segments longer than CHUNK_TERMS (0 chunks for the others), one entry per segment; its last
+    entry is how many chunks there are in all. Torch operations on the offsets' device: no
+    host read."""
     counts = offsets[1:] - offsets[:-1]
     parts = torch.where(counts > CHUNK_TERMS, (counts + CHUNK_TERMS - 1) // CHUNK_TERMS, 0)
     return torch.cumsum(parts, 0)
@@ -101,10 +134,15 @@ def has_work(src, order, offsets, supported_dtypes) -> bool:
     """Check a launch's arguments against the contract; False when the output is empty."""
     if src.dtype not in supported_dtypes:
         raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
-    if offsets.dtype != torch.int64 or (order is not None and order.dtype != torch.int64):
-        raise TypeError("segment_reduce: order and offsets must be int64")
+    if isinstance(offsets, SortedKeys):
+        bounds_ok, nseg = offsets.keys.dtype in (torch.int32, torch.int64), offsets.num_segments
+    else:
+        bounds_ok, nseg = offsets.dtype == torch.int64, offsets.shape[0] - 1
+    if not bounds_ok or (order is not None and order.dtype != torch.int64):
+        raise TypeError("segment_reduce: order and offsets must be int64 (sorted keys: int32 "
+                        "or int64)")
     outer, _, inner = src.shape
-    return outer > 0 and offsets.shape[0] > 1 and inner > 0
+    return outer > 0 and nseg > 0 and inner > 0
 
 
 def has_exact_work(src, order, offsets, reduce, supported_dtypes, counts_base) -> bool:

@@ -254,9 +254,9 @@ def count(call: Callable[[], torch.Tensor], *, backward: bool = False) -> Counts
 # ---- the calls the issue budgets ---------------------------------------------------------------
 
 CHECKS = ("host", "device", "off")
-# 256 source rows: 128 or more make the Kahan and fp32 launches fold chunks in a second kernel,
-# as any real size does (kernels/triton/segment.py, "Work split").
-_ROWS, _SEGMENTS, _FEATURES = 256, 16, 4
+# 512 source rows: more than CHUNK_TERMS make the Kahan and fp32 launches fold chunks in a
+# second kernel, as any real size does (kernels/triton/segment.py, "Work split").
+_ROWS, _SEGMENTS, _FEATURES = 512, 16, 4
 _TOKENS, _TOPK, _EXPERTS = 64, 2, 4
 
 

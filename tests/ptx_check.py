@@ -32,12 +32,11 @@ def _ptx(fn, types: dict, constexprs: dict, *, fp_fusion: bool) -> str:
 
 def _segment_types(data: str, acc: str) -> dict:
     ints = {name: "i64" for name in ("ss0", "ss1", "ss2", "bs0", "bs1", "bs2", "os0", "os1",
-                                     "os2", "cs0", "cs1", "cs2", "work_rows", "outer", "nseg",
-                                     "inner")}
+                                     "os2", "cs0", "cs1", "cs2", "positions", "n_parts",
+                                     "outer", "nseg", "inner")}
     return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
-                carry_ptr=f"*{acc}",
-                order_ptr="*i64", offsets_ptr="*i64", parts_cum_ptr="*i64",
-                work_ptr=f"*{acc}", alpha_ptr=f"*{acc}")
+                carry_ptr=f"*{acc}", order_ptr="*i64", bounds_ptr="*i64",
+                work_ptr=f"*{acc}", alpha_ptr=f"*{acc}", flag_ptr="*i8")
 
 
 def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False):
@@ -45,7 +44,7 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
                 HAS_BASE=True, USE_BASE=True, HAS_CARRY=carry, SCALED=scaled,
                 SPLIT=rule in kernels.SPLIT_RULES,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
-                CHUNK=kernels.CHUNK_TERMS, BLOCK=block)
+                CHUNK=kernels.CHUNK_TERMS, KEYED=False, CHECK_KEYS=False, BLOCK=block)
 
 
 def _exact_types(data: str, acc: str) -> dict:
@@ -89,12 +88,17 @@ def main() -> dict:
     found["fp32 sum kahan carry"] = _count(_ptx(segment._segment_kernel,
                                                 _segment_types("fp32", "fp32"), config,
                                                 fp_fusion=False))
-    fold_types = dict(offsets_ptr="*i64", parts_cum_ptr="*i64", out_ptr="*fp16",
-                      carry_ptr="*fp32", work_ptr="*fp32",
-                      **{n: "i64" for n in ("os0", "os1", "os2", "cs0", "cs1", "cs2",
-                                            "work_rows", "outer", "nseg", "inner")})
+    # Bounds from int32 sorted keys, checked on the device (a launch without a plan).
+    config = dict(_segment_config(kernels.SUM, kernels.KAHAN, 0, tl.float32, False, 512),
+                  KEYED=True, CHECK_KEYS=True)
+    found["fp32 sum kahan keyed"] = _count(_ptx(
+        segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
+        config, fp_fusion=False))
+    fold_types = dict(bounds_ptr="*i64", out_ptr="*fp16", carry_ptr="*fp32", work_ptr="*fp32",
+                      **{n: "i64" for n in ("positions", "os0", "os1", "os2", "cs0", "cs1",
+                                            "cs2", "n_parts", "outer", "nseg", "inner")})
     fold = dict(REDUCE=kernels.MEAN, RULE=kernels.KAHAN, DATA=2, ACC=tl.float32, USE_BASE=True,
-                HAS_CARRY=False, NCOMP=2, CHUNK=kernels.CHUNK_TERMS, BLOCK=512)
+                HAS_CARRY=False, NCOMP=2, CHUNK=kernels.CHUNK_TERMS, KEYED=False, BLOCK=512)
     found["fp16 fold mean kahan"] = _count(_ptx(segment._fold_kernel, fold_types, fold,
                                                 fp_fusion=False))
     stride1_types = dict(src_ptr="*i16", base_ptr="*i16", out_ptr="*i16", order_ptr="*i64",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import detsum
-from detsum import _segments, moe, reference
+from detsum import _segments, kernels, moe, reference
 from conftest import assert_same_bits, host_reads
 
 pytest.importorskip("triton")
@@ -366,6 +366,39 @@ def test_off_level_gives_what_the_docstrings_say(device, backend, call, mistake)
     assert_same_bits(got, expected)
     if call == "index_add_":
         assert got is t["target"]
+
+
+@pytest.mark.parametrize("promised_sorted", [False, True], ids=["unsorted", "broken-sorted"])
+def test_off_level_chunks_long_segments_of_bad_values(promised_sorted):
+    """More than CHUNK_TERMS positions: the chunk programs find the segments of unchecked
+    values themselves (in the sorted keys, no offsets), values out of range in no segment and
+    a broken sorted=True promise split as torch.searchsorted splits it, also where the key at
+    a chunk program's first or last position names another segment. The bits of the
+    reference backend, whose order is the contract's."""
+    chunk, rows, segments = kernels.CHUNK_TERMS, 1060, 3
+    gen = torch.Generator().manual_seed(11)
+    if promised_sorted:
+        # Rows 1 .. 659 and 660 .. 1058 in two long segments; the keys at the first and last
+        # position of chunk program 2, inside them, name the segment before.
+        index = torch.repeat_interleave(torch.arange(segments), torch.tensor([60, 600, 400]))
+        index[[2 * chunk, 3 * chunk - 1]] = torch.tensor([0, 1])
+        index[[0, -1]] = torch.tensor([-1, segments])
+    else:
+        index = torch.randint(0, segments, (rows,), generator=gen)
+        index[[5, chunk, 600]] = torch.tensor([-1, segments, _HUGE])
+    src = torch.randn(rows, _COLUMNS, generator=gen)
+    init = torch.randn(segments, _COLUMNS, generator=gen)
+    planned = _segments.index_as_planned(index, segments) if promised_sorted else index
+    assert torch.bincount(planned.clamp(-1, segments) + 1).max() > chunk  # chunks are there
+    results = {}
+    for backend in ("triton", "reference"):
+        with gpu_path(backend), (no_host_reads() if backend == "triton"
+                                 else contextlib.nullcontext()):
+            results[backend] = [
+                detsum.scatter_reduce(init, 0, index, src, "sum", sorted=promised_sorted,
+                                      mode=mode, check="off") for mode in ("fp32", "kahan")]
+    for got, expected in zip(results["triton"], results["reference"], strict=True):
+        assert_same_bits(got, expected)
 
 
 @pytest.mark.parametrize("call,mistake", [

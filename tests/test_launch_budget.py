@@ -72,8 +72,9 @@ def test_each_host_read_counts_once_wherever_it_comes_from():
 
 
 def test_launches_are_counted_with_their_grids_and_nothing_of_the_interpreter():
-    """16 segments of 256 rows in "fp32": a program per segment and one per chunk slot, then
-    the fold; the interpreter's copies of the arguments are no aten ops of the call."""
+    """16 segments of 512 rows in "fp32": a program per segment and a chunk program per 256
+    positions, then the fold; the interpreter's copies of the arguments are no aten ops of
+    the call."""
     t = inputs()
     counts = count(lambda: detsum.segment_sum(t["src"], t["offsets"], check="off"))
     assert counts.launches == [("_segment_kernel", (18, 1, 1)), ("_fold_kernel", (2, 1, 1))]
@@ -130,42 +131,42 @@ _FIELDS = ("device_ops", "host_reads", "allocations", "sorts")
 #: Each row's (device_ops, host_reads, allocations, sorts), measured by benches/count_calls.py
 #: (benches/NOTES.md). Lower a number when a change lowers the count.
 MEASURED = {
-    "segment_sum fp32 host": (14, 1, 3, 0),
-    "segment_sum fp32 device": (20, 0, 3, 0),
-    "segment_sum fp32 off": (12, 0, 3, 0),
-    "segment_sum kahan host": (14, 1, 3, 0),
-    "segment_sum kahan device": (20, 0, 3, 0),
-    "segment_sum kahan off": (12, 0, 3, 0),
-    "index_add fp32 host": (14, 1, 4, 1),
-    "index_add fp32 device": (17, 0, 4, 1),
-    "index_add fp32 off": (13, 0, 4, 1),
-    "index_add kahan host": (14, 1, 4, 1),
-    "index_add kahan device": (17, 0, 4, 1),
-    "index_add kahan off": (13, 0, 4, 1),
-    "scatter_reduce fp32 host": (14, 1, 4, 1),
-    "scatter_reduce fp32 device": (17, 0, 4, 1),
-    "scatter_reduce fp32 off": (13, 0, 4, 1),
-    "scatter_reduce kahan host": (14, 1, 4, 1),
-    "scatter_reduce kahan device": (17, 0, 4, 1),
-    "scatter_reduce kahan off": (13, 0, 4, 1),
-    "scatter_reduce sorted fp32 host": (19, 1, 4, 0),
-    "scatter_reduce sorted fp32 device": (22, 0, 4, 0),
-    "scatter_reduce sorted fp32 off": (12, 0, 4, 0),
-    "segment_sum fp32 host +backward": (19, 1, 4, 0),
-    "segment_sum fp32 device +backward": (33, 0, 4, 0),
-    "segment_sum fp32 off +backward": (27, 0, 4, 0),
-    "index_add fp32 host +backward": (15, 1, 4, 1),
-    "index_add fp32 device +backward": (22, 0, 4, 1),
-    "index_add fp32 off +backward": (20, 0, 4, 1),
-    "scatter_reduce fp32 host +backward": (15, 1, 4, 1),
-    "scatter_reduce fp32 device +backward": (22, 0, 4, 1),
-    "scatter_reduce fp32 off +backward": (20, 0, 4, 1),
-    "moe layer fp32 host +backward": (80, 3, 21, 2),
-    "moe layer fp32 device +backward": (89, 0, 21, 2),
-    "moe layer fp32 off +backward": (62, 0, 17, 2),
-    "moe layer fp32 host routed +backward": (39, 1, 11, 2),
-    "moe layer fp32 device routed +backward": (42, 0, 11, 2),
-    "moe layer fp32 off routed +backward": (38, 0, 11, 2),
+    "segment_sum fp32 host": (6, 1, 2, 0),
+    "segment_sum fp32 device": (12, 0, 2, 0),
+    "segment_sum fp32 off": (4, 0, 2, 0),
+    "segment_sum kahan host": (6, 1, 2, 0),
+    "segment_sum kahan device": (12, 0, 2, 0),
+    "segment_sum kahan off": (4, 0, 2, 0),
+    "index_add fp32 host": (4, 1, 2, 1),
+    "index_add fp32 device": (4, 0, 3, 1),
+    "index_add fp32 off": (3, 0, 2, 1),
+    "index_add kahan host": (4, 1, 2, 1),
+    "index_add kahan device": (4, 0, 3, 1),
+    "index_add kahan off": (3, 0, 2, 1),
+    "scatter_reduce fp32 host": (4, 1, 2, 1),
+    "scatter_reduce fp32 device": (4, 0, 3, 1),
+    "scatter_reduce fp32 off": (3, 0, 2, 1),
+    "scatter_reduce kahan host": (4, 1, 2, 1),
+    "scatter_reduce kahan device": (4, 0, 3, 1),
+    "scatter_reduce kahan off": (3, 0, 2, 1),
+    "scatter_reduce sorted fp32 host": (6, 1, 2, 0),
+    "scatter_reduce sorted fp32 device": (12, 0, 2, 0),
+    "scatter_reduce sorted fp32 off": (2, 0, 2, 0),
+    "segment_sum fp32 host +backward": (11, 1, 3, 0),
+    "segment_sum fp32 device +backward": (25, 0, 3, 0),
+    "segment_sum fp32 off +backward": (19, 0, 3, 0),
+    "index_add fp32 host +backward": (5, 1, 2, 1),
+    "index_add fp32 device +backward": (9, 0, 3, 1),
+    "index_add fp32 off +backward": (10, 0, 2, 1),
+    "scatter_reduce fp32 host +backward": (5, 1, 2, 1),
+    "scatter_reduce fp32 device +backward": (9, 0, 3, 1),
+    "scatter_reduce fp32 off +backward": (10, 0, 2, 1),
+    "moe layer fp32 host +backward": (63, 3, 17, 2),
+    "moe layer fp32 device +backward": (72, 0, 17, 2),
+    "moe layer fp32 off +backward": (45, 0, 13, 2),
+    "moe layer fp32 host routed +backward": (31, 1, 9, 2),
+    "moe layer fp32 device routed +backward": (34, 0, 9, 2),
+    "moe layer fp32 off routed +backward": (30, 0, 9, 2),
     "segment_sum fp32 plan": (1, 0, 1, 0),
     "segment_sum kahan plan": (1, 0, 1, 0),
     "segment_sum autograd plan": (1, 0, 1, 0),
@@ -181,9 +182,9 @@ MEASURED = {
     "scatter_reduce autograd plan": (1, 0, 1, 0),
     "scatter_reduce exact plan": (1, 0, 1, 0),
     "scatter_reduce fp32 plan +backward": (2, 0, 1, 0),
-    "scatter sum": (16, 1, 5, 1),
+    "scatter sum": (6, 1, 3, 1),
     # The check of an index whose output size is given runs on the device: 3 ops for 3 reads.
-    "scatter sum dim_size": (19, 0, 5, 1),
+    "scatter sum dim_size": (9, 0, 3, 1),
 }
 
 
@@ -230,10 +231,10 @@ TARGETS = [
       for row in _rows("segment_sum", "index_add", "scatter_reduce", modes=("fp32",),
                        checks=("plan",), suffix=" +backward")),
     # Any primitive with a new unsorted index (no plan): at most 4 device ops, no host read.
-    *(_target(row, "device_ops", 4) for row in _rows("index_add", "scatter_reduce")),
+    *(_target(row, "device_ops", 4, met=True) for row in _rows("index_add", "scatter_reduce")),
     *(_target(row, "host_reads", 0, met=True) for row in _rows("index_add", "scatter_reduce")),
     # A sorted index or CSR offsets: at most 2 device ops.
-    *(_target(row, "device_ops", 2)
+    *(_target(row, "device_ops", 2, met=row == "scatter_reduce sorted fp32 off")
       for row in _rows("segment_sum") + _rows("scatter_reduce sorted", modes=("fp32",))),
     # Forward + backward of any primitive: the index sorted at most once.
     *(_target(row, "sorts", 1, met=True)

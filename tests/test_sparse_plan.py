@@ -101,9 +101,9 @@ def test_nothing_is_planned_over_every_output_row(monkeypatch):
         planned.append(num_segments)
         return plan_from_index(caller, index, num_segments, **kwargs)
 
-    def recording_plan_from_keys(keys, num_segments, backend_name):
+    def recording_plan_from_keys(keys, num_segments, backend_name, **kwargs):
         planned.append(num_segments)
-        return plan_from_keys(keys, num_segments, backend_name)
+        return plan_from_keys(keys, num_segments, backend_name, **kwargs)
 
     monkeypatch.setattr(_segments, "plan_from_index", recording_plan_from_index)
     monkeypatch.setattr(_segments, "plan_from_keys", recording_plan_from_keys)

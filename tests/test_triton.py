@@ -190,6 +190,10 @@ LONG_CASES = [
     # (source rows, rows per segment: the segments, in order)
     pytest.param((CHUNK + 1,), id="one-segment-just-over-a-chunk"),
     pytest.param((3, 2 * CHUNK + 5, 0, CHUNK), id="two-long-among-short-and-empty"),
+    # A long segment starting on a multiple of CHUNK, then chunk programs that own two chunk
+    # starts each: a segment's last chunk and the next long segment's first.
+    pytest.param((CHUNK, 2 * CHUNK + 1, CHUNK + 1, 2, 3 * CHUNK),
+                 id="aligned-and-two-chunk-starts-per-program"),
 ]
 
 

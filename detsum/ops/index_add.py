@@ -61,11 +61,12 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         order, offsets, chunks = planned
     elif index_checked:
         # Checked once already (on a GPU, that check is a host read).
-        order, offsets = _segments.plan_from_keys(index, num_segments, backend_name)
+        order, offsets = _segments.plan_from_keys(index, num_segments, backend_name,
+                                                  as_keys=True)
     else:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
-            promised_sorted=False, backend_name=backend_name, check=check)
+            promised_sorted=False, backend_name=backend_name, check=check, as_keys=True)
     if backend_name == "reference":
         result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
         if out3 is None:

@@ -172,13 +172,14 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     elif rowwise and index_checked and not sorted:
         # Checked once already (on a GPU, that check is a host read). A sorted=True promise is
         # still checked below: the positions are sorted exactly when the index is.
-        order, offsets = _segments.plan_from_keys(index, input.shape[dim], backend_name)
+        order, offsets = _segments.plan_from_keys(index, input.shape[dim], backend_name,
+                                                  as_keys=True)
         src3, base3 = _segments.rows_view(src, dim), input3
     elif rowwise:
         order, offsets = _segments.plan_from_index(
             _CALLER, index, input.shape[dim], index_name="index",
             size_name=f"input.size({dim})", promised_sorted=sorted, backend_name=backend_name,
-            check=check)
+            check=check, as_keys=True)
         src3, base3 = _segments.rows_view(src, dim), input3
     else:
         rule = rule_for(Mode(acc_mode), reduce, input.device.type, 1)

@@ -30,9 +30,10 @@ CONTRACT (shared by every backend; the Triton launcher will have the same signat
   compute what one launch over all their terms would, up to that final step.
 - ``chunks``: None, or ``(kernels.chunk_ends(offsets), slots)`` made beforehand (a
   ``detsum.Plan`` holds them), ``slots`` at least the number of chunks of the long segments;
-  or ``kernels.NO_CHUNKS``, ``(None, 0)``: no segment is longer than CHUNK_TERMS. A launcher
-  that spreads chunks over programs takes them instead of counting them itself. They change
-  no result; this backend, which chunks inside each segment's loop, ignores them.
+  or ``kernels.NO_CHUNKS``, ``(None, 0)``: no segment is longer than CHUNK_TERMS. They change
+  no result: a launcher that spreads chunks over programs launches none when ``slots`` is 0
+  (the Triton one finds the chunks itself otherwise); this backend, which chunks inside each
+  segment's loop, ignores them.
 - ``include_base``: True: base row is the initial value of the segment (and counts for MEAN).
   False: an empty segment writes the base row unchanged (0 when base is None); a nonempty one
   starts from the reduction's identity (+0.0 for SUM/MEAN, 1 for PROD, the first term for

@@ -22,13 +22,23 @@ IMPLEMENTATION NOTES (this backend):
 
 - Work split: program ``(slot, column block, outer)``. Slots ``0 .. S-1`` each own a whole
   segment (of at most CHUNK_TERMS terms, or any length under the rules that never split) and
-  write its output row. The slots after them own one chunk each of the longer segments and
-  write the chunk's acc (and Kahan compensation) to a workspace; a second launch folds each
-  long segment's chunks in order and writes its row. Slot -> (segment, chunk) comes from the
-  inclusive cumulative count of chunks of long segments (computed on the device) by a binary
-  search. Each output element is written by one program, with no atomics, so the result is
-  the same on every run, for every grid, block width and number of SMs. Only the column block
-  width and the warp count are tuned, and neither takes part in any element's arithmetic.
+  write its output row. Under WIDE and KAHAN, when some segment can be longer (more than
+  CHUNK_TERMS positions in all), the slots after them are chunk programs, one per CHUNK_TERMS
+  positions: program ``e`` owns the chunk starts of the long segments that fall in positions
+  ``[e C, (e + 1) C)``, at most two (``_chunk_owned``), found by binary searches of the
+  segments' bounds, and writes each chunk's acc (and Kahan compensation) to its workspace slot; a
+  second launch folds each long segment's chunks in order, finding chunk ``k``'s slot from
+  the segment's start alone (``_chunk_slot``), and writes its row. Nothing is counted before
+  the launch, so it needs no other device op and no host read. Each output element is
+  written by one program, with no atomics, so the result is the same on every run, for every
+  grid, block width and number of SMs. Only the column block width and the warp count are
+  tuned, and neither takes part in any element's arithmetic.
+
+- Bounds: offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted index
+  itself, in which each program finds its segment's start and end by torch.searchsorted's
+  binary search (``_segment_start``): no offsets are computed before the launch. With keys
+  still to check (check="device"), the first program writes whether the first and last lie
+  in range, and the launcher asserts that on the device.
 
 - Carry (a running Kahan sum, see the contract): the program of a segment's first chunk starts
   ``c`` from ``carry``; the program that writes the segment's row (its whole-segment slot, or
@@ -91,8 +101,7 @@ from .. import (
     SPLIT_RULES,
     SUM,
     WIDE,
-    chunk_ends,
-    chunk_slots_bound,
+    SortedKeys,
     has_exact_work,
     has_work,
 )
@@ -242,69 +251,114 @@ def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin,
 
 
 @triton.jit
-def _find_segment(parts_cum_ptr, nseg, e):
-    """The segment owning chunk slot ``e``: the first s with parts_cum[s] > e."""
-    lo = tl.zeros([], tl.int64)
-    hi = lo + nseg - 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(parts_cum_ptr + mid) > e:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+def _segment_start(bounds_ptr, s, positions, KEYED: tl.constexpr):
+    """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
+    segment's end): ``offsets[s]``, or under KEYED the first of the ``positions`` sorted keys
+    that is ``>= s``, found by the steps of ``torch.searchsorted`` (so the same answer, also
+    for keys that are not sorted)."""
+    if KEYED:
+        lo = tl.zeros([], tl.int64)
+        hi = lo + positions
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            if tl.load(bounds_ptr + mid) >= s:
+                hi = mid
+            else:
+                lo = mid + 1
+        start = lo
+    else:
+        start = tl.load(bounds_ptr + s)
+    return start
 
-
-# ---- kernels -----------------------------------------------------------------------------------
 
 @triton.jit
-def _segment_kernel(
-    src_ptr, ss0, ss1, ss2, order_ptr, offsets_ptr, parts_cum_ptr,
-    base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
-    work_ptr, work_rows, alpha_ptr, outer, nseg, inner,
+def _segment_at(bounds_ptr, nseg, p, positions, KEYED: tl.constexpr):
+    """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
+    when no segment does."""
+    found = tl.zeros([], tl.int64) - 2  # -2: not known yet
+    if KEYED:
+        # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
+        # are not sorted may fail the check, and take the search below).
+        guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)
+        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, KEYED)
+        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, KEYED)
+        holds = tl.where(guess < 0, p < start,
+                         tl.where(guess >= nseg, p >= start, (start <= p) & (p < end)))
+        found = tl.where(holds, tl.where(guess >= nseg, -1, guess), -2)
+    if found == -2:
+        # The first segment starting after p, by a binary search of the starts.
+        lo = tl.zeros([], tl.int64)
+        hi = lo + nseg + 1
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            if _segment_start(bounds_ptr, mid, positions, KEYED) > p:
+                hi = mid
+            else:
+                lo = mid + 1
+        # lo == nseg + 1: p is at or after the last segment's end; lo == 0: before the first.
+        found = tl.where(lo > nseg, -1, lo - 1)
+    return found
+
+
+@triton.jit
+def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
+                 KEYED: tl.constexpr):
+    """(segment, chunk number, whether there is one) of chunk program ``e``'s ``side``.
+
+    Chunk program ``e`` owns the chunk starts of the long segments (more than CHUNK terms)
+    that lie in positions ``[e * CHUNK, (e + 1) * CHUNK)``. A long segment being longer than
+    that range, it holds at most two: side 0, one of the segment holding position
+    ``e * CHUNK`` (the first of its chunk starts at or after it); side 1, the first chunk of a
+    long segment starting after ``e * CHUNK`` inside the range, which then holds the range's
+    last position. The fold finds chunk ``k`` of a segment from its start alone
+    (``_chunk_slot``), so no running count of chunks is needed."""
+    low = e * CHUNK
+    first_seg = _segment_at(bounds_ptr, nseg, low, positions, KEYED)
+    seg = first_seg
+    if side == 1:
+        seg = _segment_at(bounds_ptr, nseg, tl.minimum(low + CHUNK, positions) - 1, positions,
+                          KEYED)
+    real = seg >= 0
+    seg_at = tl.maximum(seg, 0)
+    p0 = _segment_start(bounds_ptr, seg_at, positions, KEYED)
+    n = _segment_start(bounds_ptr, seg_at + 1, positions, KEYED) - p0
+    j = tl.zeros([], tl.int64)
+    if side == 0:
+        j = (tl.maximum(low - p0, 0) + CHUNK - 1) // CHUNK
+    else:
+        real = real & (seg != first_seg)
+    owned = real & (n > CHUNK) & (p0 + j * CHUNK < p0 + n)
+    return seg_at, j, owned, p0, n
+
+
+@triton.jit
+def _chunk_slot(p0, k, CHUNK: tl.constexpr):
+    """The workspace slot of chunk ``k`` of the long segment starting at ``p0``: chunk
+    program ``e = (p0 + k * CHUNK) // CHUNK``'s side 0, or its side 1 for a first chunk that
+    starts after ``e * CHUNK``."""
+    q = p0 + k * CHUNK
+    e = q // CHUNK
+    side = tl.where((k == 0) & (q != e * CHUNK), 1, 0)
+    return e * 2 + side
+
+
+@triton.jit
+def _reduce_part(
+    src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2,
+    carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, alpha, outer, inner,
+    seg, j, p_begin, p_end, n, slot,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
-    HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
-    FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
+    HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, IS_CHUNK: tl.constexpr,
+    FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Whole segments (slot < nseg) and chunks of long segments (the slots after)."""
-    slot = tl.program_id(0).to(tl.int64)
-    total_parts = 0
-    if SPLIT:
-        total_parts = tl.load(parts_cum_ptr + nseg - 1)
-    if slot >= nseg + total_parts:
-        return
-    is_chunk = slot >= nseg
-    e = slot - nseg
-    seg = slot
-    if is_chunk:
-        seg = _find_segment(parts_cum_ptr, nseg, e)
-    p0 = tl.load(offsets_ptr + seg)
-    p1 = tl.load(offsets_ptr + seg + 1)
-    n = p1 - p0
-    if SPLIT:
-        is_long = n > CHUNK
-    else:
-        is_long = n < 0  # never: these rules keep every segment whole
-    if is_long & (slot < nseg):
-        return  # the chunk programs own this segment
-    n_chunks = (n + CHUNK - 1) // CHUNK
-    j = tl.zeros([], tl.int64)
-    if is_chunk:
-        j = e - (tl.load(parts_cum_ptr + seg) - n_chunks)
-    p_begin = p0 + j * CHUNK
-    p_end = p1
-    if is_long:
-        p_end = tl.minimum(p1, p_begin + CHUNK)
+    """Reduce positions ``p_begin .. p_end - 1``: chunk ``j`` of segment ``seg`` (``n``
+    terms) into workspace slot ``slot`` (IS_CHUNK), or the whole segment into its row."""
     # A later chunk starts from its first term; so does an amax / amin without a base row.
     from_first = (j > 0) | FIRST_TERM_START
     count = n
     if USE_BASE:
         count = n + 1
-    alpha = 1.0
-    if SCALED:
-        alpha = tl.load(alpha_ptr)
     n_blocks = tl.cdiv(inner, BLOCK)
     for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
         for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
@@ -353,8 +407,8 @@ def _segment_kernel(
                 acc, comp = _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr,
                                           p, p_end, alpha, REDUCE, RULE, DATA, ACC, HAS_ORDER,
                                           SCALED)
-                if is_long:
-                    work_at = work_ptr + ((o * work_rows + e) * NCOMP) * inner + cols
+                if IS_CHUNK:
+                    work_at = work_ptr + ((o * work_rows + slot) * NCOMP) * inner + cols
                     tl.store(work_at, acc, mask=mask)
                     if NCOMP == 2:
                         tl.store(work_at + inner, comp, mask=mask)
@@ -366,51 +420,107 @@ def _segment_kernel(
                     tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- kernels -----------------------------------------------------------------------------------
+
+@triton.jit
+def _segment_kernel(
+    src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, n_parts,
+    base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
+    work_ptr, alpha_ptr, flag_ptr, outer, nseg, inner,
+    REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
+    HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
+    FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
+    KEYED: tl.constexpr, CHECK_KEYS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Whole segments (slot < nseg) and, under SPLIT, the chunks of the long segments: chunk
+    program ``slot - nseg`` of ``n_parts`` (``_chunk_owned``). The segments' bounds are the
+    offsets at ``bounds_ptr``, or under KEYED the sorted keys there (``_segment_start``);
+    CHECK_KEYS: the first program writes to ``flag_ptr`` whether they all lie in
+    ``[0, nseg)``."""
+    slot = tl.program_id(0).to(tl.int64)
+    if CHECK_KEYS:
+        if (slot == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+            in_range = ((tl.load(bounds_ptr) >= 0)
+                        & (tl.load(bounds_ptr + positions - 1) < nseg))
+            tl.store(flag_ptr, in_range.to(tl.int8))
+    alpha = 1.0
+    if SCALED:
+        alpha = tl.load(alpha_ptr)
+    if slot < nseg:
+        p0 = _segment_start(bounds_ptr, slot, positions, KEYED)
+        p1 = _segment_start(bounds_ptr, slot + 1, positions, KEYED)
+        n = p1 - p0
+        whole = n >= 0  # always, unless the chunk programs own this segment
+        if SPLIT:
+            whole = n <= CHUNK
+        if whole:
+            _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr,
+                         os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, 0, alpha, outer,
+                         inner, slot, 0, p0, p1, n, 0, REDUCE, RULE, DATA, ACC, HAS_ORDER,
+                         HAS_BASE, USE_BASE, HAS_CARRY, SCALED, False, FIRST_TERM_START,
+                         NCOMP, BLOCK)
+    elif SPLIT:
+        e = slot - nseg
+        for side in range(2):
+            seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK,
+                                                KEYED)
+            if owned:
+                p_begin = p0 + j * CHUNK
+                _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2,
+                             out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
+                             2 * n_parts, alpha, outer, inner, seg, j, p_begin,
+                             tl.minimum(p0 + n, p_begin + CHUNK), n, e * 2 + side, REDUCE,
+                             RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
+                             True, FIRST_TERM_START, NCOMP, BLOCK)
+
+
 @triton.jit
 def _fold_kernel(
-    offsets_ptr, parts_cum_ptr, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
-    work_ptr, work_rows, outer, nseg, inner,
+    bounds_ptr, positions, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
+    work_ptr, n_parts, outer, nseg, inner,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     USE_BASE: tl.constexpr, HAS_CARRY: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
+    KEYED: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Fold the chunks of each long segment, in order; the program of its first chunk does it."""
+    """Fold the chunks of each long segment, in order; chunk program ``e``'s fold program
+    folds the segments whose first chunk it owns."""
     e = tl.program_id(0).to(tl.int64)
-    if e >= tl.load(parts_cum_ptr + nseg - 1):
-        return
-    seg = _find_segment(parts_cum_ptr, nseg, e)
-    n = tl.load(offsets_ptr + seg + 1) - tl.load(offsets_ptr + seg)
-    n_chunks = (n + CHUNK - 1) // CHUNK
-    first = tl.load(parts_cum_ptr + seg) - n_chunks
-    if e != first:
-        return
-    count = n
-    if USE_BASE:
-        count = n + 1
+    work_rows = 2 * n_parts
     n_blocks = tl.cdiv(inner, BLOCK)
-    for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
-        for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
-            cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-            mask = cols < inner
-            work_at = work_ptr + ((o * work_rows + first) * NCOMP) * inner + cols
-            acc = tl.load(work_at, mask=mask, other=0)
-            comp = tl.zeros([BLOCK], ACC)
-            if NCOMP == 2:
-                comp = tl.load(work_at + inner, mask=mask, other=0)
-            for k in range(1, n_chunks):
-                part_at = work_at + k * NCOMP * inner
-                part = tl.load(part_at, mask=mask, other=0)
-                part_comp = tl.zeros([BLOCK], ACC)
-                if NCOMP == 2:
-                    part_comp = tl.load(part_at + inner, mask=mask, other=0)
-                acc, comp = _fold(acc, comp, part, part_comp, REDUCE, RULE)
-            out_at = out_ptr + o * os0 + seg * os1 + cols * os2
-            if HAS_CARRY:
-                tl.store(out_at, acc, mask=mask)
-                tl.store(carry_ptr + o * cs0 + seg * cs1 + cols * cs2, comp, mask=mask)
-            else:
-                value = _finish(acc, comp, acc, count, REDUCE, RULE, DATA, ACC)
-                tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
+    for side in range(2):
+        seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK, KEYED)
+        if owned & (j == 0):
+            n_chunks = (n + CHUNK - 1) // CHUNK
+            count = n
+            if USE_BASE:
+                count = n + 1
+            first = _chunk_slot(p0, 0, CHUNK)
+            for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
+                for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
+                    cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+                    mask = cols < inner
+                    work_o = work_ptr + (o * work_rows * NCOMP) * inner + cols
+                    work_at = work_o + first * NCOMP * inner
+                    acc = tl.load(work_at, mask=mask, other=0)
+                    comp = tl.zeros([BLOCK], ACC)
+                    if NCOMP == 2:
+                        comp = tl.load(work_at + inner, mask=mask, other=0)
+                    for k in range(1, n_chunks):
+                        part_at = work_o + _chunk_slot(p0, k, CHUNK) * NCOMP * inner
+                        part = tl.load(part_at, mask=mask, other=0)
+                        part_comp = tl.zeros([BLOCK], ACC)
+                        if NCOMP == 2:
+                            part_comp = tl.load(part_at + inner, mask=mask, other=0)
+                        acc, comp = _fold(acc, comp, part, part_comp, REDUCE, RULE)
+                    out_at = out_ptr + o * os0 + seg * os1 + cols * os2
+                    if HAS_CARRY:
+                        tl.store(out_at, acc, mask=mask)
+                        tl.store(carry_ptr + o * cs0 + seg * cs1 + cols * cs2, comp, mask=mask)
+                    else:
+                        value = _finish(acc, comp, acc, count, REDUCE, RULE, DATA, ACC)
+                        tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty),
+                                 mask=mask)
 
 
 @triton.jit
@@ -954,7 +1064,12 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
                    carry=None, chunks=None):
-    """See the contract in ``detsum.kernels.numba.segment`` and this module's notes."""
+    """See the contract in ``detsum.kernels.numba.segment`` and this module's notes; here
+    ``offsets`` may also be ``kernels.SortedKeys``, whose bounds the fp32 / Kahan / torch-order
+    kernels find themselves (the others are given offsets)."""
+    keyed = isinstance(offsets, SortedKeys)
+    if keyed and rule in (EXACT, CUDA_STRIDE_1):
+        offsets, keyed = offsets.offsets(), False  # checked there, if still to check
     if rule == EXACT:
         if carry is not None:
             raise ValueError("segment_reduce: the EXACT rule takes no carry")
@@ -962,18 +1077,24 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
                               include_base=include_base)
         return
     if not has_work(src, order, offsets, _DATA_CODES):
+        if keyed:
+            offsets.check_range()  # no program to make it
         return
     outer, num_rows, inner = src.shape
-    nseg = offsets.shape[0] - 1
+    range_error = None
+    if keyed:
+        bounds, nseg = offsets.keys.contiguous(), offsets.num_segments
+        range_error = offsets.range_error
+    else:
+        bounds, nseg = offsets.contiguous(), offsets.shape[0] - 1
     if rule == CUDA_STRIDE_1 and (inner != 1 or reduce != SUM):
         raise ValueError("segment_reduce: CUDA_STRIDE_1 needs reduce SUM and inner size 1")
     if rule == CUDA_SMALL_STRIDE and reduce != SUM:
         raise ValueError("segment_reduce: CUDA_SMALL_STRIDE needs reduce SUM")
     acc_dtype = _acc_dtype(src.dtype)
     data = _DATA_CODES[src.dtype]
-    offsets = offsets.contiguous()
     has_order = order is not None
-    order = order.contiguous() if has_order else offsets  # never read without HAS_ORDER
+    order = order.contiguous() if has_order else bounds  # never read without HAS_ORDER
     has_base = base is not None
     use_base = has_base and bool(include_base)
     scaled = float(alpha) != 1.0
@@ -988,7 +1109,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     if rule == CUDA_STRIDE_1:
         grid = (nseg, min(outer, _MAX_GRID_YZ))
         _launch_stride1(
-            grid, (src_s, src_s.stride(0), src_s.stride(1), order, offsets, base_s,
+            grid, (src_s, src_s.stride(0), src_s.stride(1), order, bounds, base_s,
                    base_s.stride(0), base_s.stride(1), out_s, out_s.stride(0), out_s.stride(1),
                    alpha_t, outer),
             num_warps=1, DATA=data, ACC=acc_tl, HAS_ORDER=has_order, HAS_BASE=has_base,
@@ -996,46 +1117,44 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         )
         return
 
-    # With no chunk at all (the caller knows: a plan, or segments of a known short length), a
-    # split rule reduces each segment serially from its init, as the unsplit launch does.
-    split = rule in SPLIT_RULES and not (chunks is not None and chunks[1] == 0)
+    # Chunks exist only under a split rule, where some segment can be longer than CHUNK_TERMS:
+    # not with more positions than that in all, nor where the caller knows that none is (a
+    # plan that read its index back). Unsplit, each segment reduces serially from its init,
+    # which is what the split order gives a segment of at most CHUNK_TERMS terms.
+    positions = order.shape[0] if has_order else num_rows
+    split = (rule in SPLIT_RULES and positions > CHUNK_TERMS
+             and not (chunks is not None and chunks[1] == 0))
     ncomp = 2 if rule == KAHAN else 1
-    if split:
-        # Chunks of the segments longer than CHUNK_TERMS: counted on the device, or by the
-        # plan beforehand (which knows their exact number when it read its index back).
-        if chunks is None:
-            positions = order.shape[0] if has_order else num_rows
-            parts_cum, work_rows = chunk_ends(offsets), chunk_slots_bound(positions)
-        else:
-            parts_cum, work_rows = chunks
-        work = torch.empty((outer, max(work_rows, 1), ncomp, inner), dtype=acc_dtype,
-                           device=src.device)
-    else:
-        work_rows = 0
-        parts_cum = offsets  # never read without SPLIT
-        work = out  # never written without SPLIT
+    # One chunk program per CHUNK_TERMS positions, two workspace slots each (_chunk_owned).
+    n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
+    work = (torch.empty((outer, 2 * n_parts, ncomp, inner), dtype=acc_dtype, device=src.device)
+            if split else out)  # never written without SPLIT
     block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size())
     num_warps = max(1, min(8, block * src.element_size() // 512))
     grid_yz = (min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    # Written by the kernel's first program only under CHECK_KEYS.
+    flag = torch.empty(1, dtype=torch.int8, device=src.device) if range_error else out
     _launch_segment(
-        (nseg + work_rows, *grid_yz),
-        (src_s, *src_s.stride(), order, offsets, parts_cum, base_s, *base_s.stride(), out_s,
-         *out_s.stride(), carry_s, *carry_s.stride(), work, work_rows, alpha_t, outer, nseg,
-         inner),
+        (nseg + n_parts, *grid_yz),
+        (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
+         out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag, outer,
+         nseg, inner),
         num_warps=num_warps,
         REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, HAS_ORDER=has_order,
         HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry, SCALED=scaled, SPLIT=split,
         FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), NCOMP=ncomp,
-        CHUNK=CHUNK_TERMS, BLOCK=block,
+        CHUNK=CHUNK_TERMS, KEYED=keyed, CHECK_KEYS=range_error is not None, BLOCK=block,
     )
-    if split and work_rows > 0:
+    if range_error is not None:
+        torch._assert_async(flag, range_error)
+    if split:
         _launch_fold(
-            (work_rows, *grid_yz),
-            (offsets, parts_cum, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
-             work_rows, outer, nseg, inner),
+            (n_parts, *grid_yz),
+            (bounds, positions, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
+             n_parts, outer, nseg, inner),
             num_warps=num_warps,
             REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, USE_BASE=use_base,
-            HAS_CARRY=has_carry, NCOMP=ncomp, CHUNK=CHUNK_TERMS, BLOCK=block,
+            HAS_CARRY=has_carry, NCOMP=ncomp, CHUNK=CHUNK_TERMS, KEYED=keyed, BLOCK=block,
         )
 
 

@@ -208,6 +208,49 @@ def test_mean_rounds_the_quotient_once():
     assert_same_bits(got, reference.round_exact(exact, torch.float32).view(1, 1))
 
 
+@pytest.mark.parametrize("include_self", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+def test_means_of_narrow_data_round_their_ties_and_zeros(dtype, include_self):
+    """Multiples of one power of two, in segments of 1 to 9 terms: their sums are exact
+    in fp64 (the kernels' fast path), and many quotients are exact ties of the dtype, or
+    zeros of either sign, where the fp64 quotient's neighbours round apart."""
+    g = torch.Generator().manual_seed(11)
+    sizes = [1 + k % 9 for k in range(90)]
+    index = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    bits = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[dtype]
+
+    def values(rows):
+        """Integers of the dtype's full precision, times 2**-16, of either sign."""
+        magnitude = torch.randint(2**(bits - 1), 2**bits, (rows, 3), generator=g)
+        sign = torch.randint(0, 8, (rows, 3), generator=g).ne(0).double() * 2 - 1
+        return (magnitude * sign * 2.0**-16).to(dtype)
+
+    src = values(len(index))
+    src[index == 3] = -0.0  # every term -0.0: the mean is -0.0
+    src[index == 4] = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 1.0, -0.0]] * 3, dtype=dtype)[:5]
+    input = values(len(sizes))
+    with detsum.backend("numba"):
+        got = detsum.scatter_reduce(input, 0, index, src, "mean", include_self=include_self,
+                                    mode="exact")
+    expected = torch.empty_like(input)
+    ties = 0
+    tiny = Fraction(1, 2**400)
+    for row in range(len(sizes)):
+        for col in range(3):
+            terms = [Fraction(t) for t in src[index == row, col].double().tolist()]
+            if include_self:
+                terms.append(Fraction(input[row, col].item()))
+            mean = sum(terms, Fraction(0)) / len(terms)
+            all_negative_zero = all(math.copysign(1.0, float(t)) < 0 and t == 0 for t in
+                                    src[index == row, col].double().tolist()
+                                    + ([input[row, col].item()] if include_self else []))
+            expected[row, col] = -0.0 if all_negative_zero else reference.round_exact(mean, dtype)
+            below, above = (reference.round_exact(mean + d, dtype) for d in (-tiny, tiny))
+            ties += not torch.equal(below, above) and float(below) != mean
+    assert_same_bits(got, expected)
+    assert ties >= 10  # the data reach what the test is for
+
+
 MEANS_BELOW_THE_UNIT = [
     # (dtype, terms, mean): the quotient's rounding bit lies below the smallest subnormal.
     (torch.float32, [3 * 2.0**-149, 0.0], 2 * 2.0**-149),  # 1.5 units: a tie, to even

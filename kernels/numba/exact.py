@@ -27,8 +27,10 @@ IMPLEMENTATION NOTES (this backend):
   cost almost nothing where floating-point ones would not vectorise at all.
 - Every other column (both certificates failed, and all fp64 data) is summed again from its
   terms into limbs, one column at a time, with integer adds only, then rounded from the
-  integer (``_round_units``). A MEAN puts its certified fp64 sum into limbs too, to divide
-  there. Every way gives the exact value, so which one ran never shows in the bits.
+  integer (``_round_units``). A MEAN divides its certified fp64 sum in fp64 and keeps that
+  quotient's rounding where both fp64 neighbours of the quotient round alike
+  (``rounded_quotient``); otherwise it puts the sum into limbs to divide there. Every way
+  gives the exact value, so which one ran never shows in the bits.
 - Threads: the work items of ``segment.segment_reduce`` (outer index, segment, column block),
   each output element written by one item. The result would not depend on the split even if
   it did not: that is the point of the rule.
@@ -49,6 +51,7 @@ from ..rounding import (
     f32_to_f16_bits,
     f64_as_u64,
     u32_as_f32,
+    u64_as_f64,
 )
 from . import parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
@@ -364,6 +367,26 @@ def _make_exact_block(fmt, dec, enc, cvt):
                        unit_exponent)
 
     @format_njit(inline="always")
+    def rounded_quotient(s, divisor):
+        """RN_dtype(q) for the fp64 quotient q of the exact fp64 sum ``s`` by ``divisor``, as
+        a data element, and whether that is RN_dtype(s / divisor).
+
+        q is within half an fp64 ulp of s / divisor, so s / divisor lies between q's fp64
+        neighbours; where both round to the same data element, so does every value between
+        them (rounding is monotone), s / divisor included. They do not where a rounding
+        midpoint of the dtype lies within an fp64 ulp of q: exact ties, and about one other
+        quotient in 2**28 for data without structure. A zero q is exact. Branch-free, so that
+        a loop over a tile's columns vectorises."""
+        q = s / divisor
+        # q's neighbours, one step either way in its magnitude's bits (np.nextafter is a
+        # library call, 50 times the cost of the rest). Those of a zero are a NaN and a
+        # subnormal: never alike, and the zero is settled on its own.
+        bits = f64_as_u64(q)
+        below = final_rounding(u64_as_f64(bits - np.uint64(1)))
+        above = final_rounding(u64_as_f64(bits + np.uint64(1)))
+        return final_rounding(q), (below == above) | (q == 0.0)
+
+    @format_njit(inline="always")
     def fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha, acc,
                   tmp, n_positions, pf_dist, pf_step, per_column, mass, least):
         """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
@@ -484,12 +507,22 @@ def _make_exact_block(fmt, dec, enc, cvt):
                 for j in range(w):
                     # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
                     exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
+        if is_mean and not wide_data:
+            # Every column's rounded quotient first, in one straight loop; mass (free now)
+            # records which are settled. A certified column that is not goes to the limbs.
+            divisor = np.float64(count)
+            for j in range(w):
+                value, settled = rounded_quotient(acc[j], divisor)
+                out[ostart + j * us[2]] = value
+                mass[j] = np.float64(settled)
         for j in range(w):
             if not wide_data and exact_here[j]:
-                if is_mean:
-                    value = enc(cvt(exact_value_of_sum(acc[j], count, True, limbs, flags)))
-                else:
+                if not is_mean:
                     value = final_rounding(acc[j])
+                elif mass[j] != 0.0:
+                    continue  # written above
+                else:
+                    value = enc(cvt(exact_value_of_sum(acc[j], count, True, limbs, flags)))
             else:
                 exact = column(src, ss, order, ost, base, bs, o, s, j0 + j, p0, p1, use_base,
                                is_mean, alpha, limbs, flags)

@@ -480,3 +480,17 @@ def test_detsum_inside_the_switch_does_not_recurse():
     expected = x.index_add(0, index, source)
     with detsum.backend("reference"), detsum.deterministic("autograd"):
         assert_same_bits(x.index_add(0, index, source), expected)
+
+
+def test_torchscript_reaches_the_switch():
+    """Scripted code calls the same dispatcher entries as eager code."""
+    @torch.jit.script
+    def scripted(x: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return x.index_add(0, index, source)
+
+    x, index, source = torch.zeros(1), torch.zeros(3, dtype=torch.int64), torch.tensor(
+        [1e8, 1.0, -1e8])
+    assert scripted(x, index, source).item() == 0.0
+    with detsum.deterministic("exact"):
+        assert scripted(x, index, source).item() == 1.0
+    assert scripted(x, index, source).item() == 0.0

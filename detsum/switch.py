@@ -1,8 +1,8 @@
 """The switch: torch's own accumulating ops, run on detsum's primitives while it is on.
 
 ``detsum.enable(mode)``, ``detsum.disable()`` and ``with detsum.deterministic(mode):`` make
-torch's ``index_add``, ``scatter_add``, ``scatter_reduce``, ``index_put`` with
-``accumulate=True`` (the backward of ``x[idx]``) and the dense backward of ``embedding`` run
+torch's ``index_add``, ``scatter_add``, ``scatter_reduce``, ``index_reduce``, ``index_put``
+with ``accumulate=True`` (the backward of ``x[idx]``) and the dense backward of ``embedding`` run
 on detsum's ``index_add`` and ``scatter_reduce`` in the chosen mode, for code that calls
 torch directly and has never heard of detsum.
 
@@ -80,8 +80,9 @@ def enable(mode: str | Mode = "fp32") -> None:
     Covered so far, eager mode, CPU tensors of dtype float32, float64, float16 and bfloat16:
     ``index_add`` / ``index_add_`` / ``index_add(out=)``, ``scatter_add`` / ``scatter_add_`` /
     ``out=``, ``scatter_reduce`` / ``scatter_reduce_`` / ``out=`` (sum, mean, prod, amax,
-    amin, ``include_self`` both ways), ``index_put`` / ``index_put_`` with
-    ``accumulate=True`` (one index tensor; the backward of ``x[idx]``), and the dense backward
+    amin, ``include_self`` both ways), ``index_reduce`` / ``index_reduce_`` / ``out=``,
+    ``index_put`` / ``index_put_`` with ``accumulate=True`` (one index tensor; the backward of
+    ``x[idx]``), and the dense backward
     of ``embedding``; so also the backward of ``gather`` and ``index_select``. Every other
     input of these ops, and every other op, runs torch's own kernel (docs/enable.md lists
     which).
@@ -249,7 +250,9 @@ def _into_out(out: torch.Tensor, self: torch.Tensor, *read: torch.Tensor) -> boo
 
 # index_add --------------------------------------------------------------------------------------
 
-def _index_add_dim(mode, self, dim, index, source, alpha) -> int | None:
+def _rows_dim(self, dim, index, source) -> int | None:
+    """The dim for a 1-D index of ``source``'s rows into ``self``'s (index_add's and
+    index_reduce's form), or None."""
     if not (_values(self, source) and index.dtype in INDEX_DTYPES and index.dim() == 1
             and source.dim() == self.dim() and _plain(self, index, source)):
         return None
@@ -257,7 +260,12 @@ def _index_add_dim(mode, self, dim, index, source, alpha) -> int | None:
     if dim is None or index.shape[0] != source.shape[dim] or any(
             source.shape[d] != self.shape[d] for d in range(self.dim()) if d != dim):
         return None
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    return dim
+
+
+def _index_add_dim(mode, self, dim, index, source, alpha) -> int | None:
+    dim = _rows_dim(self, dim, index, source)
+    if dim is None or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         return None
     # torch's CPU kernel may fuse alpha into its add (one rounding), which index_put_ (the
     # "autograd" rule) does not: the same bits only where source * alpha is exact, alpha = +-1.
@@ -394,6 +402,55 @@ def _scatter_reduce_out(mode, self, dim, index, src, reduce, *, include_self=Tru
                         include_self, out)
 
 
+# index_reduce -----------------------------------------------------------------------------------
+
+_INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
+
+
+def _index_reduce_dim(mode, self, dim, index, source, reduce, include_self) -> int | None:
+    """``index_reduce`` is ``scatter_reduce`` with a 1-D row index: detsum's row form."""
+    if reduce not in _INDEX_REDUCTIONS or (reduce == "prod" and mode == "exact"):
+        return None
+    # torch rounds float16/bfloat16 products and means its own way here: its kernel is the
+    # one source of those bits.
+    if mode == "autograd" and reduce in ("prod", "mean") and self.dtype in _HALF_DTYPES:
+        return None
+    dim = _rows_dim(self, dim, index, source)
+    if dim is None or (reduce == "mean" and mode == "exact"
+                       and index.shape[0] + bool(include_self) > MAX_TERMS_PER_STATE):
+        return None
+    return dim
+
+
+def _index_reduce(mode, self, dim, index, source, reduce, *, include_self=True):
+    dim = _index_reduce_dim(mode, self, dim, index, source, reduce, include_self)
+    if dim is None:
+        return None
+    return lambda: _scatter_run(self, dim, index, source, reduce, include_self, mode)
+
+
+def _index_reduce_inplace(mode, self, dim, index, source, reduce, *, include_self=True):
+    dim = _index_reduce_dim(mode, self, dim, index, source, reduce, include_self)
+    if dim is None or not _writable(self, index, source):
+        return None
+
+    def run():
+        _check_changeable("index_reduce_", self)
+        return self.copy_(_scatter_run(self, dim, index, source, reduce, include_self, mode))
+    return run
+
+
+def _index_reduce_out(mode, self, dim, index, source, reduce, *, include_self=True, out):
+    dim = _index_reduce_dim(mode, self, dim, index, source, reduce, include_self)
+    if dim is None or _into_out(out, self, index, source) is None:
+        return None
+
+    def run():
+        _check_changeable("index_reduce.out", out)
+        return out.copy_(_scatter_run(self, dim, index, source, reduce, include_self, mode))
+    return run
+
+
 # index_put with accumulate=True -----------------------------------------------------------------
 
 def _index_put(mode, self, indices, values, accumulate=False, unsafe=False):
@@ -477,6 +534,9 @@ _BODIES = {
     "scatter_reduce.two": _scatter_reduce,
     "scatter_reduce_.two": _scatter_reduce_inplace,
     "scatter_reduce.two_out": _scatter_reduce_out,
+    "index_reduce": _index_reduce,
+    "index_reduce_": _index_reduce_inplace,
+    "index_reduce.out": _index_reduce_out,
     "_index_put_impl_": _index_put,
     "embedding_dense_backward": _embedding_backward,
 }

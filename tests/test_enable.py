@@ -21,10 +21,14 @@ import detsum
 from detsum import switch
 from tests.conftest import assert_same_bits
 
+# torch's own index_reduce says it is in beta, every time torch's kernel runs it.
+pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta:UserWarning")
+
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SWITCHED = ("index_add", "index_add_", "index_add.out", "scatter_add", "scatter_add_",
             "scatter_add.out", "scatter_reduce.two", "scatter_reduce_.two",
-            "scatter_reduce.two_out", "_index_put_impl_", "embedding_dense_backward")
+            "scatter_reduce.two_out", "index_reduce", "index_reduce_", "index_reduce.out",
+            "_index_put_impl_", "embedding_dense_backward")
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +64,8 @@ def samples(name, variant, dtype, requires_grad=False):
 
 
 FORWARD_OPS = [("index_add", ""), ("scatter_add", ""), ("index_put", "")] + [
-    ("scatter_reduce", r) for r in ("sum", "mean", "prod", "amax", "amin")]
+    ("scatter_reduce", r) for r in ("sum", "mean", "prod", "amax", "amin")] + [
+    ("index_reduce", r) for r in ("prod", "mean", "amax", "amin")]
 
 
 def call(op, sample, name):
@@ -160,6 +165,16 @@ def forms(dtype, seed=0):
         "index_put_negative": lambda: x.index_put((index - 7,), src, accumulate=True),
         "index_put_": lambda: x.clone().index_put_((index,), src, accumulate=True),
     }
+    for reduce in ("prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            key = f"index_reduce_{reduce}_{include_self}"
+            cases[key] = functools.partial(torch.index_reduce, x, 0, index, src, reduce,
+                                           include_self=include_self)
+            cases[key + "_"] = functools.partial(
+                lambda r, s: xt.clone().index_reduce_(0, index, src, r, include_self=s),
+                reduce, include_self)
+    cases["index_reduce_out"] = lambda: torch.index_reduce(x, 0, index, src, "amin",
+                                                           out=torch.empty_like(x))
     for reduce in ("sum", "mean", "prod", "amax", "amin"):
         for include_self in (True, False):
             key = f"scatter_reduce_{reduce}_{include_self}"
@@ -245,6 +260,8 @@ def primitive(mode, dtype, seed=0):
         (lambda: x.scatter_reduce(0, scattered, src, "mean", include_self=False),
          lambda: detsum.scatter_reduce(x, 0, scattered, src, "mean", include_self=False,
                                        mode=mode)),
+        (lambda: x.index_reduce(0, index, src, "mean"),
+         lambda: detsum.scatter_reduce(x, 0, index, src, "mean", mode=mode)),
         (lambda: torch.autograd.grad(weight[index], weight, src)[0],
          lambda: detsum.index_add(zeros, 0, index, src, mode=mode)),
         (lambda: torch.autograd.grad(torch.nn.functional.embedding(index, weight),

@@ -2,7 +2,7 @@
 
 ``detsum.enable(mode)``, ``detsum.disable()`` and ``with detsum.deterministic(mode):`` make
 torch's ``index_add``, ``scatter_add``, ``scatter_reduce``, ``index_reduce``, ``index_put``
-with ``accumulate=True`` (the backward of ``x[idx]``) and the dense backward of ``embedding`` run
+and ``put_`` with ``accumulate=True`` (the backward of ``x[idx]``) and the dense backward of ``embedding`` run
 on detsum's ``index_add`` and ``scatter_reduce`` in the chosen mode, for code that calls
 torch directly and has never heard of detsum.
 
@@ -82,7 +82,7 @@ def enable(mode: str | Mode = "fp32") -> None:
     ``out=``, ``scatter_reduce`` / ``scatter_reduce_`` / ``out=`` (sum, mean, prod, amax,
     amin, ``include_self`` both ways), ``index_reduce`` / ``index_reduce_`` / ``out=``,
     ``index_put`` / ``index_put_`` with ``accumulate=True`` (one index tensor; the backward of
-    ``x[idx]``), and the dense backward
+    ``x[idx]``), ``put_`` with ``accumulate=True``, and the dense backward
     of ``embedding``; so also the backward of ``gather`` and ``index_select``. Every other
     input of these ops, and every other op, runs torch's own kernel (docs/enable.md lists
     which).
@@ -493,6 +493,38 @@ def _index_put(mode, self, indices, values, accumulate=False, unsafe=False):
     return run
 
 
+# put_ with accumulate=True ----------------------------------------------------------------------
+
+def _put(mode, self, index, source, accumulate=False):
+    """``self.view(-1)[index[k]] += source[k]`` over the flattened tensors, as ``index_add_``
+    along the one dim of ``self``'s flattened copy (its own memory when contiguous)."""
+    if not (accumulate and self.dtype in FLOAT_DTYPES and source.dtype == self.dtype
+            and index.dtype == torch.int64 and index.numel() == source.numel() > 0
+            and self.numel() > 0 and _plain(self, index, source)
+            and _writable(self, index, source)):
+        return None
+
+    def run():
+        _check_changeable("put_", self)
+        flat_index = index.reshape(-1)
+        size = self.numel()
+        low, high = (int(v) for v in torch.aminmax(flat_index))
+        if low < -size or high >= size:
+            bad = low if low < -size else high
+            raise IndexOutOfRangeError(f"put_ (run by detsum.enable): out of range: tried to "
+                                       f"access index {bad} on a tensor of {size} elements")
+        if low < 0:  # Python's meaning of a negative index, as torch's put_ has it
+            flat_index = torch.where(flat_index < 0, flat_index + size, flat_index)
+        terms = source.reshape(-1)
+        if self.is_contiguous():
+            _index_add_op._index_add_inplace(self.view(-1), 0, flat_index, terms, 1.0, mode)
+            return self
+        flat = self.reshape(-1)
+        _index_add_op._index_add_inplace(flat, 0, flat_index, terms, 1.0, mode)
+        return self.copy_(flat.view(self.shape))
+    return run
+
+
 # embedding's dense backward ---------------------------------------------------------------------
 
 def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
@@ -538,5 +570,6 @@ _BODIES = {
     "index_reduce_": _index_reduce_inplace,
     "index_reduce.out": _index_reduce_out,
     "_index_put_impl_": _index_put,
+    "put_": _put,
     "embedding_dense_backward": _embedding_backward,
 }

@@ -28,7 +28,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SWITCHED = ("index_add", "index_add_", "index_add.out", "scatter_add", "scatter_add_",
             "scatter_add.out", "scatter_reduce.two", "scatter_reduce_.two",
             "scatter_reduce.two_out", "index_reduce", "index_reduce_", "index_reduce.out",
-            "_index_put_impl_", "embedding_dense_backward")
+            "_index_put_impl_", "put_", "embedding_dense_backward")
 
 
 @pytest.fixture(autouse=True)
@@ -63,16 +63,19 @@ def samples(name, variant, dtype, requires_grad=False):
     return op, list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
 
 
-FORWARD_OPS = [("index_add", ""), ("scatter_add", ""), ("index_put", "")] + [
+FORWARD_OPS = [("index_add", ""), ("scatter_add", ""), ("index_put", ""), ("put", "")] + [
     ("scatter_reduce", r) for r in ("sum", "mean", "prod", "amax", "amin")] + [
     ("index_reduce", r) for r in ("prod", "mean", "amax", "amin")]
 
 
 def call(op, sample, name):
-    kwargs = dict(sample.kwargs)
+    """The sample's call; index_put and put with accumulate=True (the switched form)."""
+    args, kwargs = sample.args, dict(sample.kwargs)
+    if name == "put":
+        args = (*args[:2], True)
     if name == "index_put":
         kwargs["accumulate"] = True
-    return op(sample.input, *sample.args, **kwargs)
+    return op(sample.input, *args, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -164,6 +167,9 @@ def forms(dtype, seed=0):
         "index_put_broadcast": lambda: x.index_put((index,), src[0], accumulate=True),
         "index_put_negative": lambda: x.index_put((index - 7,), src, accumulate=True),
         "index_put_": lambda: x.clone().index_put_((index,), src, accumulate=True),
+        "put_": lambda: x.clone().put_(hot_index(3000, 35, seed + 5), src, accumulate=True),
+        "put_negative_noncontiguous": lambda: xt.clone().put_(
+            hot_index(3000, 35, seed + 6) - 35, src, accumulate=True),
     }
     for reduce in ("prod", "mean", "amax", "amin"):
         for include_self in (True, False):
@@ -262,6 +268,8 @@ def primitive(mode, dtype, seed=0):
                                        mode=mode)),
         (lambda: x.index_reduce(0, index, src, "mean"),
          lambda: detsum.scatter_reduce(x, 0, index, src, "mean", mode=mode)),
+        (lambda: x.clone().put_(index, src[:, 0], accumulate=True),
+         lambda: detsum.index_add(x.reshape(-1), 0, index, src[:, 0], mode=mode).view(7, 5)),
         (lambda: torch.autograd.grad(weight[index], weight, src)[0],
          lambda: detsum.index_add(zeros, 0, index, src, mode=mode)),
         (lambda: torch.autograd.grad(torch.nn.functional.embedding(index, weight),
@@ -504,6 +512,8 @@ def test_bad_inputs_give_torchs_errors_and_write_nothing(mode):
             x.index_add_(0, torch.tensor([0, 9]), torch.ones(2, 3))
         with pytest.raises(RuntimeError, match=r"scatter_add_ \(run by detsum.enable\)"):
             x.scatter_add_(0, torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.ones(2, 3))
+        with pytest.raises(IndexError, match=r"put_ \(run by detsum.enable\): out of range"):
+            x.put_(torch.tensor([0, 12]), torch.ones(2), accumulate=True)
         with pytest.raises(IndexError, match=r"out of bounds for dimension 0 with size 4"):
             x.index_put_((torch.tensor([0, -5]),), torch.ones(2, 3), accumulate=True)
     assert torch.equal(x, torch.zeros(4, 3))

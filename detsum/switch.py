@@ -2,9 +2,10 @@
 
 ``detsum.enable(mode)``, ``detsum.disable()`` and ``with detsum.deterministic(mode):`` make
 torch's ``index_add``, ``scatter_add``, ``scatter_reduce``, ``index_reduce``, ``index_put``
-and ``put_`` with ``accumulate=True`` (the backward of ``x[idx]``) and the dense backward of ``embedding`` run
-on detsum's ``index_add`` and ``scatter_reduce`` in the chosen mode, for code that calls
-torch directly and has never heard of detsum.
+and ``put_`` with ``accumulate=True`` (the backward of ``x[idx]``), ``bincount`` with
+weights and the dense backward of ``embedding`` run on detsum's ``index_add`` and
+``scatter_reduce`` in the chosen mode, for code that calls torch directly and has never heard
+of detsum.
 
 How. While the switch is on, one ``torch.library.Library("aten", "IMPL")`` holds a Python
 kernel for each of those operators at the CPU dispatch key (and at the CUDA key where CUDA is
@@ -82,10 +83,10 @@ def enable(mode: str | Mode = "fp32") -> None:
     ``out=``, ``scatter_reduce`` / ``scatter_reduce_`` / ``out=`` (sum, mean, prod, amax,
     amin, ``include_self`` both ways), ``index_reduce`` / ``index_reduce_`` / ``out=``,
     ``index_put`` / ``index_put_`` with ``accumulate=True`` (one index tensor; the backward of
-    ``x[idx]``), ``put_`` with ``accumulate=True``, and the dense backward
-    of ``embedding``; so also the backward of ``gather`` and ``index_select``. Every other
-    input of these ops, and every other op, runs torch's own kernel (docs/enable.md lists
-    which).
+    ``x[idx]``), ``put_`` with ``accumulate=True``, ``bincount`` with weights, and the dense
+    backward of ``embedding``; so also the backward of ``gather`` and ``index_select``. Every
+    other input of these ops, and every other op, runs torch's own kernel (docs/enable.md
+    lists which).
 
     Args:
         mode: ``"fp32"`` (default), ``"kahan"``, ``"exact"`` or ``"autograd"`` (torch's own
@@ -525,6 +526,28 @@ def _put(mode, self, index, source, accumulate=False):
     return run
 
 
+# bincount with weights --------------------------------------------------------------------------
+
+def _bincount(mode, self, weights=None, minlength=0):
+    """``out[self[k]] += weights[k]`` from zeros, ``max(self) + 1`` (at least ``minlength``)
+    bins: ``index_add`` into a new tensor. The bins are float32 for float32 weights and
+    float64 for every other float dtype, as torch makes them (float16/bfloat16 weights are
+    widened to float64 first, exactly)."""
+    if (weights is None or weights.dtype not in FLOAT_DTYPES or self.dtype not in INDEX_DTYPES
+            or self.dim() != 1 or weights.dim() != 1 or weights.shape[0] != self.shape[0]
+            or self.numel() == 0 or minlength < 0 or not _plain(self, weights)):
+        return None
+    low, high = (int(v) for v in torch.aminmax(self))
+    if low < 0:  # torch refuses negative values: its error is the one to give
+        return None
+    bins = torch.float32 if weights.dtype == torch.float32 else torch.float64
+
+    def run():
+        zeros = torch.zeros(max(high + 1, minlength), dtype=bins, device=weights.device)
+        return _index_add_op._index_add(zeros, 0, self, weights.to(bins), 1.0, mode)
+    return run
+
+
 # embedding's dense backward ---------------------------------------------------------------------
 
 def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
@@ -571,5 +594,6 @@ _BODIES = {
     "index_reduce.out": _index_reduce_out,
     "_index_put_impl_": _index_put,
     "put_": _put,
+    "bincount": _bincount,
     "embedding_dense_backward": _embedding_backward,
 }

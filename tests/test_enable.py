@@ -28,7 +28,7 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SWITCHED = ("index_add", "index_add_", "index_add.out", "scatter_add", "scatter_add_",
             "scatter_add.out", "scatter_reduce.two", "scatter_reduce_.two",
             "scatter_reduce.two_out", "index_reduce", "index_reduce_", "index_reduce.out",
-            "_index_put_impl_", "put_", "embedding_dense_backward")
+            "_index_put_impl_", "put_", "bincount", "embedding_dense_backward")
 
 
 @pytest.fixture(autouse=True)
@@ -167,6 +167,8 @@ def forms(dtype, seed=0):
         "index_put_broadcast": lambda: x.index_put((index,), src[0], accumulate=True),
         "index_put_negative": lambda: x.index_put((index - 7,), src, accumulate=True),
         "index_put_": lambda: x.clone().index_put_((index,), src, accumulate=True),
+        "bincount": lambda: torch.bincount(index, src[:, 0]),
+        "bincount_minlength": lambda: torch.bincount(index.int(), src[:, 1], minlength=9),
         "put_": lambda: x.clone().put_(hot_index(3000, 35, seed + 5), src, accumulate=True),
         "put_negative_noncontiguous": lambda: xt.clone().put_(
             hot_index(3000, 35, seed + 6) - 35, src, accumulate=True),
@@ -268,6 +270,11 @@ def primitive(mode, dtype, seed=0):
                                        mode=mode)),
         (lambda: x.index_reduce(0, index, src, "mean"),
          lambda: detsum.scatter_reduce(x, 0, index, src, "mean", mode=mode)),
+        (lambda: torch.bincount(index, src[:, 0]),
+         lambda: detsum.index_add(torch.zeros(7, dtype=torch.float32 if dtype == torch.float32
+                                              else torch.float64),
+                                  0, index, src[:, 0].to(torch.float32 if dtype == torch.float32
+                                                         else torch.float64), mode=mode)),
         (lambda: x.clone().put_(index, src[:, 0], accumulate=True),
          lambda: detsum.index_add(x.reshape(-1), 0, index, src[:, 0], mode=mode).view(7, 5)),
         (lambda: torch.autograd.grad(weight[index], weight, src)[0],
@@ -476,6 +483,8 @@ def fallbacks():
                                               torch.ones(2, 3), accumulate=True),
         "index_put two indices": lambda: x.index_put((index, index), torch.ones(3),
                                                      accumulate=True),
+        "bincount without weights": lambda: torch.bincount(index),
+        "bincount int8": lambda: torch.bincount(index.to(torch.int8), torch.ones(3)),
         "index_put no accumulate": lambda: x.index_put((index,), torch.ones(3, 3)),
         "scatter narrower index": lambda: x.scatter_add(0, index.view(3, 1), torch.ones(3, 3)),
         "embedding scale_grad_by_freq": lambda: torch.ops.aten.embedding_dense_backward(

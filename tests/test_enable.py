@@ -558,3 +558,29 @@ def test_torchscript_reaches_the_switch():
     with detsum.deterministic("exact"):
         assert scripted(x, index, source).item() == 1.0
     assert scripted(x, index, source).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_other_modes_within_their_bound_of_the_exact_sum(mode):
+    """A hot row of about 420 float32 terms: each output element within its mode's bound of
+    the exact sum (Fractions). "fp32": a serial float32 sum of N terms, within
+    gamma_N * sum|x| (gamma_N = N u / (1 - N u)). "kahan": ulp(out) + 2 N^2 u^2 sum|x|
+    (docs/determinism.md)."""
+    x = data((7, 3), torch.float32, 0)
+    source = data((600, 3), torch.float32, 1) * torch.logspace(-3, 3, 600).view(-1, 1)
+    index = hot_index(600, 7, 2)
+    with detsum.deterministic(mode):
+        out = x.index_add(0, index, source)
+    u = Fraction(1, 2**24)
+    for row in range(7):
+        for column in range(3):
+            terms = [Fraction(float(x[row, column]))] + [
+                Fraction(float(source[k, column])) for k in (index == row).nonzero().view(-1)]
+            exact, magnitude, n = sum(terms), sum(abs(t) for t in terms), len(terms)
+            error = abs(Fraction(float(out[row, column])) - exact)
+            if mode == "fp32":
+                bound = n * u / (1 - n * u) * magnitude
+            else:
+                ulp = Fraction(2.0 ** (torch.frexp(out[row, column]).exponent.item() - 24))
+                bound = ulp + 2 * n * n * u * u * magnitude
+            assert error <= bound, (row, column, float(error), float(bound))

@@ -18,6 +18,7 @@ from detsum.scatter_compat import (  # torch_scatter's API, deterministic
 )
 from detsum.explain import Explanation, Explanations, explain
 from detsum import pyg  # noqa: E402  (PyG adapter: imports torch_geometric on first use only)
+from detsum.switch import deterministic, disable, enable
 
 __all__ = [
     "Explanation",
@@ -28,7 +29,10 @@ __all__ = [
     "Plan",
     "RunningSum",
     "backend",
+    "deterministic",
+    "disable",
     "distributed",
+    "enable",
     "explain",
     "gather_coo",
     "gather_csr",

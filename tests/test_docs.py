@@ -26,7 +26,7 @@ def html(tmp_path_factory):
 
 def test_docs_build_without_warnings(html):
     for page in ("index", "quickstart", "modes", "determinism", "plans", "moe", "loss",
-                 "switching", "distributed",
+                 "switching", "distributed", "enable",
                  "comparison", "api"):
         assert (html / f"{page}.html").exists(), page
     api = (html / "api.html").read_text()
@@ -62,6 +62,18 @@ def test_quickstart_code_runs():
     assert blocks, "no python block in quickstart.md"
     for block in blocks:
         exec(compile(block, "quickstart.md", "exec"), {"__name__": "quickstart"})
+
+
+def test_enable_page_code_runs():
+    """The switch page's blocks run, their assertions hold, and they leave the switch off."""
+    import detsum.switch
+
+    text = (DOCS / "enable.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        exec(compile(block, "enable.md", "exec"), {"__name__": "enable"})
+    assert detsum.switch.current_mode() is None
 
 
 def test_plans_page_code_runs():

@@ -1,0 +1,601 @@
+"""The switch: torch's own accumulating ops, run on detsum's primitives while it is on.
+
+``detsum.enable(mode)``, ``detsum.disable()`` and ``with detsum.deterministic(mode):`` make
+torch's ``index_add``, ``scatter_add``, ``scatter_reduce``, ``index_reduce``, ``index_put``
+and ``put_`` with ``accumulate=True`` (the backward of ``x[idx]``), ``bincount`` with
+weights and the dense backward of ``embedding`` run on detsum's ``index_add`` and
+``scatter_reduce`` in the chosen mode, for code that calls torch directly and has never heard
+of detsum.
+
+How. While the switch is on, one ``torch.library.Library("aten", "IMPL")`` holds a Python
+kernel for each of those operators at the CPU dispatch key (and at the CUDA key where CUDA is
+available; that path is not tested yet). The kernel sits below autograd, so it is what
+autograd's own backward formulas reach too (``x[idx]`` -> ``_index_put_impl_``, ``gather`` ->
+``scatter_add``, ``index_select`` -> ``index_add_``, ``embedding`` ->
+``embedding_dense_backward``), from any thread. Each kernel keeps the kernel torch had
+registered (``torch.library.get_kernel``, taken just before registering) and calls it for
+every input detsum does not take: integer or complex dtypes, an ``out=`` that torch would
+resize, memory that overlaps, an index form detsum has no primitive for, and so on; those
+give torch's own result, or torch's own error. Switching off destroys the library, which puts
+torch's kernels back in the dispatcher's table: then no detsum code runs at all, as before
+the first ``enable`` (importing detsum registers nothing).
+
+Why not a ``TorchDispatchMode``: a mode is per thread, so a second thread (a data loader, a
+serving pool) would escape it, and it intercepts *every* operator in Python: a plain 100-
+element ``a + a`` went from 1.2 us to 156 us under an empty mode, while here only the
+switched operators pay for a Python kernel (a small ``index_add`` that goes on to torch's
+kernel: 21 us against 4 us; one that runs on detsum: 42 us, as ``detsum.index_add`` itself;
+all on a 2-core AMD EPYC). The dispatcher table
+is process-wide, like ``torch.use_deterministic_algorithms``, and costs nothing for every
+other operator.
+
+State. The switch is process-wide (every thread sees the same kernels). ``enable`` and
+``disable`` set the mode that holds outside every ``deterministic`` block; a block sets its
+own mode while it is open, the most recently opened open block winning, and on exit removes
+exactly its own layer, so blocks nested in one thread restore what was there before, and
+blocks opened and closed by several threads in any interleaving leave the state that the
+remaining ones define. One lock guards the state and the registration.
+
+Recursion. detsum's primitives call torch operators themselves (``index_select``, integer
+``index_add_`` for counts, and the reference backend's loops). While a switched kernel runs
+detsum, a thread-local flag sends every switched operator that thread calls back to torch's
+kernel, so detsum never re-enters itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from detsum import _validation
+from detsum._validation import IndexOutOfRangeError
+from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, parse_mode
+from detsum.ops import index_add as _index_add_op
+from detsum.ops import scatter_reduce as _scatter_reduce_op
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+_lock = threading.RLock()
+_base_mode: str | None = None
+_blocks: list[tuple[object, str]] = []
+_mode: str | None = None
+_library: torch.library.Library | None = None
+_inside = threading.local()
+
+#: How many calls each switched operator sent to detsum and how many to torch's own kernel,
+#: since the process started: ``counts[("index_add_", "detsum")]``. For seeing what the
+#: switch covers in a program; updated without a lock, so exact only for one thread.
+counts: collections.Counter = collections.Counter()
+
+
+# ---- the public switch ------------------------------------------------------------------------
+
+def enable(mode: str | Mode = "fp32") -> None:
+    """Run torch's accumulating ops on detsum's primitives in ``mode``, in every thread,
+    until :func:`disable` (outside any open :func:`deterministic` block, which keeps its own
+    mode while it is open).
+
+    Covered so far, eager mode, CPU tensors of dtype float32, float64, float16 and bfloat16:
+    ``index_add`` / ``index_add_`` / ``index_add(out=)``, ``scatter_add`` / ``scatter_add_`` /
+    ``out=``, ``scatter_reduce`` / ``scatter_reduce_`` / ``out=`` (sum, mean, prod, amax,
+    amin, ``include_self`` both ways), ``index_reduce`` / ``index_reduce_`` / ``out=``,
+    ``index_put`` / ``index_put_`` with ``accumulate=True`` (one index tensor; the backward of
+    ``x[idx]``), ``put_`` with ``accumulate=True``, ``bincount`` with weights, and the dense
+    backward of ``embedding``; so also the backward of ``gather`` and ``index_select``. Every
+    other input of these ops, and every other op, runs torch's own kernel (docs/enable.md
+    lists which).
+
+    Args:
+        mode: ``"fp32"`` (default), ``"kahan"``, ``"exact"`` or ``"autograd"`` (torch's own
+            bits, as under ``torch.use_deterministic_algorithms(True)``), as for the
+            primitives (docs/determinism.md).
+
+    Example:
+        >>> import torch, detsum
+        >>> detsum.enable("exact")
+        >>> torch.zeros(1).index_add(0, torch.tensor([0, 0, 0]), torch.tensor([1e8, 1.0, -1e8]))
+        tensor([1.])
+        >>> detsum.disable()
+    """
+    mode = parse_mode(mode, caller="detsum.enable")
+    global _base_mode
+    with _lock:
+        _base_mode = mode.value
+        _apply()
+
+
+def disable() -> None:
+    """Give torch's accumulating ops back their own kernels (outside any open
+    :func:`deterministic` block). Does nothing when the switch is off."""
+    global _base_mode
+    with _lock:
+        _base_mode = None
+        _apply()
+
+
+@contextlib.contextmanager
+def deterministic(mode: str | Mode = "fp32") -> Iterator[None]:
+    """Inside the block, torch's accumulating ops run on detsum's primitives in ``mode``
+    (as :func:`enable` says), in every thread; on exit, what held before comes back.
+
+    Blocks nest: the innermost open one wins. The switch is process-wide, so a block opened
+    in one thread also switches the ops other threads run while it is open.
+
+    Example:
+        >>> import torch, detsum
+        >>> x = torch.ones(3, requires_grad=True)
+        >>> with detsum.deterministic("kahan"):
+        ...     x[torch.tensor([0, 0, 2])].sum().backward()
+        >>> x.grad
+        tensor([2., 0., 1.])
+    """
+    mode = parse_mode(mode, caller="detsum.deterministic")
+    layer = object()
+    with _lock:
+        _blocks.append((layer, mode.value))
+        _apply()
+    try:
+        yield
+    finally:
+        with _lock:
+            _blocks[:] = [block for block in _blocks if block[0] is not layer]
+            _apply()
+
+
+def current_mode() -> str | None:
+    """The mode the switched ops run in now (``"fp32"``, ...), or None when the switch is off."""
+    return _mode
+
+
+def _apply() -> None:
+    """Register or destroy the kernels so that the dispatcher matches the state (lock held)."""
+    global _mode, _library
+    wanted = _blocks[-1][1] if _blocks else _base_mode
+    if wanted is not None and _library is None:
+        _library = _register()
+    _mode = wanted
+    if wanted is None and _library is not None:
+        _library._destroy()
+        _library = None
+
+
+def _register() -> torch.library.Library:
+    keys = ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
+    library = torch.library.Library("aten", "IMPL")
+    # torch warns, once per process, that a kernel is overridden: that is the point here.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for name, body in _BODIES.items():
+            for key in keys:
+                # Taken here, while no detsum kernel is registered: torch's own.
+                original = torch.library.get_kernel(f"aten::{name}", key)
+                library.impl(name, _switched(name, body, original), key, with_keyset=True)
+    return library
+
+
+def _switched(name, body, original):
+    """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
+    function that computes the result on detsum, or None to leave the call to torch."""
+    def kernel(keyset, *args, **kwargs):
+        mode = _mode
+        if mode is not None and not getattr(_inside, "running", False):
+            run = body(mode, *args, **kwargs)
+            if run is not None:
+                counts[(name, "detsum")] += 1
+                _inside.running = True
+                try:
+                    return run()
+                except IndexOutOfRangeError as error:
+                    # detsum names its own function; the caller called torch's.
+                    _, _, detail = str(error).partition(": ")
+                    raise IndexOutOfRangeError(f"{name} (run by detsum.enable): {detail}") \
+                        from None
+                finally:
+                    _inside.running = False
+        counts[(name, "torch")] += 1
+        return original.call_boxed(keyset, *args, **kwargs)
+
+    kernel.__name__ = f"detsum_switched_{name.replace('.', '_')}"
+    return kernel
+
+
+# ---- what detsum takes ------------------------------------------------------------------------
+# Each test below accepts only inputs that torch accepts too and that detsum's primitive
+# computes with torch's meaning; anything else goes to torch, which gives its own result or
+# its own error.
+
+def _plain(*tensors: torch.Tensor) -> bool:
+    """Strided tensors on one CPU or CUDA device, without a lazy negation bit."""
+    device = tensors[0].device
+    return device.type in ("cpu", "cuda") and all(
+        t.layout == torch.strided and t.device == device and not t.is_neg() for t in tensors)
+
+
+def _values(self: torch.Tensor, other: torch.Tensor) -> bool:
+    """Two non-empty tensors of one float dtype that detsum sums."""
+    return (self.dtype in FLOAT_DTYPES and other.dtype == self.dtype and self.dim() >= 1
+            and self.numel() > 0 and other.numel() > 0)
+
+
+def _dim(dim: int, ndim: int) -> int | None:
+    return dim % ndim if -ndim <= dim < ndim else None
+
+
+def _writable(target: torch.Tensor, *read: torch.Tensor) -> bool:
+    """``target`` may be written in place while ``read`` are read: distinct elements, no
+    memory shared (torch refuses both, and its error is the one to give)."""
+    return not _validation.has_internal_overlap(target) and not any(
+        _validation.shares_memory(target, t) for t in read)
+
+
+def _check_changeable(name: str, target: torch.Tensor) -> None:
+    _validation.check_changeable(f"{name} (run by detsum.enable)", "self", target)
+
+
+def _into_out(out: torch.Tensor, self: torch.Tensor, *read: torch.Tensor) -> bool | None:
+    """For an ``out=`` call: True when ``out`` is ``self`` itself (an in-place call), False
+    when it is separate memory of ``self``'s shape, dtype and device, None otherwise (torch
+    resizes, or refuses)."""
+    if (out.shape != self.shape or out.dtype != self.dtype or out.device != self.device
+            or out.layout != torch.strided or _validation.has_internal_overlap(out)
+            or any(_validation.shares_memory(out, t) for t in read)):
+        return None
+    if not _validation.shares_memory(out, self):
+        return False
+    same = (out.data_ptr() == self.data_ptr() and out.stride() == self.stride())
+    return True if same else None
+
+
+# index_add --------------------------------------------------------------------------------------
+
+def _rows_dim(self, dim, index, source) -> int | None:
+    """The dim for a 1-D index of ``source``'s rows into ``self``'s (index_add's and
+    index_reduce's form), or None."""
+    if not (_values(self, source) and index.dtype in INDEX_DTYPES and index.dim() == 1
+            and source.dim() == self.dim() and _plain(self, index, source)):
+        return None
+    dim = _dim(dim, self.dim())
+    if dim is None or index.shape[0] != source.shape[dim] or any(
+            source.shape[d] != self.shape[d] for d in range(self.dim()) if d != dim):
+        return None
+    return dim
+
+
+def _index_add_dim(mode, self, dim, index, source, alpha) -> int | None:
+    dim = _rows_dim(self, dim, index, source)
+    if dim is None or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        return None
+    # torch's CPU kernel may fuse alpha into its add (one rounding), which index_put_ (the
+    # "autograd" rule) does not: the same bits only where source * alpha is exact, alpha = +-1.
+    # For float16/bfloat16 it picks by layout between rounding after every add and an fp32
+    # buffer. torch's kernel is the one source of those bits.
+    if mode == "autograd" and (alpha not in (1, -1) or self.dtype in _HALF_DTYPES):
+        return None
+    return dim
+
+
+def _index_add(mode, self, dim, index, source, *, alpha=1):
+    dim = _index_add_dim(mode, self, dim, index, source, alpha)
+    if dim is None:
+        return None
+    return lambda: _index_add_op._index_add(self, dim, index, source, float(alpha), mode)
+
+
+def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
+    dim = _index_add_dim(mode, self, dim, index, source, alpha)
+    if dim is None or not _writable(self, index, source):
+        return None
+
+    def run():
+        _check_changeable("index_add_", self)
+        _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode)
+        return self
+    return run
+
+
+def _index_add_out(mode, self, dim, index, source, *, alpha=1, out):
+    dim = _index_add_dim(mode, self, dim, index, source, alpha)
+    in_place = None if dim is None else _into_out(out, self, index, source)
+    if in_place is None:
+        return None
+    if in_place:
+        return _index_add_inplace(mode, out, dim, index, source, alpha=alpha)
+
+    def run():
+        _check_changeable("index_add.out", out)
+        return out.copy_(_index_add_op._index_add(self, dim, index, source, float(alpha), mode))
+    return run
+
+
+# scatter_add, scatter_reduce --------------------------------------------------------------------
+
+def _scatter_terms(mode, self, dim, index, src, reduce, include_self):
+    """(dim, src cut to index's shape) for the calls detsum takes, else None. torch's index
+    may be smaller than src in any dim and than self in every dim but ``dim``; detsum takes
+    an index that covers self in every dim but ``dim`` (the other shapes go to torch)."""
+    if not (_values(self, src) and index.dtype in INDEX_DTYPES and index.numel() > 0
+            and index.dim() == self.dim() == src.dim() and _plain(self, index, src)):
+        return None
+    if reduce not in _scatter_reduce_op.REDUCTIONS or (reduce == "prod" and mode == "exact"):
+        return None
+    # torch's CPU scatter sums float16/bfloat16 in an fp32 buffer on some layouts, not on
+    # others (as index_add above), and detsum's "autograd" mean of bfloat16 with include_self
+    # left torch's bits on a 600-row index: torch's kernel is the one source of those bits.
+    if mode == "autograd" and reduce in ("sum", "mean") and self.dtype in _HALF_DTYPES:
+        return None
+    dim = _dim(dim, self.dim())
+    if dim is None or any(index.shape[d] > src.shape[d] for d in range(src.dim())) or any(
+            index.shape[d] != self.shape[d] for d in range(self.dim()) if d != dim):
+        return None
+    if reduce == "mean" and mode == "exact" and (
+            index.shape[dim] + bool(include_self) > MAX_TERMS_PER_STATE):
+        return None
+    if src.shape != index.shape:
+        src = src[tuple(slice(0, n) for n in index.shape)]
+    return dim, src
+
+
+def _scatter_run(self, dim, index, src, reduce, include_self, mode):
+    return _scatter_reduce_op._run(self, dim, index, src, reduce, bool(include_self), mode,
+                                   False)
+
+
+def _scatter_functional(name, mode, self, dim, index, src, reduce, include_self):
+    terms = _scatter_terms(mode, self, dim, index, src, reduce, include_self)
+    if terms is None:
+        return None
+    dim, src = terms
+    return lambda: _scatter_run(self, dim, index, src, reduce, include_self, mode)
+
+
+def _scatter_inplace(name, mode, self, dim, index, src, reduce, include_self):
+    terms = _scatter_terms(mode, self, dim, index, src, reduce, include_self)
+    if terms is None or not _writable(self, index, src):
+        return None
+    dim, src = terms
+
+    def run():
+        _check_changeable(name, self)
+        return self.copy_(_scatter_run(self, dim, index, src, reduce, include_self, mode))
+    return run
+
+
+def _scatter_out(name, mode, self, dim, index, src, reduce, include_self, out):
+    terms = _scatter_terms(mode, self, dim, index, src, reduce, include_self)
+    in_place = None if terms is None else _into_out(out, self, index, src)
+    if in_place is None:
+        return None
+    dim, src = terms
+
+    def run():
+        _check_changeable(name, out)
+        return out.copy_(_scatter_run(self, dim, index, src, reduce, include_self, mode))
+    return run
+
+
+def _scatter_add(mode, self, dim, index, src):
+    return _scatter_functional("scatter_add", mode, self, dim, index, src, "sum", True)
+
+
+def _scatter_add_inplace(mode, self, dim, index, src):
+    return _scatter_inplace("scatter_add_", mode, self, dim, index, src, "sum", True)
+
+
+def _scatter_add_out(mode, self, dim, index, src, *, out):
+    return _scatter_out("scatter_add.out", mode, self, dim, index, src, "sum", True, out)
+
+
+def _scatter_reduce(mode, self, dim, index, src, reduce, *, include_self=True):
+    return _scatter_functional("scatter_reduce", mode, self, dim, index, src, reduce,
+                               include_self)
+
+
+def _scatter_reduce_inplace(mode, self, dim, index, src, reduce, *, include_self=True):
+    return _scatter_inplace("scatter_reduce_", mode, self, dim, index, src, reduce,
+                            include_self)
+
+
+def _scatter_reduce_out(mode, self, dim, index, src, reduce, *, include_self=True, out):
+    return _scatter_out("scatter_reduce.two_out", mode, self, dim, index, src, reduce,
+                        include_self, out)
+
+
+# index_reduce -----------------------------------------------------------------------------------
+
+_INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
+
+
+def _index_reduce_dim(mode, self, dim, index, source, reduce, include_self) -> int | None:
+    """``index_reduce`` is ``scatter_reduce`` with a 1-D row index: detsum's row form."""
+    if reduce not in _INDEX_REDUCTIONS or (reduce == "prod" and mode == "exact"):
+        return None
+    # torch rounds float16/bfloat16 products and means its own way here: its kernel is the
+    # one source of those bits.
+    if mode == "autograd" and reduce in ("prod", "mean") and self.dtype in _HALF_DTYPES:
+        return None
+    dim = _rows_dim(self, dim, index, source)
+    if dim is None or (reduce == "mean" and mode == "exact"
+                       and index.shape[0] + bool(include_self) > MAX_TERMS_PER_STATE):
+        return None
+    return dim
+
+
+def _index_reduce(mode, self, dim, index, source, reduce, *, include_self=True):
+    dim = _index_reduce_dim(mode, self, dim, index, source, reduce, include_self)
+    if dim is None:
+        return None
+    return lambda: _scatter_run(self, dim, index, source, reduce, include_self, mode)
+
+
+def _index_reduce_inplace(mode, self, dim, index, source, reduce, *, include_self=True):
+    dim = _index_reduce_dim(mode, self, dim, index, source, reduce, include_self)
+    if dim is None or not _writable(self, index, source):
+        return None
+
+    def run():
+        _check_changeable("index_reduce_", self)
+        return self.copy_(_scatter_run(self, dim, index, source, reduce, include_self, mode))
+    return run
+
+
+def _index_reduce_out(mode, self, dim, index, source, reduce, *, include_self=True, out):
+    dim = _index_reduce_dim(mode, self, dim, index, source, reduce, include_self)
+    if dim is None or _into_out(out, self, index, source) is None:
+        return None
+
+    def run():
+        _check_changeable("index_reduce.out", out)
+        return out.copy_(_scatter_run(self, dim, index, source, reduce, include_self, mode))
+    return run
+
+
+# index_put with accumulate=True -----------------------------------------------------------------
+
+def _index_put(mode, self, indices, values, accumulate=False, unsafe=False):
+    """``self[..., index, ...] += values`` for one integer index tensor after ``d`` full
+    slices (``x[idx]``, ``x[:, idx]``, an index of any shape), as ``index_add_`` along ``d``
+    of the flattened index; torch takes every other form (masks, several index tensors)."""
+    if not accumulate:
+        return None
+    given = [(d, t) for d, t in enumerate(indices) if t is not None]
+    if len(given) != 1 or len(indices) > self.dim():
+        return None
+    d, index = given[0]
+    if not (index.dtype in INDEX_DTYPES and index.numel() > 0 and index.dim() >= 1
+            and _values(self, values) and _plain(self, index, values)
+            and _writable(self, index, values)):
+        return None
+    shape = (*self.shape[:d], *index.shape, *self.shape[d + 1:])
+    try:
+        if torch.broadcast_shapes(values.shape, shape) != torch.Size(shape):
+            return None
+    except RuntimeError:
+        return None
+
+    def run():
+        _check_changeable("index_put_", self)
+        flat = index.reshape(-1)
+        size = self.shape[d]
+        low, high = (int(v) for v in torch.aminmax(flat))
+        if low < -size or high >= size:
+            bad = low if low < -size else high
+            raise IndexOutOfRangeError(
+                f"index_put_ (run by detsum.enable): index {bad} is out of bounds for "
+                f"dimension {d} with size {size}")
+        if low < 0:  # Python's meaning of a negative index, as torch's indexing has it
+            flat = torch.where(flat < 0, flat + size, flat)
+        terms = values.expand(shape).reshape(*self.shape[:d], flat.shape[0],
+                                             *self.shape[d + 1:])
+        _index_add_op._index_add_inplace(self, d, flat, terms, 1.0, mode)
+        return self
+    return run
+
+
+# put_ with accumulate=True ----------------------------------------------------------------------
+
+def _put(mode, self, index, source, accumulate=False):
+    """``self.view(-1)[index[k]] += source[k]`` over the flattened tensors, as ``index_add_``
+    along the one dim of ``self``'s flattened copy (its own memory when contiguous)."""
+    if not (accumulate and self.dtype in FLOAT_DTYPES and source.dtype == self.dtype
+            and index.dtype == torch.int64 and index.numel() == source.numel() > 0
+            and self.numel() > 0 and _plain(self, index, source)
+            and _writable(self, index, source)):
+        return None
+
+    def run():
+        _check_changeable("put_", self)
+        flat_index = index.reshape(-1)
+        size = self.numel()
+        low, high = (int(v) for v in torch.aminmax(flat_index))
+        if low < -size or high >= size:
+            bad = low if low < -size else high
+            raise IndexOutOfRangeError(f"put_ (run by detsum.enable): out of range: tried to "
+                                       f"access index {bad} on a tensor of {size} elements")
+        if low < 0:  # Python's meaning of a negative index, as torch's put_ has it
+            flat_index = torch.where(flat_index < 0, flat_index + size, flat_index)
+        terms = source.reshape(-1)
+        if self.is_contiguous():
+            _index_add_op._index_add_inplace(self.view(-1), 0, flat_index, terms, 1.0, mode)
+            return self
+        flat = self.reshape(-1)
+        _index_add_op._index_add_inplace(flat, 0, flat_index, terms, 1.0, mode)
+        return self.copy_(flat.view(self.shape))
+    return run
+
+
+# bincount with weights --------------------------------------------------------------------------
+
+def _bincount(mode, self, weights=None, minlength=0):
+    """``out[self[k]] += weights[k]`` from zeros, ``max(self) + 1`` (at least ``minlength``)
+    bins: ``index_add`` into a new tensor. The bins are float32 for float32 weights and
+    float64 for every other float dtype, as torch makes them (float16/bfloat16 weights are
+    widened to float64 first, exactly)."""
+    if (weights is None or weights.dtype not in FLOAT_DTYPES or self.dtype not in INDEX_DTYPES
+            or self.dim() != 1 or weights.dim() != 1 or weights.shape[0] != self.shape[0]
+            or self.numel() == 0 or minlength < 0 or not _plain(self, weights)):
+        return None
+    low, high = (int(v) for v in torch.aminmax(self))
+    if low < 0:  # torch refuses negative values: its error is the one to give
+        return None
+    bins = torch.float32 if weights.dtype == torch.float32 else torch.float64
+
+    def run():
+        zeros = torch.zeros(max(high + 1, minlength), dtype=bins, device=weights.device)
+        return _index_add_op._index_add(zeros, 0, self, weights.to(bins), 1.0, mode)
+    return run
+
+
+# embedding's dense backward ---------------------------------------------------------------------
+
+def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
+                        scale_grad_by_freq):
+    """``grad_weight[indices[k]] += grad_output[k]`` over the rows with ``indices[k] !=
+    padding_idx``, from zeros. ``scale_grad_by_freq=True`` goes to torch (its scale is a
+    per-row division that the primitives do not take)."""
+    if (scale_grad_by_freq or grad_output.dtype not in FLOAT_DTYPES
+            or indices.dtype not in INDEX_DTYPES or indices.numel() == 0 or num_weights <= 0
+            or grad_output.dim() < 1 or not _plain(grad_output, indices)
+            or grad_output.numel() != indices.numel() * grad_output.shape[-1]):
+        return None
+    rows = indices.reshape(-1)
+    low, high = (int(v) for v in torch.aminmax(rows))
+    if low < 0 or high >= num_weights:  # torch leaves such rows out; so does its kernel here
+        return None
+
+    def run():
+        width = grad_output.shape[-1]
+        grad = grad_output.reshape(-1, width)
+        keep_rows, keep_grad = rows, grad
+        if padding_idx >= 0:
+            keep = rows != padding_idx
+            keep_rows, keep_grad = rows[keep], grad[keep]
+        zeros = grad.new_zeros(num_weights, width)
+        if keep_rows.numel() == 0 or width == 0:
+            return zeros
+        return _index_add_op._index_add(zeros, 0, keep_rows, keep_grad, 1.0, mode)
+    return run
+
+
+_BODIES = {
+    "index_add": _index_add,
+    "index_add_": _index_add_inplace,
+    "index_add.out": _index_add_out,
+    "scatter_add": _scatter_add,
+    "scatter_add_": _scatter_add_inplace,
+    "scatter_add.out": _scatter_add_out,
+    "scatter_reduce.two": _scatter_reduce,
+    "scatter_reduce_.two": _scatter_reduce_inplace,
+    "scatter_reduce.two_out": _scatter_reduce_out,
+    "index_reduce": _index_reduce,
+    "index_reduce_": _index_reduce_inplace,
+    "index_reduce.out": _index_reduce_out,
+    "_index_put_impl_": _index_put,
+    "put_": _put,
+    "bincount": _bincount,
+    "embedding_dense_backward": _embedding_backward,
+}

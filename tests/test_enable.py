@@ -1,0 +1,586 @@
+"""detsum.enable / disable / deterministic: torch's own accumulating ops on detsum's primitives.
+
+"autograd" is checked against torch itself (CPU torch is deterministic: its bits are the ones
+``torch.use_deterministic_algorithms(True)`` gives), on torch's own OpInfo samples and on
+duplicate-heavy indices; the other modes against detsum's primitive called directly, over runs
+and thread counts, and "exact" against Fraction sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+
+import pytest
+import torch
+
+import detsum
+from detsum import switch
+from tests.conftest import assert_same_bits
+
+# torch's own index_reduce says it is in beta, every time torch's kernel runs it.
+pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta:UserWarning")
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+SWITCHED = ("index_add", "index_add_", "index_add.out", "scatter_add", "scatter_add_",
+            "scatter_add.out", "scatter_reduce.two", "scatter_reduce_.two",
+            "scatter_reduce.two_out", "index_reduce", "index_reduce_", "index_reduce.out",
+            "_index_put_impl_", "put_", "bincount", "embedding_dense_backward")
+
+
+@pytest.fixture(autouse=True)
+def switched_off_after():
+    yield
+    switch._blocks.clear()
+    detsum.disable()
+    assert switch.current_mode() is None
+
+
+def cpu_kernel_file(name: str) -> str:
+    """Where the CPU kernel the dispatcher runs for aten::``name`` was registered."""
+    table = torch._C._dispatch_dump_table(f"aten::{name}").splitlines()
+    return next(line for line in table if line.startswith("CPU:"))
+
+
+def ran_on_detsum(name: str) -> int:
+    return switch.counts[(name, "detsum")]
+
+
+# ---- torch's own samples ----------------------------------------------------------------------
+
+@functools.cache
+def op_infos():
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return {(op.name, op.variant_test_name): op for op in op_db}
+
+
+def samples(name, variant, dtype, requires_grad=False):
+    op = op_infos()[(name, variant)]
+    return op, list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
+
+
+FORWARD_OPS = [("index_add", ""), ("scatter_add", ""), ("index_put", ""), ("put", "")] + [
+    ("scatter_reduce", r) for r in ("sum", "mean", "prod", "amax", "amin")] + [
+    ("index_reduce", r) for r in ("prod", "mean", "amax", "amin")]
+
+
+def call(op, sample, name):
+    """The sample's call; index_put and put with accumulate=True (the switched form)."""
+    args, kwargs = sample.args, dict(sample.kwargs)
+    if name == "put":
+        args = (*args[:2], True)
+    if name == "index_put":
+        kwargs["accumulate"] = True
+    return op(sample.input, *args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,variant", FORWARD_OPS)
+def test_opinfo_samples_autograd_mode_gives_torchs_bits(name, variant, dtype):
+    op, cases = samples(name, variant, dtype)
+    before = switch.counts.copy()
+    for sample in cases:
+        expected = call(op, sample, name)
+        with detsum.deterministic("autograd"):
+            actual = call(op, sample, name)
+        assert_same_bits(actual, expected)
+    ran = switch.counts - before
+    assert sum(ran.values()) >= len(cases)  # every sample met a switched kernel
+    if dtype in (torch.float32, torch.float64):
+        assert any(way == "detsum" for _, way in ran), ran
+
+
+BACKWARD_OPS = [("__getitem__", ""), ("gather", ""), ("index_select", ""),
+                ("take_along_dim", ""), ("nn.functional.embedding", "")]
+
+
+def gradients(op, sample, seed):
+    out = op(sample.input, *sample.args, **sample.kwargs)
+    inputs = [t for t in (sample.input, *sample.args) if isinstance(t, torch.Tensor)
+              and t.requires_grad]
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(out.shape, generator=generator).to(out.dtype)
+    return torch.autograd.grad(out, inputs, grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,variant", BACKWARD_OPS)
+def test_opinfo_backward_autograd_mode_gives_torchs_bits(name, variant, dtype):
+    op, cases = samples(name, variant, dtype, requires_grad=True)
+    for seed, sample in enumerate(cases):
+        expected = gradients(op, sample, seed)
+        with detsum.deterministic("autograd"):
+            actual = gradients(op, sample, seed)
+        for a, e in zip(actual, expected):
+            assert_same_bits(a, e)
+
+
+# ---- duplicate-heavy indices, every form ------------------------------------------------------
+
+def data(shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def hot_index(n, rows, seed):
+    """Most terms on row 0 (more than a 256-term chunk), the rest spread."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, rows, (n,), generator=generator)
+    index[torch.rand(n, generator=generator) < 0.7] = 0
+    return index
+
+
+def forms(dtype, seed=0):
+    """(name, function of nothing) for each call form of the switched ops."""
+    x = data((7, 5), dtype, seed)
+    src = data((600, 5), dtype, seed + 1)
+    index = hot_index(600, 7, seed + 2)
+    wide = index.view(-1, 1).expand(600, 5)
+    scattered = hot_index(3000, 7, seed + 3).view(600, 5)
+    xt = data((5, 7), dtype, seed + 4).t()  # a non-contiguous input
+    cases = {
+        "index_add": lambda: x.index_add(0, index, src),
+        "index_add_dim-1": lambda: x.t().index_add(-1, index, src.t()),
+        "index_add_int32": lambda: x.index_add(0, index.int(), src),
+        "index_add_alpha": lambda: x.index_add(0, index, src, alpha=0.5),
+        "index_add_": lambda: x.clone().index_add_(0, index, src),
+        "index_add_noncontiguous": lambda: xt.clone().t().t().index_add_(0, index, src),
+        "index_add_out": lambda: torch.index_add(x, 0, index, src, out=torch.empty_like(x)),
+        "index_add_out_self": lambda: (lambda y: torch.index_add(y, 0, index, src, out=y))(
+            x.clone()),
+        "scatter_add": lambda: x.scatter_add(0, wide, src),
+        "scatter_add_elements": lambda: x.scatter_add(0, scattered, src),
+        "scatter_add_int32": lambda: x.scatter_add(0, scattered.int(), src),
+        "scatter_add_": lambda: xt.clone().scatter_add_(0, scattered, src),
+        "scatter_add_out": lambda: torch.scatter_add(x, 0, wide, src, out=torch.empty_like(x)),
+        "scatter_reduce_out": lambda: torch.scatter_reduce(
+            x, 0, scattered, src, "amax", out=torch.empty_like(x)),
+        "scatter_add_small_index": lambda: x.scatter_add(0, scattered[:300], src),
+        "index_put": lambda: x.index_put((index,), src, accumulate=True),
+        "index_put_dim1": lambda: torch.ops.aten.index_put(x.t(), [None, index], src.t(), True),
+        "index_put_2d_index": lambda: x.index_put((index.view(20, 30),), src.view(20, 30, 5),
+                                                  accumulate=True),
+        "index_put_broadcast": lambda: x.index_put((index,), src[0], accumulate=True),
+        "index_put_negative": lambda: x.index_put((index - 7,), src, accumulate=True),
+        "index_put_": lambda: x.clone().index_put_((index,), src, accumulate=True),
+        "bincount": lambda: torch.bincount(index, src[:, 0]),
+        "bincount_minlength": lambda: torch.bincount(index.int(), src[:, 1], minlength=9),
+        "put_": lambda: x.clone().put_(hot_index(3000, 35, seed + 5), src, accumulate=True),
+        "put_negative_noncontiguous": lambda: xt.clone().put_(
+            hot_index(3000, 35, seed + 6) - 35, src, accumulate=True),
+    }
+    for reduce in ("prod", "mean", "amax", "amin"):
+        for include_self in (True, False):
+            key = f"index_reduce_{reduce}_{include_self}"
+            cases[key] = functools.partial(torch.index_reduce, x, 0, index, src, reduce,
+                                           include_self=include_self)
+            cases[key + "_"] = functools.partial(
+                lambda r, s: xt.clone().index_reduce_(0, index, src, r, include_self=s),
+                reduce, include_self)
+    cases["index_reduce_out"] = lambda: torch.index_reduce(x, 0, index, src, "amin",
+                                                           out=torch.empty_like(x))
+    for reduce in ("sum", "mean", "prod", "amax", "amin"):
+        for include_self in (True, False):
+            key = f"scatter_reduce_{reduce}_{include_self}"
+            cases[key] = functools.partial(torch.scatter_reduce, x, 0, scattered,
+                                           src, reduce, include_self=include_self)
+            cases[key + "_"] = functools.partial(
+                lambda r, s: xt.clone().scatter_reduce_(0, wide, src, r, include_self=s),
+                reduce, include_self)
+    return cases
+
+
+def index_backward(dtype, seed=0):
+    weight = data((7, 5), dtype, seed).requires_grad_()
+    index = hot_index(600, 7, seed + 1)
+    grad = data((600, 5), dtype, seed + 2)
+    return {
+        "x[idx]": lambda: torch.autograd.grad(weight[index], weight, grad)[0],
+        "gather": lambda: torch.autograd.grad(
+            weight.gather(0, index.view(-1, 1).expand(600, 5)), weight, grad)[0],
+        "index_select": lambda: torch.autograd.grad(weight.index_select(0, index), weight,
+                                                    grad)[0],
+        "embedding": lambda: torch.autograd.grad(
+            torch.nn.functional.embedding(index, weight), weight, grad)[0],
+        "embedding_padding": lambda: torch.autograd.grad(
+            torch.nn.functional.embedding(index, weight, padding_idx=0), weight, grad)[0],
+    }
+
+
+class DeterministicTorch:
+    """torch's own deterministic mode, restored after."""
+
+    def __enter__(self):
+        self.was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc):
+        torch.use_deterministic_algorithms(self.was)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_duplicate_heavy_forms_autograd_mode_give_torchs_bits(dtype):
+    cases = {**forms(dtype), **index_backward(dtype)}
+    expected = {name: f() for name, f in cases.items()}
+    with DeterministicTorch():
+        for name, f in cases.items():
+            assert_same_bits(f(), expected[name])
+    with detsum.deterministic("autograd"):
+        for name, f in cases.items():
+            actual = f()
+            assert torch.equal(actual, expected[name]), name
+
+
+def test_autograd_mode_runs_detsum_where_it_reproduces_torch():
+    """float32 data: every switched op runs on detsum, not torch (and still gives torch's bits,
+    above)."""
+    cases = {**forms(torch.float32), **index_backward(torch.float32)}
+    with detsum.deterministic("autograd"):
+        before = switch.counts.copy()
+        for f in cases.values():
+            f()
+        ran = {name: switch.counts[(name, "detsum")] - before[(name, "detsum")]
+               for name in SWITCHED}
+    assert all(ran.values()), ran
+
+
+# ---- the other modes -------------------------------------------------------------------------
+
+def primitive(mode, dtype, seed=0):
+    """Each switched form next to the same reduction by detsum's primitive itself."""
+    x = data((7, 5), dtype, seed)
+    src = data((600, 5), dtype, seed + 1)
+    index = hot_index(600, 7, seed + 2)
+    scattered = hot_index(3000, 7, seed + 3).view(600, 5)
+    weight = data((7, 5), dtype, seed).requires_grad_()
+    zeros = torch.zeros(7, 5, dtype=dtype)
+    return [
+        (lambda: x.index_add(0, index, src, alpha=-2),
+         lambda: detsum.index_add(x, 0, index, src, alpha=-2, mode=mode)),
+        (lambda: x.clone().index_add_(1, index[:5], src[:7].t().contiguous().t()[:, :5]),
+         lambda: detsum.index_add(x, 1, index[:5], src[:7, :5], mode=mode)),
+        (lambda: x.scatter_add(0, scattered, src),
+         lambda: detsum.scatter_reduce(x, 0, scattered, src, "sum", mode=mode)),
+        (lambda: x.scatter_reduce(0, scattered, src, "mean", include_self=False),
+         lambda: detsum.scatter_reduce(x, 0, scattered, src, "mean", include_self=False,
+                                       mode=mode)),
+        (lambda: x.index_reduce(0, index, src, "mean"),
+         lambda: detsum.scatter_reduce(x, 0, index, src, "mean", mode=mode)),
+        (lambda: torch.bincount(index, src[:, 0]),
+         lambda: detsum.index_add(torch.zeros(7, dtype=torch.float32 if dtype == torch.float32
+                                              else torch.float64),
+                                  0, index, src[:, 0].to(torch.float32 if dtype == torch.float32
+                                                         else torch.float64), mode=mode)),
+        (lambda: x.clone().put_(index, src[:, 0], accumulate=True),
+         lambda: detsum.index_add(x.reshape(-1), 0, index, src[:, 0], mode=mode).view(7, 5)),
+        (lambda: torch.autograd.grad(weight[index], weight, src)[0],
+         lambda: detsum.index_add(zeros, 0, index, src, mode=mode)),
+        (lambda: torch.autograd.grad(torch.nn.functional.embedding(index, weight),
+                                     weight, src)[0],
+         lambda: detsum.index_add(zeros, 0, index, src, mode=mode)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
+def test_other_modes_give_the_primitives_bits(mode, dtype):
+    with detsum.deterministic(mode):
+        for switched, direct in primitive(mode, dtype):
+            actual = switched()
+            assert_same_bits(actual, direct())
+            assert_same_bits(switched(), actual)  # and again: the same bits every run
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
+def test_other_modes_same_bits_on_one_and_two_torch_threads(mode):
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            with detsum.deterministic(mode):
+                results.append([f() for f in forms(torch.float32).values()])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert_same_bits(two, one)
+
+
+def exactly_rounded(terms, dtype):
+    total = sum(Fraction(float(t)) for t in terms)
+    # float64 holds every sum of these few float32 terms exactly; one rounding to the dtype.
+    assert Fraction(float(total)) == total
+    return torch.tensor(float(total), dtype=torch.float64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_exact_mode_is_the_correctly_rounded_sum(dtype):
+    """Cancellation: 2^10 + 1 + 2^-5 - 2^10 + 3 * 2^-7, whose small terms a float16 or
+    bfloat16 running sum loses."""
+    terms = torch.tensor([2.0**10, 1.0, 2.0**-5, -(2.0**10), 3 * 2.0**-7]).to(dtype)
+    index = torch.zeros(5, dtype=torch.int64)
+    with detsum.deterministic("exact"):
+        actual = torch.zeros(1, dtype=dtype).index_add(0, index, terms)
+        weight = torch.zeros(1, dtype=dtype, requires_grad=True)
+        (backward,) = torch.autograd.grad(weight[index], weight, terms)
+    expected = exactly_rounded(terms.tolist(), dtype)
+    assert_same_bits(actual[0], expected)
+    assert_same_bits(backward[0], expected)
+
+
+def test_switch_runs_detsum_not_torch():
+    """fp32 torch loses the 1: the exact switch keeps it, so detsum's code ran."""
+    x = torch.zeros(1)
+    source = torch.tensor([1e8, 1.0, -1e8])
+    index = torch.zeros(3, dtype=torch.int64)
+    assert x.index_add(0, index, source).item() == 0.0
+    with detsum.deterministic("exact"):
+        assert x.index_add(0, index, source).item() == 1.0
+        weight = torch.zeros(1, requires_grad=True)
+        (grad,) = torch.autograd.grad(weight[index], weight, source)
+        assert grad.item() == 1.0
+    assert x.index_add(0, index, source).item() == 0.0
+
+
+# ---- the switch itself -----------------------------------------------------------------------
+
+def test_importing_detsum_registers_nothing():
+    code = ("import torch, detsum\n"
+            "for name in ('index_add', 'scatter_add', '_index_put_impl_'):\n"
+            "    table = torch._C._dispatch_dump_table('aten::' + name)\n"
+            "    assert 'switch.py' not in table, table\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_disable_gives_torch_its_kernels_back():
+    torch_kernels = {name: cpu_kernel_file(name) for name in SWITCHED}
+    assert not any("switch.py" in k for k in torch_kernels.values())
+    detsum.enable("fp32")
+    assert all("switch.py" in cpu_kernel_file(name) for name in SWITCHED)
+    x, index, source = torch.zeros(3), torch.tensor([0, 0]), torch.ones(2)
+    before = ran_on_detsum("index_add")
+    x.index_add(0, index, source)
+    assert ran_on_detsum("index_add") == before + 1
+    detsum.disable()
+    assert {name: cpu_kernel_file(name) for name in SWITCHED} == torch_kernels
+    x.index_add(0, index, source)
+    assert ran_on_detsum("index_add") == before + 1
+    assert switch.counts[("index_add", "torch")] >= 0
+    detsum.disable()  # twice: nothing to do
+    assert switch.current_mode() is None
+
+
+def test_blocks_nest_and_restore():
+    assert switch.current_mode() is None
+    detsum.enable("kahan")
+    with detsum.deterministic("exact"):
+        assert switch.current_mode() == "exact"
+        with detsum.deterministic("autograd"):
+            assert switch.current_mode() == "autograd"
+        assert switch.current_mode() == "exact"
+        with pytest.raises(ZeroDivisionError):
+            with detsum.deterministic("fp32"):
+                1 / 0
+        assert switch.current_mode() == "exact"
+    assert switch.current_mode() == "kahan"
+    detsum.disable()
+    assert switch.current_mode() is None
+    with detsum.deterministic():
+        assert switch.current_mode() == "fp32"
+    assert switch.current_mode() is None
+    assert "switch.py" not in cpu_kernel_file("index_add")
+
+
+def test_blocks_closed_out_of_order_remove_their_own_layer():
+    """Two threads may close their blocks in the order they opened them: each exit removes
+    its own block, and the open one still holds."""
+    first, second = detsum.deterministic("fp32"), detsum.deterministic("exact")
+    first.__enter__()
+    second.__enter__()
+    assert switch.current_mode() == "exact"
+    first.__exit__(None, None, None)
+    assert switch.current_mode() == "exact"
+    second.__exit__(None, None, None)
+    assert switch.current_mode() is None
+    first, second = detsum.deterministic("fp32"), detsum.deterministic("exact")
+    first.__enter__()
+    second.__enter__()
+    second.__exit__(None, None, None)
+    assert switch.current_mode() == "fp32"
+    first.__exit__(None, None, None)
+    assert switch.current_mode() is None
+
+
+def test_bad_mode_is_refused_in_detsums_words():
+    with pytest.raises(ValueError, match=r"detsum.enable: mode='fast'"):
+        detsum.enable("fast")
+    with pytest.raises(ValueError, match=r"detsum.deterministic: mode='fast'"):
+        with detsum.deterministic("fast"):
+            pass
+    assert switch.current_mode() is None
+
+
+def test_two_threads_toggling():
+    """Blocks opened and closed by two threads in any interleaving: every result is torch's
+    (float32 "autograd" gives torch's bits whether the switch is on or off at that moment),
+    nothing fails, and the switch is off once both are done."""
+    x, source = data((7, 5), torch.float32, 0), data((600, 5), torch.float32, 1)
+    index = hot_index(600, 7, 2)
+    expected = x.index_add(0, index, source)
+    failures = []
+
+    def worker():
+        try:
+            for _ in range(30):
+                with detsum.deterministic("autograd"):
+                    if not torch.equal(x.index_add(0, index, source), expected):
+                        failures.append("bits")
+                if not torch.equal(x.index_add(0, index, source), expected):
+                    failures.append("bits after")
+        except Exception as error:  # reported below, with the thread's own error
+            failures.append(repr(error))
+
+    workers = [threading.Thread(target=worker) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert failures == []
+    assert switch.current_mode() is None
+    assert "switch.py" not in cpu_kernel_file("index_add")
+
+
+def test_another_thread_sees_the_switch():
+    x, index, source = torch.zeros(1), torch.zeros(3, dtype=torch.int64), torch.tensor(
+        [1e8, 1.0, -1e8])
+    results = []
+    with detsum.deterministic("exact"):
+        worker = threading.Thread(target=lambda: results.append(x.index_add(0, index, source)))
+        worker.start()
+        worker.join()
+    assert results[0].item() == 1.0
+
+
+# ---- what goes to torch ------------------------------------------------------------------------
+
+def fallbacks():
+    x = torch.zeros(4, 3)
+    index = torch.tensor([0, 2, 2])
+    return {
+        "int64": lambda: torch.zeros(4, dtype=torch.int64).index_add(
+            0, index, torch.tensor([1, 2, 3])),
+        "complex": lambda: torch.zeros(4, dtype=torch.complex64).index_add(
+            0, index, torch.ones(3, dtype=torch.complex64)),
+        "0-d": lambda: torch.tensor(1.0).index_add(0, torch.tensor([0]), torch.tensor(2.0)),
+        "empty index": lambda: x.index_add(0, index[:0], torch.ones(0, 3)),
+        "scatter_add int": lambda: torch.zeros(4, dtype=torch.int32).scatter_add(
+            0, index, torch.ones(3, dtype=torch.int32)),
+        "index_put mask": lambda: x.index_put((torch.tensor([True, False, True, False]),),
+                                              torch.ones(2, 3), accumulate=True),
+        "index_put two indices": lambda: x.index_put((index, index), torch.ones(3),
+                                                     accumulate=True),
+        "bincount without weights": lambda: torch.bincount(index),
+        "bincount int8": lambda: torch.bincount(index.to(torch.int8), torch.ones(3)),
+        "index_put no accumulate": lambda: x.index_put((index,), torch.ones(3, 3)),
+        "scatter narrower index": lambda: x.scatter_add(0, index.view(3, 1), torch.ones(3, 3)),
+        "embedding scale_grad_by_freq": lambda: torch.ops.aten.embedding_dense_backward(
+            torch.ones(3, 3), index, 4, -1, True),
+    }
+
+
+@pytest.mark.parametrize("mode", ["fp32", "exact"])
+def test_inputs_detsum_does_not_take_get_torchs_result(mode):
+    cases = fallbacks()
+    expected = {name: f() for name, f in cases.items()}
+    with detsum.deterministic(mode):
+        for name, f in cases.items():
+            assert torch.equal(f(), expected[name]), name
+
+
+def test_out_that_torch_resizes_goes_to_torch():
+    x, index, source = torch.zeros(4, 3), torch.tensor([0, 2, 2]), torch.ones(3, 3)
+    with detsum.deterministic("fp32"):
+        out = torch.empty(0)
+        torch.index_add(x, 0, index, source, out=out)
+    assert_same_bits(out, x.index_add(0, index, source))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+def test_bad_inputs_give_torchs_errors_and_write_nothing(mode):
+    x = torch.zeros(4, 3)
+    with detsum.deterministic(mode):
+        with pytest.raises(RuntimeError, match="no larger"):  # torch's own check
+            x.scatter_add_(0, torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 3))
+        with pytest.raises(RuntimeError):  # torch's: dtypes differ
+            x.index_add_(0, torch.tensor([0]), torch.ones(1, 3, dtype=torch.float64))
+        with pytest.raises(IndexError, match=r"index_add_ \(run by detsum.enable\)"):
+            x.index_add_(0, torch.tensor([0, 9]), torch.ones(2, 3))
+        with pytest.raises(RuntimeError, match=r"scatter_add_ \(run by detsum.enable\)"):
+            x.scatter_add_(0, torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.ones(2, 3))
+        with pytest.raises(IndexError, match=r"put_ \(run by detsum.enable\): out of range"):
+            x.put_(torch.tensor([0, 12]), torch.ones(2), accumulate=True)
+        with pytest.raises(IndexError, match=r"out of bounds for dimension 0 with size 4"):
+            x.index_put_((torch.tensor([0, -5]),), torch.ones(2, 3), accumulate=True)
+    assert torch.equal(x, torch.zeros(4, 3))
+
+
+def test_torch_ops_that_detsum_calls_inside_the_switch_reach_torch(monkeypatch):
+    """A primitive that itself calls a switched torch op on float tensors (as a fallback or a
+    reference loop might) gets torch's kernel, not the switch again (which would recurse)."""
+    from detsum.ops import index_add as primitive
+
+    def through_torch(input, dim, index, source, alpha, mode, *rest):
+        return input.index_add(dim, index, source, alpha=alpha)
+
+    monkeypatch.setattr(primitive, "_index_add", through_torch)
+    x, index, source = torch.zeros(1), torch.zeros(3, dtype=torch.int64), torch.tensor(
+        [1e8, 1.0, -1e8])
+    before = switch.counts.copy()
+    with detsum.deterministic("exact"):
+        assert x.index_add(0, index, source).item() == 0.0  # torch's fp32 sum
+    ran = switch.counts - before
+    assert ran == {("index_add", "detsum"): 1, ("index_add", "torch"): 1}
+
+
+def test_torchscript_reaches_the_switch():
+    """Scripted code calls the same dispatcher entries as eager code."""
+    @torch.jit.script
+    def scripted(x: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        return x.index_add(0, index, source)
+
+    x, index, source = torch.zeros(1), torch.zeros(3, dtype=torch.int64), torch.tensor(
+        [1e8, 1.0, -1e8])
+    assert scripted(x, index, source).item() == 0.0
+    with detsum.deterministic("exact"):
+        assert scripted(x, index, source).item() == 1.0
+    assert scripted(x, index, source).item() == 0.0
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_other_modes_within_their_bound_of_the_exact_sum(mode):
+    """A hot row of about 420 float32 terms: each output element within its mode's bound of
+    the exact sum (Fractions). "fp32": a serial float32 sum of N terms, within
+    gamma_N * sum|x| (gamma_N = N u / (1 - N u)). "kahan": ulp(out) + 2 N^2 u^2 sum|x|
+    (docs/determinism.md)."""
+    x = data((7, 3), torch.float32, 0)
+    source = data((600, 3), torch.float32, 1) * torch.logspace(-3, 3, 600).view(-1, 1)
+    index = hot_index(600, 7, 2)
+    with detsum.deterministic(mode):
+        out = x.index_add(0, index, source)
+    u = Fraction(1, 2**24)
+    for row in range(7):
+        for column in range(3):
+            terms = [Fraction(float(x[row, column]))] + [
+                Fraction(float(source[k, column])) for k in (index == row).nonzero().view(-1)]
+            exact, magnitude, n = sum(terms), sum(abs(t) for t in terms), len(terms)
+            error = abs(Fraction(float(out[row, column])) - exact)
+            if mode == "fp32":
+                bound = n * u / (1 - n * u) * magnitude
+            else:
+                ulp = Fraction(2.0 ** (torch.frexp(out[row, column]).exponent.item() - 24))
+                bound = ulp + 2 * n * n * u * u * magnitude
+            assert error <= bound, (row, column, float(error), float(bound))

@@ -160,12 +160,12 @@ MEASURED = {
     "scatter_reduce fp32 host +backward": (15, 1, 4, 1),
     "scatter_reduce fp32 device +backward": (22, 0, 4, 1),
     "scatter_reduce fp32 off +backward": (20, 0, 4, 1),
-    "moe layer fp32 host +backward": (80, 3, 21, 2),
-    "moe layer fp32 device +backward": (89, 0, 21, 2),
-    "moe layer fp32 off +backward": (62, 0, 17, 2),
-    "moe layer fp32 host routed +backward": (39, 1, 11, 2),
-    "moe layer fp32 device routed +backward": (42, 0, 11, 2),
-    "moe layer fp32 off routed +backward": (38, 0, 11, 2),
+    "moe layer fp32 host +backward": (49, 3, 14, 2),
+    "moe layer fp32 device +backward": (56, 0, 14, 2),
+    "moe layer fp32 off +backward": (36, 0, 12, 2),
+    "moe layer fp32 host routed +backward": (6, 1, 5, 1),
+    "moe layer fp32 device routed +backward": (7, 0, 5, 1),
+    "moe layer fp32 off routed +backward": (6, 0, 5, 1),
     "segment_sum fp32 plan": (1, 0, 1, 0),
     "segment_sum kahan plan": (1, 0, 1, 0),
     "segment_sum autograd plan": (1, 0, 1, 0),
@@ -239,7 +239,13 @@ TARGETS = [
     *(_target(row, "sorts", 1, met=True)
       for row in _rows("segment_sum", "index_add", "scatter_reduce", modes=("fp32",),
                        suffix=" +backward")),
-    # An MoE layer, forward + backward: at most 8 device ops in all, no host read.
+    # An MoE layer, forward + backward: at most 8 device ops in all, no host read. Met with
+    # the Routing that route returns; not yet with its bare gather_indices, which permute and
+    # unpermute check, clamp and invert again.
+    *(_target(row, "device_ops", 8, met=True)
+      for row in _rows("moe layer", modes=("fp32",), suffix=" routed +backward")),
+    *(_target(row, "host_reads", 0, met=True)
+      for row in _rows("moe layer", modes=("fp32",), suffix=" routed +backward")),
     *(_target(row, "device_ops", 8)
       for row in _rows("moe layer", modes=("fp32",), suffix=" +backward")),
     *(_target(row, "host_reads", 0, met=ROWS[row].check != "host")

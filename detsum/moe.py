@@ -10,8 +10,9 @@ Flat slot ``j = t * topk + k`` is slot ``k`` of token ``t``; ``gather_indices[p]
 at permuted position ``p``, so ``gather_indices // topk`` are the token ids of the permuted rows.
 
 This module owns no kernel: every sum is a ``detsum.segment_sum`` over the ``topk`` rows of a
-token, fetched through its ``perm`` argument (a gather inside the kernel, no copy of the rows).
-The modes mean what they mean for the primitives:
+token, fetched through its ``perm`` argument (a gather inside the kernel, no copy of the rows),
+or a kernel of ``detsum._kernel_ops`` with the same bits (the weighted combination, route's
+tables on a GPU). The modes mean what they mean for the primitives:
 
 - ``"autograd"``: bit-identical to autograd of the naive torch composition on the same device
   (``x[gather_indices // topk]`` for ``permute``; ``index_copy`` then
@@ -98,10 +99,11 @@ class Routing(tuple):
 
 
 def _route(selected_experts: torch.Tensor, num_experts: int, check: str
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The operator's body (also called directly, see ``_dispatch``): gather_indices,
-    tokens_per_expert, positions, and the token table of the triton backend (empty
-    elsewhere; see ``Routing``)."""
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operator's body (also called directly, see ``_dispatch``): gather_indices, and one
+    int64 buffer of the rest (``_routing``): ``[positions (n) | tokens_per_expert (E)]``, and
+    under the triton backend also ``[ok (1) | tokens (n) | token_rows (n) | token_offsets
+    (T + 1)]`` (an operator's outputs may not alias one another: one buffer, split after)."""
     caller = "detsum.moe.route"
     flat = selected_experts.reshape(-1)
     experts, gather_indices = torch.sort(flat, stable=True)
@@ -110,8 +112,7 @@ def _route(selected_experts: torch.Tensor, num_experts: int, check: str
     table = _kernel_ops.route_tables(experts, gather_indices, flat, topk, num_experts) if n \
         else None
     if table is not None:
-        positions, token_table = table[:n], table[n:3 * n + n // topk + 1]
-        tokens_per_expert, ids_in_range = table[-num_experts - 1:-1], table[-1]
+        ids_in_range = table[n + num_experts]
         if check == "device":
             _validation.assert_on_device(ids_in_range, caller,
                                          f"selected_experts has a value outside [0, "
@@ -119,44 +120,49 @@ def _route(selected_experts: torch.Tensor, num_experts: int, check: str
         elif check == "host" and not ids_in_range.item():
             _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
                                                  num_experts, "num_experts")
-        return gather_indices, tokens_per_expert, positions, token_table
+        return gather_indices, table
     # The sort puts the smallest and the largest id at the ends: checking costs no pass.
-    if check == "device" and flat.numel():
+    if check == "device" and n:
         _validation.assert_on_device((experts[0] >= 0) & (experts[-1] < num_experts), caller,
                                      f"selected_experts has a value outside [0, num_experts = "
                                      f"{num_experts})")
-    elif check == "host" and flat.numel():
+    elif check == "host" and n:
         low, high = experts[[0, -1]].tolist()
         if low < 0 or high >= num_experts:
             _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
                                                  num_experts, "num_experts")
+    table = torch.empty(n + num_experts, dtype=torch.int64, device=flat.device)
     boundaries = torch.arange(num_experts + 1, dtype=flat.dtype, device=flat.device)
     starts = torch.searchsorted(experts, boundaries)
+    torch.sub(starts[1:], starts[:-1], out=table[n:])
     # A sort's indices are a permutation whatever the ids: its inverse is one scatter, with no
     # two writes to one place.
-    positions = torch.empty_like(gather_indices).scatter_(
-        0, gather_indices, torch.arange(gather_indices.numel(), device=flat.device))
-    return (gather_indices, starts[1:] - starts[:-1], positions,
-            gather_indices.new_empty(0))
+    table[:n].scatter_(0, gather_indices, torch.arange(n, device=flat.device))
+    return gather_indices, table
+
+
+def _routing(gather_indices: torch.Tensor, table: torch.Tensor, num_experts: int) -> Routing:
+    n = gather_indices.numel()
+    token_table = table[n + num_experts + 1:] if table.numel() > n + num_experts else None
+    return Routing(gather_indices, table[n:n + num_experts], table[:n], token_table)
 
 
 # An operator, so that the host read of check="host" runs inside it: under torch.compile the
 # call stays in the graph instead of breaking it on a data-dependent branch.
 @torch.library.custom_op("detsum::moe_route", mutates_args=())
 def route_op(selected_experts: torch.Tensor, num_experts: int, check: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     return _route(selected_experts, num_experts, check)
 
 
 @route_op.register_fake
 def _(selected_experts, num_experts, check):
     n = selected_experts.numel()
-    table = 0
+    table = n + num_experts
     if n and _kernel_ops.triton_runs(selected_experts, "detsum.moe.route"):
-        table = 2 * n + n // (selected_experts.shape[1] if selected_experts.dim() == 2 else 1) + 1
+        topk = selected_experts.shape[1] if selected_experts.dim() == 2 else 1
+        table += 1 + 2 * n + n // topk + 1
     return (selected_experts.new_empty(n, dtype=torch.int64),
-            selected_experts.new_empty(num_experts, dtype=torch.int64),
-            selected_experts.new_empty(n, dtype=torch.int64),
             selected_experts.new_empty(table, dtype=torch.int64))
 
 
@@ -207,8 +213,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
     level, num_experts = _validation.run_check(_check_route, selected_experts, num_experts,
                                                check)
     if _dispatch.direct_call_ok(selected_experts):
-        return Routing(*_route(selected_experts, num_experts, level))
-    return Routing(*route_op(selected_experts, num_experts, level))
+        return _routing(*_route(selected_experts, num_experts, level), num_experts)
+    return _routing(*route_op(selected_experts, num_experts, level), num_experts)
 
 
 def _check_route(selected_experts, num_experts, check):

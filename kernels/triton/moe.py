@@ -83,11 +83,11 @@ def _route_kernel(experts_ptr, gather_ptr, selected_ptr, table_ptr, n, num_token
     """Lane ``i`` fills entry ``i`` of each table that has one (see ``route_tables``)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     positions_ptr = table_ptr
-    tokens_ptr = table_ptr + n
-    token_rows_ptr = table_ptr + 2 * n
-    offsets_ptr = table_ptr + 3 * n
-    counts_ptr = offsets_ptr + num_tokens + 1
+    counts_ptr = table_ptr + n
     ok_ptr = counts_ptr + num_experts
+    tokens_ptr = ok_ptr + 1
+    token_rows_ptr = tokens_ptr + n
+    offsets_ptr = token_rows_ptr + n
 
     is_row = i < n
     j = tl.load(gather_ptr + i, mask=is_row, other=0)
@@ -126,8 +126,8 @@ _launch_route = Kernel(_route_kernel)
 
 def route_tables(experts: torch.Tensor, gather: torch.Tensor, selected: torch.Tensor,
                  topk: int, num_experts: int) -> torch.Tensor:
-    """The int64 buffer ``[positions (n) | tokens (n) | token_rows (n) | token_offsets
-    (T + 1) | tokens_per_expert (E) | ok (1)]`` for the ``n = T * topk`` ids ``selected``
+    """The int64 buffer ``[positions (n) | tokens_per_expert (E) | ok (1) | tokens (n) |
+    token_rows (n) | token_offsets (T + 1)]`` for the ``n = T * topk`` ids ``selected``
     (contiguous, flat, slot order), sorted stably into ``experts`` with indices ``gather``."""
     n = gather.numel()
     num_tokens = n // topk

@@ -322,12 +322,13 @@ def triton_runs(tensor: torch.Tensor, caller: str) -> bool:
 
 def route_tables(experts: torch.Tensor, gather_indices: torch.Tensor,
                  selected_experts: torch.Tensor, topk: int, num_experts: int
-                 ) -> torch.Tensor | None:
-    """Under the triton backend, one launch after the sort of the expert ids: the int64
-    buffer of ``kernels/triton/moe.py``'s ``route_tables`` (the inverse permutation, each
-    sorted row's token, each token's rows in increasing position, the token offsets,
-    ``tokens_per_expert``, and whether every id lies in ``[0, num_experts)``). None under the
-    other backends, whose torch operations compute what the caller needs."""
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Under the triton backend, one launch after the sort of the expert ids:
+    ``kernels/triton/moe.py``'s ``route_tables``, ``(positions, tokens_per_expert, table)``
+    (the inverse permutation, the rows per expert, and one int64 buffer of whether every id
+    lies in ``[0, num_experts)``, each sorted row's token, each token's rows in increasing
+    position and the token offsets). None under the other backends, whose torch operations
+    compute what the caller needs."""
     if not triton_runs(experts, "detsum.moe.route"):
         return None
     from detsum.kernels.triton.moe import route_tables as triton_route_tables

@@ -76,15 +76,13 @@ class Routing(tuple):
         #: ``positions[j] = p`` with ``gather_indices[p] == j``: where each (token, slot) row
         #: sits in expert order, the inverse permutation (int64 [T * topk]).
         routing.positions = positions
-        n = gather_indices.numel()
-        # Under the triton backend route's one launch also gives (int64, views of one
-        # buffer) each row's token ``gather_indices // topk`` [T * topk], each token's rows in
-        # increasing position [T, topk] flat (permute's backward sums them in that order),
-        # and the token offsets ``t * topk`` [T + 1]; elsewhere None, and derived when needed.
-        routing.tokens = routing.token_rows = routing.token_offsets = None
-        if token_table is not None and token_table.numel():
-            routing.tokens, routing.token_rows = token_table[:n], token_table[n:2 * n]
-            routing.token_offsets = token_table[2 * n:]
+        #: Under the triton backend (from route's one launch; elsewhere None, and derived
+        #: where needed), int64: ``[ok (1) | tokens (T * topk) | token_rows (T * topk) |
+        #: token_offsets (T + 1)]``: whether the ids were in range, each row's token
+        #: ``gather_indices // topk``, each token's rows in increasing position (permute's
+        #: backward sums them in that order) and the token offsets ``t * topk``.
+        routing.token_table = token_table if token_table is not None and token_table.numel() \
+            else None
         return routing
 
     @property
@@ -98,29 +96,34 @@ class Routing(tuple):
         return self[1]
 
 
+def _token_table_parts(token_table: torch.Tensor, n: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, token_rows, token_offsets) of a Routing's ``token_table`` of ``n`` rows."""
+    return token_table[1:n + 1], token_table[n + 1:2 * n + 1], token_table[2 * n + 1:]
+
+
 def _route(selected_experts: torch.Tensor, num_experts: int, check: str
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The operator's body (also called directly, see ``_dispatch``): gather_indices, and one
-    int64 buffer of the rest (``_routing``): ``[positions (n) | tokens_per_expert (E)]``, and
-    under the triton backend also ``[ok (1) | tokens (n) | token_rows (n) | token_offsets
-    (T + 1)]`` (an operator's outputs may not alias one another: one buffer, split after)."""
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operator's body (also called directly, see ``_dispatch``): gather_indices,
+    tokens_per_expert, positions, and the token table of the triton backend (empty
+    elsewhere; see ``Routing``)."""
     caller = "detsum.moe.route"
     flat = selected_experts.reshape(-1)
     experts, gather_indices = torch.sort(flat, stable=True)
     topk = selected_experts.shape[1] if selected_experts.dim() == 2 else 1
     n = flat.numel()
-    table = _kernel_ops.route_tables(experts, gather_indices, flat, topk, num_experts) if n \
+    tables = _kernel_ops.route_tables(experts, gather_indices, flat, topk, num_experts) if n \
         else None
-    if table is not None:
-        ids_in_range = table[n + num_experts]
+    if tables is not None:
+        positions, tokens_per_expert, token_table = tables
         if check == "device":
-            _validation.assert_on_device(ids_in_range, caller,
+            _validation.assert_on_device(token_table[0], caller,
                                          f"selected_experts has a value outside [0, "
                                          f"num_experts = {num_experts})")
-        elif check == "host" and not ids_in_range.item():
+        elif check == "host" and not token_table[0].item():
             _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
                                                  num_experts, "num_experts")
-        return gather_indices, table
+        return gather_indices, tokens_per_expert, positions, token_table
     # The sort puts the smallest and the largest id at the ends: checking costs no pass.
     if check == "device" and n:
         _validation.assert_on_device((experts[0] >= 0) & (experts[-1] < num_experts), caller,
@@ -131,38 +134,33 @@ def _route(selected_experts: torch.Tensor, num_experts: int, check: str
         if low < 0 or high >= num_experts:
             _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
                                                  num_experts, "num_experts")
-    table = torch.empty(n + num_experts, dtype=torch.int64, device=flat.device)
     boundaries = torch.arange(num_experts + 1, dtype=flat.dtype, device=flat.device)
     starts = torch.searchsorted(experts, boundaries)
-    torch.sub(starts[1:], starts[:-1], out=table[n:])
     # A sort's indices are a permutation whatever the ids: its inverse is one scatter, with no
     # two writes to one place.
-    table[:n].scatter_(0, gather_indices, torch.arange(n, device=flat.device))
-    return gather_indices, table
-
-
-def _routing(gather_indices: torch.Tensor, table: torch.Tensor, num_experts: int) -> Routing:
-    n = gather_indices.numel()
-    token_table = table[n + num_experts + 1:] if table.numel() > n + num_experts else None
-    return Routing(gather_indices, table[n:n + num_experts], table[:n], token_table)
+    positions = torch.empty_like(gather_indices).scatter_(
+        0, gather_indices, torch.arange(n, device=flat.device))
+    return gather_indices, starts[1:] - starts[:-1], positions, gather_indices.new_empty(0)
 
 
 # An operator, so that the host read of check="host" runs inside it: under torch.compile the
 # call stays in the graph instead of breaking it on a data-dependent branch.
 @torch.library.custom_op("detsum::moe_route", mutates_args=())
 def route_op(selected_experts: torch.Tensor, num_experts: int, check: str
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _route(selected_experts, num_experts, check)
 
 
 @route_op.register_fake
 def _(selected_experts, num_experts, check):
     n = selected_experts.numel()
-    table = n + num_experts
+    table = 0
     if n and _kernel_ops.triton_runs(selected_experts, "detsum.moe.route"):
         topk = selected_experts.shape[1] if selected_experts.dim() == 2 else 1
-        table += 1 + 2 * n + n // topk + 1
+        table = 1 + 2 * n + n // topk + 1
     return (selected_experts.new_empty(n, dtype=torch.int64),
+            selected_experts.new_empty(num_experts, dtype=torch.int64),
+            selected_experts.new_empty(n, dtype=torch.int64),
             selected_experts.new_empty(table, dtype=torch.int64))
 
 
@@ -213,8 +211,8 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
     level, num_experts = _validation.run_check(_check_route, selected_experts, num_experts,
                                                check)
     if _dispatch.direct_call_ok(selected_experts):
-        return _routing(*_route(selected_experts, num_experts, level), num_experts)
-    return _routing(*route_op(selected_experts, num_experts, level), num_experts)
+        return Routing(*_route(selected_experts, num_experts, level))
+    return Routing(*route_op(selected_experts, num_experts, level))
 
 
 def _check_route(selected_experts, num_experts, check):
@@ -327,13 +325,13 @@ def _unrouted(gather_indices: torch.Tensor | Routing
     return gather_indices, None
 
 
-def _token_tables(routing: torch.Tensor | Routing, topk: int) -> tuple:
-    """(tokens, token_rows, token_offsets) of a :class:`Routing` that has them for ``topk``
-    slots per token (see ``Routing``), else three None."""
-    if (isinstance(routing, Routing) and routing.token_offsets is not None
-            and routing.tokens.numel() == (routing.token_offsets.numel() - 1) * topk):
-        return routing.tokens, routing.token_rows, routing.token_offsets
-    return None, None, None
+def _token_table(routing: torch.Tensor | Routing, topk: int) -> torch.Tensor | None:
+    """The ``token_table`` of a :class:`Routing` that has one for ``topk`` slots per token
+    (see ``Routing``), else None."""
+    if not isinstance(routing, Routing) or routing.token_table is None:
+        return None
+    n = routing.gather_indices.numel()
+    return routing.token_table if routing.token_table.numel() == 2 * n + n // topk + 2 else None
 
 
 # ---- permute ------------------------------------------------------------------------------------
@@ -349,8 +347,7 @@ _ROUTED = "routed"
 @torch.library.custom_op("detsum::moe_permute", mutates_args=())
 def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str,
                check: str, positions: torch.Tensor | None = None,
-               tokens: torch.Tensor | None = None, token_rows: torch.Tensor | None = None,
-               token_offsets: torch.Tensor | None = None) -> torch.Tensor:
+               token_table: torch.Tensor | None = None) -> torch.Tensor:
     # The index checks that read values back run here, inside the operator: under
     # torch.compile they run with it instead of breaking the graph.
     caller = "detsum.moe.permute"
@@ -358,32 +355,33 @@ def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mod
         _check_bounds(caller, gather_indices)
     elif check not in ("off", _ROUTED):
         _check_permutation(caller, gather_indices, check)
-    if tokens is None:
-        tokens = _trusted(gather_indices, check) // topk
-    return x.index_select(0, tokens)
+    if token_table is not None:
+        return x.index_select(0, token_table[1:gather_indices.numel() + 1])
+    return x.index_select(0, _trusted(gather_indices, check) // topk)
 
 
 @permute_op.register_fake
-def _(x, gather_indices, topk, acc_mode, check, positions=None, tokens=None, token_rows=None,
-      token_offsets=None):
+def _(x, gather_indices, topk, acc_mode, check, positions=None, token_table=None):
     return x.new_empty((gather_indices.shape[0],) + tuple(x.shape[1:]))
 
 
 def _permute_setup(ctx, inputs, output):
     x, gather_indices, topk, acc_mode, check, *routed = inputs
-    routed = (routed + [None] * 4)[:4]
+    routed = (routed + [None] * 2)[:2]
     ctx.save_for_backward(gather_indices, *routed)
     ctx.num_tokens, ctx.topk, ctx.acc_mode, ctx.check = x.shape[0], topk, acc_mode, check
 
 
 def _permute_backward(ctx, grad):
-    gather_indices, positions, tokens, token_rows, token_offsets = ctx.saved_tensors
-    if token_rows is not None:
+    gather_indices, positions, token_table = ctx.saved_tensors
+    if token_table is not None:
         # route's tables: each token's rows in increasing position, their tokens and the
         # token offsets, made in route's one launch: the sum is the only launch here.
+        tokens, token_rows, token_offsets = _token_table_parts(token_table,
+                                                               gather_indices.numel())
         grad_x = call_segment_sum(grad, token_offsets, 0, token_rows, ctx.acc_mode, "off",
                                   tokens, None, _no_chunks(ctx.topk))
-        return grad_x, *(None,) * 8
+        return grad_x, *(None,) * 6
     if positions is not None:
         # A routing's inverse: token t's rows sit at positions[t * topk:(t + 1) * topk], and in
         # increasing order they are the canonical order; each token has exactly topk rows.
@@ -391,7 +389,7 @@ def _permute_backward(ctx, grad):
         grad_x = call_segment_sum(grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device),
                                   0, token_rows, ctx.acc_mode, "off", gather_indices // ctx.topk,
                                   None, _no_chunks(ctx.topk))
-        return grad_x, *(None,) * 8
+        return grad_x, *(None,) * 6
     # Each token's rows in increasing permuted position: the order in which autograd's
     # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
     # finds them without assuming a permutation: under check=False or "off" a repeated value is
@@ -402,7 +400,7 @@ def _permute_backward(ctx, grad):
     # Offsets and rows built here, right by construction: nothing to check, nothing read back.
     grad_x = call_segment_sum(grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows,
                               ctx.acc_mode, "off")
-    return grad_x, *(None,) * 8
+    return grad_x, *(None,) * 6
 
 
 call_permute = _transforms.register_autograd(permute_op, _permute_backward,
@@ -479,7 +477,7 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, 
     if positions is not None:
         level = _ROUTED
     return call_permute(x, gather_indices, topk, mode.value, level, positions,
-                        *_token_tables(routing, topk))
+                        _token_table(routing, topk))
 
 
 def _check_permute(x, gather_indices, topk, mode, check):
@@ -603,7 +601,7 @@ def _unpermute_backward(ctx, grad):
         by_slot = ctx.check != "off"
         gradients = (_kernel_ops.weighted_slot_gradients
                      if _dispatch.direct_call_ok(grad, y, gather_indices, weights)
-                     else _weighted_slot_gradients_op)
+                     else call_weighted_slot_gradients)
         grad_y, dots = gradients(grad, y, gather_indices, weights.reshape(-1), ctx.topk,
                                  ctx.acc_mode, by_slot)
         if not by_slot:
@@ -681,6 +679,12 @@ def _weighted_slot_gradients_op(grad: torch.Tensor, y: torch.Tensor, slots: torc
 def _(grad, y, slots, slot_weights, topk, acc_mode, by_slot):
     return (torch.empty_like(y, memory_format=torch.contiguous_format),
             slot_weights.new_empty(slot_weights.numel() if by_slot else y.shape[0]))
+
+
+call_weighted_slot_gradients = _transforms.register_autograd(
+    _weighted_slot_gradients_op,
+    _transforms.refuse_second_order("detsum.moe.unpermute", "the gradient of weighted rows"),
+    caller="detsum.moe.unpermute")
 
 
 call_weighted_backward_by_blocks = _transforms.register_autograd(

@@ -45,12 +45,14 @@ def test_route_tables_are_what_torch_derives(name):
         routing = moe.route(selected, E, check="device")
     for got, want in zip((*routing, routing.positions), (*expected, expected.positions)):
         assert torch.equal(got, want)
-    assert expected.token_rows is None
-    gather_indices = expected.gather_indices
-    assert torch.equal(routing.tokens, gather_indices // topk)
-    assert torch.equal(routing.token_rows,
+    assert expected.token_table is None
+    n = selected.numel()
+    table = routing.token_table
+    assert table[0] == 1  # every id in range
+    assert torch.equal(table[1:n + 1], expected.gather_indices // topk)
+    assert torch.equal(table[n + 1:2 * n + 1],
                        expected.positions.view(-1, topk).sort(dim=1).values.view(-1))
-    assert torch.equal(routing.token_offsets, torch.arange(selected.shape[0] + 1) * topk)
+    assert torch.equal(table[2 * n + 1:], torch.arange(selected.shape[0] + 1) * topk)
 
 
 def test_route_tables_count_unchecked_ids_as_searchsorted_does():

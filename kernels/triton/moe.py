@@ -9,7 +9,7 @@ rows with its gradients, each in one launch.
   smaller, or equal with ``k < k'``, as the stable sort placed them), the token offsets
   ``t * topk``, ``tokens_per_expert`` (ids below 0 or from ``E`` up counted by no expert, as
   ``torch.searchsorted`` on the sorted ids counts them) and whether every id lies in
-  ``[0, E)``. One int64 buffer holds them all.
+  ``[0, E)``.
 - ``gather_scale_sum``: the twin of ``detsum.kernels.numba.weighted.gather_scale_sum``.
 - ``weighted_gradients``: for each row ``p`` of ``y``, with ``j = slots[p]`` its flat slot and
   ``t = j // topk`` its token: ``grad_y[p] = RN_y(RN_R(grad[t] * w[j]))`` (torch's multiply in
@@ -78,13 +78,12 @@ def _ids_below(experts_ptr, n, value, steps, mask):
 
 
 @triton.jit
-def _route_kernel(experts_ptr, gather_ptr, selected_ptr, table_ptr, n, num_tokens,
-                  num_experts, topk, steps, TOPK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _route_kernel(experts_ptr, gather_ptr, selected_ptr, positions_ptr, counts_ptr, table_ptr,
+                  n, num_tokens, num_experts, topk, steps, TOPK_BLOCK: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Lane ``i`` fills entry ``i`` of each table that has one (see ``route_tables``)."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    positions_ptr = table_ptr
-    counts_ptr = table_ptr + n
-    ok_ptr = counts_ptr + num_experts
+    ok_ptr = table_ptr
     tokens_ptr = ok_ptr + 1
     token_rows_ptr = tokens_ptr + n
     offsets_ptr = token_rows_ptr + n
@@ -125,20 +124,23 @@ _launch_route = Kernel(_route_kernel)
 
 
 def route_tables(experts: torch.Tensor, gather: torch.Tensor, selected: torch.Tensor,
-                 topk: int, num_experts: int) -> torch.Tensor:
-    """The int64 buffer ``[positions (n) | tokens_per_expert (E) | ok (1) | tokens (n) |
-    token_rows (n) | token_offsets (T + 1)]`` for the ``n = T * topk`` ids ``selected``
-    (contiguous, flat, slot order), sorted stably into ``experts`` with indices ``gather``."""
+                 topk: int, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positions, tokens_per_expert, table)``, int64, for the ``n = T * topk`` ids
+    ``selected`` (contiguous, flat, slot order), sorted stably into ``experts`` with indices
+    ``gather``; ``table`` is ``[ok (1) | tokens (n) | token_rows (n) | token_offsets
+    (T + 1)]``."""
     n = gather.numel()
     num_tokens = n // topk
-    table = torch.empty(3 * n + num_tokens + 1 + num_experts + 1, dtype=torch.int64,
-                        device=gather.device)
+    positions = torch.empty(n, dtype=torch.int64, device=gather.device)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=gather.device)
+    table = torch.empty(1 + 2 * n + num_tokens + 1, dtype=torch.int64, device=gather.device)
     lanes = max(n, num_tokens + 1, num_experts, 1)
     _launch_route((_cdiv(lanes, _BLOCK),),
-                  (experts, gather, selected, table, n, num_tokens, num_experts, topk,
-                   n.bit_length() + 1),
+                  (experts, gather, selected, positions, counts, table, n, num_tokens,
+                   num_experts, topk, n.bit_length() + 1),
                   num_warps=4, TOPK_BLOCK=_next_power_of_2(topk), BLOCK=_BLOCK)
-    return table
+    return positions, counts, table
 
 
 # ---- the weighted combination ------------------------------------------------------------------

@@ -23,6 +23,12 @@ The arithmetic is ``segment.py``'s (``_combine``, ``_fold``, ``_finish``): the s
 the same order, with FMA contraction off (``launch.Kernel``), so the bits are those of the
 segment kernel summing the formed products.
 
+Work split: route, one lane per sorted row (and per token offset, per expert); the forward,
+a program per token and block of features; the backward, a lane per row, the features one
+after another (the dot product's order). Every output element is written by one lane, with no
+atomics: the same bits for every grid and GPU. The backward's per-row loop reads each row with
+a stride of the row length across lanes: its bandwidth is for the kernels' own issue.
+
 Why: formed, the products are written and read again, and every product, gather and sort is a
 launch of its own; an MoE layer took about 40 device ops (benches/NOTES.md).
 """

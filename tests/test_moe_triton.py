@@ -1,6 +1,7 @@
-"""detsum.moe's own Triton kernels (kernels/triton/moe.py), run in Triton's interpreter on CPU
-tensors: route's tables, and the weighted unpermute with its gradients in one launch each,
-bit for bit against the CPU kernels (Numba) and torch's own operations."""
+"""detsum.moe's own Triton kernels (kernels/triton/moe.py), on CUDA tensors where a GPU is
+present and else in Triton's interpreter on CPU tensors: route's tables, and the weighted
+unpermute with its gradients in one launch each, bit for bit against the CPU kernels (Numba)
+and torch's own operations."""
 
 from __future__ import annotations
 
@@ -8,16 +9,24 @@ import pytest
 import torch
 
 import detsum
-from conftest import assert_same_bits, dtype_id
+from conftest import HAS_CUDA, assert_same_bits, dtype_id
 from detsum import moe
 
 pytest.importorskip("triton")
 from detsum.kernels.triton.segment import interpreted  # noqa: E402
+
+if not (HAS_CUDA or interpreted()):
+    pytest.skip("the Triton kernels run on CUDA tensors, or on CPU tensors in Triton's "
+                "interpreter", allow_module_level=True)
+
 from launch_counter import gpu_path  # noqa: E402
 
-if not interpreted():
-    pytest.skip("these run the Triton kernels on CPU tensors, in Triton's interpreter",
-                allow_module_level=True)
+#: Where the triton backend runs the kernels here.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _on_triton(*tensors):
+    return [t.to(DEVICE) for t in tensors]
 
 E = 5
 
@@ -42,12 +51,12 @@ def test_route_tables_are_what_torch_derives(name):
     with detsum.backend("numba"):
         expected = moe.route(selected, E)
     with detsum.backend("triton"):
-        routing = moe.route(selected, E, check="device")
+        routing = moe.route(*_on_triton(selected), E, check="device")
     for got, want in zip((*routing, routing.positions), (*expected, expected.positions)):
-        assert torch.equal(got, want)
+        assert torch.equal(got.cpu(), want)
     assert expected.token_table is None
     n = selected.numel()
-    table = routing.token_table
+    table = routing.token_table.cpu()
     assert table[0] == 1  # every id in range
     assert torch.equal(table[1:n + 1], expected.gather_indices // topk)
     assert torch.equal(table[n + 1:2 * n + 1],
@@ -59,13 +68,15 @@ def test_route_tables_count_unchecked_ids_as_searchsorted_does():
     selected = torch.tensor([[0, 7], [-1, 1], [1, 0], [4, 4]])
     with detsum.backend("numba"):
         expected = moe.route(selected, 3, check="off")
+    (on_device,) = _on_triton(selected)
     with detsum.backend("triton"):
-        routing = moe.route(selected, 3, check="off")
+        routing = moe.route(on_device, 3, check="off")
         for got, want in zip((*routing, routing.positions), (*expected, expected.positions)):
-            assert torch.equal(got, want)
+            assert torch.equal(got.cpu(), want)
         with pytest.raises(IndexError, match=r"selected_experts\[0, 1\] = 7 is out of range"):
-            moe.route(selected, 3)
-        with pytest.raises(RuntimeError, match="selected_experts has a value outside"):
+            moe.route(on_device, 3)
+    if not HAS_CUDA:  # on a GPU the assert stops the stream: tests/test_check.py, cuda marks
+        with detsum.backend("triton"), pytest.raises(RuntimeError, match="has a value outside"):
             moe.route(selected, 3, check="device")
 
 
@@ -104,12 +115,12 @@ def test_the_fused_weighted_kernels_give_the_cpu_kernels_bits(dtype, weights_dty
     weights = torch.softmax(torch.randn(tokens, topk, generator=g), -1).to(weights_dtype)
     grad_out = torch.randn(tokens, hidden, generator=g).to(
         torch.promote_types(dtype, weights_dtype))
-    results = {}
-    for backend in ("numba", "triton"):
-        with detsum.backend(backend):
-            results[backend] = _layer(selected, x, weights, grad_out, topk, mode, given, check)
-    for got, want in zip(results["triton"], results["numba"]):
-        assert_same_bits(got, want)
+    with detsum.backend("numba"):
+        expected = _layer(selected, x, weights, grad_out, topk, mode, given, check)
+    with detsum.backend("triton"):
+        got = _layer(*_on_triton(selected, x, weights, grad_out), topk, mode, given, check)
+    for got_one, want in zip(got, expected):
+        assert_same_bits(got_one.cpu(), want)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
@@ -123,12 +134,14 @@ def test_a_broken_permutation_unchecked_gives_the_cpu_kernels_bits(mode):
     weights = torch.rand(tokens, topk, generator=g)
     grad_out = torch.randn(tokens, hidden, generator=g)
     results = {}
-    for backend in ("numba", "triton"):
+    for backend, device in (("numba", "cpu"), ("triton", DEVICE)):
         with detsum.backend(backend):
-            y_leaf, w_leaf = y.clone().requires_grad_(), weights.clone().requires_grad_()
-            out = moe.unpermute(y_leaf, gather_indices, topk, weights=w_leaf, mode=mode,
-                                check="off")
-            results[backend] = (out, *torch.autograd.grad(out, (y_leaf, w_leaf), grad_out))
+            y_leaf, w_leaf = (y.to(device).requires_grad_(),
+                              weights.to(device).requires_grad_())
+            out = moe.unpermute(y_leaf, gather_indices.to(device), topk, weights=w_leaf,
+                                mode=mode, check="off")
+            results[backend] = [t.cpu() for t in (out, *torch.autograd.grad(
+                out, (y_leaf, w_leaf), grad_out.to(device)))]
     for got, want in zip(results["triton"], results["numba"]):
         assert_same_bits(got, want)
 
@@ -141,11 +154,13 @@ def test_a_second_derivative_takes_the_formed_products():
     selected = torch.randint(0, E, (4, 2), generator=g)
     y = torch.randn(8, 3, generator=g, dtype=torch.float64, requires_grad=True)
     weights = torch.rand(4, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    if HAS_CUDA:
+        selected, y, weights = (t.detach().cuda().requires_grad_(t.requires_grad)
+                                for t in (selected, y, weights))
     with gpu_path():
         routing = moe.route(selected, E)
         out = moe.unpermute(y, routing, 2, weights=weights)
         (grad_w,) = torch.autograd.grad(out.sum(), weights, create_graph=True)
         (second,) = torch.autograd.grad(grad_w.sum(), y)
-    expected = torch.zeros(8, 3, dtype=torch.float64)
-    expected[:] = 1.0  # d/dy of sum over slots of <1, y[p]>
-    assert torch.equal(second, expected)
+    # d/dy of the sum over the slots of <1, y[p]>
+    assert torch.equal(second.cpu(), torch.ones(8, 3, dtype=torch.float64))

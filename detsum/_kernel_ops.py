@@ -13,8 +13,9 @@ or ``("triton")``. Consumers and adapters call these (and the primitives), never
   ``add_exact_outer_products``.
 - The exact state (``detsum._limbs``): ``add_exact_terms``, ``normalise_limbs``,
   ``round_exact_state``.
-- MoE's weighted combination on CPU (``detsum.moe.unpermute``): ``weighted_token_sums``,
-  ``weighted_gradients``.
+- MoE's weighted combination (``detsum.moe.unpermute``): ``weighted_token_sums``,
+  ``weighted_gradients`` (on CPU), ``fused_weighted_rule``, ``weighted_slot_gradients`` (the
+  triton backend's kernels); a routing's tables (``detsum.moe.route``): ``route_tables``.
 - A state on the wire of a sum over ranks (``detsum.distributed``): ``outgoing_states``,
   ``decode_state``.
 """
@@ -214,6 +215,11 @@ def weighted_token_sums(y: torch.Tensor, positions: torch.Tensor, slot_weights: 
     consumes each product where it makes it; the torch operations form the products per block
     of tokens (they stay in the cache until summed)."""
     acc = acc_dtype(out_dtype)
+    triton_rule = fused_weighted_rule(y, slot_weights.dtype, out_dtype, acc_mode, topk)
+    if triton_rule is not None:
+        from detsum.kernels.triton.moe import gather_scale_sum
+
+        return gather_scale_sum(y, positions, slot_weights, topk, triton_rule, acc)
     rule = _fused_rule(y, acc, acc_mode)
     if rule is not None and topk <= CHUNK_TERMS:
         from detsum.kernels.numba.weighted import gather_scale_sum
@@ -273,6 +279,62 @@ def weighted_gradients(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor
         dots[block] = _segment_sum_body(products.T.contiguous(), one_segment, 0,
                                         acc_mode).view(-1)
     return grad_y, dots
+
+
+def fused_weighted_rule(y: torch.Tensor, weights_dtype: torch.dtype, out_dtype: torch.dtype,
+                        acc_mode: str, topk: int) -> int | None:
+    """The rule under which the triton backend's kernels do the weighted combination and its
+    gradients, each in one launch (``kernels/triton/moe.py``: the bits of the products formed
+    and summed by ``segment_sum``), or None where they do not: another backend for ``y``'s
+    device, "autograd" or "exact", ``topk`` above one chunk, an acc type wider than y's own
+    (fp32 rows with fp64 weights), or half-precision weights with fp64 rows (whose gradient
+    torch rounds through fp32)."""
+    if acc_mode not in (Mode.FP32.value, Mode.KAHAN.value) or topk > CHUNK_TERMS:
+        return None
+    acc = acc_dtype(out_dtype)
+    if acc != acc_dtype(y.dtype) or (acc == torch.float64
+                                     and weights_dtype not in (torch.float32, torch.float64)):
+        return None
+    if current_backend(y.device.type, _UNPERMUTE) != "triton":
+        return None
+    return KAHAN if acc_mode == Mode.KAHAN.value else WIDE
+
+
+def weighted_slot_gradients(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
+                            slot_weights: torch.Tensor, topk: int, acc_mode: str, by_slot: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where ``fused_weighted_rule`` gives a rule: the gradients of ``weighted_token_sums`` in
+    one launch, each row ``p`` of ``y`` taken as slot ``slots[p]`` (in range) of token
+    ``slots[p] // topk`` with weight ``slot_weights[slots[p]]``: ``grad_y`` as
+    ``weighted_gradients`` gives it, and the dot products in ``slot_weights``' dtype, stored
+    by slot (``by_slot``: ``slots`` is a permutation, so these are the weights' gradient in
+    slot order) or by row."""
+    from detsum.kernels.triton.moe import weighted_gradients as triton_weighted_gradients
+
+    rule = fused_weighted_rule(y, slot_weights.dtype, grad.dtype, acc_mode, topk)
+    return triton_weighted_gradients(grad, y, slots, slot_weights, topk, rule, by_slot)
+
+
+def triton_runs(tensor: torch.Tensor, caller: str) -> bool:
+    """Whether the triton backend runs ``tensor``'s device now."""
+    return current_backend(tensor.device.type, caller) == "triton"
+
+
+def route_tables(experts: torch.Tensor, gather_indices: torch.Tensor,
+                 selected_experts: torch.Tensor, topk: int, num_experts: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Under the triton backend, one launch after the sort of the expert ids:
+    ``kernels/triton/moe.py``'s ``route_tables``, ``(positions, tokens_per_expert, table)``
+    (the inverse permutation, the rows per expert, and one int64 buffer of whether every id
+    lies in ``[0, num_experts)``, each sorted row's token, each token's rows in increasing
+    position and the token offsets). None under the other backends, whose torch operations
+    compute what the caller needs."""
+    if not triton_runs(experts, "detsum.moe.route"):
+        return None
+    from detsum.kernels.triton.moe import route_tables as triton_route_tables
+
+    return triton_route_tables(experts, gather_indices, selected_experts.contiguous(), topk,
+                               num_experts)
 
 
 # ---- a state on the wire of a sum over ranks ---------------------------------------------------

@@ -10,8 +10,9 @@ Flat slot ``j = t * topk + k`` is slot ``k`` of token ``t``; ``gather_indices[p]
 at permuted position ``p``, so ``gather_indices // topk`` are the token ids of the permuted rows.
 
 This module owns no kernel: every sum is a ``detsum.segment_sum`` over the ``topk`` rows of a
-token, fetched through its ``perm`` argument (a gather inside the kernel, no copy of the rows).
-The modes mean what they mean for the primitives:
+token, fetched through its ``perm`` argument (a gather inside the kernel, no copy of the rows),
+or a kernel of ``detsum._kernel_ops`` with the same bits (the weighted combination, route's
+tables on a GPU). The modes mean what they mean for the primitives:
 
 - ``"autograd"``: bit-identical to autograd of the naive torch composition on the same device
   (``x[gather_indices // topk]`` for ``permute``; ``index_copy`` then
@@ -70,11 +71,18 @@ class Routing(tuple):
     on every call, forward and backward. Pass it in place of ``gather_indices``."""
 
     def __new__(cls, gather_indices: torch.Tensor, tokens_per_expert: torch.Tensor,
-                positions: torch.Tensor) -> Routing:
+                positions: torch.Tensor, token_table: torch.Tensor | None = None) -> Routing:
         routing = super().__new__(cls, (gather_indices, tokens_per_expert))
         #: ``positions[j] = p`` with ``gather_indices[p] == j``: where each (token, slot) row
         #: sits in expert order, the inverse permutation (int64 [T * topk]).
         routing.positions = positions
+        #: Under the triton backend (from route's one launch; elsewhere None, and derived
+        #: where needed), int64: ``[ok (1) | tokens (T * topk) | token_rows (T * topk) |
+        #: token_offsets (T + 1)]``: whether the ids were in range, each row's token
+        #: ``gather_indices // topk``, each token's rows in increasing position (permute's
+        #: backward sums them in that order) and the token offsets ``t * topk``.
+        routing.token_table = token_table if token_table is not None and token_table.numel() \
+            else None
         return routing
 
     @property
@@ -88,18 +96,40 @@ class Routing(tuple):
         return self[1]
 
 
+def _token_table_parts(token_table: torch.Tensor, n: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens, token_rows, token_offsets) of a Routing's ``token_table`` of ``n`` rows."""
+    return token_table[1:n + 1], token_table[n + 1:2 * n + 1], token_table[2 * n + 1:]
+
+
 def _route(selected_experts: torch.Tensor, num_experts: int, check: str
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The operator's body (also called directly, see ``_dispatch``)."""
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The operator's body (also called directly, see ``_dispatch``): gather_indices,
+    tokens_per_expert, positions, and the token table of the triton backend (empty
+    elsewhere; see ``Routing``)."""
     caller = "detsum.moe.route"
     flat = selected_experts.reshape(-1)
     experts, gather_indices = torch.sort(flat, stable=True)
+    topk = selected_experts.shape[1] if selected_experts.dim() == 2 else 1
+    n = flat.numel()
+    tables = _kernel_ops.route_tables(experts, gather_indices, flat, topk, num_experts) if n \
+        else None
+    if tables is not None:
+        positions, tokens_per_expert, token_table = tables
+        if check == "device":
+            _validation.assert_on_device(token_table[0], caller,
+                                         f"selected_experts has a value outside [0, "
+                                         f"num_experts = {num_experts})")
+        elif check == "host" and not token_table[0].item():
+            _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
+                                                 num_experts, "num_experts")
+        return gather_indices, tokens_per_expert, positions, token_table
     # The sort puts the smallest and the largest id at the ends: checking costs no pass.
-    if check == "device" and flat.numel():
+    if check == "device" and n:
         _validation.assert_on_device((experts[0] >= 0) & (experts[-1] < num_experts), caller,
                                      f"selected_experts has a value outside [0, num_experts = "
                                      f"{num_experts})")
-    elif check == "host" and flat.numel():
+    elif check == "host" and n:
         low, high = experts[[0, -1]].tolist()
         if low < 0 or high >= num_experts:
             _validation.raise_first_out_of_range(caller, "selected_experts", selected_experts,
@@ -109,23 +139,29 @@ def _route(selected_experts: torch.Tensor, num_experts: int, check: str
     # A sort's indices are a permutation whatever the ids: its inverse is one scatter, with no
     # two writes to one place.
     positions = torch.empty_like(gather_indices).scatter_(
-        0, gather_indices, torch.arange(gather_indices.numel(), device=flat.device))
-    return gather_indices, starts[1:] - starts[:-1], positions
+        0, gather_indices, torch.arange(n, device=flat.device))
+    return gather_indices, starts[1:] - starts[:-1], positions, gather_indices.new_empty(0)
 
 
 # An operator, so that the host read of check="host" runs inside it: under torch.compile the
 # call stays in the graph instead of breaking it on a data-dependent branch.
 @torch.library.custom_op("detsum::moe_route", mutates_args=())
 def route_op(selected_experts: torch.Tensor, num_experts: int, check: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return _route(selected_experts, num_experts, check)
 
 
 @route_op.register_fake
 def _(selected_experts, num_experts, check):
-    return (selected_experts.new_empty(selected_experts.numel(), dtype=torch.int64),
+    n = selected_experts.numel()
+    table = 0
+    if n and _kernel_ops.triton_runs(selected_experts, "detsum.moe.route"):
+        topk = selected_experts.shape[1] if selected_experts.dim() == 2 else 1
+        table = 1 + 2 * n + n // topk + 1
+    return (selected_experts.new_empty(n, dtype=torch.int64),
             selected_experts.new_empty(num_experts, dtype=torch.int64),
-            selected_experts.new_empty(selected_experts.numel(), dtype=torch.int64))
+            selected_experts.new_empty(n, dtype=torch.int64),
+            selected_experts.new_empty(table, dtype=torch.int64))
 
 
 def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool = "host"
@@ -289,6 +325,15 @@ def _unrouted(gather_indices: torch.Tensor | Routing
     return gather_indices, None
 
 
+def _token_table(routing: torch.Tensor | Routing, topk: int) -> torch.Tensor | None:
+    """The ``token_table`` of a :class:`Routing` that has one for ``topk`` slots per token
+    (see ``Routing``), else None."""
+    if not isinstance(routing, Routing) or routing.token_table is None:
+        return None
+    n = routing.gather_indices.numel()
+    return routing.token_table if routing.token_table.numel() == 2 * n + n // topk + 2 else None
+
+
 # ---- permute ------------------------------------------------------------------------------------
 
 #: permute's level for check=False, the flag's old "no permutation check": the bounds alone,
@@ -301,7 +346,8 @@ _ROUTED = "routed"
 
 @torch.library.custom_op("detsum::moe_permute", mutates_args=())
 def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mode: str,
-               check: str, positions: torch.Tensor | None = None) -> torch.Tensor:
+               check: str, positions: torch.Tensor | None = None,
+               token_table: torch.Tensor | None = None) -> torch.Tensor:
     # The index checks that read values back run here, inside the operator: under
     # torch.compile they run with it instead of breaking the graph.
     caller = "detsum.moe.permute"
@@ -309,22 +355,33 @@ def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mod
         _check_bounds(caller, gather_indices)
     elif check not in ("off", _ROUTED):
         _check_permutation(caller, gather_indices, check)
+    if token_table is not None:
+        return x.index_select(0, token_table[1:gather_indices.numel() + 1])
     return x.index_select(0, _trusted(gather_indices, check) // topk)
 
 
 @permute_op.register_fake
-def _(x, gather_indices, topk, acc_mode, check, positions=None):
+def _(x, gather_indices, topk, acc_mode, check, positions=None, token_table=None):
     return x.new_empty((gather_indices.shape[0],) + tuple(x.shape[1:]))
 
 
 def _permute_setup(ctx, inputs, output):
-    x, gather_indices, topk, acc_mode, check, *positions = inputs
-    ctx.save_for_backward(gather_indices, positions[0] if positions else None)
+    x, gather_indices, topk, acc_mode, check, *routed = inputs
+    routed = (routed + [None] * 2)[:2]
+    ctx.save_for_backward(gather_indices, *routed)
     ctx.num_tokens, ctx.topk, ctx.acc_mode, ctx.check = x.shape[0], topk, acc_mode, check
 
 
 def _permute_backward(ctx, grad):
-    gather_indices, positions = ctx.saved_tensors
+    gather_indices, positions, token_table = ctx.saved_tensors
+    if token_table is not None:
+        # route's tables: each token's rows in increasing position, their tokens and the
+        # token offsets, made in route's one launch: the sum is the only launch here.
+        tokens, token_rows, token_offsets = _token_table_parts(token_table,
+                                                               gather_indices.numel())
+        grad_x = call_segment_sum(grad, token_offsets, 0, token_rows, ctx.acc_mode, "off",
+                                  tokens, None, _no_chunks(ctx.topk))
+        return grad_x, *(None,) * 6
     if positions is not None:
         # A routing's inverse: token t's rows sit at positions[t * topk:(t + 1) * topk], and in
         # increasing order they are the canonical order; each token has exactly topk rows.
@@ -332,7 +389,7 @@ def _permute_backward(ctx, grad):
         grad_x = call_segment_sum(grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device),
                                   0, token_rows, ctx.acc_mode, "off", gather_indices // ctx.topk,
                                   None, _no_chunks(ctx.topk))
-        return grad_x, None, None, None, None, None
+        return grad_x, *(None,) * 6
     # Each token's rows in increasing permuted position: the order in which autograd's
     # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
     # finds them without assuming a permutation: under check=False or "off" a repeated value is
@@ -343,7 +400,7 @@ def _permute_backward(ctx, grad):
     # Offsets and rows built here, right by construction: nothing to check, nothing read back.
     grad_x = call_segment_sum(grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows,
                               ctx.acc_mode, "off")
-    return grad_x, None, None, None, None, None
+    return grad_x, *(None,) * 6
 
 
 call_permute = _transforms.register_autograd(permute_op, _permute_backward,
@@ -413,12 +470,14 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, 
                 [2.],
                 [2.]])
     """
-    gather_indices, positions = _unrouted(gather_indices)
+    routing = gather_indices
+    gather_indices, positions = _unrouted(routing)
     mode, level, topk = _validation.run_check(_check_permute, x, gather_indices, topk, mode,
                                               check)
     if positions is not None:
         level = _ROUTED
-    return call_permute(x, gather_indices, topk, mode.value, level, positions)
+    return call_permute(x, gather_indices, topk, mode.value, level, positions,
+                        _token_table(routing, topk))
 
 
 def _check_permute(x, gather_indices, topk, mode, check):
@@ -496,7 +555,8 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
             slot_weights = slot_weights.index_select(0, gather_indices).index_select(0, positions)
     if acc_mode == Mode.AUTOGRAD.value:
         return _naive_combination(y, positions, topk, slot_weights)
-    if weights is not None and _blocked(y.device, acc_mode):
+    if weights is not None and (_blocked(y.device, acc_mode) or _kernel_ops.fused_weighted_rule(
+            y, weights.dtype, out_dtype, acc_mode, topk) is not None):
         return _kernel_ops.weighted_token_sums(y, positions, slot_weights, topk, out_dtype,
                                                acc_mode).to(out_dtype)
     rows = y
@@ -532,6 +592,22 @@ def _unpermute_backward(ctx, grad):
     y, gather_indices, weights, positions = ctx.saved_tensors
     # Checked by the forward call, as its level said: nothing checked or read back here.
     gather_indices = _trusted(gather_indices, ctx.check)
+    if (ctx.reduce and weights is not None and not torch.is_grad_enabled()
+            and _kernel_ops.fused_weighted_rule(y, weights.dtype, grad.dtype, ctx.acc_mode,
+                                                ctx.topk) is not None):
+        # One launch (the triton backend), unless a second derivative is on its way: each row
+        # as the slot gather_indices names, its dot product stored at that slot when every
+        # slot is named once (a checked permutation, or a routing's), else by row.
+        by_slot = ctx.check != "off"
+        gradients = (_kernel_ops.weighted_slot_gradients
+                     if _dispatch.direct_call_ok(grad, y, gather_indices, weights)
+                     else call_weighted_slot_gradients)
+        grad_y, dots = gradients(grad, y, gather_indices, weights.reshape(-1), ctx.topk,
+                                 ctx.acc_mode, by_slot)
+        if not by_slot:
+            dots = dots.index_select(0, positions if positions is not None
+                                     else _slot_positions(gather_indices))
+        return grad_y, None, None, dots.view(weights.shape), *_NO_MORE_GRADIENTS
     if positions is None and ctx.reduce and weights is not None:
         positions = _slot_positions(gather_indices)
     if not ctx.reduce:
@@ -588,6 +664,27 @@ def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: to
 def _(grad, y, tokens, position_weights, acc_mode):
     return (torch.empty_like(y, memory_format=torch.contiguous_format),
             y.new_empty(y.shape[0], dtype=acc_dtype(grad.dtype)))
+
+
+@torch.library.custom_op("detsum::moe_unpermute_weighted_slot_gradients", mutates_args=())
+def _weighted_slot_gradients_op(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
+                                slot_weights: torch.Tensor, topk: int, acc_mode: str,
+                                by_slot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An operator, so that a compiled backward sees the launch as one call."""
+    return _kernel_ops.weighted_slot_gradients(grad, y, slots, slot_weights, topk, acc_mode,
+                                               by_slot)
+
+
+@_weighted_slot_gradients_op.register_fake
+def _(grad, y, slots, slot_weights, topk, acc_mode, by_slot):
+    return (torch.empty_like(y, memory_format=torch.contiguous_format),
+            slot_weights.new_empty(slot_weights.numel() if by_slot else y.shape[0]))
+
+
+call_weighted_slot_gradients = _transforms.register_autograd(
+    _weighted_slot_gradients_op,
+    _transforms.refuse_second_order("detsum.moe.unpermute", "the gradient of weighted rows"),
+    caller="detsum.moe.unpermute")
 
 
 call_weighted_backward_by_blocks = _transforms.register_autograd(

@@ -40,6 +40,7 @@ from detsum import _segments, moe
 
 # Triton is imported here, after conftest has set TRITON_INTERPRET: the kernels are interpreted.
 from detsum.kernels.triton import segment as _triton_segment  # noqa: F401
+from detsum.kernels.triton import moe as _triton_moe  # noqa: F401
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 

@@ -18,7 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from detsum import kernels
-from detsum.kernels.triton import segment
+from detsum.kernels.triton import moe, segment
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -116,6 +116,26 @@ def main() -> dict:
     found["fp64 mean exact"] = _count(_ptx(
         segment._exact_kernel, _exact_types("fp64", "fp64"),
         _exact_config(kernels.MEAN, torch.float64, False, 32), fp_fusion=False))
+    # MoE's weighted sum and its gradients: bf16 rows, fp32 weights (and grad), compensated.
+    found["moe bf16 weighted sum kahan"] = _count(_ptx(
+        moe._weighted_sum_kernel,
+        dict(y_ptr="*i16", positions_ptr="*i64", weights_ptr="*fp32", out_ptr="*fp32",
+             topk="i64", cols="i64"),
+        dict(RULE=kernels.KAHAN, DATA=1, W_DATA=0, ACC=tl.float32, BLOCK=512),
+        fp_fusion=False))
+    found["moe bf16 weighted gradients kahan"] = _count(_ptx(
+        moe._weighted_gradients_kernel,
+        dict(grad_ptr="*fp32", y_ptr="*i16", slots_ptr="*i64", weights_ptr="*fp32",
+             grad_y_ptr="*i16", dots_ptr="*fp32", rows="i64", topk="i64", cols="i64"),
+        dict(RULE=kernels.KAHAN, DATA=1, G_DATA=0, W_DATA=0, ACC=tl.float32, BY_SLOT=True,
+             CHUNK=kernels.CHUNK_TERMS, BLOCK=128),
+        fp_fusion=False))
+    found["moe route"] = _count(_ptx(
+        moe._route_kernel,
+        dict(experts_ptr="*i64", gather_ptr="*i64", selected_ptr="*i64", positions_ptr="*i64",
+             counts_ptr="*i64", table_ptr="*i64", n="i64", num_tokens="i64",
+             num_experts="i64", topk="i64", steps="i64"),
+        dict(TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
     # The control: Triton's default (fusion allowed) does contract the scaled sum, so a count
     # of 0 above is the launch option's doing, not an accident of the code.
     config = _segment_config(kernels.SUM, kernels.WIDE, 1, tl.float32, True, 1024)

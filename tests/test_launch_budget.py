@@ -161,12 +161,12 @@ MEASURED = {
     "scatter_reduce fp32 host +backward": (5, 1, 2, 1),
     "scatter_reduce fp32 device +backward": (9, 0, 3, 1),
     "scatter_reduce fp32 off +backward": (10, 0, 2, 1),
-    "moe layer fp32 host +backward": (63, 3, 17, 2),
-    "moe layer fp32 device +backward": (72, 0, 17, 2),
-    "moe layer fp32 off +backward": (45, 0, 13, 2),
-    "moe layer fp32 host routed +backward": (31, 1, 9, 2),
-    "moe layer fp32 device routed +backward": (34, 0, 9, 2),
-    "moe layer fp32 off routed +backward": (30, 0, 9, 2),
+    "moe layer fp32 host +backward": (40, 3, 14, 2),
+    "moe layer fp32 device +backward": (47, 0, 14, 2),
+    "moe layer fp32 off +backward": (27, 0, 12, 2),
+    "moe layer fp32 host routed +backward": (6, 1, 7, 1),
+    "moe layer fp32 device routed +backward": (7, 0, 7, 1),
+    "moe layer fp32 off routed +backward": (6, 0, 7, 1),
     "segment_sum fp32 plan": (1, 0, 1, 0),
     "segment_sum kahan plan": (1, 0, 1, 0),
     "segment_sum autograd plan": (1, 0, 1, 0),
@@ -240,7 +240,13 @@ TARGETS = [
     *(_target(row, "sorts", 1, met=True)
       for row in _rows("segment_sum", "index_add", "scatter_reduce", modes=("fp32",),
                        suffix=" +backward")),
-    # An MoE layer, forward + backward: at most 8 device ops in all, no host read.
+    # An MoE layer, forward + backward: at most 8 device ops in all, no host read. Met with
+    # the Routing that route returns; not yet with its bare gather_indices, which permute and
+    # unpermute check, clamp and invert again.
+    *(_target(row, "device_ops", 8, met=True)
+      for row in _rows("moe layer", modes=("fp32",), suffix=" routed +backward")),
+    *(_target(row, "host_reads", 0, met=True)
+      for row in _rows("moe layer", modes=("fp32",), suffix=" routed +backward")),
     *(_target(row, "device_ops", 8)
       for row in _rows("moe layer", modes=("fp32",), suffix=" +backward")),
     *(_target(row, "host_reads", 0, met=ROWS[row].check != "host")

@@ -13,6 +13,9 @@ as on a GPU machine), after ``install()``:
 - ``cpu_tensors_as_cuda()`` lets CPU tensors stand for CUDA ones in detsum's public calls:
   the triton backend, which then takes them (nothing reads their memory: the launch does
   nothing), values checked as a GPU's, and the weighted ``moe.unpermute`` in one pass.
+  ``moe.route``'s launch, stubbed, writes no tables: its call returns valid ones of the same
+  shapes (all rows of token 0, ids in range), made once per shape, so that the later calls,
+  which gather by them on the host's tensors, stay in range.
 
 Used by tests/launch_check.py (run by tests/test_triton_launch.py) and
 benches/host_launch.py.
@@ -30,6 +33,7 @@ from triton.runtime import driver
 
 import detsum
 from detsum import _segments, moe
+from detsum.kernels.triton import moe as moe_kernels
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -123,4 +127,22 @@ def cpu_tensors_as_cuda():
         stack.enter_context(unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU", True))
         stack.enter_context(unittest.mock.patch.object(
             moe, "_blocked", lambda device, acc_mode: blocked(torch.device("cuda"), acc_mode)))
+        stack.enter_context(unittest.mock.patch.object(moe_kernels, "route_tables",
+                                                       _route_tables_in_range))
         yield
+
+
+_ROUTE_TABLES = moe_kernels.route_tables
+_valid_tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _route_tables_in_range(experts, gather, selected, topk, num_experts):
+    """``route_tables``, launched (the launch does nothing), then tables that hold valid
+    values (see the module docstring)."""
+    made = _ROUTE_TABLES(experts, gather, selected, topk, num_experts)
+    key = tuple(t.shape for t in made)
+    if key not in _valid_tables:
+        positions, counts, table = (t.zero_() for t in made)
+        table[0] = 1
+        _valid_tables[key] = positions, counts, table
+    return _valid_tables[key]

@@ -85,8 +85,9 @@ def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
-    out = torch.empty((like3.shape[0], num_segments, like3.shape[2]), dtype=like3.dtype,
-                      device=like3.device)
+    # new_empty with sizes one by one: like3's dtype and device at a third of torch.empty's
+    # parsing cost.
+    out = like3.new_empty(like3.shape[0], num_segments, like3.shape[2])
     if POISON_OUTPUTS:
         out.fill_(float("nan"))
     return out
@@ -227,14 +228,12 @@ def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str
     return order, offsets
 
 
-def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
-           offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
-           reduce: str, rule: int, alpha: float, include_base: bool,
-           carry3: torch.Tensor | None = None,
-           chunks: tuple[torch.Tensor, int] | None = None) -> None:
-    """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
-    ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
-    check_backend_runs(backend_name, src3.device.type, "detsum")
+#: Each backend's ``segment_reduce``, imported at its first launch (an import statement costs
+#: a small call's launch about a microsecond even when the module is loaded).
+_LAUNCHERS: dict[str, object] = {}
+
+
+def _launcher(backend_name: str):
     if backend_name == "numba":
         from detsum.kernels.numba.segment import segment_reduce
     elif backend_name == "triton":
@@ -245,6 +244,19 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
                               "(pip install 'detsum[triton]')") from error
     else:
         raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
+    _LAUNCHERS[backend_name] = segment_reduce
+    return segment_reduce
+
+
+def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
+           offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
+           reduce: str, rule: int, alpha: float, include_base: bool,
+           carry3: torch.Tensor | None = None,
+           chunks: tuple[torch.Tensor, int] | None = None) -> None:
+    """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
+    ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
+    check_backend_runs(backend_name, src3.device.type, "detsum")
+    segment_reduce = _LAUNCHERS.get(backend_name) or _launcher(backend_name)
     if src3.shape[2] == 1 and src3.shape[0] > 1 and rule != kernels.CUDA_STRIDE_1:
         # One element per row (reducing the last dim): the outer index becomes the column index
         # of a [1, rows, outer] view, so a kernel step combines `outer` elements instead of one.

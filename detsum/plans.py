@@ -211,7 +211,9 @@ def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: 
     if plan.index.shape[0] != length:
         raise ValueError(f"{caller}: plan was made from an index of length "
                          f"{plan.index.shape[0]}; expected {length_name} = {length}")
-    if index is not None and index is not plan.index and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return plan  # a traced tensor has neither memory nor a version counter to compare
+    if index is not None and index is not plan.index:
         same = (index.device == plan.index.device and index.dtype == plan.index.dtype
                 and index.shape == plan.index.shape and index.stride() == plan.index.stride()
                 and index.data_ptr() == plan.index.data_ptr())
@@ -219,7 +221,7 @@ def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: 
             raise ValueError(f"{caller}: index is not the tensor plan was made from; expected "
                              f"plan.index (or a view of the same memory), or a plan made from "
                              f"this index")
-    if not torch.compiler.is_compiling() and plan.index._version != plan.index_version:
+    if plan.index._version != plan.index_version:
         raise ValueError(f"{caller}: plan's index was changed in place after the plan was "
                          f"made; expected a new plan: detsum.plan(index, {plan.num_rows})")
     return plan

@@ -17,7 +17,7 @@ import torch
 
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
-from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
+from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
 from detsum.plans import Plan, check_plan, operator_arguments, unpack
 from detsum.plans import plan as make_plan
 
@@ -148,8 +148,9 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here."""
     input3 = _segments.rows_view(input, dim)
-    backend_name = current_backend(input.device.type, _CALLER)
-    check = _segments.check_that_runs(check, input.device.type, backend_name)
+    device_type = input.device.type
+    backend_name = current_backend(device_type, _CALLER)
+    check = _segments.check_that_runs(check, device_type, backend_name)
     index = _as_rows(input, dim, index, reduce, acc_mode, check)
     rowwise = index.dim() == 1
     sparse = None
@@ -193,9 +194,9 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
                                         include_self=include_self, mode=acc_mode)
     out3 = _segments.new_output(base3, base3.shape[1])
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
-                     rule=rule_for(Mode(acc_mode), reduce, input.device.type, base3.shape[2]),
+                     rule=rule_for(MODE_BY_NAME[acc_mode], reduce, device_type, base3.shape[2]),
                      alpha=1.0, include_base=include_self, chunks=chunks)
-    return out3.view(input.shape)
+    return out3.view(*input.shape)  # sizes one by one: half the parsing of a torch.Size
 
 
 @scatter_reduce_op.register_fake

@@ -6,7 +6,7 @@ import torch
 
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
-from detsum.modes import Mode, parse_mode, rule_for
+from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
 from detsum.plans import Plan, check_plan
 from detsum.ops.index_add import call_index_add
 
@@ -71,8 +71,9 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
     ``kernels.CHUNK_TERMS``; -1: the launch counts them."""
     num_rows = src.shape[dim]
-    backend_name = current_backend(src.device.type, _CALLER)
-    check = _segments.check_that_runs(check, src.device.type, backend_name)
+    device_type = src.device.type
+    backend_name = current_backend(device_type, _CALLER)
+    check = _segments.check_that_runs(check, device_type, backend_name)
     if rows is None:
         _check_values(offsets, perm, num_rows, check)
     if check != "host" and rows is None:
@@ -82,13 +83,19 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
     src3 = _segments.rows_view(src, dim)
     out3 = _segments.new_output(src3, offsets.numel() - 1)
-    order = None if perm is None else perm.to(torch.int64)
-    _segments.launch(backend_name, src3, order, offsets.to(torch.int64), None, out3,
+    order = None if perm is None else _int64(perm)
+    _segments.launch(backend_name, src3, order, _int64(offsets), None, out3,
                      reduce="sum",
-                     rule=rule_for(Mode(acc_mode), "sum", src.device.type, src3.shape[2]),
+                     rule=rule_for(MODE_BY_NAME[acc_mode], "sum", device_type, src3.shape[2]),
                      alpha=1.0, include_base=False,
                      chunks=None if chunk_slots < 0 else (chunk_ends, chunk_slots))
-    return out3.view(_out_shape(src, dim, offsets))
+    return out3.view(*_out_shape(src, dim, offsets))  # sizes one by one: parsed faster
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    # t.to(torch.int64) returns t itself when it is int64 already, after a microsecond of
+    # argument parsing: a plan's positions always are.
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
 @torch.library.custom_op("detsum::segment_sum", mutates_args=())

@@ -228,26 +228,6 @@ def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str
     return order, offsets
 
 
-#: Each backend's ``segment_reduce``, imported at its first launch (an import statement costs
-#: a small call's launch about a microsecond even when the module is loaded).
-_LAUNCHERS: dict[str, object] = {}
-
-
-def _launcher(backend_name: str):
-    if backend_name == "numba":
-        from detsum.kernels.numba.segment import segment_reduce
-    elif backend_name == "triton":
-        try:
-            from detsum.kernels.triton.segment import segment_reduce
-        except ImportError as error:
-            raise ImportError("the triton backend needs the triton package "
-                              "(pip install 'detsum[triton]')") from error
-    else:
-        raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
-    _LAUNCHERS[backend_name] = segment_reduce
-    return segment_reduce
-
-
 def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
            offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
            reduce: str, rule: int, alpha: float, include_base: bool,
@@ -267,3 +247,23 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
     segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
                    rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
                    chunks=chunks)
+
+
+#: Each backend's ``segment_reduce``, imported at its first launch (an import statement costs
+#: a small call's launch about a microsecond even when the module is loaded).
+_LAUNCHERS: dict[str, object] = {}
+
+
+def _launcher(backend_name: str):
+    if backend_name == "numba":
+        from detsum.kernels.numba.segment import segment_reduce
+    elif backend_name == "triton":
+        try:
+            from detsum.kernels.triton.segment import segment_reduce
+        except ImportError as error:
+            raise ImportError("the triton backend needs the triton package "
+                              "(pip install 'detsum[triton]')") from error
+    else:
+        raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
+    _LAUNCHERS[backend_name] = segment_reduce
+    return segment_reduce

@@ -171,10 +171,18 @@ def check_dim(caller: str, dim: object, ndim: int) -> int:
 
 
 def check_same_device(caller: str, **tensors: torch.Tensor) -> None:
-    if len({t.device for t in tensors.values() if t is not None}) > 1:
-        listed = ", ".join(f"{name} on {t.device}" for name, t in tensors.items()
-                           if t is not None)
-        raise ValueError(f"{caller}: all tensors must be on one device; got {listed}")
+    # A loop, not a comprehension: a small call's checks cost about what its launch does.
+    first = None
+    for t in tensors.values():
+        if t is None:
+            continue
+        device = t.device
+        if first is None:
+            first = device
+        elif device != first:
+            listed = ", ".join(f"{name} on {t.device}" for name, t in tensors.items()
+                               if t is not None)
+            raise ValueError(f"{caller}: all tensors must be on one device; got {listed}")
 
 
 def check_same_dtype(caller: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import Plan, Planned, check_plan, operator_arguments, unpack
+from detsum.plans import (Plan, Planned, check_plan, checked_before, operator_arguments,
+                          remember_checked, unpack)
 
 _CALLER = "detsum.index_add"
 
@@ -201,6 +202,32 @@ def _check(input, dim, index, source, alpha, mode, check, caller, plan=None):
     return dim, alpha, mode
 
 
+# The argument types whose value alone decides the checks (a tensor as alpha, say, does not).
+_PLAIN = (int, float, str, Mode)
+
+
+def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.checked_before``)."""
+    arguments = None
+    # The plan's own index only: another view of its memory is compared with it every time.
+    if (type(plan) is Plan and index is plan.index
+            and type(input) is torch.Tensor and type(source) is torch.Tensor
+            and type(index) is torch.Tensor and type(dim) is int and type(alpha) in _PLAIN
+            and type(mode) in _PLAIN and type(check) is str
+            and not torch.compiler.is_compiling()):
+        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                     index.device, source.dtype, source.shape, source.device, dim,
+                     type(alpha), alpha, type(mode), mode, check)
+        answer = checked_before(plan, caller, arguments)
+        if answer is not None:
+            return answer
+    answer = _validation.run_check(_check, input, dim, index, source, alpha, mode, check,
+                                   caller, plan)
+    remember_checked(plan, caller, arguments, answer)
+    return answer
+
+
 _ORDER_DOC = """
     Summation order and rounding. Output row ``i`` starts from ``input[i]`` and adds the rows
     ``source[k]`` with ``index[k] == i`` in increasing ``k`` (order of appearance; the order a
@@ -236,8 +263,7 @@ _ORDER_DOC = """
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
               plan: Plan | None = None) -> torch.Tensor:
-    dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
-                                             check, _CALLER, plan)
+    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, _CALLER, plan)
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
         return _index_add(input, dim, index, source, alpha, mode.value, *planning)
@@ -248,8 +274,7 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
                plan: Plan | None = None) -> torch.Tensor:
     caller = "detsum.index_add_"
-    dim, alpha, mode = _validation.run_check(_check, input, dim, index, source, alpha, mode,
-                                             check, caller, plan)
+    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, caller, plan)
     planning = operator_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad

@@ -18,7 +18,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import Plan, check_plan, operator_arguments, unpack
+from detsum.plans import (Plan, check_plan, checked_before, operator_arguments,
+                          remember_checked, unpack)
 from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
@@ -434,8 +435,7 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         >>> detsum.scatter_reduce(torch.zeros(2), 0, index, src, "amax", include_self=False)
         tensor([3., 4.])
     """
-    dim, mode = _validation.run_check(_check, input, dim, index, src, reduce, include_self,
-                                      mode, sorted, check, plan)
+    dim, mode = _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan)
     if (plan is None and reduce == "prod" and index.dim() == 1 and torch.is_grad_enabled()
             and (input.requires_grad or src.requires_grad)):
         # The product's backward reduces by the index again: one plan for both.
@@ -448,6 +448,29 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
                     check=planning[0], planned=unpack(*planning[1:]))
     return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
                                *planning)
+
+
+def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.checked_before``)."""
+    arguments = None
+    # The plan's own index only: another view of its memory is compared with it every time.
+    if (type(plan) is Plan and index is plan.index
+            and type(input) is torch.Tensor and type(src) is torch.Tensor
+            and type(index) is torch.Tensor and type(dim) is int and type(reduce) is str
+            and type(include_self) is bool and type(sorted) is bool
+            and type(mode) in (str, Mode) and type(check) is str
+            and not torch.compiler.is_compiling()):
+        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                     index.device, src.dtype, src.shape, src.device, dim, reduce,
+                     include_self, sorted, type(mode), mode, check)
+        answer = checked_before(plan, _CALLER, arguments)
+        if answer is not None:
+            return answer
+    answer = _validation.run_check(_check, input, dim, index, src, reduce, include_self, mode,
+                                   sorted, check, plan)
+    remember_checked(plan, _CALLER, arguments, answer)
+    return answer
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):

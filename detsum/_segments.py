@@ -85,9 +85,9 @@ def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
-    # new_empty with sizes one by one: like3's dtype and device at a third of torch.empty's
-    # parsing cost.
-    out = like3.new_empty(like3.shape[0], num_segments, like3.shape[2])
+    # Sizes one by one: torch parses them faster than a tuple.
+    out = torch.empty(like3.shape[0], num_segments, like3.shape[2], dtype=like3.dtype,
+                      device=like3.device)
     if POISON_OUTPUTS:
         out.fill_(float("nan"))
     return out

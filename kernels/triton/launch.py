@@ -13,7 +13,7 @@ call with a plan is one launch, so that is 25 of the about 60 us it costs throug
 ``JITFunction.run``. Here the first launch of each specialisation goes through
 ``JITFunction.run``, which compiles the kernel (or finds it in its cache), launches it and
 returns the ``CompiledKernel``; later launches with the same key call that compiled kernel
-as ``JITFunction.run`` does after its own lookup: about 7.5 us in all, 3.5 of them computing
+as ``JITFunction.run`` does after its own lookup: about 8 us in all, 3.5 of them computing
 and looking up the key.
 
 THE KEY (``specialisation_key``). Triton compiles one kernel per specialisation of the

@@ -67,6 +67,7 @@ IMPLEMENTATION NOTES (this backend):
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -1014,9 +1015,8 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         work_rows = 0
         parts_cum = offsets  # never read without SPLIT
         work = out  # never written without SPLIT
-    block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size())
-    num_warps = max(1, min(8, block * src.element_size() // 512))
-    grid_yz = (min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
+                                          _MAX_GRID_YZ)
     _launch_segment(
         (nseg + work_rows, *grid_yz),
         (src_s, *src_s.stride(), order, offsets, parts_cum, base_s, *base_s.stride(), out_s,
@@ -1037,6 +1037,16 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
             REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, USE_BASE=use_base,
             HAS_CARRY=has_carry, NCOMP=ncomp, CHUNK=CHUNK_TERMS, BLOCK=block,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _blocking(inner: int, itemsize: int, outer: int, row_bytes: int, max_grid_yz: int
+              ) -> tuple[int, int, tuple[int, int]]:
+    """``segment_reduce``'s BLOCK, num_warps and grid (y, z): a function of the shape alone,
+    kept, since a small launch spends a microsecond computing it."""
+    block = min(max(_next_power_of_2(inner), 16), row_bytes // itemsize)
+    num_warps = max(1, min(8, block * itemsize // 512))
+    return block, num_warps, (min(_cdiv(inner, block), max_grid_yz), min(outer, max_grid_yz))
 
 
 def _made_for_the_interpreter(namespace) -> bool:

@@ -213,7 +213,7 @@ def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
             and type(input) is torch.Tensor and type(source) is torch.Tensor
-            and type(index) is torch.Tensor and type(dim) is int and type(alpha) in _PLAIN
+            and type(dim) is int and type(alpha) in _PLAIN
             and type(mode) in _PLAIN and type(check) is str
             and not torch.compiler.is_compiling()):
         arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,

@@ -152,7 +152,8 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     device_type = input.device.type
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
-    index = _as_rows(input, dim, index, reduce, acc_mode, check)
+    if planned is None:  # a plan's index is a row index already
+        index = _as_rows(input, dim, index, reduce, acc_mode, check)
     rowwise = index.dim() == 1
     sparse = None
     if not index_checked and rowwise and planned is None and backend_name != "reference":
@@ -457,7 +458,7 @@ def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, 
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
             and type(input) is torch.Tensor and type(src) is torch.Tensor
-            and type(index) is torch.Tensor and type(dim) is int and type(reduce) is str
+            and type(dim) is int and type(reduce) is str
             and type(include_self) is bool and type(sorted) is bool
             and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):

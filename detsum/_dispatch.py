@@ -14,6 +14,9 @@ import torch
 from torch.autograd import forward_ad
 
 
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
     """True when the operator would do nothing but call its implementation on ``tensors``:
     eager mode (not tracing), no tensor that autograd must record, no dispatch or function
@@ -28,7 +31,7 @@ def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) is not torch.Tensor or torch._C._functorch.is_functorch_wrapped_tensor(t):
+        if type(t) is not torch.Tensor or _is_functorch_wrapped(t):
             return False
         if grad_enabled and t.requires_grad:
             return False

@@ -85,7 +85,8 @@ def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
-    out = torch.empty((like3.shape[0], num_segments, like3.shape[2]), dtype=like3.dtype,
+    # Sizes one by one: torch parses them faster than a tuple.
+    out = torch.empty(like3.shape[0], num_segments, like3.shape[2], dtype=like3.dtype,
                       device=like3.device)
     if POISON_OUTPUTS:
         out.fill_(float("nan"))
@@ -254,16 +255,7 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
     """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
     ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
     check_backend_runs(backend_name, src3.device.type, "detsum")
-    if backend_name == "numba":
-        from detsum.kernels.numba.segment import segment_reduce
-    elif backend_name == "triton":
-        try:
-            from detsum.kernels.triton.segment import segment_reduce
-        except ImportError as error:
-            raise ImportError("the triton backend needs the triton package "
-                              "(pip install 'detsum[triton]')") from error
-    else:
-        raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
+    segment_reduce = _LAUNCHERS.get(backend_name) or _launcher(backend_name)
     if src3.shape[2] == 1 and src3.shape[0] > 1 and rule != kernels.CUDA_STRIDE_1:
         # One element per row (reducing the last dim): the outer index becomes the column index
         # of a [1, rows, outer] view, so a kernel step combines `outer` elements instead of one.
@@ -274,3 +266,23 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
     segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
                    rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
                    chunks=chunks)
+
+
+#: Each backend's ``segment_reduce``, imported at its first launch (an import statement costs
+#: a small call's launch about a microsecond even when the module is loaded).
+_LAUNCHERS: dict[str, object] = {}
+
+
+def _launcher(backend_name: str):
+    if backend_name == "numba":
+        from detsum.kernels.numba.segment import segment_reduce
+    elif backend_name == "triton":
+        try:
+            from detsum.kernels.triton.segment import segment_reduce
+        except ImportError as error:
+            raise ImportError("the triton backend needs the triton package "
+                              "(pip install 'detsum[triton]')") from error
+    else:
+        raise AssertionError(f"no kernel launcher for backend {backend_name!r}")
+    _LAUNCHERS[backend_name] = segment_reduce
+    return segment_reduce

@@ -177,11 +177,18 @@ def check_dim(caller: str, dim: object, ndim: int) -> int:
 
 
 def check_same_device(caller: str, **tensors: torch.Tensor) -> None:
-    present = [t for t in tensors.values() if t is not None]
-    if present and any(t.device != present[0].device for t in present[1:]):
-        listed = ", ".join(f"{name} on {t.device}" for name, t in tensors.items()
-                           if t is not None)
-        raise ValueError(f"{caller}: all tensors must be on one device; got {listed}")
+    # A loop, not a comprehension: a small call's checks cost about what its launch does.
+    first = None
+    for t in tensors.values():
+        if t is None:
+            continue
+        device = t.device
+        if first is None:
+            first = device
+        elif device != first:
+            listed = ", ".join(f"{name} on {t.device}" for name, t in tensors.items()
+                               if t is not None)
+            raise ValueError(f"{caller}: all tensors must be on one device; got {listed}")
 
 
 def check_same_dtype(caller: str, name_a: str, a: torch.Tensor, name_b: str, b: torch.Tensor) -> None:
@@ -193,8 +200,9 @@ def check_same_dtype(caller: str, name_a: str, a: torch.Tensor, name_b: str, b: 
 def check_shapes_except_dim(caller: str, name_a: str, a: torch.Tensor, name_b: str,
                             b: torch.Tensor, dim: int) -> None:
     """``a`` and ``b`` must agree in rank and in every size except along ``dim``."""
-    if a.dim() != b.dim() or a.shape[:dim] != b.shape[:dim] or (
-            a.shape[dim + 1:] != b.shape[dim + 1:]):
+    shape_a, shape_b = a.shape, b.shape  # each .shape makes a new torch.Size
+    if len(shape_a) != len(shape_b) or shape_a[:dim] != shape_b[:dim] or (
+            shape_a[dim + 1:] != shape_b[dim + 1:]):
         raise ValueError(
             f"{caller}: {name_b} has shape {tuple(b.shape)} but {name_a} has "
             f"{tuple(a.shape)}; expected the same shape except along dim {dim}"

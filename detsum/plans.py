@@ -62,6 +62,10 @@ class Plan:
     #: How many chunks the long segments have in all: exact for a plan made at "host", which
     #: reads it back with its check; else an upper bound from the index's length.
     chunk_slots: int
+    #: Each primitive's last call with the plan whose arguments passed its checks: (what
+    #: those checks read of them, what they returned). See :func:`checked_before`.
+    _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                       compare=False)
 
     def __repr__(self) -> str:
         return (f"detsum.Plan(num_rows={self.num_rows}, length={self.index.shape[0]}, "
@@ -79,6 +83,32 @@ def operator_arguments(plan: Plan | None, check: str) -> tuple:
     if plan is None:
         return check, None, None, None, -1
     return plan.check, plan.order, plan.offsets, plan.chunk_ends, plan.chunk_slots
+
+
+def checked_before(plan: object, caller: str, arguments: tuple | None) -> tuple | None:
+    """What ``caller``'s argument checks returned at its last call with ``plan``, if that
+    call's ``arguments`` were these, else None (then the checks run, and ``remember_checked``
+    keeps their answer).
+
+    ``arguments`` is everything the checks read (each tensor's dtype, shape and device, the
+    other arguments' types and values), or None where the caller cannot say it cheaply: the
+    checks are a function of it, so equal arguments pass them again with the same answer. A
+    plan serves the same call step after step, and its checks would cost a small call's
+    launch again. What can change between two such calls, the plan's index changed in place,
+    is checked every time (it then takes the checks' path, which refuses it). Eager calls
+    only: a traced call checks every time."""
+    if arguments is None or type(plan) is not Plan:
+        return None
+    last = plan._checked.get(caller)
+    if last is None or last[0] != arguments or plan.index._version != plan.index_version:
+        return None
+    return last[1]
+
+
+def remember_checked(plan: object, caller: str, arguments: tuple | None, answer: tuple) -> None:
+    """Keep the checks' ``answer`` for ``arguments`` (see :func:`checked_before`)."""
+    if arguments is not None and type(plan) is Plan:
+        plan._checked[caller] = (arguments, answer)
 
 
 def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,
@@ -211,7 +241,9 @@ def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: 
     if plan.index.shape[0] != length:
         raise ValueError(f"{caller}: plan was made from an index of length "
                          f"{plan.index.shape[0]}; expected {length_name} = {length}")
-    if index is not None and index is not plan.index and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        return plan  # a traced tensor has neither memory nor a version counter to compare
+    if index is not None and index is not plan.index:
         same = (index.device == plan.index.device and index.dtype == plan.index.dtype
                 and index.shape == plan.index.shape and index.stride() == plan.index.stride()
                 and index.data_ptr() == plan.index.data_ptr())
@@ -219,7 +251,7 @@ def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: 
             raise ValueError(f"{caller}: index is not the tensor plan was made from; expected "
                              f"plan.index (or a view of the same memory), or a plan made from "
                              f"this index")
-    if not torch.compiler.is_compiling() and plan.index._version != plan.index_version:
+    if plan.index._version != plan.index_version:
         raise ValueError(f"{caller}: plan's index was changed in place after the plan was "
                          f"made; expected a new plan: detsum.plan(index, {plan.num_rows})")
     return plan

@@ -321,6 +321,74 @@ def test_calls_refuse_a_plan_that_is_not_theirs():
     assert torch.equal(base, torch.zeros(3, 3))
 
 
+# The calls of one primitive with the same plan and arguments of the same kinds (each tensor's
+# dtype, shape and device; the other arguments' types and values): the primitives that take a
+# plan, each with a call and the same call with one argument changed so that it is refused.
+_REMEMBERED_CALLS = {
+    "index_add": (lambda b, i, s, p, **kw: detsum.index_add(b, 0, i, s, plan=p, **kw),
+                  "detsum.ops.index_add"),
+    "index_add_": (lambda b, i, s, p, **kw: detsum.index_add_(b.clone(), 0, i, s, plan=p, **kw),
+                   "detsum.ops.index_add"),
+    "scatter_reduce": (lambda b, i, s, p, **kw: detsum.scatter_reduce(b, 0, i, s, "sum", plan=p,
+                                                                      **kw),
+                       "detsum.ops.scatter_reduce"),
+    "segment_sum": (lambda b, i, s, p, **kw: detsum.segment_sum(s, plan=p, **kw),
+                    "detsum.ops.segment_sum"),
+}
+
+
+@pytest.mark.parametrize("name", list(_REMEMBERED_CALLS))
+def test_a_plan_remembers_the_checks_of_its_last_call(name):
+    """A call whose arguments are those of the primitive's last call with the same plan does
+    not check them again (they would cost a small GPU call as much as its launch); any call
+    whose arguments differ, or whose plan's index changed since, is checked in full."""
+    import importlib
+
+    call, module_name = _REMEMBERED_CALLS[name]
+    module = importlib.import_module(module_name)
+    index = torch.tensor([0, 2, 1, 2])
+    src, base = torch.ones(4, 3), torch.zeros(3, 3)
+    plan = detsum.plan(index, 3)
+    expected = call(base, index, src, plan)
+    checks = []
+    real_check = module._check
+    with unittest.mock.patch.object(module, "_check",
+                                    lambda *a, **k: checks.append(1) or real_check(*a, **k)):
+        for _ in range(3):
+            assert_same_bits(call(base, index, src, plan), expected)
+        assert not checks
+        # Other arguments: checked, and refused in detsum's words.
+        with pytest.raises(ValueError, match=rf"detsum\.{name}: .*5"):
+            call(base, index, torch.ones(5, 3), plan)
+        with pytest.raises(ValueError, match="mode="):
+            call(base, index, src, plan, mode="fast")
+        with pytest.raises(ValueError, match="check="):
+            call(base, index, src, plan, check="later")
+        assert len(checks) == 3
+        # The arguments of the last call that passed: remembered again.
+        assert_same_bits(call(base, index, src, plan, mode="kahan"), expected)
+        assert_same_bits(call(base, index, src, plan, mode="kahan"), expected)
+        assert len(checks) == 4
+        # The plan's index changed in place: refused, whatever was remembered.
+        index[0] = 1
+        with pytest.raises(ValueError, match="plan's index was changed in place"):
+            call(base, index, src, plan, mode="kahan")
+
+
+def test_a_remembered_plan_checks_every_other_view_of_its_index():
+    """Only the plan's own index tensor is remembered: any other tensor is compared with it
+    at every call (a view of the same memory passes, a copy is refused)."""
+    index = torch.tensor([0, 2, 1, 2])
+    src, base = torch.ones(4, 3), torch.zeros(3, 3)
+    plan = detsum.plan(index, 3)
+    expected = detsum.index_add(base, 0, index, src)
+    assert_same_bits(detsum.index_add(base, 0, index[:], src, plan=plan), expected)
+    assert_same_bits(detsum.index_add(base, 0, index[:], src, plan=plan), expected)
+    with pytest.raises(ValueError, match="detsum.index_add: index is not the tensor plan was "
+                                         "made from"):
+        detsum.index_add(base, 0, index.clone(), src, plan=plan)
+
+
 def test_plan_repr_names_its_shape():
     plan = detsum.plan(torch.tensor([0, 1, 1]), 2)
     assert repr(plan) == ("detsum.Plan(num_rows=2, length=3, sorted=False, check='host', "

@@ -17,8 +17,9 @@ import torch
 
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
-from detsum.modes import Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import Plan, check_plan, operator_arguments, unpack
+from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
+from detsum.plans import (Plan, check_plan, checked_before, operator_arguments,
+                          remember_checked, unpack)
 from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
@@ -148,9 +149,11 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here."""
     input3 = _segments.rows_view(input, dim)
-    backend_name = current_backend(input.device.type, _CALLER)
-    check = _segments.check_that_runs(check, input.device.type, backend_name)
-    index = _as_rows(input, dim, index, reduce, acc_mode, check)
+    device_type = input.device.type
+    backend_name = current_backend(device_type, _CALLER)
+    check = _segments.check_that_runs(check, device_type, backend_name)
+    if planned is None:  # a plan's index is a row index already
+        index = _as_rows(input, dim, index, reduce, acc_mode, check)
     rowwise = index.dim() == 1
     sparse = None
     if not index_checked and rowwise and planned is None and backend_name != "reference":
@@ -194,9 +197,9 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
                                         include_self=include_self, mode=acc_mode)
     out3 = _segments.new_output(base3, base3.shape[1])
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
-                     rule=rule_for(Mode(acc_mode), reduce, input.device.type, base3.shape[2]),
+                     rule=rule_for(MODE_BY_NAME[acc_mode], reduce, device_type, base3.shape[2]),
                      alpha=1.0, include_base=include_self, chunks=chunks)
-    return out3.view(input.shape)
+    return out3.view(*input.shape)  # sizes one by one: half the parsing of a torch.Size
 
 
 @scatter_reduce_op.register_fake
@@ -434,8 +437,7 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         >>> detsum.scatter_reduce(torch.zeros(2), 0, index, src, "amax", include_self=False)
         tensor([3., 4.])
     """
-    dim, mode = _validation.run_check(_check, input, dim, index, src, reduce, include_self,
-                                      mode, sorted, check, plan)
+    dim, mode = _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan)
     if (plan is None and reduce == "prod" and index.dim() == 1 and torch.is_grad_enabled()
             and (input.requires_grad or src.requires_grad)):
         # The product's backward reduces by the index again: one plan for both.
@@ -448,6 +450,29 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
                     check=planning[0], planned=unpack(*planning[1:]))
     return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
                                *planning)
+
+
+def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.checked_before``)."""
+    arguments = None
+    # The plan's own index only: another view of its memory is compared with it every time.
+    if (type(plan) is Plan and index is plan.index
+            and type(input) is torch.Tensor and type(src) is torch.Tensor
+            and type(dim) is int and type(reduce) is str
+            and type(include_self) is bool and type(sorted) is bool
+            and type(mode) in (str, Mode) and type(check) is str
+            and not torch.compiler.is_compiling()):
+        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                     index.device, src.dtype, src.shape, src.device, dim, reduce,
+                     include_self, sorted, type(mode), mode, check)
+        answer = checked_before(plan, _CALLER, arguments)
+        if answer is not None:
+            return answer
+    answer = _validation.run_check(_check, input, dim, index, src, reduce, include_self, mode,
+                                   sorted, check, plan)
+    remember_checked(plan, _CALLER, arguments, answer)
+    return answer
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):

@@ -6,8 +6,8 @@ import torch
 
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
-from detsum.modes import Mode, parse_mode, rule_for
-from detsum.plans import Plan, check_plan
+from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
+from detsum.plans import Plan, check_plan, checked_before, remember_checked
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
@@ -71,8 +71,9 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
     ``kernels.CHUNK_TERMS``; -1: the launch counts them."""
     num_rows = src.shape[dim]
-    backend_name = current_backend(src.device.type, _CALLER)
-    check = _segments.check_that_runs(check, src.device.type, backend_name)
+    device_type = src.device.type
+    backend_name = current_backend(device_type, _CALLER)
+    check = _segments.check_that_runs(check, device_type, backend_name)
     if rows is None:
         _check_values(offsets, perm, num_rows, check)
     if check != "host" and rows is None:
@@ -82,13 +83,19 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
     src3 = _segments.rows_view(src, dim)
     out3 = _segments.new_output(src3, offsets.numel() - 1)
-    order = None if perm is None else perm.to(torch.int64)
-    _segments.launch(backend_name, src3, order, offsets.to(torch.int64), None, out3,
+    order = None if perm is None else _int64(perm)
+    _segments.launch(backend_name, src3, order, _int64(offsets), None, out3,
                      reduce="sum",
-                     rule=rule_for(Mode(acc_mode), "sum", src.device.type, src3.shape[2]),
+                     rule=rule_for(MODE_BY_NAME[acc_mode], "sum", device_type, src3.shape[2]),
                      alpha=1.0, include_base=False,
                      chunks=None if chunk_slots < 0 else (chunk_ends, chunk_slots))
-    return out3.view(_out_shape(src, dim, offsets))
+    return out3.view(*_out_shape(src, dim, offsets))  # sizes one by one: parsed faster
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    # t.to(torch.int64) returns t itself when it is int64 already, after a microsecond of
+    # argument parsing: a plan's positions always are.
+    return t if t.dtype == torch.int64 else t.to(torch.int64)
 
 
 @torch.library.custom_op("detsum::segment_sum", mutates_args=())
@@ -273,7 +280,7 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
         tensor([[5., 6.],
                 [4., 6.]])
     """
-    dim, mode = _validation.run_check(_check, src, offsets, dim, perm, mode, check, plan)
+    dim, mode = _checked(src, offsets, dim, perm, mode, check, plan)
     planning = (check,)
     if plan is not None:
         offsets, perm = plan.offsets, plan.order
@@ -281,6 +288,23 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
     if _dispatch.direct_call_ok(src, offsets, perm):
         return _segment_sum(src, offsets, dim, perm, mode.value, *planning)
     return call_segment_sum(src, offsets, dim, perm, mode.value, *planning)
+
+
+def _checked(src, offsets, dim, perm, mode, check, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.checked_before``)."""
+    arguments = None
+    if (type(plan) is Plan and offsets is None and perm is None and type(src) is torch.Tensor
+            and type(dim) is int and type(mode) in (str, Mode) and type(check) is str
+            and not torch.compiler.is_compiling()):
+        arguments = (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
+                     dim, type(mode), mode, check)
+        answer = checked_before(plan, _CALLER, arguments)
+        if answer is not None:
+            return answer
+    answer = _validation.run_check(_check, src, offsets, dim, perm, mode, check, plan)
+    remember_checked(plan, _CALLER, arguments, answer)
+    return answer
 
 
 def _check(src, offsets, dim, perm, mode, check, plan):

@@ -77,6 +77,7 @@ IMPLEMENTATION NOTES (this backend):
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -1129,9 +1130,8 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
     work = (torch.empty((outer, 2 * n_parts, ncomp, inner), dtype=acc_dtype, device=src.device)
             if split else out)  # never written without SPLIT
-    block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size())
-    num_warps = max(1, min(8, block * src.element_size() // 512))
-    grid_yz = (min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
+                                          _MAX_GRID_YZ)
     # Written by the kernel's first program only under CHECK_KEYS.
     flag = torch.empty(1, dtype=torch.int8, device=src.device) if range_error else out
     _launch_segment(
@@ -1156,6 +1156,16 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
             REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, USE_BASE=use_base,
             HAS_CARRY=has_carry, NCOMP=ncomp, CHUNK=CHUNK_TERMS, KEYED=keyed, BLOCK=block,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _blocking(inner: int, itemsize: int, outer: int, row_bytes: int, max_grid_yz: int
+              ) -> tuple[int, int, tuple[int, int]]:
+    """``segment_reduce``'s BLOCK, num_warps and grid (y, z): a function of the shape alone,
+    kept, since a small launch spends a microsecond computing it."""
+    block = min(max(_next_power_of_2(inner), 16), row_bytes // itemsize)
+    num_warps = max(1, min(8, block * itemsize // 512))
+    return block, num_warps, (min(_cdiv(inner, block), max_grid_yz), min(outer, max_grid_yz))
 
 
 def _made_for_the_interpreter(namespace) -> bool:

@@ -80,6 +80,9 @@ def test_scatter_reduce_sparse_plan_gives_the_dense_bits(mode, include_self, red
     if reduce in ("amax", "amin") and mode in ("kahan", "exact"):
         pytest.skip("amax/amin run the same kernel in fp32, kahan and exact mode: fp32 covers it")
     _skip_exact_sweep_in_interpreter(backend_name, mode, reduce != "sum")
+    if backend_name == "triton" and not HAS_CUDA and mode != "fp32" and reduce != "sum":
+        pytest.skip("on the interpreter, \"fp32\" takes every reduction and the other modes "
+                    "their sum: the two plans are positions, the same for every mode")
     input, index, source = _case(torch.bfloat16, n_out=40)
     if reduce == "prod":
         source = (1 + source.float() / 2**40).to(torch.bfloat16)

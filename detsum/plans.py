@@ -63,7 +63,7 @@ class Plan:
     #: reads it back with its check; else an upper bound from the index's length.
     chunk_slots: int
     #: Each primitive's last call with the plan whose arguments passed its checks: (what
-    #: those checks read of them, what they returned). See :func:`checked_before`.
+    #: those checks read of them, what they returned). See :func:`run_checks_with`.
     _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
 
@@ -85,10 +85,9 @@ def operator_arguments(plan: Plan | None, check: str) -> tuple:
     return plan.check, plan.order, plan.offsets, plan.chunk_ends, plan.chunk_slots
 
 
-def checked_before(plan: object, caller: str, arguments: tuple | None) -> tuple | None:
-    """What ``caller``'s argument checks returned at its last call with ``plan``, if that
-    call's ``arguments`` were these, else None (then the checks run, and ``remember_checked``
-    keeps their answer).
+def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *args) -> tuple:
+    """``_validation.run_check(check, *args)``, or, when ``arguments`` are those of
+    ``caller``'s last call with ``plan`` whose checks passed, what they returned then.
 
     ``arguments`` is everything the checks read (each tensor's dtype, shape and device, the
     other arguments' types and values), or None where the caller cannot say it cheaply: the
@@ -97,18 +96,16 @@ def checked_before(plan: object, caller: str, arguments: tuple | None) -> tuple 
     launch again. What can change between two such calls, the plan's index changed in place,
     is checked every time (it then takes the checks' path, which refuses it). Eager calls
     only: a traced call checks every time."""
-    if arguments is None or type(plan) is not Plan:
-        return None
-    last = plan._checked.get(caller)
-    if last is None or last[0] != arguments or plan.index._version != plan.index_version:
-        return None
-    return last[1]
-
-
-def remember_checked(plan: object, caller: str, arguments: tuple | None, answer: tuple) -> None:
-    """Keep the checks' ``answer`` for ``arguments`` (see :func:`checked_before`)."""
-    if arguments is not None and type(plan) is Plan:
+    remembered = arguments is not None and type(plan) is Plan
+    if remembered:
+        last = plan._checked.get(caller)
+        if (last is not None and last[0] == arguments
+                and plan.index._version == plan.index_version):
+            return last[1]
+    answer = _validation.run_check(check, *args)
+    if remembered:
         plan._checked[caller] = (arguments, answer)
+    return answer
 
 
 def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,

@@ -8,8 +8,8 @@ from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import (Plan, Planned, check_plan, checked_before, operator_arguments,
-                          remember_checked, unpack)
+from detsum.plans import (Plan, Planned, check_plan, operator_arguments, run_checks_with,
+                          unpack)
 
 _CALLER = "detsum.index_add"
 
@@ -209,7 +209,7 @@ _PLAIN = (int, float, str, Mode)
 
 def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
     """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.checked_before``)."""
+    those of its last call (``plans.run_checks_with``)."""
     arguments = None
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
@@ -220,13 +220,8 @@ def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
         arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
                      index.device, source.dtype, source.shape, source.device, dim,
                      type(alpha), alpha, type(mode), mode, check)
-        answer = checked_before(plan, caller, arguments)
-        if answer is not None:
-            return answer
-    answer = _validation.run_check(_check, input, dim, index, source, alpha, mode, check,
-                                   caller, plan)
-    remember_checked(plan, caller, arguments, answer)
-    return answer
+    return run_checks_with(plan, caller, arguments, _check, input, dim, index, source, alpha,
+                           mode, check, caller, plan)
 
 
 _ORDER_DOC = """

@@ -18,8 +18,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import (Plan, check_plan, checked_before, operator_arguments,
-                          remember_checked, unpack)
+from detsum.plans import Plan, check_plan, operator_arguments, run_checks_with, unpack
 from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
@@ -454,7 +453,7 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
 
 def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan):
     """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.checked_before``)."""
+    those of its last call (``plans.run_checks_with``)."""
     arguments = None
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
@@ -466,13 +465,8 @@ def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, 
         arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
                      index.device, src.dtype, src.shape, src.device, dim, reduce,
                      include_self, sorted, type(mode), mode, check)
-        answer = checked_before(plan, _CALLER, arguments)
-        if answer is not None:
-            return answer
-    answer = _validation.run_check(_check, input, dim, index, src, reduce, include_self, mode,
-                                   sorted, check, plan)
-    remember_checked(plan, _CALLER, arguments, answer)
-    return answer
+    return run_checks_with(plan, _CALLER, arguments, _check, input, dim, index, src, reduce,
+                           include_self, mode, sorted, check, plan)
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):

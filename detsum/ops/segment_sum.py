@@ -7,7 +7,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import Plan, check_plan, checked_before, remember_checked
+from detsum.plans import Plan, check_plan, run_checks_with
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
@@ -292,19 +292,15 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
 
 def _checked(src, offsets, dim, perm, mode, check, plan):
     """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.checked_before``)."""
+    those of its last call (``plans.run_checks_with``)."""
     arguments = None
     if (type(plan) is Plan and offsets is None and perm is None and type(src) is torch.Tensor
             and type(dim) is int and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):
         arguments = (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
                      dim, type(mode), mode, check)
-        answer = checked_before(plan, _CALLER, arguments)
-        if answer is not None:
-            return answer
-    answer = _validation.run_check(_check, src, offsets, dim, perm, mode, check, plan)
-    remember_checked(plan, _CALLER, arguments, answer)
-    return answer
+    return run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
+                           check, plan)
 
 
 def _check(src, offsets, dim, perm, mode, check, plan):

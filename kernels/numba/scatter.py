@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .. import AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE
+from .. import CHUNK_TERMS, KAHAN, MEAN, ROUND_EACH, SUM, WIDE
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -46,7 +46,9 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
-from .segment import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .segment import (_OP_ADD, _OP_ADD_ROUND, _OP_KAHAN, _OP_MAX, _OP_MIN, _OP_MUL, _f32, _f64,
+                      _flat, _njit_named_for, launch_threads, neumaier, operation_for,
+                      threads)
 
 __all__ = ["scatter_elements"]
 
@@ -60,12 +62,6 @@ _STATE_BYTES = 8 << 20
 #: second thread costs more than a small launch). Only the schedule changes, never a result.
 _MIN_BLOCK_ELEMENTS = 65536
 
-_OP_ADD = 0
-_OP_ADD_ROUND = 1
-_OP_KAHAN = 2
-_OP_MUL = 3
-_OP_MAX = 4
-_OP_MIN = 5
 
 def _make_kernel(fmt, dec, rnd, enc, cvt):
     """The kernel for one data format (see ``segment._make_block`` for ``dec``, ``rnd``,
@@ -279,19 +275,7 @@ def _make_kernel(fmt, dec, rnd, enc, cvt):
                acc_scratch, comp_scratch, part_scratch, pcomp_scratch, count_scratch,
                seen_scratch, bad):
         outer, nrows, nseg, inner = shape
-        if reduce == PROD:
-            op = _OP_MUL
-        elif reduce == AMAX:
-            op = _OP_MAX
-        elif reduce == AMIN:
-            op = _OP_MIN
-        elif rule == KAHAN:
-            op = _OP_KAHAN
-        elif rule == ROUND_EACH and reduce == SUM:
-            op = _OP_ADD_ROUND
-        else:
-            # WIDE, and MEAN under ROUND_EACH (summed wide, rounded before the division).
-            op = _OP_ADD
+        op = operation_for(reduce, rule, False)  # no alpha here
         # amax / amin give the same bits split or not, so only sums and products are split.
         split = (rule == WIDE or rule == KAHAN) and op != _OP_MAX and op != _OP_MIN
         mean = reduce == MEAN

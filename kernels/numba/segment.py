@@ -101,7 +101,7 @@ IMPLEMENTATION NOTES (this backend):
 
 import numpy as np
 import torch
-from numba import prange
+from numba import njit, prange
 
 from .. import AMAX, AMIN, CHUNK_TERMS, EXACT, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
 from ..rounding import (
@@ -138,6 +138,24 @@ _OP_KAHAN = 3
 _OP_MUL = 4
 _OP_MAX = 5
 _OP_MIN = 6
+
+
+@njit(inline="always")
+def operation_for(reduce, rule, scaled):
+    """The operation each term goes through for ``reduce`` under ``rule`` (``scaled``: alpha
+    is not 1), the one table for this kernel and ``scatter.py``'s, which give the same bits."""
+    if reduce == PROD:
+        return _OP_MUL
+    if reduce == AMAX:
+        return _OP_MAX
+    if reduce == AMIN:
+        return _OP_MIN
+    if rule == KAHAN:
+        return _OP_KAHAN
+    if rule == ROUND_EACH and reduce == SUM:
+        return _OP_ADD_ROUND_SCALED if scaled else _OP_ADD_ROUND
+    # WIDE, and MEAN under ROUND_EACH (summed wide, rounded before the division).
+    return _OP_ADD
 
 
 def _make_block(fmt, dec, rnd, enc, cvt):
@@ -358,19 +376,7 @@ def _make_block(fmt, dec, rnd, enc, cvt):
         """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows."""
         outer, nseg, inner = shape
         use_base = has_base and include_base
-        if reduce == PROD:
-            op = _OP_MUL
-        elif reduce == AMAX:
-            op = _OP_MAX
-        elif reduce == AMIN:
-            op = _OP_MIN
-        elif rule == KAHAN:
-            op = _OP_KAHAN
-        elif rule == ROUND_EACH and reduce == SUM:
-            op = _OP_ADD_ROUND if alpha == 1.0 else _OP_ADD_ROUND_SCALED
-        else:
-            # WIDE, and MEAN under ROUND_EACH (summed wide, see mean_round).
-            op = _OP_ADD
+        op = operation_for(reduce, rule, alpha != 1.0)
         mean_round = reduce == MEAN and rule == ROUND_EACH
         # amax / amin give the same bits split or not, so only sums and products are split.
         split = (rule == WIDE or rule == KAHAN) and op != _OP_MAX and op != _OP_MIN

@@ -38,7 +38,9 @@ def moe_data(device: str) -> dict:
         gather_indices, _ = moe.route(selected, N_EXPERTS)
         to = lambda t: t.to(device)  # noqa: E731
         _data[device] = {
-            "gather_indices": to(gather_indices),
+            # A copy, on every device: route's own tensor would pass as its Routing, unchecked,
+            # and the timings are those of an index checked and inverted by each call.
+            "gather_indices": to(gather_indices).clone(),
             "x": to(torch.randn(T, h, generator=gen).to(DTYPE)),
             "y": to(torch.randn(T * TOPK, h, generator=gen).to(DTYPE)),
             "weights": to(torch.softmax(torch.randn(T, TOPK, generator=gen), -1).to(DTYPE)),

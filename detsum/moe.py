@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from detsum import _dispatch, _kernel_ops, _segments, _transforms, _validation
 from detsum.modes import CHUNK_TERMS, Mode, acc_dtype, parse_mode
@@ -68,7 +69,8 @@ def _check_level(caller: str, check: object, *, false_means: str) -> str:
 class Routing(tuple):
     """What :func:`route` returns: unpacks as ``(gather_indices, tokens_per_expert)``, and
     carries what ``permute`` and ``unpermute`` would otherwise derive from ``gather_indices``
-    on every call, forward and backward. Pass it in place of ``gather_indices``."""
+    on every call, forward and backward. Pass it in place of ``gather_indices``, or pass its
+    ``gather_indices`` alone: while that tensor is unchanged, the calls find its Routing."""
 
     def __new__(cls, gather_indices: torch.Tensor, tokens_per_expert: torch.Tensor,
                 positions: torch.Tensor, token_table: torch.Tensor | None = None) -> Routing:
@@ -188,8 +190,13 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
         ``tokens_per_expert`` [E] int64 the rows each expert receives. It also holds the
         inverse permutation; passed to ``permute`` and ``unpermute`` in place of
         ``gather_indices``, it spares them checking it (a sort's indices are a permutation)
-        and inverting it, forward and backward: the same bits, fewer device ops. Computed on
-        the tensor's device with no host synchronisation besides ``"host"``'s check.
+        and inverting it, forward and backward: the same bits, fewer device ops. So does
+        ``gather_indices`` passed alone, as long as that tensor is not changed in place (as
+        its version counter tells, which, as for autograd's saved tensors, a write through
+        ``.data`` or a NumPy view does not move): an index changed since, a copy of it, or
+        one made in ``torch.inference_mode`` (no version counter) is checked and inverted as
+        any other. Computed on the tensor's device with no host synchronisation besides
+        ``"host"``'s check.
         ``torch.compile(fullgraph=True)`` traces it at every level (the check's read runs
         inside an operator).
 
@@ -211,8 +218,11 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
     level, num_experts = _validation.run_check(_check_route, selected_experts, num_experts,
                                                check)
     if _dispatch.direct_call_ok(selected_experts):
-        return Routing(*_route(selected_experts, num_experts, level))
-    return Routing(*route_op(selected_experts, num_experts, level))
+        routing = Routing(*_route(selected_experts, num_experts, level))
+    else:
+        routing = Routing(*route_op(selected_experts, num_experts, level))
+    _remember(routing)
+    return routing
 
 
 def _check_route(selected_experts, num_experts, check):
@@ -223,6 +233,55 @@ def _check_route(selected_experts, num_experts, check):
         raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
                          f"{tuple(selected_experts.shape)}")
     return level, _validation.check_positive_int(caller, "num_experts", num_experts)
+
+
+# ---- route's gather_indices, given bare ---------------------------------------------------------
+
+#: What ``route`` returned with each ``gather_indices``, by that tensor (weak keys compared by
+#: identity: an entry goes with its tensor): the tensor's ``_stamp`` then, and the rest of its
+#: Routing (tokens_per_expert, positions, token_table).
+_ROUTINGS = WeakIdKeyDictionary()
+
+
+def _stamp(gather_indices: torch.Tensor) -> tuple:
+    """What must not change for a Routing to still describe its ``gather_indices``: the
+    tensor's memory, layout and version counter (which every in-place change moves, made
+    through the tensor or any view of it)."""
+    return (gather_indices._version, gather_indices.data_ptr(), gather_indices.shape,
+            gather_indices.stride(), gather_indices.dtype, gather_indices.device)
+
+
+def _has_stamp(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain eager tensor with a version counter: not traced (a traced
+    tensor has neither memory nor counter), no subclass or functorch wrapper, no inference
+    tensor (torch keeps no counter for those)."""
+    return (not torch.compiler.is_compiling() and type(tensor) is torch.Tensor
+            and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+            and not tensor.is_inference())
+
+
+def _remember(routing: Routing) -> None:
+    if _has_stamp(routing.gather_indices):
+        # The entry holds none of the key's own tensor: it would keep itself alive.
+        _ROUTINGS[routing.gather_indices] = (_stamp(routing.gather_indices),
+                                             routing.tokens_per_expert, routing.positions,
+                                             routing.token_table)
+
+
+def _as_routing(gather_indices: torch.Tensor | Routing) -> torch.Tensor | Routing:
+    """``gather_indices`` as ``permute`` and ``unpermute`` take it: the ``gather_indices`` that
+    ``route`` returned, unchanged since, as the whole Routing; anything else as it is.
+
+    A sort's indices are a permutation and route has inverted them: given bare, they need the
+    check and the inversion no more than the Routing does. An index changed in place since (its
+    version counter moved) is an index like any other, checked as ``check`` says."""
+    if (isinstance(gather_indices, Routing) or not isinstance(gather_indices, torch.Tensor)
+            or not _has_stamp(gather_indices)):
+        return gather_indices
+    remembered = _ROUTINGS.get(gather_indices)
+    if remembered is None or remembered[0] != _stamp(gather_indices):
+        return gather_indices
+    return Routing(gather_indices, *remembered[1:])
 
 
 # ---- shared index plumbing ----------------------------------------------------------------------
@@ -417,7 +476,8 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, 
         gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``),
             or the :class:`Routing` that ``route`` returned: then it is neither checked
             (``check`` does not apply: it is a permutation by construction) nor inverted,
-            forward or backward.
+            forward or backward. So is the ``gather_indices`` tensor that ``route`` returned,
+            while unchanged (see ``route``).
         topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         mode: how backward sums each token's ``topk`` gradient rows: ``"fp32"`` (default),
             ``"kahan"`` or ``"autograd"``.
@@ -470,7 +530,7 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, 
                 [2.],
                 [2.]])
     """
-    routing = gather_indices
+    routing = _as_routing(gather_indices)
     gather_indices, positions = _unrouted(routing)
     mode, level, topk = _validation.run_check(_check_permute, x, gather_indices, topk, mode,
                                               check)
@@ -708,7 +768,8 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
         gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``),
             or the :class:`Routing` that ``route`` returned: then it is neither checked
             (``check`` does not apply: it is a permutation by construction) nor inverted,
-            forward or backward.
+            forward or backward. So is the ``gather_indices`` tensor that ``route`` returned,
+            while unchanged (see ``route``).
         topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         weights: ``[T, topk]`` routing probabilities (any float dtype, not necessarily ``y``'s),
             or None for plain sums. Only with ``reduce=True``.
@@ -801,7 +862,7 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
         tensor([[13.3333],
                 [30.0000]])
     """
-    gather_indices, positions = _unrouted(gather_indices)
+    gather_indices, positions = _unrouted(_as_routing(gather_indices))
     mode, level, topk = _validation.run_check(_check_unpermute, y, gather_indices, topk,
                                               weights, reduce, mode, check)
     if positions is not None:

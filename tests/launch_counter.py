@@ -276,6 +276,9 @@ def inputs(backward: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
         "x": torch.randn(_TOKENS, _FEATURES, generator=gen),
         "weights": torch.softmax(torch.randn(_TOKENS, _TOPK, generator=gen), -1),
     }
+    # route's permutation found by the caller, outside the counted calls: a tensor route never
+    # returned.
+    t["gather_indices"] = torch.sort(t["selected"].view(-1), stable=True).indices
     # Made once, outside the counted calls (its positions are the same on every backend).
     t["plan"] = detsum.plan(index, _SEGMENTS)
     if backward:
@@ -308,11 +311,15 @@ def _with_plan(t, name, mode):
                                  plan=t["plan"])
 
 
-def _moe_layer(t, mode, check, routed=False):
+def _moe_layer(t, mode, check, given="gather_indices"):
     """route, permute and the weighted unpermute (no expert between: its work is not
-    detsum's); ``routed``: the two take route's Routing itself, not its gather_indices."""
+    detsum's). The two take route's gather_indices (the default), its Routing itself
+    (``"routing"``), or the caller's own gather_indices (``"callers"``: the same permutation,
+    found by the caller's sort before the call, which route never returned: permute and
+    unpermute check and invert it)."""
     routing = moe.route(t["selected"], _EXPERTS, check=check)
-    gather_indices = routing if routed else routing[0]
+    gather_indices = (routing if given == "routing" else t["gather_indices"]
+                      if given == "callers" else routing[0])
     rows = moe.permute(t["x"], gather_indices, _TOPK, mode=mode, check=check)
     return moe.unpermute(rows, gather_indices, _TOPK, weights=t["weights"], mode=mode,
                          check=check)
@@ -346,10 +353,11 @@ def _rows() -> dict[str, Row]:
         for check in CHECKS:
             rows[f"{name} fp32 {check} +backward"] = Row(
                 functools.partial(call, mode="fp32", check=check), check, backward=True)
-    for check in CHECKS:
-        rows[f"moe layer fp32 {check} routed +backward"] = Row(
-            functools.partial(_moe_layer, mode="fp32", check=check, routed=True), check,
-            backward=True)
+    for given, suffix in (("routing", "routed"), ("callers", "caller's index")):
+        for check in CHECKS:
+            rows[f"moe layer fp32 {check} {suffix} +backward"] = Row(
+                functools.partial(_moe_layer, mode="fp32", check=check, given=given), check,
+                backward=True)
     for name in ("segment_sum", "index_add", "scatter_reduce"):
         for mode in ("fp32", "kahan", "autograd", "exact"):
             rows[f"{name} {mode} plan"] = Row(

@@ -578,7 +578,8 @@ _SLOTS = _TOKENS * _TOPK
 def _moe_inputs(dtype=torch.float32, weights_dtype=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     selected = torch.randint(0, _EXPERTS, (_TOKENS, _TOPK), generator=gen)
-    gather_indices, _ = moe.route(selected, _EXPERTS)
+    # A copy: route's own gather_indices would pass as its Routing, with nothing to check.
+    gather_indices = moe.route(selected, _EXPERTS)[0].clone()
     return {
         "selected": selected,
         "gather_indices": gather_indices,

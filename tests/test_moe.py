@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import unittest.mock
+import weakref
 
 import numpy as np
 import pytest
@@ -112,14 +114,15 @@ def test_route_returns_a_routing_that_unpacks_as_before():
 def test_the_routing_gives_the_bits_of_its_gather_indices(backend, dtype, weights_dtype, mode):
     """permute and unpermute (weighted, unweighted, reduce=False) given route's Routing: the
     bits of the same calls given its gather_indices, forward and every gradient, at every
-    level of the gather_indices' check (the Routing needs none)."""
+    level of the gather_indices' check (the Routing needs none). A copy of them: route's own
+    would pass as the Routing."""
     if backend == "triton" and mode == "exact" and dtype == torch.float16:
         pytest.skip("exact fp16 on the interpreter: tests/test_exact_triton.py covers it")
     selected, _, _, x, _, weights, _, grad_out = setup(dtype, 4, weights_dtype=weights_dtype)
     with detsum.backend(backend):
         routing = moe.route(selected, E)
         results = []
-        for given, check in ((routing[0], "host"), (routing, "off")):
+        for given, check in ((routing[0].clone(), "host"), (routing, "off")):
             x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
             y = moe.permute(x_leaf, given, 4, mode=mode, check=check)
             out = moe.unpermute(y * 3, given, 4, weights=w_leaf, mode=mode, check=check)
@@ -142,6 +145,108 @@ def test_a_routing_of_unchecked_ids_is_still_a_permutation():
     y = moe.permute(x, routing, 2)
     assert_same_bits(moe.unpermute(y, routing, 2, reduce=False),
                      x.repeat_interleave(2, dim=0))
+
+
+# ---- route's gather_indices, given bare -------------------------------------------------------
+
+def _bare_layer(given, x, weights, grad_out, mode, check):
+    """permute, a change of the rows, the weighted and the plain unpermute and the rows
+    unpermuted, given ``given``: the outputs, then the gradients of x and weights."""
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+    y = moe.permute(x, given, 4, mode=mode, check=check)
+    rows = y * torch.linspace(-2.0, 3.0, y.shape[0], dtype=y.dtype)[:, None]
+    out = moe.unpermute(rows, given, 4, weights=weights, mode=mode, check=check)
+    plain = moe.unpermute(rows, given, 4, mode=mode, check=check)
+    back = moe.unpermute(rows, given, 4, reduce=False, mode=mode, check=check)
+    loss = (out * grad_out).sum() + plain.sum() + back.square().sum()
+    return (y, out, plain, back, *torch.autograd.grad(loss, (x, weights)))
+
+
+@pytest.mark.parametrize("check", ["host", "device", "off", True, False])
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+def test_routes_gather_indices_given_bare_give_the_routings_bits(backend, mode, check):
+    """Forward and every gradient, at every level: route's gather_indices, given bare, the
+    bits of its Routing and of a copy of them (an index route never returned, checked and
+    inverted by each call)."""
+    selected, _, _, x, _, weights, _, grad_out = setup(torch.float32, 4, tokens=8, hidden=6)
+    with detsum.backend(backend):
+        routing = moe.route(selected, E)
+        expected = _bare_layer(routing, x, weights, grad_out, mode, check)
+        for given in (routing[0], routing[0].clone()):
+            for got, want in zip(_bare_layer(given, x, weights, grad_out, mode, check),
+                                 expected, strict=True):
+                assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("check", ["host", "device", "off", True, False])
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+def test_routes_gather_indices_given_bare_are_neither_checked_nor_inverted(backend, check):
+    """As its Routing: a sort's indices are a permutation, and route has inverted them."""
+    selected, _, _, x, _, weights, _, grad_out = setup(torch.float32, 4, tokens=8, hidden=6)
+    again = AssertionError("route's gather_indices checked or inverted again")
+    with detsum.backend(backend):
+        gather_indices, _ = moe.route(selected, E)
+        with unittest.mock.patch.object(moe, "_check_permutation", side_effect=again), \
+                unittest.mock.patch.object(moe, "_check_bounds", side_effect=again), \
+                unittest.mock.patch.object(moe, "_slot_positions", side_effect=again):
+            _bare_layer(gather_indices, x, weights, grad_out, "fp32", check)
+
+
+def _misroute(view, mistake):
+    """Break the permutation at position 2 of ``view``, in place."""
+    view[2] = view.numel() * 8 if mistake == "out-of-range" else view[3]
+
+
+@pytest.mark.parametrize("how", ["in place", "through a view", "after a call"])
+@pytest.mark.parametrize("mistake", ["out-of-range", "repeated"])
+@pytest.mark.parametrize("call", ["permute", "unpermute"])
+def test_routes_gather_indices_changed_in_place_are_checked_as_any_index(call, mistake, how):
+    """An index changed since route returned it is an index like any other: each level raises
+    what it raises for a new tensor of the same values, with the same words ("device": from
+    torch._assert_async, at once on the CPU)."""
+    selected, _, _, x, y, weights, _, _ = setup(torch.float32, 4, tokens=8, hidden=6)
+    gather_indices, _ = moe.route(selected, E)
+    run = {"permute": lambda g, check: moe.permute(x, g, 4, check=check),
+           "unpermute": lambda g, check: moe.unpermute(y, g, 4, weights=weights,
+                                                       check=check)}[call]
+    if how == "after a call":
+        run(gather_indices, "host")  # taken as its Routing, before the change
+    _misroute(gather_indices[2:] if how == "through a view" else gather_indices, mistake)
+    errors = {"host": IndexError if mistake == "out-of-range" else ValueError,
+              "device": RuntimeError}
+    for check, error in errors.items():
+        with pytest.raises(error) as expected:
+            run(gather_indices.clone(), check)
+        with pytest.raises(error) as got:
+            run(gather_indices, check)
+        assert str(got.value) == str(expected.value)
+        assert str(got.value).startswith(f"detsum.moe.{call}: gather_indices")
+
+
+def test_routes_gather_indices_keep_their_tables_no_longer_than_themselves():
+    """What route computed for its gather_indices goes when they go (no reference cycle: without
+    a collection), and a tensor made later, perhaps in the same memory, is no routing's."""
+    routing = moe.route(torch.tensor([[1, 0], [1, 2]]), 3)
+    positions = weakref.ref(routing.positions)
+    del routing
+    assert positions() is None
+    with pytest.raises(ValueError, match="holds 1 more than once"):
+        moe.permute(torch.ones(2, 3), torch.tensor([1, 0, 1, 3]), 2)
+
+
+def test_routes_gather_indices_made_in_inference_mode_are_checked():
+    """Inference tensors keep no version counter: route's are then indices like any other,
+    with the same bits."""
+    selected, _, _, x, y, weights, _, _ = setup(torch.float32, 4, tokens=8, hidden=6)
+    routing = moe.route(selected, E)
+    with torch.inference_mode():
+        gather_indices, _ = moe.route(selected, E)
+        assert moe._as_routing(gather_indices) is gather_indices
+        got = moe.unpermute(moe.permute(x, gather_indices, 4) * 2, gather_indices, 4,
+                            weights=weights)
+    assert_same_bits(got, moe.unpermute(moe.permute(x, routing, 4) * 2, routing, 4,
+                                        weights=weights))
 
 
 def test_a_routing_compiles_in_one_graph():

@@ -92,7 +92,8 @@ def _layer(selected, x, weights, grad_out, topk, mode, given, check):
     """permute, a change of the rows (so that y is no copy of x), the weighted unpermute;
     the output and the gradients of x and weights."""
     routing = moe.route(selected, E)
-    gather_indices = {"routing": routing, "gather_indices": routing[0]}[given]
+    # A copy of the gather_indices: route's own would pass as its Routing, unchecked.
+    gather_indices = routing if given == "routing" else routing[0].clone()
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     y = moe.permute(x, gather_indices, topk, mode=mode, check=check)
     rows = y * torch.linspace(-2.0, 3.0, y.shape[0], dtype=y.dtype)[:, None]

@@ -53,8 +53,10 @@ class Plan:
     #: Whether the plan was made with ``sorted=True``.
     sorted: bool
     #: ``index._version`` when the plan was made: an index changed in place since then no
-    #: longer matches its plan, and calls refuse the pair.
-    index_version: int
+    #: longer matches its plan, and calls refuse the pair. None for an index that keeps no
+    #: version counter (an inference tensor, made under ``torch.inference_mode``): a change
+    #: in place to one of those cannot be seen.
+    index_version: int | None
     #: For the modes that split long segments into chunks ("fp32", "kahan"; see
     #: ``detsum.kernels.CHUNK_TERMS``): the running count of each segment's chunks
     #: (``detsum.kernels.chunk_ends``), on the index's device.
@@ -100,7 +102,7 @@ def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *
     if remembered:
         last = plan._checked.get(caller)
         if (last is not None and last[0] == arguments
-                and plan.index._version == plan.index_version):
+                and _version(plan.index) == plan.index_version):
             return last[1]
     answer = _validation.run_check(check, *args)
     if remembered:
@@ -172,7 +174,8 @@ def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
 
     The plan gives the same bits as a call without it, in every mode and on every backend. It
     stays valid as long as its index is not changed in place (a call with a changed index is
-    refused); it may be used on any backend and by every primitive whose index it describes
+    refused; torch keeps no version counter for an index made under ``torch.inference_mode``,
+    so a change to one of those goes unseen); it may be used on any backend and by every primitive whose index it describes
     (``index_add``, ``index_add_``, ``scatter_reduce`` with that 1-D index, ``segment_sum``).
 
     Example:
@@ -212,9 +215,12 @@ def _can_call_directly(index: torch.Tensor) -> bool:
     return _dispatch.direct_call_ok(index) and not _transforms.active()
 
 
-def _version(index: torch.Tensor) -> int:
+def _version(index: torch.Tensor) -> int | None:
     # A traced tensor has no version counter worth keeping: nothing changes it in place there.
-    return 0 if torch.compiler.is_compiling() else index._version
+    if torch.compiler.is_compiling():
+        return 0
+    # torch keeps no counter for an inference tensor (reading it raises).
+    return None if index.is_inference() else index._version
 
 
 def _check(index, num_rows, sorted, check):
@@ -248,7 +254,7 @@ def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: 
             raise ValueError(f"{caller}: index is not the tensor plan was made from; expected "
                              f"plan.index (or a view of the same memory), or a plan made from "
                              f"this index")
-    if plan.index._version != plan.index_version:
+    if _version(plan.index) != plan.index_version:
         raise ValueError(f"{caller}: plan's index was changed in place after the plan was "
                          f"made; expected a new plan: detsum.plan(index, {plan.num_rows})")
     return plan

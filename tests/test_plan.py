@@ -389,6 +389,19 @@ def test_a_remembered_plan_checks_every_other_view_of_its_index():
         detsum.index_add(base, 0, index.clone(), src, plan=plan)
 
 
+def test_plans_of_inference_tensors_serve_calls_in_and_out_of_inference_mode():
+    """torch keeps no version counter for an inference tensor: a plan of one is made and used
+    without reading it, and gives the bits of a call without the plan."""
+    src, base = torch.randn(5, 3), torch.zeros(3, 3)
+    with torch.inference_mode():
+        index = torch.tensor([2, 0, 2, 1, 0])
+        plan = detsum.plan(index, 3)
+        inside = detsum.index_add(base, 0, index, src, plan=plan)
+    outside = detsum.index_add(base, 0, index, src, plan=plan)
+    for got in (inside, outside):
+        assert_same_bits(got, detsum.index_add(base, 0, index, src))
+
+
 def test_plan_repr_names_its_shape():
     plan = detsum.plan(torch.tensor([0, 1, 1]), 2)
     assert repr(plan) == ("detsum.Plan(num_rows=2, length=3, sorted=False, check='host', "

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -162,6 +163,10 @@ def _apply() -> None:
     if wanted is None and _library is not None:
         _library._destroy()
         _library = None
+    if wanted is not None or "detsum._switch_compile" in sys.modules:
+        from detsum import _switch_compile  # imports Dynamo and Inductor: only once used
+
+        _switch_compile.follow(wanted is not None)
 
 
 def _register() -> torch.library.Library:

@@ -30,7 +30,7 @@ What keeps compiled code in step with the switch:
   state that the traced code does not read: the guard is added where Dynamo adds its own
   guards on global state (``OutputGraph.init_ambient_guards``). Frames compiled before this
   module was first used carry no such guard: installing it resets Dynamo once
-  (``torch._dynamo.reset()``), so they compile again;
+  (``torch._dynamo.reset()``), so they compile again at their next call;
 - the caches on disk (FX graph, AOTAutograd), whose keys do not see the table:
   ``torch.compiler.config.cache_key_tag`` ends in ``_CACHE_TAG`` while the switch is on.
 
@@ -42,7 +42,6 @@ This module imports Dynamo and Inductor: ``detsum.switch`` imports it at the fir
 from __future__ import annotations
 
 import functools
-import sys
 
 import torch
 
@@ -134,7 +133,6 @@ def follow(on: bool) -> None:
 
 
 def _install() -> None:
-    dynamo_in_use = "torch._dynamo" in sys.modules
     from torch._dynamo import output_graph, reset
     from torch._dynamo.source import GlobalStateSource
 
@@ -146,8 +144,7 @@ def _install() -> None:
         self.guards.add(GlobalStateSource().make_guard(functools.partial(_guard, on)))
 
     output_graph.OutputGraph.init_ambient_guards = init_ambient_guards
-    if dynamo_in_use:
-        reset()
+    reset()  # the frames compiled so far carry no guard on the switch
 
 
 def _guard(on: bool, builder, guard) -> None:

@@ -178,6 +178,40 @@ def test_code_compiled_before_the_first_enable_is_compiled_again():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
 
 
+def test_a_graph_break_at_a_switched_op_runs_it_on_detsum():
+    """bincount's output shape depends on its data: Dynamo breaks the graph there and runs it
+    eagerly, with its frame hook still set; the switch's kernel runs as plain Python, not
+    traced by Dynamo."""
+    compiled = torch.compile(lambda index, weights: torch.bincount(index, weights))
+    index, weights = torch.tensor([0, 0, 0]), torch.tensor([1e8, 1.0, -1e8])
+    frames = torch._dynamo.utils.counters["frames"]["total"]
+    with detsum.deterministic("exact"):
+        assert compiled(index, weights).item() == 1.0
+    assert torch._dynamo.utils.counters["frames"]["total"] == frames + 1
+
+
+def test_switched_ops_pass_opcheck():
+    """The opaque ops that compiled graphs call in place of torch's: schema, fake tensors and
+    AOTAutograd with dynamic shapes agree with the op they call."""
+    from detsum import _switch_compile  # noqa: F401 (defines torch.ops.detsum.switched_*)
+
+    ops = torch.ops.detsum
+    x, index, rows_index, terms = terms_case(rows=4, n=6)
+    cases = [
+        (ops.switched_index_add.default, (x, 0, index, terms), {"alpha": 2}),
+        (ops.switched_scatter_add.default, (x, 0, rows_index, terms), {}),
+        (ops.switched_scatter_reduce_two.default, (x, 0, rows_index, terms, "mean"),
+         {"include_self": False}),
+        (ops.switched_index_reduce.default, (x, 0, index, terms, "amax"), {}),
+        (ops.switched_index_put.default, (x, [index], terms, True), {}),
+        (ops.switched_put.default, (x, index, terms[:, 0].contiguous(), True), {}),
+        (ops.switched_embedding_dense_backward.default, (terms, index, 5, -1, False), {}),
+    ]
+    for op, args, kwargs in cases:
+        torch.library.opcheck(op, args, kwargs, test_utils=(
+            "test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
 def test_torchscript_in_place_and_scatter_reach_the_switch():
     @torch.jit.script
     def scripted(x: torch.Tensor, index: torch.Tensor, rows_index: torch.Tensor,

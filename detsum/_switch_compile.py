@@ -72,8 +72,8 @@ def _accumulates(self, indices, values, accumulate=False) -> bool:
 # AOTAutograd's functionalization makes of the in-place and out= forms, and what autograd's
 # backward formulas call (x[idx] -> index_put, gather -> scatter_add, embedding ->
 # embedding_dense_backward), each with the test for the calls that go to the dispatcher.
-# bincount, index_reduce's other reductions and the ops Inductor already leaves to torch
-# reach the switch without this.
+# bincount, and the ops Inductor always leaves to torch's kernels (embedding_bag's,
+# _segment_reduce's, histc), reach the switch without this.
 _TAKEN = {
     aten.index_add.default: _first_takes,
     aten.scatter_add.default: _first_takes,
@@ -158,7 +158,8 @@ def _guard(on: bool, builder, guard) -> None:
 def _tables() -> tuple[dict, ...]:
     from torch._inductor import decomposition
 
-    # select_decomp_table() returns one of these two, by Inductor's config.
+    # select_decomp_table() returns one of these two, by Inductor's config; the second is
+    # a copy of the first made at its first call, which this makes before changing either.
     return decomposition.decompositions, decomposition.fast_random_decomps()
 
 

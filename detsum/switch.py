@@ -20,6 +20,9 @@ give torch's own result, or torch's own error. Switching off destroys the librar
 torch's kernels back in the dispatcher's table: then no detsum code runs at all, as before
 the first ``enable`` (importing detsum registers nothing).
 
+Under ``torch.compile``, detsum/_switch_compile.py keeps Inductor from compiling these ops
+into code of its own while the switch is on (the first ``enable`` imports it, and Dynamo).
+
 Why not a ``TorchDispatchMode``: a mode is per thread, so a second thread (a data loader, a
 serving pool) would escape it, and it intercepts *every* operator in Python: a plain 100-
 element ``a + a`` went from 1.2 us to 156 us under an empty mode, while here only the
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -80,7 +84,8 @@ def enable(mode: str | Mode = "fp32") -> None:
     until :func:`disable` (outside any open :func:`deterministic` block, which keeps its own
     mode while it is open).
 
-    Covered so far, eager mode, CPU tensors of dtype float32, float64, float16 and bfloat16:
+    Covered so far, eager mode, ``torch.compile`` and TorchScript, CPU tensors of dtype
+    float32, float64, float16 and bfloat16:
     ``index_add`` / ``index_add_`` / ``index_add(out=)``, ``scatter_add`` / ``scatter_add_`` /
     ``out=``, ``scatter_reduce`` / ``scatter_reduce_`` / ``out=`` (sum, mean, prod, amax,
     amin, ``include_self`` both ways), ``index_reduce`` / ``index_reduce_`` / ``out=``,
@@ -162,6 +167,10 @@ def _apply() -> None:
     if wanted is None and _library is not None:
         _library._destroy()
         _library = None
+    if wanted is not None or "detsum._switch_compile" in sys.modules:
+        from detsum import _switch_compile  # imports Dynamo and Inductor: only once used
+
+        _switch_compile.follow(wanted is not None)
 
 
 def _register() -> torch.library.Library:
@@ -174,7 +183,11 @@ def _register() -> torch.library.Library:
             for key in keys:
                 # Taken here, while no detsum kernel is registered: torch's own.
                 original = torch.library.get_kernel(f"aten::{name}", key)
-                library.impl(name, _switched(name, body, original), key, with_keyset=True)
+                # Where a compiled function breaks its graph at a switched op (bincount's
+                # shape depends on its data), the op runs with Dynamo's frame hook still set:
+                # like torch.library.register_kernel's kernels, these run as plain Python.
+                kernel = torch.compiler.disable(_switched(name, body, original))
+                library.impl(name, kernel, key, with_keyset=True)
     return library
 
 

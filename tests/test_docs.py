@@ -70,7 +70,7 @@ def test_enable_page_code_runs():
 
     text = (DOCS / "enable.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         exec(compile(block, "enable.md", "exec"), {"__name__": "enable"})
     assert detsum.switch.current_mode() is None

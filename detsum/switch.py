@@ -55,8 +55,8 @@ import torch
 
 from detsum import _validation
 from detsum._validation import IndexOutOfRangeError
-from detsum.modes import (FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, acc_dtype,
-                          parse_mode)
+from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, parse_mode
+from detsum.modes import acc_dtype
 from detsum.ops import index_add as _index_add_op
 from detsum.ops import scatter_reduce as _scatter_reduce_op
 
@@ -584,7 +584,7 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
     return run
 
 
-# embedding_bag's dense backward ------------------------------------------------------------------
+# embedding_bag's dense backward -----------------------------------------------------------------
 
 _BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
 
@@ -682,7 +682,7 @@ def _check_in_range(caller, name, index, size, what, *, positions=None):
     _validation.raise_first_out_of_range(caller, name, index, size, what)
 
 
-# segment_reduce (torch.segment_reduce) -----------------------------------------------------------
+# segment_reduce (torch.segment_reduce) ----------------------------------------------------------
 
 _SEGMENT_REDUCTIONS = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin",
                        "prod": "prod"}

@@ -3,9 +3,9 @@
 ``detsum.enable(mode)``, ``detsum.disable()`` and ``with detsum.deterministic(mode):`` make
 torch's ``index_add``, ``scatter_add``, ``scatter_reduce``, ``index_reduce``, ``index_put``
 and ``put_`` with ``accumulate=True`` (the backward of ``x[idx]``), ``bincount`` with
-weights and the dense backward of ``embedding`` run on detsum's ``index_add`` and
-``scatter_reduce`` in the chosen mode, for code that calls torch directly and has never heard
-of detsum.
+weights, the dense backward of ``embedding`` and of ``embedding_bag``, ``segment_reduce`` and
+``histc`` run on detsum's ``index_add`` and ``scatter_reduce`` in the chosen mode, for code
+that calls torch directly and has never heard of detsum.
 
 How. While the switch is on, one ``torch.library.Library("aten", "IMPL")`` holds a Python
 kernel for each of those operators at the CPU dispatch key (and at the CUDA key where CUDA is
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import sys
 import threading
 import warnings
@@ -59,6 +60,7 @@ import torch
 from detsum import _validation
 from detsum._validation import IndexOutOfRangeError
 from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, parse_mode
+from detsum.modes import acc_dtype
 from detsum.ops import index_add as _index_add_op
 from detsum.ops import scatter_reduce as _scatter_reduce_op
 
@@ -90,10 +92,11 @@ def enable(mode: str | Mode = "fp32") -> None:
     ``out=``, ``scatter_reduce`` / ``scatter_reduce_`` / ``out=`` (sum, mean, prod, amax,
     amin, ``include_self`` both ways), ``index_reduce`` / ``index_reduce_`` / ``out=``,
     ``index_put`` / ``index_put_`` with ``accumulate=True`` (one index tensor; the backward of
-    ``x[idx]``), ``put_`` with ``accumulate=True``, ``bincount`` with weights, and the dense
-    backward of ``embedding``; so also the backward of ``gather`` and ``index_select``. Every
-    other input of these ops, and every other op, runs torch's own kernel (docs/enable.md
-    lists which).
+    ``x[idx]``), ``put_`` with ``accumulate=True``, ``bincount`` with weights, the dense
+    backward of ``embedding`` and of ``embedding_bag`` (sum, mean, max), ``segment_reduce``
+    (sum, mean, max, min, prod; lengths or offsets) and ``histc`` / ``out=``; so also the
+    backward of ``gather`` and ``index_select``. Every other input of these ops, and every
+    other op, runs torch's own kernel (docs/enable.md lists which).
 
     Args:
         mode: ``"fp32"`` (default), ``"kahan"``, ``"exact"`` or ``"autograd"`` (torch's own
@@ -594,6 +597,274 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
     return run
 
 
+# embedding_bag's dense backward -----------------------------------------------------------------
+
+_BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
+
+
+def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_indices,
+                            num_weights, scale_grad_by_freq, bag_mode, per_sample_weights=None,
+                            padding_idx=-1):
+    """The weight gradient of a dense ``embedding_bag`` (``_embedding_bag_backward`` calls
+    this for ``sparse=False``), from zeros. sum and mean: ``grad_weight[indices[k]] +=
+    grad[offset2bag[k]] * scale[k]`` over the ``k`` with ``indices[k] != padding_idx``, with
+    torch's terms: ``scale[k]`` is 1, ``per_sample_weights[k]`` (sum) or ``1 / bag_size`` of
+    the bag, rounded to the dtype (mean), and each product is rounded to the dtype. max:
+    ``grad_weight[maximum_indices[b, j], j] += grad[b, j]`` over the bags ``b`` that hold an
+    index, a scatter_add along the bags. CPU tensors only: the "autograd" order below is
+    torch's CPU order."""
+    if (scale_grad_by_freq or bag_mode not in (_BAG_SUM, _BAG_MEAN, _BAG_MAX)
+            or grad.dtype not in FLOAT_DTYPES or grad.dim() != 2 or grad.numel() == 0
+            or num_weights <= 0 or indices.dtype not in INDEX_DTYPES or indices.dim() != 1
+            or indices.numel() == 0 or bag_size.shape != grad.shape[:1]
+            or not _plain(grad, indices, offset2bag, bag_size) or grad.device.type != "cpu"):
+        return None
+    if bag_mode == _BAG_MAX:
+        if (maximum_indices.dtype not in INDEX_DTYPES or maximum_indices.shape != grad.shape
+                or not _plain(grad, maximum_indices)):
+            return None
+        # torch adds each column with index_add_, whose float16/bfloat16 arithmetic depends
+        # on the layout (see index_add above): its kernel is the one source of those bits.
+        if mode == "autograd" and grad.dtype in _HALF_DTYPES:
+            return None
+        return lambda: _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices,
+                                                   num_weights)
+    weights = per_sample_weights
+    if (offset2bag.dtype not in INDEX_DTYPES or offset2bag.shape != indices.shape
+            or weights is not None and (bag_mode != _BAG_SUM or weights.dtype != grad.dtype
+                                        or weights.shape != indices.shape
+                                        or not _plain(grad, weights))):
+        return None
+    # torch scales through BLAS's axpy, which may fuse the product into the add for float32
+    # and float64 (one rounding): its kernel is the one source of those bits. Its float16/
+    # bfloat16 axpy rounds the product and the sum, as the terms below.
+    if mode == "autograd" and (weights is not None or bag_mode == _BAG_MEAN) and (
+            grad.dtype not in _HALF_DTYPES):
+        return None
+
+    def run():
+        caller = "_embedding_bag_dense_backward (run by detsum.enable)"
+        _check_in_range(caller, "indices", indices, num_weights, "num_weights")
+        _check_in_range(caller, "offset2bag", offset2bag, grad.shape[0], "grad.size(0)")
+        rows, bags, scale = indices, offset2bag, weights
+        if mode == "autograd":
+            # torch sums each row's terms in the order of its (unstable) sort of the indices.
+            rows, order = indices.sort()
+            bags = offset2bag.index_select(0, order)
+            scale = None if weights is None else weights.index_select(0, order)
+        terms = grad.index_select(0, bags)
+        if bag_mode == _BAG_MEAN:
+            sizes = bag_size.index_select(0, bags).double()
+            scale = torch.where(sizes != 0, 1.0 / sizes, 1.0).to(grad.dtype)
+        if scale is not None:
+            terms = terms * scale.view(-1, 1)
+        keep = rows != padding_idx
+        zeros = grad.new_zeros(num_weights, grad.shape[1])
+        if not bool(keep.all()):
+            rows, terms = rows[keep], terms[keep]
+        if rows.numel() == 0:
+            return zeros
+        return _index_add_op._index_add(zeros, 0, rows, terms, 1.0, mode)
+    return run
+
+
+def _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices, num_weights):
+    caller = "_embedding_bag_dense_backward (run by detsum.enable)"
+    nonempty = (bag_size != 0).nonzero().view(-1)
+    rows = maximum_indices.index_select(0, nonempty)
+    _check_in_range(caller, "maximum_indices", rows, num_weights, "num_weights",
+                    positions=nonempty)
+    zeros = grad.new_zeros(num_weights, grad.shape[1])
+    if rows.numel() == 0:
+        return zeros
+    return _scatter_run(zeros, 0, rows, grad.index_select(0, nonempty), "sum", True, mode)
+
+
+def _check_in_range(caller, name, index, size, what, *, positions=None):
+    """Raise IndexOutOfRangeError for the first value of ``index`` outside ``[0, size)``;
+    ``positions``: the rows of the caller's tensor that ``index``'s rows are."""
+    low, high = (int(v) for v in torch.aminmax(index))
+    if low >= 0 and high < size:
+        return
+    if positions is not None:
+        bad = ((index < 0) | (index >= size)).nonzero()[0].tolist()
+        value = int(index[tuple(bad)])
+        where = [int(positions[bad[0]]), *bad[1:]]
+        raise IndexOutOfRangeError(f"{caller}: {name}{where} = {value} is out of range for "
+                                   f"{what} = {size} (expected 0 <= {name} < {size})")
+    _validation.raise_first_out_of_range(caller, name, index, size, what)
+
+
+# segment_reduce (torch.segment_reduce) ----------------------------------------------------------
+
+_SEGMENT_REDUCTIONS = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin",
+                       "prod": "prod"}
+_SEGMENT_EMPTY = {"sum": 0.0, "mean": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0}
+
+
+def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=None, axis=0,
+                    unsafe=False, initial=None):
+    """Each segment of consecutive rows along ``axis`` (given by ``lengths`` or by
+    ``offsets``, per batch of the dims before ``axis``) reduced from ``initial`` (or the
+    reduction's identity) in row order: ``scatter_reduce`` with a row index, ``index_add``
+    for sum and mean. A mean divides the sum by the length (an empty segment keeps
+    ``initial``, or is NaN): in torch's arithmetic in "autograd" mode, in the accumulator
+    type otherwise. CPU tensors only: "autograd" reproduces torch's CPU arithmetic."""
+    bounds = offsets if offsets is not None else lengths
+    if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
+            or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0
+            or bounds.dtype not in INDEX_DTYPES or not _plain(data, bounds)
+            or data.device.type != "cpu"):
+        return None
+    axis = _dim(axis, data.dim())
+    if (axis is None or bounds.dim() != axis + 1 or bounds.shape[:-1] != data.shape[:axis]
+            or bounds.shape[-1] < (2 if offsets is not None else 1)):
+        return None
+    if initial is not None and (isinstance(initial, bool) or not isinstance(initial, (int, float))
+                                or not abs(initial) <= torch.finfo(data.dtype).max):
+        return None
+    # detsum has no exact product; torch rounds float16/bfloat16 products to the dtype after
+    # every factor, where detsum's product rounds once.
+    if reduce == "prod" and (mode == "exact" or mode == "autograd"
+                             and data.dtype in _HALF_DTYPES):
+        return None
+    size = data.shape[axis]
+    caller = "segment_reduce (run by detsum.enable)"
+    if offsets is not None:
+        low, high = (int(v) for v in torch.aminmax(offsets))
+        if low < 0 or high > size:  # torch would read outside data
+            return lambda: _validation.raise_first_out_of_range(
+                caller, "offsets", offsets, size, f"data.size({axis})", size_included=True)
+        starts, lengths = offsets[..., :-1], offsets.diff(dim=-1)
+        if bool((lengths < 0).any()):  # torch refuses a decreasing offset: its error
+            return None
+    else:
+        if bool((lengths < 0).any()):  # torch refuses a negative length: its error
+            return None
+        ends = lengths.cumsum(-1)
+        if not unsafe and not bool((ends[..., -1] == size).all()):  # torch's error
+            return None
+        if unsafe and int(ends[..., -1].max()) > size:  # torch would read outside data
+            return lambda: _raise_lengths_past(caller, ends[..., -1], size, axis)
+        starts = ends - lengths
+    return lambda: _segment_run(mode, data, reduce, axis, starts, lengths, initial)
+
+
+def _raise_lengths_past(caller, totals, size, axis):
+    first = (totals > size).nonzero()[0].tolist()
+    where = f"lengths{first}" if first else "lengths"
+    raise IndexOutOfRangeError(
+        f"{caller}: {where} sum to {int(totals[tuple(first)])}, past data.size({axis}) = "
+        f"{size} (expected a sum <= {size} with unsafe=True)")
+
+
+def _segment_run(mode, data, reduce, axis, starts, lengths, initial):
+    batches, size = starts[..., 0].numel(), data.shape[axis]
+    count = lengths.shape[-1]
+    rows = data.reshape(batches * size, -1)
+    lengths, starts = lengths.reshape(-1), starts.reshape(-1)
+    segments = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    # Each segment's rows, in order: its start in its batch, plus the place in the segment.
+    first = torch.repeat_interleave(
+        starts + torch.arange(batches).repeat_interleave(count) * size, lengths)
+    place = torch.arange(segments.numel()) - torch.repeat_interleave(
+        lengths.cumsum(0) - lengths, lengths)
+    picked = first + place
+    if not torch.equal(picked, torch.arange(rows.shape[0])):
+        rows = rows.index_select(0, picked)
+    fill = _SEGMENT_EMPTY[reduce] if initial is None else initial
+    shape = (*data.shape[:axis], count, *data.shape[axis + 1:])
+    base = torch.full((lengths.numel(), rows.shape[1]), fill, dtype=data.dtype)
+    if reduce != "mean":
+        if segments.numel() == 0:
+            return base.view(shape)
+        if reduce == "sum":
+            out = _index_add_op._index_add(base, 0, segments, rows, 1.0, mode)
+        else:
+            out = _scatter_run(base, 0, segments, rows, _SEGMENT_REDUCTIONS[reduce], True, mode)
+        return out.view(shape)
+    # The mean: the sum, then the division by the length. In "autograd" mode torch's: the
+    # length rounded to the dtype (as c10's Half / int64 does), one division in the dtype.
+    # Otherwise in the accumulator type, from its sum (float32 for float16/bfloat16 data),
+    # rounded once to the dtype.
+    work = data.dtype if mode == "autograd" else acc_dtype(data.dtype)
+    total = base.to(work)
+    if segments.numel() > 0:
+        total = _index_add_op._index_add(total, 0, segments, rows.to(work), 1.0, mode)
+    divisor = lengths.to(work).view(-1, 1)
+    mean = torch.where(divisor != 0, total / divisor, total).to(data.dtype)
+    if initial is None:
+        mean[lengths == 0] = math.nan
+    return mean.view(shape)
+
+
+# histc ------------------------------------------------------------------------------------------
+
+def _histc_positions(self, bins, min, max):
+    """The bin of each element that torch's CPU histc counts, or None where torch refuses (its
+    error) or its own arithmetic would leave its bins. The edges are torch's: ``min`` and
+    ``max``, else the data's range, else that value -1 and +1, as the first and last of
+    ``linspace(min, max, bins + 1)`` in the dtype. An element ``left <= x <= right`` goes to
+    bin ``(x - left) * bins / (right - left)``, each step rounded to the dtype as torch's
+    kernel computes it (for float16/bfloat16, c10's operators: ``bins`` itself rounded to the
+    dtype), truncated toward zero; ``x == right`` goes to the last bin; NaN to none."""
+    if (self.dtype not in FLOAT_DTYPES or self.numel() == 0 or isinstance(bins, bool)
+            or not isinstance(bins, int) or bins <= 0 or not _plain(self)
+            or self.device.type != "cpu"
+            or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in (min, max))):
+        return None
+    low, high = float(min), float(max)
+    if low == high:
+        low, high = (float(v) for v in torch.aminmax(self))
+    if low == high:
+        low, high = low - 1, high + 1
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        return None
+    edges = torch.linspace(low, high, bins + 1, dtype=self.dtype)
+    left, right = edges[0], edges[-1]
+    width, scale = right - left, torch.tensor(bins, dtype=self.dtype)
+    if not (bool(torch.isfinite(width)) and bool(width > 0) and bool(torch.isfinite(scale))):
+        return None
+    values = self.reshape(-1)
+    values = values[(values >= left) & (values <= right)]
+    position = ((values - left) * scale / width).to(torch.int64)
+    # A float16 product past its range (inf, then no integer) lands outside torch's bins.
+    if position.numel() > 0 and not 0 <= int(position.min()) <= int(position.max()) <= bins:
+        return None
+    return torch.where(position == bins, bins - 1, position)
+
+
+def _histc_counts(mode, self, bins, position):
+    """``out[position[k]] += 1`` from zeros, in the dtype: an ``index_add`` of ones."""
+    zeros = torch.zeros(bins, dtype=self.dtype)
+    if position.numel() == 0:
+        return zeros
+    ones = torch.ones(position.shape, dtype=self.dtype)
+    return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode)
+
+
+def _histc(mode, self, bins=100, min=0, max=0):
+    position = _histc_positions(self, bins, min, max)
+    if position is None:
+        return None
+    return lambda: _histc_counts(mode, self, bins, position)
+
+
+def _histc_out(mode, self, bins=100, min=0, max=0, *, out):
+    if (out.shape != (bins,) or out.dtype != self.dtype or out.device != self.device
+            or out.layout != torch.strided or _validation.has_internal_overlap(out)
+            or _validation.shares_memory(out, self)):
+        return None
+    position = _histc_positions(self, bins, min, max)
+    if position is None:
+        return None
+
+    def run():
+        _check_changeable("histc.out", out)
+        return out.copy_(_histc_counts(mode, self, bins, position))
+    return run
+
+
 _BODIES = {
     "index_add": _index_add,
     "index_add_": _index_add_inplace,
@@ -611,4 +882,8 @@ _BODIES = {
     "put_": _put,
     "bincount": _bincount,
     "embedding_dense_backward": _embedding_backward,
+    "_embedding_bag_dense_backward": _embedding_bag_backward,
+    "segment_reduce": _segment_reduce,
+    "histc": _histc,
+    "histc.out": _histc_out,
 }

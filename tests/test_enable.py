@@ -9,6 +9,7 @@ and thread counts, and "exact" against Fraction sums.
 from __future__ import annotations
 
 import functools
+import math
 import subprocess
 import sys
 import threading
@@ -28,7 +29,8 @@ DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 SWITCHED = ("index_add", "index_add_", "index_add.out", "scatter_add", "scatter_add_",
             "scatter_add.out", "scatter_reduce.two", "scatter_reduce_.two",
             "scatter_reduce.two_out", "index_reduce", "index_reduce_", "index_reduce.out",
-            "_index_put_impl_", "put_", "bincount", "embedding_dense_backward")
+            "_index_put_impl_", "put_", "bincount", "embedding_dense_backward",
+            "_embedding_bag_dense_backward", "segment_reduce", "histc", "histc.out")
 
 
 @pytest.fixture(autouse=True)
@@ -188,6 +190,23 @@ def forms(dtype, seed=0):
                 reduce, include_self)
     cases["index_reduce_out"] = lambda: torch.index_reduce(x, 0, index, src, "amin",
                                                            out=torch.empty_like(x))
+    # A hot segment of 420 rows (past a 256-term chunk), an empty one, batches along dim 0.
+    lengths = torch.tensor([420, 0, 100, 80])
+    for reduce in ("sum", "mean", "max", "min", "prod"):
+        terms = 1 + src / 64 if reduce == "prod" else src
+        cases[f"segment_reduce_{reduce}"] = functools.partial(
+            torch.segment_reduce, terms, reduce, lengths=lengths)
+        cases[f"segment_reduce_{reduce}_initial"] = functools.partial(
+            torch.segment_reduce, terms, reduce, lengths=lengths, initial=2)
+    cases["segment_reduce_offsets_axis1"] = lambda: torch.segment_reduce(
+        src.t(), "mean", offsets=torch.tensor([[3, 423, 423, 600]]).expand(5, 4), axis=1)
+    cases["segment_reduce_unsafe"] = lambda: torch.segment_reduce(
+        src, "sum", lengths=torch.tensor([420, 0, 100]), unsafe=True)
+    # Bins of at most 256 counts: every dtype holds them exactly (see the histc tests).
+    cases["histc"] = lambda: torch.histc(src[:, 0], bins=10)
+    cases["histc_range"] = lambda: torch.histc(src[:, 1], bins=7, min=-1.5, max=2)
+    cases["histc_out"] = lambda: torch.histc(src[:, 2], bins=5, min=-1, max=1,
+                                             out=torch.empty(5, dtype=dtype))
     for reduce in ("sum", "mean", "prod", "amax", "amin"):
         for include_self in (True, False):
             key = f"scatter_reduce_{reduce}_{include_self}"
@@ -213,7 +232,23 @@ def index_backward(dtype, seed=0):
             torch.nn.functional.embedding(index, weight), weight, grad)[0],
         "embedding_padding": lambda: torch.autograd.grad(
             torch.nn.functional.embedding(index, weight, padding_idx=0), weight, grad)[0],
+        **{f"embedding_bag_{mode}": functools.partial(embedding_bag_grad, weight, index, mode)
+           for mode in ("sum", "mean", "max")},
+        "embedding_bag_padding": lambda: embedding_bag_grad(weight, index, "mean",
+                                                            padding_idx=0),
+        "embedding_bag_per_sample_weights": lambda: embedding_bag_grad(
+            weight, index, "sum", per_sample_weights=data(600, dtype, seed + 3)),
     }
+
+
+BAG_OFFSETS = torch.tensor([0, 5, 5, 300, 310, 598])  # an empty bag, a long one
+
+
+def embedding_bag_grad(weight, index, mode, **kwargs):
+    """The weight's gradient through a dense embedding_bag of ``index`` in six bags."""
+    out = torch.nn.functional.embedding_bag(index, weight, BAG_OFFSETS, mode=mode, **kwargs)
+    grad = data(out.shape, weight.dtype, 7)
+    return torch.autograd.grad(out, weight, grad)[0]
 
 
 class DeterministicTorch:
@@ -236,8 +271,7 @@ def test_duplicate_heavy_forms_autograd_mode_give_torchs_bits(dtype):
             assert_same_bits(f(), expected[name])
     with detsum.deterministic("autograd"):
         for name, f in cases.items():
-            actual = f()
-            assert torch.equal(actual, expected[name]), name
+            assert_same_bits(f(), expected[name])  # NaN too: an empty segment's mean
 
 
 def test_autograd_mode_runs_detsum_where_it_reproduces_torch():
@@ -287,6 +321,49 @@ def primitive(mode, dtype, seed=0):
         (lambda: torch.autograd.grad(torch.nn.functional.embedding(index, weight),
                                      weight, src)[0],
          lambda: detsum.index_add(zeros, 0, index, src, mode=mode)),
+        *new_ops_primitive(mode, dtype, seed),
+    ]
+
+
+def new_ops_primitive(mode, dtype, seed=0):
+    """embedding_bag's backward, segment_reduce and histc next to detsum's primitive."""
+    src = data((600, 5), dtype, seed + 1)
+    index = hot_index(600, 7, seed + 2)
+    weight = data((7, 5), dtype, seed).requires_grad_()
+    zeros = torch.zeros(7, 5, dtype=dtype)
+    bag = torch.searchsorted(BAG_OFFSETS, torch.arange(600), right=True) - 1
+    bag_grad = data((6, 5), dtype, 7)
+    bag_size = torch.bincount(bag, minlength=6)
+    scale = torch.where(bag_size != 0, 1.0 / bag_size.double(), 1.0).to(dtype)
+    biggest = torch.ops.aten._embedding_bag(weight, index, BAG_OFFSETS, False, 2)[3]
+    full = bag_size != 0
+    lengths = torch.tensor([420, 0, 100, 80])
+    segment = torch.repeat_interleave(torch.arange(4), lengths)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    centres = (torch.arange(3000) % 10 + 0.5).to(dtype)  # one value in the middle of each bin
+    return [
+        (lambda: embedding_bag_grad(weight, index, "sum"),
+         lambda: detsum.index_add(zeros, 0, index, bag_grad[bag], mode=mode)),
+        (lambda: embedding_bag_grad(weight, index, "mean"),
+         lambda: detsum.index_add(zeros, 0, index, bag_grad[bag] * scale[bag].view(-1, 1),
+                                  mode=mode)),
+        (lambda: embedding_bag_grad(weight, index, "max"),
+         lambda: detsum.scatter_reduce(zeros, 0, biggest[full], bag_grad[full], "sum",
+                                       mode=mode)),
+        (lambda: torch.segment_reduce(src, "sum", lengths=lengths, initial=2),
+         lambda: detsum.index_add(torch.full((4, 5), 2, dtype=dtype), 0, segment, src,
+                                  mode=mode)),
+        (lambda: torch.segment_reduce(src, "max", lengths=lengths),
+         lambda: detsum.scatter_reduce(torch.full((4, 5), -math.inf, dtype=dtype), 0, segment,
+                                       src, "amax", mode=mode)),
+        (lambda: torch.segment_reduce(src, "mean", lengths=lengths, initial=2),
+         lambda: torch.where(lengths.view(-1, 1) == 0, 2.0, detsum.index_add(
+             torch.full((4, 5), 2, dtype=acc), 0, segment, src.to(acc), mode=mode)
+             / lengths.view(-1, 1)).to(dtype)),
+        (lambda: torch.histc(centres, bins=10, min=0, max=10),
+         lambda: detsum.index_add(torch.zeros(10, dtype=dtype), 0,
+                                  torch.arange(3000) % 10, torch.ones(3000, dtype=dtype),
+                                  mode=mode)),
     ]
 
 
@@ -494,6 +571,17 @@ def fallbacks():
         "scatter narrower index": lambda: x.scatter_add(0, index.view(3, 1), torch.ones(3, 3)),
         "embedding scale_grad_by_freq": lambda: torch.ops.aten.embedding_dense_backward(
             torch.ones(3, 3), index, 4, -1, True),
+        "embedding_bag scale_grad_by_freq": lambda: torch.ops.aten._embedding_bag_dense_backward(
+            torch.ones(2, 3), index, torch.tensor([0, 0, 1]), torch.tensor([2, 1]),
+            torch.zeros(2, dtype=torch.int64), 4, True, 0, None),
+        "segment_reduce empty": lambda: torch.segment_reduce(
+            torch.ones(0, 3), "sum", lengths=torch.tensor([0, 0])),
+        "segment_reduce infinite initial": lambda: torch.segment_reduce(
+            torch.tensor([1.0, 2.0, 3.0]), "max", lengths=torch.tensor([1, 0, 2]),
+            initial=math.inf),
+        "histc empty": lambda: torch.histc(torch.ones(0), bins=4),
+        "histc out resized": lambda: torch.histc(torch.arange(5.0), bins=4,
+                                                 out=torch.empty(0)),
     }
 
 
@@ -589,3 +677,350 @@ def test_other_modes_within_their_bound_of_the_exact_sum(mode):
                 ulp = Fraction(2.0 ** (torch.frexp(out[row, column]).exponent.item() - 24))
                 bound = ulp + 2 * n * n * u * u * magnitude
             assert error <= bound, (row, column, float(error), float(bound))
+
+
+# ---- embedding_bag's backward, segment_reduce, histc ------------------------------------------
+
+NEW_OPS = [("nn.functional.embedding_bag", ""), ("_segment_reduce", "lengths"),
+           ("_segment_reduce", "offsets"), ("histc", "")]
+# The operator each one's accumulation reaches (embedding_bag's: in its backward).
+NEW_OPERATOR = {"nn.functional.embedding_bag": "_embedding_bag_dense_backward",
+                "_segment_reduce": "segment_reduce", "histc": "histc"}
+HALF = (torch.float16, torch.bfloat16)
+
+
+def results(op, sample, seed):
+    """The sample's output and its gradients (histc has none)."""
+    out = op(sample.input, *sample.args, **sample.kwargs)
+    inputs = [t for t in (sample.input, *sample.args, *sample.kwargs.values())
+              if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not inputs:
+        return [out]
+    generator = torch.Generator().manual_seed(seed)
+    grad = torch.randn(out.shape, generator=generator).to(out.dtype)
+    return [out, *torch.autograd.grad(out, inputs, grad)]
+
+
+def runs_on_detsum(name, sample, dtype, mode) -> bool:
+    """Whether the switch takes the sample's accumulation in ``mode``, as docs/enable.md says."""
+    if name == "nn.functional.embedding_bag":
+        bag_mode = sample.kwargs.get("mode", "mean")
+        scaled = bag_mode == "mean" or sample.kwargs.get("per_sample_weights") is not None
+        if mode != "autograd":
+            return True
+        return dtype not in HALF if bag_mode == "max" else dtype in HALF or not scaled
+    if name == "_segment_reduce":
+        return sample.args[0] != "prod" or not (mode == "exact"
+                                                or mode == "autograd" and dtype in HALF)
+    return sample.input.numel() > 0
+
+
+def run_counted(name, mode, f):
+    """``f()`` under the switch in ``mode``, and how many calls of the op ran on detsum."""
+    operator = NEW_OPERATOR[name]
+    before = ran_on_detsum(operator)
+    with detsum.deterministic(mode):
+        out = f()
+    return out, ran_on_detsum(operator) - before
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,variant", NEW_OPS)
+def test_new_ops_opinfo_samples_autograd_mode_gives_torchs_bits(name, variant, dtype):
+    """Every sample gives the bits of torch's deterministic mode, and exactly the samples the
+    docs promise run on detsum (the others on torch's kernel)."""
+    op, cases = samples(name, variant, dtype, requires_grad=name != "histc")
+    for seed, sample in enumerate(cases):
+        with DeterministicTorch():
+            expected = results(op, sample, seed)
+        actual, ran = run_counted(name, "autograd", lambda: results(op, sample, seed))
+        assert ran == runs_on_detsum(name, sample, dtype, "autograd"), (seed, sample.kwargs)
+        for a, e in zip(actual, expected):
+            assert_same_bits(a, e)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
+@pytest.mark.parametrize("name,variant", NEW_OPS)
+def test_new_ops_opinfo_samples_same_bits_over_runs_and_threads(name, variant, mode):
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            op, cases = samples(name, variant, dtype, requires_grad=name != "histc")
+            for seed, sample in enumerate(cases):
+                runs = []
+                for count in (1, 2, 2):
+                    torch.set_num_threads(count)
+                    out, ran = run_counted(name, mode, lambda: results(op, sample, seed))
+                    assert ran == runs_on_detsum(name, sample, dtype, mode), seed
+                    runs.append(out)
+                for run in runs[1:]:
+                    for a, e in zip(run, runs[0]):
+                        assert_same_bits(a, e)
+    finally:
+        torch.set_num_threads(threads)
+
+
+PRECISION = {torch.float32: 24, torch.float64: 53, torch.float16: 11, torch.bfloat16: 8}
+
+
+def ulp(value: float, dtype) -> Fraction:
+    """The spacing of ``dtype``'s values at ``value`` (its subnormal spacing at 0)."""
+    if value == 0:
+        return Fraction(torch.finfo(dtype).smallest_normal) * Fraction(torch.finfo(dtype).eps)
+    return Fraction(2) ** (math.frexp(value)[1] - PRECISION[dtype])
+
+
+def assert_within_bound(mode, out: float, terms: list[float], dtype):
+    """``out`` against the exact sum of ``terms``, in the mode's bound (docs/determinism.md):
+    "exact" correctly rounded (half an ulp); "fp32" the serial bound gamma_n * sum|x| in the
+    accumulator (u = 2^-24, 2^-53 for float64), plus the one rounding to a narrower dtype;
+    "kahan" ulp(out) + 2 n^2 u^2 sum|x|."""
+    exact = sum(map(Fraction, terms), Fraction(0))
+    error = abs(Fraction(out) - exact)
+    n, magnitude = len(terms), sum(abs(Fraction(t)) for t in terms)
+    u = Fraction(1, 2**53) if dtype == torch.float64 else Fraction(1, 2**24)
+    if mode == "exact":
+        bound = ulp(out, dtype) / 2
+    elif mode == "fp32":
+        bound = n * u / (1 - n * u) * magnitude + (ulp(out, dtype) / 2 if dtype in HALF else 0)
+    else:
+        bound = ulp(out, dtype) + 2 * n * n * u * u * magnitude
+    assert error <= bound, (mode, out, float(exact), float(error), float(bound))
+
+
+def segment_terms(data, lengths=None, offsets=None, axis=0, **_):
+    """Each output element's segment values, in order, flat in the output's order."""
+    if offsets is None:
+        ends = lengths.cumsum(-1)
+        starts = ends - lengths
+    else:
+        starts, ends = offsets[..., :-1], offsets[..., 1:]
+    count = starts.shape[-1]
+    starts, ends = starts.reshape(-1, count).tolist(), ends.reshape(-1, count).tolist()
+    values = data.detach().reshape(len(starts), data.shape[axis], -1).tolist()
+    return [[row[i] for row in values[b][starts[b][s]:ends[b][s]]]
+            for b in range(len(starts)) for s in range(count) for i in range(len(values[0][0]))]
+
+
+def embedding_bag_terms(weight, indices, grad, offsets=None, include_last_offset=False,
+                        padding_idx=None, **_):
+    """Each weight gradient element's terms (the bag gradients of its indices), flat."""
+    if indices.dim() == 2:
+        bags = (torch.arange(indices.numel()) // indices.shape[1]).tolist()
+    else:
+        bags = (torch.searchsorted(offsets, torch.arange(indices.numel()), right=True)
+                - 1).tolist()
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    rows, grad = indices.reshape(-1).tolist(), grad.tolist()
+    return [[grad[bag][j] for bag, row in zip(bags, rows) if row == r and row != padding_idx]
+            for r in range(weight.shape[0]) for j in range(weight.shape[1])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
+def test_new_ops_opinfo_samples_within_the_modes_bound(mode, dtype):
+    """Against exact references: segment sums (from ``initial``) and embedding_bag's summed
+    gradient within the mode's bound of the exact sum, segment max and min equal to torch's
+    (a selection is exact), histc's counts the exact integers torch gives here."""
+    for variant in ("lengths", "offsets"):
+        op, cases = samples("_segment_reduce", variant, dtype)
+        for sample in cases:
+            reduce = sample.args[0]
+            if reduce not in ("sum", "max", "min"):
+                continue
+            with detsum.deterministic(mode):
+                out = op(sample.input, *sample.args, **sample.kwargs)
+            if reduce != "sum":
+                assert_same_bits(out, op(sample.input, *sample.args, **sample.kwargs))
+                continue
+            for value, terms in zip(out.reshape(-1).tolist(),
+                                    segment_terms(sample.input, **sample.kwargs)):
+                assert_within_bound(mode, value, [sample.kwargs["initial"], *terms], dtype)
+    op, cases = samples("nn.functional.embedding_bag", "", dtype, requires_grad=True)
+    for seed, sample in enumerate(cases):
+        if (sample.kwargs.get("mode") != "sum"
+                or sample.kwargs.get("per_sample_weights") is not None):
+            continue
+        generator = torch.Generator().manual_seed(seed)
+        with detsum.deterministic(mode):
+            out = op(sample.input, *sample.args, **sample.kwargs)
+            grad = torch.randn(out.shape, generator=generator).to(dtype)
+            (weight_grad,) = torch.autograd.grad(out, sample.input, grad)
+        for value, terms in zip(weight_grad.reshape(-1).tolist(), embedding_bag_terms(
+                sample.input, sample.args[0], grad, **sample.kwargs)):
+            assert_within_bound(mode, value, terms or [0.0], dtype)
+    op, cases = samples("histc", "", dtype)
+    for sample in cases:
+        with detsum.deterministic(mode):
+            counts = op(sample.input, *sample.args, **sample.kwargs)
+        assert_same_bits(counts, op(sample.input, *sample.args, **sample.kwargs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])
+def test_segment_reduce_long_segments_within_the_modes_bound(mode, dtype):
+    """A segment of 420 terms over six binades (past a 256-term chunk), from ``initial``:
+    sum within the mode's bound of the exact sum. In "exact" mode the mean is the exact sum
+    rounded to the accumulator, divided there and rounded to the dtype: within 2 u |mean|
+    (u of the accumulator: the two roundings there) plus half an ulp of the exact mean."""
+    values = data((600, 2), torch.float32, 0) * torch.logspace(-3, 3, 600).view(-1, 1)
+    values = values.to(dtype)
+    lengths = torch.tensor([420, 0, 180])
+    with detsum.deterministic(mode):
+        total = torch.segment_reduce(values, "sum", lengths=lengths, initial=-0.5)
+        mean = torch.segment_reduce(values, "mean", lengths=lengths)
+    for segment, (start, end) in enumerate([(0, 420), (420, 420), (420, 600)]):
+        for column in range(2):
+            terms = values[start:end, column].tolist()
+            assert_within_bound(mode, float(total[segment, column]), [-0.5, *terms], dtype)
+            if mode == "exact" and terms:
+                exact = sum(map(Fraction, terms)) / len(terms)
+                out = float(mean[segment, column])
+                bound = Fraction(2, 2**24) * abs(exact) + ulp(out, dtype) / 2
+                assert abs(Fraction(out) - exact) <= bound, (segment, column)
+    assert torch.isnan(mean[1]).all()  # an empty segment without initial, as torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_exact_mode_new_ops_correctly_rounded(dtype):
+    """Cancellation that a running sum in the dtype loses (2^10 + 1 + 2^-5 - 2^10 + 3 * 2^-7):
+    embedding_bag's backward (one row in five bags) and a segment sum give the correctly
+    rounded sum in "exact" mode."""
+    terms = torch.tensor([2.0**10, 1.0, 2.0**-5, -(2.0**10), 3 * 2.0**-7]).to(dtype)
+    expected = exactly_rounded(terms.tolist(), dtype)
+    weight = torch.zeros(2, 1, dtype=dtype, requires_grad=True)
+    with detsum.deterministic("exact"):
+        bags = torch.nn.functional.embedding_bag(torch.zeros(5, dtype=torch.int64), weight,
+                                                 torch.arange(5), mode="sum")
+        (grad,) = torch.autograd.grad(bags, weight, terms.view(5, 1))
+        total = torch.segment_reduce(terms, "sum", lengths=torch.tensor([5]))
+    assert_same_bits(grad[0, 0], expected)
+    assert_same_bits(total[0], expected)
+
+
+@pytest.mark.parametrize("dtype,limit", [(torch.float16, 2048), (torch.bfloat16, 256)],
+                         ids=str)
+def test_histc_counts_past_the_dtypes_integers(dtype, limit):
+    """A bin of 3000 counts, more than the dtype holds exactly from ``limit`` on. torch counts
+    in the dtype per thread (so its count there depends on the thread count; on one thread it
+    stops at ``limit``): "autograd" gives its one-thread bits on any thread count; the other
+    modes count in the accumulator and round the count once to the dtype."""
+    values = torch.full((3000,), 0.25, dtype=dtype)
+    values[:5] = 0.75
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = torch.histc(values, bins=2, min=0, max=1)
+        assert one_thread.tolist() == [limit, 5]
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            counts, ran = run_counted("histc", "autograd",
+                                      lambda: torch.histc(values, bins=2, min=0, max=1))
+            assert ran == 1
+            assert_same_bits(counts, one_thread)
+            for mode in ("fp32", "kahan", "exact"):
+                with detsum.deterministic(mode):
+                    counts = torch.histc(values, bins=2, min=0, max=1)
+                assert_same_bits(counts, torch.tensor([2995.0, 5.0]).to(dtype))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_histc_bins_at_their_edges_as_torch():
+    """Values on and next to every bin edge, NaN and values outside the range: the same bins
+    as torch's kernel for every dtype (its arithmetic in the dtype, step by step)."""
+    for dtype in DTYPES:
+        for low, high, bins in [(-1.3, 2.7, 7), (0, 10, 10), (-1e-3, 5e-3, 100), (0, 0, 3)]:
+            edges = torch.linspace(-2.0 if low == high else low, 3.0 if low == high else high,
+                                   bins + 1, dtype=torch.float64)
+            values = torch.cat([edges, edges.nextafter(edges - 1), edges.nextafter(edges + 1),
+                                torch.tensor([math.nan, -1e3, 1e3])]).to(dtype)
+            if low == high:
+                values = values[:-3]  # the data's range: NaN there is torch's error
+            expected = torch.histc(values, bins, low, high)
+            counts, ran = run_counted("histc", "autograd",
+                                      lambda: torch.histc(values, bins, low, high))
+            assert ran == 1
+            assert_same_bits(counts, expected)
+
+
+def test_new_ops_fallbacks_per_mode():
+    """The calls docs/enable.md leaves to torch, per mode: each runs torch's kernel (and so
+    gives torch's bits)."""
+    weight = data((7, 5), torch.float32, 0).requires_grad_()
+    index = hot_index(600, 7, 1)
+    half = weight.detach().half().requires_grad_()
+    terms = 1 + data((600, 5), torch.float32, 2) / 64
+    lengths = torch.tensor([420, 0, 100, 80])
+    cases = [
+        ("autograd", "nn.functional.embedding_bag",  # BLAS's axpy may fuse the scale
+         lambda: embedding_bag_grad(weight, index, "mean")),
+        ("autograd", "nn.functional.embedding_bag",
+         lambda: embedding_bag_grad(weight, index, "sum",
+                                    per_sample_weights=data(600, torch.float32, 3))),
+        ("autograd", "nn.functional.embedding_bag",  # index_add_ per column, by layout
+         lambda: embedding_bag_grad(half, index, "max")),
+        ("fp32", "nn.functional.embedding_bag",
+         lambda: embedding_bag_grad(weight, index, "sum", scale_grad_by_freq=True)),
+        ("autograd", "_segment_reduce",  # torch rounds float16 products per factor
+         lambda: torch.segment_reduce(terms.half(), "prod", lengths=lengths)),
+        ("exact", "_segment_reduce",  # detsum has no exact product
+         lambda: torch.segment_reduce(terms, "prod", lengths=lengths)),
+    ]
+    for mode, name, f in cases:
+        expected = f()
+        actual, ran = run_counted(name, mode, f)
+        assert ran == 0, (mode, name)
+        assert_same_bits(actual, expected)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+def test_new_ops_index_out_of_range(mode):
+    """An index outside its range raises detsum.IndexOutOfRangeError naming the torch op and
+    the argument, before anything is computed (torch's kernels would read or write outside
+    their tensors there), leaving every input as it was."""
+    grad, indices = torch.ones(2, 3), torch.tensor([0, 9, 1])
+    offset2bag, bag_size = torch.tensor([0, 0, 1]), torch.tensor([2, 1])
+    maximum = torch.tensor([[0, 1, 2], [1, 7, 0]])
+    inputs = [grad, indices, offset2bag, bag_size, maximum]
+    kept = [t.clone() for t in inputs]
+    with detsum.deterministic(mode):
+        with pytest.raises(detsum.IndexOutOfRangeError,
+                           match=r"^_embedding_bag_dense_backward \(run by detsum.enable\): "
+                                 r"indices\[1\] = 9 is out of range for num_weights = 4"):
+            torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
+                                                         maximum, 4, False, 0, None)
+        with pytest.raises(detsum.IndexOutOfRangeError,
+                           match=r"maximum_indices\[1, 1\] = 7 is out of range for "
+                                 r"num_weights = 4"):
+            torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
+                                                         maximum, 4, False, 2, None)
+        with pytest.raises(detsum.IndexOutOfRangeError,
+                           match=r"^segment_reduce \(run by detsum.enable\): offsets\[3\] = 6 "
+                                 r"is out of range for data.size\(0\) = 5"):
+            torch.segment_reduce(torch.ones(5), "sum", offsets=torch.tensor([0, 2, 2, 6]))
+        with pytest.raises(IndexError, match=r"^segment_reduce \(run by detsum.enable\): "
+                                             r"lengths\[1\] sum to 7, past data.size\(1\) = 5"):
+            torch.segment_reduce(torch.ones(2, 5), "max", lengths=torch.tensor([[1, 2], [3, 4]]),
+                                 axis=1, unsafe=True)
+    for t, before in zip(inputs, kept):
+        assert torch.equal(t, before)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+def test_new_ops_bad_inputs_give_torchs_errors(mode):
+    """Inputs torch refuses go to torch, which gives its own error (and writes nothing)."""
+    out = torch.full((4,), 7.0)
+    with detsum.deterministic(mode):
+        with pytest.raises(RuntimeError, match="max must be larger than min"):
+            torch.histc(torch.arange(5.0), bins=4, min=3, max=1, out=out)
+        with pytest.raises(RuntimeError, match="is not finite"):
+            torch.histc(torch.tensor([1.0, math.nan]), bins=4)
+        with pytest.raises(RuntimeError, match="to sum to data.size"):
+            torch.segment_reduce(torch.ones(5), "sum", lengths=torch.tensor([1, 2]))
+        with pytest.raises(RuntimeError, match="negative"):
+            torch.segment_reduce(torch.ones(5), "sum", lengths=torch.tensor([6, -1]))
+        with pytest.raises(RuntimeError):
+            torch.segment_reduce(torch.ones(5), "sum", offsets=torch.tensor([0, 3, 2, 5]))
+    assert torch.equal(out, torch.full((4,), 7.0))

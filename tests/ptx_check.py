@@ -117,6 +117,13 @@ def main() -> dict:
     found["fp32 sum kahan keyed"] = _count(_ptx(
         segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
         config, fp_fusion=False))
+    # int32 offsets of any values, each checked (check="device" or "host"): the checkers'
+    # ticket as well as the chunk programs'.
+    config = dict(_segment_config(kernels.SUM, kernels.WIDE, 0, tl.float32, False, 512),
+                  BOUNDS=segment._ANY_OFFSETS.value, CHECK=segment._CHECK_EVERY.value)
+    found["fp32 sum wide offsets checked"] = _count(_ptx(
+        segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
+        config, fp_fusion=False))
     # fp16 data: the chunks' fold divides the mean (in the launch, by the last chunk program).
     config = _segment_config(kernels.MEAN, kernels.KAHAN, 2, tl.float32, False, 512)
     found["fp16 mean kahan"] = _count(_ptx(segment._segment_kernel,

@@ -164,7 +164,7 @@ def test_constexprs_out_of_order_are_refused(launch_check):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd", "exact"])
 def test_direct_launch_gives_jitfunction_run_bits(mode):
-    """Every primitive with a plan, an unplanned call with long segments (the fold kernel),
+    """Every primitive with a plan, an unplanned call with long segments (folded in the launch),
     a misaligned source, bf16 with alpha, one-element rows: launched directly (after a first
     launch) and through JITFunction.run, the same bits."""
     gen = torch.Generator().manual_seed(5)

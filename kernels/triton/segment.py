@@ -8,7 +8,8 @@ defines it (the exact sum or mean rounded once; SUM and MEAN only, no carry). ``
 launch never synchronises. Offsets need not start at 0 nor end at ``M`` here: nondecreasing
 values in ``[0, M]`` with ``order`` values in ``[0, N)`` keep every read and write inside the
 tensors (the positions outside every segment are never read), which is how detsum launches
-values it did not check (``check="off"`` on a GPU).
+values it did not check (``check="off"`` on a GPU); ``kernels.UncheckedOffsets`` are made
+safe by the launch itself (see Bounds).
 
 IMPLEMENTATION NOTES (this backend):
 
@@ -42,14 +43,30 @@ IMPLEMENTATION NOTES (this backend):
   and the folder's loads come after its own ticket (acquire) and bypass L1 (``.cg``); the
   sm_90 PTX is checked for both (tests/ptx_check.py). The counters live in a workspace kept
   per device and stream (``ticket_counters``), zeroed once when it is made; a launch leaves
-  every counter it used at 0, so no op resets them between launches (the bounds are
-  consistent: offsets that never decrease, or sorted keys, whose searches never decrease).
+  every counter it used at 0, so no op resets them between launches. That holds when the
+  bounds are consistent (offsets that never decrease; sorted keys, whose searches never
+  decrease): offsets that a launch checks and finds bad can leave a counter off 0, so the
+  paths that report that and go on (a host read of the verdict, an assert on CPU tensors)
+  set the counters back; on a GPU a failed ``torch._assert_async`` ends the CUDA context.
 
-- Bounds: offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted index
-  itself, in which each program finds its segment's start and end by torch.searchsorted's
-  binary search (``_segment_start``): no offsets are computed before the launch. With keys
-  still to check (check="device"), the first program writes whether the first and last lie
-  in range, and the launcher asserts that on the device.
+- Bounds (BOUNDS): offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted
+  index itself, in which each program finds its segment's start and end by
+  torch.searchsorted's binary search (``_segment_start``): no offsets are computed before
+  the launch. Offsets not known to be valid (``kernels.UncheckedOffsets``) are clamped into
+  ``[0, M]`` as each is read, and a segment whose end is below its start is empty: every read
+  and write stays inside the tensors whatever they hold. Unchecked ("off"), they are first
+  made nondecreasing (their running maximum: one op), for consistent bounds.
+
+- Checks (CHECK), of bounds that the caller has not checked: under CHECK_ENDS (a sort's
+  values) the first program writes whether the first and last key lie in range; under
+  CHECK_EVERY (offsets: from 0 to M without decreasing; a promised-sorted index:
+  nondecreasing, in range) the first ``checkers`` programs each check blocks of
+  ``_CHECK_BLOCK`` bounds and take a ticket that carries what they found, and the last to
+  take one writes the verdict (``_check_every_bound``). The verdict is a flag at the end of
+  the launch's workspace, which no op initialises: one program writes it, in every checked
+  launch. The launcher asserts it on the device (check="device": one op, no read) or reads
+  it back once (check="host"); only then, on the failure's path, are the values looked at
+  again, to raise the caller's error naming the first bad position.
 
 - Carry (a running Kahan sum, see the contract): the program of a segment's first chunk starts
   ``c`` from ``carry``; the program that writes the segment's row (its whole-segment slot, or
@@ -115,6 +132,7 @@ from .. import (
     SUM,
     WIDE,
     SortedKeys,
+    UncheckedOffsets,
     has_exact_work,
     has_work,
 )
@@ -449,7 +467,7 @@ def _reduce_part(
                     tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- checks of the bounds, in the launch ---------------------------------------------------------
+# ---- checks of the bounds, in the launch -------------------------------------------------------
 
 @triton.jit
 def _check_every_bound(bounds_ptr, nseg, positions, checkers, counters_ptr, flag_ptr,
@@ -1157,11 +1175,12 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
                    carry=None, chunks=None):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes; here
-    ``offsets`` may also be ``kernels.SortedKeys``, whose bounds the fp32 / Kahan / torch-order
-    kernels find themselves (the others are given offsets)."""
-    keyed = isinstance(offsets, SortedKeys)
-    if keyed and rule in (EXACT, CUDA_STRIDE_1):
-        offsets, keyed = offsets.offsets(), False  # checked there, if still to check
+    ``offsets`` may also be ``kernels.SortedKeys`` or ``kernels.UncheckedOffsets``, bounds
+    that the fp32 / Kahan / torch-order kernels read and check themselves (the others are
+    given offsets, checked by torch ops)."""
+    given = isinstance(offsets, (SortedKeys, UncheckedOffsets))
+    if given and rule in (EXACT, CUDA_STRIDE_1):
+        offsets, given = offsets.offsets(), False  # checked there, if still to check
     if rule == EXACT:
         if carry is not None:
             raise ValueError("segment_reduce: the EXACT rule takes no carry")
@@ -1169,16 +1188,26 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
                               include_base=include_base)
         return
     if not has_work(src, order, offsets, _DATA_CODES):
-        if keyed:
-            offsets.check_range()  # no program to make it
+        if given:
+            offsets.check()  # no program to make it
         return
     outer, num_rows, inner = src.shape
-    range_error = None
-    if keyed:
-        bounds, nseg = offsets.keys.contiguous(), offsets.num_segments
-        range_error = offsets.range_error
+    failure, check = None, _CHECK_NOTHING.value
+    if isinstance(offsets, SortedKeys):
+        bounds_kind, bounds, nseg = _KEYS.value, offsets.keys.contiguous(), offsets.num_segments
+        failure = offsets.failure
+        check = (_CHECK_EVERY if offsets.every_key else _CHECK_ENDS).value
+    elif isinstance(offsets, UncheckedOffsets):
+        bounds_kind, nseg = _ANY_OFFSETS.value, offsets.values.shape[0] - 1
+        failure, check = offsets.failure, _CHECK_EVERY.value
+        # Unchecked, their running maximum: nondecreasing bounds, which the chunk programs'
+        # searches and tickets need, and the segments that check="off" promises.
+        bounds = (offsets.values.contiguous() if failure is not None
+                  else torch.cummax(offsets.values, 0).values)
     else:
-        bounds, nseg = offsets.contiguous(), offsets.shape[0] - 1
+        bounds_kind, bounds, nseg = _OFFSETS.value, offsets.contiguous(), offsets.shape[0] - 1
+    if failure is None:
+        check = _CHECK_NOTHING.value
     if rule == CUDA_STRIDE_1 and (inner != 1 or reduce != SUM):
         raise ValueError("segment_reduce: CUDA_STRIDE_1 needs reduce SUM and inner size 1")
     if rule == CUDA_SMALL_STRIDE and reduce != SUM:
@@ -1221,35 +1250,63 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
     block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
                                           _MAX_GRID_YZ)
+    # The checkers of every bound: one per _CHECK_BLOCK bounds, at most one per slot.
+    checked_bounds = bounds.shape[0]
+    checkers = (min(_cdiv(checked_bounds, _CHECK_BLOCK.value), nseg + n_parts)
+                if check == _CHECK_EVERY.value else 1)
     # The workspace: the chunks' parts, then the flag that a checked launch writes.
     parts_size = outer * 2 * n_parts * ncomp * inner
-    checked = range_error is not None
+    checked = check != _CHECK_NOTHING.value
     work = (torch.empty(parts_size + checked, dtype=acc_dtype, device=src.device)
             if split or checked else out)  # never touched without SPLIT or a check
     flag = work[parts_size:] if checked else out
+    # Counter 0: the checkers' ticket; then the chunk programs' (_segment_kernel).
     counters = (ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
-                if split else out)  # never touched without SPLIT
+                if split or check == _CHECK_EVERY.value else None)
     _launch_segment(
         (nseg + n_parts, *grid_yz),
         (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
-         out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag, counters,
-         1, outer, nseg, inner),
+         out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag,
+         out if counters is None else counters, checkers, outer, nseg, inner),
         num_warps=num_warps,
         REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, HAS_ORDER=has_order,
         HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry, SCALED=scaled, SPLIT=split,
         FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), NCOMP=ncomp,
-        CHUNK=CHUNK_TERMS, BOUNDS=(_KEYS if keyed else _OFFSETS).value,
-        CHECK=(_CHECK_ENDS if checked else _CHECK_NOTHING).value, BLOCK=block,
+        CHUNK=CHUNK_TERMS, BOUNDS=bounds_kind, CHECK=check, BLOCK=block,
     )
     if checked:
-        torch._assert_async(flag, range_error)
+        _report(flag, failure, counters)
+
+
+def _report(flag: torch.Tensor, failure, counters: torch.Tensor | None) -> None:
+    """What a checked launch found: asserted on the device (``failure`` a message), or read
+    back once and, when it shows a bad bound, handed to ``failure``, which raises. Where a
+    failure is reported and the program goes on, the ticket counters are set back to 0: bounds
+    that fail can leave some off it (see the notes)."""
+    if callable(failure):
+        if flag.item():
+            return
+        if counters is not None:
+            counters.zero_()
+        failure()
+        raise AssertionError("segment_reduce: the launch found a bad bound that the check on "
+                             "the host did not")
+    try:
+        torch._assert_async(flag, failure)
+    except RuntimeError:
+        # On CPU tensors the assert is synchronous, and raises here; a GPU's runs later, and
+        # a failure ends the CUDA context, counters and all.
+        if counters is not None:
+            counters.zero_()
+        raise
 
 
 # A launch's tickets (the chunk programs', the checkers'): int64 counters, zero between
 # launches, one set per device and stream (launches on one stream run one after the other;
-# on two streams they may run at once). Made zero when first needed, and again, larger, when a
-# launch needs more: then the old set is kept, since a CUDA graph may have captured a launch
-# that uses it.
+# on two streams they may run at once; a CUDA graph replays its launches with the set of the
+# stream it was captured on). Made zero when first needed, and again, larger, when a launch
+# needs more: then the old set is kept, since a CUDA graph may have captured a launch that
+# uses it.
 _TICKET_COUNTERS: dict[tuple, torch.Tensor] = {}
 _RETIRED_COUNTERS: list[torch.Tensor] = []
 _MIN_COUNTERS = 4096

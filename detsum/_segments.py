@@ -7,6 +7,7 @@ stable pass over the index (its order *is* the canonical order of the determinis
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -118,8 +119,8 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     in none; a broken ``sorted=True`` promise gives the segments of ``index_as_planned``.
 
     ``as_keys``: for a launch on the triton backend, which finds the segments' bounds itself
-    in the sorted keys (``kernels.SortedKeys``; its "device" check too): no offsets computed
-    here. Other backends are given offsets.
+    in the sorted keys (``kernels.SortedKeys``) and checks them ("device"; a promised-sorted
+    index at "host" too): no offsets computed here. Other backends are given offsets.
     """
     if backend_name != "numba" or index.device.type != "cpu":
         return _device_plan(caller, index, num_segments, index_name=index_name,
@@ -175,6 +176,22 @@ def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position:
         f"expected a nondecreasing index, or pass sorted=False")
 
 
+def _check_sorted(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
+                  size_name: str) -> None:
+    """Check a promised-sorted index on the host (one read), raising the error of its first
+    bad value: out of range first, then decreasing."""
+    decreasing = (index[1:] < index[:-1]).any()
+    # A nondecreasing index lies in range when its two ends do: one read of the three.
+    low, high, bad_order = torch.stack([index[0], index[-1],
+                                        decreasing.to(index.dtype)]).tolist()
+    if low < 0 or high >= num_segments or (
+            bad_order and bool(((index < 0) | (index >= num_segments)).any())):
+        raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+    if bad_order:
+        first = int((index[1:] < index[:-1]).nonzero()[0]) + 1
+        _raise_unsorted(caller, index_name, index, first)
+
+
 def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
                  size_name: str, promised_sorted: bool, check: str, as_keys: bool = False
                  ) -> tuple[torch.Tensor | None, torch.Tensor | kernels.SortedKeys]:
@@ -186,35 +203,31 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     boundary: neither needs the host. The sort already yields the smallest and largest
     value, so validating costs no extra pass over the index, just the one read of those two
     numbers; a promised-sorted index is checked by one pass for its order and a read of that
-    with its two ends. Bad values are located (a slower, second look) only to write the error
-    message.
+    with its two ends, or, given as keys to a launch, by that launch (no op here; at "host" a
+    read of its verdict). Bad values are located (a slower, second look) only to write the
+    error message.
     """
     if index.numel() == 0:
         return (None if promised_sorted else index.new_empty(0, dtype=torch.int64),
                 torch.zeros(num_segments + 1, dtype=torch.int64, device=index.device))
     in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
     if promised_sorted:
-        offsets = kernels.SortedKeys(index, num_segments)
-        if not as_keys:
-            offsets = offsets.offsets()
-        if check == "off":
-            return None, offsets
-        decreasing = (index[1:] < index[:-1]).any()
+        host_check = functools.partial(_check_sorted, caller, index, num_segments,
+                                       index_name=index_name, size_name=size_name)
+        if as_keys:
+            # The launch checks every value itself: one assert, or one read of its verdict.
+            failure = {"off": None, "host": host_check,
+                       "device": device_check_message(
+                           caller, f"{in_range} or decreases somewhere (sorted=True)")}[check]
+            return None, kernels.SortedKeys(index, num_segments, failure, every_key=True)
+        offsets = kernels.SortedKeys(index, num_segments).offsets()
         if check == "device":
             out_of_range = ((index < 0) | (index >= num_segments)).any()
             assert_on_device(~out_of_range, caller, in_range)
-            assert_on_device(~decreasing, caller,
+            assert_on_device(~(index[1:] < index[:-1]).any(), caller,
                              f"sorted=True but {index_name} decreases somewhere")
-            return None, offsets
-        # A nondecreasing index lies in range when its two ends do: one read of the three.
-        low, high, bad_order = torch.stack([index[0], index[-1],
-                                            decreasing.to(index.dtype)]).tolist()
-        if low < 0 or high >= num_segments or (
-                bad_order and bool(((index < 0) | (index >= num_segments)).any())):
-            raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
-        if bad_order:
-            first = int((index[1:] < index[:-1]).nonzero()[0]) + 1
-            _raise_unsorted(caller, index_name, index, first)
+        elif check == "host":
+            host_check()
         return None, offsets
     values, order = torch.sort(index, stable=True)
     if check == "device" and as_keys:

@@ -87,7 +87,9 @@ def check_level(caller: str, check: object) -> str:
     The levels differ on a GPU only: on CPU tensors every level checks as "host" does, with
     its errors, on every backend (``_segments.check_that_runs``). On a GPU "off" never reads
     or writes outside a tensor: each primitive's docstring says what it gives for a bad value,
-    and a "device" check that fails launches that same work before the failure is reported."""
+    and a "device" check that fails launches that same work before the failure is reported
+    (segment_sum's offsets, which its launch checks itself: inside every tensor, with an
+    unspecified result)."""
     if check not in CHECK_LEVELS:
         raise ValueError(f"{caller}: check={check!r}; expected one of "
                          f"{', '.join(map(repr, CHECK_LEVELS))}")

@@ -7,6 +7,7 @@ contract (``docs/determinism.md``) and picked in ``detsum/modes.py``; the intege
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -79,6 +80,15 @@ AMIN = 4
 REDUCE_CODES = {"sum": SUM, "mean": MEAN, "prod": PROD, "amax": AMAX, "amin": AMIN}
 
 
+#: How a launch that checks its bounds in its own kernel reports what it finds (``failure=``
+#: of ``SortedKeys`` and ``UncheckedOffsets``): a str is the message of ``torch._assert_async``
+#: on the launch's flag (check="device": no host read); a callable is called when the flag,
+#: read back once after the launch, shows a failure (check="host"): it checks the values on
+#: the host and raises the caller's error (extra ops and reads, on the failure's path only).
+#: A launch whose kernel does not check runs the same check by torch ops (``check()``).
+Failure = str | Callable[[], None]
+
+
 @dataclasses.dataclass(frozen=True)
 class SortedKeys:
     """Segment bounds given by a sorted index instead of offsets (``offsets=`` of a launch on
@@ -91,23 +101,75 @@ class SortedKeys:
     #: 1-D int32/int64 on the data's device: a stable sort's values, or an index promised sorted.
     keys: torch.Tensor
     num_segments: int
-    #: For sorted keys not checked yet (check="device"): the error of ``torch._assert_async``
-    #: when the first key is below 0 or the last one not below ``num_segments``, a check that
-    #: the launch makes on the device (no op of its own but the assert), after its reduction.
-    range_error: str | None = None
+    #: For keys not checked yet: how the launch's check of them, on the device, reports a
+    #: failure (``Failure``); None: no check.
+    failure: Failure | None = None
+    #: What is checked: every key (a promised-sorted index: each in ``[0, num_segments)`` and
+    #: none below the one before), or only the two ends (a sort's values, which are sorted).
+    every_key: bool = False
 
-    def check_range(self) -> None:
-        """The range check by torch ops, for a launch that does not make it itself."""
-        if self.range_error is not None:
-            torch._assert_async((self.keys[0] >= 0) & (self.keys[-1] < self.num_segments),
-                                self.range_error)
+    def check(self) -> None:
+        """The check by torch ops, for a launch that does not make it in its kernel."""
+        if self.failure is None:
+            return
+        if callable(self.failure):
+            self.failure()
+            return
+        keys, size = self.keys, self.num_segments
+        if self.every_key:
+            good = ((keys >= 0) & (keys < size)).all() & ~(keys[1:] < keys[:-1]).any()
+        else:
+            good = (keys[0] >= 0) & (keys[-1] < size)
+        torch._assert_async(good, self.failure)
 
     def offsets(self) -> torch.Tensor:
-        """The offsets these keys stand for (two device ops), after the range check."""
-        self.check_range()
+        """The offsets these keys stand for (two device ops), after the check."""
+        self.check()
         boundaries = torch.arange(self.num_segments + 1, dtype=self.keys.dtype,
                                   device=self.keys.device)
         return torch.searchsorted(self.keys.contiguous(), boundaries)
+
+
+@dataclasses.dataclass(frozen=True)
+class UncheckedOffsets:
+    """CSR offsets not known to be valid (``offsets=`` of a launch on the Triton backend), which
+    the launch makes safe itself: it reads each value clamped into ``[0, positions]``.
+
+    Unchecked (no ``failure``: check="off"), it takes their running maximum first (one op), so
+    the segments are those of the offsets clamped into ``[0, positions]`` and made
+    nondecreasing: what torch ops would launch. Checked (with a ``failure``), it reads them
+    as they are and checks in its kernel that they run from 0 to ``positions`` without
+    decreasing; a segment whose end is below its start is then empty, so the launch stays
+    inside every tensor, but what it writes for offsets that fail is unspecified (a failure
+    is reported, and on a GPU a failed assert ends the CUDA context)."""
+
+    #: 1-D int32/int64 on the data's device, ``[num_segments + 1]``.
+    values: torch.Tensor
+    #: The number of positions (source rows, or entries of the order): the last offset.
+    positions: int
+    #: How the launch's check reports a failure (``Failure``); None: no check.
+    failure: Failure | None = None
+
+    def check(self) -> None:
+        """The check by torch ops, for a launch that does not make it in its kernel."""
+        if self.failure is None:
+            return
+        if callable(self.failure):
+            self.failure()
+            return
+        values = self.values
+        torch._assert_async((values[0] == 0) & (values[-1] == self.positions)
+                             & ~(values[1:] < values[:-1]).any(), self.failure)
+
+    def offsets(self) -> torch.Tensor:
+        """Int64 offsets for a launch that reads them as they are, after the check: checked on
+        the host, the values themselves; otherwise clamped into ``[0, positions]`` and made
+        nondecreasing (the segments of check="off"; a failed "device" check is reported)."""
+        self.check()
+        values = self.values.to(torch.int64)
+        if callable(self.failure):
+            return values
+        return torch.cummax(values.clamp(0, self.positions), 0).values
 
 
 #: ``chunks=`` of a launch whose caller knows that no segment is longer than CHUNK_TERMS.
@@ -136,11 +198,14 @@ def has_work(src, order, offsets, supported_dtypes) -> bool:
         raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
     if isinstance(offsets, SortedKeys):
         bounds_ok, nseg = offsets.keys.dtype in (torch.int32, torch.int64), offsets.num_segments
+    elif isinstance(offsets, UncheckedOffsets):
+        bounds_ok = offsets.values.dtype in (torch.int32, torch.int64)
+        nseg = offsets.values.shape[0] - 1
     else:
         bounds_ok, nseg = offsets.dtype == torch.int64, offsets.shape[0] - 1
     if not bounds_ok or (order is not None and order.dtype != torch.int64):
-        raise TypeError("segment_reduce: order and offsets must be int64 (sorted keys: int32 "
-                        "or int64)")
+        raise TypeError("segment_reduce: order and offsets must be int64 (sorted keys and "
+                        "unchecked offsets: int32 or int64)")
     outer, _, inner = src.shape
     return outer > 0 and nseg > 0 and inner > 0
 

@@ -45,7 +45,7 @@ from detsum.kernels.triton import launch, segment
 
 def _calls() -> list:
     """detsum calls that launch each kernel: with a plan in "fp32", "kahan" and "exact",
-    long segments (the fold kernel), a misaligned source, bf16 data with alpha, a mean, CUDA's
+    long segments (folded in the launch), a misaligned source, bf16 data with alpha, a mean, CUDA's
     stride-1 rule."""
     gen = torch.Generator().manual_seed(0)
     rows, segments, features = 600, 7, 5
@@ -59,7 +59,7 @@ def _calls() -> list:
     calls += [
         lambda: detsum.segment_sum(src, plan=plan),
         lambda: detsum.index_add(init, 0, index, misaligned, plan=plan),
-        lambda: detsum.index_add(init, 0, index, src),  # chunks counted in the launch: fold
+        lambda: detsum.index_add(init, 0, index, src),  # chunks found and folded in the launch
         lambda: detsum.index_add(init.bfloat16(), 0, index, src.bfloat16(), alpha=0.5,
                                  plan=plan),
         lambda: detsum.scatter_reduce(init, 0, index, src, "mean", plan=plan),

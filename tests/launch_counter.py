@@ -235,6 +235,9 @@ def count(call: Callable[[], torch.Tensor], *, backward: bool = False) -> Counts
     def on_read(name, caller):
         counts.host_reads.append(f"{name} in {_first_own_frame()}")
 
+    # The launches' ticket counters are made (zeroed) once per device and stream and kept: a
+    # cost of the first launch there, not of a call.
+    _triton_segment.ticket_counters(torch.device("cpu"), 1)
     # Without the NaN fill of every output that the tests' fixture turns on: no part of a call.
     with gpu_path(), host_reads(on_read), \
             unittest.mock.patch.object(_segments, "POISON_OUTPUTS", False):
@@ -255,8 +258,8 @@ def count(call: Callable[[], torch.Tensor], *, backward: bool = False) -> Counts
 # ---- the calls the issue budgets ---------------------------------------------------------------
 
 CHECKS = ("host", "device", "off")
-# 512 source rows: more than CHUNK_TERMS make the Kahan and fp32 launches fold chunks in a
-# second kernel, as any real size does (kernels/triton/segment.py, "Work split").
+# 512 source rows: more than CHUNK_TERMS make the Kahan and fp32 launches split long segments
+# into chunks and fold them, as any real size does (kernels/triton/segment.py, "Work split").
 _ROWS, _SEGMENTS, _FEATURES = 512, 16, 4
 _TOKENS, _TOPK, _EXPERTS = 64, 2, 4
 

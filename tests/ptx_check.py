@@ -33,10 +33,11 @@ def _ptx(fn, types: dict, constexprs: dict, *, fp_fusion: bool) -> str:
 def _segment_types(data: str, acc: str) -> dict:
     ints = {name: "i64" for name in ("ss0", "ss1", "ss2", "bs0", "bs1", "bs2", "os0", "os1",
                                      "os2", "cs0", "cs1", "cs2", "positions", "n_parts",
-                                     "outer", "nseg", "inner")}
+                                     "checkers", "outer", "nseg", "inner")}
     return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
                 carry_ptr=f"*{acc}", order_ptr="*i64", bounds_ptr="*i64",
-                work_ptr=f"*{acc}", alpha_ptr=f"*{acc}", flag_ptr="*i8")
+                work_ptr=f"*{acc}", alpha_ptr=f"*{acc}", flag_ptr=f"*{acc}",
+                counters_ptr="*i64")
 
 
 def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False):
@@ -44,7 +45,8 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
                 HAS_BASE=True, USE_BASE=True, HAS_CARRY=carry, SCALED=scaled,
                 SPLIT=rule in kernels.SPLIT_RULES,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
-                CHUNK=kernels.CHUNK_TERMS, KEYED=False, CHECK_KEYS=False, BLOCK=block)
+                CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
+                CHECK=segment._CHECK_NOTHING.value, BLOCK=block)
 
 
 def _exact_types(data: str, acc: str) -> dict:
@@ -65,7 +67,27 @@ def _exact_config(reduce, dtype, scaled, block):
 
 def _count(ptx: str) -> dict:
     return {"fma": len(re.findall(r"\bfma\.", ptx)),
-            "divisions": sorted(set(re.findall(r"\bdiv\.[a-z.]*f(?:32|64)", ptx)))}
+            "divisions": sorted(set(re.findall(r"\bdiv\.[a-z.]*f(?:32|64)", ptx))),
+            **_tickets(ptx)}
+
+
+def _tickets(ptx: str) -> dict:
+    """The atomics (the tickets of the chunk programs and of the checkers) by their form, and
+    for each, whether a barrier (``bar.sync``) comes after the last global store before it:
+    the stores of every thread of the program then precede the ticket."""
+    atomics, fenced = [], []
+    last_store = last_barrier = -1
+    for number, line in enumerate(ptx.splitlines()):
+        if re.search(r"\bst\.global\b", line):
+            last_store = number
+        elif re.search(r"\bbar\.sync\b", line):
+            last_barrier = number
+        found = re.search(r"\batom\.[a-z0-9_.]+", line)
+        if found:
+            atomics.append(found.group())
+            fenced.append(last_barrier > last_store)
+    return {"atomics": sorted(set(atomics)), "barrier_before_each_atomic": all(fenced),
+            "cg_loads": len(re.findall(r"\bld\.global\.cg\.", ptx))}
 
 
 def main() -> dict:
@@ -88,19 +110,25 @@ def main() -> dict:
     found["fp32 sum kahan carry"] = _count(_ptx(segment._segment_kernel,
                                                 _segment_types("fp32", "fp32"), config,
                                                 fp_fusion=False))
-    # Bounds from int32 sorted keys, checked on the device (a launch without a plan).
+    # Bounds from int32 sorted keys, their two ends checked on the device (a launch without a
+    # plan).
     config = dict(_segment_config(kernels.SUM, kernels.KAHAN, 0, tl.float32, False, 512),
-                  KEYED=True, CHECK_KEYS=True)
+                  BOUNDS=segment._KEYS.value, CHECK=segment._CHECK_ENDS.value)
     found["fp32 sum kahan keyed"] = _count(_ptx(
         segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
         config, fp_fusion=False))
-    fold_types = dict(bounds_ptr="*i64", out_ptr="*fp16", carry_ptr="*fp32", work_ptr="*fp32",
-                      **{n: "i64" for n in ("positions", "os0", "os1", "os2", "cs0", "cs1",
-                                            "cs2", "n_parts", "outer", "nseg", "inner")})
-    fold = dict(REDUCE=kernels.MEAN, RULE=kernels.KAHAN, DATA=2, ACC=tl.float32, USE_BASE=True,
-                HAS_CARRY=False, NCOMP=2, CHUNK=kernels.CHUNK_TERMS, KEYED=False, BLOCK=512)
-    found["fp16 fold mean kahan"] = _count(_ptx(segment._fold_kernel, fold_types, fold,
-                                                fp_fusion=False))
+    # int32 offsets of any values, each checked (check="device" or "host"): the checkers'
+    # ticket as well as the chunk programs'.
+    config = dict(_segment_config(kernels.SUM, kernels.WIDE, 0, tl.float32, False, 512),
+                  BOUNDS=segment._ANY_OFFSETS.value, CHECK=segment._CHECK_EVERY.value)
+    found["fp32 sum wide offsets checked"] = _count(_ptx(
+        segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
+        config, fp_fusion=False))
+    # fp16 data: the chunks' fold divides the mean (in the launch, by the last chunk program).
+    config = _segment_config(kernels.MEAN, kernels.KAHAN, 2, tl.float32, False, 512)
+    found["fp16 mean kahan"] = _count(_ptx(segment._segment_kernel,
+                                           _segment_types("fp16", "fp32"), config,
+                                           fp_fusion=False))
     stride1_types = dict(src_ptr="*i16", base_ptr="*i16", out_ptr="*i16", order_ptr="*i64",
                          offsets_ptr="*i64", alpha_ptr="*fp32",
                          **{n: "i64" for n in ("ss0", "ss1", "bs0", "bs1", "os0", "os1",

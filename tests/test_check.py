@@ -134,6 +134,105 @@ def test_device_level_fails_on_a_bad_index_naming_the_argument(primitive):
         call()
 
 
+# ---- the launch's own check of offsets and of a sorted index (the triton backend) -------------
+
+@pytest.fixture
+def small_check_blocks(monkeypatch):
+    """Checker programs that read 2 bounds at a time: a small launch's check then spreads over
+    several programs, and a program checks several blocks when there are more blocks than
+    programs."""
+    from detsum.kernels.triton import segment
+
+    monkeypatch.setattr(segment, "_CHECK_BLOCK", segment.tl.constexpr(2))
+
+
+def _checked_in_the_launch(argument, values):
+    """(call: check -> result, the message of its failed "device" check) of the call whose
+    ``argument`` (offsets of 12 rows into 5 segments, or a sorted index of 12 rows into 5)
+    holds ``values``."""
+    gen = torch.Generator().manual_seed(21)
+    src, init = torch.randn(12, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    if argument == "offsets":
+        return (lambda check: detsum.segment_sum(src, values, check=check),
+                r"detsum.segment_sum: offsets do not run from 0 to src.size\(dim\) = 12 "
+                r"without decreasing \(found by check='device'")
+    return (lambda check: detsum.scatter_reduce(init, 0, values, src, "sum", sorted=True,
+                                                check=check),
+            r"detsum.scatter_reduce: index has a value outside \[0, input.size\(0\) = 5\) or "
+            r"decreases somewhere \(sorted=True\) \(found by check='device'")
+
+
+_GOOD_BOUNDS = {"offsets": [0, 3, 3, 7, 9, 12],
+                "sorted_index": [0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 4, 4]}
+# Each position made bad in turn: the ends out of place, the others below the bound before.
+_BAD_BOUNDS = [
+    pytest.param(argument, position, id=f"{argument}-{position}")
+    for argument, good in _GOOD_BOUNDS.items() for position in range(len(good))]
+
+
+def _made_bad(argument, position):
+    values = list(_GOOD_BOUNDS[argument])
+    if position == 0:
+        values[0] = 1 if argument == "offsets" else -1
+    elif position == len(values) - 1 and argument == "offsets":
+        values[-1] = 11
+    else:
+        values[position] = values[position - 1] - 1
+    return torch.tensor(values)
+
+
+@pytest.mark.parametrize("argument,position", _BAD_BOUNDS)
+@pytest.mark.parametrize("check", ["host", "device"])
+def test_the_launch_finds_a_bad_bound_wherever_it_is(small_check_blocks, check, argument,
+                                                     position):
+    """The launch checks the offsets, or the sorted index, itself, spread over its programs:
+    a bad value in any program's block fails, at "host" with the error of the Numba
+    backend's check (a read of the launch's verdict, then the values on the error's path),
+    at "device" with one assert of it."""
+    call, device_message = _checked_in_the_launch(argument, _made_bad(argument, position))
+    with detsum.backend("numba"), pytest.raises((IndexError, ValueError)) as expected:
+        call("host")
+    if check == "host":
+        with gpu_path(), pytest.raises(type(expected.value)) as raised:
+            call("host")
+        assert str(raised.value) == str(expected.value)
+    else:
+        with gpu_path(), pytest.raises(RuntimeError, match=device_message):
+            call("device")
+
+
+@pytest.mark.parametrize("argument", list(_GOOD_BOUNDS))
+def test_the_launch_passes_good_bounds_checked_by_several_programs(small_check_blocks,
+                                                                   argument):
+    call, _ = _checked_in_the_launch(argument, torch.tensor(_GOOD_BOUNDS[argument]))
+    with detsum.backend("numba"):
+        expected = call("host")
+    for check in ("host", "device"):
+        with gpu_path():
+            assert_same_bits(call(check), expected)
+
+
+@pytest.mark.parametrize("check", ["host", "device"])
+def test_a_failed_check_leaves_no_ticket_behind(check):
+    """Offsets that decrease, with long segments: the chunk programs' searches disagree and
+    some segment's tickets are never all taken. The failure's path sets the counters back to
+    0, so the next launch folds its chunks when they are all there: the Numba backend's bits."""
+    from detsum.kernels.triton import segment
+
+    gen = torch.Generator().manual_seed(22)
+    src = torch.randn(1000, 2, generator=gen)
+    bad, good = torch.tensor([0, 600, 300, 1000]), torch.tensor([0, 600, 1000])
+    with gpu_path(), pytest.raises(ValueError if check == "host" else RuntimeError):
+        detsum.segment_sum(src, bad, check=check)
+    assert not segment.ticket_counters(torch.device("cpu"), 1).any()
+    for mode in ("fp32", "kahan"):
+        with detsum.backend("numba"):
+            expected = detsum.segment_sum(src, good, mode=mode)
+        with gpu_path():
+            assert_same_bits(detsum.segment_sum(src, good, mode=mode, check=check), expected)
+        assert not segment.ticket_counters(torch.device("cpu"), 1).any()
+
+
 # ---- bad values: on the CPU every level checks; on a GPU "off" stays inside every tensor -------
 # Small sizes: Triton's interpreter runs every program in Python.
 
@@ -407,13 +506,33 @@ def test_off_level_chunks_long_segments_of_bad_values(promised_sorted):
 def test_device_level_launches_what_off_gives(backend, call, mistake, monkeypatch):
     """On a GPU a failed "device" check is reported at the next synchronisation, after the
     launch: that launch is the one of "off", inside every tensor. Here the check never fails
-    (as if not reported yet)."""
+    (as if not reported yet). segment_sum's offsets on the triton backend are the exception:
+    the launch checks them itself, reading each segment's bounds clamped on their own
+    (``_each_segment_clamped``)."""
     argument, run = _BAD_VALUE_CALLS[call]
     t = _with_mistake(_bad_value_inputs(), argument, mistake)
+    checked_in_the_launch = (backend == "triton" and argument == "offsets"
+                             and call != "segment_sum-exact")
     with gpu_path(backend):
         off = run(_with_mistake(_bad_value_inputs(), argument, mistake), "off")
         monkeypatch.setattr(torch, "_assert_async", lambda *args: None)
-        assert_same_bits(run(t, "device"), off)
+        got = run(t, "device")
+    if checked_in_the_launch:
+        off = _each_segment_clamped(t, with_perm="perm" in call)
+    assert_same_bits(got, off)
+
+
+def _each_segment_clamped(t, with_perm):
+    """What the launch that checks segment_sum's offsets itself sums, without chunks (fp32):
+    segment ``s`` from ``c[s]`` to ``max(c[s], c[s + 1])``, ``c`` the offsets clamped into
+    [0, N] each on its own, its rows added in order to an fp32 0."""
+    clamped = [min(max(value, 0), _ROWS) for value in t["offsets"].tolist()]
+    rows = _clamped_perm(t["perm"], _ROWS).tolist() if with_perm else list(range(_ROWS))
+    out = torch.zeros(len(clamped) - 1, _COLUMNS)
+    for s in range(len(clamped) - 1):
+        for p in range(clamped[s], max(clamped[s], clamped[s + 1])):
+            out[s] = out[s] + t["src"][rows[p]]
+    return out
 
 
 # name -> (the argument that goes wrong, the call with what is differentiated, the gradient

@@ -216,9 +216,9 @@ LONG_REDUCTIONS = [
 @pytest.mark.parametrize("mode,reduce,dtype", LONG_REDUCTIONS,
                          ids=[f"{m}-{r}-{dtype_id(d)}" for m, r, d in LONG_REDUCTIONS])
 def test_long_segments(mode, reduce, dtype, sizes):
-    """Segments beyond CHUNK_TERMS terms: chunk programs plus the fold launch, rows shuffled so
-    the chunks read scattered rows; with an outer dim so each chunk's workspace row is per
-    outer index."""
+    """Segments beyond CHUNK_TERMS terms: chunk programs, the last of a segment's to finish
+    folding them, rows shuffled so the chunks read scattered rows; with an outer dim so each
+    chunk's workspace row is per outer index."""
     rows = sum(sizes)
     seed = seed_of("triton-long", sizes, dtype, reduce)
     g = torch.Generator().manual_seed(seed)
@@ -445,3 +445,25 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     assert found["bf16 mean kahan"]["divisions"] == ["div.rn.f32"]
     assert found["fp64 mean wide"]["divisions"] == ["div.rn.f64"]
     assert found["fp64 mean exact"]["divisions"] == []  # the exact mean divides integers
+    # The chunk programs' tickets (SPLIT): an acq_rel atomic at GPU scope after a barrier that
+    # follows the program's stores of its part, and the folder's loads of the parts from L2.
+    for name in ("bf16 sum wide alpha", "bf16 sum kahan alpha", "fp16 mean kahan",
+                 "fp32 sum kahan carry"):
+        assert found[name]["atomics"] == ["atom.global.gpu.acq_rel.add.u64"], name
+        assert found[name]["barrier_before_each_atomic"], name
+        assert found[name]["cg_loads"] > 0, name
+    assert found["bf16 sum round_each alpha"]["atomics"] == []  # never split, never a ticket
+    # The checkers' ticket carries what they found in its value: relaxed is enough.
+    assert found["fp32 sum wide offsets checked"]["atomics"] == [
+        "atom.global.gpu.acq_rel.add.u64", "atom.global.gpu.relaxed.add.u64"]
+
+
+def test_ptx_check_sees_an_atomic_without_a_barrier_before_it():
+    """The PTX test's reading of the tickets can fail: a global store between the last
+    barrier and an atomic is found."""
+    import ptx_check
+
+    fenced = "st.global.b32 [%rd1], %r1;\nbar.sync 0;\natom.global.gpu.acq_rel.add.u64 %rd2;"
+    assert ptx_check._tickets(fenced)["barrier_before_each_atomic"]
+    unfenced = "bar.sync 0;\nst.global.b32 [%rd1], %r1;\natom.global.gpu.acq_rel.add.u64 %rd2;"
+    assert not ptx_check._tickets(unfenced)["barrier_before_each_atomic"]

@@ -116,8 +116,7 @@ def test_key_is_at_least_as_fine_as_triton(launch_check):
     the same detsum key have different Triton keys. Where detsum's key is finer, it is only
     a constexpr's type (Triton memoises its key on a tuple, in which True == 1 == 1.0)."""
     keys = launch_check["keys"]
-    assert keys["kernels"] == ["_exact_kernel", "_fold_kernel", "_segment_kernel",
-                               "_stride1_kernel"]
+    assert keys["kernels"] == ["_exact_kernel", "_segment_kernel", "_stride1_kernel"]
     for name in keys["kernels"]:
         found = keys[name]
         assert found["launches"] > 100, name
@@ -134,8 +133,8 @@ def test_direct_launch_runs_what_jitfunction_run_runs(launch_check):
     JITFunction.run picks for its arguments, with the same arguments as JITFunction.run."""
     assert launch_check["direct_launch"]
     replays = launch_check["replays"]
-    assert {r["kernel"] for r in replays} == {"_segment_kernel", "_fold_kernel",
-                                              "_stride1_kernel", "_exact_kernel"}
+    assert {r["kernel"] for r in replays} == {"_segment_kernel", "_stride1_kernel",
+                                              "_exact_kernel"}
     first = [r for r in replays if r["replay"] == 1]
     assert sum(r["jitfunction_runs"] for r in first) >= 8  # distinct keys, each once
     for replay in replays:
@@ -165,7 +164,7 @@ def test_constexprs_out_of_order_are_refused(launch_check):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd", "exact"])
 def test_direct_launch_gives_jitfunction_run_bits(mode):
-    """Every primitive with a plan, an unplanned call with long segments (the fold kernel),
+    """Every primitive with a plan, an unplanned call with long segments (folded in the launch),
     a misaligned source, bf16 with alpha, one-element rows: launched directly (after a first
     launch) and through JITFunction.run, the same bits."""
     gen = torch.Generator().manual_seed(5)

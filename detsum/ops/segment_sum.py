@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation, reference
+from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
 from detsum.plans import Plan, check_plan, run_checks_with
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
+# The failures of check="device", by the number of rows.
+_OFFSETS_BAD = "offsets do not run from 0 to src.size(dim) = {} without decreasing"
+_PERM_OUT_OF_RANGE = "perm has a value outside [0, src.size(dim) = {})"
 
 
 # ---- operator ---------------------------------------------------------------------------------
@@ -26,13 +31,9 @@ def _check_values(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: in
                 else None)
     if check == "device":
         _validation.assert_on_device((offsets[0] == 0) & (offsets[-1] == num_rows)
-                                     & ~decreasing, _CALLER,
-                                     f"offsets do not run from 0 to src.size(dim) = "
-                                     f"{num_rows} without decreasing")
+                                     & ~decreasing, _CALLER, _OFFSETS_BAD.format(num_rows))
         if perm_bad is not None:
-            _validation.assert_on_device(~perm_bad, _CALLER,
-                                         f"perm has a value outside [0, src.size(dim) = "
-                                         f"{num_rows})")
+            _validation.assert_on_device(~perm_bad, _CALLER, _PERM_OUT_OF_RANGE.format(num_rows))
         return
     checks = [offsets[0], offsets[-1], decreasing.to(offsets.dtype)]
     if perm_bad is not None:
@@ -74,22 +75,46 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     device_type = src.device.type
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
-    if rows is None:
+    bounds, perm_in_range = offsets, None
+    if rows is not None:
+        pass  # a plan's: checked when it was made
+    elif backend_name == "triton" and (check != "host" or perm is None):
+        bounds = kernels.UncheckedOffsets(offsets, num_rows, _failure(offsets, num_rows, check))
+        if perm is not None:
+            # perm's check, asserted after the launch's own (the order of the reports is
+            # the order of the checks); the launch reads perm clamped.
+            if check == "device":
+                perm_in_range = ~((perm < 0) | (perm >= num_rows)).any()
+            perm = perm.clamp(0, max(num_rows - 1, 0))
+    else:
         _check_values(offsets, perm, num_rows, check)
-    if check != "host" and rows is None:
-        # Under "device" too: on a GPU the launch runs before a failed check is reported.
-        offsets, perm = _as_launched(offsets, perm, num_rows)
+        if check != "host":
+            # Under "device" too: on a GPU the launch runs before a failed check is reported.
+            offsets, perm = _as_launched(offsets, perm, num_rows)
+        bounds = _int64(offsets)
     if backend_name == "reference":
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
     src3 = _segments.rows_view(src, dim)
     out3 = _segments.new_output(src3, offsets.numel() - 1)
     order = None if perm is None else _int64(perm)
-    _segments.launch(backend_name, src3, order, _int64(offsets), None, out3,
+    _segments.launch(backend_name, src3, order, bounds, None, out3,
                      reduce="sum",
                      rule=rule_for(MODE_BY_NAME[acc_mode], "sum", device_type, src3.shape[2]),
                      alpha=1.0, include_base=False,
                      chunks=None if chunk_slots < 0 else (chunk_ends, chunk_slots))
+    if perm_in_range is not None:
+        _validation.assert_on_device(perm_in_range, _CALLER, _PERM_OUT_OF_RANGE.format(num_rows))
     return out3.view(*_out_shape(src, dim, offsets))  # sizes one by one: parsed faster
+
+
+def _failure(offsets: torch.Tensor, num_rows: int, check: str) -> kernels.Failure | None:
+    """How the launch that checks ``offsets`` itself reports bad ones, as ``check`` says: on
+    the host with the errors of ``_check_values``, or by an assert on the device."""
+    if check == "host":
+        return functools.partial(_check_values, offsets, None, num_rows, "host")
+    if check == "device":
+        return _validation.device_check_message(_CALLER, _OFFSETS_BAD.format(num_rows))
+    return None
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:
@@ -236,8 +261,9 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
             with ``offsets`` clamped into ``[0, N]`` and made nondecreasing (each the largest
             value up to it; the rows before the first offset and from the last on are then
             left out) and ``perm`` values clamped into ``[0, N)``, and the gradient is that
-            of this sum; a ``"device"`` check that fails launches the same before the
-            failure is reported.
+            of this sum. A ``"device"`` check that fails is reported after a launch that
+            stays inside every tensor too, whose result is then unspecified (the offsets
+            are checked by the launch itself; a GPU's failed check ends its CUDA context).
         plan: instead of ``offsets`` and ``perm``, a :func:`detsum.plan` of an index of
             length ``N`` into ``S`` rows: output row ``s`` then sums the rows ``k`` with
             ``index[k] == s`` in increasing ``k`` (``offsets=plan.offsets``,

@@ -8,7 +8,8 @@ defines it (the exact sum or mean rounded once; SUM and MEAN only, no carry). ``
 launch never synchronises. Offsets need not start at 0 nor end at ``M`` here: nondecreasing
 values in ``[0, M]`` with ``order`` values in ``[0, N)`` keep every read and write inside the
 tensors (the positions outside every segment are never read), which is how detsum launches
-values it did not check (``check="off"`` on a GPU).
+values it did not check (``check="off"`` on a GPU); ``kernels.UncheckedOffsets`` are made
+safe by the launch itself (see Bounds).
 
 IMPLEMENTATION NOTES (this backend):
 
@@ -26,19 +27,46 @@ IMPLEMENTATION NOTES (this backend):
   CHUNK_TERMS positions in all), the slots after them are chunk programs, one per CHUNK_TERMS
   positions: program ``e`` owns the chunk starts of the long segments that fall in positions
   ``[e C, (e + 1) C)``, at most two (``_chunk_owned``), found by binary searches of the
-  segments' bounds, and writes each chunk's acc (and Kahan compensation) to its workspace slot; a
-  second launch folds each long segment's chunks in order, finding chunk ``k``'s slot from
-  the segment's start alone (``_chunk_slot``), and writes its row. Nothing is counted before
-  the launch, so it needs no other device op and no host read. Each output element is
-  written by one program, with no atomics, so the result is the same on every run, for every
-  grid, block width and number of SMs. Only the column block width and the warp count are
-  tuned, and neither takes part in any element's arithmetic.
+  segments' bounds, and writes each chunk's acc (and Kahan compensation) to its workspace slot,
+  then takes a ticket of its segment (an atomic add on a counter). The program that takes
+  the segment's last ticket folds its chunks in order, finding chunk ``k``'s slot from the
+  segment's start alone (``_chunk_slot``), writes its row and sets the counter back to 0.
+  Nothing is counted before the launch, and the fold is part of it: one launch, no other
+  device op, no host read. Which program folds changes from run to run; what it folds, and
+  in which order, never does: each output element is written once, from the same values in
+  the same order, so the result is the same on every run, for every grid, block width and
+  number of SMs. Only the column block width and the warp count are tuned, and neither takes
+  part in any element's arithmetic.
 
-- Bounds: offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted index
-  itself, in which each program finds its segment's start and end by torch.searchsorted's
-  binary search (``_segment_start``): no offsets are computed before the launch. With keys
-  still to check (check="device"), the first program writes whether the first and last lie
-  in range, and the launcher asserts that on the device.
+- Tickets: a chunk program's stores of its part, by all its threads, come before its ticket
+  (``tl.debug_barrier``, then the atomic with release semantics at GPU scope, ``acq_rel``),
+  and the folder's loads come after its own ticket (acquire) and bypass L1 (``.cg``); the
+  sm_90 PTX is checked for both (tests/ptx_check.py). The counters live in a workspace kept
+  per device and stream (``ticket_counters``), zeroed once when it is made; a launch leaves
+  every counter it used at 0, so no op resets them between launches. That holds when the
+  bounds are consistent (offsets that never decrease; sorted keys, whose searches never
+  decrease): offsets that a launch checks and finds bad can leave a counter off 0, so the
+  paths that report that and go on (a host read of the verdict, an assert on CPU tensors)
+  set the counters back; on a GPU a failed ``torch._assert_async`` ends the CUDA context.
+
+- Bounds (BOUNDS): offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted
+  index itself, in which each program finds its segment's start and end by
+  torch.searchsorted's binary search (``_segment_start``): no offsets are computed before
+  the launch. Offsets not known to be valid (``kernels.UncheckedOffsets``) are clamped into
+  ``[0, M]`` as each is read, and a segment whose end is below its start is empty: every read
+  and write stays inside the tensors whatever they hold. Unchecked ("off"), they are first
+  made nondecreasing (their running maximum: one op), for consistent bounds.
+
+- Checks (CHECK), of bounds that the caller has not checked: under CHECK_ENDS (a sort's
+  values) the first program writes whether the first and last key lie in range; under
+  CHECK_EVERY (offsets: from 0 to M without decreasing; a promised-sorted index:
+  nondecreasing, in range) the first ``checkers`` programs each check blocks of
+  ``_CHECK_BLOCK`` bounds and take a ticket that carries what they found, and the last to
+  take one writes the verdict (``_check_every_bound``). The verdict is a flag at the end of
+  the launch's workspace, which no op initialises: one program writes it, in every checked
+  launch. The launcher asserts it on the device (check="device": one op, no read) or reads
+  it back once (check="host"); only then, on the failure's path, are the values looked at
+  again, to raise the caller's error naming the first bad position.
 
 - Carry (a running Kahan sum, see the contract): the program of a segment's first chunk starts
   ``c`` from ``carry``; the program that writes the segment's row (its whole-segment slot, or
@@ -83,6 +111,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -103,12 +132,13 @@ from .. import (
     SUM,
     WIDE,
     SortedKeys,
+    UncheckedOffsets,
     has_exact_work,
     has_work,
 )
 from .launch import Kernel
 
-__all__ = ["interpreted", "segment_reduce"]
+__all__ = ["interpreted", "segment_reduce", "ticket_counters"]
 
 # Triton kernels may only read module globals that are constexpr.
 _SUM = tl.constexpr(SUM)
@@ -126,6 +156,20 @@ _WARP = tl.constexpr(32)
 _NATIVE = tl.constexpr(0)
 _BF16 = tl.constexpr(1)
 _F16 = tl.constexpr(2)
+
+# What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
+# read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys
+# (``kernels.SortedKeys``).
+_OFFSETS = tl.constexpr(0)
+_ANY_OFFSETS = tl.constexpr(1)
+_KEYS = tl.constexpr(2)
+# What a launch checks of its bounds (CHECK), writing its flag: nothing, the sorted keys' two
+# ends (one program), every bound (spread over programs, _check_every_bound).
+_CHECK_NOTHING = tl.constexpr(0)
+_CHECK_ENDS = tl.constexpr(1)
+_CHECK_EVERY = tl.constexpr(2)
+# Bounds that one checker program reads at a time.
+_CHECK_BLOCK = tl.constexpr(1024)
 
 _MAX_GRID_YZ = 65535
 # Column block: at most 2 KiB of one row per program and step, in whole powers of two.
@@ -252,12 +296,12 @@ def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin,
 
 
 @triton.jit
-def _segment_start(bounds_ptr, s, positions, KEYED: tl.constexpr):
+def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
     """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
-    segment's end): ``offsets[s]``, or under KEYED the first of the ``positions`` sorted keys
-    that is ``>= s``, found by the steps of ``torch.searchsorted`` (so the same answer, also
-    for keys that are not sorted)."""
-    if KEYED:
+    segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``), or
+    under KEYS the first of the ``positions`` sorted keys that is ``>= s``, found by the steps
+    of ``torch.searchsorted`` (so the same answer, also for keys that are not sorted)."""
+    if BOUNDS == _KEYS:
         lo = tl.zeros([], tl.int64)
         hi = lo + positions
         while lo < hi:
@@ -268,21 +312,23 @@ def _segment_start(bounds_ptr, s, positions, KEYED: tl.constexpr):
                 lo = mid + 1
         start = lo
     else:
-        start = tl.load(bounds_ptr + s)
+        start = tl.load(bounds_ptr + s).to(tl.int64)
+        if BOUNDS == _ANY_OFFSETS:
+            start = tl.minimum(tl.maximum(start, 0), positions)
     return start
 
 
 @triton.jit
-def _segment_at(bounds_ptr, nseg, p, positions, KEYED: tl.constexpr):
+def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
     """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
     when no segment does."""
     found = tl.zeros([], tl.int64) - 2  # -2: not known yet
-    if KEYED:
+    if BOUNDS == _KEYS:
         # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
         # are not sorted may fail the check, and take the search below).
         guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)
-        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, KEYED)
-        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, KEYED)
+        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, BOUNDS)
+        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, BOUNDS)
         holds = tl.where(guess < 0, p < start,
                          tl.where(guess >= nseg, p >= start, (start <= p) & (p < end)))
         found = tl.where(holds, tl.where(guess >= nseg, -1, guess), -2)
@@ -292,7 +338,7 @@ def _segment_at(bounds_ptr, nseg, p, positions, KEYED: tl.constexpr):
         hi = lo + nseg + 1
         while lo < hi:
             mid = lo + (hi - lo) // 2
-            if _segment_start(bounds_ptr, mid, positions, KEYED) > p:
+            if _segment_start(bounds_ptr, mid, positions, BOUNDS) > p:
                 hi = mid
             else:
                 lo = mid + 1
@@ -303,7 +349,7 @@ def _segment_at(bounds_ptr, nseg, p, positions, KEYED: tl.constexpr):
 
 @triton.jit
 def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
-                 KEYED: tl.constexpr):
+                 BOUNDS: tl.constexpr):
     """(segment, chunk number, whether there is one) of chunk program ``e``'s ``side``.
 
     Chunk program ``e`` owns the chunk starts of the long segments (more than CHUNK terms)
@@ -314,15 +360,15 @@ def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
     last position. The fold finds chunk ``k`` of a segment from its start alone
     (``_chunk_slot``), so no running count of chunks is needed."""
     low = e * CHUNK
-    first_seg = _segment_at(bounds_ptr, nseg, low, positions, KEYED)
+    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS)
     seg = first_seg
     if side == 1:
         seg = _segment_at(bounds_ptr, nseg, tl.minimum(low + CHUNK, positions) - 1, positions,
-                          KEYED)
+                          BOUNDS)
     real = seg >= 0
     seg_at = tl.maximum(seg, 0)
-    p0 = _segment_start(bounds_ptr, seg_at, positions, KEYED)
-    n = _segment_start(bounds_ptr, seg_at + 1, positions, KEYED) - p0
+    p0 = _segment_start(bounds_ptr, seg_at, positions, BOUNDS)
+    n = _segment_start(bounds_ptr, seg_at + 1, positions, BOUNDS) - p0
     j = tl.zeros([], tl.int64)
     if side == 0:
         j = (tl.maximum(low - p0, 0) + CHUNK - 1) // CHUNK
@@ -421,36 +467,132 @@ def _reduce_part(
                     tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
 
 
+# ---- checks of the bounds, in the launch -------------------------------------------------------
+
+@triton.jit
+def _check_every_bound(bounds_ptr, nseg, positions, checkers, counters_ptr, flag_ptr,
+                       BOUNDS: tl.constexpr):
+    """Checker ``c = program_id(0) < checkers`` of a launch under CHECK_EVERY: checks the
+    bounds ``c * _CHECK_BLOCK ..``, then every ``checkers * _CHECK_BLOCK`` on, and takes a
+    ticket; the last checker to take one writes the launch's flag (1: every bound checked
+    good, 0: not).
+
+    Offsets: the first is 0, the last ``positions``, none less than the one before. Keys (a
+    promised-sorted index): none less than the one before, the first ``>= 0`` and the last
+    ``< nseg`` (so all of them in range).
+
+    The ticket carries what its checker found (a count of checkers in the low 32 bits, of
+    those that found a bad bound above them), so the last one knows everything from the
+    value its atomic returns: no other memory is shared, and a relaxed atomic suffices. It
+    then sets the ticket back to 0 for the next launch, which starts after this one ends."""
+    c = tl.program_id(0).to(tl.int64)
+    count = nseg + 1
+    if BOUNDS == _KEYS:
+        count = positions
+    bad = tl.zeros([], tl.int64)
+    for begin in range(c * _CHECK_BLOCK, count, checkers * _CHECK_BLOCK):
+        i = begin + tl.arange(0, _CHECK_BLOCK).to(tl.int64)
+        here = i < count
+        has_next = i + 1 < count
+        value = tl.load(bounds_ptr + i, mask=here, other=0).to(tl.int64)
+        after = tl.load(bounds_ptr + i + 1, mask=has_next, other=0).to(tl.int64)
+        if BOUNDS == _KEYS:
+            ends_bad = ((i == 0) & (value < 0)) | ((i == count - 1) & (value >= nseg))
+        else:
+            ends_bad = ((i == 0) & (value != 0)) | ((i == count - 1) & (value != positions))
+        wrong = (here & ends_bad) | (has_next & (after < value))
+        bad = bad | tl.max(wrong.to(tl.int64), axis=0)
+    taken = tl.atomic_add(counters_ptr, 1 + (bad << 32), sem="relaxed")
+    if (taken & 0xFFFFFFFF) == checkers - 1:
+        failures = (taken >> 32) + bad
+        tl.store(flag_ptr, (failures == 0).to(flag_ptr.dtype.element_ty))
+        tl.store(counters_ptr, 0)
+
+
 # ---- kernels -----------------------------------------------------------------------------------
+
+@triton.jit
+def _fold_chunks(
+    out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, outer, inner,
+    seg, p0, n,
+    REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
+    USE_BASE: tl.constexpr, HAS_CARRY: tl.constexpr, NCOMP: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Fold the chunks of the long segment ``seg`` (``n`` terms from position ``p0``) from
+    their workspace slots, in order (the contract's chunk fold), and write its row: for this
+    program's column blocks and outer indices, those its chunk programs reduced."""
+    n_chunks = (n + CHUNK - 1) // CHUNK
+    count = n
+    if USE_BASE:
+        count = n + 1
+    first = _chunk_slot(p0, 0, CHUNK)
+    n_blocks = tl.cdiv(inner, BLOCK)
+    for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
+        for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
+            cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = cols < inner
+            work_o = work_ptr + (o * work_rows * NCOMP) * inner + cols
+            # Parts that other programs wrote: read from L2 (.cg), never from an L1 line of
+            # this SM's that could predate them.
+            work_at = work_o + first * NCOMP * inner
+            acc = tl.load(work_at, mask=mask, other=0, cache_modifier=".cg")
+            comp = tl.zeros([BLOCK], ACC)
+            if NCOMP == 2:
+                comp = tl.load(work_at + inner, mask=mask, other=0, cache_modifier=".cg")
+            for k in range(1, n_chunks):
+                part_at = work_o + _chunk_slot(p0, k, CHUNK) * NCOMP * inner
+                part = tl.load(part_at, mask=mask, other=0, cache_modifier=".cg")
+                part_comp = tl.zeros([BLOCK], ACC)
+                if NCOMP == 2:
+                    part_comp = tl.load(part_at + inner, mask=mask, other=0,
+                                        cache_modifier=".cg")
+                acc, comp = _fold(acc, comp, part, part_comp, REDUCE, RULE)
+            out_at = out_ptr + o * os0 + seg * os1 + cols * os2
+            if HAS_CARRY:
+                tl.store(out_at, acc, mask=mask)
+                tl.store(carry_ptr + o * cs0 + seg * cs1 + cols * cs2, comp, mask=mask)
+            else:
+                value = _finish(acc, comp, acc, count, REDUCE, RULE, DATA, ACC)
+                tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def _segment_kernel(
     src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, n_parts,
     base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
-    work_ptr, alpha_ptr, flag_ptr, outer, nseg, inner,
+    work_ptr, alpha_ptr, flag_ptr, counters_ptr, checkers, outer, nseg, inner,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
     HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
     FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
-    KEYED: tl.constexpr, CHECK_KEYS: tl.constexpr, BLOCK: tl.constexpr,
+    BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Whole segments (slot < nseg) and, under SPLIT, the chunks of the long segments: chunk
-    program ``slot - nseg`` of ``n_parts`` (``_chunk_owned``). The segments' bounds are the
-    offsets at ``bounds_ptr``, or under KEYED the sorted keys there (``_segment_start``);
-    CHECK_KEYS: the first program writes to ``flag_ptr`` whether they all lie in
-    ``[0, nseg)``."""
+    program ``slot - nseg`` of ``n_parts`` (``_chunk_owned``), the last of a segment's to
+    finish folding them (a ticket in ``counters_ptr[1 + ...]``). The segments' bounds are at
+    ``bounds_ptr``, as BOUNDS says (``_segment_start``). CHECK_ENDS: the first program writes
+    to ``flag_ptr`` whether the sorted keys' two ends lie in ``[0, nseg)``; CHECK_EVERY: the
+    first ``checkers`` programs check every bound (``_check_every_bound``)."""
     slot = tl.program_id(0).to(tl.int64)
-    if CHECK_KEYS:
-        if (slot == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+    first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
+    if CHECK == _CHECK_ENDS:
+        if (slot == 0) & first_of_slot:
             in_range = ((tl.load(bounds_ptr) >= 0)
                         & (tl.load(bounds_ptr + positions - 1) < nseg))
-            tl.store(flag_ptr, in_range.to(tl.int8))
+            tl.store(flag_ptr, in_range.to(flag_ptr.dtype.element_ty))
+    elif CHECK == _CHECK_EVERY:
+        if (slot < checkers) & first_of_slot:
+            _check_every_bound(bounds_ptr, nseg, positions, checkers, counters_ptr, flag_ptr,
+                               BOUNDS)
     alpha = 1.0
     if SCALED:
         alpha = tl.load(alpha_ptr)
     if slot < nseg:
-        p0 = _segment_start(bounds_ptr, slot, positions, KEYED)
-        p1 = _segment_start(bounds_ptr, slot + 1, positions, KEYED)
+        p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
+        p1 = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
+        if BOUNDS == _ANY_OFFSETS:
+            p1 = tl.maximum(p1, p0)  # offsets that decrease: an empty segment
         n = p1 - p0
         whole = n >= 0  # always, unless the chunk programs own this segment
         if SPLIT:
@@ -463,65 +605,33 @@ def _segment_kernel(
                          NCOMP, BLOCK)
     elif SPLIT:
         e = slot - nseg
+        work_rows = 2 * n_parts
         for side in range(2):
             seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK,
-                                                KEYED)
+                                                BOUNDS)
             if owned:
                 p_begin = p0 + j * CHUNK
                 _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2,
                              out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
-                             2 * n_parts, alpha, outer, inner, seg, j, p_begin,
+                             work_rows, alpha, outer, inner, seg, j, p_begin,
                              tl.minimum(p0 + n, p_begin + CHUNK), n, e * 2 + side, REDUCE,
                              RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
                              True, FIRST_TERM_START, NCOMP, BLOCK)
-
-
-@triton.jit
-def _fold_kernel(
-    bounds_ptr, positions, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
-    work_ptr, n_parts, outer, nseg, inner,
-    REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
-    USE_BASE: tl.constexpr, HAS_CARRY: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
-    KEYED: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Fold the chunks of each long segment, in order; chunk program ``e``'s fold program
-    folds the segments whose first chunk it owns."""
-    e = tl.program_id(0).to(tl.int64)
-    work_rows = 2 * n_parts
-    n_blocks = tl.cdiv(inner, BLOCK)
-    for side in range(2):
-        seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK, KEYED)
-        if owned & (j == 0):
-            n_chunks = (n + CHUNK - 1) // CHUNK
-            count = n
-            if USE_BASE:
-                count = n + 1
-            first = _chunk_slot(p0, 0, CHUNK)
-            for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
-                for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
-                    cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-                    mask = cols < inner
-                    work_o = work_ptr + (o * work_rows * NCOMP) * inner + cols
-                    work_at = work_o + first * NCOMP * inner
-                    acc = tl.load(work_at, mask=mask, other=0)
-                    comp = tl.zeros([BLOCK], ACC)
-                    if NCOMP == 2:
-                        comp = tl.load(work_at + inner, mask=mask, other=0)
-                    for k in range(1, n_chunks):
-                        part_at = work_o + _chunk_slot(p0, k, CHUNK) * NCOMP * inner
-                        part = tl.load(part_at, mask=mask, other=0)
-                        part_comp = tl.zeros([BLOCK], ACC)
-                        if NCOMP == 2:
-                            part_comp = tl.load(part_at + inner, mask=mask, other=0)
-                        acc, comp = _fold(acc, comp, part, part_comp, REDUCE, RULE)
-                    out_at = out_ptr + o * os0 + seg * os1 + cols * os2
-                    if HAS_CARRY:
-                        tl.store(out_at, acc, mask=mask)
-                        tl.store(carry_ptr + o * cs0 + seg * cs1 + cols * cs2, comp, mask=mask)
-                    else:
-                        value = _finish(acc, comp, acc, count, REDUCE, RULE, DATA, ACC)
-                        tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty),
-                                 mask=mask)
+                # A ticket per long segment (and column block and outer index of the grid),
+                # taken once this program's stores of its part are done (the barrier orders
+                # every thread's before it, the release publishes them): the program that
+                # takes the last folds the parts, after its acquire. Which program folds
+                # varies from run to run; the order of the fold never does.
+                tl.debug_barrier()
+                ticket_at = (counters_ptr + 1
+                             + (_chunk_slot(p0, 0, CHUNK) * tl.num_programs(1)
+                                + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2))
+                taken = tl.atomic_add(ticket_at, 1, sem="acq_rel")
+                if taken == (n + CHUNK - 1) // CHUNK - 1:
+                    tl.store(ticket_at, 0)  # for the next launch, which starts after this one
+                    _fold_chunks(out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
+                                 work_rows, outer, inner, seg, p0, n, REDUCE, RULE, DATA, ACC,
+                                 USE_BASE, HAS_CARRY, NCOMP, CHUNK, BLOCK)
 
 
 @triton.jit
@@ -981,7 +1091,6 @@ def _exact_kernel(
 
 # Each launch after a specialisation's first calls its compiled kernel directly (see launch.py).
 _launch_segment = Kernel(_segment_kernel)
-_launch_fold = Kernel(_fold_kernel)
 _launch_stride1 = Kernel(_stride1_kernel)
 _launch_exact = Kernel(_exact_kernel)
 
@@ -1066,11 +1175,12 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
                    carry=None, chunks=None):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes; here
-    ``offsets`` may also be ``kernels.SortedKeys``, whose bounds the fp32 / Kahan / torch-order
-    kernels find themselves (the others are given offsets)."""
-    keyed = isinstance(offsets, SortedKeys)
-    if keyed and rule in (EXACT, CUDA_STRIDE_1):
-        offsets, keyed = offsets.offsets(), False  # checked there, if still to check
+    ``offsets`` may also be ``kernels.SortedKeys`` or ``kernels.UncheckedOffsets``, bounds
+    that the fp32 / Kahan / torch-order kernels read and check themselves (the others are
+    given offsets, checked by torch ops)."""
+    given = isinstance(offsets, (SortedKeys, UncheckedOffsets))
+    if given and rule in (EXACT, CUDA_STRIDE_1):
+        offsets, given = offsets.offsets(), False  # checked there, if still to check
     if rule == EXACT:
         if carry is not None:
             raise ValueError("segment_reduce: the EXACT rule takes no carry")
@@ -1078,16 +1188,26 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
                               include_base=include_base)
         return
     if not has_work(src, order, offsets, _DATA_CODES):
-        if keyed:
-            offsets.check_range()  # no program to make it
+        if given:
+            offsets.check()  # no program to make it
         return
     outer, num_rows, inner = src.shape
-    range_error = None
-    if keyed:
-        bounds, nseg = offsets.keys.contiguous(), offsets.num_segments
-        range_error = offsets.range_error
+    failure, check = None, _CHECK_NOTHING.value
+    if isinstance(offsets, SortedKeys):
+        bounds_kind, bounds, nseg = _KEYS.value, offsets.keys.contiguous(), offsets.num_segments
+        failure = offsets.failure
+        check = (_CHECK_EVERY if offsets.every_key else _CHECK_ENDS).value
+    elif isinstance(offsets, UncheckedOffsets):
+        bounds_kind, nseg = _ANY_OFFSETS.value, offsets.values.shape[0] - 1
+        failure, check = offsets.failure, _CHECK_EVERY.value
+        # Unchecked, their running maximum: nondecreasing bounds, which the chunk programs'
+        # searches and tickets need, and the segments that check="off" promises.
+        bounds = (offsets.values.contiguous() if failure is not None
+                  else torch.cummax(offsets.values, 0).values)
     else:
-        bounds, nseg = offsets.contiguous(), offsets.shape[0] - 1
+        bounds_kind, bounds, nseg = _OFFSETS.value, offsets.contiguous(), offsets.shape[0] - 1
+    if failure is None:
+        check = _CHECK_NOTHING.value
     if rule == CUDA_STRIDE_1 and (inner != 1 or reduce != SUM):
         raise ValueError("segment_reduce: CUDA_STRIDE_1 needs reduce SUM and inner size 1")
     if rule == CUDA_SMALL_STRIDE and reduce != SUM:
@@ -1128,34 +1248,84 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     ncomp = 2 if rule == KAHAN else 1
     # One chunk program per CHUNK_TERMS positions, two workspace slots each (_chunk_owned).
     n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
-    work = (torch.empty((outer, 2 * n_parts, ncomp, inner), dtype=acc_dtype, device=src.device)
-            if split else out)  # never written without SPLIT
     block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
                                           _MAX_GRID_YZ)
-    # Written by the kernel's first program only under CHECK_KEYS.
-    flag = torch.empty(1, dtype=torch.int8, device=src.device) if range_error else out
+    # The checkers of every bound: one per _CHECK_BLOCK bounds, at most one per slot.
+    checked_bounds = bounds.shape[0]
+    checkers = (min(_cdiv(checked_bounds, _CHECK_BLOCK.value), nseg + n_parts)
+                if check == _CHECK_EVERY.value else 1)
+    # The workspace: the chunks' parts, then the flag that a checked launch writes.
+    parts_size = outer * 2 * n_parts * ncomp * inner
+    checked = check != _CHECK_NOTHING.value
+    work = (torch.empty(parts_size + checked, dtype=acc_dtype, device=src.device)
+            if split or checked else out)  # never touched without SPLIT or a check
+    flag = work[parts_size:] if checked else out
+    # Counter 0: the checkers' ticket; then the chunk programs' (_segment_kernel).
+    counters = (ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
+                if split or check == _CHECK_EVERY.value else None)
     _launch_segment(
         (nseg + n_parts, *grid_yz),
         (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
-         out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag, outer,
-         nseg, inner),
+         out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag,
+         out if counters is None else counters, checkers, outer, nseg, inner),
         num_warps=num_warps,
         REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, HAS_ORDER=has_order,
         HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry, SCALED=scaled, SPLIT=split,
         FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), NCOMP=ncomp,
-        CHUNK=CHUNK_TERMS, KEYED=keyed, CHECK_KEYS=range_error is not None, BLOCK=block,
+        CHUNK=CHUNK_TERMS, BOUNDS=bounds_kind, CHECK=check, BLOCK=block,
     )
-    if range_error is not None:
-        torch._assert_async(flag, range_error)
-    if split:
-        _launch_fold(
-            (n_parts, *grid_yz),
-            (bounds, positions, out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
-             n_parts, outer, nseg, inner),
-            num_warps=num_warps,
-            REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, USE_BASE=use_base,
-            HAS_CARRY=has_carry, NCOMP=ncomp, CHUNK=CHUNK_TERMS, KEYED=keyed, BLOCK=block,
-        )
+    if checked:
+        _report(flag, failure, counters)
+
+
+def _report(flag: torch.Tensor, failure, counters: torch.Tensor | None) -> None:
+    """What a checked launch found: asserted on the device (``failure`` a message), or read
+    back once and, when it shows a bad bound, handed to ``failure``, which raises. Where a
+    failure is reported and the program goes on, the ticket counters are set back to 0: bounds
+    that fail can leave some off it (see the notes)."""
+    if callable(failure):
+        if flag.item():
+            return
+        if counters is not None:
+            counters.zero_()
+        failure()
+        raise AssertionError("segment_reduce: the launch found a bad bound that the check on "
+                             "the host did not")
+    try:
+        torch._assert_async(flag, failure)
+    except RuntimeError:
+        # On CPU tensors the assert is synchronous, and raises here; a GPU's runs later, and
+        # a failure ends the CUDA context, counters and all.
+        if counters is not None:
+            counters.zero_()
+        raise
+
+
+# A launch's tickets (the chunk programs', the checkers'): int64 counters, zero between
+# launches, one set per device and stream (launches on one stream run one after the other;
+# on two streams they may run at once; a CUDA graph replays its launches with the set of the
+# stream it was captured on). Made zero when first needed, and again, larger, when a launch
+# needs more: then the old set is kept, since a CUDA graph may have captured a launch that
+# uses it.
+_TICKET_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_MIN_COUNTERS = 4096
+
+
+def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
+    """At least ``size`` ticket counters for a launch on ``device``'s current stream, zero."""
+    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else None
+    key = (device, stream)
+    counters = _TICKET_COUNTERS.get(key)
+    if counters is None or counters.numel() < size:
+        held = 0
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+            held = counters.numel()
+        counters = torch.zeros(max(size, 2 * held, _MIN_COUNTERS), dtype=torch.int64,
+                               device=device)
+        _TICKET_COUNTERS[key] = counters
+    return counters
 
 
 @functools.lru_cache(maxsize=256)

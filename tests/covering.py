@@ -49,23 +49,28 @@ def covering(full: list[list], cycled: list) -> list:
             for k, c in enumerate(combinations)]
 
 
-def pairwise(axes: list[list], *, pairs=None, allowed=None, everything: bool = False) -> list:
+def pairwise(axes: list[list], *, pairs=None, allowed=None, cost=None,
+             everything: bool = False) -> list:
     """pytest params over ``axes`` that meet every value of every axis and every pair of values
     of the axes in ``pairs`` (pairs of axis positions; every pair of axes when None).
 
     ``allowed(*arguments)`` says whether a combination may run (the test's arguments, in
-    order): a pair that no allowed combination holds is not asked for. The combinations are
-    drawn greedily from the full product, each the one that meets most of what is still
-    unmet (ties: the one whose values ran least, then the first), so the draw is fixed and
-    close to the smallest. With ``everything``, every allowed combination (on a GPU, where a
-    case costs milliseconds)."""
+    order): a pair that no allowed combination holds is not asked for. ``cost(*arguments)``
+    is a combination's relative cost (1 when None). The combinations are drawn greedily from
+    the full product, each the one that meets most of what is still unmet for its cost (ties:
+    the one whose values ran least, then the first), so the draw is fixed and close to the
+    cheapest. With ``everything``, every allowed combination (on a GPU, where a case costs
+    milliseconds)."""
     if pairs is None:
         pairs = list(itertools.combinations(range(len(axes)), 2))
-    combinations = [c for c in itertools.product(*[range(len(axis)) for axis in axes])
-                    if allowed is None or allowed(*_param(
-                        [axis[v] for axis, v in zip(axes, c)]).values)]
+    combinations, costs = [], []
+    for c in itertools.product(*[range(len(axis)) for axis in axes]):
+        param = _param([axis[v] for axis, v in zip(axes, c)])
+        if allowed is None or allowed(*param.values):
+            combinations.append((c, param))
+            costs.append(1.0 if cost is None else float(cost(*param.values)))
     if everything:
-        return [_param([axis[v] for axis, v in zip(axes, c)]) for c in combinations]
+        return [param for _, param in combinations]
     # Number each single (axis, value) and each asked pair of values; each combination meets
     # one single per axis and one pair per asked pair of axes.
     single_at = [sum(len(axis) for axis in axes[:a]) for a in range(len(axes))]
@@ -76,17 +81,19 @@ def pairwise(axes: list[list], *, pairs=None, allowed=None, everything: bool = F
     met = torch.tensor(
         [[single_at[a] + c[a] for a in range(len(axes))]
          + [at + c[a] * len(axes[b]) + c[b] for at, (a, b) in zip(pair_at, pairs)]
-         for c in combinations], dtype=torch.long).view(len(combinations), -1)
+         for c, _ in combinations], dtype=torch.long).view(len(combinations), -1)
+    costs = torch.tensor(costs, dtype=torch.float64)
     unmet = torch.zeros(offset, dtype=torch.bool)
     unmet[met.view(-1)] = True  # only what some allowed combination meets is asked for
     runs = torch.zeros(offset, dtype=torch.long)
     chosen = []
     while unmet.any():
-        gain = unmet[met].sum(1)
-        # The most unmet things first; among those, the values that ran least.
-        score = gain * (len(combinations) * len(axes) + 1) - runs[met[:, :len(axes)]].sum(1)
-        k = int(torch.argmax(score))  # the first of the best
+        value = unmet[met].sum(1) / costs
+        # The most unmet things for the cost first; among those, the values that ran least.
+        best = value == value.max()
+        ran = runs[met[:, :len(axes)]].sum(1)
+        k = int(torch.argmax(torch.where(best, -ran, -ran.max() - 1)))  # the first of the best
         chosen.append(k)
         unmet[met[k]] = False
         runs[met[k, :len(axes)]] += 1
-    return [_param([axis[v] for axis, v in zip(axes, combinations[k])]) for k in sorted(chosen)]
+    return [combinations[k][1] for k in sorted(chosen)]

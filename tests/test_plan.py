@@ -84,11 +84,15 @@ def _index_add_sweep_allowed(n, template, dim, dtype, mode, backend):
 
 
 def _index_add_sweep(backend):
-    """On the interpreter: every pair of size (short segments, or one over CHUNK_TERMS), layout,
-    dtype and mode (each size with every mode and layout, each mode with every dtype and
-    layout)."""
+    """On the interpreter: every pair of size (short segments, or one over CHUNK_TERMS),
+    layout, dtype and mode that runs (each size with every layout and mode, each mode with
+    every layout and dtype), the long segments and "exact" (the costly cases) as few times as
+    that allows."""
+    def cost(n, template, dim, dtype, mode, backend):
+        return n // 20 * (3 if mode == "exact" else 1)
+
     axes = [[20, 400], LAYOUTS, list(DTYPES), list(detsum.MODES), [backend]]
-    return pairwise(axes, allowed=_index_add_sweep_allowed,
+    return pairwise(axes, allowed=_index_add_sweep_allowed, cost=cost,
                     everything=backend != "triton" or HAS_CUDA)
 
 

@@ -44,7 +44,7 @@ def covering(full: list[list], cycled: list) -> list:
     combinations = list(itertools.product(*[range(len(axis)) for axis in full]))
     for a, axis in enumerate(full):
         met = {(c[a], k % len(cycled)) for k, c in enumerate(combinations)}
-        assert len(met) == len(axis) * len(cycled), (a, "choose a cycled length prime to it")
+        assert len(met) == len(axis) * len(cycled), f"full axis {a} misses cycled values"
     return [_param((*[axis[v] for axis, v in zip(full, c)], cycled[k % len(cycled)]))
             for k, c in enumerate(combinations)]
 

@@ -4,6 +4,10 @@ Each test launches the Triton kernel (in the interpreter without a GPU: conftest
 TRITON_INTERPRET=1) and the Numba one on the same arguments, into NaN-poisoned outputs, and
 holds both to the oracle, ``reference.exact_sum_rounded`` and, for means,
 ``reference.round_exact`` of the exact quotient: the two backends agree to the bit.
+
+In the interpreter the sweep over dtype, reduction, use of the base row and layout runs a
+covering of them (tests/covering.py): every pair of their values meets, not every
+combination; on a GPU every combination.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 import torch
 
 from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, seed_of, strided_copy
+from covering import pairwise
 from detsum import kernels, reference
 from detsum.kernels.numba import segment as numba_segment
 
@@ -212,15 +217,18 @@ REDUCTIONS = [  # (reduce, alpha): alpha scales sums only (index_add)
 ]
 
 
-@pytest.mark.parametrize("has_base,include_base", BASES)
-@pytest.mark.parametrize("reduce,alpha", REDUCTIONS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-def test_matches_oracle_and_numba(dtype, reduce, alpha, has_base, include_base):
+LAYOUTS = [pytest.param(False, id="contiguous"),
+           pytest.param(True, id="shuffled-strided")]  # rows in a shuffled order, strided tensors
+
+
+# Every pair of dtype, reduction, use of the base row and layout: each dtype with every
+# reduction, base use and layout; each reduction with every base use and layout.
+@pytest.mark.parametrize("dtype,reduce,alpha,has_base,include_base,scattered", pairwise(
+    [list(DTYPES), REDUCTIONS, BASES, LAYOUTS], everything=HAS_CUDA))
+def test_matches_oracle_and_numba(dtype, reduce, alpha, has_base, include_base, scattered):
     """Every column kind side by side in one tile (so the fast path's certificate holds for
     some columns and fails for others), every dtype, both reductions, both alphas, every use
-    of the base row; the layout alternates between contiguous rows and a shuffled order over
-    strided tensors."""
-    scattered = (alpha == 1) == include_base
+    of the base row, contiguous rows and a shuffled order over strided tensors."""
     seed = seed_of("exact-triton", dtype, reduce, alpha, has_base, include_base)
     src, order, offsets, base = make_case(dtype, seed=seed, with_order=scattered,
                                           strided=scattered)

@@ -1,7 +1,8 @@
 """detsum.moe's own Triton kernels (kernels/triton/moe.py), on CUDA tensors where a GPU is
 present and else in Triton's interpreter on CPU tensors: route's tables, and the weighted
 unpermute with its gradients in one launch each, bit for bit against the CPU kernels (Numba)
-and torch's own operations."""
+and torch's own operations. In the interpreter the sweep of the weighted kernels runs a
+covering (tests/covering.py): every pair of its parameters meets, not every combination."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 import detsum
 from conftest import HAS_CUDA, assert_same_bits, dtype_id
+from covering import pairwise
 from detsum import moe
 
 pytest.importorskip("triton")
@@ -101,11 +103,15 @@ def _layer(selected, x, weights, grad_out, topk, mode, given, check):
     return (out, *torch.autograd.grad(out, (x, weights), grad_out))
 
 
-@pytest.mark.parametrize(("given", "check"), [("routing", "off"), ("gather_indices", "host"),
-                                              ("gather_indices", "off")])
-@pytest.mark.parametrize("mode", ["fp32", "kahan"])
-@pytest.mark.parametrize(("dtype", "weights_dtype"), PAIRS,
-                         ids=[f"{dtype_id(a)}-w{dtype_id(b)}" for a, b in PAIRS])
+# Every pair of (rows, weights) dtypes, mode and (gathering, check): each dtype pair with both
+# modes and with every gathering and check, each mode with every gathering and check (on a
+# GPU, every combination).
+@pytest.mark.parametrize(("dtype", "weights_dtype", "mode", "given", "check"), pairwise(
+    [[pytest.param(a, b, id=f"{dtype_id(a)}-w{dtype_id(b)}") for a, b in PAIRS],
+     ["fp32", "kahan"],
+     [pytest.param(*p, id="-".join(p)) for p in [("routing", "off"), ("gather_indices", "host"),
+                                                  ("gather_indices", "off")]]],
+    everything=HAS_CUDA))
 def test_the_fused_weighted_kernels_give_the_cpu_kernels_bits(dtype, weights_dtype, mode,
                                                               given, check):
     """300 features: the weights' gradient sums each dot product in two chunks (256 + 44)."""

@@ -4,6 +4,10 @@ A plan is the canonical order found once; it must give the bits of the call with
 every mode, on every backend, in every layout, with its gradients, under torch.compile; it
 must spare the calls that take it every sort, check and host read; and a plan that does not
 belong to the call is refused in detsum's words.
+
+On the numba and reference backends the sweeps take every combination of their parameters; on
+Triton's interpreter (no GPU) a covering of them (tests/covering.py), each sweep's comment
+says what it meets; on a GPU every combination again.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import torch
 
 import detsum
 from conftest import (DTYPES, HAS_CUDA, assert_same_bits, dtype_id, host_reads, make_data,
-                      skip_slow_exact_in_interpreter)
+                      slow_exact_in_interpreter)
+from covering import pairwise
 from detsum import _segments
 
 BACKENDS = ("numba", "reference", "triton")
@@ -66,20 +71,35 @@ def sorts_counted():
 
 # ---- the same bits with and without a plan ------------------------------------------------------
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("mode", detsum.MODES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize(("template", "dim"), LAYOUTS)
-@pytest.mark.parametrize("n", [20, 400])
+def _index_add_sweep_allowed(n, template, dim, dtype, mode, backend):
+    if slow_exact_in_interpreter(backend, mode, dtype):
+        return False
+    # fp32 and bf16 stand for the dtypes off the default backend (a plan is positions: the
+    # dtype only picks the kernel's arithmetic).
+    if backend != "numba" and dtype in (torch.float16, torch.float64):
+        return False
+    # Long segments on Triton: fp32 stands for the dtypes (and "exact", which never splits a
+    # segment, is covered by the short ones).
+    return not (backend == "triton" and n > 300 and (dtype != torch.float32 or mode == "exact"))
+
+
+def _index_add_sweep(backend):
+    """On the interpreter: every pair of size (short segments, or one over CHUNK_TERMS),
+    layout, dtype and mode that runs (each size with every layout and mode, each mode with
+    every layout and dtype), the long segments and "exact" (the costly cases) as few times as
+    that allows."""
+    def cost(n, template, dim, dtype, mode, backend):
+        return n // 20 * (3 if mode == "exact" else 1)
+
+    axes = [[20, 400], LAYOUTS, list(DTYPES), list(detsum.MODES), [backend]]
+    return pairwise(axes, allowed=_index_add_sweep_allowed, cost=cost,
+                    everything=backend != "triton" or HAS_CUDA)
+
+
+@pytest.mark.parametrize("n,template,dim,dtype,mode,backend",
+                         [p for backend in BACKENDS for p in _index_add_sweep(backend)])
 def test_index_add_and_segment_sum_with_a_plan_give_the_bits_without(n, template, dim, dtype,
                                                                      mode, backend):
-    skip_slow_exact_in_interpreter(backend, mode, dtype)
-    if backend != "numba" and dtype in (torch.float16, torch.float64):
-        pytest.skip("fp32 and bf16 stand for the dtypes off the default backend (a plan is "
-                    "positions: the dtype only picks the kernel's arithmetic)")
-    if backend == "triton" and n > 300 and (dtype != torch.float32 or mode == "exact"):
-        pytest.skip("long segments on the interpreter: fp32 stands for the dtypes (and "
-                    "\"exact\", which never splits a segment, is covered by the short ones)")
     index = _index(n, NUM_ROWS, seed=n)
     source = make_data(_shape(template, n), dtype, seed=1, spread=True)
     base = make_data(_shape(template, NUM_ROWS), dtype, seed=2)
@@ -96,12 +116,17 @@ def test_index_add_and_segment_sum_with_a_plan_give_the_bits_without(n, template
                          detsum.index_add(zeros, dim, index, source, mode=mode))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("mode", "reduce"), [(m, r) for m in detsum.MODES
-                                              for r in ("sum", "mean", "prod", "amax", "amin")
-                                              if (m, r) != ("exact", "prod")])
-@pytest.mark.parametrize("include_self", [True, False])
-@pytest.mark.parametrize("sorted_", [False, True], ids=["unsorted", "sorted"])
+def _scatter_reduce_sweep(backend):
+    """On the interpreter: every (mode, reduction) that scatter_reduce computes, and every pair
+    of mode, reduction, include_self and sortedness."""
+    axes = [["sum", "mean", "prod", "amax", "amin"], list(detsum.MODES), [True, False],
+            [pytest.param(False, id="unsorted"), pytest.param(True, id="sorted")], [backend]]
+    return pairwise(axes, allowed=lambda reduce, mode, *_: (mode, reduce) != ("exact", "prod"),
+                    everything=backend != "triton" or HAS_CUDA)
+
+
+@pytest.mark.parametrize("reduce,mode,include_self,sorted_,backend",
+                         [p for backend in BACKENDS for p in _scatter_reduce_sweep(backend)])
 def test_scatter_reduce_with_a_plan_gives_the_bits_and_gradients_without(sorted_, include_self,
                                                                          reduce, mode, backend):
     dtype = torch.bfloat16 if backend != "triton" or mode != "exact" else torch.float32

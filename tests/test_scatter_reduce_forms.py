@@ -14,8 +14,6 @@ likewise.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import math
 import types
 import unittest.mock
 
@@ -25,6 +23,7 @@ import torch
 import detsum
 from conftest import (MODE_REDUCTIONS, N, assert_same_bits, dtype_id, make_data, seed_of,
                       strided_copy, with_rows)
+from covering import covering
 from detsum import _segments, reference
 from detsum.ops import scatter_reduce as scatter_reduce_module
 
@@ -155,30 +154,6 @@ def check_every_path(input, dim, index, src, reduce, mode, *, row_path: bool):
                                           include_self=include_self, mode=mode)
         assert_equal_bits(got, before, f"{what}, against the elementwise plan")
         assert_equal_bits(got, oracle, f"{what}, against the reference")
-
-
-def covering(full: list[list], cycled: list) -> list:
-    """pytest params: every combination of the ``full`` axes, each with the next value of
-    ``cycled`` in turn. Its length (5 shapes) is prime to every full axis's, so each of its
-    values meets every value of every full axis, at the cost of the full axes alone. A value
-    is one argument, or a ``pytest.param`` of several; ids join the values' ids."""
-    def parts(value):
-        if isinstance(value, type(pytest.param())):
-            return tuple(value.values), value.id
-        if isinstance(value, torch.dtype):
-            return (value,), dtype_id(value)
-        return (value,), str(value)
-
-    assert all(math.gcd(len(cycled), len(axis)) == 1 for axis in full)
-    out = []
-    for k, combination in enumerate(itertools.product(*full)):
-        values, ids = (), []
-        for value in (*combination, cycled[k % len(cycled)]):
-            v, i = parts(value)
-            values += v
-            ids.append(i)
-        out.append(pytest.param(*values, id="-".join(ids)))
-    return out
 
 
 @pytest.mark.parametrize(

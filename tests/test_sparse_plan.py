@@ -4,6 +4,10 @@ The plan over all S output rows costs O(S) time and memory (an input of shape [2
 nothing to compute, took 0.9 s and 1 GiB; 1000 rows into 2**24 rows of 4 took 3.5 s). Rows
 that receive no term are the base row, copied; the others are computed on their own, so the
 bits must equal the plan over every row, which these tests check by forcing each path.
+
+The plans are positions, the same for every mode and dtype: on Numba the sweeps take every
+combination of mode, dtype, reduction and include_self; on Triton's interpreter a covering
+(tests/covering.py), whose comment says what it meets; on a GPU every combination.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ import torch
 
 import detsum
 from conftest import (DTYPES, HAS_CUDA, MODE_REDUCTIONS, MODES, assert_same_bits, dtype_id,
-                      make_data, skip_slow_exact_in_interpreter)
+                      make_data)
+from covering import pairwise
 from detsum import _segments
 
 BACKENDS = ["numba"]
@@ -46,20 +51,22 @@ def _case(dtype, n_out, inner=3):
     return input, index, source
 
 
-def _skip_exact_sweep_in_interpreter(backend_name: str, mode: str, beyond_one_case: bool):
-    """On Triton's interpreter an "exact" case costs seconds; the plan is the same Python for
-    every kernel and the exact kernel ignores the order of its terms, so one exact case per
-    test (fp32 index_add, scatter sum) checks that the two plans meet there."""
-    if backend_name == "triton" and mode == "exact" and beyond_one_case and not HAS_CUDA:
-        pytest.skip("one exact case per test on the interpreter")
+def _index_add_cases(backend_name):
+    """On the interpreter "fp32" with every dtype and each other mode once: an "exact" case
+    costs seconds there, and as the plan is the same Python for every kernel and the exact
+    kernel ignores the order of its terms, its one case (fp32) checks that the plans meet."""
+    if backend_name == "triton" and not HAS_CUDA:
+        cases = [("fp32", dtype) for dtype in DTYPES] + [
+            ("autograd", torch.bfloat16), ("kahan", torch.float16), ("exact", torch.float32)]
+    else:
+        cases = [(mode, dtype) for mode in MODES for dtype in DTYPES]
+    return [pytest.param(mode, dtype, backend_name, id=f"{mode}-{dtype_id(dtype)}-{backend_name}")
+            for mode, dtype in cases]
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,dtype,backend_name",
+                         [p for backend in BACKENDS for p in _index_add_cases(backend)])
 def test_index_add_sparse_plan_gives_the_dense_bits(mode, dtype, backend_name, monkeypatch):
-    skip_slow_exact_in_interpreter(backend_name, mode, dtype)
-    _skip_exact_sweep_in_interpreter(backend_name, mode, dtype != torch.float32)
     input, index, source = _case(dtype, n_out=40)
     dense, sparse = _both_plans(
         lambda: detsum.index_add(input, 0, index, source, alpha=0.3, mode=mode), monkeypatch,
@@ -72,17 +79,27 @@ def test_index_add_sparse_plan_gives_the_dense_bits(mode, dtype, backend_name, m
     assert_same_bits(in_place, dense)
 
 
-@pytest.mark.parametrize("backend_name", BACKENDS)
-@pytest.mark.parametrize("include_self", [True, False])
-@pytest.mark.parametrize("mode,reduce", MODE_REDUCTIONS)
+def _scatter_reduce_cases(backend_name):
+    """amax and amin run the same kernel in fp32, kahan and exact mode: fp32 covers them. On
+    the interpreter "fp32" takes every reduction and the other modes their sum (the two plans
+    are positions, the same for every mode), with include_self in a covering: each reduction
+    with and without it, each mode at least once."""
+    axes = [list(MODES), ["sum", "mean", "prod", "amax", "amin"], [True, False], [backend_name]]
+    interpreted = backend_name == "triton" and not HAS_CUDA
+
+    def allowed(mode, reduce, include_self, backend):
+        if reduce in ("amax", "amin") and mode in ("kahan", "exact"):
+            return False
+        return (mode, reduce) in MODE_REDUCTIONS and (
+            not interpreted or mode == "fp32" or reduce == "sum")
+
+    return pairwise(axes, allowed=allowed, pairs=[(0, 1), (1, 2)], everything=not interpreted)
+
+
+@pytest.mark.parametrize("mode,reduce,include_self,backend_name",
+                         [p for backend in BACKENDS for p in _scatter_reduce_cases(backend)])
 def test_scatter_reduce_sparse_plan_gives_the_dense_bits(mode, include_self, reduce,
                                                          backend_name, monkeypatch):
-    if reduce in ("amax", "amin") and mode in ("kahan", "exact"):
-        pytest.skip("amax/amin run the same kernel in fp32, kahan and exact mode: fp32 covers it")
-    _skip_exact_sweep_in_interpreter(backend_name, mode, reduce != "sum")
-    if backend_name == "triton" and not HAS_CUDA and mode != "fp32" and reduce != "sum":
-        pytest.skip("on the interpreter, \"fp32\" takes every reduction and the other modes "
-                    "their sum: the two plans are positions, the same for every mode")
     input, index, source = _case(torch.bfloat16, n_out=40)
     if reduce == "prod":
         source = (1 + source.float() / 2**40).to(torch.bfloat16)

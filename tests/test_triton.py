@@ -2,8 +2,11 @@
 
 Without a GPU these run Triton's interpreter on CPU tensors (conftest sets TRITON_INTERPRET=1
 before triton is imported), on small shapes: the interpreter runs each program in Python, so
-a term row costs about a millisecond. On a GPU the same tests run the compiled kernels on CUDA
-tensors and compare them with Numba on CPU copies; "autograd" mode there follows torch's CUDA
+a term row costs about a millisecond. There each sweep runs a covering of its parameters
+(tests/covering.py) instead of every combination: every value of every parameter, and every
+pair of values of the parameters its comment names, meet in some case. On a GPU the sweeps
+take every combination, and the same tests run the compiled kernels on CUDA tensors and
+compare them with Numba on CPU copies; "autograd" mode there follows torch's CUDA
 arithmetic, which the reference computes with ``device_type="cuda"``.
 """
 
@@ -16,8 +19,9 @@ import torch
 
 import detsum
 from conftest import (
-    DTYPES, HAS_CUDA, LAYOUTS, MODE_REDUCTIONS, MODES, N, assert_same_bits, case_params,
-    dtype_id, make_data, seed_of, skip_slow_exact_in_interpreter, strided_copy, with_rows)
+    DTYPES, HAS_CUDA, LAYOUTS, MODE_REDUCTIONS, MODES, N, assert_same_bits, dtype_id,
+    make_data, seed_of, slow_exact_in_interpreter, strided_copy, with_rows)
+from covering import pairwise
 from detsum import kernels, reference
 
 try:
@@ -80,22 +84,21 @@ def make_index_add_case(template, dim, dtype, case):
     return input, index, source, 0.3 if case == "alpha" else 1
 
 
-def _dtypes_for(case):
-    # fp32 and bf16 (the two data paths: native and integer-rounded bits) everywhere; fp16 and
-    # fp64 on the plain case, to keep the interpreter's time down.
-    return DTYPES if case == "uniform" else (torch.float32, torch.bfloat16)
+def affordable(mode, dtype):
+    """The sweeps' cases but "exact" fp16 and fp64 (conftest.slow_exact_in_interpreter)."""
+    return not slow_exact_in_interpreter("triton", mode, dtype)
 
 
-INDEX_ADD_PARAMS = [
-    pytest.param(*p.values, dtype, id=f"{p.id}-{dtype_id(dtype)}")
-    for p in case_params(LAYOUTS, CASES) for dtype in _dtypes_for(p.values[2])
-]
+def index_add_allowed(mode, dtype, template, dim, case):
+    # A 1-D tensor has no other dim to empty.
+    return affordable(mode, dtype) and not (case == "zero_columns" and len(template) == 1)
 
 
-@pytest.mark.parametrize("template,dim,case,dtype", INDEX_ADD_PARAMS)
-@pytest.mark.parametrize("mode", MODES)
+# Every pair of mode, dtype, layout and case: each layout with every case, each mode with
+# every dtype and every case, each dtype with every case and layout.
+@pytest.mark.parametrize("mode,dtype,template,dim,case", pairwise(
+    [MODES, DTYPES, LAYOUTS, CASES], allowed=index_add_allowed, everything=HAS_CUDA))
 def test_index_add(mode, dtype, template, dim, case):
-    skip_slow_exact_in_interpreter("triton", mode, dtype)
     input, index, source, alpha = make_index_add_case(template, dim, dtype, case)
     got, expected = triton_and_expected(
         lambda i, x, s: detsum.index_add(i, dim, x, s, alpha=alpha, mode=mode),
@@ -127,12 +130,12 @@ def test_index_add_inplace_and_special_values(dtype):
 
 # ---- segment_sum and scatter_reduce ------------------------------------------------------------
 
-@pytest.mark.parametrize("template,dim", [pytest.param(*p.values, id=p.id) for p in LAYOUTS])
-@pytest.mark.parametrize("with_perm", [False, True], ids=["offsets", "perm"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("mode", MODES)
+# Every pair of mode, dtype, layout and rows given by offsets alone or through a permutation.
+@pytest.mark.parametrize("mode,dtype,with_perm,template,dim", pairwise(
+    [MODES, DTYPES, [pytest.param(False, id="offsets"), pytest.param(True, id="perm")],
+     LAYOUTS],
+    allowed=lambda mode, dtype, *_: affordable(mode, dtype), everything=HAS_CUDA))
 def test_segment_sum(mode, dtype, with_perm, template, dim):
-    skip_slow_exact_in_interpreter("triton", mode, dtype)
     seed = seed_of("triton-segment", template, dim, dtype, with_perm)
     src = make_data(with_rows(template, 12), dtype, seed=seed, spread=True)
     offsets = torch.tensor([0, 0, 5, 6, 6, 12])  # empty first, inner and last-but-one segments
@@ -153,11 +156,15 @@ SCATTER_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("template,dim,kind", SCATTER_LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("mode,reduce", MODE_REDUCTIONS)
+# Every pair of mode, reduction, dtype and layout, each case with and without include_self:
+# every (mode, reduction) that scatter_reduce computes; each mode, reduction and dtype with
+# every layout and with each other.
+@pytest.mark.parametrize("mode,reduce,dtype,template,dim,kind", pairwise(
+    [MODES, ["sum", "mean", "prod", "amax", "amin"], DTYPES, SCATTER_LAYOUTS],
+    allowed=lambda mode, reduce, dtype, *_: ((mode, reduce) in MODE_REDUCTIONS
+                                             and affordable(mode, dtype)),
+    everything=HAS_CUDA))
 def test_scatter_reduce(mode, dtype, reduce, template, dim, kind):
-    skip_slow_exact_in_interpreter("triton", mode, dtype)
     seed = seed_of("triton-scatter", template, dim, kind, dtype, reduce)
     g = torch.Generator().manual_seed(seed)
     src_shape = with_rows(template, 10)
@@ -198,23 +205,27 @@ LONG_CASES = [
 
 
 LONG_REDUCTIONS = [
-    # (mode, reduce, dtype): every reduction the chunks apply to, in both chunked modes; and
-    # "autograd", whose order is never chunked (one program runs the whole segment).
-    ("fp32", "sum", torch.bfloat16),
-    ("fp32", "mean", torch.float32),
-    ("fp32", "prod", torch.float32),
-    ("fp32", "amax", torch.bfloat16),
-    ("kahan", "sum", torch.float32),
-    ("kahan", "mean", torch.bfloat16),
-    ("kahan", "amin", torch.float32),
-    ("autograd", "sum", torch.bfloat16),
-    ("autograd", "prod", torch.float32),
+    # (mode, reduce, dtype, its case of LONG_CASES in the interpreter): every reduction the
+    # chunks apply to, in both chunked modes, and "autograd", whose order is never chunked
+    # (one program runs the whole segment). In the interpreter each chunked mode and each
+    # dtype meets every case; on a GPU every row runs every case.
+    ("fp32", "sum", torch.bfloat16, 2),
+    ("fp32", "mean", torch.float32, 0),
+    ("fp32", "prod", torch.float32, 1),
+    ("fp32", "amax", torch.bfloat16, 1),
+    ("kahan", "sum", torch.float32, 2),
+    ("kahan", "mean", torch.bfloat16, 0),
+    ("kahan", "amin", torch.float32, 1),
+    ("autograd", "sum", torch.bfloat16, 0),
+    ("autograd", "prod", torch.float32, 1),
 ]
+LONG_PARAMS = [
+    pytest.param(m, r, d, *sizes.values, id=f"{m}-{r}-{dtype_id(d)}-{sizes.id}")
+    for m, r, d, given in LONG_REDUCTIONS
+    for sizes in (LONG_CASES if HAS_CUDA else [LONG_CASES[given]])]
 
 
-@pytest.mark.parametrize("sizes", LONG_CASES)
-@pytest.mark.parametrize("mode,reduce,dtype", LONG_REDUCTIONS,
-                         ids=[f"{m}-{r}-{dtype_id(d)}" for m, r, d in LONG_REDUCTIONS])
+@pytest.mark.parametrize("mode,reduce,dtype,sizes", LONG_PARAMS)
 def test_long_segments(mode, reduce, dtype, sizes):
     """Segments beyond CHUNK_TERMS terms: chunk programs, the last of a segment's to finish
     folding them, rows shuffled so the chunks read scattered rows; with an outer dim so each
@@ -255,10 +266,11 @@ def test_chunked_order_differs_from_serial():
 
 # ---- torch's CUDA "autograd" arithmetic, run through the launcher ------------------------------
 
-@pytest.mark.parametrize("slice_size", [1, 8, 32, 33])
-@pytest.mark.parametrize("n_terms", [1, 31, 32, 33, 70])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
-@pytest.mark.parametrize("alpha", [1.0, 0.3])
+# Every pair of slice size (the rows' regimes), number of terms (the warp tree's from 32),
+# dtype and alpha: each slice size with every number of terms.
+@pytest.mark.parametrize("slice_size,n_terms,dtype,alpha", pairwise(
+    [[1, 8, 32, 33], [1, 31, 32, 33, 70], [torch.float32, torch.float16, torch.bfloat16],
+     [1.0, 0.3]], everything=HAS_CUDA))
 def test_cuda_autograd_rules_match_reference(alpha, dtype, n_terms, slice_size):
     """The contract's three CUDA rows (stride 1 with its warp tree from 32 terms, small stride, one
     rounding per add) against the reference on the same data, with an outer dim of 2 and a

@@ -115,10 +115,10 @@ def _routing_cases(backend):
         # exact fp16 on the interpreter: tests/test_exact_triton.py covers it.
         return not (interpreted and mode == "exact" and dtype == torch.float16)
 
-    pairs = [pytest.param(a, b, id=f"{dtype_id(a)}-{dtype_id(b)}") for a, b in
-             [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-              (torch.float16, torch.float16)]]
-    return pairwise([[backend], pairs, list(detsum.MODES)], allowed=allowed,
+    dtypes = [pytest.param(a, b, id=f"{dtype_id(a)}-{dtype_id(b)}") for a, b in
+              [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+               (torch.float16, torch.float16)]]
+    return pairwise([[backend], dtypes, list(detsum.MODES)], allowed=allowed,
                     pairs=[] if interpreted else None, everything=not interpreted)
 
 

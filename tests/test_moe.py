@@ -12,6 +12,7 @@ import torch
 
 import detsum
 from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, run_docs_example
+from covering import pairwise
 from detsum import _kernel_ops, moe, reference
 
 HALF = (torch.float16, torch.bfloat16)
@@ -106,18 +107,30 @@ def test_route_returns_a_routing_that_unpacks_as_before():
     assert repr(routing) == repr((gather_indices, counts))
 
 
-@pytest.mark.parametrize("mode", detsum.MODES)
-@pytest.mark.parametrize(("dtype", "weights_dtype"),
-                         [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
-                          (torch.float16, torch.float16)], ids=dtype_id)
-@pytest.mark.parametrize("backend", ["numba", "reference", "triton"])
+def _routing_cases(backend):
+    """Every combination of dtypes and mode; on Triton's interpreter, where a case costs
+    seconds, each mode and each pair of dtypes once (a covering, tests/covering.py): the
+    Routing and its gather_indices name the same positions whatever the mode and dtypes."""
+    interpreted = backend == "triton" and not HAS_CUDA
+
+    def allowed(backend, dtype, weights_dtype, mode):
+        # exact fp16 on the interpreter: tests/test_exact_triton.py covers it.
+        return not (interpreted and mode == "exact" and dtype == torch.float16)
+
+    dtypes = [pytest.param(a, b, id=f"{dtype_id(a)}-{dtype_id(b)}") for a, b in
+              [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+               (torch.float16, torch.float16)]]
+    return pairwise([[backend], dtypes, list(detsum.MODES)], allowed=allowed,
+                    pairs=[] if interpreted else None, everything=not interpreted)
+
+
+@pytest.mark.parametrize(("backend", "dtype", "weights_dtype", "mode"),
+                         [p for b in ("numba", "reference", "triton") for p in _routing_cases(b)])
 def test_the_routing_gives_the_bits_of_its_gather_indices(backend, dtype, weights_dtype, mode):
     """permute and unpermute (weighted, unweighted, reduce=False) given route's Routing: the
     bits of the same calls given its gather_indices, forward and every gradient, at every
     level of the gather_indices' check (the Routing needs none). A copy of them: route's own
     would pass as the Routing."""
-    if backend == "triton" and mode == "exact" and dtype == torch.float16:
-        pytest.skip("exact fp16 on the interpreter: tests/test_exact_triton.py covers it")
     selected, _, _, x, _, weights, _, grad_out = setup(dtype, 4, weights_dtype=weights_dtype)
     with detsum.backend(backend):
         routing = moe.route(selected, E)

@@ -89,6 +89,18 @@ REDUCE_CODES = {"sum": SUM, "mean": MEAN, "prod": PROD, "amax": AMAX, "amin": AM
 Failure = str | Callable[[], None]
 
 
+def _check_by_torch_ops(failure: Failure | None, good: Callable[[], torch.Tensor]) -> None:
+    """Report ``failure`` as a launch's own check would: nothing to check (None), the host
+    check that raises (a callable), or ``good()``, a 0-d bool tensor of torch ops, asserted on
+    the device with the message."""
+    if failure is None:
+        return
+    if callable(failure):
+        failure()
+        return
+    torch._assert_async(good(), failure)
+
+
 @dataclasses.dataclass(frozen=True)
 class SortedKeys:
     """Segment bounds given by a sorted index instead of offsets (``offsets=`` of a launch on
@@ -110,17 +122,12 @@ class SortedKeys:
 
     def check(self) -> None:
         """The check by torch ops, for a launch that does not make it in its kernel."""
-        if self.failure is None:
-            return
-        if callable(self.failure):
-            self.failure()
-            return
         keys, size = self.keys, self.num_segments
         if self.every_key:
-            good = ((keys >= 0) & (keys < size)).all() & ~(keys[1:] < keys[:-1]).any()
+            _check_by_torch_ops(self.failure, lambda: ((keys >= 0) & (keys < size)).all()
+                                & ~(keys[1:] < keys[:-1]).any())
         else:
-            good = (keys[0] >= 0) & (keys[-1] < size)
-        torch._assert_async(good, self.failure)
+            _check_by_torch_ops(self.failure, lambda: (keys[0] >= 0) & (keys[-1] < size))
 
     def offsets(self) -> torch.Tensor:
         """The offsets these keys stand for (two device ops), after the check."""
@@ -152,14 +159,9 @@ class UncheckedOffsets:
 
     def check(self) -> None:
         """The check by torch ops, for a launch that does not make it in its kernel."""
-        if self.failure is None:
-            return
-        if callable(self.failure):
-            self.failure()
-            return
         values = self.values
-        torch._assert_async((values[0] == 0) & (values[-1] == self.positions)
-                             & ~(values[1:] < values[:-1]).any(), self.failure)
+        _check_by_torch_ops(self.failure, lambda: (values[0] == 0)
+                            & (values[-1] == self.positions) & ~(values[1:] < values[:-1]).any())
 
     def offsets(self) -> torch.Tensor:
         """Int64 offsets for a launch that reads them as they are, after the check: checked on

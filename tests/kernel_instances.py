@@ -22,7 +22,8 @@ def every_kernel():
     for dtype in DTYPES:
         yield from (segment.kernel_for(dtype, variant) for variant in variants)
         yield from (scatter.kernel_for(dtype, variant) for variant in variants)
-        yield from (exact.kernel_for(dtype, is_mean) for is_mean in (False, True))
+        yield from (exact.kernel_for(dtype, is_mean, first_stage)
+                    for is_mean in (False, True) for first_stage in (False, True))
         yield from (small._kernel_for(dtype, rule) for rule in RULES)
         yield from (weighted._kernel_for(template, dtype, kahan)
                     for template in (weighted._forward, weighted._dots) for kahan in (False, True))

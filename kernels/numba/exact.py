@@ -471,12 +471,20 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data):
 
 def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha, include_base,
            has_base, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch, n_positions,
-           pf_dist):
+           pf_dist, pending):
     """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, segment, column
-    block), with block b's scratch: the template of every format's kernel, for sums and for
-    means. ``instances.instance`` binds ``is_mean``, the format's ``enc``, ``cvt``,
-    ``wide_data`` (fp64 terms: no fast path) and ``data_bits`` (significant bits of a data
-    element), and the helpers of :func:`_make_exact_helpers`."""
+    block), with block b's scratch: the template of every format's kernels, for sums and for
+    means, in two stages. ``instances.instance`` binds ``is_mean``, ``first_stage``, the
+    format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms: no fast path) and ``data_bits``
+    (significant bits of a data element), and the helpers of :func:`_make_exact_helpers`.
+
+    The first stage writes the items that tier 1 certifies (and, for a mean, whose quotients
+    the fp64 one settles) and marks the others in ``pending``, writing nothing of them; the
+    second takes the marked items alone, by every way there is. Why two: the second stage's
+    code (the per-column certificate, the limbs) is most of the kernel, and rarely needed:
+    it compiles on the first launch that needs it. An item's elements are read (from base)
+    and written by that item alone, so the second stage reads a base that the first left
+    untouched, in place too."""
     outer, nseg, inner = shape
     pf_step = 64 // src.itemsize
     headroom = 2.0 ** (52 - (data_bits if alpha == 1.0 else 24))
@@ -493,6 +501,8 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
     limbs = limb_scratch[b]
     flags = flag_scratch[b, :4]
     for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
+        if not first_stage and pending[it] == 0:
+            continue
         c = it % nchunks
         s = (it // nchunks) % nseg
         o = it // nchunks // nseg
@@ -536,6 +546,25 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
                     for j in range(w):
                         out[ostart + j * us[2]] = final_rounding(acc[j])
                 continue
+        if first_stage:
+            if is_mean and tile_exact:
+                # Every column's rounded quotient, written if all are settled.
+                divisor = np.float64(count)
+                for j in range(w):
+                    value, settled = rounded_quotient(acc[j], divisor)
+                    tmp[j] = value
+                    mass[j] = np.float64(settled)
+                settled_all = True
+                for j in range(w):
+                    if mass[j] == 0.0:
+                        settled_all = False
+                if settled_all:
+                    for j in range(w):
+                        out[ostart + j * us[2]] = tmp[j]
+                    continue
+            pending[it] = 1
+            continue
+        if not wide_data:
             if tile_exact:
                 for j in range(w):
                     exact_here[j] = True
@@ -573,19 +602,19 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
 @parallel_njit(cache=True)
 def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst, base, bs, out,
                 us, shape, alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
-                limb_scratch, flag_scratch, n_positions, pf_dist):
+                limb_scratch, flag_scratch, n_positions, pf_dist, pending):
     """The driver of every format's kernel, ``_block`` at ``address`` (``instances.Blocks``):
     each output element is written by one item, and its value depends on no order."""
     if types_key_of((src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
                      include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-                     flag_scratch, n_positions, pf_dist)) != types_key:
+                     flag_scratch, n_positions, pf_dist, pending)) != types_key:
         return OTHER_TYPES
     failed = 0
     for b in prange(n_blocks):
         if not call_at(address, (np.int64(b),), (
                 src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-                flag_scratch, n_positions, pf_dist)):
+                flag_scratch, n_positions, pf_dist, pending)):
             failed += 1
     return FAILED if failed else DONE
 
@@ -598,29 +627,29 @@ _FORMATS = {
     torch.float16: ("f16", f16_bits_to_f32, f32_to_f16_bits, _f32, EXACT_LIMBS["fp32"]),
 }
 
-#: (dtype, is_mean) -> the kernel, made on the first launch that needs it.
+#: (dtype, is_mean, first_stage) -> the kernel, made on the first launch that needs it.
 _KERNELS = {}
 
 
-def kernel_for(dtype, is_mean):
-    """The EXACT kernel of data type ``dtype``, for sums or for means, launched over thread
-    blocks (``instances.Blocks``)."""
-    kernel = _KERNELS.get((dtype, is_mean))
+def kernel_for(dtype, is_mean, first_stage):
+    """The EXACT kernel of data type ``dtype``, for sums or for means, of the first stage or
+    the second (see ``_block``), launched over thread blocks (``instances.Blocks``)."""
+    kernel = _KERNELS.get((dtype, is_mean, first_stage))
     if kernel is None:
         fmt, dec, enc, cvt, _ = _FORMATS[dtype]
         wide_data = fmt == "f64"  # terms are fp64: no fast path (an fp64 sum is rarely exact)
         (final_rounding, tile_pass, column_pass, column, exact_value_of_sum,
          rounded_quotient) = _make_exact_helpers(fmt, dec, enc, cvt, wide_data)
         block = instance(
-            _block, f"{fmt}_{'mean' if is_mean else 'sum'}", is_mean=is_mean, enc=enc,
-            cvt=cvt, wide_data=wide_data,
+            _block, f"{fmt}_{'mean' if is_mean else 'sum'}_{'first' if first_stage else 'second'}",
+            is_mean=is_mean, first_stage=first_stage, enc=enc, cvt=cvt, wide_data=wide_data,
             # Significant bits of a data element: the terms have that many when alpha == 1.
             data_bits={"f32": 24, "bf16": 8, "f16": 11, "f64": 53}[fmt],
             final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
             column=column,
             exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)
         kernel = Blocks(_run_blocks, block, fixed=1)
-        _KERNELS[(dtype, is_mean)] = kernel
+        _KERNELS[(dtype, is_mean, first_stage)] = kernel
     return kernel
 
 
@@ -632,8 +661,7 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     positions = order.shape[0] if order is not None else src.shape[1]
-    kernel = kernel_for(src.dtype, reduce == MEAN)
-    n_limbs = _FORMATS[src.dtype][4]
+    fmt, _, _, _, n_limbs = _FORMATS[src.dtype]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)
     offsets_np, (fst,) = _flat(offsets)
@@ -647,9 +675,16 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     limb_scratch = np.empty((n_blocks, n_limbs), dtype=np.int64)
     flag_scratch = np.empty((n_blocks, 4 + chunk), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
+    # fp64 terms have no first stage: every item is pending.
+    first = fmt != "f64"
+    n_items = outer * nseg * -(-inner // chunk)
+    pending = (np.zeros if first else np.ones)(n_items, dtype=np.uint8)
+    args = (src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
+            (outer, nseg, inner), float(alpha), bool(include_base), base is not None, chunk,
+            acc_scratch, data_scratch, limb_scratch, flag_scratch, positions, pf_dist, pending)
     # One block, one thread (see segment.segment_reduce).
     with threads(nthreads if n_blocks > 1 else 1):
-        kernel(n_blocks, (src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
-                          (outer, nseg, inner), float(alpha), bool(include_base),
-                          base is not None, chunk, acc_scratch, data_scratch, limb_scratch,
-                          flag_scratch, positions, pf_dist))
+        if first:
+            kernel_for(src.dtype, reduce == MEAN, True)(n_blocks, args)
+        if not first or pending.any():
+            kernel_for(src.dtype, reduce == MEAN, False)(n_blocks, args)

@@ -77,7 +77,12 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
         # fp32 and fp64 data outside KAHAN: the acc type is the data type and every rounding
         # to it is the identity, so the rows are summed where they lie.
         if not in_place:
-            out[:, :, :] = base
+            # Element by element: a slice assignment of an array would compile Numba's
+            # broadcasting checks, seconds of compile for a shape error that cannot occur.
+            for o in range(outer):
+                for s in range(rows):
+                    for j in range(inner):
+                        out[o, s, j] = base[o, s, j]
         for o in range(outer):
             for i in range(n):
                 v = index[i]

@@ -478,13 +478,14 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
     format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms: no fast path) and ``data_bits``
     (significant bits of a data element), and the helpers of :func:`_make_exact_helpers`.
 
-    The first stage writes the items that tier 1 certifies (and, for a mean, whose quotients
-    the fp64 one settles) and marks the others in ``pending``, writing nothing of them; the
-    second takes the marked items alone, by every way there is. Why two: the second stage's
-    code (the per-column certificate, the limbs) is most of the kernel, and rarely needed:
-    it compiles on the first launch that needs it. An item's elements are read (from base)
-    and written by that item alone, so the second stage reads a base that the first left
-    untouched, in place too."""
+    The first stage writes the items that tier 1 certifies and marks the others in
+    ``pending``, writing nothing of them; the second takes the marked items alone, by every
+    way there is. Why two: the second stage's code (the per-column certificate, the limbs of
+    every term) is most of the kernel, and rarely needed: it compiles on the first launch
+    that needs it. (A mean's quotient near a rounding midpoint, common where the count is a
+    power of two, is settled in the first stage, from the certified sum.) An item's elements
+    are read (from base) and written by that item alone, so the second stage reads a base
+    that the first left untouched, in place too."""
     outer, nseg, inner = shape
     pf_step = 64 // src.itemsize
     headroom = 2.0 ** (52 - (data_bits if alpha == 1.0 else 24))
@@ -548,20 +549,18 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
                 continue
         if first_stage:
             if is_mean and tile_exact:
-                # Every column's rounded quotient, written if all are settled.
+                # Every column's rounded quotient first, in one straight loop; mass (free now)
+                # records which are settled. The others from the exact sum, in limbs.
                 divisor = np.float64(count)
                 for j in range(w):
                     value, settled = rounded_quotient(acc[j], divisor)
-                    tmp[j] = value
+                    out[ostart + j * us[2]] = value
                     mass[j] = np.float64(settled)
-                settled_all = True
                 for j in range(w):
                     if mass[j] == 0.0:
-                        settled_all = False
-                if settled_all:
-                    for j in range(w):
-                        out[ostart + j * us[2]] = tmp[j]
-                    continue
+                        out[ostart + j * us[2]] = enc(cvt(exact_value_of_sum(acc[j], count, True,
+                                                                             limbs, flags)))
+                continue
             pending[it] = 1
             continue
         if not wide_data:

@@ -70,8 +70,8 @@ _MIN_BLOCK_ELEMENTS = 65536
 @functools.cache  # one set per format and operation: two would share their names
 def _make_helpers(fmt, dec, rnd, op):
     """The helpers of ``_block`` for one data format (``fmt`` names it) and term operation
-    ``op`` (see ``segment.variant_for``), inlined where they are called: ``combine`` (a term
-    joining its element under ``op``, Neumaier's step aside), ``fold`` and ``long_segments``.
+    ``op`` (see ``segment.variant_for``): ``every_term``, the pass over the rows, and
+    ``fold`` and ``long_segments``, inlined where they are called.
     ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
     dtype (see ``segment._make_rows``, and for why each format's and variant's functions
     compile under names of their own)."""
@@ -89,6 +89,31 @@ def _make_helpers(fmt, dec, rnd, op):
             # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
             return x if (x != x or x > y) and y == y else y
         return x if (x != x or x < y) and y == y else y
+
+    @format_njit()
+    def every_term(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg):
+        """The pass over the rows: each term joins its element, unsplit, and is counted;
+        returns 1 when an index value lies outside [0, nseg), else 0. A function of its own,
+        not inlined: as part of ``_block`` the same loop ran 5-8% slower (sum, mean; 300k x
+        64 random elements into 30k x 64, one thread)."""
+        bad = 0
+        for n in range(nrows):
+            r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
+            x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
+            for j in range(w):
+                # Unsigned: Numba adds no negative-index fix-up to these accesses.
+                k = index[np.uint64(x0 + j * xs[2])]
+                if k < 0 or k >= nseg:
+                    bad = 1
+                    continue
+                e = np.uint64(k * w + j)
+                count[e] += 1
+                if op == _OP_KAHAN:
+                    acc[e], comp[e] = neumaier(acc[e], comp[e],
+                                               dec(src[np.uint64(r0 + j * ss[2])]))
+                else:
+                    acc[e] = combine(acc[e], dec(src[np.uint64(r0 + j * ss[2])]))
+        return bad
 
     @format_njit(inline="always")
     def fold(acc, comp, part, pcomp, e):
@@ -152,7 +177,7 @@ def _make_helpers(fmt, dec, rnd, op):
                 if r == CHUNK_TERMS - 1:
                     fold(acc, comp, part, pcomp, e)
 
-    return combine, fold, long_segments
+    return every_term, fold, long_segments
 
 
 def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc_scratch,
@@ -205,23 +230,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
                 for j in range(w):
                     comp[e0 + j] = zero
 
-        # Each term joins its element, unsplit, and is counted.
-        for n in range(nrows):
-            r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
-            x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
-            for j in range(w):
-                # Unsigned: Numba adds no negative-index fix-up to these accesses.
-                k = index[np.uint64(x0 + j * xs[2])]
-                if k < 0 or k >= nseg:
-                    failed = 1
-                    continue
-                e = np.uint64(k * w + j)
-                count[e] += 1
-                if op == _OP_KAHAN:
-                    acc[e], comp[e] = neumaier(acc[e], comp[e],
-                                               dec(src[np.uint64(r0 + j * ss[2])]))
-                else:
-                    acc[e] = combine(acc[e], dec(src[np.uint64(r0 + j * ss[2])]))
+        failed |= every_term(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg)
         if split and nrows > CHUNK_TERMS and count[:nseg * w].max() > CHUNK_TERMS:
             long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, use_base, ident,
                           acc, comp, part, pcomp, count, seen)
@@ -292,10 +301,10 @@ def kernel_for(dtype, variant):
     if kernel is None:
         fmt, dec, rnd, enc, cvt, _ = _FORMATS[dtype]
         op, mean, mean_round, split = variant
-        combine, fold, long_segments = _make_helpers(fmt, dec, rnd, op)
+        every_term, fold, long_segments = _make_helpers(fmt, dec, rnd, op)
         block = instance(_block, f"{fmt}_{variant_name(*variant)}", dec=dec, rnd=rnd, enc=enc,
                          cvt=cvt, op=op, mean=mean, mean_round=mean_round, split=split,
-                         combine=combine, fold=fold, long_segments=long_segments)
+                         every_term=every_term, fold=fold, long_segments=long_segments)
         kernel = Blocks(_run_blocks, block, fixed=1)
         _KERNELS[(dtype, variant)] = kernel
     return kernel

@@ -378,19 +378,12 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
                 for j in range(w):
                     comp[j] = zero
 
-            # The first chunk of terms (the whole segment unless it is split) goes into acc;
-            # each later one is reduced into part from its own first term, then folded into
-            # acc. (One call of rows for both: each call site is code of its own to compile.)
+            # The first chunk of terms (the whole segment unless it is split) goes into acc.
             end = min(p1, p0 + CHUNK_TERMS) if split else p1
-            into, into_comp = acc, comp
-            later = False
-            while True:
-                rows(into, into_comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
-                     pf_lines, w, a)
-                if later:
-                    fold(acc, comp, part, pcomp, w)
-                if not split or end == p1:
-                    break
+            rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist, pf_lines,
+                 w, a)
+            # Later chunks: each reduces its own terms from its first term, then folds into acc.
+            while split and end < p1:
                 p = end
                 end = min(p1, p + CHUNK_TERMS)
                 load(part, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
@@ -400,9 +393,9 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
                         part[j] = part[j] * a
                 for j in range(w):
                     pcomp[j] = 0.0
-                into, into_comp = part, pcomp
-                later = True
-                p += 1
+                rows(part, pcomp, src, ss, order, ost, tmp, rstart, p + 1, end, pf_end,
+                     pf_dist, pf_lines, w, a)
+                fold(acc, comp, part, pcomp, w)
 
             if has_carry:
                 # The sum runs on: s goes to out (exact, the data dtype is the acc type) and c to

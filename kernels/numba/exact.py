@@ -610,7 +610,7 @@ def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst,
         return OTHER_TYPES
     failed = 0
     for b in prange(n_blocks):
-        if not call_at(address, (np.int64(b),), (
+        if not call_at(address, np.int64(b), (
                 src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                 flag_scratch, n_positions, pf_dist, pending)):
@@ -647,7 +647,7 @@ def kernel_for(dtype, is_mean, first_stage):
             final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
             column=column,
             exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)
-        kernel = Blocks(_run_blocks, block, fixed=1)
+        kernel = Blocks(_run_blocks, block)
         _KERNELS[(dtype, is_mean, first_stage)] = kernel
     return kernel
 

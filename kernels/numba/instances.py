@@ -4,22 +4,23 @@ on its own, run over thread blocks by one small parallel driver.
 - :func:`instance`: a module-level template compiled with ``cache=True`` under a name of its
   own, its mode and its format's conversions bound as compile-time constants. A first call
   compiles the variant it needs alone (a few seconds), and a later process loads it alone.
-- :class:`Blocks`: such a kernel run over thread blocks by a small parallel driver, which
-  calls it through its address. The driver is the same for every variant and is compiled
-  once per argument types; the variant is compiled once, serial.
+- :class:`Blocks`: such a kernel, the work of one thread block, run over the blocks by a
+  small parallel driver, which calls it through its address. The driver is the same for
+  every variant and is compiled once per argument types; the variant is compiled once,
+  serial.
 
 Why the address: a ``parallel=True`` function compiles its loop body again as a function of
 its own and links every function it calls into each of the two (Numba links callees as LLVM
 IR), so a variant's code went through LLVM's optimizer and code generator three or four
-times: a call of one mode of one dtype compiled for 5 s, of which the block's own code took
-1.5 s. Called through an address, the variant is linked nowhere. The call uses Numba's own
-calling convention, so the arguments pass exactly as in a direct call; the driver checks,
-before it calls, that the address was taken for its argument types.
+times (measured: the parallel kernel took about twice the CPU time of the same code
+compiled serial). Called through an address, the variant is linked nowhere. The call uses
+Numba's own calling convention, so the arguments pass exactly as in a direct call; the
+driver checks, before it calls, that the address was taken for its argument types.
 """
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from types import FunctionType
 
 from llvmlite import ir
@@ -57,8 +58,9 @@ def instance(template, name, *, parallel=False, **bound):
 
 
 def _types_key(argument_types) -> int:
-    """A number for a tuple of Numba types, the same in every process."""
-    return zlib.crc32(str(argument_types).encode())
+    """A 64-bit number for a tuple of Numba types, the same in every process."""
+    digest = hashlib.blake2b(str(argument_types).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 @intrinsic
@@ -73,21 +75,19 @@ def types_key_of(typingctx, args):
 
 
 @intrinsic
-def call_at(typingctx, address, fixed, args):
-    """Call the compiled function at ``address`` as ``f(*fixed, *args)`` (Numba's calling
-    convention; it returns None), ``fixed`` a tuple of int64; True when it returned without
-    an error."""
-    if (not isinstance(address, types.Integer) or not isinstance(fixed, types.BaseTuple)
-            or any(t != types.int64 for t in fixed.types)
+def call_at(typingctx, address, b, args):
+    """Call the compiled function at ``address`` as ``f(b, *args)`` (Numba's calling
+    convention; ``b`` an int64, and f returns None); True when it returned without an
+    error."""
+    if (not isinstance(address, types.Integer) or b != types.int64
             or not isinstance(args, types.BaseTuple)):
         return None
-    argument_types = tuple(fixed.types) + tuple(args.types)
+    argument_types = (types.int64,) + tuple(args.types)
 
     def codegen(context, builder, signature, llargs):
         fnty = context.call_conv.get_function_type(types.none, argument_types)
         fn = builder.inttoptr(llargs[0], fnty.as_pointer())
-        values = (cgutils.unpack_tuple(builder, llargs[1], len(fixed))
-                  + cgutils.unpack_tuple(builder, llargs[2], len(args)))
+        values = [llargs[1]] + cgutils.unpack_tuple(builder, llargs[2], len(args))
         result = cgutils.alloca_once(builder, fnty.args[0].pointee)
         builder.store(cgutils.get_null_value(fnty.args[0].pointee), result)
         excinfo = cgutils.alloca_once(builder, ir.PointerType(excinfo_t))
@@ -97,7 +97,7 @@ def call_at(typingctx, address, fixed, args):
                          builder.icmp_signed("==", code, RETCODE_NONE))
         return ok
 
-    return types.boolean(address, fixed, args), codegen
+    return types.boolean(address, b, args), codegen
 
 
 #: A driver's answers (see Blocks).
@@ -105,47 +105,45 @@ DONE, OTHER_TYPES, FAILED = 0, 1, 2
 
 
 class Blocks:
-    """A kernel, ``work(*fixed, *args)`` (an :func:`instance`; ``fixed`` int64 numbers, the
-    block's and its work's), launched over thread blocks by a driver:
-    ``Blocks(driver, work, fixed=len(fixed))(n_blocks, args)``.
+    """A kernel, ``block(b, *args)`` (an :func:`instance`: the work of thread block ``b``),
+    launched over ``n_blocks`` blocks by a driver: ``Blocks(driver, block)(n_blocks, args)``.
 
     The driver, one per kernel module, is a :func:`parallel_njit` function of
     ``(address, types_key, n_blocks, *args)``, its parameters spelled out (a parallel loop
     cannot take a tuple of arrays): it returns OTHER_TYPES, having run nothing, when
     ``types_key_of(args)`` is not ``types_key``; otherwise it calls
-    ``call_at(address, fixed, args)`` for the work of every block ``b < n_blocks`` in a
-    ``prange`` loop and returns DONE, or FAILED if a call returned an error (none can: a
-    safeguard).
+    ``call_at(address, b, args)`` for every block ``b < n_blocks`` in a ``prange`` loop and
+    returns DONE, or FAILED if a call returned an error (none can: a safeguard).
 
     The address is taken for the argument types of the first launch (compiling the kernel for
     them, or loading it from the cache), and again whenever a launch has others: each launch
-    runs code compiled for its own types, as a direct call would.
+    runs code compiled for its own types, as a direct call would. A launch of one block calls
+    the kernel directly, on the calling thread.
     """
 
-    def __init__(self, driver, work, *, fixed):
+    def __init__(self, driver, block):
         self.driver = driver
-        self.work = work
-        self.fixed = fixed
+        self.block = block
         self._address = 0
         self._types_key = -1
 
     def _take_address(self, args):
         args_type = typeof(args)
-        signature = (types.int64,) * self.fixed + tuple(args_type.types)
-        self.work.compile(signature)
-        compiled = self.work.overloads[signature]
+        signature = (types.int64,) + tuple(args_type.types)
+        self.block.compile(signature)
+        compiled = self.block.overloads[signature]
         self._address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
         self._types_key = _types_key(args_type)
 
     def __call__(self, n_blocks, args):
-        if n_blocks == 1 and self.fixed == 1:
-            # One block runs on the calling thread: no driver to compile for a small launch.
-            self.work(0, *args)
+        if n_blocks == 1:
+            # No driver to compile, and no parallel region to enter, for a small launch.
+            self.block(0, *args)
             return
         answer = self.driver(self._address, self._types_key, n_blocks, *args)
         if answer == OTHER_TYPES:
             self._take_address(args)
             answer = self.driver(self._address, self._types_key, n_blocks, *args)
         if answer != DONE:
-            raise RuntimeError(f"{self.work.py_func.__qualname__}: a block failed "
+            raise RuntimeError(f"{self.block.py_func.__qualname__}: a block failed "
                                f"({'argument types' if answer == OTHER_TYPES else 'an error'})")

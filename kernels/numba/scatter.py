@@ -274,7 +274,7 @@ def _run_blocks(address, types_key, n_blocks, src, ss, index, xs, base, bs, out,
         return OTHER_TYPES
     failed = 0
     for b in prange(n_blocks):
-        if not call_at(address, (np.int64(b),), (
+        if not call_at(address, np.int64(b), (
                 src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc_scratch,
                 comp_scratch, part_scratch, pcomp_scratch, count_scratch, seen_scratch, bad)):
             failed += 1
@@ -305,7 +305,7 @@ def kernel_for(dtype, variant):
         block = instance(_block, f"{fmt}_{variant_name(*variant)}", dec=dec, rnd=rnd, enc=enc,
                          cvt=cvt, op=op, mean=mean, mean_round=mean_round, split=split,
                          every_term=every_term, fold=fold, long_segments=long_segments)
-        kernel = Blocks(_run_blocks, block, fixed=1)
+        kernel = Blocks(_run_blocks, block)
         _KERNELS[(dtype, variant)] = kernel
     return kernel
 

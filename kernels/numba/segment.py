@@ -457,7 +457,7 @@ def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst,
         return OTHER_TYPES
     failed = 0
     for b in prange(n_blocks):
-        if not call_at(address, (np.int64(b),), (
+        if not call_at(address, np.int64(b), (
                 src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, alpha,
                 include_base, has_base, has_carry, chunk, acc_scratch, data_scratch, pf_dist)):
             failed += 1
@@ -488,7 +488,7 @@ def kernel_for(dtype, variant):
         block = instance(_block, f"{fmt}_{variant_name(*variant)}", enc=enc, cvt=cvt, rnd=rnd,
                          op=op, mean=mean, mean_round=mean_round, split=split, load=load,
                          rows=rows, fold=fold)
-        kernel = Blocks(_run_blocks, block, fixed=1)
+        kernel = Blocks(_run_blocks, block)
         _KERNELS[(dtype, variant)] = kernel
     return kernel
 

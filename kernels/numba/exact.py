@@ -31,6 +31,9 @@ IMPLEMENTATION NOTES (this backend):
   quotient's rounding where both fp64 neighbours of the quotient round alike
   (``rounded_quotient``); otherwise it puts the sum into limbs to divide there. Every way
   gives the exact value, so which one ran never shows in the bits.
+- Two stages, two compiled kernels per format and reduction (``_block``): the first writes
+  the tiles the whole-tile certificate covers and marks the others; the second, compiled on
+  the first launch that marks one, computes the marked tiles by every way above.
 - Threads: the work items of ``segment.segment_reduce`` (outer index, segment, column block),
   each output element written by one item. The result would not depend on the split even if
   it did not: that is the point of the rule.

@@ -72,6 +72,7 @@ def _make_helpers(fmt, dec, rnd, op):
     """The helpers of ``_block`` for one data format (``fmt`` names it) and term operation
     ``op`` (see ``segment.variant_for``): ``every_term``, the pass over the rows, and
     ``fold`` and ``long_segments``, inlined where they are called.
+
     ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
     dtype (see ``segment._make_rows``, and for why each format's and variant's functions
     compile under names of their own)."""

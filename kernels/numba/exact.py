@@ -60,7 +60,7 @@ from ..rounding import (
 from . import parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
 from .common import _prefetch, launch_threads, threads, work_split
-from .instances import DONE, FAILED, OTHER_TYPES, Blocks, call_at, instance, types_key_of
+from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 
 __all__ = ["segment_reduce_exact"]
 
@@ -602,7 +602,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
 
 
 @parallel_njit(cache=True)
-def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst, base, bs, out,
+def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, base, bs, out,
                 us, shape, alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
                 limb_scratch, flag_scratch, n_positions, pf_dist, pending):
     """The driver of every format's kernel, ``_block`` at ``address`` (``instances.Blocks``):
@@ -611,14 +611,13 @@ def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst,
                      include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                      flag_scratch, n_positions, pf_dist, pending)) != types_key:
         return OTHER_TYPES
-    failed = 0
-    for b in prange(n_blocks):
+    for b in prange(failed.shape[0]):
         if not call_at(address, np.int64(b), (
                 src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                 flag_scratch, n_positions, pf_dist, pending)):
-            failed += 1
-    return FAILED if failed else DONE
+            failed[b] = 1
+    return DONE
 
 
 #: Per data format: its name, its conversions (see ``segment._make_rows``), its limbs.

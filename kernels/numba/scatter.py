@@ -50,7 +50,7 @@ from ..rounding import (
 )
 from . import parallel_njit
 from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
-from .instances import DONE, FAILED, OTHER_TYPES, Blocks, call_at, instance, types_key_of
+from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 from .segment import (_OP_ADD, _OP_ADD_ROUND, _OP_KAHAN, _OP_MAX, _OP_MIN, _OP_MUL, _OP_NAMES,
                       variant_for, variant_name)
 
@@ -263,7 +263,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
 
 
 @parallel_njit(cache=True)
-def _run_blocks(address, types_key, n_blocks, src, ss, index, xs, base, bs, out, us, shape,
+def _run_blocks(address, types_key, failed, src, ss, index, xs, base, bs, out, us, shape,
                 width, use_base, acc_scratch, comp_scratch, part_scratch, pcomp_scratch,
                 count_scratch, seen_scratch, bad):
     """The driver of every format's and variant's kernel, ``_block`` at ``address``
@@ -273,13 +273,12 @@ def _run_blocks(address, types_key, n_blocks, src, ss, index, xs, base, bs, out,
                      acc_scratch, comp_scratch, part_scratch, pcomp_scratch, count_scratch,
                      seen_scratch, bad)) != types_key:
         return OTHER_TYPES
-    failed = 0
-    for b in prange(n_blocks):
+    for b in prange(failed.shape[0]):
         if not call_at(address, np.int64(b), (
                 src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc_scratch,
                 comp_scratch, part_scratch, pcomp_scratch, count_scratch, seen_scratch, bad)):
-            failed += 1
-    return FAILED if failed else DONE
+            failed[b] = 1
+    return DONE
 
 
 #: Per data format: its name, its conversions (see ``segment._make_rows``) and the acc type.

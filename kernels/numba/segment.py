@@ -131,7 +131,7 @@ from .common import (
     threads,
     work_split,
 )
-from .instances import DONE, FAILED, OTHER_TYPES, Blocks, call_at, instance, types_key_of
+from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 
 __all__ = ["segment_reduce"]
 
@@ -442,7 +442,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
 
 
 @parallel_njit(cache=True)
-def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst, base, bs, out,
+def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, base, bs, out,
                 us, carry, cs, shape, alpha, include_base, has_base, has_carry, chunk,
                 acc_scratch, data_scratch, pf_dist):
     """The driver of every format's and variant's kernel, ``_block`` at ``address``
@@ -455,13 +455,12 @@ def _run_blocks(address, types_key, n_blocks, src, ss, order, ost, offsets, fst,
                      alpha, include_base, has_base, has_carry, chunk, acc_scratch,
                      data_scratch, pf_dist)) != types_key:
         return OTHER_TYPES
-    failed = 0
-    for b in prange(n_blocks):
+    for b in prange(failed.shape[0]):
         if not call_at(address, np.int64(b), (
                 src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, alpha,
                 include_base, has_base, has_carry, chunk, acc_scratch, data_scratch, pf_dist)):
-            failed += 1
-    return FAILED if failed else DONE
+            failed[b] = 1
+    return DONE
 
 
 #: Per data format: its name, its conversions (see _make_rows) and the acc type.

@@ -483,7 +483,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
 
     The first stage writes the items that tier 1 certifies and marks the others in
     ``pending``, writing nothing of them; the second takes the marked items alone, by every
-    way there is. Why two: the second stage's code (the per-column certificate, the limbs of
+    other way (fp64 terms: every item, through the limbs). Why two: the second stage's code (the per-column certificate, the limbs of
     every term) is most of the kernel, and rarely needed: it compiles on the first launch
     that needs it. (A mean's quotient near a rounding midpoint, common where the count is a
     power of two, is settled in the first stage, from the certified sum.) An item's elements
@@ -527,7 +527,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
                     out[ostart + j * us[2]] = zero
             continue
         count = (p1 - p0) + (1 if use_base else 0)
-        if not wide_data:
+        if first_stage:
             # Tier 1: one certificate for the whole tile. Every term is a multiple of ulp(the
             # smallest nonzero magnitude) >= smallest * 2**-term_bits, every partial sum is at
             # most count * largest, and fp64 holds every multiple of that ulp up to 2**53 of
@@ -550,7 +550,6 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
                     for j in range(w):
                         out[ostart + j * us[2]] = final_rounding(acc[j])
                 continue
-        if first_stage:
             if is_mean and tile_exact:
                 # Every column's rounded quotient first, in one straight loop; mass (free now)
                 # records which are settled. The others from the exact sum, in limbs.
@@ -567,16 +566,13 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
             pending[it] = 1
             continue
         if not wide_data:
-            if tile_exact:
-                for j in range(w):
-                    exact_here[j] = True
-            else:
-                # Tier 2: the same certificate per column, with the sum of magnitudes.
-                column_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, a,
-                            acc, tmp, n_positions, pf_dist, pf_step, mass, least)
-                for j in range(w):
-                    # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
-                    exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
+            # Tier 2 (tier 1 failed this tile in the first stage): the same certificate per
+            # column, with the sum of magnitudes.
+            column_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, a, acc,
+                        tmp, n_positions, pf_dist, pf_step, mass, least)
+            for j in range(w):
+                # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
+                exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
         if is_mean and not wide_data:
             # Every column's rounded quotient first, in one straight loop; mass (free now)
             # records which are settled. A certified column that is not goes to the limbs.

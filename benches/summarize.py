@@ -9,7 +9,9 @@ of the same run.
 
 ``benches/host_launch.py`` writes its own form (per-call host microseconds, no
 ``benchmarks`` list); it is printed as a table of medians and percentiles against the torch
-op of the same run, with the 25 µs target for a call with a plan.
+op of the same run, with the 25 µs target for a call with a plan. So does
+``benches/first_call.py`` (seconds of a first call with an empty Numba cache and from the
+cache, per tree and case), printed with its medians, spreads and targets.
 """
 
 from __future__ import annotations
@@ -258,6 +260,8 @@ def targets(data: dict) -> list[str]:
     """The MoE, exact-mode and batch-loss targets, one line each, from the medians of one run."""
     if is_host_time(data):
         return host_time_targets(data)
+    if is_first_call(data):
+        return first_call_targets(data)
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -318,9 +322,58 @@ def host_time_table(data: dict) -> str:
     return "\n".join(out)
 
 
+def is_first_call(data: dict) -> bool:
+    """Whether ``data`` is a ``benches/first_call.py`` report."""
+    return "benchmarks" not in data and "targets" in data and "cold_s" in data["targets"]
+
+
+def first_call_targets(data: dict) -> list[str]:
+    """Per tree and case, the median first call with an empty cache against 3 s and from the
+    cache against 0.3 s; the report with an empty cache against 45 s."""
+    goal = data["targets"]
+    lines = []
+    for name, r in data["results"].items():
+        checks = ([("with an empty cache", r["cold_s"], goal["report_cold_s"])]
+                  if name.endswith("python -m detsum report") else
+                  [("with an empty cache", r["cold_s"], goal["cold_s"]),
+                   ("from the cache", r["warm_s"], goal["warm_s"])])
+        for what, t, limit in checks:
+            lines.append(f"{name} {what}: {t['median']:.2f} s (spread {t['spread']:.0%}; "
+                         f"target <= {limit:g}) {'met' if t['median'] <= limit else 'MISSED'}")
+    return lines
+
+
+def first_call_table(data: dict) -> str:
+    env = data.get("environment", {})
+    out = [f"{data.get('date', '?')}  {env.get('cpu', '?')}  {env.get('cores', '?')} cores  "
+           f"torch {env.get('torch', '?')}  numba {env.get('numba', '?')}",
+           "first call, s: median (spread = (max - min) / median over "
+           f"{data.get('repeats', '?')} fresh processes); cpu: the process's CPU time", ""]
+    width = max(map(len, data["results"]), default=4)
+    out.append(f"{'tree | case'.ljust(width)}  {'cold':>6}  {'spread':>6}  {'cpu':>5}  "
+               f"{'warm':>5}  {'spread':>6}  {'cpu':>5}  {'import':>6}  {'load avg':>9}")
+    for name, r in data["results"].items():
+        loads = [x for pair in r["load_average"] for x in pair]
+        load = f"{min(loads):.1f}-{max(loads):.1f}"
+        if "warm_s" not in r:
+            out.append(f"{name.ljust(width)}  {r['cold_s']['median']:6.1f}  "
+                       f"{r['cold_s']['spread']:6.0%}  {'':>5}  {'':>5}  {'':>6}  {'':>5}  "
+                       f"{'':>6}  {load:>9}")
+            continue
+        out.append(f"{name.ljust(width)}  {r['cold_s']['median']:6.2f}  "
+                   f"{r['cold_s']['spread']:6.0%}  {r['cold_cpu_s']['median']:5.2f}  "
+                   f"{r['warm_s']['median']:5.2f}  {r['warm_s']['spread']:6.0%}  "
+                   f"{r['warm_cpu_s']['median']:5.2f}  {r['import_detsum_s']['median']:6.2f}  "
+                   f"{load:>9}")
+    out += ["", "Targets:"] + ["  " + x for x in first_call_targets(data)]
+    return "\n".join(out)
+
+
 def table(data: dict) -> str:
     if is_host_time(data):
         return host_time_table(data)
+    if is_first_call(data):
+        return first_call_table(data)
     rs = rows(data)
     headers = ["case", "median ms", "GB/s", "ratio", "max ulps"]
     cells = [[r["case"], _fmt(r["median_ms"], 2), _fmt(r["gbps"], 2), _fmt(r["ratio"], 2),

@@ -8,6 +8,7 @@ Outputs are NaN-poisoned before each call, so an element the kernel forgot to wr
 """
 
 import itertools
+import sys
 
 import numba
 import pytest
@@ -16,7 +17,10 @@ import torch
 from detsum import kernels as K
 from detsum.kernels.numba.plan import check_sorted_offsets, counting_sort
 from detsum.kernels.numba.segment import segment_reduce
+from detsum.kernels import numba as numba_kernels
 from detsum.kernels.numba import common as numba_common
+from detsum.kernels.numba.instances import Blocks
+from kernel_instances import every_kernel
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 RULES = (K.WIDE, K.KAHAN, K.ROUND_EACH)
@@ -372,30 +376,41 @@ def test_check_sorted_offsets(idx_dtype):
 
 # ---- the on-disk cache: a kernel keeps its own format's code ------------------------------------
 
-def _compiled_closures(dispatcher, found):
-    """Every Numba dispatcher reachable from ``dispatcher`` through closure cells."""
-    for cell in dispatcher.py_func.__closure__ or ():
-        inner = cell.cell_contents
-        if isinstance(inner, numba.core.registry.CPUDispatcher) and inner not in found:
-            found.add(inner)
-            _compiled_closures(inner, found)
+def _compiled_functions(value, found):
+    """Every Numba dispatcher reachable from ``value`` (a kernel, ``instances.Blocks``, or a
+    dispatcher) through the functions a kernel instance binds and through closure cells."""
+    if isinstance(value, Blocks):
+        for part in (value.block, value.driver):
+            _compiled_functions(part, found)
+        return found
+    if isinstance(value, numba_kernels._ParallelKernel):
+        value = value._parallel
+    if isinstance(value, numba.core.registry.CPUDispatcher) and value not in found:
+        found.add(value)
+        fn = value.py_func
+        module_globals = vars(sys.modules[fn.__module__])
+        bound = [v for k, v in fn.__globals__.items() if module_globals.get(k) is not v]
+        for inner in bound + [cell.cell_contents for cell in fn.__closure__ or ()]:
+            _compiled_functions(inner, found)
     return found
 
 
-def test_format_closures_have_their_own_names():
+def test_compiled_functions_have_their_own_names():
     """Numba names a compiled function by module, qualname, argument types and a per-process
-    counter; two formats' closures with one qualname and the same argument types (bf16 and
-    fp16 both take uint16 bits) then differ only by that counter, which another process
-    numbers differently. So no two distinct compiled closures may share a qualname."""
-    from detsum.kernels.numba import segment
-
+    counter; two formats' or modes' functions of one module with one qualname and the same
+    argument types (bf16 and fp16 both take uint16 bits) then differ only by that counter,
+    which another process numbers differently. So no two distinct compiled functions of a
+    module may share a qualname."""
+    found = set()
+    for kernel in every_kernel():
+        _compiled_functions(kernel, found)
     owners = {}
-    for block in (segment._block_f32, segment._block_f64, segment._block_bf16,
-                  segment._block_f16):
-        for dispatcher in _compiled_closures(block, {block}):
-            owners.setdefault(dispatcher.py_func.__qualname__, set()).add(dispatcher.py_func)
+    for dispatcher in found:
+        fn = dispatcher.py_func
+        owners.setdefault((fn.__module__, fn.__qualname__), set()).add(fn)
     shared = {name: len(funcs) for name, funcs in owners.items() if len(funcs) > 1}
-    assert not shared, f"closures of different formats share a qualname: {shared}"
+    assert len(owners) > 300
+    assert not shared, f"compiled functions share a module and qualname: {shared}"
 
 
 _SUM_IN_A_FRESH_PROCESS = """
@@ -432,3 +447,101 @@ def test_cached_kernels_keep_their_format(tmp_path):
     assert sums_in_fresh_process("bfloat16") == ["bfloat16", "True"]
     assert sums_in_fresh_process("float16", "bfloat16") == [
         "float16", "True", "bfloat16", "True"]
+
+
+# ---- the on-disk cache: one kernel per format and mode, loaded by later processes ------------
+
+_CALLS_IN_A_FRESH_PROCESS = """
+import json, torch, detsum
+from numba.core import event
+from detsum.kernels import KAHAN, WIDE
+from detsum.kernels.numba import exact_state, outer, weighted
+
+g = torch.Generator().manual_seed(3)
+rows = torch.randn(70000, 2, generator=g)  # more than one thread block: the parallel driver
+index = torch.randint(0, 500, (70000,), generator=g)
+small = torch.randn(30, 4, generator=g)
+elementwise = torch.randint(0, 6, (30, 4), generator=g)
+y, weights = torch.randn(40, 8, generator=g), torch.rand(60, generator=g)
+positions = torch.randint(0, 40, (60,), generator=g)
+CALLS = {
+    "index_add bf16 fp32": lambda: detsum.index_add(
+        torch.zeros(500, 2, dtype=torch.bfloat16), 0, index, rows.bfloat16()),
+    "index_add bf16 kahan": lambda: detsum.index_add(
+        torch.zeros(500, 2, dtype=torch.bfloat16), 0, index, rows.bfloat16(), mode="kahan"),
+    "small index_add fp32": lambda: detsum.index_add(torch.zeros(6, 4), 0, index[:30] % 6, small),
+    "segment_sum exact": lambda: detsum.segment_sum(small, torch.tensor([0, 10, 30]),
+                                                     mode="exact"),
+    "scatter_reduce amax": lambda: detsum.scatter_reduce(torch.zeros(6, 4), 0, elementwise,
+                                                         small, "amax"),
+    "weighted": lambda: (weighted.gather_scale_sum(y, positions, weights, 2, WIDE),
+                         weighted.row_dots(torch.randn(30, 8), positions[:40] % 30, y, KAHAN)),
+    "products": lambda: outer.resume_products(torch.zeros(32), None, torch.randn(3, 4),
+                                              torch.randn(3, 8), WIDE),
+    "exact state": lambda: (exact_state.add_terms(torch.zeros(14, 8, dtype=torch.int64),
+                                                  torch.randn(3, 8)),
+                            exact_state.round_state(torch.zeros(14, 8, dtype=torch.int64), 24,
+                                                    0, -149, None)),
+}
+
+
+class Compiled(event.Listener):
+    def __init__(self):
+        self.names = []
+
+    def on_start(self, started):
+        self.names.append(started.data["dispatcher"].py_func.__qualname__)
+
+    def on_end(self, ended):
+        pass
+
+
+compiled = {}
+for name, call in CALLS.items():
+    listener = Compiled()
+    with event.install_listener("numba:compile", listener):
+        call()
+    compiled[name] = listener.names
+print(json.dumps(compiled))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_by_two_processes(tmp_path_factory):
+    """What each call of ``_CALLS_IN_A_FRESH_PROCESS`` compiled, in a process with an empty
+    on-disk cache and then in a second one sharing that cache."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path_factory.mktemp("numba_cache"))}
+
+    def compiled_in_fresh_process():
+        run = subprocess.run([sys.executable, "-c", _CALLS_IN_A_FRESH_PROCESS], env=env,
+                             capture_output=True, text=True, timeout=1200)
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout.splitlines()[-1])
+
+    return compiled_in_fresh_process(), compiled_in_fresh_process()
+
+
+def test_every_kernel_loads_from_the_cache_in_a_later_process(compiled_by_two_processes):
+    """Seen before: the kernels made in a factory (the elementwise scatter_reduce, the small
+    index_add, the MoE weighted sums, the products' and the exact state's kernels) were
+    closures, which Numba's cache keys by their cells' pickled contents, a compiled function
+    among them pickling differently in every process: they compiled again in every process,
+    7 s for scatter_reduce's."""
+    first, second = compiled_by_two_processes
+    assert all(first.values()), f"calls that compiled nothing in a fresh cache: {first}"
+    assert not any(second.values()), f"compiled again in a later process: {second}"
+
+
+def test_a_mode_compiles_its_own_kernel_on_its_first_call(compiled_by_two_processes):
+    """A first call compiles the kernel of its own format and mode only (seconds), not every
+    mode of its dtype at once (15 s for index_add in bf16): the first "kahan" call after an
+    "fp32" one of the same dtype compiles a kernel of its own."""
+    first, _ = compiled_by_two_processes
+    fp32, kahan = first["index_add bf16 fp32"], first["index_add bf16 kahan"]
+    assert any("bf16_add_chunked" in name for name in fp32), fp32
+    assert not any("kahan" in name for name in fp32), fp32
+    assert any("bf16_kahan_chunked" in name for name in kahan), kahan

@@ -23,19 +23,28 @@ import detsum
 from conftest import detsum_threads
 from detsum.kernels import numba as numba_kernels
 from detsum.kernels.numba import segment
+from detsum.kernels.numba.instances import Blocks
+from kernel_instances import every_kernel
 
 
 @pytest.fixture
 def threads_used(monkeypatch):
     """The Numba thread count each fp32 kernel launch ran with."""
     seen = []
-    kernel, acc = segment._KERNELS[torch.float32]
+    kernel_for = segment.kernel_for
 
-    def recording_kernel(*args):
-        seen.append(numba.get_num_threads())
-        return kernel(*args)
+    def recording_kernel_for(dtype, variant):
+        kernel = kernel_for(dtype, variant)
+        if dtype != torch.float32:
+            return kernel
 
-    monkeypatch.setitem(segment._KERNELS, torch.float32, (recording_kernel, acc))
+        def recording_kernel(*args):
+            seen.append(numba.get_num_threads())
+            return kernel(*args)
+
+        return recording_kernel
+
+    monkeypatch.setattr(segment, "kernel_for", recording_kernel_for)
     return seen
 
 
@@ -106,10 +115,13 @@ def test_results_do_not_depend_on_the_thread_count(torch_threads):
 # ---- forked children: DataLoader workers, multiprocessing pools ---------------------------------
 
 def _dispatchers(value, found):
-    """The Numba dispatchers in ``value`` (a dispatcher, a parallel kernel, or a dict, tuple
-    or list of them) and in their closures, added to ``found``."""
+    """The Numba dispatchers in ``value`` (a dispatcher, a parallel kernel, a kernel launched
+    over thread blocks, or a dict, tuple or list of them) and in their closures, added to
+    ``found``."""
     if isinstance(value, dict):
         value = list(value.values())
+    if isinstance(value, Blocks):
+        value = [value.driver, value.block]
     if isinstance(value, (tuple, list)):
         for item in value:
             _dispatchers(item, found)
@@ -118,16 +130,22 @@ def _dispatchers(value, found):
         value = value.serial()
     if isinstance(value, numba.core.registry.CPUDispatcher) and value not in found:
         found.add(value)
-        for cell in value.py_func.__closure__ or ():
-            _dispatchers(cell.cell_contents, found)
+        fn = value.py_func
+        # The functions a kernel instance binds (instances.instance), and its closure's.
+        module_globals = vars(sys.modules[fn.__module__])
+        bound = [v for k, v in fn.__globals__.items() if module_globals.get(k) is not v]
+        for inner in bound + [cell.cell_contents for cell in fn.__closure__ or ()]:
+            _dispatchers(inner, found)
     return found
 
 
 def test_no_kernel_enters_the_pool_in_a_forked_process():
     """A kernel compiled with parallel=True and called as it is enters Numba's OpenMP pool,
     which kills a forked child: every such kernel must be a parallel_njit one, whose serial
-    twin runs there. Walks every kernel module's names, their tables and closures."""
+    twin runs there. Walks every kernel of every format and mode, every kernel module's
+    names, their tables and the functions they bind or close over."""
     found = set()
+    _dispatchers(list(every_kernel()), found)
     for info in pkgutil.iter_modules(numba_kernels.__path__):
         module = importlib.import_module(f"{numba_kernels.__name__}.{info.name}")
         for value in vars(module).values():
@@ -169,8 +187,10 @@ def test_serial_twins_give_the_parallel_kernels_bits(monkeypatch):
     serial = launches()
     for got, want in zip(serial, parallel):
         assert torch.equal(got, want)
-    twins = [k.serial() for k in outer._KERNELS[torch.float32] + weighted._KERNELS[torch.float32]]
-    assert all(twin.signatures for twin in twins)
+    launched = [kernel for table in (outer._KERNELS, weighted._KERNELS)
+                for key, kernel in table.items() if torch.float32 in key]
+    assert len(launched) == 6
+    assert all(kernel.serial().signatures for kernel in launched)
 
 
 _CALLS_IN_FORKED_CHILDREN = """

@@ -31,11 +31,15 @@ IMPLEMENTATION NOTES (this backend):
   quotient's rounding where both fp64 neighbours of the quotient round alike
   (``rounded_quotient``); otherwise it puts the sum into limbs to divide there. Every way
   gives the exact value, so which one ran never shows in the bits.
+- Two stages, two compiled kernels per format and reduction (``_block``): the first writes
+  the tiles the whole-tile certificate covers and marks the others; the second, compiled on
+  the first launch that marks one, computes the marked tiles by every way above.
 - Threads: the work items of ``segment.segment_reduce`` (outer index, segment, column block),
   each output element written by one item. The result would not depend on the split even if
   it did not: that is the point of the rule.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -56,6 +60,7 @@ from ..rounding import (
 from . import parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
 from .common import _prefetch, launch_threads, threads, work_split
+from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 
 __all__ = ["segment_reduce_exact"]
 
@@ -279,15 +284,13 @@ _TARGETS = {
 }
 
 
-def _make_exact_block(fmt, dec, enc, cvt):
-    """The EXACT work of one thread block for data format ``fmt`` (see ``segment._make_block``
+@functools.cache  # one set per format: two would share their names
+def _make_exact_helpers(fmt, dec, enc, cvt, wide_data):
+    """The helpers of the EXACT ``_block`` for data format ``fmt`` (see ``segment._make_rows``
     for ``dec``, ``enc`` and ``cvt``, and for why they are compile-time constants)."""
     precision, min_quantum, unit_exponent, n_limbs = _TARGETS[fmt]
-    wide_data = fmt == "f64"  # terms are fp64: no fast path (an fp64 sum is rarely exact)
     narrow = fmt in ("bf16", "f16")
     term_into = _f64_term if wide_data else _f32_term
-    # Significant bits of a data element: the terms have that many when alpha == 1.
-    data_bits = {"f32": 24, "bf16": 8, "f16": 11, "f64": 53}[fmt]
     format_njit = _njit_named_for(f"exact_{fmt}")
 
     @format_njit(inline="always")
@@ -386,79 +389,129 @@ def _make_exact_block(fmt, dec, enc, cvt):
         above = final_rounding(u64_as_f64(bits + np.uint64(1)))
         return final_rounding(q), (below == above) | (q == 0.0)
 
-    @format_njit(inline="always")
-    def fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha, acc,
-                  tmp, n_positions, pf_dist, pf_step, per_column, mass, least):
-        """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
-        segment). per_column: also each column's sum of magnitudes (mass) and smallest nonzero
-        magnitude (least); otherwise returns the tile's (top, bottom) of ``tile_row``."""
-        one = cvt(1.0)  # the init row is not scaled
-        top = np.uint32(0)
-        bottom = np.uint32(0xFFFFFFFF)
-        if use_base:
-            # The init row is one more term, starting each column's sum.
-            bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
-            if bs[2] != 1:
+    def tile_sums(per_column):
+        """The pass over a tile: per_column False gives ``tile_pass``, True ``column_pass``
+        (each inlined where it is called: an argument would leave both loops in each copy)."""
+
+        @_njit_named_for(f"exact_{fmt}_{'columns' if per_column else 'tile'}")(inline="always")
+        def fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha, acc,
+                      tmp, n_positions, pf_dist, pf_step, mass, least):
+            """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
+            segment). per_column: also each column's sum of magnitudes (mass) and smallest
+            nonzero magnitude (least); otherwise returns the tile's (top, bottom) of
+            ``tile_row``."""
+            one = cvt(1.0)  # the init row is not scaled
+            top = np.uint32(0)
+            bottom = np.uint32(0xFFFFFFFF)
+            if use_base:
+                # The init row is one more term, starting each column's sum.
+                bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
+                if bs[2] != 1:
+                    for j in range(w):
+                        tmp[j] = base[bstart + j * bs[2]]
                 for j in range(w):
-                    tmp[j] = base[bstart + j * bs[2]]
-            for j in range(w):
-                acc[j] = -0.0
-            if per_column:
+                    acc[j] = -0.0
+                if per_column:
+                    for j in range(w):
+                        mass[j] = 0.0
+                        least[j] = np.inf
+                    fast_row(acc, mass, least, base if bs[2] == 1 else tmp,
+                             bstart if bs[2] == 1 else 0, w, one)
+                else:
+                    top, bottom = tile_row(acc, base if bs[2] == 1 else tmp,
+                                           bstart if bs[2] == 1 else 0, w, one, top, bottom)
+            else:
+                for j in range(w):
+                    acc[j] = -0.0  # IEEE's additive identity: a sum of -0.0 stays -0.0
+            if per_column and not use_base:
                 for j in range(w):
                     mass[j] = 0.0
                     least[j] = np.inf
-                fast_row(acc, mass, least, base if bs[2] == 1 else tmp,
-                         bstart if bs[2] == 1 else 0, w, one)
-            else:
-                top, bottom = tile_row(acc, base if bs[2] == 1 else tmp,
-                                       bstart if bs[2] == 1 else 0, w, one, top, bottom)
-        else:
-            for j in range(w):
-                acc[j] = -0.0  # IEEE's additive identity: a sum of -0.0 stays -0.0
-        if per_column and not use_base:
-            for j in range(w):
-                mass[j] = 0.0
-                least[j] = np.inf
-        rstart = o * ss[0] + j0 * ss[2]
-        strided = ss[2] != 1
-        # Rows with unit column stride are read in place, others gathered into tmp first.
-        row = tmp if strided else src
-        pf_lines = min(_PF_LINES, (w + pf_step - 1) // pf_step) if ost >= 0 and not strided else 0
-        # The loop below spells out fast_row and tile_row: an inlined call with array
-        # arguments costs about 10 ns a row (see segment.py's rows), as much as a narrow row.
-        for p in range(p0, p1):
-            if p + pf_dist < n_positions and pf_lines:
-                # The rows of a segment lie anywhere in src: ask for the one pf_dist
-                # positions ahead (next segments' rows too) while this one is added.
-                ahead = rstart + order[(p + pf_dist) * ost] * ss[1]
-                for k in range(pf_lines):
-                    _prefetch(src, ahead + k * pf_step)
-            start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
-            if strided:
-                for j in range(w):
-                    tmp[j] = src[start + j * ss[2]]
-                start = 0
-            u = np.uint64(start)
-            if per_column:
-                for j in range(w):
-                    t = np.float64(dec(row[u + np.uint64(j)]) * alpha)
-                    m = abs(t)
-                    acc[j] += t
-                    mass[j] += m
-                    least[j] = min(least[j], m if m != 0.0 else np.inf)
-            else:
-                for j in range(w):
-                    t = dec(row[u + np.uint64(j)]) * alpha
-                    acc[j] += np.float64(t)
-                    magnitude = f32_as_u32(t) & np.uint32(0x7FFFFFFF)
-                    top = max(top, np.uint32(magnitude))
-                    bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
-        return top, bottom
+            rstart = o * ss[0] + j0 * ss[2]
+            strided = ss[2] != 1
+            # Rows with unit column stride are read in place, others gathered into tmp first.
+            row = tmp if strided else src
+            pf_lines = (min(_PF_LINES, (w + pf_step - 1) // pf_step)
+                        if ost >= 0 and not strided else 0)
+            # The loop below spells out fast_row and tile_row: an inlined call with array
+            # arguments costs about 10 ns a row (see segment.py's rows), as much as a narrow row.
+            for p in range(p0, p1):
+                if p + pf_dist < n_positions and pf_lines:
+                    # The rows of a segment lie anywhere in src: ask for the one pf_dist
+                    # positions ahead (next segments' rows too) while this one is added.
+                    ahead = rstart + order[(p + pf_dist) * ost] * ss[1]
+                    for k in range(pf_lines):
+                        _prefetch(src, ahead + k * pf_step)
+                start = rstart + (order[p * ost] if ost >= 0 else p) * ss[1]
+                if strided:
+                    for j in range(w):
+                        tmp[j] = src[start + j * ss[2]]
+                    start = 0
+                u = np.uint64(start)
+                if per_column:
+                    for j in range(w):
+                        t = np.float64(dec(row[u + np.uint64(j)]) * alpha)
+                        m = abs(t)
+                        acc[j] += t
+                        mass[j] += m
+                        least[j] = min(least[j], m if m != 0.0 else np.inf)
+                else:
+                    for j in range(w):
+                        t = dec(row[u + np.uint64(j)]) * alpha
+                        acc[j] += np.float64(t)
+                        magnitude = f32_as_u32(t) & np.uint32(0x7FFFFFFF)
+                        top = max(top, np.uint32(magnitude))
+                        bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
+            return top, bottom
 
-    @format_njit()
-    def item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0, j1, is_mean,
-             alpha, use_base, has_base, acc, mass, least, exact_here, tmp, limbs, flags,
-             n_positions, pf_dist, pf_step, headroom):
+        return fast_pass
+
+    tile_pass = tile_sums(False)
+    column_pass = tile_sums(True)
+
+    return final_rounding, tile_pass, column_pass, column, exact_value_of_sum, rounded_quotient
+
+
+def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha, include_base,
+           has_base, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch, n_positions,
+           pf_dist, pending):
+    """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, segment, column
+    block), with block b's scratch: the template of every format's kernels, for sums and for
+    means, in two stages. ``instances.instance`` binds ``is_mean``, ``first_stage``, the
+    format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms: no fast path) and ``data_bits``
+    (significant bits of a data element), and the helpers of :func:`_make_exact_helpers`.
+
+    The first stage writes the items that tier 1 certifies and marks the others in
+    ``pending``, writing nothing of them; the second takes the marked items alone, by every
+    other way (fp64 terms: every item, through the limbs). Why two: the second stage's code (the per-column certificate, the limbs of
+    every term) is most of the kernel, and rarely needed: it compiles on the first launch
+    that needs it. (A mean's quotient near a rounding midpoint, common where the count is a
+    power of two, is settled in the first stage, from the certified sum.) An item's elements
+    are read (from base) and written by that item alone, so the second stage reads a base
+    that the first left untouched, in place too."""
+    outer, nseg, inner = shape
+    pf_step = 64 // src.itemsize
+    headroom = 2.0 ** (52 - (data_bits if alpha == 1.0 else 24))
+    use_base = has_base and include_base
+    a = cvt(alpha)
+    nchunks = (inner + chunk - 1) // chunk
+    n_items = outer * nseg * nchunks
+    n_blocks = acc_scratch.shape[0]
+    acc = acc_scratch[b, 0]
+    mass = acc_scratch[b, 1]
+    least = acc_scratch[b, 2]
+    exact_here = flag_scratch[b, 4:]
+    tmp = data_scratch[b]
+    limbs = limb_scratch[b]
+    flags = flag_scratch[b, :4]
+    for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
+        if not first_stage and pending[it] == 0:
+            continue
+        c = it % nchunks
+        s = (it // nchunks) % nseg
+        o = it // nchunks // nseg
+        j0 = c * chunk
+        j1 = min(j0 + chunk, inner)
         w = j1 - j0
         p0 = offsets[s * fst]
         p1 = offsets[(s + 1) * fst]
@@ -472,17 +525,17 @@ def _make_exact_block(fmt, dec, enc, cvt):
                 zero = enc(cvt(0.0))
                 for j in range(w):
                     out[ostart + j * us[2]] = zero
-            return
+            continue
         count = (p1 - p0) + (1 if use_base else 0)
-        if not wide_data:
+        if first_stage:
             # Tier 1: one certificate for the whole tile. Every term is a multiple of ulp(the
             # smallest nonzero magnitude) >= smallest * 2**-term_bits, every partial sum is at
             # most count * largest, and fp64 holds every multiple of that ulp up to 2**53 of
             # them (a factor 2 to spare covers the rounding of count * largest). An inf or NaN
             # term makes the largest magnitude's bits 0x7F800000 or more, and fails it.
-            top, bottom = fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1,
-                                    use_base, alpha, acc, tmp, n_positions, pf_dist, pf_step,
-                                    False, mass, least)
+            top, bottom = tile_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1,
+                                    use_base, a, acc, tmp, n_positions, pf_dist, pf_step, mass,
+                                    least)
             tile_exact = top < np.uint32(0x7F800000) and (
                 bottom == np.uint32(0xFFFFFFFF)
                 or np.float64(count) * np.float64(u32_as_f32(top))
@@ -496,17 +549,30 @@ def _make_exact_block(fmt, dec, enc, cvt):
                 else:
                     for j in range(w):
                         out[ostart + j * us[2]] = final_rounding(acc[j])
-                return
-            if tile_exact:
+                continue
+            if is_mean and tile_exact:
+                # Every column's rounded quotient first, in one straight loop; mass (free now)
+                # records which are settled. The others from the exact sum, in limbs.
+                divisor = np.float64(count)
                 for j in range(w):
-                    exact_here[j] = True
-            else:
-                # Tier 2: the same certificate per column, with the sum of magnitudes.
-                fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha,
-                          acc, tmp, n_positions, pf_dist, pf_step, True, mass, least)
+                    value, settled = rounded_quotient(acc[j], divisor)
+                    out[ostart + j * us[2]] = value
+                    mass[j] = np.float64(settled)
                 for j in range(w):
-                    # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
-                    exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
+                    if mass[j] == 0.0:
+                        out[ostart + j * us[2]] = enc(cvt(exact_value_of_sum(acc[j], count, True,
+                                                                             limbs, flags)))
+                continue
+            pending[it] = 1
+            continue
+        if not wide_data:
+            # Tier 2 (tier 1 failed this tile in the first stage): the same certificate per
+            # column, with the sum of magnitudes.
+            column_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, a, acc,
+                        tmp, n_positions, pf_dist, pf_step, mass, least)
+            for j in range(w):
+                # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
+                exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
         if is_mean and not wide_data:
             # Every column's rounded quotient first, in one straight loop; mass (free now)
             # records which are settled. A certified column that is not goes to the limbs.
@@ -525,106 +591,74 @@ def _make_exact_block(fmt, dec, enc, cvt):
                     value = enc(cvt(exact_value_of_sum(acc[j], count, True, limbs, flags)))
             else:
                 exact = column(src, ss, order, ost, base, bs, o, s, j0 + j, p0, p1, use_base,
-                               is_mean, alpha, limbs, flags)
+                               is_mean, a, limbs, flags)
                 # The value is the dtype's already (or +-inf, or NaN): converting is exact.
                 value = enc(cvt(exact))
             out[ostart + j * us[2]] = value
 
-    @format_njit()
-    def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
-              include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-              flag_scratch, n_positions, pf_dist):
-        outer, nseg, inner = shape
-        pf_step = 64 // src.itemsize
-        headroom = 2.0 ** (52 - (data_bits if alpha == 1.0 else 24))
-        use_base = has_base and include_base
-        a = cvt(alpha)
-        nchunks = (inner + chunk - 1) // chunk
-        n_items = outer * nseg * nchunks
-        n_blocks = acc_scratch.shape[0]
-        acc = acc_scratch[b, 0]
-        mass = acc_scratch[b, 1]
-        least = acc_scratch[b, 2]
-        exact_here = flag_scratch[b, 4:]
-        tmp = data_scratch[b]
-        limbs = limb_scratch[b]
-        flags = flag_scratch[b, :4]
-        for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
-            c = it % nchunks
-            s = (it // nchunks) % nseg
-            o = it // nchunks // nseg
-            j0 = c * chunk
-            item(src, ss, order, ost, offsets, fst, base, bs, out, us, o, s, j0,
-                 min(j0 + chunk, inner), is_mean, a, use_base, has_base, acc, mass, least,
-                 exact_here, tmp,
-                 limbs, flags, n_positions, pf_dist, pf_step, headroom)
-
-    return block
-
-
-_block_f32 = _make_exact_block("f32", _f32, _f32, _f32)
-_block_f64 = _make_exact_block("f64", _f64, _f64, _f64)
-_block_bf16 = _make_exact_block("bf16", bf16_bits_to_f32, f32_to_bf16_bits, _f32)
-_block_f16 = _make_exact_block("f16", f16_bits_to_f32, f32_to_f16_bits, _f32)
-
 
 @parallel_njit(cache=True)
-def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
+def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, base, bs, out,
+                us, shape, alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
+                limb_scratch, flag_scratch, n_positions, pf_dist, pending):
+    """The driver of every format's kernel, ``_block`` at ``address`` (``instances.Blocks``):
+    each output element is written by one item, and its value depends on no order."""
+    if types_key_of((src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
+                     include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+                     flag_scratch, n_positions, pf_dist, pending)) != types_key:
+        return OTHER_TYPES
+    for b in prange(failed.shape[0]):
+        if not call_at(address, np.int64(b), (
+                src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-                flag_scratch, n_positions, pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
-                   alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
-                   limb_scratch, flag_scratch, n_positions, pf_dist)
+                flag_scratch, n_positions, pf_dist, pending)):
+            failed[b] = 1
+    return DONE
 
 
-@parallel_njit(cache=True)
-def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
-                include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-                flag_scratch, n_positions, pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
-                   alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
-                   limb_scratch, flag_scratch, n_positions, pf_dist)
-
-
-@parallel_njit(cache=True)
-def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
-                 include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-                flag_scratch, n_positions, pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
-                    alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
-                    limb_scratch, flag_scratch, n_positions, pf_dist)
-
-
-@parallel_njit(cache=True)
-def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean, alpha,
-                include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
-                flag_scratch, n_positions, pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, is_mean,
-                   alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
-                   limb_scratch, flag_scratch, n_positions, pf_dist)
-
-
-_KERNELS = {
-    torch.float32: (_kernel_f32, EXACT_LIMBS["fp32"]),
-    torch.float64: (_kernel_f64, EXACT_LIMBS["fp64"]),
-    torch.bfloat16: (_kernel_bf16, EXACT_LIMBS["fp32"]),
-    torch.float16: (_kernel_f16, EXACT_LIMBS["fp32"]),
+#: Per data format: its name, its conversions (see ``segment._make_rows``), its limbs.
+_FORMATS = {
+    torch.float32: ("f32", _f32, _f32, _f32, EXACT_LIMBS["fp32"]),
+    torch.float64: ("f64", _f64, _f64, _f64, EXACT_LIMBS["fp64"]),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, f32_to_bf16_bits, _f32, EXACT_LIMBS["fp32"]),
+    torch.float16: ("f16", f16_bits_to_f32, f32_to_f16_bits, _f32, EXACT_LIMBS["fp32"]),
 }
+
+#: (dtype, is_mean, first_stage) -> the kernel, made on the first launch that needs it.
+_KERNELS = {}
+
+
+def kernel_for(dtype, is_mean, first_stage):
+    """The EXACT kernel of data type ``dtype``, for sums or for means, of the first stage or
+    the second (see ``_block``), launched over thread blocks (``instances.Blocks``)."""
+    kernel = _KERNELS.get((dtype, is_mean, first_stage))
+    if kernel is None:
+        fmt, dec, enc, cvt, _ = _FORMATS[dtype]
+        wide_data = fmt == "f64"  # terms are fp64: no fast path (an fp64 sum is rarely exact)
+        (final_rounding, tile_pass, column_pass, column, exact_value_of_sum,
+         rounded_quotient) = _make_exact_helpers(fmt, dec, enc, cvt, wide_data)
+        block = instance(
+            _block, f"{fmt}_{'mean' if is_mean else 'sum'}_{'first' if first_stage else 'second'}",
+            is_mean=is_mean, first_stage=first_stage, enc=enc, cvt=cvt, wide_data=wide_data,
+            # Significant bits of a data element: the terms have that many when alpha == 1.
+            data_bits={"f32": 24, "bf16": 8, "f16": 11, "f64": 53}[fmt],
+            final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
+            column=column,
+            exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)
+        kernel = Blocks(_run_blocks, block)
+        _KERNELS[(dtype, is_mean, first_stage)] = kernel
+    return kernel
 
 
 def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
     """``segment.segment_reduce`` for ``rule == EXACT`` (see the module docstring)."""
-    if not has_exact_work(src, order, offsets, reduce, _KERNELS,
+    if not has_exact_work(src, order, offsets, reduce, _FORMATS,
                           include_base and base is not None):
         return
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     positions = order.shape[0] if order is not None else src.shape[1]
-    kernel, n_limbs = _KERNELS[src.dtype]
+    fmt, _, _, _, n_limbs = _FORMATS[src.dtype]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)
     offsets_np, (fst,) = _flat(offsets)
@@ -638,9 +672,16 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     limb_scratch = np.empty((n_blocks, n_limbs), dtype=np.int64)
     flag_scratch = np.empty((n_blocks, 4 + chunk), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
+    # fp64 terms have no first stage: every item is pending.
+    first = fmt != "f64"
+    n_items = outer * nseg * -(-inner // chunk)
+    pending = (np.zeros if first else np.ones)(n_items, dtype=np.uint8)
+    args = (src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
+            (outer, nseg, inner), float(alpha), bool(include_base), base is not None, chunk,
+            acc_scratch, data_scratch, limb_scratch, flag_scratch, positions, pf_dist, pending)
     # One block, one thread (see segment.segment_reduce).
     with threads(nthreads if n_blocks > 1 else 1):
-        kernel(src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
-               (outer, nseg, inner), reduce == MEAN, float(alpha), bool(include_base),
-               base is not None, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch,
-               positions, pf_dist)
+        if first:
+            kernel_for(src.dtype, reduce == MEAN, True)(n_blocks, args)
+        if not first or pending.any():
+            kernel_for(src.dtype, reduce == MEAN, False)(n_blocks, args)

@@ -26,7 +26,8 @@ from .. import NORMALISE_EVERY
 from ..rounding import f32_as_u32, f64_as_u64
 from . import parallel_njit
 from .exact import _DIGIT_MASK, _deposit, _finish, _normalise
-from .common import _njit_named_for, launch_threads, threads
+from .common import launch_threads, threads
+from .instances import instance
 
 __all__ = ["add_terms", "normalise", "round_state"]
 
@@ -78,35 +79,33 @@ def _f64_fields(t):
             0x7FF, np.int64(1) << 52)
 
 
-def _make_adder(fmt, fields):
-    @_njit_named_for(fmt)(parallel=True, cache=True)
-    def add(state, terms, n_limbs):
-        rows, numel = terms.shape
-        for b in prange((numel + _BLOCK - 1) // _BLOCK):
-            # The highest term's digits reach limb 8 of 10 (fp32 units) or 65 of 67 (fp64).
-            limbs = np.empty(n_limbs, dtype=np.int64)
-            counters = np.empty(_COUNTERS, dtype=np.int64)
-            for e in range(b * _BLOCK, min(numel, (b + 1) * _BLOCK)):
-                for i in range(n_limbs):
-                    limbs[i] = state[i, e]
-                counters[:] = 0
-                for r in range(rows):
-                    exponent, significand, negative, top_exponent, implicit = fields(terms[r, e])
-                    _count_and_deposit(limbs, counters, exponent, significand, negative,
-                                       top_exponent, implicit)
-                    if (r + 1) % NORMALISE_EVERY == 0:
-                        _normalise(limbs, n_limbs)
-                _normalise(limbs, n_limbs)
-                for i in range(n_limbs):
-                    state[i, e] = limbs[i]
-                for c in range(_COUNTERS):
-                    state[n_limbs + c, e] += counters[c]
-
-    return add
+def _add(state, terms, n_limbs):
+    """``add_terms``' kernel: the template of both term formats' (``instances.instance``
+    binds ``fields``, ``_f32_fields`` or ``_f64_fields``)."""
+    rows, numel = terms.shape
+    for b in prange((numel + _BLOCK - 1) // _BLOCK):
+        # The highest term's digits reach limb 8 of 10 (fp32 units) or 65 of 67 (fp64).
+        limbs = np.empty(n_limbs, dtype=np.int64)
+        counters = np.empty(_COUNTERS, dtype=np.int64)
+        for e in range(b * _BLOCK, min(numel, (b + 1) * _BLOCK)):
+            for i in range(n_limbs):
+                limbs[i] = state[i, e]
+            counters[:] = 0
+            for r in range(rows):
+                exponent, significand, negative, top_exponent, implicit = fields(terms[r, e])
+                _count_and_deposit(limbs, counters, exponent, significand, negative,
+                                   top_exponent, implicit)
+                if (r + 1) % NORMALISE_EVERY == 0:
+                    _normalise(limbs, n_limbs)
+            _normalise(limbs, n_limbs)
+            for i in range(n_limbs):
+                state[i, e] = limbs[i]
+            for c in range(_COUNTERS):
+                state[n_limbs + c, e] += counters[c]
 
 
-_add_f32 = _make_adder("f32", _f32_fields)
-_add_f64 = _make_adder("f64", _f64_fields)
+_add_f32 = instance(_add, "f32", parallel=True, fields=_f32_fields)
+_add_f64 = instance(_add, "f64", parallel=True, fields=_f64_fields)
 
 
 @parallel_njit(cache=True)

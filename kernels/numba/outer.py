@@ -30,7 +30,8 @@ from numba import prange
 
 from .. import KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32, round_f32_to_bf16, round_f32_to_f16
-from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .common import _f32, _f64, _flat, launch_threads, neumaier, threads
+from .instances import instance
 
 __all__ = ["resume_products"]
 
@@ -39,80 +40,89 @@ __all__ = ["resume_products"]
 _MIN_PARALLEL_PRODUCTS = 65536
 
 
-def _make_kernel(fmt, dec, rnd):
-    """The kernel for one data format: ``dec`` turns a data element into the acc type, ``rnd``
-    rounds an acc value to the data dtype (staying in the acc type)."""
-    format_njit = _njit_named_for(fmt)
-
-    # One output row per iteration of the parallel loop: it owns its elements outright and
-    # sums each of them over the samples in order, so which thread runs it never matters.
-    # Four samples per pass over the row: its elements are loaded and stored once per four
-    # terms, still added one term at a time in order (1.3x faster on the project's VM). One
-    # kernel per rule, each loop written out: a first version with the rule as a flag tested
-    # in one kernel (and flat indexing) ran at a quarter of this speed.
-
-    @format_njit(parallel=True, cache=True)
-    def wide(total, left, right, n, rows, cols):
-        for o in prange(rows):
-            out = total[o * cols:(o + 1) * cols]
-            i = 0
-            while i + 4 <= n:
-                a0 = dec(left[i * rows + o])
-                a1 = dec(left[(i + 1) * rows + o])
-                a2 = dec(left[(i + 2) * rows + o])
-                a3 = dec(left[(i + 3) * rows + o])
-                r0 = right[i * cols:(i + 1) * cols]
-                r1 = right[(i + 1) * cols:(i + 2) * cols]
-                r2 = right[(i + 2) * cols:(i + 3) * cols]
-                r3 = right[(i + 3) * cols:(i + 4) * cols]
-                for k in range(cols):
-                    out[k] = (((out[k] + rnd(a0 * dec(r0[k]))) + rnd(a1 * dec(r1[k])))
-                              + rnd(a2 * dec(r2[k]))) + rnd(a3 * dec(r3[k]))
-                i += 4
-            while i < n:
-                a = dec(left[i * rows + o])
-                r = right[i * cols:(i + 1) * cols]
-                for k in range(cols):
-                    out[k] += rnd(a * dec(r[k]))
-                i += 1
-
-    @format_njit(parallel=True, cache=True)
-    def kahan(total, comp, left, right, n, rows, cols):
-        for o in prange(rows):
-            out = total[o * cols:(o + 1) * cols]
-            out_comp = comp[o * cols:(o + 1) * cols]
-            i = 0
-            while i + 4 <= n:
-                a0 = dec(left[i * rows + o])
-                a1 = dec(left[(i + 1) * rows + o])
-                a2 = dec(left[(i + 2) * rows + o])
-                a3 = dec(left[(i + 3) * rows + o])
-                r0 = right[i * cols:(i + 1) * cols]
-                r1 = right[(i + 1) * cols:(i + 2) * cols]
-                r2 = right[(i + 2) * cols:(i + 3) * cols]
-                r3 = right[(i + 3) * cols:(i + 4) * cols]
-                for k in range(cols):
-                    s, c = neumaier(out[k], out_comp[k], rnd(a0 * dec(r0[k])))
-                    s, c = neumaier(s, c, rnd(a1 * dec(r1[k])))
-                    s, c = neumaier(s, c, rnd(a2 * dec(r2[k])))
-                    out[k], out_comp[k] = neumaier(s, c, rnd(a3 * dec(r3[k])))
-                i += 4
-            while i < n:
-                a = dec(left[i * rows + o])
-                r = right[i * cols:(i + 1) * cols]
-                for k in range(cols):
-                    out[k], out_comp[k] = neumaier(out[k], out_comp[k], rnd(a * dec(r[k])))
-                i += 1
-
-    return wide, kahan
+# One output row per iteration of the parallel loop: it owns its elements outright and
+# sums each of them over the samples in order, so which thread runs it never matters.
+# Four samples per pass over the row: its elements are loaded and stored once per four
+# terms, still added one term at a time in order (1.3x faster on the project's VM). One
+# kernel per rule, each loop written out: a first version with the rule as a flag tested
+# in one kernel (and flat indexing) ran at a quarter of this speed. Each is the template of
+# every format's kernel (``instances.instance`` binds ``dec`` and ``rnd``, see _FORMATS).
 
 
-_KERNELS = {
-    torch.float32: _make_kernel("f32", _f32, _f32),
-    torch.float64: _make_kernel("f64", _f64, _f64),
-    torch.bfloat16: _make_kernel("bf16", bf16_bits_to_f32, round_f32_to_bf16),
-    torch.float16: _make_kernel("f16", f16_bits_to_f32, round_f32_to_f16),
+def _wide(total, left, right, n, rows, cols):
+    for o in prange(rows):
+        out = total[o * cols:(o + 1) * cols]
+        i = 0
+        while i + 4 <= n:
+            a0 = dec(left[i * rows + o])
+            a1 = dec(left[(i + 1) * rows + o])
+            a2 = dec(left[(i + 2) * rows + o])
+            a3 = dec(left[(i + 3) * rows + o])
+            r0 = right[i * cols:(i + 1) * cols]
+            r1 = right[(i + 1) * cols:(i + 2) * cols]
+            r2 = right[(i + 2) * cols:(i + 3) * cols]
+            r3 = right[(i + 3) * cols:(i + 4) * cols]
+            for k in range(cols):
+                out[k] = (((out[k] + rnd(a0 * dec(r0[k]))) + rnd(a1 * dec(r1[k])))
+                          + rnd(a2 * dec(r2[k]))) + rnd(a3 * dec(r3[k]))
+            i += 4
+        while i < n:
+            a = dec(left[i * rows + o])
+            r = right[i * cols:(i + 1) * cols]
+            for k in range(cols):
+                out[k] += rnd(a * dec(r[k]))
+            i += 1
+
+
+def _kahan(total, comp, left, right, n, rows, cols):
+    for o in prange(rows):
+        out = total[o * cols:(o + 1) * cols]
+        out_comp = comp[o * cols:(o + 1) * cols]
+        i = 0
+        while i + 4 <= n:
+            a0 = dec(left[i * rows + o])
+            a1 = dec(left[(i + 1) * rows + o])
+            a2 = dec(left[(i + 2) * rows + o])
+            a3 = dec(left[(i + 3) * rows + o])
+            r0 = right[i * cols:(i + 1) * cols]
+            r1 = right[(i + 1) * cols:(i + 2) * cols]
+            r2 = right[(i + 2) * cols:(i + 3) * cols]
+            r3 = right[(i + 3) * cols:(i + 4) * cols]
+            for k in range(cols):
+                s, c = neumaier(out[k], out_comp[k], rnd(a0 * dec(r0[k])))
+                s, c = neumaier(s, c, rnd(a1 * dec(r1[k])))
+                s, c = neumaier(s, c, rnd(a2 * dec(r2[k])))
+                out[k], out_comp[k] = neumaier(s, c, rnd(a3 * dec(r3[k])))
+            i += 4
+        while i < n:
+            a = dec(left[i * rows + o])
+            r = right[i * cols:(i + 1) * cols]
+            for k in range(cols):
+                out[k], out_comp[k] = neumaier(out[k], out_comp[k], rnd(a * dec(r[k])))
+            i += 1
+
+
+#: Per data format: its name, ``dec`` (a data element to the acc type) and ``rnd`` (an acc
+#: value rounded to the data dtype, staying in the acc type), which ``instances.instance``
+#: binds in the templates above.
+_FORMATS = {
+    torch.float32: ("f32", _f32, _f32),
+    torch.float64: ("f64", _f64, _f64),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, round_f32_to_bf16),
+    torch.float16: ("f16", f16_bits_to_f32, round_f32_to_f16),
 }
+
+#: (template, dtype) -> the kernel, made on the first launch that needs it.
+_KERNELS = {}
+
+
+def _kernel_for(template, dtype):
+    kernel = _KERNELS.get((template, dtype))
+    if kernel is None:
+        fmt, dec, rnd = _FORMATS[dtype]
+        kernel = instance(template, fmt, parallel=True, dec=dec, rnd=rnd)
+        _KERNELS[(template, dtype)] = kernel
+    return kernel
 
 
 def resume_products(total: torch.Tensor, comp: torch.Tensor | None, left: torch.Tensor,
@@ -122,19 +132,20 @@ def resume_products(total: torch.Tensor, comp: torch.Tensor | None, left: torch.
     order, in place. ``left`` ``[n, O]`` and ``right`` ``[n, K]``: one data dtype, any
     layout (copied to contiguous storage if needed)."""
     if rule not in (WIDE, KAHAN) or (comp is None) != (rule == WIDE):
-        raise ValueError(f"resume_products: rule {rule} with comp {'absent' if comp is None else 'given'}; "
+        raise ValueError(f"resume_products: rule {rule} with comp "
+                         f"{'absent' if comp is None else 'given'}; "
                          f"expected WIDE without comp or KAHAN with comp")
     n, rows = left.shape
     cols = right.shape[1]
     if n == 0 or rows == 0 or cols == 0:
         return
-    wide, kahan = _KERNELS[left.dtype]
     total_np, _ = _flat(total)
     left_np, _ = _flat(left.contiguous())
     right_np, _ = _flat(right.contiguous())
     parallel = rows > 1 and n * rows * cols >= _MIN_PARALLEL_PRODUCTS
     with threads(launch_threads() if parallel else 1):
         if rule == KAHAN:
-            kahan(total_np, _flat(comp)[0], left_np, right_np, n, rows, cols)
+            _kernel_for(_kahan, left.dtype)(total_np, _flat(comp)[0], left_np, right_np, n, rows,
+                                            cols)
         else:
-            wide(total_np, left_np, right_np, n, rows, cols)
+            _kernel_for(_wide, left.dtype)(total_np, left_np, right_np, n, rows, cols)

@@ -17,33 +17,40 @@ from numba import njit
 __all__ = ["counting_sort", "check_sorted_offsets"]
 
 
+# The arrays are allocated by the callers: NumPy's allocations compiled in the kernels were
+# most of their compile time (their first call's).
+
+
 @njit(cache=True)
-def _counting_sort(index, num_segments):
+def _counting_sort(index, counts, cursor, order):
+    """order (int64 [N]) and offsets (counts, int64 [S + 1], zeros) of the index; cursor:
+    int64 [S] scratch. Returns -1, or the first bad position, having built nothing."""
     n = index.shape[0]
-    counts = np.zeros(num_segments + 1, dtype=np.int64)
+    num_segments = cursor.shape[0]
     for i in range(n):
         v = index[i]
         if v < 0 or v >= num_segments:
             # Bad index: stop here, build nothing.
-            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), i
+            return i
         counts[v + 1] += 1
     offsets = counts  # exclusive cumsum in place: offsets[s] = rows before segment s
     for s in range(num_segments):
         offsets[s + 1] += offsets[s]
+        cursor[s] = offsets[s]
     # Stable scatter: positions visited in increasing order land in increasing slots.
-    cursor = offsets[:-1].copy()
-    order = np.empty(n, dtype=np.int64)
     for i in range(n):
         v = index[i]
         order[cursor[v]] = i
         cursor[v] += 1
-    return order, offsets, -1
+    return -1
 
 
 @njit(cache=True)
-def _check_sorted_offsets(index, num_segments):
+def _check_sorted_offsets(index, counts):
+    """counts (int64 [S + 1], zeros) made the offsets of an index promised nondecreasing:
+    (first bad position, first unsorted position), -1 where none."""
     n = index.shape[0]
-    counts = np.zeros(num_segments + 1, dtype=np.int64)
+    num_segments = counts.shape[0] - 1
     first_bad = -1
     first_unsorted = -1
     prev = 0
@@ -59,10 +66,10 @@ def _check_sorted_offsets(index, num_segments):
                 counts[v + 1] += 1
         prev = v
     if first_bad >= 0 or first_unsorted >= 0:
-        return np.empty(0, dtype=np.int64), first_bad, first_unsorted
+        return first_bad, first_unsorted
     for s in range(num_segments):
         counts[s + 1] += counts[s]
-    return counts, -1, -1
+    return -1, -1
 
 
 def _index_numpy(index):
@@ -98,8 +105,13 @@ def counting_sort(index, num_segments):
     num_segments = int(num_segments)
     if num_segments < 0:
         raise ValueError(f"num_segments must be >= 0, got {num_segments}")
-    order, offsets, first_bad = _counting_sort(_index_numpy(index), num_segments)
-    return torch.from_numpy(order), torch.from_numpy(offsets), int(first_bad)
+    index_np = _index_numpy(index)
+    offsets = np.zeros(num_segments + 1, dtype=np.int64)
+    order = np.empty(index_np.shape[0], dtype=np.int64)
+    first_bad = _counting_sort(index_np, offsets, np.empty(num_segments, dtype=np.int64), order)
+    if first_bad >= 0:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), first_bad
+    return torch.from_numpy(order), torch.from_numpy(offsets), -1
 
 
 def check_sorted_offsets(index, num_segments):
@@ -123,7 +135,8 @@ def check_sorted_offsets(index, num_segments):
     num_segments = int(num_segments)
     if num_segments < 0:
         raise ValueError(f"num_segments must be >= 0, got {num_segments}")
-    offsets, first_bad, first_unsorted = _check_sorted_offsets(
-        _index_numpy(index), num_segments
-    )
-    return torch.from_numpy(offsets), int(first_bad), int(first_unsorted)
+    offsets = np.zeros(num_segments + 1, dtype=np.int64)
+    first_bad, first_unsorted = _check_sorted_offsets(_index_numpy(index), offsets)
+    if first_bad >= 0 or first_unsorted >= 0:
+        return torch.empty(0, dtype=torch.int64), first_bad, first_unsorted
+    return torch.from_numpy(offsets), -1, -1

@@ -33,6 +33,8 @@ Why: a plan over ``outer * N * inner`` elements and ``outer * S * inner`` segmen
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from numba import prange
@@ -46,9 +48,11 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
-from .segment import (_OP_ADD, _OP_ADD_ROUND, _OP_KAHAN, _OP_MAX, _OP_MIN, _OP_MUL, _f32, _f64,
-                      _flat, _njit_named_for, launch_threads, neumaier, operation_for,
-                      threads)
+from . import parallel_njit
+from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
+from .segment import (_OP_ADD, _OP_ADD_ROUND, _OP_KAHAN, _OP_MAX, _OP_MIN, _OP_MUL, _OP_NAMES,
+                      variant_for, variant_name)
 
 __all__ = ["scatter_elements"]
 
@@ -63,90 +67,72 @@ _STATE_BYTES = 8 << 20
 _MIN_BLOCK_ELEMENTS = 65536
 
 
-def _make_kernel(fmt, dec, rnd, enc, cvt):
-    """The kernel for one data format (see ``segment._make_block`` for ``dec``, ``rnd``,
-    ``enc`` and ``cvt``, and for why each format's functions compile under names of their
-    own)."""
+@functools.cache  # one set per format and operation: two would share their names
+def _make_helpers(fmt, dec, rnd, op):
+    """The helpers of ``_block`` for one data format (``fmt`` names it) and term operation
+    ``op`` (see ``segment.variant_for``): ``every_term``, the pass over the rows, and
+    ``fold`` and ``long_segments``, inlined where they are called.
 
-    def every_term(name, combine):
-        """The pass over the rows for one operation: each term joins its element, unsplit,
-        and is counted. Its loop body is a load, a count and ``combine``: a branch on the
-        operation, a test of the count, or the chunks' arithmetic beside it (never run) made
-        the loop two to three times slower (measured on 1M x 64 random elements into
-        100k x 64), so each operation has a loop of its own, and the elements of more than
-        CHUNK_TERMS terms are done again by ``long_segments``."""
-
-        @_njit_named_for(f"{fmt}_{name}")()
-        def run(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg):
-            bad = 0
-            for n in range(nrows):
-                r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
-                x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
-                for j in range(w):
-                    # Unsigned: Numba adds no negative-index fix-up to these accesses.
-                    k = index[np.uint64(x0 + j * xs[2])]
-                    if k < 0 or k >= nseg:
-                        bad = 1
-                        continue
-                    e = np.uint64(k * w + j)
-                    count[e] += 1
-                    acc[e] = combine(acc[e], dec(src[np.uint64(r0 + j * ss[2])]))
-            return bad
-
-        return run
-
-    format_njit = _njit_named_for(fmt)
+    ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
+    dtype (see ``segment._make_rows``, and for why each format's and variant's functions
+    compile under names of their own)."""
+    format_njit = _njit_named_for(f"{fmt}_{_OP_NAMES[op]}")
 
     @format_njit(inline="always")
-    def add(y, x):
-        return y + x
-
-    @format_njit(inline="always")
-    def add_round(y, x):
-        return rnd(y + x)
-
-    @format_njit(inline="always")
-    def mul(y, x):
-        return y * x
-
-    @format_njit(inline="always")
-    def larger(y, x):
-        # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
-        return x if (x != x or x > y) and y == y else y
-
-    @format_njit(inline="always")
-    def smaller(y, x):
+    def combine(y, x):
+        if op == _OP_ADD:
+            return y + x
+        if op == _OP_ADD_ROUND:
+            return rnd(y + x)
+        if op == _OP_MUL:
+            return y * x
+        if op == _OP_MAX:
+            # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
+            return x if (x != x or x > y) and y == y else y
         return x if (x != x or x < y) and y == y else y
 
-    every_add = every_term("add", add)
-    every_add_round = every_term("add_round", add_round)
-    every_mul = every_term("mul", mul)
-    every_max = every_term("max", larger)
-    every_min = every_term("min", smaller)
-
     @format_njit()
-    def every_kahan(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg):
-        """``every_term`` for Neumaier's sum: the compensation is state of its own."""
+    def every_term(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg):
+        """The pass over the rows: each term joins its element, unsplit, and is counted;
+        returns 1 when an index value lies outside [0, nseg), else 0. A function of its own,
+        not inlined: as part of ``_block`` the same loop ran 5-8% slower (sum, mean; 300k x
+        64 random elements into 30k x 64, one thread)."""
         bad = 0
         for n in range(nrows):
             r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
             x0 = o * xs[0] + n * xs[1] + j0 * xs[2]
             for j in range(w):
+                # Unsigned: Numba adds no negative-index fix-up to these accesses.
                 k = index[np.uint64(x0 + j * xs[2])]
                 if k < 0 or k >= nseg:
                     bad = 1
                     continue
                 e = np.uint64(k * w + j)
                 count[e] += 1
-                acc[e], comp[e] = neumaier(acc[e], comp[e], dec(src[np.uint64(r0 + j * ss[2])]))
+                if op == _OP_KAHAN:
+                    acc[e], comp[e] = neumaier(acc[e], comp[e],
+                                               dec(src[np.uint64(r0 + j * ss[2])]))
+                else:
+                    acc[e] = combine(acc[e], dec(src[np.uint64(r0 + j * ss[2])]))
         return bad
 
-    @format_njit()
-    def long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, op, use_base, ident,
+    @format_njit(inline="always")
+    def fold(acc, comp, part, pcomp, e):
+        """Fold a completed later chunk (part, and pcomp under KAHAN) into element e."""
+        if op == _OP_KAHAN:
+            acc[e], c = neumaier(acc[e], comp[e], part[e])
+            comp[e] = c + pcomp[e]
+        elif op == _OP_MUL:
+            acc[e] = acc[e] * part[e]
+        else:
+            acc[e] = acc[e] + part[e]
+
+    @format_njit(inline="always")
+    def long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, use_base, ident,
                       acc, comp, part, pcomp, count, seen):
         """The elements of more than CHUNK_TERMS terms (``count``), done again in chunks: the
         first chunk into acc from the start, each later one reduced from its own first term
-        and folded in once complete (the last, shorter one by ``item``). ``seen`` counts the
+        and folded in once complete (the last, shorter one by ``_block``). ``seen`` counts the
         terms again. The index values were checked by the first pass."""
         for s in range(nseg):
             b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
@@ -190,35 +176,51 @@ def _make_kernel(fmt, dec, rnd, enc, cvt):
                 else:
                     part[e] = part[e] + x
                 if r == CHUNK_TERMS - 1:
-                    fold(op, acc, comp, part, pcomp, e)
+                    fold(acc, comp, part, pcomp, e)
 
-    @format_njit(inline="always")
-    def fold(op, acc, comp, part, pcomp, e):
-        """Fold a completed later chunk (part, and pcomp under KAHAN) into element e."""
-        if op == _OP_KAHAN:
-            acc[e], c = neumaier(acc[e], comp[e], part[e])
-            comp[e] = c + pcomp[e]
-        elif op == _OP_MUL:
-            acc[e] = acc[e] * part[e]
-        else:
-            acc[e] = acc[e] + part[e]
+    return every_term, fold, long_segments
 
-    @format_njit()
-    def item(src, ss, index, xs, base, bs, out, us, o, j0, w, nrows, nseg, op, split, use_base,
-             mean, mean_round, acc, comp, part, pcomp, count, seen):
-        """Columns j0 .. j0 + w - 1 of outer index o; state element ``s * w + j``. Returns
-        1 when an index value lies outside [0, nseg), else 0."""
-        if op == _OP_MUL:
-            ident = cvt(1.0)
-        elif op == _OP_MAX:
-            # Below every value: the first term replaces it, as the first term starts a
-            # segment without base (a NaN is taken, an equal -inf is the same bits).
-            ident = cvt(-np.inf)
-        elif op == _OP_MIN:
-            ident = cvt(np.inf)
-        else:
-            ident = cvt(0.0)
-        zero = cvt(0.0)
+
+def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc_scratch,
+           comp_scratch, part_scratch, pcomp_scratch, count_scratch, seen_scratch, bad):
+    """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, block of columns), with
+    block b's state; ``bad[b]`` = 1 when an index value lies outside [0, nseg), else 0. The
+    template of every format's and variant's kernel: ``instances.instance`` binds the
+    format's ``dec``, ``rnd``, ``enc`` and ``cvt``, the variant's ``op``, ``mean``,
+    ``mean_round`` and ``split``, and the helpers of :func:`_make_helpers`.
+
+    Item (o, j0): columns j0 .. j0 + w - 1 of outer index o; state element ``s * w + j``.
+    The pass over the rows is a load, a count and the combination: a branch on the
+    operation, a test of the count, or the chunks' arithmetic beside it (never run) made the
+    loop two to three times slower (measured on 1M x 64 random elements into 100k x 64), so
+    each variant has the loop of its own operation, unsplit, and the elements of more than
+    CHUNK_TERMS terms are done again by ``long_segments``."""
+    outer, nrows, nseg, inner = shape
+    acc = acc_scratch[b]
+    comp = comp_scratch[b]
+    part = part_scratch[b]
+    pcomp = pcomp_scratch[b]
+    count = count_scratch[b]
+    seen = seen_scratch[b]
+    if op == _OP_MUL:
+        ident = cvt(1.0)
+    elif op == _OP_MAX:
+        # Below every value: the first term replaces it, as the first term starts a segment
+        # without base (a NaN is taken, an equal -inf is the same bits).
+        ident = cvt(-np.inf)
+    elif op == _OP_MIN:
+        ident = cvt(np.inf)
+    else:
+        ident = cvt(0.0)
+    zero = cvt(0.0)
+    pieces = (inner + width - 1) // width
+    n_items = outer * pieces
+    n_blocks = bad.shape[0]
+    failed = 0
+    for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
+        o = it // pieces
+        j0 = (it % pieces) * width
+        w = min(width, inner - j0)
         for s in range(nseg):
             b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
             e0 = s * w
@@ -229,21 +231,10 @@ def _make_kernel(fmt, dec, rnd, enc, cvt):
                 for j in range(w):
                     comp[e0 + j] = zero
 
-        if op == _OP_ADD:
-            bad = every_add(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
-        elif op == _OP_ADD_ROUND:
-            bad = every_add_round(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
-        elif op == _OP_KAHAN:
-            bad = every_kahan(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg)
-        elif op == _OP_MUL:
-            bad = every_mul(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
-        elif op == _OP_MAX:
-            bad = every_max(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
-        else:
-            bad = every_min(src, ss, index, xs, acc, count, o, j0, w, nrows, nseg)
+        failed |= every_term(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg)
         if split and nrows > CHUNK_TERMS and count[:nseg * w].max() > CHUNK_TERMS:
-            long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, op, use_base,
-                          ident, acc, comp, part, pcomp, count, seen)
+            long_segments(src, ss, index, xs, base, bs, o, j0, w, nrows, nseg, use_base, ident,
+                          acc, comp, part, pcomp, count, seen)
 
         for s in range(nseg):
             b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
@@ -257,7 +248,7 @@ def _make_kernel(fmt, dec, rnd, enc, cvt):
                     out[u0 + j * us[2]] = base[b0 + j * bs[2]]
                     continue
                 if split and c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
-                    fold(op, acc, comp, part, pcomp, e)  # the last, shorter chunk
+                    fold(acc, comp, part, pcomp, e)  # the last, shorter chunk
                 v = acc[e]
                 if op == _OP_KAHAN:
                     # As segment_reduce: the compensation joins a finite sum, and only when
@@ -268,44 +259,55 @@ def _make_kernel(fmt, dec, rnd, enc, cvt):
                     divisor = cvt(c + (1 if use_base else 0))
                     v = rnd(v) / divisor if mean_round else v / divisor
                 out[u0 + j * us[2]] = enc(v)
-        return bad
-
-    @format_njit(parallel=True, cache=True)
-    def kernel(src, ss, index, xs, base, bs, out, us, shape, width, reduce, rule, use_base,
-               acc_scratch, comp_scratch, part_scratch, pcomp_scratch, count_scratch,
-               seen_scratch, bad):
-        outer, nrows, nseg, inner = shape
-        op = operation_for(reduce, rule, False)  # no alpha here
-        # amax / amin give the same bits split or not, so only sums and products are split.
-        split = (rule == WIDE or rule == KAHAN) and op != _OP_MAX and op != _OP_MIN
-        mean = reduce == MEAN
-        mean_round = mean and rule == ROUND_EACH
-        pieces = (inner + width - 1) // width
-        n_items = outer * pieces
-        n_blocks = bad.shape[0]
-        for b in prange(n_blocks):
-            failed = 0
-            for it in range(b * n_items // n_blocks, (b + 1) * n_items // n_blocks):
-                o = it // pieces
-                j0 = (it % pieces) * width
-                w = min(width, inner - j0)
-                failed |= item(src, ss, index, xs, base, bs, out, us, o, j0, w, nrows, nseg,
-                               op, split, use_base, mean, mean_round, acc_scratch[b],
-                               comp_scratch[b], part_scratch[b], pcomp_scratch[b],
-                               count_scratch[b], seen_scratch[b])
-            bad[b] = failed
-
-    return kernel
+    bad[b] = failed
 
 
-_KERNELS = {
-    torch.float32: (_make_kernel("f32", _f32, _f32, _f32, _f32), np.float32),
-    torch.float64: (_make_kernel("f64", _f64, _f64, _f64, _f64), np.float64),
-    torch.bfloat16: (_make_kernel("bf16", bf16_bits_to_f32, round_f32_to_bf16,
-                                  f32_to_bf16_bits, _f32), np.float32),
-    torch.float16: (_make_kernel("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits,
-                                 _f32), np.float32),
+@parallel_njit(cache=True)
+def _run_blocks(address, types_key, failed, src, ss, index, xs, base, bs, out, us, shape,
+                width, use_base, acc_scratch, comp_scratch, part_scratch, pcomp_scratch,
+                count_scratch, seen_scratch, bad):
+    """The driver of every format's and variant's kernel, ``_block`` at ``address``
+    (``instances.Blocks``). Items own their output elements outright, so which thread runs
+    a block never matters."""
+    if types_key_of((src, ss, index, xs, base, bs, out, us, shape, width, use_base,
+                     acc_scratch, comp_scratch, part_scratch, pcomp_scratch, count_scratch,
+                     seen_scratch, bad)) != types_key:
+        return OTHER_TYPES
+    for b in prange(failed.shape[0]):
+        if not call_at(address, np.int64(b), (
+                src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc_scratch,
+                comp_scratch, part_scratch, pcomp_scratch, count_scratch, seen_scratch, bad)):
+            failed[b] = 1
+    return DONE
+
+
+#: Per data format: its name, its conversions (see ``segment._make_rows``) and the acc type.
+_FORMATS = {
+    torch.float32: ("f32", _f32, _f32, _f32, _f32, np.float32),
+    torch.float64: ("f64", _f64, _f64, _f64, _f64, np.float64),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
+                     np.float32),
+    torch.float16: ("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32, np.float32),
 }
+
+#: (dtype, variant) -> the kernel, made on the first launch that needs it.
+_KERNELS = {}
+
+
+def kernel_for(dtype, variant):
+    """The kernel of data type ``dtype`` and ``variant`` (``segment.variant_for``, alpha 1),
+    launched over thread blocks (``instances.Blocks``)."""
+    kernel = _KERNELS.get((dtype, variant))
+    if kernel is None:
+        fmt, dec, rnd, enc, cvt, _ = _FORMATS[dtype]
+        op, mean, mean_round, split = variant
+        every_term, fold, long_segments = _make_helpers(fmt, dec, rnd, op)
+        block = instance(_block, f"{fmt}_{variant_name(*variant)}", dec=dec, rnd=rnd, enc=enc,
+                         cvt=cvt, op=op, mean=mean, mean_round=mean_round, split=split,
+                         every_term=every_term, fold=fold, long_segments=long_segments)
+        kernel = Blocks(_run_blocks, block)
+        _KERNELS[(dtype, variant)] = kernel
+    return kernel
 
 
 def work_split(outer, inner, nseg, state_bytes, nthreads, elements):
@@ -328,7 +330,7 @@ def work_split(outer, inner, nseg, state_bytes, nthreads, elements):
 
 def scatter_elements(src, index, base, out, *, reduce, rule, include_base):
     """See the module docstring (the contract)."""
-    if src.dtype not in _KERNELS:
+    if src.dtype not in _FORMATS:
         raise TypeError(f"scatter_elements: unsupported dtype {src.dtype}")
     if rule not in (WIDE, KAHAN, ROUND_EACH):
         raise ValueError(f"scatter_elements: rule {rule} is not implemented")
@@ -336,16 +338,18 @@ def scatter_elements(src, index, base, out, *, reduce, rule, include_base):
     nseg = base.shape[1]
     if outer == 0 or inner == 0 or nseg == 0:
         return False
-    kernel, acc_dtype = _KERNELS[src.dtype]
+    reduce, rule = int(reduce), int(rule)
+    kernel = kernel_for(src.dtype, variant_for(reduce, rule, False))  # no alpha here
+    acc_dtype = _FORMATS[src.dtype][5]
     src_np, ss = _flat(src)
     index_np, xs = _flat(index)
     base_np, bs = _flat(base)
     out_np, us = _flat(out)
-    reduce, rule = int(reduce), int(rule)
     kahan = reduce in (SUM, MEAN) and rule == KAHAN
     # Counts of at most nrows: int32 halves the state that every term touches.
     count_dtype = np.int32 if nrows < 2**31 else np.int64
-    state_bytes = np.dtype(acc_dtype).itemsize * (2 if kahan else 1) + np.dtype(count_dtype).itemsize
+    state_bytes = (np.dtype(acc_dtype).itemsize * (2 if kahan else 1)
+                   + np.dtype(count_dtype).itemsize)
     nthreads = launch_threads()
     width, n_blocks = work_split(outer, inner, nseg, state_bytes, nthreads, src.numel())
     state = nseg * width
@@ -360,7 +364,7 @@ def scatter_elements(src, index, base, out, *, reduce, rule, include_base):
     seen = np.empty((n_blocks, chunk_state), dtype=count_dtype)
     bad = np.zeros(n_blocks, dtype=np.int64)
     with threads(nthreads if n_blocks > 1 else 1):
-        kernel(src_np, ss, index_np, xs, base_np, bs, out_np, us, (outer, nrows, nseg, inner),
-               width, reduce, rule, bool(include_base), acc, comp, part, pcomp, count, seen,
-               bad)
+        kernel(n_blocks, (src_np, ss, index_np, xs, base_np, bs, out_np, us,
+                          (outer, nrows, nseg, inner), width, bool(include_base), acc, comp,
+                          part, pcomp, count, seen, bad))
     return bool(bad.any())

@@ -84,24 +84,28 @@ IMPLEMENTATION NOTES (this backend):
   loops serve both.
 
 - No copies: every tensor reaches the kernel as a flat 1-D NumPy view starting at its first
-  element plus its strides, so one compiled specialisation per dtype serves every layout
+  element plus its strides, so one compiled specialisation serves every layout
   (transposed, sliced, expanded). Rows with unit column stride are read in place; others are
   gathered into a scratch row first. bf16 and fp16 travel as uint16 bit patterns (torch
   ``view(int16)``) and are converted by ``detsum.kernels.rounding``.
 
 - Speed: the terms of a segment are rows scattered over ``src`` (``order`` is a permutation),
   so the kernel prefetches the start of the rows it will read a few rows ahead; the loops
-  are vectorised, with the rule and dtype branches outside them.
+  are vectorised, with the rule and dtype branches resolved when the kernel compiles.
 
-- Compilation: one kernel per dtype, compiled on first use (about 10-20 s each) and cached on
-  disk (``cache=True``). Numba checks only this file's timestamp: after editing
-  ``rounding.py`` or ``common.py``, delete ``kernels/numba/__pycache__`` to drop stale
-  kernels.
+- Compilation: one kernel per dtype and variant (:func:`variant_for`: the reduction and rule,
+  roughly the mode), compiled on the first launch that needs it (1-2 s) and cached on disk on
+  its own (``instances.instance``), plus one small driver per dtype that runs the kernel's
+  thread blocks (``instances.Blocks``). Numba checks only this file's timestamp: after
+  editing ``rounding.py``, ``common.py`` or ``instances.py``, delete
+  ``kernels/numba/__pycache__`` to drop stale kernels.
 """
+
+import functools
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
 from .. import AMAX, AMIN, CHUNK_TERMS, EXACT, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
 from ..rounding import (
@@ -127,10 +131,11 @@ from .common import (
     threads,
     work_split,
 )
+from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 
 __all__ = ["segment_reduce"]
 
-# Row operations (see row_op).
+# Row operations (see operation_for).
 _OP_ADD = 0
 _OP_ADD_ROUND = 1
 _OP_ADD_ROUND_SCALED = 2
@@ -138,9 +143,10 @@ _OP_KAHAN = 3
 _OP_MUL = 4
 _OP_MAX = 5
 _OP_MIN = 6
+_OP_NAMES = {_OP_ADD: "add", _OP_ADD_ROUND: "add_round", _OP_ADD_ROUND_SCALED: "add_round_scaled",
+             _OP_KAHAN: "kahan", _OP_MUL: "mul", _OP_MAX: "max", _OP_MIN: "min"}
 
 
-@njit(inline="always")
 def operation_for(reduce, rule, scaled):
     """The operation each term goes through for ``reduce`` under ``rule`` (``scaled``: alpha
     is not 1), the one table for this kernel and ``scatter.py``'s, which give the same bits."""
@@ -158,15 +164,42 @@ def operation_for(reduce, rule, scaled):
     return _OP_ADD
 
 
-def _make_block(fmt, dec, rnd, enc, cvt):
-    """The work of one thread block, for one data format (``fmt`` names it).
+def variant_for(reduce, rule, scaled):
+    """What a kernel fixes when it compiles, for ``reduce`` under ``rule`` (``scaled``: alpha
+    is not 1): ``(op, mean, mean_round, split)``, the term's operation, whether the sum is
+    divided by its count, whether it is rounded to the dtype before (ROUND_EACH's mean:
+    torch's CPU ``scatter_reduce`` rounds the total first), and whether long segments are
+    cut into chunks (WIDE and KAHAN; amax / amin give the same bits either way and are not).
+    Shared with ``scatter.py``.
 
-    ``dec`` turns a data element into the acc type, ``rnd`` rounds an acc value to the data
-    dtype (staying in the acc type), ``enc`` turns an acc value into a data element and ``cvt``
-    converts a number to the acc type. They are compile-time constants of the closures below
-    (as arguments they would become runtime pointers, and stop on-disk caching), so each
-    format compiles only its own code and every column loop is a straight, vectorisable loop
-    with the mode branches outside it.
+    Why: each variant compiles alone, in a few seconds, on the first call that needs it
+    (every rule and reduction of a dtype in one kernel took 10-20 s), its branches on the
+    mode resolved before any code is generated. The arithmetic of each is what it was as a
+    branch: without fastmath, LLVM reorders no floating-point operation."""
+    op = operation_for(reduce, rule, scaled)
+    mean = reduce == MEAN
+    return (op, mean, mean and rule == ROUND_EACH,
+            rule in (WIDE, KAHAN) and op != _OP_MAX and op != _OP_MIN)
+
+
+def variant_name(op, mean, mean_round, split):
+    """A variant's name, part of its kernels' names: e.g. ``add_mean_chunked``."""
+    return (_OP_NAMES[op] + ("_mean" if mean else "") + ("_rounded" if mean_round else "")
+            + ("_chunked" if split else ""))
+
+
+@functools.cache  # one set per format and operation: two would share their names
+def _make_rows(fmt, dec, rnd, op):
+    """The row helpers of ``_block`` for one data format (``fmt`` names it) and one term
+    operation ``op`` (see :func:`variant_for`), inlined where they are called.
+
+    ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
+    dtype (staying in the acc type); with ``enc``, which turns an acc value into a data
+    element, and ``cvt``, which converts a number to the acc type, they and the variant are
+    compile-time constants of the kernel (as arguments the functions would become runtime
+    pointers, and stop on-disk caching), so each format and variant compiles only its own
+    code, every column loop is a straight, vectorisable loop, and the other modes' branches
+    are pruned before any code is generated.
 
     Arrays arrive flat (1-D, contiguous, starting at the tensor's first element) with their
     element strides beside them: one compiled specialisation serves every layout. Rows with
@@ -174,7 +207,7 @@ def _make_block(fmt, dec, rnd, enc, cvt):
     Per term row there is no function call, no array slice and no division: at about 8 rows
     per segment that overhead was a fifth of the running time.
     """
-    format_njit = _njit_named_for(fmt)
+    format_njit = _njit_named_for(f"{fmt}_{_OP_NAMES[op]}")
 
     @format_njit(inline="always")
     def load(acc, a, start, step, w):
@@ -188,7 +221,7 @@ def _make_block(fmt, dec, rnd, enc, cvt):
                 acc[j] = dec(a[start + j * step])
 
     @format_njit(inline="always")
-    def rows(op, acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
+    def rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
              pf_lines, w, alpha):
         """Combine the term rows at positions p .. end - 1 into acc (and comp), in order.
 
@@ -254,7 +287,7 @@ def _make_block(fmt, dec, rnd, enc, cvt):
             p += 1
 
     @format_njit(inline="always")
-    def fold(op, acc, comp, part, pcomp, w):
+    def fold(acc, comp, part, pcomp, w):
         """Fold a later chunk's result (part, and pcomp under KAHAN) into acc (and comp)."""
         if op == _OP_KAHAN:
             for j in range(w):
@@ -267,20 +300,45 @@ def _make_block(fmt, dec, rnd, enc, cvt):
             for j in range(w):
                 acc[j] = acc[j] + part[j]
 
-    @format_njit()
-    def items(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s_first,
-              s_stop, j0, j1, reduce, op, mean_round, split, alpha, use_base, has_base,
-              has_carry, acc, comp, part, pcomp, tmp, pf_dist):
-        """Columns j0 .. j1 - 1 of the output rows s_first .. s_stop - 1 of outer index o.
+    return load, rows, fold
 
-        A run of whole rows is one call: with narrow rows a segment is a few elements, and the
-        call itself (its three dozen arguments) cost more than the segment's arithmetic.
-        """
+
+def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, alpha,
+           include_base, has_base, has_carry, chunk, acc_scratch, data_scratch, pf_dist):
+    """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows: the
+    template of every format's and variant's kernel (``instances.instance`` binds the
+    format's ``enc``, ``cvt`` and ``rnd``, the variant's ``op``, ``mean``, ``mean_round`` and
+    ``split``, and ``load``, ``rows`` and ``fold`` of :func:`_make_rows`)."""
+    outer, nseg, inner = shape
+    use_base = has_base and include_base
+    a = cvt(alpha)
+    acc = acc_scratch[b, 0]
+    comp = acc_scratch[b, 1]
+    part = acc_scratch[b, 2]
+    pcomp = acc_scratch[b, 3]
+    tmp = data_scratch[b]
+    line = 64 // src.itemsize
+    nchunks = (inner + chunk - 1) // chunk
+    n_items = outer * nseg * nchunks
+    n_blocks = acc_scratch.shape[0]
+    i_begin = b * n_items // n_blocks
+    i_end = (b + 1) * n_items // n_blocks
+    # Items are numbered (outer, segment, column chunk), the chunk fastest; the walk counts up
+    # from the block's first item instead of dividing every item number.
+    c = i_begin % nchunks
+    s_first = (i_begin // nchunks) % nseg
+    o = i_begin // nchunks // nseg
+    it = i_begin
+    while it < i_end:
+        # Columns j0 .. j1 - 1 of the output rows s_first .. s_stop - 1 of outer index o: with
+        # one column chunk per row a run of rows, otherwise one item.
+        j0 = c * chunk
+        j1 = min(j0 + chunk, inner)
+        s_stop = min(nseg, s_first + (i_end - it)) if nchunks == 1 else s_first + 1
         w = j1 - j0
         # The run's term rows are the positions offsets[s_first] .. offsets[s_stop] - 1 (a
         # plan's segments are consecutive): prefetching runs ahead over all of them.
         pf_end = offsets[s_stop * fst] if ost >= 0 else 0
-        line = 64 // src.itemsize
         pf_lines = min(_PF_LINES, (w + line - 1) // line) if ss[2] == 1 else 0
         for s in range(s_first, s_stop):
             p0 = offsets[s * fst]
@@ -322,22 +380,22 @@ def _make_block(fmt, dec, rnd, enc, cvt):
 
             # The first chunk of terms (the whole segment unless it is split) goes into acc.
             end = min(p1, p0 + CHUNK_TERMS) if split else p1
-            rows(op, acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
-                 pf_lines, w, alpha)
+            rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist, pf_lines,
+                 w, a)
             # Later chunks: each reduces its own terms from its first term, then folds into acc.
-            while end < p1:
+            while split and end < p1:
                 p = end
                 end = min(p1, p + CHUNK_TERMS)
                 load(part, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
-                if alpha != 1:
+                if a != 1:
                     # The chunk's first term is a term like any other: RN_A(A(x) * A(alpha)).
                     for j in range(w):
-                        part[j] = part[j] * alpha
+                        part[j] = part[j] * a
                 for j in range(w):
                     pcomp[j] = 0.0
-                rows(op, part, pcomp, src, ss, order, ost, tmp, rstart, p + 1, end, pf_end,
-                     pf_dist, pf_lines, w, alpha)
-                fold(op, acc, comp, part, pcomp, w)
+                rows(part, pcomp, src, ss, order, ost, tmp, rstart, p + 1, end, pf_end,
+                     pf_dist, pf_lines, w, a)
+                fold(acc, comp, part, pcomp, w)
 
             if has_carry:
                 # The sum runs on: s goes to out (exact, the data dtype is the acc type) and c to
@@ -352,7 +410,7 @@ def _make_block(fmt, dec, rnd, enc, cvt):
                     sj = acc[j]
                     cj = comp[j]
                     acc[j] = sj + cj if np.isfinite(sj) and cj != 0 else sj
-            if reduce == MEAN:
+            if mean:
                 count = cvt((p1 - p0) + (1 if use_base else 0))
                 if mean_round:
                     # ROUND_EACH: torch's scatter_reduce rounds the total to the dtype first.
@@ -369,115 +427,69 @@ def _make_block(fmt, dec, rnd, enc, cvt):
                 for j in range(w):
                     out[ostart + j * us[2]] = enc(acc[j])
 
-    @format_njit()
-    def block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, reduce,
-              rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-              pf_dist):
-        """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows."""
-        outer, nseg, inner = shape
-        use_base = has_base and include_base
-        op = operation_for(reduce, rule, alpha != 1.0)
-        mean_round = reduce == MEAN and rule == ROUND_EACH
-        # amax / amin give the same bits split or not, so only sums and products are split.
-        split = (rule == WIDE or rule == KAHAN) and op != _OP_MAX and op != _OP_MIN
-        a = cvt(alpha)
-        nchunks = (inner + chunk - 1) // chunk
-        n_items = outer * nseg * nchunks
-        n_blocks = acc_scratch.shape[0]
-        acc = acc_scratch[b, 0]
-        comp = acc_scratch[b, 1]
-        part = acc_scratch[b, 2]
-        pcomp = acc_scratch[b, 3]
-        tmp = data_scratch[b]
-        i_begin = b * n_items // n_blocks
-        i_end = (b + 1) * n_items // n_blocks
-        # Items are numbered (outer, segment, column chunk), the chunk fastest; the walk
-        # counts up from the block's first item instead of dividing every item number.
-        c = i_begin % nchunks
-        s = (i_begin // nchunks) % nseg
-        o = i_begin // nchunks // nseg
-        it = i_begin
-        while it < i_end:
-            j0 = c * chunk
-            j1 = min(j0 + chunk, inner)
-            # One column chunk per row: a run of rows is one call; otherwise one item is.
-            s_stop = min(nseg, s + (i_end - it)) if nchunks == 1 else s + 1
-            items(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, o, s, s_stop,
-                  j0, j1, reduce, op, mean_round, split, a, use_base, has_base, has_carry, acc,
-                  comp, part, pcomp, tmp, pf_dist)
-            if nchunks == 1:
-                it += s_stop - s
-                s = s_stop
-            else:
-                it += 1
-                c += 1
-                if c == nchunks:
-                    c = 0
-                    s += 1
-            if s == nseg:
-                s = 0
-                o += 1
-
-    return block
-
-
-_block_f32 = _make_block("f32", _f32, _f32, _f32, _f32)
-_block_f64 = _make_block("f64", _f64, _f64, _f64, _f64)
-_block_bf16 = _make_block("bf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32)
-_block_f16 = _make_block("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32)
-
-# One parallel kernel per format, each compiling only its own format's code. Threads take
-# whole blocks of items (a block reuses one set of scratch rows); which thread runs a block
-# never matters: an item owns its output elements outright and sums each of them serially in
-# the segment's order.
+        if nchunks == 1:
+            it += s_stop - s_first
+            s_first = s_stop
+        else:
+            it += 1
+            c += 1
+            if c == nchunks:
+                c = 0
+                s_first += 1
+        if s_first == nseg:
+            s_first = 0
+            o += 1
 
 
 @parallel_njit(cache=True)
-def _kernel_f32(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_f32(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, pf_dist)
+def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, base, bs, out,
+                us, carry, cs, shape, alpha, include_base, has_base, has_carry, chunk,
+                acc_scratch, data_scratch, pf_dist):
+    """The driver of every format's and variant's kernel, ``_block`` at ``address``
+    (``instances.Blocks``).
+
+    Threads take whole blocks of items (a block reuses one set of scratch rows); which thread
+    runs a block never matters: an item owns its output elements outright and sums each of
+    them serially in the segment's order."""
+    if types_key_of((src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
+                     alpha, include_base, has_base, has_carry, chunk, acc_scratch,
+                     data_scratch, pf_dist)) != types_key:
+        return OTHER_TYPES
+    for b in prange(failed.shape[0]):
+        if not call_at(address, np.int64(b), (
+                src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, alpha,
+                include_base, has_base, has_carry, chunk, acc_scratch, data_scratch, pf_dist)):
+            failed[b] = 1
+    return DONE
 
 
-@parallel_njit(cache=True)
-def _kernel_f64(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_f64(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, pf_dist)
-
-
-@parallel_njit(cache=True)
-def _kernel_bf16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_bf16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, pf_dist)
-
-
-@parallel_njit(cache=True)
-def _kernel_f16(src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-        reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch, data_scratch,
-        pf_dist):
-    for b in prange(acc_scratch.shape[0]):
-        _block_f16(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape,
-            reduce, rule, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
-            data_scratch, pf_dist)
-
-
-_KERNELS = {
-    torch.float32: (_kernel_f32, np.float32),
-    torch.float64: (_kernel_f64, np.float64),
-    torch.bfloat16: (_kernel_bf16, np.float32),
-    torch.float16: (_kernel_f16, np.float32),
+#: Per data format: its name, its conversions (see _make_rows) and the acc type.
+_FORMATS = {
+    torch.float32: ("f32", _f32, _f32, _f32, _f32, np.float32),
+    torch.float64: ("f64", _f64, _f64, _f64, _f64, np.float64),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
+                     np.float32),
+    torch.float16: ("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32, np.float32),
 }
+
+#: (dtype, variant) -> the kernel, made on the first launch that needs it.
+_KERNELS = {}
+
+
+def kernel_for(dtype, variant):
+    """The kernel of data type ``dtype`` and ``variant`` (:func:`variant_for`), launched over
+    thread blocks (``instances.Blocks``)."""
+    kernel = _KERNELS.get((dtype, variant))
+    if kernel is None:
+        fmt, dec, rnd, enc, cvt, _ = _FORMATS[dtype]
+        op, mean, mean_round, split = variant
+        load, rows, fold = _make_rows(fmt, dec, rnd, op)
+        block = instance(_block, f"{fmt}_{variant_name(*variant)}", enc=enc, cvt=cvt, rnd=rnd,
+                         op=op, mean=mean, mean_round=mean_round, split=split, load=load,
+                         rows=rows, fold=fold)
+        kernel = Blocks(_run_blocks, block)
+        _KERNELS[(dtype, variant)] = kernel
+    return kernel
 
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
@@ -491,14 +503,15 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         segment_reduce_exact(src, order, offsets, base, out, reduce=reduce, alpha=alpha,
                              include_base=include_base)
         return
-    if not has_work(src, order, offsets, _KERNELS):
+    if not has_work(src, order, offsets, _FORMATS):
         return
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     if rule not in (WIDE, KAHAN, ROUND_EACH):
         raise ValueError(f"segment_reduce: rule {rule} is not implemented on the numba backend "
                          f"(torch's CUDA rules run on the triton backend)")
-    kernel, acc_dtype = _KERNELS[src.dtype]
+    kernel = kernel_for(src.dtype, variant_for(reduce, rule, alpha != 1))
+    acc_dtype = _FORMATS[src.dtype][5]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)
     offsets_np, (fst,) = _flat(offsets)
@@ -521,8 +534,8 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # One block runs on one thread: a parallel region of more would wait for threads with
     # nothing to do, a whole time slice each on a busy machine (seen: 12 us -> 1.8 ms).
     with threads(nthreads if n_blocks > 1 else 1):
-        kernel(
+        kernel(n_blocks, (
             src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
-            (outer, nseg, inner), int(reduce), int(rule), float(alpha), bool(include_base),
-            base is not None, carry is not None, chunk, acc_scratch, data_scratch, pf_dist,
-        )
+            (outer, nseg, inner), float(alpha), bool(include_base), base is not None,
+            carry is not None, chunk, acc_scratch, data_scratch, pf_dist,
+        ))

@@ -26,7 +26,7 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import CHUNK_TERMS, KAHAN, ROUND_EACH, WIDE
+from .. import CHUNK_TERMS, KAHAN, ROUND_EACH, RULE_NAMES, WIDE
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -35,7 +35,8 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
-from .common import _f32, _f64, _njit_named_for, neumaier
+from .common import _f32, _f64, neumaier
+from .instances import instance
 
 __all__ = ["index_add_small", "fits"]
 
@@ -53,90 +54,104 @@ def _at(typingctx, address):
     return types.voidptr(address), codegen
 
 
-def _make(fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data):
-    format_njit = _njit_named_for(fmt)
+def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha, in_place):
+    """Returns -1 having written ``out`` (``[outer, rows, inner]``; it may be ``base`` itself),
+    or the first position of ``index`` outside ``[0, rows)`` having written nothing.
 
-    @format_njit(cache=True)
-    def kernel(src, index, base, out, alpha, rule, in_place):
-        outer, n, inner = src.shape
-        rows = out.shape[1]
-        # Every index value is checked before anything is written (out may be base itself).
-        for i in range(n):
-            if index[i] < 0 or index[i] >= rows:
-                return i
-        a = cvt(alpha)
-        if rule != KAHAN and acc_is_data:
-            # fp32 and fp64 data outside KAHAN: the acc type is the data type and every
-            # rounding to it is the identity, so the rows are summed where they lie.
-            if not in_place:
-                out[:, :, :] = base
+    The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``,
+    the format's ``dec``, ``rnd``, ``enc`` and ``cvt`` (see ``segment._make_rows``), its
+    ``data_dtype`` (uint16 for the 16-bit formats, their bits) and ``acc_dtype``, and
+    ``acc_is_data``. The tensors arrive as the addresses of their contiguous storage and their
+    sizes: three tensors turned into NumPy arrays for the call cost more (about 0.6 µs each)
+    than the arithmetic of a small call."""
+    src = carray(_at(src_at), (outer, n, inner), data_dtype)
+    index = carray(_at(index_at), (n,), np.int64)
+    base = carray(_at(base_at), (outer, rows, inner), data_dtype)
+    out = carray(_at(out_at), (outer, rows, inner), data_dtype)
+    # Every index value is checked before anything is written (out may be base itself).
+    for i in range(n):
+        if index[i] < 0 or index[i] >= rows:
+            return i
+    a = cvt(alpha)
+    if rule != KAHAN and acc_is_data:
+        # fp32 and fp64 data outside KAHAN: the acc type is the data type and every rounding
+        # to it is the identity, so the rows are summed where they lie.
+        if not in_place:
+            # Element by element: a slice assignment of an array would compile Numba's
+            # broadcasting checks, seconds of compile for a shape error that cannot occur.
             for o in range(outer):
-                for i in range(n):
-                    v = index[i]
-                    for j in range(inner):
-                        out[o, v, j] = out[o, v, j] + src[o, i, j] * a
-            return -1
-        acc = np.empty((rows, inner), dtype=acc_dtype)
-        comp = np.zeros((rows, inner), dtype=acc_dtype)
-        for o in range(outer):
-            for s in range(rows):
-                for j in range(inner):
-                    acc[s, j] = dec(base[o, s, j])
-            if rule == KAHAN:
-                comp[:, :] = 0
-                for i in range(n):
-                    v = index[i]
-                    for j in range(inner):
-                        acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j],
-                                                         dec(src[o, i, j]) * a)
                 for s in range(rows):
                     for j in range(inner):
-                        x, c = acc[s, j], comp[s, j]
-                        out[o, s, j] = enc(x + c if np.isfinite(x) and c != 0 else x)
-                continue
-            if rule == ROUND_EACH and alpha == 1.0:
-                for i in range(n):
-                    v = index[i]
-                    for j in range(inner):
-                        acc[v, j] = rnd(acc[v, j] + dec(src[o, i, j]))
-            elif rule == ROUND_EACH:
-                # torch rounds source * alpha to the dtype before adding.
-                for i in range(n):
-                    v = index[i]
-                    for j in range(inner):
-                        acc[v, j] = rnd(acc[v, j] + rnd(dec(src[o, i, j]) * a))
-            else:
-                for i in range(n):
-                    v = index[i]
-                    for j in range(inner):
-                        acc[v, j] = acc[v, j] + dec(src[o, i, j]) * a
+                        out[o, s, j] = base[o, s, j]
+        for o in range(outer):
+            for i in range(n):
+                v = index[i]
+                for j in range(inner):
+                    out[o, v, j] = out[o, v, j] + src[o, i, j] * a
+        return -1
+    acc = np.empty((rows, inner), dtype=acc_dtype)
+    comp = np.zeros((rows, inner), dtype=acc_dtype)
+    for o in range(outer):
+        for s in range(rows):
+            for j in range(inner):
+                acc[s, j] = dec(base[o, s, j])
+        if rule == KAHAN:
+            comp[:, :] = 0
+            for i in range(n):
+                v = index[i]
+                for j in range(inner):
+                    acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j], dec(src[o, i, j]) * a)
             for s in range(rows):
                 for j in range(inner):
-                    out[o, s, j] = enc(acc[s, j])
-        return -1
+                    x, c = acc[s, j], comp[s, j]
+                    out[o, s, j] = enc(x + c if np.isfinite(x) and c != 0 else x)
+            continue
+        if rule == ROUND_EACH and alpha == 1.0:
+            for i in range(n):
+                v = index[i]
+                for j in range(inner):
+                    acc[v, j] = rnd(acc[v, j] + dec(src[o, i, j]))
+        elif rule == ROUND_EACH:
+            # torch rounds source * alpha to the dtype before adding.
+            for i in range(n):
+                v = index[i]
+                for j in range(inner):
+                    acc[v, j] = rnd(acc[v, j] + rnd(dec(src[o, i, j]) * a))
+        else:
+            for i in range(n):
+                v = index[i]
+                for j in range(inner):
+                    acc[v, j] = acc[v, j] + dec(src[o, i, j]) * a
+        for s in range(rows):
+            for j in range(inner):
+                out[o, s, j] = enc(acc[s, j])
+    return -1
 
-    # The tensors arrive as the addresses of their contiguous storage and their sizes: three
-    # tensors turned into NumPy arrays for the call cost more (about 0.6 µs each) than the
-    # arithmetic of a small call.
-    @format_njit(cache=True)
-    def kernel_at(src, index, base, out, outer, n, inner, rows, alpha, rule, in_place):
-        return kernel(carray(_at(src), (outer, n, inner), data_dtype),
-                      carray(_at(index), (n,), np.int64),
-                      carray(_at(base), (outer, rows, inner), data_dtype),
-                      carray(_at(out), (outer, rows, inner), data_dtype), alpha, rule, in_place)
 
-    return kernel_at
-
-
-_KERNELS = {
-    torch.float32: _make("sf32", _f32, _f32, _f32, _f32, np.float32, np.float32, True),
-    torch.float64: _make("sf64", _f64, _f64, _f64, _f64, np.float64, np.float64, True),
+#: Per data format: its name, its conversions, its data and acc dtypes, and whether they are one.
+_FORMATS = {
+    torch.float32: ("f32", _f32, _f32, _f32, _f32, np.float32, np.float32, True),
+    torch.float64: ("f64", _f64, _f64, _f64, _f64, np.float64, np.float64, True),
     # 16-bit floats as their uint16 bits.
-    torch.bfloat16: _make("sbf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
-                          np.uint16, np.float32, False),
-    torch.float16: _make("sf16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32,
-                         np.uint16, np.float32, False),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, round_f32_to_bf16, f32_to_bf16_bits, _f32,
+                     np.uint16, np.float32, False),
+    torch.float16: ("f16", f16_bits_to_f32, round_f32_to_f16, f32_to_f16_bits, _f32, np.uint16,
+                    np.float32, False),
 }
+
+#: (dtype, rule) -> the kernel, made on the first call that needs it.
+_KERNELS = {}
+
+
+def _kernel_for(dtype, rule):
+    kernel = _KERNELS.get((dtype, rule))
+    if kernel is None:
+        fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data = _FORMATS[dtype]
+        kernel = instance(_index_add_at, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec,
+                          rnd=rnd, enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype,
+                          acc_is_data=acc_is_data)
+        _KERNELS[(dtype, rule)] = kernel
+    return kernel
 
 
 def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
@@ -158,6 +173,6 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
     # with a memory format returns a strided 1-D tensor unchanged: ``contiguous`` copies it.)
     index = index.to(torch.int64).contiguous()
     outer, n, inner = src3.shape
-    return _KERNELS[src3.dtype](src3.data_ptr(), index.data_ptr(), base3.data_ptr(),
-                                out3.data_ptr(), outer, n, inner, out3.shape[1], float(alpha),
-                                int(rule), out3 is base3)
+    kernel = _kernel_for(src3.dtype, rule)
+    return kernel(src3.data_ptr(), index.data_ptr(), base3.data_ptr(), out3.data_ptr(), outer, n,
+                  inner, out3.shape[1], float(alpha), out3 is base3)

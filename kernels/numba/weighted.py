@@ -25,7 +25,8 @@ from numba import prange
 
 from .. import CHUNK_TERMS, KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32
-from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .common import _f32, _f64, _flat, launch_threads, neumaier, threads
+from .instances import instance
 
 __all__ = ["gather_scale_sum", "row_dots"]
 
@@ -34,80 +35,91 @@ __all__ = ["gather_scale_sum", "row_dots"]
 _MIN_PARALLEL_PRODUCTS = 65536
 
 
-def _make_kernels(fmt, dec, cvt):
-    format_njit = _njit_named_for(fmt)
-
-    @format_njit(parallel=True, cache=True)
-    def forward(out, y, positions, weights, tokens, topk, cols, kahan):
-        # A token's output row is its own: which thread sums it never matters.
-        for t in prange(tokens):
-            row = out[t * cols:(t + 1) * cols]
-            zero = cvt(0.0)
-            for h in range(cols):
-                row[h] = zero
-            if kahan:
-                comp = np.zeros(cols, dtype=out.dtype)
-                for j in range(topk):
-                    p = positions[t * topk + j]
-                    w = weights[t * topk + j]
-                    src = y[p * cols:(p + 1) * cols]
-                    for h in range(cols):
-                        row[h], comp[h] = neumaier(row[h], comp[h], dec(src[h]) * w)
+def _forward(out, y, positions, weights, tokens, topk, cols):
+    """``gather_scale_sum``'s kernel: the template of every format's and rule's
+    (``instances.instance`` binds ``kahan`` and the format's ``dec`` and ``cvt``)."""
+    # A token's output row is its own: which thread sums it never matters.
+    for t in prange(tokens):
+        row = out[t * cols:(t + 1) * cols]
+        zero = cvt(0.0)
+        for h in range(cols):
+            row[h] = zero
+        if kahan:
+            comp = np.zeros(cols, dtype=out.dtype)
+            for j in range(topk):
+                p = positions[t * topk + j]
+                w = weights[t * topk + j]
+                src = y[p * cols:(p + 1) * cols]
                 for h in range(cols):
-                    s = row[h]
-                    c = comp[h]
-                    # The kernels' final step: a NaN or inf sum, or a zero compensation, stays.
-                    row[h] = s + c if np.isfinite(s) and c != 0 else s
-            else:
-                for j in range(topk):
-                    p = positions[t * topk + j]
-                    w = weights[t * topk + j]
-                    src = y[p * cols:(p + 1) * cols]
-                    for h in range(cols):
-                        row[h] += dec(src[h]) * w
+                    row[h], comp[h] = neumaier(row[h], comp[h], dec(src[h]) * w)
+            for h in range(cols):
+                s = row[h]
+                c = comp[h]
+                # The kernels' final step: a NaN or inf sum, or a zero compensation, stays.
+                row[h] = s + c if np.isfinite(s) and c != 0 else s
+        else:
+            for j in range(topk):
+                p = positions[t * topk + j]
+                w = weights[t * topk + j]
+                src = y[p * cols:(p + 1) * cols]
+                for h in range(cols):
+                    row[h] += dec(src[h]) * w
 
-    @format_njit(parallel=True, cache=True)
-    def dots(out, grad, tokens, y, rows, cols, kahan):
-        for p in prange(rows):
-            g = grad[tokens[p] * cols:(tokens[p] + 1) * cols]
-            r = y[p * cols:(p + 1) * cols]
-            s = cvt(0.0)
-            c = cvt(0.0)
-            first_end = min(cols, CHUNK_TERMS)
+
+def _dots(out, grad, tokens, y, rows, cols):
+    """``row_dots``' kernel: the template of every format's and rule's (as ``_forward``)."""
+    for p in prange(rows):
+        g = grad[tokens[p] * cols:(tokens[p] + 1) * cols]
+        r = y[p * cols:(p + 1) * cols]
+        s = cvt(0.0)
+        c = cvt(0.0)
+        first_end = min(cols, CHUNK_TERMS)
+        if kahan:
+            for h in range(first_end):
+                s, c = neumaier(s, c, g[h] * dec(r[h]))
+        else:
+            for h in range(first_end):
+                s += g[h] * dec(r[h])
+        start = first_end
+        while start < cols:
+            end = min(cols, start + CHUNK_TERMS)
+            part = g[start] * dec(r[start])
+            part_comp = cvt(0.0)
             if kahan:
-                for h in range(first_end):
-                    s, c = neumaier(s, c, g[h] * dec(r[h]))
+                for h in range(start + 1, end):
+                    part, part_comp = neumaier(part, part_comp, g[h] * dec(r[h]))
+                s, c = neumaier(s, c, part)
+                c = c + part_comp
             else:
-                for h in range(first_end):
-                    s += g[h] * dec(r[h])
-            start = first_end
-            while start < cols:
-                end = min(cols, start + CHUNK_TERMS)
-                part = g[start] * dec(r[start])
-                part_comp = cvt(0.0)
-                if kahan:
-                    for h in range(start + 1, end):
-                        part, part_comp = neumaier(part, part_comp, g[h] * dec(r[h]))
-                    s, c = neumaier(s, c, part)
-                    c = c + part_comp
-                else:
-                    for h in range(start + 1, end):
-                        part += g[h] * dec(r[h])
-                    s = s + part
-                start = end
-            if kahan and np.isfinite(s) and c != 0:
-                s = s + c
-            out[p] = s
-
-    return forward, dots
+                for h in range(start + 1, end):
+                    part += g[h] * dec(r[h])
+                s = s + part
+            start = end
+        if kahan and np.isfinite(s) and c != 0:
+            s = s + c
+        out[p] = s
 
 
-_KERNELS = {
-    torch.float32: _make_kernels("wf32", _f32, _f32),
-    torch.float64: _make_kernels("wf64", _f64, _f64),
-    torch.bfloat16: _make_kernels("wbf16", bf16_bits_to_f32, _f32),
-    torch.float16: _make_kernels("wf16", f16_bits_to_f32, _f32),
+#: Per data format: its name and its conversions (see ``segment._make_rows``).
+_FORMATS = {
+    torch.float32: ("f32", _f32, _f32),
+    torch.float64: ("f64", _f64, _f64),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, _f32),
+    torch.float16: ("f16", f16_bits_to_f32, _f32),
 }
+
+#: (template, dtype, kahan) -> the kernel, made on the first launch that needs it.
+_KERNELS = {}
+
+
+def _kernel_for(template, dtype, kahan):
+    kernel = _KERNELS.get((template, dtype, kahan))
+    if kernel is None:
+        fmt, dec, cvt = _FORMATS[dtype]
+        kernel = instance(template, f"{fmt}_{'kahan' if kahan else 'wide'}", parallel=True,
+                          kahan=kahan, dec=dec, cvt=cvt)
+        _KERNELS[(template, dtype, kahan)] = kernel
+    return kernel
 
 
 def _check_rule(rule: int) -> bool:
@@ -140,11 +152,11 @@ def gather_scale_sum(y: torch.Tensor, positions: torch.Tensor, weights: torch.Te
     if tokens == 0 or cols == 0:
         return out.zero_()
     _check_rows("positions", positions, y.shape[0])
-    forward, _ = _KERNELS[y.dtype]
+    forward = _kernel_for(_forward, y.dtype, kahan)
     parallel = tokens > 1 and tokens * topk * cols >= _MIN_PARALLEL_PRODUCTS
     with threads(launch_threads() if parallel else 1):
         forward(_flat(out)[0], _flat(y.contiguous())[0], _flat(positions.contiguous())[0],
-                _flat(weights.contiguous())[0], tokens, topk, cols, kahan)
+                _flat(weights.contiguous())[0], tokens, topk, cols)
     return out
 
 
@@ -161,9 +173,9 @@ def row_dots(grad: torch.Tensor, tokens: torch.Tensor, y: torch.Tensor, rule: in
     if cols == 0:
         return out.zero_()
     _check_rows("tokens", tokens, grad.shape[0])
-    _, dots = _KERNELS[y.dtype]
+    dots = _kernel_for(_dots, y.dtype, kahan)
     parallel = rows > 1 and rows * cols >= _MIN_PARALLEL_PRODUCTS
     with threads(launch_threads() if parallel else 1):
         dots(_flat(out)[0], _flat(grad.contiguous())[0], _flat(tokens.contiguous())[0],
-             _flat(y.contiguous())[0], rows, cols, kahan)
+             _flat(y.contiguous())[0], rows, cols)
     return out

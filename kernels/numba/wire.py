@@ -212,7 +212,8 @@ def _decode_block(window, counters, bottom, kinds, fields, bits, total, out, sta
                 limbs[j] = carry[j] & _DIGIT
                 carry[j] >>= LIMB_BITS
         else:
-            limbs[:] = carry
+            for j in range(n):  # not limbs[:] = carry: seconds of compile for a shape check
+                limbs[j] = carry[j]
     for k in range(_COUNTERS):
         row = out[n_limbs + k, start:stop]
         # What goes on the wire for the count of terms other than -0.0 is its complement.

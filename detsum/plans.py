@@ -97,12 +97,12 @@ def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *
     plan serves the same call step after step, and its checks would cost a small call's
     launch again. What can change between two such calls, the plan's index changed in place,
     is checked every time (it then takes the checks' path, which refuses it). Eager calls
-    only: a traced call checks every time."""
+    only: a traced call passes None, and checks every time."""
     remembered = arguments is not None and type(plan) is Plan
     if remembered:
         last = plan._checked.get(caller)
         if (last is not None and last[0] == arguments
-                and _version(plan.index) == plan.index_version):
+                and _eager_version(plan.index) == plan.index_version):
             return last[1]
     answer = _validation.run_check(check, *args)
     if remembered:
@@ -219,6 +219,10 @@ def _version(index: torch.Tensor) -> int | None:
     # A traced tensor has no version counter worth keeping: nothing changes it in place there.
     if torch.compiler.is_compiling():
         return 0
+    return _eager_version(index)
+
+
+def _eager_version(index: torch.Tensor) -> int | None:
     # torch keeps no counter for an inference tensor (reading it raises).
     return None if index.is_inference() else index._version
 

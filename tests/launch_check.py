@@ -167,6 +167,8 @@ def check_keys(launches) -> dict:
         if name in seen_kernels:
             continue  # one recorded launch per kernel: its variants cover the properties
         seen_kernels.add(name)
+        # The key a Kernel computes: made for the layout of its first launch's arguments.
+        layout_key = launch.key_for_layout(args)
         ours_to_triton: dict[tuple, set] = {}
         triton_to_ours: dict[str, set] = {}
         names: dict[tuple, list] = {}
@@ -176,7 +178,7 @@ def check_keys(launches) -> dict:
             with contextlib.ExitStack() as stack:
                 if knob is not None:
                     stack.enter_context(unittest.mock.patch.object(*knob))
-                ours = launch.specialisation_key(0, v_warps, v_constexprs.values(), v_args)
+                ours = layout_key(0, v_warps, v_constexprs.values(), v_args)
                 with triton_keys(triton_key):
                     kernel.jitted.run(*v_args, grid=grid, warmup=True, num_warps=v_warps,
                                       enable_fp_fusion=False, **v_constexprs)

@@ -57,6 +57,38 @@ def test_key_is_shared_by_what_triton_compiles_alike():
     assert _key(2**31 - 1) == _key(-1)
 
 
+def test_key_for_a_layout_is_the_key():
+    """The straight-line key a Kernel makes for its first launch's layout gives
+    ``specialisation_key``'s answer for launches of that layout and of any other (which it
+    hands to ``specialisation_key``): a tensor or a bool where the layout has an int, an int
+    where it has a tensor, more or fewer arguments."""
+    buffer = torch.zeros(64)
+    aligned, misaligned = buffer[:16], buffer[1:17]
+    layout = (aligned, 2, 16, torch.zeros(4, dtype=torch.int64), 2**40)
+    layout_key = launch.key_for_layout(layout)
+    others = [
+        layout,
+        (misaligned, 1, 17, aligned.double(), -1),
+        (aligned, -(2**31) - 16, 2**63, aligned, 0),
+        (aligned, aligned, 16, aligned, 2),  # a tensor where the layout has an int
+        (3, 2, 16, aligned, 2),  # an int where the layout has a tensor
+        (aligned, 2, 16, aligned),
+        (aligned, 2, 16, aligned, 2, 5),
+        (),
+    ]
+    for args in others:
+        for constexprs in [(), (True,), (1,), (1.0, triton.language.float32)]:
+            assert (layout_key(0, 4, constexprs, args)
+                    == launch.specialisation_key(0, 4, constexprs, args)), (args, constexprs)
+    assert layout_key(0, 4, (), layout) != layout_key(0, 4, (), (misaligned, *layout[1:]))
+    # a bool or a float equal to an int the layout has there: not that int's class
+    for odd in (True, 1.0):
+        with pytest.raises(AttributeError):
+            launch.specialisation_key(0, 4, (), (aligned, odd, 16, aligned, 2))
+        with pytest.raises(AttributeError):
+            layout_key(0, 4, (), (aligned, odd, 16, aligned, 2))
+
+
 def test_key_follows_triton_debug_knob():
     """Triton puts its ``debug`` knob in a launch's options: set, it is another kernel."""
     from triton import knobs

@@ -50,6 +50,8 @@ what it would:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import triton
 from triton import knobs
 from triton.compiler import CompiledKernel
@@ -61,7 +63,7 @@ try:
 except ImportError:  # a Triton outside DIRECT_LAUNCH's releases
     HookChain = None
 
-__all__ = ["DIRECT_LAUNCH", "Kernel", "specialisation_key"]
+__all__ = ["DIRECT_LAUNCH", "Kernel", "key_for_layout", "specialisation_key"]
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -93,18 +95,58 @@ _SMALL_INTS = 1 << 14
 _SMALL_INT_CLASSES = tuple(map(_int_class, range(_SMALL_INTS)))
 
 
+def _launch_options() -> tuple:
+    """The options ``JITFunction.run`` reads from Triton's knobs at each launch."""
+    compilation = knobs.compilation
+    return (knobs.runtime.debug, compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
+
+
 def specialisation_key(device: int, num_warps: int, constexpr_values, args) -> tuple:
     """The key of a launch's compiled kernel (see THE KEY above): equal keys, same kernel.
 
     ``args`` are tensors and ints (the kernel's other parameters), ``constexpr_values`` the
     constexprs' values in the kernel's order."""
-    compilation = knobs.compilation
-    return (device, num_warps, knobs.runtime.debug, compilation.instrumentation_mode,
-            getattr(compilation, "fpsan_homomorphic_casts", None),
+    return (device, num_warps, _launch_options(),
             *constexpr_values, *map(type, constexpr_values),
             *[(arg.dtype, not arg.data_ptr() & 15) if type(arg) is not int
               else _SMALL_INT_CLASSES[arg] if 0 <= arg < _SMALL_INTS else _int_class(arg)
               for arg in args])
+
+
+# A small integer's class by a dict lookup: exact for ints (a bool or a float equal to a key
+# would find it too, so the key made for a layout looks up only what it checked to be int).
+_small_int_class = dict(enumerate(_SMALL_INT_CLASSES)).get
+
+
+def key_for_layout(args: tuple) -> Callable[[int, int, object, tuple], tuple]:
+    """``specialisation_key`` made for launches whose arguments have the layout of ``args``:
+    the same number of them, an ``int`` where ``args`` has one, a tensor elsewhere. It returns
+    the key ``specialisation_key`` returns, for any arguments (others than that layout take
+    ``specialisation_key`` itself), in straight-line code: the generic loop over the 28
+    arguments of a ``_segment_kernel`` launch costs it about a microsecond more."""
+    names = [f"arg{i}" for i in range(len(args))]
+    ints = [name for name, arg in zip(names, args) if type(arg) is int]
+    entries = [f"_small_int_class({name}) or _int_class({name})" if type(arg) is int
+               else f"({name}.dtype, not {name}.data_ptr() & 15)"
+               for name, arg in zip(names, args)]
+    all_ints = " is ".join([f"type({name})" for name in ints] + ["int"])
+    source = (
+        "def key(device, num_warps, constexpr_values, args):\n"
+        "    try:\n"
+        f"        ({''.join(name + ', ' for name in names)}) = args\n"
+        f"        if {all_ints}:\n"
+        "            return (device, num_warps, _launch_options(), *constexpr_values,\n"
+        "                    *map(type, constexpr_values),\n"
+        f"                    {''.join(entry + ', ' for entry in entries)})\n"
+        # Another number of arguments, or no tensor where the layout has one.
+        "    except (ValueError, AttributeError):\n"
+        "        pass\n"
+        "    return specialisation_key(device, num_warps, constexpr_values, args)\n")
+    namespace = {"_small_int_class": _small_int_class, "_int_class": _int_class,
+                 "_launch_options": _launch_options, "specialisation_key": specialisation_key}
+    exec(compile(source, f"<key for a launch of {len(args)} arguments>", "exec"), namespace)
+    return namespace["key"]
 
 
 def _hooks_installed(jitted: JITFunction) -> bool:
@@ -130,6 +172,7 @@ class Kernel:
     def __init__(self, jitted):
         self.jitted = jitted
         self._compiled: dict[tuple, tuple] = {}  # key -> (launcher, function, metadata, kernel)
+        self._key = None  # key_for_layout of the first direct launch's arguments
         self._jit = isinstance(jitted, JITFunction)
         if self._jit:
             names = [p.name for p in jitted.params]
@@ -149,7 +192,10 @@ class Kernel:
         active = driver.active
         device = active.get_current_device()
         values = constexprs.values()
-        key = specialisation_key(device, num_warps, values, args)
+        key_of = self._key
+        if key_of is None:
+            key_of = self._key = key_for_layout(args)
+        key = key_of(device, num_warps, values, args)
         found = self._compiled.get(key)
         if found is None:
             compiled = jitted.run(*args, grid=grid, warmup=False, num_warps=num_warps,

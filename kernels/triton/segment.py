@@ -1121,6 +1121,10 @@ def _tl_acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+# Each data dtype's accumulator, as torch and as Triton name it.
+_ACC_TYPES = {dtype: (_acc_dtype(dtype), _tl_acc(dtype)) for dtype in _DATA_CODES}
+
+
 # EXACT's rounding targets: (precision, smallest quantum in units, unit exponent, limbs).
 _EXACT_TARGETS = {
     torch.float32: (24, 0, -149, EXACT_LIMBS["fp32"]),
@@ -1212,8 +1216,9 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         raise ValueError("segment_reduce: CUDA_STRIDE_1 needs reduce SUM and inner size 1")
     if rule == CUDA_SMALL_STRIDE and reduce != SUM:
         raise ValueError("segment_reduce: CUDA_SMALL_STRIDE needs reduce SUM")
-    acc_dtype = _acc_dtype(src.dtype)
-    data = _DATA_CODES[src.dtype]
+    dtype = src.dtype
+    data = _DATA_CODES[dtype]
+    acc_dtype, acc_tl = _ACC_TYPES[dtype]
     has_order = order is not None
     order = order.contiguous() if has_order else bounds  # never read without HAS_ORDER
     has_base = base is not None
@@ -1221,11 +1226,14 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     scaled = float(alpha) != 1.0
     # torch.full rounds alpha to the acc type on the device: no host-to-device copy.
     alpha_t = torch.full((1,), float(alpha), dtype=acc_dtype, device=src.device) if scaled else out
-    src_s, out_s = _as_stored(src), _as_stored(out)
-    base_s = _as_stored(base) if has_base else out_s  # never read without HAS_BASE
+    src_s, out_s, base_s = src, out, base
+    if dtype == torch.bfloat16:  # base and out hold src's dtype too (the contract)
+        src_s, out_s = _as_stored(src), _as_stored(out)
+        base_s = _as_stored(base) if has_base else None
+    if not has_base:
+        base_s = out_s  # never read without HAS_BASE
     has_carry = carry is not None
     carry_s = carry if has_carry else out_s  # never touched without HAS_CARRY
-    acc_tl = _tl_acc(src.dtype)
 
     if rule == CUDA_STRIDE_1:
         grid = (nseg, min(outer, _MAX_GRID_YZ))

@@ -251,6 +251,36 @@ def test_means_of_narrow_data_round_their_ties_and_zeros(dtype, include_self):
     assert ties >= 10  # the data reach what the test is for
 
 
+def test_fp64_quotients_known_exact_only_when_they_are():
+    """The Numba kernels settle a mean's fp64 quotient ``q = s / d`` whose neighbours round
+    apart when ``q * d == s`` exactly (Dekker's product): checked against fractions on exact
+    quotients, on their fp64 neighbours, and on random sums of fp32 values, for divisors on
+    both sides of the 2**26 past which it never says exact."""
+    from detsum.kernels.numba.exact import _divides_exactly
+
+    g = torch.Generator().manual_seed(5)
+    divisors = [1, 2, 3, 5, 7, 8, 9, 100, 255, 256, 65537, 2**26 - 1, 2**26, 2**26 + 3, 2**29]
+    seen = {True: 0, False: 0}
+    for d in divisors:
+        # Sums of fp32 values with a common power of two (exact in fp64), many divisible by d.
+        terms = (torch.randint(-2**24, 2**24, (400, 3), generator=g).double()
+                 * 2.0 ** torch.randint(-40, 40, (400, 1), generator=g).double())
+        sums = terms.to(torch.float32).double().sum(1).tolist()
+        sums += [float(d) * v for v in sums[:100]] + [0.0, -0.0]
+        for s in sums:
+            q = s / d
+            for candidate in (q, math.nextafter(q, math.inf), math.nextafter(q, -math.inf)):
+                claimed = bool(_divides_exactly(s, candidate, float(d)))
+                truth = Fraction(candidate) * d == Fraction(s)
+                if candidate == q:
+                    seen[truth] += d < 2**26
+                    assert claimed == (truth and d < 2**26), (s, d, candidate)
+                else:
+                    # Not the rounded quotient: never exact (the proof needs q within an ulp).
+                    assert not claimed or truth, (s, d, candidate)
+    assert seen[True] > 500 and seen[False] > 500  # both verdicts reached
+
+
 MEANS_BELOW_THE_UNIT = [
     # (dtype, terms, mean): the quotient's rounding bit lies below the smallest subnormal.
     (torch.float32, [3 * 2.0**-149, 0.0], 2 * 2.0**-149),  # 1.5 units: a tie, to even

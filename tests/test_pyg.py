@@ -565,8 +565,7 @@ def test_compiled_with_fullgraph_runs_on_detsum(name, tiny_graph):
     """torch.compile(model, fullgraph=True): Dynamo traces the forward whole, the hooks run
     around it. Under AOTAutograd without Inductor the compiled forward and backward have the
     eager bits and calls; with Inductor the same calls reach detsum, and the bits repeat (its
-    own arithmetic around them, which it fuses, may round otherwise than eager code: pow, exp,
-    the matmuls)."""
+    own arithmetic around them, which it fuses, rounds otherwise than eager code in places)."""
     layer = _tiny_layer(name)
     detsum.pyg.make_deterministic(layer, mode="exact")
     expected, expected_calls = _run_counted(layer, tiny_graph)

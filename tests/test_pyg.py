@@ -560,7 +560,7 @@ def test_a_deep_copy_runs_its_own_parameters(tiny_graph):
     assert vars(copied)[detsum.pyg.MODE_ATTRIBUTE] == "fp32"  # undo changes the original only
 
 
-# Inductor's first compile in a process defines TorchScript methods of its own.
+# Importing Inductor (torch.utils.mkldnn) defines TorchScript methods, which torch deprecates.
 @pytest.mark.filterwarnings("ignore:.torch.jit.script_method. is deprecated:DeprecationWarning")
 @pytest.mark.parametrize("name", TINY_LAYERS)
 def test_compiled_with_fullgraph_runs_on_detsum(name, tiny_graph):

@@ -11,8 +11,9 @@ with a ``mode=``, and one call that makes every graph reduction of a model deter
   (``ptr``). Any of them plugs into ``MessagePassing(aggr=...)`` as an instance.
 - :func:`scatter` and :func:`softmax`: ``torch_geometric.utils.scatter`` and ``softmax`` (the
   same arguments, defaults and values) on detsum, with a keyword-only ``mode=``.
-- :func:`make_deterministic`: switches a whole model (see there for exactly what it covers)
-  and undoes the switch.
+- :func:`make_deterministic`: runs a whole model, forward and backward, under detsum's switch
+  (:func:`detsum.deterministic`), which takes torch's own accumulating ops: PyG's code and
+  modules stay as they are (see there for exactly what it covers), and the switch is undone.
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import sys
 import threading
-import types
 
 import torch
 
@@ -330,131 +329,141 @@ def _aggregation_classes() -> dict[str, type]:
     return classes
 
 
+# ---- make_deterministic: a model's forward and backward under detsum's switch --------------------
+
+#: The attribute that marks a module made deterministic: its mode's name. A plain str in the
+#: module's ``__dict__``, so a pickled, saved or copied module is marked as its original was.
+MODE_ATTRIBUTE = "_detsum_pyg_mode"
+
+_open = threading.local()  # .blocks: [(module, block)], the marked forwards running in this thread
+# The switch's blocks opened by backward calls that reached a marked module's output, by the
+# autograd engine's graph task id: (the thread that opened it, the block).
+_backward_blocks: dict[int, tuple[int, contextlib.AbstractContextManager]] = {}
+
+
+def _switch_on(module: torch.nn.Module, args) -> None:
+    """Forward pre-hook of a marked module: the switch on in the module's mode until its
+    forward returns or raises (``_switch_off``)."""
+    if torch._C._current_graph_task_id() == -1:
+        _close_failed_backward_blocks()
+    block = detsum.deterministic(getattr(module, MODE_ATTRIBUTE))
+    block.__enter__()
+    _open.__dict__.setdefault("blocks", []).append((module, block))
+
+
+def _switch_off(module: torch.nn.Module, args, output) -> None:
+    """Forward hook of a marked module, run also after a forward that raised: the switch as it
+    was before the forward, and each output that autograd records turns the switch on again
+    when the backward reaches it (``_switch_on_in_backward``)."""
+    blocks = getattr(_open, "blocks", [])
+    if blocks and blocks[-1][0] is module:
+        blocks.pop()[1].__exit__(None, None, None)
+    mode = getattr(module, MODE_ATTRIBUTE, None)
+    if mode is None or output is None or not torch.is_grad_enabled():
+        return
+    for tensor in _tensors(output):
+        if tensor.requires_grad:
+            tensor.register_hook(functools.partial(_switch_on_in_backward, mode))
+
+
+def _switch_on_in_backward(mode: str, grad: torch.Tensor) -> None:
+    """Gradient hook on a marked module's output: the switch on in ``mode`` from here to the
+    end of this backward call, once per call (the first marked output it reaches sets the
+    mode). The backward of the module's own ops has no end that autograd announces; the end
+    of the call is the first point after all of them. The engine's final callback closes the
+    block; it does not run when the backward raises, and then the thread's next marked
+    forward closes it (``_close_failed_backward_blocks``)."""
+    task = torch._C._current_graph_task_id()
+    if task in _backward_blocks:
+        return
+    block = detsum.deterministic(mode)
+    block.__enter__()
+    _backward_blocks[task] = (threading.get_ident(), block)
+    torch.autograd.Variable._execution_engine.queue_callback(
+        functools.partial(_close_backward_block, task))
+
+
+def _close_backward_block(task: int) -> None:
+    entry = _backward_blocks.pop(task, None)
+    if entry is not None:
+        entry[1].__exit__(None, None, None)
+
+
+def _close_failed_backward_blocks() -> None:
+    """Close the blocks of this thread's backward calls, called outside any backward: those
+    calls are over, and the blocks still open are of calls that raised. (A CPU backward runs
+    its hooks in the calling thread; a GPU one in the engine's device threads, which run no
+    forward: their blocks stay open until their call ends.)"""
+    thread = threading.get_ident()
+    for task in [task for task, (owner, _) in _backward_blocks.items() if owner == thread]:
+        _close_backward_block(task)
+
+
+def _tensors(value: object):
+    """The tensors in a module's output: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+# The hooks that turn the switch on and off run eagerly, never traced by Dynamo: under
+# torch.compile(model) the module's hooks run before and after its compiled forward, so the
+# switch is on when Dynamo traces the forward (Inductor then leaves the switched ops to the
+# dispatcher) and whenever the compiled code runs. torch.compiler.disable imports Dynamo:
+# these are made on first use (make_deterministic, or unpickling a marked module), not at
+# import detsum.
+_EAGER_HOOKS = {"detsum_switch_on": _switch_on, "detsum_switch_off": _switch_off}
+
+
+@functools.cache
+def _eager_hook(name: str):
+    hook = torch.compiler.disable(
+        _EAGER_HOOKS[name],
+        reason="detsum.pyg: the hooks of a module made deterministic turn detsum's switch on "
+               "and off around its forward, eagerly; compile the marked module itself "
+               "(torch.compile(model), model.compile()), or compile without fullgraph=True")
+    # pickle finds a hook as detsum.pyg.<name> (through the module __getattr__ below).
+    hook.__name__ = hook.__qualname__ = name
+    hook.__module__ = __name__
+    return hook
+
+
 def __getattr__(name: str):
     # The aggregation classes subclass PyG's, so they exist once torch_geometric is imported:
     # on first access, not at `import detsum`.
     if name in AGGREGATION_REDUCES or name == "SoftmaxAggregation":
         _import_pyg(f"detsum.pyg.{name}")
         return _aggregation_classes()[name]
+    if name in _EAGER_HOOKS:
+        return _eager_hook(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ---- module-level functions of PyG's conv layers, routed while a switched layer runs -------------
-
-_local = threading.local()  # .modes: the modes of the switched layers running in this thread
-_patch_lock = threading.Lock()
-_patch_users = 0
-_patched: list[tuple[object, str, object]] = []  # (module, name, PyG's original)
-
-
-def _current_mode() -> Mode | None:
-    modes = getattr(_local, "modes", None)
-    return modes[-1] if modes else None
-
-
-def _routed_scatter(src, index, dim=0, dim_size=None, reduce="sum"):
-    mode = _current_mode()
-    if mode is None:  # another thread, outside any switched layer: PyG's own function
-        return _original("scatter")(src, index, dim, dim_size, reduce)
-    return scatter(src, index, dim, dim_size, reduce, mode=mode)
-
-
-def _routed_softmax(src, index=None, ptr=None, num_nodes=None, dim=0):
-    mode = _current_mode()
-    if mode is None:
-        return _original("softmax")(src, index, ptr, num_nodes, dim)
-    return softmax(src, index, ptr, num_nodes, dim, mode=mode)
-
-
-def _original(name: str):
-    return getattr(importlib.import_module("torch_geometric.utils"), name)
-
-
-@functools.cache
-def _routed_functions() -> tuple[tuple[object, str, object, object], ...]:
-    """(module, name, PyG's original, detsum's) for every ``scatter`` and ``softmax`` that a
-    module of ``torch_geometric.nn.conv`` imported from ``torch_geometric.utils``. Looked up
-    once (a walk over sys.modules takes milliseconds; a layer's forward installs the routes)."""
-    utils = importlib.import_module("torch_geometric.utils")
-    importlib.import_module("torch_geometric.nn.conv")
-    found = []
-    for module_name, module in sorted(sys.modules.items()):
-        if not module_name.startswith("torch_geometric.nn.conv.") or module is None:
+def _refuse_uncovered_inputs(layer: torch.nn.Module, args, kwargs) -> None:
+    """Forward pre-hook of each MessagePassing layer of a marked model: refuse an adjacency
+    that sends PyG onto code the switch does not reach, before the layer computes anything.
+    Traced by Dynamo when the model is compiled (it only reads types and layouts)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            kind = f"a sparse tensor (layout {value.layout})"
+        elif type(value).__name__ == "SparseTensor":
+            kind = "a sparse tensor (SparseTensor)"
+        elif type(value).__name__ == "EdgeIndex":
+            kind = "an EdgeIndex"
+        else:
             continue
-        for name, routed in (("scatter", _routed_scatter), ("softmax", _routed_softmax)):
-            original = getattr(utils, name)
-            if vars(module).get(name) is original:
-                found.append((module, name, original, routed))
-    return tuple(found)
-
-
-@contextlib.contextmanager
-def _routing(mode: Mode):
-    """PyG's conv modules call detsum's ``scatter``/``softmax`` in ``mode`` inside this block;
-    the first block to open installs the routes, the last to close restores PyG's originals."""
-    global _patch_users
-    modes = _local.__dict__.setdefault("modes", [])
-    with _patch_lock:
-        if _patch_users == 0:
-            for module, name, original, routed in _routed_functions():
-                if vars(module).get(name) is original:  # never over someone else's patch
-                    setattr(module, name, routed)
-                    _patched.append((module, name, original))
-        _patch_users += 1
-    modes.append(mode)
-    try:
-        yield
-    finally:
-        modes.pop()
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                while _patched:
-                    module, name, original = _patched.pop()
-                    setattr(module, name, original)
-
-
-# ---- the switch ---------------------------------------------------------------------------------
-
-def _is_sparse(value: object) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.layout != torch.strided
-    return type(value).__name__ == "SparseTensor"
-
-
-class _SwitchedForward:
-    """A switched layer's ``forward`` (bound to the layer as a method, so a deep copy of the
-    layer binds it to the copy): the layer's class ``forward``, during which PyG's conv modules
-    call detsum's ``scatter`` and ``softmax``."""
-
-    def __init__(self, mode: Mode, path: str):
-        self.mode, self.path = mode, path
-
-    def __call__(self, layer, *args, **kwargs):
-        for value in (*args, *kwargs.values()):
-            if _is_sparse(value):
-                raise ValueError(
-                    f"detsum.pyg: {type(layer).__name__} at {self.path!r} was called with a "
-                    f"sparse tensor ({type(value).__name__}, layout "
-                    f"{getattr(value, 'layout', '-')}); make_deterministic covers edge_index "
-                    f"given as an integer tensor of shape [2, num_edges] (PyG's sparse path "
-                    f"runs a sparse matmul that detsum does not replace)")
-        with _routing(self.mode):
-            return type(layer).forward(layer, *args, **kwargs)
-
-
-class _SwitchedIndexSelect:
-    """A switched layer's ``_index_select`` (PyG's gather of ``x_j``/``x_i``), bound as a
-    method: :func:`detsum.index_select` along the layer's ``node_dim``."""
-
-    def __init__(self, mode: Mode):
-        self.mode = mode
-
-    def __call__(self, layer, src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return detsum.index_select(src, layer.node_dim, index, mode=self.mode)
-
-
-_MISSING = object()
+        raise ValueError(
+            f"detsum.pyg: {type(layer).__name__}, a layer of a model made deterministic, was "
+            f"called with {kind}; "
+            f"make_deterministic covers edge_index given as a plain integer tensor of shape "
+            f"[2, num_edges] (with a sparse adjacency or an EdgeIndex PyG runs sparse "
+            f"matmuls and CSR reductions, torch_sparse's, torch_scatter's or pyg_lib's, "
+            f"that detsum's switch does not reach; an EdgeIndex converts with .as_tensor())")
 
 
 class DeterministicSwitch:
@@ -462,12 +471,11 @@ class DeterministicSwitch:
     leave a ``with`` block.
 
     Attributes:
-        model: the switched model.
-        mode: the detsum mode of every switched reduction.
-        layers: the paths (``model.named_modules()`` names) of the switched MessagePassing
-            layers.
-        aggregations: ``(path, PyG class name)`` of every aggregation module replaced by
-            detsum's.
+        model: the marked model.
+        mode: the detsum mode its forward and backward run in.
+        layers: the paths (``model.named_modules()`` names) of its MessagePassing layers.
+        aggregations: always empty: the model keeps PyG's aggregation modules (kept for
+            code that read the modules an earlier version replaced).
         active: True until ``undo()``.
     """
 
@@ -479,9 +487,9 @@ class DeterministicSwitch:
         self.active = True
 
     def undo(self) -> None:
-        """Put back every original: aggregation modules, the layers' ``forward``,
-        ``_index_select`` and ``fuse``, and MultiAggregation's fused path. Undoing twice does
-        nothing the second time."""
+        """Remove the mark and the hooks from the model (not from copies of it: a pickled,
+        loaded or deep-copied model keeps its own). Undoing twice does nothing the second
+        time."""
         while self._undo_steps:
             self._undo_steps.pop()()
         self.active = False
@@ -497,42 +505,13 @@ class DeterministicSwitch:
         return (f"DeterministicSwitch({state}, mode={self.mode.value!r}, "
                 f"layers={len(self.layers)}, aggregations={len(self.aggregations)})")
 
-    def _set(self, owner: object, name: str, value: object) -> None:
-        """``setattr(owner, name, value)``, remembering how to undo it (an attribute that was
-        not in the instance's own ``__dict__`` is deleted again, so the class's shows)."""
-        if isinstance(owner, torch.nn.Module) and name in owner._modules:
-            before = owner._modules[name]
-        else:
-            before = vars(owner).get(name, _MISSING)
-        setattr(owner, name, value)
-
-        def restore():
-            if before is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, before)
-
-        self._undo_steps.append(restore)
-
-
-def _detsum_equivalent(aggregation: torch.nn.Module, mode: Mode) -> torch.nn.Module:
-    classes = _aggregation_classes()
-    name = type(aggregation).__name__
-    if name == "SoftmaxAggregation":
-        equivalent = classes[name](aggregation._init_t, aggregation.learn, aggregation.semi_grad,
-                                   aggregation.channels, mode=mode)
-        if aggregation.learn:
-            equivalent.t = aggregation.t  # the same Parameter: an optimizer keeps updating it
-    else:
-        equivalent = classes[name](mode=mode)
-    return equivalent.train(aggregation.training)
-
 
 def make_deterministic(model: torch.nn.Module, *, mode: str | Mode = "fp32",
                        strict: bool = True) -> DeterministicSwitch:
-    """Make every graph reduction of a PyG model deterministic, in ``mode``; returns a
-    :class:`DeterministicSwitch` whose ``undo()`` (or the end of a ``with`` block) puts PyG's
-    originals back.
+    """Run a PyG model's forward and backward under detsum's switch
+    (:func:`detsum.deterministic`) in ``mode``, so that every accumulation PyG computes with
+    torch's ops runs on detsum; returns a :class:`DeterministicSwitch` whose ``undo()`` (or
+    the end of a ``with`` block) puts the model back as it was.
 
     ::
 
@@ -541,118 +520,102 @@ def make_deterministic(model: torch.nn.Module, *, mode: str | Mode = "fp32",
             loss = criterion(model(x, edge_index), y)
             loss.backward()
 
-    What it covers, for every ``MessagePassing`` layer in ``model`` (``model.modules()``):
+    The model keeps PyG's code, its classes, modules, parameters, ``state_dict`` and ``repr``:
+    nothing of PyG is replaced. It is marked (an attribute holding the mode's name) and given
+    forward hooks, so that PyG's CPU path runs on detsum throughout: the gather of messages
+    (``index_select``, whose backward is ``index_add_``), the aggregations (``scatter_add_``;
+    ``scatter_reduce_`` for min, max and mul; ``segment_reduce``), ``gcn_norm``'s degree sum
+    and its ``deg_inv_sqrt[row]`` backward, the attention softmax of GATConv and the others,
+    pooling (``global_add_pool``: a ``scatter_add_``), and any other op the switch takes
+    (docs/enable.md lists them), forward and backward. Pickling, ``torch.save``/``torch.load``
+    of the whole model and ``copy.deepcopy`` keep the mark; a ``state_dict`` holds none.
 
-    1. **Aggregation**: each ``SumAggregation``, ``MeanAggregation``, ``MinAggregation``,
-       ``MaxAggregation``, ``MulAggregation`` and ``SoftmaxAggregation`` in the model (the
-       ``aggr_module`` a layer built from ``aggr="add"``, ``"mean"``, ... or was given, and
-       those inside a ``MultiAggregation``) is replaced by detsum's class of the same name
-       (a learnable ``t`` stays the same Parameter); a ``MultiAggregation`` runs its
-       aggregations one by one, not through PyG's fused kernel.
-    2. **The gather of messages**: ``x_j``/``x_i`` (PyG's ``_index_select``, in ``propagate``
-       and ``edge_updater``) go through :func:`detsum.index_select`, whose backward is
-       detsum's ``index_add`` (torch's is an ``index_add_`` with atomics on a GPU).
-    3. **Module-level reductions of the conv layers**: while a switched layer's ``forward``
-       runs, the ``scatter`` and ``softmax`` that PyG's conv modules import from
-       ``torch_geometric.utils`` are :func:`scatter` and :func:`softmax` in ``mode``: the
-       degree sum of ``gcn_norm`` (GCNConv), the attention softmax of GATConv, GATv2Conv,
-       TransformerConv and the others, the aggregations of EGConv and RGCNConv. They are
-       PyG's own again as soon as that ``forward`` returns or raises, and in other threads
-       all along.
-    4. Layers that would take a fused ``message_and_aggregate`` run message and aggregate
-       apart (``fuse = False``).
+    When: while the model's forward runs, the switch is on in ``mode`` (process-wide, as
+    :func:`detsum.deterministic` says: other threads' ops too; inside an open block, the
+    model's mode during its forward). When a backward call reaches one of the model's outputs,
+    the switch is on in ``mode`` from there to the end of that call: the backward of the
+    model's own ops has no end that autograd announces, so the backward of what ran before the
+    model runs on the switch too (a call that reaches marked models of several modes runs in
+    the first one's). A backward that raises skips autograd's final callback, which turns the
+    switch off; the thread's next call of a marked model does. Call the model itself: its
+    layers called directly run outside the switch.
 
-    Not covered: anything outside those reductions (dense layers: torch's matmuls; dropout);
-    a sparse adjacency (``torch.sparse`` or ``SparseTensor``: refused with an error, as its
-    sparse matmul is torch's); the gradient of ``gcn_norm`` with respect to edge weights
-    (``deg_inv_sqrt[row]``: torch's advanced-index backward); aggregation modules of other
-    kinds (LSTM, Set2Set, Std, ...; with ``strict=True`` they are refused, naming each,
-    before anything changes; with ``strict=False`` they keep PyG's code); PyG's pooling and
-    ``torch_geometric.utils`` called outside a switched layer's ``forward``; models run
-    under ``torch.compile`` or TorchScript (not tested).
+    Compiled: ``torch.compile(model)`` (``fullgraph=True`` too) and ``model.compile()`` run
+    the hooks around the compiled forward, so the compiled forward and backward send the same
+    ops to detsum as eager code; so does a model whose layers are compiled one by one.
+    Inductor's own arithmetic around those ops (the elementwise ops it fuses) may round
+    otherwise than eager code (docs/enable.md). A function that calls a marked model, compiled
+    with ``fullgraph=True``, is refused by Dynamo (the hooks are not traced); compile it
+    without ``fullgraph``, or leave the model unmarked and call the compiled function inside
+    ``detsum.deterministic(mode)``. TorchScript refuses the hooks: script an unmarked model
+    (or one after ``undo()``) and run it inside ``detsum.deterministic(mode)``, where scripted
+    code reaches the switch too.
+
+    Not covered: what is not an op the switch takes (matmuls, dropout); a sparse adjacency
+    (``torch.sparse`` or ``SparseTensor``) or an ``EdgeIndex`` given to a MessagePassing
+    layer (refused with an error naming the layer: PyG then runs sparse matmuls and CSR
+    reductions of torch_sparse, torch_scatter or pyg_lib, which the switch does not reach);
+    on a GPU where torch_scatter is installed, PyG's min, max and mul with gradient
+    (torch_scatter's kernels); CUDA tensors in general (the switch's CUDA path is untested).
 
     Args:
-        model: any ``torch.nn.Module`` holding PyG layers (or a layer itself).
+        model: any ``torch.nn.Module`` (a PyG layer, or a model holding them).
         mode: keyword only: ``"fp32"`` (default), ``"kahan"``, ``"autograd"`` or ``"exact"``.
-        strict: keyword only: refuse aggregation modules detsum cannot replace (default).
+        strict: keyword only: refuse, before anything changes, a ``MulAggregation`` with
+            ``mode="exact"`` (detsum has no exact product: the switch leaves the product to
+            torch's kernel); with ``strict=False`` torch's kernel runs it.
 
-    Bits, on a CPU, for fp32 data: ``"autograd"`` gives PyG's own forward and backward bits
-    for GCNConv, SAGEConv and GATConv (torch's CPU ``scatter_add_`` and ``index_add_`` add
-    each node's terms in fp32 in order of appearance, rounding after every add), and so does
-    ``"fp32"`` wherever a node receives at most 256 terms (longer sums it takes in chunks of
-    256); docs/switching.md has the table per mode and dtype. Min and max aggregations are
-    exact, and their gradient is PyG's CPU gradient in every mode and dtype (tied members
-    share it evenly, as :class:`MaxAggregation` says), so the layers built on them (SAGEConv
-    or GINConv with ``aggr="max"``, EdgeConv) differ from PyG only where their sums do.
+    Bits, on a CPU: each accumulation has the switch's bits in ``mode`` (docs/enable.md),
+    around PyG's own arithmetic. For fp32 data, ``"autograd"`` gives PyG's own forward and
+    backward bits for GCNConv, SAGEConv and GATConv (torch's CPU ``scatter_add_`` and
+    ``index_add_`` add each node's terms in fp32 in order of appearance, rounding after every
+    add), and so does ``"fp32"`` wherever a node receives at most 256 terms (longer sums it
+    takes in chunks of 256). For bf16 data both do too: torch's CPU sums keep bf16 in an fp32
+    buffer, ``"fp32"`` mode's arithmetic, and the switch leaves bf16 sums in ``"autograd"``
+    mode to torch's kernel. docs/switching.md has the table per mode and dtype. A mean is
+    PyG's: the sum rounded to the dtype, then divided (:class:`MeanAggregation` divides before
+    rounding). Min and max are exact, and their gradient is PyG's CPU gradient (torch's
+    ``scatter_reduce`` backward: tied members share it evenly, as :class:`MaxAggregation`
+    says), its count of ties summed on detsum.
     """
     caller = "detsum.pyg.make_deterministic"
     pyg = _import_pyg(caller)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{caller}: model must be a torch.nn.Module, got "
                         f"{type(model).__name__}")
+    if type(model).forward is torch.nn.Module.forward:
+        raise TypeError(f"{caller}: model is a {type(model).__name__}, which has no forward: "
+                        f"its hooks would never run; expected the module you call (each "
+                        f"layer of a container that you call, made deterministic apart)")
     mode = parse_mode(mode, caller=caller)
     if not isinstance(strict, bool):
         raise TypeError(f"{caller}: strict={strict!r}; expected True or False")
-    aggr = pyg.nn.aggr
-    message_passing = pyg.nn.conv.MessagePassing
-    if not callable(getattr(message_passing, "_index_select", None)):
-        raise RuntimeError(f"{caller}: torch_geometric {pyg.__version__} has no "
-                           f"MessagePassing._index_select, the gather the switch replaces; "
-                           f"expected torch_geometric 2.5 or later (tested with 2.8)")
-    replaceable = tuple(getattr(aggr, name) for name in (*AGGREGATION_REDUCES,
-                                                         "SoftmaxAggregation"))
-    ours = tuple(_aggregation_classes().values())
-    paths = {id(module): path for path, module in model.named_modules()}
-
-    # Plan everything first: a refusal leaves the model untouched.
-    replacements, multis, refused = [], [], []
-    fused_of_multis = {id(m.fused_aggr) for m in model.modules()
-                       if isinstance(m, aggr.MultiAggregation) and m.fused_aggr is not None}
-    for module in model.modules():
-        if isinstance(module, message_passing) and "_index_select" in vars(module):
-            raise ValueError(f"{caller}: the layer at {paths[id(module)]!r} is switched "
-                             f"already; undo the earlier switch first")
-        if isinstance(module, message_passing) and "forward" in vars(module):
-            raise ValueError(f"{caller}: the layer at {paths[id(module)]!r} has a forward of "
-                             f"its own (an instance attribute); expected its class's forward, "
-                             f"which the switch wraps")
-        if isinstance(module, aggr.MultiAggregation):
-            multis.append(module)
-        for name, child in module.named_children():
-            if type(child) in replaceable:
-                replacements.append((module, name, child,
-                                     _detsum_equivalent(child, mode)))
-    for module in model.modules():
-        if (isinstance(module, aggr.Aggregation) and not isinstance(module, ours)
-                and type(module) not in replaceable
-                and not isinstance(module, aggr.MultiAggregation)
-                and id(module) not in fused_of_multis):
-            refused.append(f"{paths[id(module)] or '<model>'} ({type(module).__name__})")
-    if type(model) in replaceable:
-        refused.append(f"<model> ({type(model).__name__}: pass the module that holds it, or "
-                       f"use detsum.pyg.{type(model).__name__} directly)")
-    if strict and refused:
-        raise ValueError(f"{caller}: detsum has no replacement for the aggregation modules "
-                         f"{', '.join(refused)}; expected Sum, Mean, Min, Max, Mul, Softmax or "
-                         f"a MultiAggregation of them (strict=False keeps PyG's code for the "
-                         f"others)")
+    if MODE_ATTRIBUTE in vars(model):
+        raise ValueError(f"{caller}: the model is switched already, in mode "
+                         f"{getattr(model, MODE_ATTRIBUTE)!r}; undo the earlier switch first")
+    modules = list(model.named_modules())
+    if strict and mode is Mode.EXACT:
+        products = [f"{path or '<model>'} ({type(module).__name__})" for path, module in modules
+                    if isinstance(module, pyg.nn.aggr.MulAggregation)]
+        if products:
+            raise ValueError(f"{caller}: {', '.join(products)} multiplies, and detsum's "
+                             f"reduce='mul' has no mode='exact' (torch's kernel would run "
+                             f"it); expected mode 'fp32', 'kahan' or 'autograd', or "
+                             f"strict=False to let torch's kernel run the product")
 
     switch = DeterministicSwitch(model, mode)
-    for module, name, old, new in replacements:
-        switch._set(module, name, new)
-        switch.aggregations.append((f"{paths[id(module)]}.{name}".lstrip("."),
-                                    type(old).__name__))
-    for multi in multis:
-        if multi.fused_aggr is not None:
-            switch._set(multi, "fused_aggr", None)
-    for module in model.modules():
-        if isinstance(module, message_passing):
-            path = paths[id(module)]
-            switch._set(module, "_index_select",
-                        types.MethodType(_SwitchedIndexSelect(mode), module))
-            switch._set(module, "forward",
-                        types.MethodType(_SwitchedForward(mode, path or "<model>"), module))
-            if module.fuse:
-                switch._set(module, "fuse", False)
+    steps = switch._undo_steps
+    for path, module in modules:
+        if isinstance(module, pyg.nn.conv.MessagePassing):
+            steps.append(module.register_forward_pre_hook(_refuse_uncovered_inputs,
+                                                          with_kwargs=True).remove)
             switch.layers.append(path)
+    # The mark first, then the switch's hooks around everything else the module's call runs
+    # (its other hooks too): the pre-hook first in line, the hook last.
+    setattr(model, MODE_ATTRIBUTE, mode.value)
+    steps.append(lambda: delattr(model, MODE_ATTRIBUTE))
+    steps.append(model.register_forward_pre_hook(_eager_hook("detsum_switch_on"),
+                                                 prepend=True).remove)
+    steps.append(model.register_forward_hook(_eager_hook("detsum_switch_off"),
+                                             always_call=True).remove)
     return switch

@@ -4,14 +4,18 @@ The layers run on a random graph of 10k nodes and 100k edges (64 input features,
 forward and backward, the same bits over runs and detsum's thread counts, PyG's own bits where
 they hold by construction (fp32 data: torch's CPU scatter_add_/index_add_ add each node's terms in
 fp32 in order of appearance, as "autograd" mode does, and as "fp32" mode does while no node
-receives more than 256 terms; bf16 sums: an fp32 buffer rounded once, "fp32" mode), and in
-bf16 an error against an fp64 run of the same layer no larger than PyG's. The aggregation
-modules run alone on a small graph.
+receives more than 256 terms; bf16 sums: an fp32 buffer rounded once, "fp32" mode; bf16 in
+"autograd" mode: the switch leaves those sums to torch's kernel). What make_deterministic keeps
+of the model (its repr, pickling, torch.save, torch.compile with fullgraph=True) runs on a tiny
+graph, counting the calls that reached detsum's kernels. The aggregation modules run alone on a
+small graph.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
+import io
 import pickle
 import subprocess
 import sys
@@ -25,7 +29,9 @@ torch_geometric = pytest.importorskip("torch_geometric")
 
 import detsum  # noqa: E402
 import detsum.pyg  # noqa: E402
+from detsum import switch as detsum_switch  # noqa: E402
 from conftest import assert_same_bits, detsum_threads  # noqa: E402
+from torch_geometric import EdgeIndex  # noqa: E402
 from torch_geometric.nn import (  # noqa: E402
     EdgeConv, GATConv, GCNConv, GINConv, SAGEConv, aggr as pyg_aggr,
 )
@@ -137,24 +143,29 @@ def test_fp32_hub_node_autograd_mode_keeps_pygs_bits_fp32_mode_chunks():
     assert (chunked != theirs[0]).any(dim=1).nonzero().view(-1).tolist() == [5]
 
 
-@pytest.mark.parametrize("name", ["GCNConv", "GATConv"])
-def test_bf16_sum_layers_have_pygs_own_bits_in_fp32_mode(name, graph):
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_bf16_layers_have_pygs_own_bits(name, mode, graph):
     """torch's CPU scatter_add_ and index_add_ keep a bf16 sum in an fp32 buffer and round it
-    once: "fp32" mode's arithmetic, so the sum-based layers match PyG in bf16 too."""
-    for got, expected in zip(switched_result(name, torch.bfloat16, graph, "fp32"),
+    once: "fp32" mode's arithmetic, so the layers match PyG in bf16 too (SAGEConv's mean is
+    PyG's: that sum, rounded to bf16, then divided). In "autograd" mode the switch leaves bf16
+    sums to torch's kernel (docs/enable.md), which is PyG's."""
+    for got, expected in zip(switched_result(name, torch.bfloat16, graph, mode),
                              pyg_result(name, torch.bfloat16, graph)):
         assert_same_bits(got, expected)
 
 
-def test_bf16_sage_is_no_further_from_fp64_than_pyg(graph):
+def test_bf16_sage_with_detsums_mean_is_no_further_from_fp64_than_pyg(graph):
     """SAGEConv's mean in bf16: PyG rounds the sum to bf16, then divides (two roundings);
-    "fp32" mode divides the fp32 sum and rounds once. Against an fp64 run of the same layer
-    (the bf16 parameters and input, widened), detsum's output error is no larger than PyG's,
-    at its largest and on average; the input gradient (a gather's backward, which both sum
-    in fp32) has PyG's bits."""
+    detsum.pyg.MeanAggregation in "fp32" mode divides the fp32 sum and rounds once. Against an
+    fp64 run of the same layer (the bf16 parameters and input, widened), the layer built with
+    detsum's mean has an output error no larger than PyG's, at its largest and on average; the
+    input gradient (a gather's backward, which both sum in fp32) has PyG's bits."""
     layer = make_layer("SAGEConv", torch.bfloat16)
     reference = forward_backward(copy.deepcopy(layer).double(), graph, torch.float64)
-    ours = switched_result("SAGEConv", torch.bfloat16, graph, "fp32")
+    layer.aggr_module = detsum.pyg.MeanAggregation(mode="fp32")
+    with detsum.pyg.make_deterministic(layer, mode="fp32"):
+        ours = forward_backward(layer, graph, torch.bfloat16)
     theirs = pyg_result("SAGEConv", torch.bfloat16, graph)
     error_ours = (ours[0].double() - reference[0]).abs()
     error_theirs = (theirs[0].double() - reference[0]).abs()
@@ -299,78 +310,360 @@ def test_scatter_extreme_gradient_has_pygs_bits(reduce, tied_messages):
             assert_same_bits(a, b)
 
 
-# ---- the switch: what it changes, and undoing it ------------------------------------------------
+# ---- make_deterministic: what it changes, and undoing it ------------------------------------------
 
 def _originals(layer):
     return {"aggr_module": layer.aggr_module, "fuse": layer.fuse,
             "instance attributes": sorted(vars(layer)),
+            "hooks": (dict(layer._forward_pre_hooks), dict(layer._forward_hooks)),
             "gcn_conv.scatter": gcn_conv.scatter, "gat_conv.softmax": gat_conv.softmax}
 
 
 def test_undo_restores_pygs_originals(graph):
+    """The layer keeps PyG's modules and functions while it is switched; undo removes the mark
+    and the hooks."""
     layer = make_layer("GATConv", torch.float32)
     before = _originals(layer)
     assert before["gcn_conv.scatter"] is torch_geometric.utils.scatter
     switch = detsum.pyg.make_deterministic(layer, mode="exact")
-    assert isinstance(layer.aggr_module, detsum.pyg.SumAggregation)
-    assert switch.aggregations == [("aggr_module", "SumAggregation")] and switch.layers == [""]
-    # Outside a switched forward, PyG's module-level functions are its own.
-    assert gcn_conv.scatter is before["gcn_conv.scatter"]
+    assert layer.aggr_module is before["aggr_module"]
+    assert type(layer.aggr_module) is pyg_aggr.SumAggregation
+    assert switch.aggregations == [] and switch.layers == [""]
     switched = forward_backward(layer, graph, torch.float32)
     switch.undo()
     switch.undo()  # a second undo does nothing
     assert _originals(layer) == before
-    assert layer.aggr_module is before["aggr_module"]
     unswitched = forward_backward(layer, graph, torch.float32)
     for got, expected in zip(unswitched, pyg_result("GATConv", torch.float32, graph)):
         assert_same_bits(got, expected)
     assert not torch.equal(switched[0], unswitched[0])  # "exact" did run while switched
 
 
-def test_routes_are_installed_only_while_a_switched_forward_runs(graph):
-    """gcn_norm's scatter and GAT's softmax are detsum's inside the layer's forward, in this
-    thread; other threads and code outside the forward see PyG's."""
-    edge_index, x, _ = graph
-    layer = make_layer("GCNConv", torch.float32)
+@pytest.fixture(scope="module")
+def tiny_graph():
+    """120 edges among 30 nodes, 8 features: enough for every node to sum several terms."""
+    g = torch.Generator().manual_seed(41)
+    return (torch.randint(0, 30, (2, 120), generator=g), torch.randn(30, 8, generator=g),
+            torch.randn(30, 8, generator=g))
+
+
+TINY_LAYERS = {
+    "GCNConv": lambda: GCNConv(8, 8),
+    "SAGEConv": lambda: SAGEConv(8, 8),
+    "GATConv": lambda: GATConv(8, 4, heads=2),
+}
+
+
+def _tiny_layer(name):
+    torch.manual_seed(5)
+    return TINY_LAYERS[name]()
+
+
+def _run_counted(module, graph):
+    """forward_backward, outside any ``detsum.deterministic`` block, and the calls that
+    reached detsum's kernels meanwhile, per op (an op's in-place and functional forms
+    together: compiled code runs the functional one)."""
+    before = detsum_switch.counts.copy()
+    results = forward_backward(module, graph, torch.float32)
+    calls = collections.Counter()
+    for (op, where), count in (detsum_switch.counts - before).items():
+        if where == "detsum":
+            calls[op.split(".")[0].rstrip("_")] += count
+    assert detsum_switch.current_mode() is None  # off again after the forward and backward
+    return results, calls
+
+
+def _eager_reference(module, graph, mode):
+    """What the unmarked ``module`` computes with its forward and backward inside
+    ``detsum.deterministic(mode)``, and the calls that reached detsum."""
+    with detsum.deterministic(mode):
+        before = detsum_switch.counts.copy()
+        results = forward_backward(module, graph, torch.float32)
+    calls = collections.Counter()
+    for (op, where), count in (detsum_switch.counts - before).items():
+        if where == "detsum":
+            calls[op.split(".")[0].rstrip("_")] += count
+    return results, calls
+
+
+@pytest.mark.parametrize("name", TINY_LAYERS)
+def test_forward_and_backward_run_on_detsum_outside_any_block(name, tiny_graph):
+    """A marked layer's forward, and its backward called after the forward returned, run on
+    detsum's kernels in the layer's mode: the bits and the calls of the same layer run with
+    both inside ``detsum.deterministic``; "exact" differs from PyG's own bits."""
+    layer = _tiny_layer(name)
+    expected, expected_calls = _eager_reference(copy.deepcopy(layer), tiny_graph, "exact")
+    pygs = forward_backward(copy.deepcopy(layer), tiny_graph, torch.float32)
+    detsum.pyg.make_deterministic(layer, mode="exact")
+    got, calls = _run_counted(layer, tiny_graph)
+    assert calls == expected_calls and calls["index_add"] > 0  # the gather's backward
+    for a, b in zip(got, expected):
+        assert_same_bits(a, b)
+    assert any(not torch.equal(a, b) for a, b in zip(got, pygs))
+
+
+def test_pygs_functions_stay_pygs_and_the_switch_is_on_during_the_forward(tiny_graph):
+    """Nothing of PyG is replaced: during the layer's forward gcn_norm's scatter is PyG's own,
+    and the switch is on in the layer's mode, process-wide (another thread's index_add runs on
+    detsum too); before and after, the switch is off."""
+    edge_index, x, _ = tiny_graph
+    layer = _tiny_layer("GCNConv")
     seen = {}
 
     def look(module, inputs, output):
-        seen["here"] = gcn_conv.scatter.__name__
+        seen["scatter"] = gcn_conv.scatter
+        seen["mode"] = detsum_switch.current_mode()
+        terms = torch.tensor([1e8, 1.0, -1e8])
         other = threading.Thread(target=lambda: seen.setdefault(
-            "other thread", gcn_conv.scatter(torch.ones(3), torch.tensor([0, 0, 1]))))
+            "other thread", torch.zeros(1).index_add(0, torch.tensor([0, 0, 0]), terms)))
         other.start()
         other.join()
 
     layer.register_message_forward_hook(look)
-    with detsum.pyg.make_deterministic(layer):
-        layer(x[:100], edge_index[:, :50] % 100)
-        assert gcn_conv.scatter is torch_geometric.utils.scatter
-    assert seen["here"] == "_routed_scatter"
-    assert torch.equal(seen["other thread"], torch.tensor([2.0, 1.0]))
+    with detsum.pyg.make_deterministic(layer, mode="exact"):
+        assert detsum_switch.current_mode() is None
+        layer(x, edge_index)
+        assert detsum_switch.current_mode() is None
+    assert seen["scatter"] is torch_geometric.utils.scatter
+    assert seen["mode"] == "exact"
+    assert seen["other thread"].item() == 1.0  # the exact sum; torch's gives 0.0
 
 
-def test_a_forward_that_raises_still_restores_the_routes(graph):
-    edge_index, x, _ = graph
-    layer = make_layer("GCNConv", torch.float32)
+def test_a_forward_that_raises_turns_the_switch_off(tiny_graph):
+    edge_index, x, _ = tiny_graph
+    layer = _tiny_layer("GCNConv")
     with detsum.pyg.make_deterministic(layer):
         with pytest.raises(RuntimeError):
-            layer(x[:100, :3], edge_index[:, :50] % 100)  # 3 features, not 64
-    assert gcn_conv.scatter is torch_geometric.utils.scatter
+            layer(x[:, :3], edge_index)  # 3 features, not 8
+        assert detsum_switch.current_mode() is None
+        assert not getattr(detsum.pyg._open, "blocks", [])
 
 
-def test_a_deep_copy_of_a_switched_layer_runs_its_own_parameters(graph):
-    edge_index, x, _ = graph
-    layer = make_layer("GCNConv", torch.float32)
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("no gradient here")
+
+
+def test_a_backward_that_raises_is_switched_off_at_the_next_forward(tiny_graph):
+    """A backward that raises never reaches autograd's final callback, which turns the switch
+    off: the thread's next call of a marked model does."""
+    edge_index, x, _ = tiny_graph
+    layer = _tiny_layer("GCNConv")
+    detsum.pyg.make_deterministic(layer, mode="exact")
+    out = layer(FailsInBackward.apply(x.clone().requires_grad_()), edge_index)
+    with pytest.raises(RuntimeError, match="no gradient here"):
+        out.sum().backward()
+    assert detsum_switch.current_mode() == "exact"
+    with torch.no_grad():
+        layer(x, edge_index)
+    assert detsum_switch.current_mode() is None
+    _run_counted(layer, tiny_graph)  # and the next backward turns it off itself
+
+
+def test_a_marked_layer_inside_a_block_runs_in_its_own_mode(tiny_graph):
+    """Blocks nest: the layer's mode holds during its forward and backward, the block's
+    outside them."""
+    layer = _tiny_layer("GCNConv")
+    expected, _ = _eager_reference(copy.deepcopy(layer), tiny_graph, "exact")
+    detsum.pyg.make_deterministic(layer, mode="exact")
+    with detsum.deterministic("fp32"):
+        got = forward_backward(layer, tiny_graph, torch.float32)
+        assert detsum_switch.current_mode() == "fp32"
+    for a, b in zip(got, expected):
+        assert_same_bits(a, b)
+
+
+class Several(torch.nn.Module):
+    """Layers of several kinds; ``model(x, edge_index, name)`` runs the one named."""
+
+    def __init__(self, **layers):
+        super().__init__()
+        for name, layer in layers.items():
+            self.add_module(name, layer)
+
+    def forward(self, x, edge_index, name):
+        return getattr(self, name)(x, edge_index)
+
+
+@pytest.mark.parametrize("name", TINY_LAYERS)
+def test_repr_is_pygs(name):
+    """A marked model prints as PyG's: its layers, their aggregation modules (a
+    MultiAggregation's too) and an aggregation module of the model's own."""
+    torch.manual_seed(5)
+    model = Several(conv=TINY_LAYERS[name](), multi=SAGEConv(8, 8, aggr=["mean", "max"]),
+                    pool=pyg_aggr.SumAggregation())
+    before = (repr(model), repr(model.multi.aggr_module))
+    with detsum.pyg.make_deterministic(model, mode="kahan"):
+        assert (repr(model), repr(model.multi.aggr_module)) == before
+
+
+class TwoLayers(torch.nn.Module):
+    """Two layers and a sum over all nodes (a global_add_pool: torch's scatter_add_). Of two
+    kinds: two GCN layers on one graph compute the same degrees, which a compiled graph would
+    compute once."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = GCNConv(8, 8)
+        self.conv2 = SAGEConv(8, 8)
+        self.pool = pyg_aggr.SumAggregation()
+
+    def forward(self, x, edge_index):
+        h = self.conv2(self.conv1(x, edge_index).relu(), edge_index)
+        return h + self.pool(h, torch.zeros(h.shape[0], dtype=torch.long), dim_size=1)
+
+
+def _two_layers():
+    torch.manual_seed(9)
+    return TwoLayers()
+
+
+def test_pickle_and_torch_save_keep_the_mark_and_the_bits(tiny_graph):
+    """pickle, copy.deepcopy and torch.save/torch.load of the whole model give a marked model
+    (forward and backward on detsum, in the mode: the original's bits and calls); a
+    state_dict holds only PyG's tensors, and loads into a model marked anew."""
+    model = _two_layers()
+    detsum.pyg.make_deterministic(model, mode="exact")
+    pickled = pickle.dumps(model)
+    saved, saved_state = io.BytesIO(), io.BytesIO()
+    torch.save(model, saved)
+    torch.save(model.state_dict(), saved_state)
+    saved.seek(0)
+    saved_state.seek(0)
+    assert list(model.state_dict()) == list(_two_layers().state_dict())
+    fresh = TwoLayers()
+    fresh.load_state_dict(torch.load(saved_state))
+    detsum.pyg.make_deterministic(fresh, mode="exact")
+    expected, expected_calls = _run_counted(model, tiny_graph)
+    assert expected_calls["scatter_add"] >= 3 and expected_calls["index_add"] > 0
+    for copied in (pickle.loads(pickled), copy.deepcopy(model),
+                   torch.load(saved, weights_only=False), fresh):
+        got, calls = _run_counted(copied, tiny_graph)
+        assert calls == expected_calls
+        for a, b in zip(got, expected):
+            assert_same_bits(a, b)
+
+
+def test_a_deep_copy_runs_its_own_parameters(tiny_graph):
+    edge_index, x, _ = tiny_graph
+    layer = _tiny_layer("GCNConv")
     with detsum.pyg.make_deterministic(layer):
         copied = copy.deepcopy(layer)
-        assert copied.forward.__self__ is copied and copied._index_select.__self__ is copied
         with torch.no_grad():
             copied.lin.weight.zero_()
-        assert torch.equal(copied(x, edge_index), copied.bias.expand(NODES, -1))
-        assert_same_bits(layer(x, edge_index), pyg_result("GCNConv", torch.float32, graph)[0])
+        assert torch.equal(copied(x, edge_index), copied.bias.expand(30, -1))
+    assert vars(copied)[detsum.pyg.MODE_ATTRIBUTE] == "fp32"  # undo changes the original only
 
 
-def test_multi_aggregation_runs_each_aggregation_on_detsum(graph):
+# Importing Inductor (torch.utils.mkldnn) defines TorchScript methods, which torch deprecates.
+@pytest.mark.filterwarnings("ignore:.torch.jit.script_method. is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("name", TINY_LAYERS)
+def test_compiled_with_fullgraph_runs_on_detsum(name, tiny_graph):
+    """torch.compile(model, fullgraph=True): Dynamo traces the forward whole, the hooks run
+    around it. Under AOTAutograd without Inductor the compiled forward and backward have the
+    eager bits and calls; with Inductor the same calls reach detsum, and the bits repeat (its
+    own arithmetic around them, which it fuses, rounds otherwise than eager code in places)."""
+    layer = _tiny_layer(name)
+    detsum.pyg.make_deterministic(layer, mode="exact")
+    expected, expected_calls = _run_counted(layer, tiny_graph)
+    torch._dynamo.reset()
+    try:
+        got, calls = _run_counted(torch.compile(layer, fullgraph=True, backend="aot_eager"),
+                                  tiny_graph)
+        assert calls == expected_calls
+        for a, b in zip(got, expected):
+            assert_same_bits(a, b)
+        compiled = torch.compile(layer, fullgraph=True)
+        first, calls = _run_counted(compiled, tiny_graph)
+        assert calls == expected_calls
+        second, _ = _run_counted(compiled, tiny_graph)
+        for a, b in zip(first, second):
+            assert_same_bits(a, b)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_layers_compiled_one_by_one_and_module_compile(tiny_graph):
+    """A marked model whose layers are compiled one by one (``layer.compile(fullgraph=True)``)
+    or which is compiled as a whole with ``model.compile(fullgraph=True)``: the eager bits and
+    calls (AOTAutograd without Inductor, as above)."""
+    model = _two_layers()
+    detsum.pyg.make_deterministic(model, mode="exact")
+    expected, expected_calls = _run_counted(model, tiny_graph)
+    whole = copy.deepcopy(model)
+    torch._dynamo.reset()
+    try:
+        for layer in (model.conv1, model.conv2):
+            layer.compile(fullgraph=True, backend="aot_eager")
+        whole.compile(fullgraph=True, backend="aot_eager")
+        for compiled in (model, whole):
+            got, calls = _run_counted(compiled, tiny_graph)
+            assert calls == expected_calls
+            for a, b in zip(got, expected):
+                assert_same_bits(a, b)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_a_function_calling_a_marked_model_compiles_without_fullgraph(tiny_graph):
+    """Dynamo does not trace the hooks: with fullgraph=True it refuses them, naming detsum;
+    without, it runs them between the graphs it compiles, and the function has the eager bits
+    and calls."""
+    edge_index, x, _ = tiny_graph
+    model = _two_layers()
+    detsum.pyg.make_deterministic(model, mode="exact")
+    expected, expected_calls = _run_counted(model, tiny_graph)
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(torch._dynamo.exc.Unsupported, match="detsum.pyg"):
+            torch.compile(lambda a, b: model(a, b), fullgraph=True, backend="aot_eager")(
+                x, edge_index)
+        torch._dynamo.reset()
+        caller = Calls(torch.compile(lambda a, b: model(a, b), backend="aot_eager"), model)
+        got, calls = _run_counted(caller, tiny_graph)
+        assert calls == expected_calls
+        for a, b in zip(got, expected):
+            assert_same_bits(a, b)
+    finally:
+        torch._dynamo.reset()
+
+
+class Calls(torch.nn.Module):
+    """``function(x, edge_index)``, with ``model``'s parameters as its own."""
+
+    def __init__(self, function, model):
+        super().__init__()
+        self.function, self.model = function, model
+
+    def forward(self, x, edge_index):
+        return self.function(x, edge_index)
+
+
+@pytest.mark.filterwarnings("ignore:.torch.jit.script(_method)?. is deprecated:DeprecationWarning")
+def test_a_scripted_model_runs_on_detsum_inside_a_block(tiny_graph):
+    """TorchScript refuses the hooks of a marked model; the unmarked model, scripted, run
+    inside ``detsum.deterministic`` has the marked model's bits and calls."""
+    layer = _tiny_layer("GCNConv")
+    scripted = torch.jit.script(copy.deepcopy(layer))
+    switch = detsum.pyg.make_deterministic(layer, mode="exact")
+    expected, expected_calls = _run_counted(layer, tiny_graph)
+    with pytest.raises(RuntimeError, match="detsum_switch_off"):
+        torch.jit.script(layer)
+    switch.undo()
+    got, calls = _eager_reference(scripted, tiny_graph, "exact")
+    assert calls == expected_calls
+    for a, b in zip(got, expected):
+        assert_same_bits(a, b)
+
+
+def test_multi_aggregation_keeps_pygs_fused_path_on_detsum(graph):
+    """PyG's MultiAggregation and its fused aggregation stay as they are and run on detsum:
+    in "fp32" mode, with PyG's bits (no node receives more than 256 messages here)."""
     edge_index, x, _ = graph
     torch.manual_seed(3)
     layer = SAGEConv(IN_FEATURES, OUT_FEATURES, aggr=["mean", "max", "sum"])
@@ -378,14 +671,13 @@ def test_multi_aggregation_runs_each_aggregation_on_detsum(graph):
     multi = layer.aggr_module
     fused = multi.fused_aggr
     assert fused is not None
-    with detsum.pyg.make_deterministic(layer, mode="fp32") as switch:
-        assert multi.fused_aggr is None
-        assert [type(a).__module__ for a in multi.aggrs] == ["detsum.pyg"] * 3
+    with detsum.pyg.make_deterministic(layer, mode="fp32"):
+        before = detsum_switch.counts.copy()
         assert_same_bits(layer(x, edge_index), expected)
-    assert [path for path, _ in switch.aggregations] == [
-        "aggr_module.aggrs.0", "aggr_module.aggrs.1", "aggr_module.aggrs.2"]
-    assert multi.fused_aggr is fused
-    assert [type(a).__module__ for a in multi.aggrs] == ["torch_geometric.nn.aggr.basic"] * 3
+        calls = detsum_switch.counts - before
+        assert multi.fused_aggr is fused
+        assert [type(a).__module__ for a in multi.aggrs] == ["torch_geometric.nn.aggr.basic"] * 3
+    assert calls[("scatter_add_", "detsum")] > 0 and calls[("scatter_reduce_.two", "detsum")] > 0
 
 
 def test_learnable_softmax_temperature_stays_the_same_parameter():
@@ -396,27 +688,41 @@ def test_learnable_softmax_temperature_stays_the_same_parameter():
         assert [p for p in layer.parameters() if p is t]
 
 
-def test_refusals_name_the_module_and_change_nothing(graph):
+def test_refusals_name_the_input_or_module_and_change_nothing(graph):
+    """Refused before anything changes: an exact product (strict), a model marked already, a
+    bad mode; refused at a layer's call, before it computes: a sparse adjacency and an
+    EdgeIndex. PyG's other aggregation modules (std here) run their torch ops on the switch."""
     edge_index, x, _ = graph
-    layer = torch.nn.ModuleDict({"conv": SAGEConv(8, 8, aggr="std"), "ok": GCNConv(8, 8)})
-    before = (_originals(layer["ok"]), layer["conv"].aggr_module)
-    with pytest.raises(ValueError, match=r"no replacement for the aggregation modules "
-                                         r"conv.aggr_module \(StdAggregation\)"):
-        detsum.pyg.make_deterministic(layer)
-    assert (_originals(layer["ok"]), layer["conv"].aggr_module) == before
-    with detsum.pyg.make_deterministic(layer, strict=False) as switch:
-        assert switch.layers == ["conv", "ok"]
+    x, edge_index = x[:50, :8], edge_index[:, :20] % 50
+    layer = Several(conv=SAGEConv(8, 8, aggr="std"), ok=GCNConv(8, 8),
+                    product=GCNConv(8, 8, aggr="mul"))
+    before = _originals(layer.ok)
+    with pytest.raises(ValueError, match=r"product.aggr_module \(MulAggregation\) multiplies, "
+                                         r"and detsum's reduce='mul' has no mode='exact'"):
+        detsum.pyg.make_deterministic(layer, mode="exact")
+    assert _originals(layer.ok) == before and detsum.pyg.MODE_ATTRIBUTE not in vars(layer)
+    with detsum.pyg.make_deterministic(layer, mode="exact", strict=False) as switch:
+        assert switch.layers == ["conv", "ok", "product"]
         with pytest.raises(ValueError, match="switched already"):
             detsum.pyg.make_deterministic(layer)
-        adjacency = torch.sparse_coo_tensor(edge_index[:, :20] % 50, torch.ones(20), (50, 50),
+        counts = detsum_switch.counts.copy()
+        layer(x, edge_index, "conv")
+        assert (detsum_switch.counts - counts)[("scatter_add_", "detsum")] > 0
+        adjacency = torch.sparse_coo_tensor(edge_index, torch.ones(20), (50, 50),
                                             check_invariants=True)
-        with pytest.raises(ValueError, match=r"GCNConv at 'ok' was called with a sparse "
-                                             r"tensor"):
-            layer["ok"](x[:50, :8], adjacency)
+        with pytest.raises(ValueError, match=r"GCNConv, a layer of a model made "
+                                             r"deterministic, was called with a sparse tensor"):
+            layer(x, adjacency, "ok")
+        with pytest.raises(ValueError, match=r"was called with an EdgeIndex"):
+            layer(x, EdgeIndex(edge_index), "ok")
+        assert detsum_switch.current_mode() is None
+    assert _originals(layer.ok) == before and detsum.pyg.MODE_ATTRIBUTE not in vars(layer)
     with pytest.raises(ValueError, match="mode='fast' is not a detsum mode"):
         detsum.pyg.make_deterministic(layer, mode="fast")
-    with pytest.raises(ValueError, match="reduce='mul' has no mode='exact'"):
-        detsum.pyg.make_deterministic(GCNConv(8, 8, aggr="mul"), mode="exact")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        detsum.pyg.make_deterministic(forward_backward)
+    with pytest.raises(TypeError, match="model is a ModuleDict, which has no forward"):
+        detsum.pyg.make_deterministic(torch.nn.ModuleDict({"ok": GCNConv(8, 8)}))
 
 
 def test_import_detsum_does_not_import_torch_geometric():

@@ -133,7 +133,7 @@ def _launch_alone(t: dict) -> dict:
         finally:
             jitted.used_global_vals = used_globals
 
-    return {"kernel": lambda: kernel(grid, args, num_warps=1, **constexprs),
+    return {"kernel": lambda: kernel(grid, args, constexprs, num_warps=1),
             "jitfunction_run": jitfunction_run,
             "jitfunction_run_no_global_check": jitfunction_run_no_global_check}
 

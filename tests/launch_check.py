@@ -77,9 +77,9 @@ def recorded_launches() -> list[tuple]:
     launches = []
     call = launch.Kernel.__call__
 
-    def record(self, grid, args, *, num_warps, **constexprs):
+    def record(self, grid, args, constexprs, *, num_warps):
         launches.append((self, grid, args, num_warps, constexprs))
-        return call(self, grid, args, num_warps=num_warps, **constexprs)
+        return call(self, grid, args, constexprs, num_warps=num_warps)
 
     with triton_stub.cpu_tensors_as_cuda(), \
             unittest.mock.patch.object(launch.Kernel, "__call__", record):
@@ -231,7 +231,7 @@ def _driver_calls(kernel, grid, args, num_warps, constexprs, how) -> tuple[list,
             kernel.jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False,
                                 **constexprs)
         else:
-            kernel(grid, args, num_warps=num_warps, **constexprs)
+            kernel(grid, args, constexprs, num_warps=num_warps)
     return list(triton_stub.LAUNCHES), counted.calls
 
 
@@ -307,7 +307,7 @@ def check_order_error(launches) -> str:
     kernel, grid, args, num_warps, constexprs = launches[0]
     reordered = dict(reversed(list(constexprs.items())))
     try:
-        kernel(grid, args, num_warps=num_warps, **reordered)
+        kernel(grid, args, reordered, num_warps=num_warps)
     except TypeError as error:
         return str(error)
     return ""

@@ -1,6 +1,6 @@
 """Launching detsum's Triton kernels with little host work.
 
-``Kernel(jitted)(grid, args, num_warps=..., **constexprs)`` launches the ``@triton.jit``
+``Kernel(jitted)(grid, args, constexprs, num_warps=...)`` launches the ``@triton.jit``
 function ``jitted`` as ``jitted[grid](*args, num_warps=..., enable_fp_fusion=False,
 **constexprs)`` does (every detsum kernel runs without FMA contraction: see segment.py).
 
@@ -161,12 +161,13 @@ def _hooks_installed(jitted: JITFunction) -> bool:
 
 
 class Kernel:
-    """A ``@triton.jit`` kernel, launched by ``self(grid, args, num_warps=..., **constexprs)``.
+    """A ``@triton.jit`` kernel, launched by ``self(grid, args, constexprs, num_warps=...)``.
 
     ``args`` holds the values of the kernel's parameters that are not constexpr (tensors and
-    ints), in order; ``constexprs`` the others by name, in the kernel's order: their values
-    go to the compiled kernel by position, so a launch that names them in another order
-    raises.
+    ints), in order; ``constexprs`` (a dict) the others by name, in the kernel's order: their
+    values go to the compiled kernel by position, so a launch that names them in another
+    order raises. A dict rather than keyword arguments: unpacking 17 of them into a call and
+    packing them again costs a small launch half a microsecond.
     """
 
     def __init__(self, jitted):
@@ -181,7 +182,8 @@ class Kernel:
                 raise AssertionError(f"{jitted.fn.__name__}: the constexpr parameters must "
                                      f"come after all the others")
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, *, num_warps: int, **constexprs):
+    def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *,
+                 num_warps: int):
         jitted = self.jitted
         if not (self._jit and DIRECT_LAUNCH) or _hooks_installed(jitted):
             jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)

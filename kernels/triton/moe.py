@@ -145,7 +145,7 @@ def route_tables(experts: torch.Tensor, gather: torch.Tensor, selected: torch.Te
     _launch_route((_cdiv(lanes, _BLOCK),),
                   (experts, gather, selected, positions, counts, table, n, num_tokens,
                    num_experts, topk, n.bit_length() + 1),
-                  num_warps=4, TOPK_BLOCK=_next_power_of_2(topk), BLOCK=_BLOCK)
+                  {"TOPK_BLOCK": _next_power_of_2(topk), "BLOCK": _BLOCK}, num_warps=4)
     return positions, counts, table
 
 
@@ -187,8 +187,10 @@ def gather_scale_sum(y: torch.Tensor, positions: torch.Tensor, weights: torch.Te
     _launch_weighted_sum((num_tokens, _cdiv(cols, block)),
                          (_as_stored(y.contiguous()), positions.contiguous(),
                           _as_stored(weights.contiguous()), out, topk, cols),
-                         num_warps=4, RULE=rule, DATA=_DATA_CODES[y.dtype],
-                         W_DATA=_DATA_CODES[weights.dtype], ACC=_tl_acc(acc), BLOCK=block)
+                         {"RULE": rule, "DATA": _DATA_CODES[y.dtype],
+                          "W_DATA": _DATA_CODES[weights.dtype], "ACC": _tl_acc(acc),
+                          "BLOCK": block},
+                         num_warps=4)
     return out
 
 
@@ -258,9 +260,10 @@ def weighted_gradients(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
                                (_as_stored(grad.contiguous()), _as_stored(y.contiguous()),
                                 slots.contiguous(), _as_stored(weights.contiguous()),
                                 _as_stored(grad_y), _as_stored(dots), rows, topk, cols),
-                               num_warps=4, RULE=rule, DATA=_DATA_CODES[y.dtype],
-                               G_DATA=_DATA_CODES[grad.dtype],
-                               W_DATA=_DATA_CODES[weights.dtype], ACC=acc,
-                               BY_SLOT=by_slot, CHUNK=CHUNK_TERMS, BLOCK=_BLOCK)
+                               {"RULE": rule, "DATA": _DATA_CODES[y.dtype],
+                                "G_DATA": _DATA_CODES[grad.dtype],
+                                "W_DATA": _DATA_CODES[weights.dtype], "ACC": acc,
+                                "BY_SLOT": by_slot, "CHUNK": CHUNK_TERMS, "BLOCK": _BLOCK},
+                               num_warps=4)
     return grad_y, dots
 

@@ -1167,12 +1167,13 @@ def _segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, incl
     _launch_exact(
         grid, (src_s, *src_s.stride(), order, offsets, base_s, *base_s.stride(), out_s,
                *out_s.stride(), alpha_t, outer, inner),
+        {"REDUCE": int(reduce), "DATA": _DATA_CODES[src.dtype], "ACC": _tl_acc(src.dtype),
+         "HAS_ORDER": has_order, "HAS_BASE": has_base,
+         "USE_BASE": has_base and bool(include_base), "SCALED": scaled,
+         "HEADROOM": 2.0 ** (52 - term_bits), "PRECISION": precision,
+         "MIN_QUANTUM": min_quantum, "UNIT_EXPONENT": unit_exponent, "N_LIMBS": n_limbs,
+         "LANES": lanes, "NORMALISE_EVERY": _NORMALISE_EVERY, "BLOCK": block},
         num_warps=num_warps,
-        REDUCE=int(reduce), DATA=_DATA_CODES[src.dtype], ACC=_tl_acc(src.dtype),
-        HAS_ORDER=has_order, HAS_BASE=has_base, USE_BASE=has_base and bool(include_base),
-        SCALED=scaled, HEADROOM=2.0 ** (52 - term_bits), PRECISION=precision,
-        MIN_QUANTUM=min_quantum, UNIT_EXPONENT=unit_exponent, N_LIMBS=n_limbs, LANES=lanes,
-        NORMALISE_EVERY=_NORMALISE_EVERY, BLOCK=block,
     )
 
 
@@ -1241,8 +1242,9 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
             grid, (src_s, src_s.stride(0), src_s.stride(1), order, bounds, base_s,
                    base_s.stride(0), base_s.stride(1), out_s, out_s.stride(0), out_s.stride(1),
                    alpha_t, outer),
-            num_warps=1, DATA=data, ACC=acc_tl, HAS_ORDER=has_order, HAS_BASE=has_base,
-            USE_BASE=use_base, SCALED=scaled,
+            {"DATA": data, "ACC": acc_tl, "HAS_ORDER": has_order, "HAS_BASE": has_base,
+             "USE_BASE": use_base, "SCALED": scaled},
+            num_warps=1,
         )
         return
 
@@ -1276,11 +1278,12 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
          out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag,
          out if counters is None else counters, checkers, outer, nseg, inner),
+        {"REDUCE": int(reduce), "RULE": int(rule), "DATA": data, "ACC": acc_tl,
+         "HAS_ORDER": has_order, "HAS_BASE": has_base, "USE_BASE": use_base,
+         "HAS_CARRY": has_carry, "SCALED": scaled, "SPLIT": split,
+         "FIRST_TERM_START": not use_base and reduce in (AMAX, AMIN), "NCOMP": ncomp,
+         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "CHECK": check, "BLOCK": block},
         num_warps=num_warps,
-        REDUCE=int(reduce), RULE=int(rule), DATA=data, ACC=acc_tl, HAS_ORDER=has_order,
-        HAS_BASE=has_base, USE_BASE=use_base, HAS_CARRY=has_carry, SCALED=scaled, SPLIT=split,
-        FIRST_TERM_START=not use_base and reduce in (AMAX, AMIN), NCOMP=ncomp,
-        CHUNK=CHUNK_TERMS, BOUNDS=bounds_kind, CHECK=check, BLOCK=block,
     )
     if checked:
         _report(flag, failure, counters)

@@ -5,22 +5,26 @@ Issue "One line for any PyTorch program": PyG's tests of ``test/nn/aggr`` and
 session. PyG's tests are not installed with the package; give a checkout (or an extracted
 ``git archive``) of PyG's source whose version matches the installed ``torch_geometric``:
 
-    python benches/pyg_tests.py PATH_TO_PYG_CHECKOUT [--mode autograd] [--source LABEL]
-        [--only off|on] [--json OUT.json] [-- extra pytest args]
+    python benches/pyg_tests.py PATH_TO_PYG_CHECKOUT [--mode autograd] [--no-check-bits]
+        [--source LABEL] [--only off|on] [--json OUT.json] [-- extra pytest args]
 
 It runs pytest on ``PATH/test/nn/aggr`` and ``PATH/test/nn/conv`` twice, in fresh processes
 with ``PATH`` as the working directory (so PyG's own pytest settings and conftest apply): once
 as they are ("off"), once with ``benches/pyg_switch_plugin.py`` passed by ``-p`` and
 ``--detsum-mode MODE`` ("on"), which switches detsum on before any test module is imported
-and counts, per test, the calls that ran on detsum. Arguments after ``--`` go to both pytest
-runs (``-k conv``, ``--deselect ...``). ``--only`` runs one of the two.
+and counts, per test, the calls that ran on detsum. In ``"autograd"`` mode the plugin also
+compares every call that ran on detsum with torch's own kernel under
+``torch.use_deterministic_algorithms(True)``, bit for bit (``--detsum-check-bits``; the
+contract of that mode; ``--no-check-bits`` leaves it out): PyG's tests compare with
+tolerances, which would let other bits pass. Arguments after ``--`` go to both pytest runs
+(``-k conv``, ``--deselect ...``). ``--only`` runs one of the two.
 
 It prints and writes (``--json``, default ``results/cpu-pyg-tests-<date>.json``) a summary:
 each run's counts of passed, failed, skipped, errors (failed setups), xfailed and xpassed
 tests and its wall time; the tests that pass without the switch and not with it, and the
 reverse; how many tests ran detsum's code with the switch on (and of those, how many passed),
-how many called switched ops only with inputs the switch leaves to torch, and the calls per
-op each way;
+how many called switched ops only with inputs the switch leaves to torch, the calls per op
+each way, and the calls checked against torch's bits with those that differ (op, dtype, test);
 the versions of torch, torch_geometric and Python, the machine, and ``--source`` (say which
 PyG commit the tests come from) and each test's outcome in each run with its count of calls
 on detsum. Each run's full pytest log goes to the temporary directory
@@ -45,13 +49,13 @@ HERE = pathlib.Path(__file__).resolve().parent
 TEST_DIRS = ("test/nn/aggr", "test/nn/conv")
 
 
-def run_pytest(checkout: pathlib.Path, mode: str | None, extra: list[str], record: pathlib.Path,
-               log: pathlib.Path) -> dict:
+def run_pytest(checkout: pathlib.Path, mode: str | None, check_bits: bool, extra: list[str],
+               record: pathlib.Path, log: pathlib.Path) -> dict:
     """One pytest process over PyG's tests; its per-test records, read back."""
     command = [sys.executable, "-m", "pytest", *TEST_DIRS, "-p", "pyg_switch_plugin",
                "-p", "no:cacheprovider", "--detsum-report", str(record), *extra]
     if mode is not None:
-        command += ["--detsum-mode", mode]
+        command += ["--detsum-mode", mode] + (["--detsum-check-bits"] if check_bits else [])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH")) if p)
     started = time.perf_counter()
@@ -95,6 +99,11 @@ def summarize(off: dict | None, on: dict | None) -> dict:
                 ops.update(t.get(f"{ran}_ops", {}))
             summary["on"][f"{ran}_calls"] = sum(ops.values())
             summary["on"][f"{ran}_calls_by_op"] = dict(sorted(ops.items()))
+        if any("bits_checked" in t for t in on["tests"].values()):
+            summary["on"]["bits_checked"] = sum(t.get("bits_checked", 0)
+                                                for t in on["tests"].values())
+            summary["on"]["bits_differ"] = {k: t["bits_differ"] for k, t in on["tests"].items()
+                                            if t.get("bits_differ")}
     if off is not None and on is not None:
         summary["pass_off_not_on"] = sorted(
             k for k, t in off["tests"].items()
@@ -149,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkout", type=pathlib.Path,
                         help="PyG's source tree (holding test/nn/aggr and test/nn/conv)")
     parser.add_argument("--mode", default="autograd", help="the switch's mode (autograd)")
+    parser.add_argument("--no-check-bits", action="store_true",
+                        help="in autograd mode, leave out the comparison with torch's bits")
     parser.add_argument("--only", choices=("off", "on"), help="run only one of the two")
     parser.add_argument("--source", default=None,
                         help="what the checkout is (a PyG commit), recorded in the JSON")
@@ -169,7 +180,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.only not in (None, name):
                 continue
             log = pathlib.Path(tempfile.gettempdir()) / f"{path.stem}-{name}.log"
-            runs[name] = run_pytest(checkout, mode, extra, pathlib.Path(scratch) / name, log)
+            check_bits = mode == "autograd" and not args.no_check_bits
+            runs[name] = run_pytest(checkout, mode, check_bits, extra,
+                                    pathlib.Path(scratch) / name, log)
             print(f"{name}: {counts(runs[name]['tests'])} in {runs[name]['wall_s']} s",
                   flush=True)
     summary = {"date": str(datetime.date.today()), "tests": list(TEST_DIRS),
@@ -177,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
                "machine": started, "load_average_end": os.getloadavg(),
                **summarize(runs.get("off"), runs.get("on")),
                "per_test_columns": PER_TEST_COLUMNS}
-    print(json.dumps(summary, indent=1))
     path.write_text(with_per_test(summary, runs))
+    print(json.dumps(summary, indent=1))
     print(f"written: {path}")
 
 

@@ -1,6 +1,6 @@
 """A pytest plugin for ``benches/pyg_tests.py``: PyG's tests with detsum's switch on, counted.
 
-Loaded with ``-p pyg_switch_plugin`` (``benches/`` on ``sys.path``). Two options:
+Loaded with ``-p pyg_switch_plugin`` (``benches/`` on ``sys.path``). Three options:
 
 - ``--detsum-mode MODE``: ``detsum.enable(MODE)`` when pytest configures itself, before any
   test module is imported, and ``detsum.disable()`` when it finishes; without it the switch

@@ -11,7 +11,9 @@ of the same run.
 ``benchmarks`` list); it is printed as a table of medians and percentiles against the torch
 op of the same run, with the 25 µs target for a call with a plan. So does
 ``benches/first_call.py`` (seconds of a first call with an empty Numba cache and from the
-cache, per tree and case), printed with its medians, spreads and targets.
+cache, per tree and case), printed with its medians, spreads and targets. So does
+``benches/pyg_tests.py`` (PyG's tests without and with the switch: counts per outcome, calls
+on detsum, and the tests that pass without it and not with it, whose target is none).
 """
 
 from __future__ import annotations
@@ -262,6 +264,8 @@ def targets(data: dict) -> list[str]:
         return host_time_targets(data)
     if is_first_call(data):
         return first_call_targets(data)
+    if is_pyg_tests(data):
+        return pyg_tests_targets(data)
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -369,11 +373,60 @@ def first_call_table(data: dict) -> str:
     return "\n".join(out)
 
 
+def is_pyg_tests(data: dict) -> bool:
+    """Whether ``data`` is a ``benches/pyg_tests.py`` report."""
+    return "benchmarks" not in data and "per_test_columns" in data
+
+
+def pyg_tests_targets(data: dict) -> list[str]:
+    """Every test that passes without the switch passes with it; in "autograd" mode, every
+    call that ran on detsum gave torch's bits."""
+    lines = []
+    if "pass_off_not_on" in data:
+        failing = len(data["pass_off_not_on"])
+        lines.append(f"tests that pass without the switch and not with it: {failing} "
+                     f"(target 0) {'met' if failing == 0 else 'MISSED'}")
+    on = data.get("on", {})
+    if "bits_checked" in on:
+        differ = sum(len(v) for v in on["bits_differ"].values())
+        lines.append(f"calls on detsum with other bits than torch's deterministic kernel: "
+                     f"{differ} of {on['bits_checked']} (target 0) "
+                     f"{'met' if differ == 0 else 'MISSED'}")
+    return lines
+
+
+def pyg_tests_table(data: dict) -> str:
+    machine = data.get("machine", {})
+    out = [f"{data.get('date', '?')}  {machine.get('cpu', '?')}  "
+           f"{machine.get('cpu_count', '?')} cores  torch {machine.get('torch', '?')}  "
+           f"torch_geometric {machine.get('torch_geometric', '?')}",
+           f"PyG's {', '.join(data.get('tests', []))} from {data.get('source') or '?'}", ""]
+    outcomes = ("total", "passed", "failed", "skipped", "error", "xfailed", "xpassed")
+    out.append(f"{'switch':<16}" + "".join(f"{k:>9}" for k in outcomes) + f"{'wall s':>9}")
+    for name in ("off", "on"):
+        if name in data:
+            run = data[name]
+            label = name if run.get("mode") is None else f"on ({run['mode']})"
+            out.append(f"{label:<16}" + "".join(f"{run.get(k, 0):>9}" for k in outcomes)
+                       + f"{run.get('wall_s', 0):>9.1f}")
+    on = data.get("on", {})
+    if "ran_detsum" in on:
+        out += ["", f"tests that ran detsum's code: {on['ran_detsum']} "
+                    f"({on['ran_detsum_and_passed']} passed), {on['detsum_calls']} calls; "
+                    f"tests whose switched calls all went to torch: {on['left_to_torch_only']}"]
+    t = pyg_tests_targets(data)
+    if t:
+        out += ["", "Targets:"] + ["  " + x for x in t]
+    return "\n".join(out)
+
+
 def table(data: dict) -> str:
     if is_host_time(data):
         return host_time_table(data)
     if is_first_call(data):
         return first_call_table(data)
+    if is_pyg_tests(data):
+        return pyg_tests_table(data)
     rs = rows(data)
     headers = ["case", "median ms", "GB/s", "ratio", "max ulps"]
     cells = [[r["case"], _fmt(r["median_ms"], 2), _fmt(r["gbps"], 2), _fmt(r["ratio"], 2),

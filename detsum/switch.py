@@ -94,9 +94,9 @@ def enable(mode: str | Mode = "fp32") -> None:
     ``index_put`` / ``index_put_`` with ``accumulate=True`` (one index tensor; the backward of
     ``x[idx]``), ``put_`` with ``accumulate=True``, ``bincount`` with weights, the dense
     backward of ``embedding`` and of ``embedding_bag`` (sum, mean, max), ``segment_reduce``
-    (sum, mean, max, min, prod; lengths or offsets) and ``histc`` / ``out=``; so also the
-    backward of ``gather`` and ``index_select``. Every other input of these ops, and every
-    other op, runs torch's own kernel (docs/enable.md lists which).
+    (sum, mean, amax / max, amin / min, prod; lengths or offsets) and ``histc`` / ``out=``;
+    so also the backward of ``gather`` and ``index_select``. Every other input of these ops,
+    and every other op, runs torch's own kernel (docs/enable.md lists which).
 
     Args:
         mode: ``"fp32"`` (default), ``"kahan"``, ``"exact"`` or ``"autograd"`` (torch's own
@@ -697,9 +697,11 @@ def _check_in_range(caller, name, index, size, what, *, positions=None):
 
 # segment_reduce (torch.segment_reduce) ----------------------------------------------------------
 
+# torch's own names are "amax" and "amin" (PyG calls those); "max" and "min" are its aliases.
 _SEGMENT_REDUCTIONS = {"sum": "sum", "mean": "mean", "max": "amax", "min": "amin",
-                       "prod": "prod"}
-_SEGMENT_EMPTY = {"sum": 0.0, "mean": 0.0, "max": -math.inf, "min": math.inf, "prod": 1.0}
+                       "amax": "amax", "amin": "amin", "prod": "prod"}
+_SEGMENT_EMPTY = {"sum": 0.0, "mean": 0.0, "max": -math.inf, "min": math.inf,
+                  "amax": -math.inf, "amin": math.inf, "prod": 1.0}
 
 
 def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=None, axis=0,

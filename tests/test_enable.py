@@ -888,6 +888,26 @@ def test_segment_reduce_long_segments_within_the_modes_bound(mode, dtype):
     assert torch.isnan(mean[1]).all()  # an empty segment without initial, as torch
 
 
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_segment_reduce_amax_and_amin_run_on_detsum(mode):
+    """torch names segment_reduce's max and min "amax" and "amin" (its own error lists those;
+    "max" and "min" are its aliases), and PyG's max and min aggregations over a CSR pointer
+    call it so: each spelling runs on detsum, with torch's bits (NaN, an empty segment's
+    -inf / inf, ``initial``), as max and min are exact in every mode."""
+    values = data((40, 3), torch.float32, 0)
+    values[5, 1] = math.nan
+    offsets = torch.tensor([0, 17, 17, 40])
+    for reduce in ("amax", "max", "amin", "min"):
+        for initial in (None, 0.5):
+            expected = torch.segment_reduce(values, reduce, offsets=offsets, initial=initial)
+            before = ran_on_detsum("segment_reduce")
+            with detsum.deterministic(mode):
+                actual = torch.segment_reduce(values, reduce, offsets=offsets,
+                                              initial=initial)
+            assert ran_on_detsum("segment_reduce") == before + 1, (reduce, initial)
+            assert_same_bits(actual, expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_exact_mode_new_ops_correctly_rounded(dtype):
     """Cancellation that a running sum in the dtype loses (2^10 + 1 + 2^-5 - 2^10 + 3 * 2^-7):

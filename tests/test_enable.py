@@ -1050,3 +1050,17 @@ def test_new_ops_bad_inputs_give_torchs_errors(mode):
         with pytest.raises(RuntimeError):
             torch.segment_reduce(torch.ones(5), "sum", offsets=torch.tensor([0, 3, 2, 5]))
     assert torch.equal(out, torch.full((4,), 7.0))
+
+
+def test_index_put_takes_the_values_torch_broadcasts():
+    """The switch's own test of broadcasting (index_put_'s values against the indexed shape)
+    answers as torch.broadcast_shapes, one way, on every pair of small shapes."""
+    import itertools
+
+    shapes = [()] + [s for n in (1, 2, 3) for s in itertools.product((1, 2, 3), repeat=n)]
+    for shape, target in itertools.product(shapes, repeat=2):
+        try:
+            expected = torch.broadcast_shapes(shape, target) == torch.Size(target)
+        except RuntimeError:
+            expected = False
+        assert switch._broadcasts_to(shape, target) == expected, (shape, target)

@@ -1,0 +1,111 @@
+"""torch's own accumulating ops under ``detsum.enable``, against the same call through detsum's
+primitive and against torch's own kernel (the switch off).
+
+The issue's target: an op under the switch costs at most 1.2x the detsum primitive that it
+runs (``ratio_to_baseline`` of each "switch" case), whatever torch's own kernel costs (the
+"torch" cases, for the picture). What the switch adds: torch's dispatcher reaching a Python
+kernel, the checks that decide whether detsum takes the call, and the primitive's operator
+body called directly (no second dispatch). Two sizes: a small call, where that overhead is
+most of the time, and a GNN-sized one (100k rows of 64 into 10k), where the kernel is.
+
+Each op's primitive is what the switch calls (``detsum/switch.py``): ``index_add_`` and
+``index_put_(accumulate=True)`` run ``detsum.index_add_``; ``scatter_add_`` and
+``scatter_reduce_`` run ``detsum.scatter_reduce`` copied into ``self``; the dense backward of
+``embedding`` and ``bincount`` with weights run ``detsum.index_add`` from zeros;
+``segment_reduce`` runs ``detsum.index_add`` with each row's segment as its index (here its
+primitive is ``detsum.segment_sum``, the cheaper call a user would write).
+
+    pytest benches/bench_enable.py --benchmark-json=benches/results/cpu-enable-<date>.json
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import detsum
+from conftest import run_case
+
+MODE = "fp32"
+#: (rows of terms, output rows, features), rounds, calls per round.
+SIZES = {"small": ((256, 64, 64), 200, 10), "gnn": ((100_000, 10_000, 64), 15, 1)}
+
+
+def _inputs(size: str) -> dict:
+    (n_src, n_out, h), _, _ = SIZES[size]
+    gen = torch.Generator().manual_seed(7)
+    index = torch.randint(0, n_out, (n_src,), generator=gen)
+    lengths = torch.bincount(index, minlength=n_out)
+    return {
+        "index": index,
+        "expanded": index.view(-1, 1).expand(-1, h),
+        "src": torch.randn(n_src, h, generator=gen), "weights": torch.randn(n_src, generator=gen),
+        # Added into over and over: the values grow, the cost does not.
+        "work": torch.randn(n_out, h, generator=gen), "zeros": torch.zeros(n_out, h),
+        "lengths": lengths, "offsets": torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]),
+        "n_out": n_out,
+    }
+
+
+def _calls(t: dict) -> dict:
+    """op -> (torch's call, the detsum primitive's call)."""
+    index, src, work, n_out = t["index"], t["src"], t["work"], t["n_out"]
+    expanded, weights = t["expanded"], t["weights"]
+    return {
+        "index_add_": (lambda: work.index_add_(0, index, src),
+                       lambda: detsum.index_add_(work, 0, index, src, mode=MODE)),
+        "index_put_ accumulate": (
+            lambda: work.index_put_((index,), src, accumulate=True),
+            lambda: detsum.index_add_(work, 0, index, src, mode=MODE)),
+        "scatter_add_": (lambda: work.scatter_add_(0, expanded, src),
+                         lambda: work.copy_(detsum.scatter_reduce(work, 0, expanded, src, "sum",
+                                                                  mode=MODE))),
+        "scatter_reduce_ mean": (
+            lambda: work.scatter_reduce_(0, expanded, src, "mean"),
+            lambda: work.copy_(detsum.scatter_reduce(work, 0, expanded, src, "mean",
+                                                     mode=MODE))),
+        "scatter_reduce_ amax": (
+            lambda: work.scatter_reduce_(0, expanded, src, "amax"),
+            lambda: work.copy_(detsum.scatter_reduce(work, 0, expanded, src, "amax",
+                                                     mode=MODE))),
+        "embedding_dense_backward": (
+            lambda: torch.ops.aten.embedding_dense_backward(src, index, n_out, -1, False),
+            lambda: detsum.index_add(t["zeros"], 0, index, src, mode=MODE)),
+        "bincount weights": (
+            lambda: torch.bincount(index, weights, minlength=n_out),
+            lambda: detsum.index_add(weights.new_zeros(n_out), 0, index, weights, mode=MODE)),
+        "segment_reduce sum": (
+            lambda: torch.segment_reduce(src, "sum", lengths=t["lengths"]),
+            lambda: detsum.segment_sum(src, t["offsets"], mode=MODE)),
+    }
+
+
+OPS = list(_calls(_inputs("small")))
+
+
+@pytest.mark.parametrize("impl", ["switch", "primitive", "torch"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("size", list(SIZES))
+def test_enable(benchmark, size, op, impl):
+    t = _inputs(size)
+    torchs, primitive = _calls(t)[op]
+    (n_src, n_out, h), rounds, iterations = SIZES[size]
+    benchmark.group = f"enable {op} {size}"
+    info = {"primitive": "enable", "op": op, "case": f"{n_src}x{h} -> {n_out}x{h} fp32",
+            "device": "cpu", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
+    baseline = {"switch": f"test_enable[{size}-{op}-primitive]",
+                "primitive": f"test_enable[{size}-{op}-torch]"}.get(impl)
+
+    def timed_case(fn):
+        run_case(benchmark, fn, "cpu", rounds=rounds, warmup_rounds=3, info=info,
+                 iterations=iterations, baseline=baseline, baseline_case=baseline)
+
+    if impl != "switch":
+        timed_case(primitive if impl == "primitive" else torchs)
+        return
+    before = detsum.switch.counts.copy()
+    with detsum.deterministic(MODE):
+        timed_case(torchs)
+    calls = detsum.switch.counts - before
+    # A call the switch left to torch would time torch's kernel under this case's name.
+    assert calls and all(how == "detsum" for _, how in calls), dict(calls)

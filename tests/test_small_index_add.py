@@ -1,5 +1,6 @@
 """kernels/numba/small.py: a small index_add, in one call without a plan, gives the bits of the
-general path (the plan and the segment kernel) in every mode it takes, on every layout."""
+general path (the plan and the segment kernel) in every mode it takes, on every layout; so does
+a small scatter_reduce sum from its input, which it computes too."""
 
 from __future__ import annotations
 
@@ -113,3 +114,41 @@ def test_large_launches_take_the_general_path(monkeypatch):
     detsum.index_add(input, 0, index[:10], strided_copy(source[:10]))
     detsum.index_add(input[:, ::2], 0, index[:10], source[:10, ::2])
     assert len(calls) == 1  # strided: the general kernel, not a compile of another layout
+
+
+@pytest.mark.parametrize(("template", "dim"), LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_small_scatter_sums_give_the_bits_of_the_general_path(mode, dtype, template, dim,
+                                                              monkeypatch):
+    """scatter_reduce's sum from its input (include_self), by a row index or torch's own index
+    of src's shape, takes the small call; without include_self, or promised sorted, it does
+    not. Special values included (-0.0 terms and inits, infinities, NaN)."""
+    calls, original = [], small.index_add_small
+    monkeypatch.setattr(small, "index_add_small",
+                        lambda *args: calls.append(args) or original(*args))
+    input, index, source = problem(template, dim, 23, 6, dtype, seed=len(mode) + 11)
+    source.select(dim, 0).fill_(-0.0)
+    source.select(dim, 1).fill_(float("inf"))
+    input.select(dim, int(index[0])).fill_(-0.0)
+    input.select(dim, int(index[2])).fill_(float("nan"))
+    shape = [1] * source.dim()
+    shape[dim] = -1
+    for form in (index, index.view(shape).expand(source.shape)):
+        for include_self in (True, False):
+            call = lambda: detsum.scatter_reduce(input, dim, form, source, "sum",  # noqa: E731
+                                                 include_self=include_self, mode=mode)
+            before = len(calls)
+            assert_same_bits(call(), general(monkeypatch, call))
+            assert len(calls) == before + include_self
+    sorted_index = index.sort().values
+    detsum.scatter_reduce(input, dim, sorted_index, source, "sum", sorted=True, mode=mode)
+    assert len(calls) == 2  # a sorted=True promise is checked on the general path
+
+
+def test_a_small_scatter_sums_bad_index_is_named_and_nothing_is_written():
+    input = torch.zeros(4, 3)
+    with pytest.raises(IndexError, match=r"detsum.scatter_reduce: index\[2\] = 4 is out of "
+                                         r"range"):
+        detsum.scatter_reduce(input, 0, torch.tensor([0, 1, 4, 2]), torch.ones(4, 3), "sum")
+    assert torch.equal(input, torch.zeros(4, 3))

@@ -107,3 +107,19 @@ def test_pages_name_only_files_of_the_project():
             candidates = [page.parent / name, root / name, DOCS / name,
                           root / "benches" / name]
             assert any(c.exists() for c in candidates), f"{page.name} names {name}"
+
+
+def test_switching_page_says_the_torch_scatter_api_is_not_scriptable():
+    """docs/switching.md says every function of detsum's torch_scatter API is refused by
+    torch.jit.script (torch_scatter's own suite scripts each one): if that changes, so must
+    the page."""
+    import warnings
+
+    import torch
+
+    import detsum.scatter_compat
+
+    for name in detsum.scatter_compat.__all__:
+        with warnings.catch_warnings(), pytest.raises(torch.jit.frontend.NotSupportedError):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.script(getattr(detsum.scatter_compat, name))

@@ -107,3 +107,50 @@ def test_pages_name_only_files_of_the_project():
             candidates = [page.parent / name, root / name, DOCS / name,
                           root / "benches" / name]
             assert any(c.exists() for c in candidates), f"{page.name} names {name}"
+
+
+def test_switching_page_says_the_torch_scatter_api_is_not_scriptable():
+    """docs/switching.md says every function of detsum's torch_scatter API is refused by
+    torch.jit.script (torch_scatter's own suite scripts each one): if that changes, so must
+    the page."""
+    import warnings
+
+    import torch
+
+    import detsum.scatter_compat
+
+    for name in detsum.scatter_compat.__all__:
+        with warnings.catch_warnings(), pytest.raises(torch.jit.frontend.NotSupportedError):
+            warnings.simplefilter("ignore", DeprecationWarning)
+            torch.jit.script(getattr(detsum.scatter_compat, name))
+
+
+def test_readme_quick_subset_selects_each_part_it_names():
+    """The README's quick subset is a -k filter over test names: a renamed test would drop out
+    of it silently. Each part the README says it runs must still be selected."""
+    readme = (DOCS.parent / "README.md").read_text()
+    (command,) = [line for line in re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+                  if "-k " in line and "numba_matches_reference" in line]
+    args = command.split(" -m pytest ", 1)[1]
+    paths, expression = args.split(" -k ")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", *paths.split(), "-k", expression.strip().strip('"'),
+         "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=DOCS.parent, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    selected = [line for line in run.stdout.splitlines() if "::" in line]
+    dtypes = {"segment_sum": ("float64", "float32", "float16", "bfloat16"),
+              "index_add": ("float64", "float32", "float16", "bfloat16"),
+              "scatter_reduce": ("float32", "bfloat16")}
+    for primitive, its_dtypes in dtypes.items():
+        for mode in ("autograd", "fp32", "kahan", "exact"):
+            for dtype in its_dtypes:
+                assert any(f"test_{primitive}.py::test_numba_matches_reference[" in line
+                           and f"{mode}-{dtype}-" in line for line in selected), \
+                    (primitive, mode, dtype)
+    for reduction in ("sum", "mean", "prod", "amax", "amin"):
+        assert any(f"test_scatter_reduce.py::test_numba_matches_reference[{reduction}-" in line
+                   for line in selected), reduction
+    assert any(line.startswith("tests/test_validation.py::") for line in selected)
+    assert any(line.startswith("tests/test_docs.py::") for line in selected)
+    assert any(line.startswith("detsum/") for line in selected)

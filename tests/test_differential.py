@@ -10,8 +10,8 @@ it also asserts torch's own bits where torch has the op (the "autograd" definiti
 docs/determinism.md). The alpha bug (the first term of every later chunk added unscaled)
 lived where chunking met alpha != 1: this test draws those meetings on purpose.
 
-Profiles: ``DETSUM_DIFFERENTIAL=ci`` (the default: a fixed draw, about 3 minutes on a loaded 2-core AMD EPYC)
-or ``DETSUM_DIFFERENTIAL=nightly`` (many more examples, for a long run:
+Profiles: ``DETSUM_DIFFERENTIAL=ci`` (the default: a fixed draw, about 3 minutes on a loaded
+2-core AMD EPYC) or ``DETSUM_DIFFERENTIAL=nightly`` (many more examples, for a long run:
 ``DETSUM_DIFFERENTIAL=nightly pytest tests/test_differential.py``).
 """
 

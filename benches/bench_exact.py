@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, DTYPE_IDS, index_add_impl, nbytes, run_case, skip_unsupported, sync
-from detsum import report
+from detsum import measure
 
 SHAPES = {
     # name: (output rows, rows per output row, hidden size)
@@ -50,7 +50,7 @@ def shape_data(shape: str, device: str, dtype: torch.dtype) -> dict:
         sampled = torch.randperm(rows, generator=gen)[:SAMPLE_ROWS].sort().values
         _data[key] = {"index": index.to(device), "source": source.to(device),
                       "init": init.to(device), "rows": sampled,
-                      "exact": report.exact_rows(source, index, sampled, init)}
+                      "exact": measure.exact_rows(source, index, sampled, init)}
     return _data[key]
 
 
@@ -68,7 +68,7 @@ def test_exact_index_add(benchmark, device, shape, dtype, impl):
     info = {"primitive": "index_add", "case": f"exact-{shape} rows={rows} x{per_row} H={hidden}",
             "device": device, "dtype": DTYPE_IDS[dtype], "impl": impl,
             "bytes": nbytes(d["source"], d["init"], d["init"], d["index"]),
-            "max_ulps": report.max_ulps(out, d["rows"], d["exact"]), "ulp_rows": SAMPLE_ROWS}
+            "max_ulps": measure.max_ulps(out, d["rows"], d["exact"]), "ulp_rows": SAMPLE_ROWS}
     del out
     work = d["init"].clone()
     run_case(benchmark, index_add_impl(impl, work, d["index"], d["source"]), device,

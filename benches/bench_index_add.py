@@ -19,7 +19,7 @@ import torch
 
 from conftest import (
     DEVICES, DTYPE_IDS, index_add_impl, nbytes, run_case, skip_unsupported, sync)
-from detsum import report
+from detsum import measure
 
 T, TOPK = 16384, 8
 # Hidden size: the GPU issue's shape on CUDA; a quarter of it on the 2-core CPU.
@@ -51,7 +51,7 @@ def moe_data(device: str, dtype: torch.dtype) -> dict:
         source = torch.randn(T * TOPK, HIDDEN[device], generator=gen).to(dtype)
         init = torch.randn(T, HIDDEN[device], generator=gen).to(dtype)
         rows = torch.randperm(T, generator=gen)[:SAMPLE_ROWS].sort().values
-        exact = report.exact_rows(source, index, rows, init)
+        exact = measure.exact_rows(source, index, rows, init)
         _data[key] = {"index": index.to(device), "source": source.to(device),
                       "init": init.to(device), "rows": rows, "exact": exact}
     return _data[key]
@@ -79,7 +79,7 @@ def test_index_add_moe(benchmark, baselines, device, dtype, impl):
     skip_unsupported(_op(impl, out, d))
     sync(device)
     info = _info(device, dtype, d)
-    info.update(impl=impl, max_ulps=report.max_ulps(out, d["rows"], d["exact"]),
+    info.update(impl=impl, max_ulps=measure.max_ulps(out, d["rows"], d["exact"]),
                 ulp_rows=SAMPLE_ROWS)
     del out
     # In place, as in backward: each round adds into the result of the previous one (values

@@ -15,7 +15,7 @@ import torch
 
 import detsum
 from conftest import DEVICES, DTYPE_IDS, nbytes, run_case, skip_unsupported, sync
-from detsum import report
+from detsum import measure
 
 # (edges, nodes, features) per device type.
 GRAPH = {"cpu": (200_000, 20_000, 64), "cuda": (1_000_000, 100_000, 128)}
@@ -44,8 +44,8 @@ def graph_data(device: str, dtype: torch.dtype) -> dict:
         init = torch.randn(nodes, features, generator=gen).to(dtype)
         rows = torch.randperm(nodes, generator=gen)[:SAMPLE_ROWS].sort().values
         exact = {
-            "sum": report.exact_rows(src, index, rows, init, reduce="sum"),
-            "mean": report.exact_rows(src, index, rows, init, reduce="mean"),
+            "sum": measure.exact_rows(src, index, rows, init, reduce="sum"),
+            "mean": measure.exact_rows(src, index, rows, init, reduce="mean"),
             "amax": torch.stack([torch.cat([init[r : r + 1], src[index == r]]).amax(0)
                                  for r in rows.tolist()]),
         }
@@ -76,7 +76,7 @@ def test_scatter_reduce_graph(benchmark, baselines, device, dtype, reduce, impl)
             "dtype": DTYPE_IDS[dtype], "impl": impl,
             # src + input read, output written, 1-D index read
             "bytes": nbytes(d["src"], d["init"], d["init"], d["index"]),
-            "max_ulps": report.max_ulps(out, d["rows"], d["exact"][reduce]),
+            "max_ulps": measure.max_ulps(out, d["rows"], d["exact"][reduce]),
             "ulp_rows": SAMPLE_ROWS}
     del out
     case = f"test_scatter_reduce_graph[{device}-{DTYPE_IDS[dtype]}-{reduce}-torch]"

@@ -11,7 +11,7 @@ import torch
 
 import detsum
 from conftest import DEVICES, DTYPE_IDS, nbytes, run_case, skip_unsupported, sync
-from detsum import report
+from detsum import measure
 
 ROWS, SEGMENTS, H = 200_000, 20_000, 64
 SAMPLE_ROWS = 32
@@ -37,8 +37,8 @@ def segment_data(device: str, dtype: torch.dtype) -> dict:
         # source row r goes to seg_of_position[p] where p is r's position.
         seg_of_row = torch.empty_like(seg_of_position)
         seg_of_row[perm] = seg_of_position
-        exact = {False: report.exact_rows(src, seg_of_position, rows),
-                 True: report.exact_rows(src, seg_of_row, rows)}
+        exact = {False: measure.exact_rows(src, seg_of_position, rows),
+                 True: measure.exact_rows(src, seg_of_row, rows)}
         _data[key] = {"src": src.to(device), "offsets": offsets.to(device),
                       "perm": perm.to(device), "rows": rows, "exact": exact}
     return _data[key]
@@ -71,7 +71,7 @@ def test_segment_sum(benchmark, baselines, device, dtype, gathered, impl):
             "device": device, "dtype": DTYPE_IDS[dtype], "impl": impl,
             # src read, output written, offsets (and perm) read
             "bytes": nbytes(*moved) + SEGMENTS * H * d["src"].element_size(),
-            "max_ulps": report.max_ulps(out, d["rows"], d["exact"][gathered]),
+            "max_ulps": measure.max_ulps(out, d["rows"], d["exact"][gathered]),
             "ulp_rows": SAMPLE_ROWS}
     del out
     case = f"test_segment_sum[{device}-{DTYPE_IDS[dtype]}-{kind}-torch-segment_reduce]"

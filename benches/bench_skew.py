@@ -14,7 +14,7 @@ import torch
 
 from conftest import (
     DEVICES, DTYPE_IDS, index_add_impl, nbytes, run_case, skip_unsupported, sync)
-from detsum import report
+from detsum import measure
 
 ROWS, TABLE, H = 50_000, 32_768, 1024
 ZIPF_EXPONENT = 1.1
@@ -44,7 +44,7 @@ def skew_data(device: str, dtype: torch.dtype) -> dict:
         # The hottest rows and some cold ones.
         rows = torch.cat([torch.arange(SAMPLE_ROWS // 2),
                           torch.unique(index)[-SAMPLE_ROWS // 2:]]).sort().values
-        exact = report.exact_rows(source, index, rows, init)
+        exact = measure.exact_rows(source, index, rows, init)
         _data[key] = {"index": index.to(device), "source": source.to(device),
                       "init": init.to(device), "rows": rows, "exact": exact,
                       "hottest_share": float(torch.bincount(index).max()) / ROWS}
@@ -68,7 +68,7 @@ def test_index_add_zipf(benchmark, baselines, device, dtype, impl):
             "device": device, "dtype": DTYPE_IDS[dtype], "impl": impl,
             "hottest_row_share": d["hottest_share"],
             "bytes": nbytes(d["source"], d["init"], d["init"], d["index"]),
-            "max_ulps": report.max_ulps(out, d["rows"], d["exact"]), "ulp_rows": SAMPLE_ROWS}
+            "max_ulps": measure.max_ulps(out, d["rows"], d["exact"]), "ulp_rows": SAMPLE_ROWS}
     del out
     case = f"test_index_add_zipf[{device}-{DTYPE_IDS[dtype]}-torch-index_add_]"
     work = d["init"].clone()

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import detsum
-from detsum import report
+from detsum import measure
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -37,7 +37,7 @@ DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32
 
 
 def sync(device) -> None:
-    report.sync(device)
+    measure.sync(device)
 
 
 def timed(fn: Callable[[], object], device) -> Callable[[], None]:
@@ -89,7 +89,7 @@ class Baselines:
         if case in self._selected:
             return None
         if key not in self._cache:
-            self._cache[key] = report.median_seconds(fn, device, reps=reps, warmup=2)
+            self._cache[key] = measure.median_seconds(fn, device, reps=reps, warmup=2)
         return self._cache[key]
 
 

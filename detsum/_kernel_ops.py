@@ -7,7 +7,8 @@ bits. Each operation here has one signature on every backend, and the choice is 
 alone: the Numba kernel runs for CPU tensors under the numba backend (their default, see
 ``detsum.backend``), the others for other devices and under ``detsum.backend("reference")``
 or ``("triton")``. Consumers and adapters call these (and the primitives), never
-``detsum.kernels``; so does code that needs the CPU kernels loaded (``load_cpu_kernels``).
+``detsum.kernels``; so does code that needs the CPU kernels loaded (``load_cpu_kernels``) or
+run on a given number of threads (``cpu_threads``).
 
 - Running sums (``detsum.RunningSum``): ``resume_sum``, ``resume_outer_products``,
   ``add_exact_outer_products``.
@@ -44,6 +45,15 @@ def load_cpu_kernels() -> None:
     thread count (``kernels/numba/__init__.py``): code that reads or sets Numba's thread count
     calls this first, so that it sees the layer the kernels run on."""
     from detsum.kernels import numba  # noqa: F401
+
+
+def cpu_threads(n: int):
+    """A context in which the CPU kernels run on ``n`` Numba threads; on leaving it, Numba's
+    and torch's thread counts are what they were (Numba's OpenMP layer shares its runtime with
+    torch, so setting one can move the other). Loads the CPU kernels."""
+    from detsum.kernels.numba.common import threads
+
+    return threads(n)
 
 
 # ---- running sums ------------------------------------------------------------------------------

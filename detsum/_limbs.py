@@ -14,8 +14,8 @@ A state is ``[limbs + COUNTERS, numel]`` int64: row ``i < L`` holds limb ``i`` o
 element, then the rows ``nan, +inf, -inf, not -0.0``. Limb-major, because every step here
 (carrying, rounding, a window of limbs sent to other ranks) works on one limb of every element
 at a time: a contiguous row. ``RunningSum.state()`` lists it element by element. The kernels
-compute the same values from the same integers (``detsum/kernels/numba/exact.py``); tests check
-that both round every state alike.
+compute the same values from the same integers (``detsum/kernels/numba/limbs.py``, for
+``exact.py`` and ``exact_state.py``); tests check that both round every state alike.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 import detsum
-from detsum import reference, report
+from detsum import measure, reference
 
 SEED = 2026
 
@@ -148,7 +148,7 @@ def method_sums(terms: torch.Tensor) -> dict[str, torch.Tensor]:
     # Past 32768 elements and with more than one thread, torch's CPU index_put_ adds with
     # atomics, in no fixed order; deterministic algorithms give its serial sum in order of
     # appearance, the arithmetic that "autograd" mode reproduces.
-    with report.torch_deterministic():
+    with measure.torch_deterministic():
         sums["index_put_"] = terms.new_zeros(1, columns).index_put_(
             (index,), terms, accumulate=True)[0]
     sums["index_add_"] = terms.new_zeros(1, columns).index_add_(0, index, terms)[0]
@@ -190,7 +190,7 @@ def accuracy_data(quick: bool = False, *,
                 terms = make_terms(dataset, length, columns_for(length), dtype)
                 exact = reference.exact_sum_rounded(terms, dim=0)
                 sums = method_sums(terms)
-                identical &= report.same_bits(sums["autograd"], sums["index_put_"])
+                identical &= measure.same_bits(sums["autograd"], sums["index_put_"])
                 for method, value in sums.items():
                     distance = reference.ulp_distance(value, exact)
                     per_method[method]["max"].append(float(distance.max()))

@@ -23,7 +23,7 @@ import detsum.kernels
 from detsum import _segments
 # Re-exported for the tests: torch's CPU fp32/fp64 index_put_ uses atomics from 32768 elements
 # with more than one thread; deterministic algorithms make it the serial sum the contract names.
-from detsum.report import torch_deterministic  # noqa: F401
+from detsum.measure import torch_deterministic  # noqa: F401
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = detsum.MODES

@@ -16,8 +16,9 @@ REDUCES = (K.SUM, K.MEAN, K.PROD, K.AMAX, K.AMIN)
 def every_kernel():
     """Each kernel once: a dispatcher, a parallel kernel or an ``instances.Blocks``."""
     from detsum.kernels.numba import exact, outer, scatter, segment, small, weighted
+    from detsum.kernels.numba.variants import variant_for
 
-    variants = {segment.variant_for(reduce, rule, scaled)
+    variants = {variant_for(reduce, rule, scaled)
                 for reduce in REDUCES for rule in RULES for scaled in (False, True)}
     for dtype in DTYPES:
         yield from (segment.kernel_for(dtype, variant) for variant in variants)

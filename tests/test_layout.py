@@ -112,3 +112,82 @@ def test_every_form_of_import_is_found(source, module):
 ])
 def test_other_imports_are_not_taken_for_the_kernels(source, module):
     assert kernel_imports(source, module) == []
+
+
+# ---- import circles ------------------------------------------------------------------------------
+
+#: Where kernels/ is installed (pyproject.toml's package-dir): detsum.kernels.
+KERNELS = PACKAGE.parent / "kernels"
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """Dotted name -> file of every module of detsum/ and kernels/ (a package by its own
+    name, not ``.__init__``)."""
+    files = {}
+    for prefix, folder in (("detsum", PACKAGE), ("detsum.kernels", KERNELS)):
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            files[".".join([prefix, *parts])] = path
+    return files
+
+
+def imported_modules(path: pathlib.Path, module: str, known: set[str]) -> set[str]:
+    """The modules of ``known`` that ``path`` (the module ``module``) imports, at its top or
+    inside a function: ``from package import module`` names the module, ``from module import
+    name`` the module."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
+    return (found & known) - {module}
+
+
+def circles_through(modules: set[str], graph: dict[str, set[str]]) -> list[list[str]]:
+    """For each module of ``modules`` that imports, directly or not, a module that imports it
+    back: the shortest such path, from the module back to itself."""
+    circles = []
+    for start in sorted(modules):
+        paths = {start: [start]}
+        frontier = [start]
+        while frontier and not any(start in graph[m] for m in frontier):
+            next_frontier = []
+            for m in frontier:
+                for n in sorted(graph[m]):
+                    if n not in paths:
+                        paths[n] = paths[m] + [n]
+                        next_frontier.append(n)
+            frontier = next_frontier
+        back = [m for m in frontier if start in graph[m]]
+        if back:
+            circles.append(paths[back[0]] + [start])
+    return circles
+
+
+def test_no_import_circle_through_the_kernels_or_the_command_line():
+    """Shared helpers live in a module of their own that both users import: the Numba kernels
+    (segment and scatter share their variants, exact and exact_state the limbs, every kernel
+    the common helpers) and the command line's modules (the report and the figures share
+    detsum.measure)."""
+    files = module_files()
+    graph = {m: imported_modules(path, m, set(files)) for m, path in files.items()}
+    watched = {m for m in files if m.startswith("detsum.kernels.")
+               or m in ("detsum.report", "detsum.figures", "detsum.measure")}
+    assert circles_through(watched, graph) == []
+
+
+def test_an_import_circle_is_found(tmp_path):
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles_through({"a", "d"}, graph) == [["a", "b", "c", "a"]]
+    source = tmp_path / "x.py"
+    source.write_text("def f():\n    from . import y\nfrom .z import name\n")
+    assert imported_modules(source, "p.x", {"p", "p.y", "p.z"}) == {"p.y", "p.z"}

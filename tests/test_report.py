@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import detsum
-from detsum import report
+from detsum import measure, report
 
 
 @pytest.fixture(scope="module")
@@ -190,11 +190,51 @@ def test_spread_fields(quick_report):
 
 
 def test_spread_of_runs():
-    assert report.spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 3)
+    assert measure.spread([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2 / 3)
     # One run held up by the scheduler moves neither the median nor the middle half.
-    assert report.spread([1.0] * 6 + [100.0]) == 0.0
+    assert measure.spread([1.0] * 6 + [100.0]) == 0.0
     with pytest.raises(ValueError, match="at least 2 timed runs"):
-        report.spread([1.0])
+        measure.spread([1.0])
+
+
+def test_importing_detsum_loads_neither_the_report_nor_its_measurements():
+    """The command line's modules load only when the command runs: importing detsum stays as
+    quick as the primitives allow, and nothing of the library depends on them."""
+    code = ("import sys, detsum; print(sorted(m for m in sys.modules if m in "
+            "('detsum.report', 'detsum.figures', 'detsum.measure')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_the_figures_need_the_measurements_not_the_report():
+    """The report draws with the figures' matplotlib setup; the figures measure with
+    detsum.measure alone, so neither module imports the other at load time."""
+    code = "import sys, detsum.figures; print('detsum.report' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_numba_threads_puts_numba_and_torch_thread_counts_back():
+    import numba
+
+    from detsum import _kernel_ops
+
+    _kernel_ops.load_cpu_kernels()
+    torch_before, numba_before = torch.get_num_threads(), numba.get_num_threads()
+    try:
+        with measure.numba_threads(1):
+            assert numba.get_num_threads() == 1
+            # Numba's OpenMP layer shares its runtime with torch: a count set inside the
+            # block may move torch's, and leaving the block must undo that too.
+            torch.set_num_threads(1 if torch_before != 1 else 2)
+        assert (numba.get_num_threads(), torch.get_num_threads()) == (numba_before,
+                                                                      torch_before)
+    finally:
+        torch.set_num_threads(torch_before)
 
 
 def test_noisy_rule_on_made_up_timings():

@@ -8,7 +8,7 @@ what ``_limbs.add_terms`` and ``_limbs.round_state`` compute: the state after an
 is an integer state normalised (every limb but the last in ``[0, 2**32)``), which is unique
 for its value, so any correct order of the integer adds gives the same bits; the rounding is
 the correctly rounded value of that integer (or of its quotient by a count) with IEEE's
-special values, from the same helpers as the EXACT kernels (``exact._finish``).
+special values, from the same helpers as the EXACT kernels (``limbs.finish``).
 ``tests/test_exact_state.py`` compares both with ``_limbs`` on random and special states.
 
 Why: a small model's exact gradient (a few hundred parameters) paid a few hundred torch calls
@@ -25,9 +25,9 @@ from numba import njit, prange
 from .. import NORMALISE_EVERY
 from ..rounding import f32_as_u32, f64_as_u64
 from . import parallel_njit
-from .exact import _DIGIT_MASK, _deposit, _finish, _normalise
 from .common import launch_threads, threads
 from .instances import instance
+from .limbs import DIGIT_MASK, deposit, finish, normalise_limbs
 
 __all__ = ["add_terms", "normalise", "round_state"]
 
@@ -52,9 +52,9 @@ def _count_and_deposit(limbs, counters, exponent, significand, negative, top_exp
     if not negative or exponent != 0 or significand != 0:
         counters[3] += 1
     if exponent == 0:
-        _deposit(limbs, significand, np.int64(0), negative)
+        deposit(limbs, significand, np.int64(0), negative)
     else:
-        _deposit(limbs, significand | implicit, exponent - 1, negative)
+        deposit(limbs, significand | implicit, exponent - 1, negative)
 
 
 # Elements are taken in blocks, so that a thread allocates its scratch limbs once per block,
@@ -96,8 +96,8 @@ def _add(state, terms, n_limbs):
                 _count_and_deposit(limbs, counters, exponent, significand, negative,
                                    top_exponent, implicit)
                 if (r + 1) % NORMALISE_EVERY == 0:
-                    _normalise(limbs, n_limbs)
-            _normalise(limbs, n_limbs)
+                    normalise_limbs(limbs, n_limbs)
+            normalise_limbs(limbs, n_limbs)
             for i in range(n_limbs):
                 state[i, e] = limbs[i]
             for c in range(_COUNTERS):
@@ -119,7 +119,7 @@ def _round(out, state, n_limbs, count, is_mean, precision, min_quantum, unit_exp
                 limbs[i] = state[i, e]
             for c in range(_COUNTERS):
                 flags[c] = state[n_limbs + c, e]
-            out[e] = _finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
+            out[e] = finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
                              unit_exponent)
 
 
@@ -129,7 +129,7 @@ def _normalise_rows(limbs):
     for i in range(limbs.shape[0] - 1):
         for e in range(limbs.shape[1]):
             value = limbs[i, e]
-            limbs[i, e] = value & _DIGIT_MASK
+            limbs[i, e] = value & DIGIT_MASK
             limbs[i + 1, e] += value >> 32  # arithmetic: floor(value / 2**32)
 
 

@@ -51,8 +51,8 @@ from ..rounding import (
 from . import parallel_njit
 from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
-from .segment import (_OP_ADD, _OP_ADD_ROUND, _OP_KAHAN, _OP_MAX, _OP_MIN, _OP_MUL, _OP_NAMES,
-                      variant_for, variant_name)
+from .variants import (OP_ADD, OP_ADD_ROUND, OP_KAHAN, OP_MAX, OP_MIN, OP_MUL, OP_NAMES,
+                       variant_for, variant_name)
 
 __all__ = ["scatter_elements"]
 
@@ -70,23 +70,23 @@ _MIN_BLOCK_ELEMENTS = 65536
 @functools.cache  # one set per format and operation: two would share their names
 def _make_helpers(fmt, dec, rnd, op):
     """The helpers of ``_block`` for one data format (``fmt`` names it) and term operation
-    ``op`` (see ``segment.variant_for``): ``every_term``, the pass over the rows, and
+    ``op`` (see ``variants.variant_for``): ``every_term``, the pass over the rows, and
     ``fold`` and ``long_segments``, inlined where they are called.
 
     ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
     dtype (see ``segment._make_rows``, and for why each format's and variant's functions
     compile under names of their own)."""
-    format_njit = _njit_named_for(f"{fmt}_{_OP_NAMES[op]}")
+    format_njit = _njit_named_for(f"{fmt}_{OP_NAMES[op]}")
 
     @format_njit(inline="always")
     def combine(y, x):
-        if op == _OP_ADD:
+        if op == OP_ADD:
             return y + x
-        if op == _OP_ADD_ROUND:
+        if op == OP_ADD_ROUND:
             return rnd(y + x)
-        if op == _OP_MUL:
+        if op == OP_MUL:
             return y * x
-        if op == _OP_MAX:
+        if op == OP_MAX:
             # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
             return x if (x != x or x > y) and y == y else y
         return x if (x != x or x < y) and y == y else y
@@ -109,7 +109,7 @@ def _make_helpers(fmt, dec, rnd, op):
                     continue
                 e = np.uint64(k * w + j)
                 count[e] += 1
-                if op == _OP_KAHAN:
+                if op == OP_KAHAN:
                     acc[e], comp[e] = neumaier(acc[e], comp[e],
                                                dec(src[np.uint64(r0 + j * ss[2])]))
                 else:
@@ -119,10 +119,10 @@ def _make_helpers(fmt, dec, rnd, op):
     @format_njit(inline="always")
     def fold(acc, comp, part, pcomp, e):
         """Fold a completed later chunk (part, and pcomp under KAHAN) into element e."""
-        if op == _OP_KAHAN:
+        if op == OP_KAHAN:
             acc[e], c = neumaier(acc[e], comp[e], part[e])
             comp[e] = c + pcomp[e]
-        elif op == _OP_MUL:
+        elif op == OP_MUL:
             acc[e] = acc[e] * part[e]
         else:
             acc[e] = acc[e] + part[e]
@@ -141,7 +141,7 @@ def _make_helpers(fmt, dec, rnd, op):
                 seen[e] = 0
                 if count[e] > CHUNK_TERMS:
                     acc[e] = dec(base[b0 + j * bs[2]]) if use_base else ident
-                    if op == _OP_KAHAN:
+                    if op == OP_KAHAN:
                         comp[e] = 0.0
         for n in range(nrows):
             r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
@@ -157,9 +157,9 @@ def _make_helpers(fmt, dec, rnd, op):
                 seen[e] = c + 1
                 x = dec(src[np.uint64(r0 + j * ss[2])])
                 if c < CHUNK_TERMS:
-                    if op == _OP_KAHAN:
+                    if op == OP_KAHAN:
                         acc[e], comp[e] = neumaier(acc[e], comp[e], x)
-                    elif op == _OP_MUL:
+                    elif op == OP_MUL:
                         acc[e] = acc[e] * x
                     else:
                         acc[e] = acc[e] + x
@@ -167,11 +167,11 @@ def _make_helpers(fmt, dec, rnd, op):
                 r = c % CHUNK_TERMS
                 if r == 0:
                     part[e] = x
-                    if op == _OP_KAHAN:
+                    if op == OP_KAHAN:
                         pcomp[e] = 0.0
-                elif op == _OP_KAHAN:
+                elif op == OP_KAHAN:
                     part[e], pcomp[e] = neumaier(part[e], pcomp[e], x)
-                elif op == _OP_MUL:
+                elif op == OP_MUL:
                     part[e] = part[e] * x
                 else:
                     part[e] = part[e] + x
@@ -202,13 +202,13 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
     pcomp = pcomp_scratch[b]
     count = count_scratch[b]
     seen = seen_scratch[b]
-    if op == _OP_MUL:
+    if op == OP_MUL:
         ident = cvt(1.0)
-    elif op == _OP_MAX:
+    elif op == OP_MAX:
         # Below every value: the first term replaces it, as the first term starts a segment
         # without base (a NaN is taken, an equal -inf is the same bits).
         ident = cvt(-np.inf)
-    elif op == _OP_MIN:
+    elif op == OP_MIN:
         ident = cvt(np.inf)
     else:
         ident = cvt(0.0)
@@ -227,7 +227,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
             for j in range(w):
                 acc[e0 + j] = dec(base[b0 + j * bs[2]]) if use_base else ident
                 count[e0 + j] = 0
-            if op == _OP_KAHAN:
+            if op == OP_KAHAN:
                 for j in range(w):
                     comp[e0 + j] = zero
 
@@ -250,7 +250,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
                 if split and c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
                     fold(acc, comp, part, pcomp, e)  # the last, shorter chunk
                 v = acc[e]
-                if op == _OP_KAHAN:
+                if op == OP_KAHAN:
                     # As segment_reduce: the compensation joins a finite sum, and only when
                     # nonzero (a sum of -0.0 terms stays -0.0).
                     cj = comp[e]
@@ -295,7 +295,7 @@ _KERNELS = {}
 
 
 def kernel_for(dtype, variant):
-    """The kernel of data type ``dtype`` and ``variant`` (``segment.variant_for``, alpha 1),
+    """The kernel of data type ``dtype`` and ``variant`` (``variants.variant_for``, alpha 1),
     launched over thread blocks (``instances.Blocks``)."""
     kernel = _KERNELS.get((dtype, variant))
     if kernel is None:

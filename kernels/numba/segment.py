@@ -93,11 +93,11 @@ IMPLEMENTATION NOTES (this backend):
   so the kernel prefetches the start of the rows it will read a few rows ahead; the loops
   are vectorised, with the rule and dtype branches resolved when the kernel compiles.
 
-- Compilation: one kernel per dtype and variant (:func:`variant_for`: the reduction and rule,
+- Compilation: one kernel per dtype and variant (``variants.variant_for``: the reduction and rule,
   roughly the mode), compiled on the first launch that needs it (1-2 s) and cached on disk on
   its own (``instances.instance``), plus one small driver per dtype that runs the kernel's
   thread blocks (``instances.Blocks``). Numba checks only this file's timestamp: after
-  editing ``rounding.py``, ``common.py`` or ``instances.py``, delete
+  editing ``rounding.py``, ``common.py``, ``instances.py`` or ``variants.py``, delete
   ``kernels/numba/__pycache__`` to drop stale kernels.
 """
 
@@ -107,7 +107,7 @@ import numpy as np
 import torch
 from numba import prange
 
-from .. import AMAX, AMIN, CHUNK_TERMS, EXACT, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE, has_work
+from .. import CHUNK_TERMS, EXACT, KAHAN, ROUND_EACH, WIDE, has_work
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -131,67 +131,17 @@ from .common import (
     threads,
     work_split,
 )
+from .exact import segment_reduce_exact
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
+from .variants import (OP_ADD, OP_ADD_ROUND, OP_ADD_ROUND_SCALED, OP_KAHAN, OP_MAX, OP_MIN,
+                       OP_MUL, OP_NAMES, variant_for, variant_name)
 
 __all__ = ["segment_reduce"]
-
-# Row operations (see operation_for).
-_OP_ADD = 0
-_OP_ADD_ROUND = 1
-_OP_ADD_ROUND_SCALED = 2
-_OP_KAHAN = 3
-_OP_MUL = 4
-_OP_MAX = 5
-_OP_MIN = 6
-_OP_NAMES = {_OP_ADD: "add", _OP_ADD_ROUND: "add_round", _OP_ADD_ROUND_SCALED: "add_round_scaled",
-             _OP_KAHAN: "kahan", _OP_MUL: "mul", _OP_MAX: "max", _OP_MIN: "min"}
-
-
-def operation_for(reduce, rule, scaled):
-    """The operation each term goes through for ``reduce`` under ``rule`` (``scaled``: alpha
-    is not 1), the one table for this kernel and ``scatter.py``'s, which give the same bits."""
-    if reduce == PROD:
-        return _OP_MUL
-    if reduce == AMAX:
-        return _OP_MAX
-    if reduce == AMIN:
-        return _OP_MIN
-    if rule == KAHAN:
-        return _OP_KAHAN
-    if rule == ROUND_EACH and reduce == SUM:
-        return _OP_ADD_ROUND_SCALED if scaled else _OP_ADD_ROUND
-    # WIDE, and MEAN under ROUND_EACH (summed wide, rounded before the division).
-    return _OP_ADD
-
-
-def variant_for(reduce, rule, scaled):
-    """What a kernel fixes when it compiles, for ``reduce`` under ``rule`` (``scaled``: alpha
-    is not 1): ``(op, mean, mean_round, split)``, the term's operation, whether the sum is
-    divided by its count, whether it is rounded to the dtype before (ROUND_EACH's mean:
-    torch's CPU ``scatter_reduce`` rounds the total first), and whether long segments are
-    cut into chunks (WIDE and KAHAN; amax / amin give the same bits either way and are not).
-    Shared with ``scatter.py``.
-
-    Why: each variant compiles alone, in a few seconds, on the first call that needs it
-    (every rule and reduction of a dtype in one kernel took 10-20 s), its branches on the
-    mode resolved before any code is generated. The arithmetic of each is what it was as a
-    branch: without fastmath, LLVM reorders no floating-point operation."""
-    op = operation_for(reduce, rule, scaled)
-    mean = reduce == MEAN
-    return (op, mean, mean and rule == ROUND_EACH,
-            rule in (WIDE, KAHAN) and op != _OP_MAX and op != _OP_MIN)
-
-
-def variant_name(op, mean, mean_round, split):
-    """A variant's name, part of its kernels' names: e.g. ``add_mean_chunked``."""
-    return (_OP_NAMES[op] + ("_mean" if mean else "") + ("_rounded" if mean_round else "")
-            + ("_chunked" if split else ""))
-
 
 @functools.cache  # one set per format and operation: two would share their names
 def _make_rows(fmt, dec, rnd, op):
     """The row helpers of ``_block`` for one data format (``fmt`` names it) and one term
-    operation ``op`` (see :func:`variant_for`), inlined where they are called.
+    operation ``op`` (see ``variants.variant_for``), inlined where they are called.
 
     ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
     dtype (staying in the acc type); with ``enc``, which turns an acc value into a data
@@ -207,7 +157,7 @@ def _make_rows(fmt, dec, rnd, op):
     Per term row there is no function call, no array slice and no division: at about 8 rows
     per segment that overhead was a fifth of the running time.
     """
-    format_njit = _njit_named_for(f"{fmt}_{_OP_NAMES[op]}")
+    format_njit = _njit_named_for(f"{fmt}_{OP_NAMES[op]}")
 
     @format_njit(inline="always")
     def load(acc, a, start, step, w):
@@ -257,24 +207,24 @@ def _make_rows(fmt, dec, rnd, op):
                     tmp[j] = src[start + j * ss[2]]
                 start = 0
             u = np.uint64(start)
-            if op == _OP_ADD:
+            if op == OP_ADD:
                 for j in range(w):
                     acc[j] = acc[j] + dec(a[u + np.uint64(j)]) * alpha
-            elif op == _OP_ADD_ROUND:
+            elif op == OP_ADD_ROUND:
                 # alpha == 1: A(x) is a data-dtype value already.
                 for j in range(w):
                     acc[j] = rnd(acc[j] + dec(a[u + np.uint64(j)]))
-            elif op == _OP_ADD_ROUND_SCALED:
+            elif op == OP_ADD_ROUND_SCALED:
                 # torch rounds source * alpha to the dtype before adding.
                 for j in range(w):
                     acc[j] = rnd(acc[j] + rnd(dec(a[u + np.uint64(j)]) * alpha))
-            elif op == _OP_KAHAN:
+            elif op == OP_KAHAN:
                 for j in range(w):
                     acc[j], comp[j] = neumaier(acc[j], comp[j], dec(a[u + np.uint64(j)]) * alpha)
-            elif op == _OP_MUL:
+            elif op == OP_MUL:
                 for j in range(w):
                     acc[j] = acc[j] * dec(a[u + np.uint64(j)])
-            elif op == _OP_MAX:
+            elif op == OP_MAX:
                 for j in range(w):
                     x = dec(a[u + np.uint64(j)])
                     y = acc[j]
@@ -289,11 +239,11 @@ def _make_rows(fmt, dec, rnd, op):
     @format_njit(inline="always")
     def fold(acc, comp, part, pcomp, w):
         """Fold a later chunk's result (part, and pcomp under KAHAN) into acc (and comp)."""
-        if op == _OP_KAHAN:
+        if op == OP_KAHAN:
             for j in range(w):
                 acc[j], c = neumaier(acc[j], comp[j], part[j])
                 comp[j] = c + pcomp[j]
-        elif op == _OP_MUL:
+        elif op == OP_MUL:
             for j in range(w):
                 acc[j] = acc[j] * part[j]
         else:
@@ -360,12 +310,12 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
             p = p0
             if use_base:
                 load(acc, base, o * bs[0] + s * bs[1] + j0 * bs[2], bs[2], w)
-            elif op == _OP_MAX or op == _OP_MIN:
+            elif op == OP_MAX or op == OP_MIN:
                 # amax/amin start from the first term itself.
                 load(acc, src, rstart + (order[p * ost] if ost >= 0 else p) * ss[1], ss[2], w)
                 p += 1
             else:
-                ident = cvt(1.0) if op == _OP_MUL else cvt(0.0)
+                ident = cvt(1.0) if op == OP_MUL else cvt(0.0)
                 for j in range(w):
                     acc[j] = ident
             cstart = o * cs[0] + s * cs[1] + j0 * cs[2]
@@ -373,7 +323,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
                 # A running compensated sum resumes: the base row holds s, carry holds c.
                 for j in range(w):
                     comp[j] = carry[cstart + j * cs[2]]
-            elif op == _OP_KAHAN:
+            elif op == OP_KAHAN:
                 zero = cvt(0.0)
                 for j in range(w):
                     comp[j] = zero
@@ -402,7 +352,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
                 # carry, without the final s + c.
                 for j in range(w):
                     carry[cstart + j * cs[2]] = comp[j]
-            elif op == _OP_KAHAN:
+            elif op == OP_KAHAN:
                 # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
                 # inf - inf) is only added to a finite s. A zero compensation is not added either:
                 # -0.0 + (+0.0) would turn a sum of -0.0 terms into +0.0, unlike a plain sum.
@@ -477,7 +427,7 @@ _KERNELS = {}
 
 
 def kernel_for(dtype, variant):
-    """The kernel of data type ``dtype`` and ``variant`` (:func:`variant_for`), launched over
+    """The kernel of data type ``dtype`` and ``variant`` (``variants.variant_for``), launched over
     thread blocks (``instances.Blocks``)."""
     kernel = _KERNELS.get((dtype, variant))
     if kernel is None:
@@ -496,8 +446,6 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
                    carry=None, chunks=None):
     """See the module docstring (the contract)."""
     if rule == EXACT:
-        from .exact import segment_reduce_exact
-
         if carry is not None:
             raise ValueError("segment_reduce: the EXACT rule takes no carry")
         segment_reduce_exact(src, order, offsets, base, out, reduce=reduce, alpha=alpha,

@@ -1,15 +1,19 @@
 """Compile detsum's Triton kernels for an H100/H200 (sm_90) without a GPU and count, in the PTX,
-the instructions that would break the contract: fused multiply-adds and non-IEEE divisions.
+the instructions that would break the contract: fused multiply-adds and non-IEEE divisions;
+and, in a launch as ``segment_reduce`` makes it, how many term rows the term loop has in flight.
 
 Run by tests/test_triton.py in a subprocess without TRITON_INTERPRET (under the interpreter,
 ``triton.jit`` gives interpreted functions, which cannot be compiled). Prints one JSON object:
-{config name: {"fma": count, "divisions": [kinds]}}.
+{config name: {"fma": count, "divisions": [kinds], ...}}.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import tempfile
 
 import torch
 import triton
@@ -90,6 +94,95 @@ def _tickets(ptx: str) -> dict:
             "cg_loads": len(re.findall(r"\bld\.global\.cg\.", ptx))}
 
 
+_LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
+_WAIT = re.compile(r"\bcp\.async\.wait_group\s+(\d+)")
+_COMMIT = re.compile(r"\bcp\.async\.commit_group\b")
+# An asynchronous copy and its size in bytes.
+_COPY = re.compile(r"\bcp\.async\.c[ag]\.shared\.global\s+\[[^]]*\],\s*\[[^]]*\],\s*"
+                   r"(0x[0-9a-f]+|\d+)")
+
+
+def _inner_loops(ptx: str) -> list[list[str]]:
+    """The body of each innermost loop: the lines from a block's label to the last branch back
+    to it, of the loops that hold no other loop."""
+    lines = ptx.splitlines()
+    labels, spans = {}, {}
+    for number, line in enumerate(lines):
+        found = _LABEL.match(line)
+        if found:
+            labels[found.group(1)] = number
+        found = _BRANCH.search(line)
+        if found and labels.get(found.group(1), number) < number:
+            spans[found.group(1)] = (labels[found.group(1)], number)
+    inner = [(a, b) for a, b in spans.values()
+             if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans.values())]
+    return [lines[a:b + 1] for a, b in inner]
+
+
+def _term_loop(ptx: str) -> dict:
+    """The pipelined term loops (the innermost loops that wait for asynchronous copies): how
+    many, the fewest copies of row data (more than 8 bytes: not an entry of ``order``) any of
+    them issues per iteration, and the fewest rows in flight: a loop that commits C groups of
+    copies per iteration and waits until at most N are pending combines one row while the
+    copies of N // C later iterations are still on their way. Without such a loop: 0 copies,
+    1 row in flight (each row waited for in its own iteration)."""
+    in_flight, row_copies = [], []
+    for body in _inner_loops(ptx):
+        waits = [int(found.group(1)) for line in body for found in [_WAIT.search(line)] if found]
+        commits = sum(bool(_COMMIT.search(line)) for line in body)
+        if waits and commits:
+            in_flight.append(max(waits) // commits + 1)
+            sizes = [int(found.group(1), 0) for line in body for found in [_COPY.search(line)]
+                     if found]
+            row_copies.append(sum(size > 8 for size in sizes))
+    return {"pipelined_term_loops": len(in_flight),
+            "row_copies_per_iteration": min(row_copies, default=0),
+            "rows_in_flight": min(in_flight, default=1)}
+
+
+def _resources(ptx: str) -> dict:
+    """Registers per thread and bytes of spill stores and loads of the kernel, as ptxas reports
+    them (``-v``) compiling the PTX with the options Triton gives it for sm_90 without FMA
+    contraction; empty when Triton ships no ptxas for sm_90."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(TARGET.arch)
+    if ptxas is None or not os.path.exists(ptxas.path):
+        return {}
+    with tempfile.TemporaryDirectory() as folder:
+        source = os.path.join(folder, "kernel.ptx")
+        with open(source, "w") as file:
+            file.write(ptx)
+        report = subprocess.run(
+            [ptxas.path, "-lineinfo", "--fmad=false", "-v", "--regAllocOptLevel=2",
+             f"--gpu-name=sm_{TARGET.arch}a", source, "-o", os.path.join(folder, "kernel.o")],
+            capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    registers = re.search(r"Used (\d+) registers", report)
+    return {"registers": int(registers.group(1)), "spill_stores": int(spills.group(1)),
+            "spill_loads": int(spills.group(2))}
+
+
+def _launched_gather() -> dict:
+    """``_segment_kernel`` as ``segment_reduce`` launches it for a gather of bf16 rows of 4096
+    (its BLOCK, warps and Triton's specialisation of the arguments: contiguous rows, aligned
+    pointers), long segments (chunked), through Triton's launch with the driver stubbed
+    (tests/triton_stub.py): the PTX's counts and its term loop."""
+    import triton_stub
+
+    triton_stub.install(record=False)
+    rows, nseg, width = 4 * kernels.CHUNK_TERMS, 2, 4096
+    src = torch.zeros(1, rows, width, dtype=torch.bfloat16)
+    out = torch.empty(1, nseg, width, dtype=torch.bfloat16)
+    segment.segment_reduce(src, torch.arange(rows), torch.tensor([0, rows // 2, rows]), None,
+                           out, reduce=kernels.SUM, rule=kernels.WIDE, alpha=1.0,
+                           include_base=False)
+    (compiled,) = [entry[-1] for entry in segment._launch_segment._compiled.values()]
+    ptx = compiled.asm["ptx"]
+    return {**_count(ptx), **_term_loop(ptx), **_resources(ptx)}
+
+
 def main() -> dict:
     found = {}
     bf16 = _segment_types("i16", "fp32")
@@ -164,6 +257,7 @@ def main() -> dict:
              counts_ptr="*i64", table_ptr="*i64", n="i64", num_tokens="i64",
              num_experts="i64", topk="i64", steps="i64"),
         dict(TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
+    found["bf16 sum wide h4096 launched"] = _launched_gather()
     # The control: Triton's default (fusion allowed) does contract the scaled sum, so a count
     # of 0 above is the launch option's doing, not an accident of the code.
     config = _segment_config(kernels.SUM, kernels.WIDE, 1, tl.float32, True, 1024)

@@ -29,6 +29,11 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+if HAS_TRITON:
+    from detsum.kernels.triton.segment import _TERM_STAGES
+    TERM_STAGES = _TERM_STAGES.value
+else:
+    TERM_STAGES = 5
 
 pytestmark = pytest.mark.skipif(
     not HAS_TRITON or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
@@ -264,6 +269,104 @@ def test_chunked_order_differs_from_serial():
     assert serial.item() == 2.0**24
 
 
+# ---- the pipelined term loop: later rows loaded while one is combined ---------------------------
+
+# Segment lengths around the term loop's pipeline of TERM_STAGES stages (a loop shorter than
+# the rows it would have in flight, as long, longer) and around the chunks.
+PIPELINE_LENGTHS = (0, 1, TERM_STAGES - 2, TERM_STAGES - 1, TERM_STAGES, TERM_STAGES + 1,
+                    2 * TERM_STAGES + 1, 0)
+CHUNK_LENGTHS = (CHUNK - 1, 0, CHUNK, CHUNK + 1, 2 * CHUNK + 3)
+
+
+def term_loop_case(lengths, dtype, reduce, seed, *, sorted_index):
+    """(input, index, src) of a scatter along dim 0 whose segments have ``lengths`` rows, in
+    three columns: 0, every term and the input -0.0 (a position past the end combined as +0.0,
+    or as any neutral term, would show); 1, NaN, +-inf and zeros of both signs sprinkled
+    among spread values; 2, spread values (near 1 for a product; of the one sign, under amax
+    and amin, that a stray 0.0 would beat)."""
+    rows = sum(lengths)
+    g = torch.Generator().manual_seed(seed)
+    index = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    if not sorted_index:
+        index = index[torch.randperm(rows, generator=g)]
+    src = make_data((rows, 3), torch.float64, seed=seed, spread=reduce != "prod")
+    input = make_data((len(lengths), 3), torch.float64, seed=seed + 1, spread=True)
+    if reduce == "prod":
+        src, input = 1 + src / 64, 1 + input / 64
+    if reduce in ("amax", "amin"):
+        sign = -1 if reduce == "amax" else 1
+        src[:, 2], input[:, 2] = sign * src[:, 2].abs(), sign * input[:, 2].abs()
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0],
+                            dtype=torch.float64)
+    picks = torch.rand(rows, generator=g) < 0.15
+    src[picks, 1] = specials[torch.randint(0, 5, (int(picks.sum()),), generator=g)]
+    src[:, 0] = -0.0
+    input[:, 0] = -0.0
+    return input.to(dtype), index, src.to(dtype)
+
+
+def check_term_loop(mode, reduce, dtype, lengths, sorted_index, include_selfs):
+    """scatter_reduce (and for a sum, index_add with alpha) on the triton backend, bit for bit
+    Numba's and the reference's."""
+    seed = seed_of("triton-term-loop", mode, reduce, dtype, lengths, sorted_index)
+    input, index, src = term_loop_case(lengths, dtype, reduce, seed, sorted_index=sorted_index)
+    for include_self in include_selfs:
+        got, expected = triton_and_expected(
+            lambda i, x, s: detsum.scatter_reduce(i, 0, x, s, reduce, include_self=include_self,
+                                                  mode=mode, sorted=sorted_index),
+            mode, input, index, src)
+        oracle = reference.scatter_reduce(input, 0, index, src, reduce,
+                                          include_self=include_self, mode=mode,
+                                          device_type=DEVICE)
+        assert_same_bits(got, oracle)
+        if expected is not None:
+            assert_same_bits(got, expected)
+    if reduce == "sum":
+        got, expected = triton_and_expected(
+            lambda i, x, s: detsum.index_add(i, 0, x, s, alpha=0.3, mode=mode), mode,
+            input, index, src)
+        assert_same_bits(got, reference.index_add(input, 0, index, src, alpha=0.3, mode=mode,
+                                                  device_type=DEVICE))
+        if expected is not None:
+            assert_same_bits(got, expected)
+
+
+# Every pair of mode, reduction, dtype and index (shuffled: rows through ``order``; sorted: the
+# positions themselves), each case with and without include_self.
+@pytest.mark.parametrize("mode,reduce,dtype,sorted_index", pairwise(
+    [[m for m in MODES if m != "exact"], ["sum", "mean", "prod", "amax", "amin"], DTYPES,
+     [pytest.param(False, id="shuffled"), pytest.param(True, id="sorted")]],
+    everything=HAS_CUDA))
+def test_term_loop_every_length_around_its_stages(mode, reduce, dtype, sorted_index):
+    """Segments of 0, 1, TERM_STAGES - 2 .. TERM_STAGES + 1 and 2 TERM_STAGES + 1 rows: the
+    pipeline's first and last stages combine each row once, in order, and nothing past the
+    segment's end, -0.0 included, in every mode, reduction and dtype."""
+    check_term_loop(mode, reduce, dtype, PIPELINE_LENGTHS, sorted_index, (True, False))
+
+
+# The chunked modes with each reduction and dtype, and "autograd" (never chunked), over
+# segments around one and two chunks.
+CHUNK_TERM_LOOP_CASES = [
+    ("fp32", "sum", torch.bfloat16, False, True),
+    ("fp32", "prod", torch.float32, True, False),
+    ("fp32", "amax", torch.float64, False, False),
+    ("kahan", "sum", torch.float32, True, True),
+    ("kahan", "mean", torch.float16, False, False),
+    ("kahan", "amin", torch.bfloat16, False, True),
+    ("autograd", "sum", torch.float16, False, True),
+]
+
+
+@pytest.mark.parametrize("mode,reduce,dtype,sorted_index,include_self", [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}-{dtype_id(case[2])}") for case in
+    CHUNK_TERM_LOOP_CASES])
+def test_term_loop_across_chunks(mode, reduce, dtype, sorted_index, include_self):
+    """Segments of CHUNK - 1, CHUNK, CHUNK + 1 and 2 CHUNK + 3 rows: each chunk's term loop
+    (after its first term, which a later chunk starts from) ends where the chunk does, and
+    the chunks still fold in order."""
+    check_term_loop(mode, reduce, dtype, CHUNK_LENGTHS, sorted_index, (include_self,))
+
+
 # ---- torch's CUDA "autograd" arithmetic, run through the launcher ------------------------------
 
 # Every pair of slice size (the rows' regimes), number of terms (the warp tree's from 32),
@@ -468,6 +571,15 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     # The checkers' ticket carries what they found in its value: relaxed is enough.
     assert found["fp32 sum wide offsets checked"]["atomics"] == [
         "atom.global.gpu.acq_rel.add.u64", "atom.global.gpu.relaxed.add.u64"]
+    # A gather of bf16 rows of 4096 as segment_reduce launches it: both term loops (whole
+    # segments, chunks) pipelined, their rows copied asynchronously, 4 in flight, and
+    # nothing spilled.
+    gather = found["bf16 sum wide h4096 launched"]
+    assert gather["pipelined_term_loops"] == 2, gather
+    assert gather["row_copies_per_iteration"] >= 1, gather
+    assert gather["rows_in_flight"] >= 4, gather
+    if "spill_stores" in gather:  # Triton shipped a ptxas for sm_90
+        assert gather["spill_stores"] == gather["spill_loads"] == 0, gather
 
 
 def test_ptx_check_sees_an_atomic_without_a_barrier_before_it():
@@ -479,3 +591,32 @@ def test_ptx_check_sees_an_atomic_without_a_barrier_before_it():
     assert ptx_check._tickets(fenced)["barrier_before_each_atomic"]
     unfenced = "bar.sync 0;\nst.global.b32 [%rd1], %r1;\natom.global.gpu.acq_rel.add.u64 %rd2;"
     assert not ptx_check._tickets(unfenced)["barrier_before_each_atomic"]
+
+
+def test_ptx_check_counts_the_rows_in_flight_of_the_pipelined_loops():
+    """The PTX test's reading of the term loop can fail: a loop without asynchronous copies
+    has one row in flight; one that waits for all but N of its groups holds N // (groups per
+    iteration) + 1, and the fewest of two loops is reported; copies of 8 bytes (row numbers)
+    are no row copies; an outer loop's copies are not counted."""
+    import ptx_check
+
+    def loops(*bodies):
+        inner = "".join(f"$L__BB0_{n}:\n{body}\n @%p1 bra $L__BB0_{n};\n"
+                        for n, body in enumerate(bodies, start=2))
+        return ("$L__BB0_1:\n cp.async.commit_group;\n cp.async.wait_group 9;\n" + inner
+                + " @%p2 bra $L__BB0_1;")
+
+    plain = " ld.global.b64 %rd3, [%rd2];\n ld.global.v4.b32 {%r2}, [%rd3];\n"
+    assert ptx_check._term_loop(loops(plain)) == {
+        "pipelined_term_loops": 0, "row_copies_per_iteration": 0, "rows_in_flight": 1}
+    rows = " cp.async.cg.shared.global [%r1], [%rd3], 0x10;\n cp.async.commit_group;\n"
+    numbers = " @%p3 cp.async.ca.shared.global [ %r4 + 0 ], [ %rd5 + 0 ], 0x8, %r6;\n"
+    numbers += " cp.async.commit_group;\n"
+    waiting = " cp.async.wait_group {};\n ld.shared.v4.b32 {{%r2}}, [%r1];\n"
+    assert ptx_check._term_loop(loops(waiting.format(3) + rows)) == {
+        "pipelined_term_loops": 1, "row_copies_per_iteration": 1, "rows_in_flight": 4}
+    assert ptx_check._term_loop(loops(waiting.format(6) + rows + numbers,
+                                      waiting.format(2) + 2 * rows)) == {
+        "pipelined_term_loops": 2, "row_copies_per_iteration": 1, "rows_in_flight": 2}
+    assert ptx_check._term_loop(loops(waiting.format(3) + numbers)) == {
+        "pipelined_term_loops": 1, "row_copies_per_iteration": 0, "rows_in_flight": 4}

@@ -19,7 +19,9 @@ IMPLEMENTATION NOTES (this backend):
   serial order: each chunk keeps its earliest NaN or earliest of equal values, and so does the
   fold). No multiply is fused with an add: the launch passes ``enable_fp_fusion=False`` (the
   Triton default fuses ``x * alpha + acc`` into one FMA), and MEAN divides with ``div_rn`` in
-  fp32 (Triton's ``/`` on fp32 is an approximate division on NVIDIA GPUs).
+  fp32 (Triton's ``/`` on fp32 is an approximate division on NVIDIA GPUs). The term loop
+  is software-pipelined (``_combine_rows``): the loads of later rows move earlier, not the
+  arithmetic.
 
 - Work split: program ``(slot, column block, outer)``. Slots ``0 .. S-1`` each own a whole
   segment (of at most CHUNK_TERMS terms, or any length under the rules that never split) and
@@ -170,6 +172,9 @@ _CHECK_ENDS = tl.constexpr(1)
 _CHECK_EVERY = tl.constexpr(2)
 # Bounds that one checker program reads at a time.
 _CHECK_BLOCK = tl.constexpr(1024)
+# Stages of the term loop's software pipeline (_combine_rows): the rows of the next
+# _TERM_STAGES - 1 positions are in flight while one is combined. Order-neutral.
+_TERM_STAGES = tl.constexpr(5)
 
 _MAX_GRID_YZ = 65535
 # Column block: at most 2 KiB of one row per program and step, in whole powers of two.
@@ -284,8 +289,15 @@ def _finish(acc, comp, init, count, REDUCE: tl.constexpr, RULE: tl.constexpr,
 def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin, p_end, alpha,
                   REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr,
                   ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr):
-    """Combine the term rows at positions p_begin .. p_end - 1, in order."""
-    for p in range(p_begin, p_end):
+    """Combine the term rows at positions p_begin .. p_end - 1, in order.
+
+    The loop is software-pipelined (``_TERM_STAGES``; on the GPU, asynchronous copies to
+    shared memory): the rows of the next positions, and their entries of ``order``, are on
+    their way while the current one is combined, so that a program has several row loads in
+    flight, where one at a time, each behind its load of ``order``, leaves it waiting on the
+    memory's latency once per term. Only the loads move: the rows are combined one after
+    another in position order."""
+    for p in tl.range(p_begin, p_end, num_stages=_TERM_STAGES):
         if HAS_ORDER:
             row = tl.load(order_ptr + p)
         else:

@@ -251,34 +251,38 @@ def test_means_of_narrow_data_round_their_ties_and_zeros(dtype, include_self):
     assert ties >= 10  # the data reach what the test is for
 
 
-def test_fp64_quotients_known_exact_only_when_they_are():
-    """The Numba kernels settle a mean's fp64 quotient ``q = s / d`` whose neighbours round
-    apart when ``q * d == s`` exactly (Dekker's product): checked against fractions on exact
-    quotients, on their fp64 neighbours, and on random sums of fp32 values, for divisors on
-    both sides of the 2**26 past which it never says exact."""
-    from detsum.kernels.numba.exact import _divides_exactly
-
-    g = torch.Generator().manual_seed(5)
-    divisors = [1, 2, 3, 5, 7, 8, 9, 100, 255, 256, 65537, 2**26 - 1, 2**26, 2**26 + 3, 2**29]
-    seen = {True: 0, False: 0}
-    for d in divisors:
-        # Sums of fp32 values with a common power of two (exact in fp64), many divisible by d.
-        terms = (torch.randint(-2**24, 2**24, (400, 3), generator=g).double()
-                 * 2.0 ** torch.randint(-40, 40, (400, 1), generator=g).double())
-        sums = terms.to(torch.float32).double().sum(1).tolist()
-        sums += [float(d) * v for v in sums[:100]] + [0.0, -0.0]
-        for s in sums:
-            q = s / d
-            for candidate in (q, math.nextafter(q, math.inf), math.nextafter(q, -math.inf)):
-                claimed = bool(_divides_exactly(s, candidate, float(d)))
-                truth = Fraction(candidate) * d == Fraction(s)
-                if candidate == q:
-                    seen[truth] += d < 2**26
-                    assert claimed == (truth and d < 2**26), (s, d, candidate)
-                else:
-                    # Not the rounded quotient: never exact (the proof needs q within an ulp).
-                    assert not claimed or truth, (s, d, candidate)
-    assert seen[True] > 500 and seen[False] > 500  # both verdicts reached
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+def test_means_at_and_near_the_dtypes_midpoints(dtype):
+    """Means of four terms ``lo, lo, 2 hi, c`` (``lo < hi`` neighbours of the dtype, ``m``
+    their midpoint): ``m + c / 4``, a tie of the dtype for ``c = 0`` and just off one for
+    small ``c`` of either sign, down to a unit of the sum's last fp64 bit. The Numba kernels
+    round the fp64 quotient of a certified sum (proved right: ``rounded_quotient``) and take
+    the others to the limbs; both against fractions."""
+    g = torch.Generator().manual_seed(13)
+    p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[dtype]
+    rows = []
+    for _ in range(40):
+        lo = Fraction(2**(p - 1) + int(torch.randint(0, 2**(p - 1) - 1, (1,), generator=g)),
+                      2**(p - 1))  # in [1, 2), p significant bits
+        hi = lo + Fraction(1, 2**(p - 1))
+        for exponent in (None, p + 2, p + 20, 50):
+            for sign in (1, -1):
+                c = Fraction(0) if exponent is None else sign * Fraction(1, 2**exponent)
+                as_dtype = torch.tensor(float(c), dtype=torch.float64).to(dtype).double()
+                if Fraction(as_dtype.item()) == c:  # c is a value of the dtype
+                    rows.append([lo, lo, 2 * hi, c])
+    index = torch.arange(len(rows)).repeat_interleave(4)
+    src = torch.tensor([float(t) for terms in rows for t in terms],
+                       dtype=torch.float64).to(dtype).unsqueeze(1)
+    assert torch.equal(src.double().view(-1),
+                       torch.tensor([float(t) for terms in rows for t in terms]))
+    expected = torch.stack([reference.round_exact(sum(terms, Fraction(0)) / 4, dtype)
+                            for terms in rows]).view(-1, 1)
+    for backend in BACKENDS:
+        with detsum.backend(backend):
+            got = detsum.scatter_reduce(torch.zeros(len(rows), 1, dtype=dtype), 0, index, src,
+                                        "mean", include_self=False, mode="exact")
+        assert_same_bits(got, expected)
 
 
 MEANS_BELOW_THE_UNIT = [

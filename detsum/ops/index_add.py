@@ -38,7 +38,7 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         rows = _run(input.index_select(dim, targets), dim, positions, source, alpha, mode, None,
                     index_checked=True)
         if out3 is None:
-            out3 = _segments.new_output(_segments.rows_view(input, dim), num_segments)
+            out3 = _segments.new_output_like(_segments.rows_view(input, dim))
             out3.copy_(_segments.rows_view(input, dim))
         out3.index_copy_(1, targets, rows)
         return out3
@@ -50,7 +50,7 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         source3 = _segments.rows_view(source, dim)
         rule = rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2])
         if out3 is None:
-            out3 = _segments.new_output(input3, num_segments)
+            out3 = _segments.new_output_like(input3)
         if small.fits(source3, input3, out3, rule):
             # A small launch in one call, without a plan (the same bits: see its module).
             first_bad = small.index_add_small(source3, index, input3, out3, alpha, rule)
@@ -77,7 +77,7 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         return out3
     input3 = _segments.rows_view(input, dim)
     if out3 is None:
-        out3 = _segments.new_output(input3, num_segments)
+        out3 = _segments.new_output_like(input3)
     _segments.launch(backend_name, _segments.rows_view(source, dim), order, offsets, input3, out3,
                      reduce="sum",
                      rule=rule_for(MODE_BY_NAME[mode], "sum", device_type, input3.shape[2]),

@@ -121,7 +121,7 @@ def _stream_elements(input, dim, index, src, reduce, include_self, rule) -> torc
     from detsum.kernels.numba.scatter import scatter_elements
 
     input3 = _segments.rows_view(input, dim)
-    out3 = _segments.new_output(input3, input3.shape[1])
+    out3 = _segments.new_output_like(input3)
     if scatter_elements(_segments.rows_view(src, dim), _segments.rows_view(index, dim), input3,
                         out3, reduce=kernels.REDUCE_CODES[reduce], rule=rule,
                         include_base=include_self):
@@ -163,7 +163,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         targets, positions = sparse
         rows = _run(input.index_select(dim, targets), dim, positions, src, reduce, include_self,
                     acc_mode, sorted, index_checked=True)
-        out3 = _segments.new_output(input3, input3.shape[1])
+        out3 = _segments.new_output_like(input3)
         out3.copy_(input3)
         out3.index_copy_(1, targets, _segments.rows_view(rows, dim))
         return out3.view(input.shape)
@@ -199,7 +199,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
             index = _segments.index_as_planned(index, input.shape[dim])
         return reference.scatter_reduce(input, dim, index, src, reduce,
                                         include_self=include_self, mode=acc_mode)
-    out3 = _segments.new_output(base3, base3.shape[1])
+    out3 = _segments.new_output_like(base3)
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
                      rule=rule_for(MODE_BY_NAME[acc_mode], reduce, device_type, base3.shape[2]),
                      alpha=1.0, include_base=include_self, chunks=chunks)
@@ -217,7 +217,7 @@ def _small_sum(input3, dim, index, src, acc_mode):
     rule = rule_for(MODE_BY_NAME[acc_mode], "sum", "cpu", input3.shape[2])
     if not small.fits(src3, input3, input3, rule):  # out3 below: input3's shape, contiguous
         return None
-    out3 = _segments.new_output(input3, input3.shape[1])
+    out3 = _segments.new_output_like(input3)
     first_bad = small.index_add_small(src3, index, input3, out3, 1.0, rule)
     if first_bad >= 0:
         _validation.raise_index_out_of_range(_CALLER, "index", index, first_bad,

@@ -160,16 +160,12 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data):
         return finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
                        unit_exponent)
 
-    # Divisors below which an fp64 quotient of an exact sum rounds as the exact quotient does
-    # (rounded_quotient): 2**29 for fp32 data.
-    quotient_divisors = 2.0 ** (53 - precision)
-
     @format_njit(inline="always")
     def rounded_quotient(s, divisor):
         """RN_dtype(s / divisor) for an exact fp64 sum ``s`` (a certified tile's) and an
-        integer ``divisor`` below ``quotient_divisors``, as a data element, through the fp64
-        quotient q = RN_fp64(s / divisor); and whether the divisor is below that (else the
-        limbs take the mean).
+        integer ``divisor`` below ``2**(53 - p)`` (``quotient_divisors``; p the dtype's
+        precision: 2**29 for fp32), as a data element, through the fp64 quotient
+        q = RN_fp64(s / divisor). A larger divisor takes the limbs.
 
         Why q's rounding is the exact quotient t's: rounding to the dtype changes value only
         at its rounding midpoints (and the overflow threshold), each an fp64 number. One
@@ -182,7 +178,7 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data):
         divisor * 2**E_m (a midpoint is no power of two), and since divisor < 2**(53 - p).
         But q = m needs |t - m| at most half an ulp. Branch-free, so that a loop over a
         tile's columns vectorises. (tests/test_exact.py tries quotients near midpoints.)"""
-        return final_rounding(s / divisor), divisor < quotient_divisors
+        return final_rounding(s / divisor)
 
     def tile_sums(per_column):
         """The pass over a tile: per_column False gives ``tile_pass``, True ``column_pass``
@@ -273,8 +269,9 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
     """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, segment, column
     block), with block b's scratch: the template of every format's kernels, for sums and for
     means, in two stages. ``instances.instance`` binds ``is_mean``, ``first_stage``, the
-    format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms: no fast path) and ``data_bits``
-    (significant bits of a data element), and the helpers of :func:`_make_exact_helpers`.
+    format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms: no fast path), ``data_bits``
+    (significant bits of a data element) and ``quotient_divisors`` (the counts whose means
+    ``rounded_quotient`` takes), and the helpers of :func:`_make_exact_helpers`.
 
     The first stage writes the items that tier 1 certifies and marks the others in
     ``pending``, writing nothing of them; the second takes the marked items alone, by every
@@ -346,17 +343,19 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
                         out[ostart + j * us[2]] = final_rounding(acc[j])
                 continue
             if is_mean and tile_exact:
-                # Every column's rounded quotient first, in one straight loop; mass (free now)
-                # records which are settled. The others from the exact sum, in limbs.
                 divisor = np.float64(count)
-                for j in range(w):
-                    value, settled = rounded_quotient(acc[j], divisor)
-                    out[ostart + j * us[2]] = value
-                    mass[j] = np.float64(settled)
-                for j in range(w):
-                    if mass[j] == 0.0:
-                        out[ostart + j * us[2]] = enc(cvt(exact_value_of_sum(acc[j], count, True,
-                                                                             limbs, flags)))
+                if divisor >= quotient_divisors:
+                    for j in range(w):
+                        out[ostart + j * us[2]] = enc(cvt(exact_value_of_sum(
+                            acc[j], count, True, limbs, flags)))
+                elif us[2] == 1:
+                    # Unit stride spelled out, so that the loop vectorises.
+                    u = np.uint64(ostart)
+                    for j in range(w):
+                        out[u + np.uint64(j)] = rounded_quotient(acc[j], divisor)
+                else:
+                    for j in range(w):
+                        out[ostart + j * us[2]] = rounded_quotient(acc[j], divisor)
                 continue
             pending[it] = 1
             continue
@@ -368,20 +367,13 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
             for j in range(w):
                 # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
                 exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
-        if is_mean and not wide_data:
-            # Every column's rounded quotient first, in one straight loop; mass (free now)
-            # records which are settled. A certified column that is not goes to the limbs.
-            divisor = np.float64(count)
-            for j in range(w):
-                value, settled = rounded_quotient(acc[j], divisor)
-                out[ostart + j * us[2]] = value
-                mass[j] = np.float64(settled)
+        divisor = np.float64(count)
         for j in range(w):
             if not wide_data and exact_here[j]:
                 if not is_mean:
                     value = final_rounding(acc[j])
-                elif mass[j] != 0.0:
-                    continue  # written above
+                elif divisor < quotient_divisors:
+                    value = rounded_quotient(acc[j], divisor)
                 else:
                     value = enc(cvt(exact_value_of_sum(acc[j], count, True, limbs, flags)))
             else:
@@ -437,6 +429,8 @@ def kernel_for(dtype, is_mean, first_stage):
             is_mean=is_mean, first_stage=first_stage, enc=enc, cvt=cvt, wide_data=wide_data,
             # Significant bits of a data element: the terms have that many when alpha == 1.
             data_bits={"f32": 24, "bf16": 8, "f16": 11, "f64": 53}[fmt],
+            # Counts whose means rounded_quotient takes (see there): 2**(53 - precision).
+            quotient_divisors=2.0 ** (53 - _TARGETS[fmt][0]),
             final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
             column=column,
             exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)

@@ -275,10 +275,10 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
 
     The first stage writes the items that tier 1 certifies and marks the others in
     ``pending``, writing nothing of them; the second takes the marked items alone, by every
-    other way (fp64 terms: every item, through the limbs). Why two: the second stage's code (the per-column certificate, the limbs of
-    every term) is most of the kernel, and rarely needed: it compiles on the first launch
-    that needs it. (A mean's quotient near a rounding midpoint, common where the count is a
-    power of two, is settled in the first stage, from the certified sum.) An item's elements
+    other way (fp64 terms: every item, through the limbs). Why two: the second stage's code
+    (the per-column certificate, the limbs of every term) is most of the kernel, and rarely
+    needed: it compiles on the first launch that needs it. (A certified tile's mean is
+    settled in the first stage, from its fp64 sum: ``rounded_quotient``.) An item's elements
     are read (from base) and written by that item alone, so the second stage reads a base
     that the first left untouched, in place too."""
     outer, nseg, inner = shape

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from detsum import _dispatch, _segments, _transforms, _validation, reference
-from detsum._validation import raise_index_out_of_range
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
 from detsum.plans import (Plan, Planned, check_plan, operator_arguments, run_checks_with,
@@ -43,21 +42,13 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         out3.index_copy_(1, targets, rows)
         return out3
     if backend_name == "numba" and not index_checked:
-        from detsum.kernels.numba import small
-
         # In place, out3 is input's own view: one view fewer, and the kernel reads it once.
         input3 = out3 if out_is_input else _segments.rows_view(input, dim)
-        source3 = _segments.rows_view(source, dim)
-        rule = rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2])
-        if out3 is None:
-            out3 = _segments.new_output_like(input3)
-        if small.fits(source3, input3, out3, rule):
-            # A small launch in one call, without a plan (the same bits: see its module).
-            first_bad = small.index_add_small(source3, index, input3, out3, alpha, rule)
-            if first_bad >= 0:
-                raise_index_out_of_range(_CALLER, "index", index, first_bad, num_segments,
-                                         f"input.size({dim})")
-            return out3
+        small = _segments.small_index_add(
+            _CALLER, _segments.rows_view(source, dim), index, input3, out3, alpha,
+            rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
+        if small is not None:
+            return small
     chunks = None
     if planned is not None:
         order, offsets, chunks = planned

@@ -169,7 +169,11 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         return out3.view(input.shape)
     if (backend_name == "numba" and rowwise and reduce == "sum" and include_self
             and not (index_checked or sorted or planned is not None)):
-        small = _small_sum(input3, dim, index, src, acc_mode)
+        # A sum from input is index_add's arithmetic, rule for rule (alpha 1).
+        small = _segments.small_index_add(
+            _CALLER, _segments.rows_view(src, dim), index, input3, None, 1.0,
+            rule_for(MODE_BY_NAME[acc_mode], "sum", "cpu", input3.shape[2]),
+            f"input.size({dim})")
         if small is not None:
             return small.view(*input.shape)
     chunks = None
@@ -204,25 +208,6 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
                      rule=rule_for(MODE_BY_NAME[acc_mode], reduce, device_type, base3.shape[2]),
                      alpha=1.0, include_base=include_self, chunks=chunks)
     return out3.view(*input.shape)  # sizes one by one: half the parsing of a torch.Size
-
-
-def _small_sum(input3, dim, index, src, acc_mode):
-    """A small sum from ``input`` in one Numba call without a plan, or None where it does not
-    fit: that is index_add's arithmetic rule for rule (``alpha`` 1), and its small call
-    (``kernels/numba/small.py``) gives the general path's bits. An unchecked index value
-    raises, nothing written."""
-    from detsum.kernels.numba import small
-
-    src3 = _segments.rows_view(src, dim)
-    rule = rule_for(MODE_BY_NAME[acc_mode], "sum", "cpu", input3.shape[2])
-    if not small.fits(src3, input3, input3, rule):  # out3 below: input3's shape, contiguous
-        return None
-    out3 = _segments.new_output_like(input3)
-    first_bad = small.index_add_small(src3, index, input3, out3, 1.0, rule)
-    if first_bad >= 0:
-        _validation.raise_index_out_of_range(_CALLER, "index", index, first_bad,
-                                             input3.shape[1], f"input.size({dim})")
-    return out3
 
 
 @scatter_reduce_op.register_fake

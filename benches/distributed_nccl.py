@@ -154,8 +154,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda":
+        # set_device wants an index: "cuda" alone is refused (torch 2.11).
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
-        device = torch.device("cuda", torch.cuda.current_device())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

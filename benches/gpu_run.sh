@@ -5,6 +5,10 @@
 #   bash benches/gpu_run.sh            # everything: tests, benchmarks, report, distributed
 #   bash benches/gpu_run.sh tests      # one stage: tests | benches | report | distributed
 #
+# A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
+# whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
+#   TEST_ARGS="-n 12 -m cuda tests tests/test_triton.py" BENCH_ARGS="-k 'cuda and dispatch'"
+#
 # Each stage fits in one 10-minute device command; run them one by one when a session's device
 # time is short. Everything is written to $OUT (default benches/results/gpu-<date>/): the
 # environment (GPU name, torch, triton and CUDA versions, date), the test log and JUnit XML,
@@ -16,6 +20,8 @@ OUT=${OUT:-benches/results/gpu-$(date +%F)}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 STAGES=${*:-tests benches report distributed}
+TEST_ARGS=${TEST_ARGS:-}
+BENCH_ARGS=${BENCH_ARGS:--k cuda}
 
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || exit 1
 python3 - <<'PY' | tee "$OUT/gpu_env.txt"
@@ -33,11 +39,11 @@ for stage in $STAGES; do
         # The whole suite: the CPU tests, test_triton.py on CUDA tensors, the cuda-marked ones.
         # The whole log goes to tests-full.txt as it is written, so a run stopped at the device's
         # time limit still leaves what it printed.
-        python3 -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" --durations=20 \
-            2>&1 | tee "$OUT/tests-full.txt" | tail -n 60 | tee "$OUT/tests.txt" || status=1 ;;
+        eval "python3 -m pytest -q -p no:cacheprovider --junitxml=\"\$OUT/tests.xml\" \
+            --durations=20 $TEST_ARGS" 2>&1 | tee "$OUT/tests-full.txt" | tail -n 60 | tee "$OUT/tests.txt" || status=1 ;;
     benches)
-        python3 -m pytest benches -k cuda --benchmark-only -q -p no:cacheprovider \
-            --benchmark-json="$OUT/bench-gpu.json" 2>&1 | tail -n 20 || status=1
+        eval "python3 -m pytest benches $BENCH_ARGS --benchmark-only -q -p no:cacheprovider \
+            --benchmark-json=\"\$OUT/bench-gpu.json\"" 2>&1 | tail -n 20 || status=1
         python3 benches/summarize.py "$OUT/bench-gpu.json" | tee "$OUT/bench-gpu.txt" ;;
     report)
         python3 -m detsum report --json "$OUT/report-gpu.json" | tee "$OUT/report-gpu.txt" \

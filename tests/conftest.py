@@ -31,6 +31,21 @@ MODES = detsum.MODES
 MODE_REDUCTIONS = [(m, r) for m in MODES for r in ("sum", "mean", "prod", "amax", "amin")
                    if (m, r) != ("exact", "prod")]
 HAS_CUDA = torch.cuda.is_available()
+#: Whether the triton backend runs CPU tensors: only in Triton's interpreter, which is on where
+#: there is no GPU. On a GPU machine it is off (the kernels run on the GPU) and the tests marked
+#: ``interpreter`` skip: they run the triton backend on CPU tensors as a stand-in for a GPU's
+#: path, and their cuda-marked twins, tests/test_triton.py and tests/test_exact_triton.py run
+#: the kernels themselves there.
+TRITON_RUNS_CPU_TENSORS = os.environ.get("TRITON_INTERPRET") == "1"
+#: The triton backend as a parameter of a test that gives it CPU tensors.
+TRITON_ON_CPU = pytest.param("triton", marks=pytest.mark.interpreter, id="triton")
+
+
+def backend_device(backend: str) -> str:
+    """Where a test that runs on every backend puts ``backend``'s tensors: the triton backend's
+    on the GPU where there is one (else the CPU, in Triton's interpreter), the others' on the
+    CPU."""
+    return "cuda" if backend == "triton" and HAS_CUDA else "cpu"
 
 def slow_exact_in_interpreter(backend: str, mode: str, dtype: torch.dtype) -> bool:
     """Whether a layout sweep's case is "exact" fp16 or fp64 on Triton's interpreter.
@@ -73,9 +88,14 @@ def poison_outputs():
 
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    skip_interpreter = pytest.mark.skip(
+        reason="runs the triton backend on CPU tensors: needs Triton's interpreter, which is "
+               "off on a GPU machine (the CUDA tests run the kernels there)")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_cuda)
+        if item.get_closest_marker("interpreter") and not TRITON_RUNS_CPU_TENSORS:
+            item.add_marker(skip_interpreter)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:

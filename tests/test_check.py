@@ -19,7 +19,7 @@ import torch
 
 import detsum
 from detsum import _segments, kernels, moe, reference
-from conftest import assert_same_bits, host_reads
+from conftest import TRITON_ON_CPU, assert_same_bits, host_reads
 
 pytest.importorskip("triton")
 
@@ -76,6 +76,7 @@ def _calls(check, init, index, src, offsets, perm):
 CALLS = list(_calls("host", *_inputs()))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("call", CALLS)
 @pytest.mark.parametrize("check", ["device", "off"])
 def test_no_host_read_in_the_gpu_launch_path(check, call):
@@ -88,6 +89,7 @@ def test_no_host_read_in_the_gpu_launch_path(check, call):
     assert torch.isfinite(src.grad).all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("call", CALLS)
 def test_the_host_level_reads_values_back(call):
     """The guard sees the reads the default level makes (so the test above can fail)."""
@@ -96,7 +98,7 @@ def test_the_host_level_reads_values_back(call):
 
 
 @pytest.mark.parametrize("call", CALLS)
-@pytest.mark.parametrize("backend", ["numba", "triton", "reference"])
+@pytest.mark.parametrize("backend", ["numba", TRITON_ON_CPU, "reference"])
 def test_every_level_gives_the_same_bits(backend, call):
     """Forward and backward, on a GPU's path where the levels differ (triton, reference)."""
     results = {}
@@ -113,6 +115,7 @@ def test_every_level_gives_the_same_bits(backend, call):
             assert_same_bits(got, expected)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("primitive", ["index_add", "scatter_reduce", "segment_sum"])
 def test_device_level_fails_on_a_bad_index_naming_the_argument(primitive):
     """On a GPU the failure comes at the next synchronisation; on the CPU's copy of the GPU's
@@ -181,6 +184,7 @@ def _made_bad(argument, position):
     return torch.tensor(values)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("argument,position", _BAD_BOUNDS)
 @pytest.mark.parametrize("check", ["host", "device"])
 def test_the_launch_finds_a_bad_bound_wherever_it_is(small_check_blocks, check, argument,
@@ -201,6 +205,7 @@ def test_the_launch_finds_a_bad_bound_wherever_it_is(small_check_blocks, check, 
             call("device")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("argument", list(_GOOD_BOUNDS))
 def test_the_launch_passes_good_bounds_checked_by_several_programs(small_check_blocks,
                                                                    argument):
@@ -212,6 +217,7 @@ def test_the_launch_passes_good_bounds_checked_by_several_programs(small_check_b
             assert_same_bits(call(check), expected)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("check", ["host", "device"])
 def test_a_failed_check_leaves_no_ticket_behind(check):
     """Offsets that decrease, with long segments: the chunk programs' searches disagree and
@@ -343,7 +349,7 @@ BAD_VALUE_CASES = [pytest.param(call, mistake, id=f"{call}-{mistake}")
 
 
 @pytest.mark.parametrize("call,mistake", BAD_VALUE_CASES)
-@pytest.mark.parametrize("backend", ["numba", "reference", "triton"])
+@pytest.mark.parametrize("backend", ["numba", "reference", TRITON_ON_CPU])
 def test_cpu_checks_every_level_on_every_backend(backend, call, mistake):
     """On CPU tensors every level checks, on every backend: the error of the default level
     (its type and words, naming the first bad position), before anything is written."""
@@ -438,7 +444,7 @@ def _off_expected(call, t):
 
 
 _GPU_PATHS = [
-    pytest.param("cpu", "triton", id="cpu-triton"),
+    pytest.param("cpu", "triton", id="cpu-triton", marks=pytest.mark.interpreter),
     pytest.param("cpu", "reference", id="cpu-reference"),
     pytest.param("cuda", "triton", id="cuda-triton", marks=pytest.mark.cuda),
     pytest.param("cuda", "reference", id="cuda-reference", marks=pytest.mark.cuda),
@@ -467,6 +473,7 @@ def test_off_level_gives_what_the_docstrings_say(device, backend, call, mistake)
         assert got is t["target"]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("promised_sorted", [False, True], ids=["unsorted", "broken-sorted"])
 def test_off_level_chunks_long_segments_of_bad_values(promised_sorted):
     """More than CHUNK_TERMS positions: the chunk programs find the segments of unchecked
@@ -502,7 +509,7 @@ def test_off_level_chunks_long_segments_of_bad_values(promised_sorted):
 
 @pytest.mark.parametrize("call,mistake", [
     case for case in BAD_VALUE_CASES if case.values[1] in ("several", "everything", "decreasing")])
-@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("backend", [TRITON_ON_CPU, "reference"])
 def test_device_level_launches_what_off_gives(backend, call, mistake, monkeypatch):
     """On a GPU a failed "device" check is reported at the next synchronisation, after the
     launch: that launch is the one of "off", inside every tensor. Here the check never fails
@@ -768,6 +775,7 @@ def _moe_call(name, seed=0):
     return run
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("call", list(_MOE_CALLS))
 @pytest.mark.parametrize("check", ["device", "off"])
 def test_moe_no_host_read_in_the_gpu_launch_path(check, call):
@@ -788,6 +796,7 @@ def test_moe_route_reads_nothing_back(check):
     assert torch.equal(tokens_per_expert, torch.bincount(selected.view(-1), minlength=_EXPERTS))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("check", ["device", "off"])
 @pytest.mark.parametrize("mode", ["fp32", "autograd"])
 def test_moe_weighted_backward_operator_reads_nothing_back(mode, check):
@@ -803,6 +812,7 @@ def test_moe_weighted_backward_operator_reads_nothing_back(mode, check):
     assert torch.isfinite(grad_y).all() and torch.isfinite(dots).all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("call", ["route"] + list(_MOE_CALLS))
 def test_moe_host_level_reads_values_back(call):
     """The guard sees the reads that moe's default level makes (so the tests above can fail)."""
@@ -814,7 +824,7 @@ def test_moe_host_level_reads_values_back(call):
 
 
 @pytest.mark.parametrize("call", list(_MOE_CALLS))
-@pytest.mark.parametrize("backend", ["numba", "triton"])
+@pytest.mark.parametrize("backend", ["numba", TRITON_ON_CPU])
 def test_moe_every_level_gives_the_same_bits(backend, call):
     """Forward and backward; True and False, the flag's old values, included."""
     run = _moe_call(call, seed=1)
@@ -918,7 +928,7 @@ _OFF_MISTAKES = {
 
 
 @pytest.mark.parametrize("mistake", list(_OFF_MISTAKES))
-@pytest.mark.parametrize("backend", ["numba", "triton"])
+@pytest.mark.parametrize("backend", ["numba", TRITON_ON_CPU])
 def test_moe_off_level_keeps_a_broken_promise_in_bounds(backend, mistake):
     """No check and no read back; a bad value reads and writes inside every tensor, and gives
     what the docstrings say: permute gathers the rows of the clamped values (its gradient is
@@ -955,6 +965,7 @@ def test_moe_off_level_keeps_a_broken_promise_in_bounds(backend, mistake):
     assert torch.equal(bad, bad_before)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("mistake", list(_OFF_MISTAKES))
 def test_moe_off_level_backward_stays_in_bounds(mistake):
     """Backward of unpermute under "off" with a broken promise: each row p receives the
@@ -1025,7 +1036,8 @@ def test_moe_false_keeps_each_functions_old_meaning():
         moe.unpermute(t["y"], repeated, _TOPK, check=False)
 
 
-@pytest.mark.parametrize("check", ["host", "device", "off"])
+@pytest.mark.parametrize("check", ["host", pytest.param("device", marks=pytest.mark.interpreter),
+                                   pytest.param("off", marks=pytest.mark.interpreter)])
 def test_moe_compiled_fullgraph_gives_eager_bits(check):
     """route, permute and the weighted unpermute in one full graph, forward and backward, at
     every level: "host" too, whose reads run inside the operators. Under "device" and "off" the

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import detsum
-from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, run_docs_example
+from conftest import (DTYPES, HAS_CUDA, assert_same_bits, backend_device, dtype_id,
+                      run_docs_example)
 from covering import pairwise
 from detsum import _kernel_ops, moe, reference
 
@@ -131,7 +132,8 @@ def test_the_routing_gives_the_bits_of_its_gather_indices(backend, dtype, weight
     bits of the same calls given its gather_indices, forward and every gradient, at every
     level of the gather_indices' check (the Routing needs none). A copy of them: route's own
     would pass as the Routing."""
-    selected, _, _, x, _, weights, _, grad_out = setup(dtype, 4, weights_dtype=weights_dtype)
+    selected, _, _, x, _, weights, _, grad_out = (
+        t.to(backend_device(backend)) for t in setup(dtype, 4, weights_dtype=weights_dtype))
     with detsum.backend(backend):
         routing = moe.route(selected, E)
         results = []
@@ -167,7 +169,7 @@ def _bare_layer(given, x, weights, grad_out, mode, check):
     unpermuted, given ``given``: the outputs, then the gradients of x and weights."""
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     y = moe.permute(x, given, 4, mode=mode, check=check)
-    rows = y * torch.linspace(-2.0, 3.0, y.shape[0], dtype=y.dtype)[:, None]
+    rows = y * torch.linspace(-2.0, 3.0, y.shape[0], dtype=y.dtype, device=y.device)[:, None]
     out = moe.unpermute(rows, given, 4, weights=weights, mode=mode, check=check)
     plain = moe.unpermute(rows, given, 4, mode=mode, check=check)
     back = moe.unpermute(rows, given, 4, reduce=False, mode=mode, check=check)
@@ -182,7 +184,8 @@ def test_routes_gather_indices_given_bare_give_the_routings_bits(backend, mode, 
     """Forward and every gradient, at every level: route's gather_indices, given bare, the
     bits of its Routing and of a copy of them (an index route never returned, checked and
     inverted by each call)."""
-    selected, _, _, x, _, weights, _, grad_out = setup(torch.float32, 4, tokens=8, hidden=6)
+    selected, _, _, x, _, weights, _, grad_out = (
+        t.to(backend_device(backend)) for t in setup(torch.float32, 4, tokens=8, hidden=6))
     with detsum.backend(backend):
         routing = moe.route(selected, E)
         expected = _bare_layer(routing, x, weights, grad_out, mode, check)
@@ -196,7 +199,8 @@ def test_routes_gather_indices_given_bare_give_the_routings_bits(backend, mode, 
 @pytest.mark.parametrize("backend", ["numba", "triton"])
 def test_routes_gather_indices_given_bare_are_neither_checked_nor_inverted(backend, check):
     """As its Routing: a sort's indices are a permutation, and route has inverted them."""
-    selected, _, _, x, _, weights, _, grad_out = setup(torch.float32, 4, tokens=8, hidden=6)
+    selected, _, _, x, _, weights, _, grad_out = (
+        t.to(backend_device(backend)) for t in setup(torch.float32, 4, tokens=8, hidden=6))
     again = AssertionError("route's gather_indices checked or inverted again")
     with detsum.backend(backend):
         gather_indices, _ = moe.route(selected, E)

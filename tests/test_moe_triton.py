@@ -98,7 +98,7 @@ def _layer(selected, x, weights, grad_out, topk, mode, given, check):
     gather_indices = routing if given == "routing" else routing[0].clone()
     x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
     y = moe.permute(x, gather_indices, topk, mode=mode, check=check)
-    rows = y * torch.linspace(-2.0, 3.0, y.shape[0], dtype=y.dtype)[:, None]
+    rows = y * torch.linspace(-2.0, 3.0, y.shape[0], dtype=y.dtype, device=y.device)[:, None]
     out = moe.unpermute(rows, gather_indices, topk, weights=weights, mode=mode, check=check)
     return (out, *torch.autograd.grad(out, (x, weights), grad_out))
 

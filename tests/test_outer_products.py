@@ -8,7 +8,8 @@ import torch
 from torch.func import functional_call, grad
 
 import detsum
-from conftest import DTYPES, assert_same_bits, dtype_id, make_data, skip_slow_exact_in_interpreter
+from conftest import (DTYPES, TRITON_ON_CPU, assert_same_bits, dtype_id, make_data,
+                      skip_slow_exact_in_interpreter)
 from detsum import loss
 from detsum.kernels import CHUNK_TERMS
 from detsum.kernels.numba import outer as numba_outer
@@ -38,7 +39,7 @@ def products_in_pieces(left, right, piece, mode, device="cpu"):
     return running
 
 
-@pytest.mark.parametrize("backend", ["numba", "reference", "triton"])
+@pytest.mark.parametrize("backend", ["numba", "reference", TRITON_ON_CPU])
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", SPLIT_MODES)
 def test_products_give_the_bits_of_the_rows_they_stand_for(mode, dtype, backend):

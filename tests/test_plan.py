@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import detsum
-from conftest import (DTYPES, HAS_CUDA, assert_same_bits, dtype_id, host_reads, make_data,
-                      slow_exact_in_interpreter)
+from conftest import (DTYPES, HAS_CUDA, assert_same_bits, backend_device, dtype_id, host_reads,
+                      make_data, slow_exact_in_interpreter)
 from covering import pairwise
 from detsum import _segments
 
@@ -100,9 +100,10 @@ def _index_add_sweep(backend):
                          [p for backend in BACKENDS for p in _index_add_sweep(backend)])
 def test_index_add_and_segment_sum_with_a_plan_give_the_bits_without(n, template, dim, dtype,
                                                                      mode, backend):
-    index = _index(n, NUM_ROWS, seed=n)
-    source = make_data(_shape(template, n), dtype, seed=1, spread=True)
-    base = make_data(_shape(template, NUM_ROWS), dtype, seed=2)
+    device = backend_device(backend)
+    index = _index(n, NUM_ROWS, seed=n).to(device)
+    source = make_data(_shape(template, n), dtype, seed=1, spread=True).to(device)
+    base = make_data(_shape(template, NUM_ROWS), dtype, seed=2).to(device)
     with detsum.backend(backend):
         plan = detsum.plan(index, NUM_ROWS)
         expected = detsum.index_add(base, dim, index, source, alpha=0.75, mode=mode)
@@ -130,12 +131,13 @@ def _scatter_reduce_sweep(backend):
 def test_scatter_reduce_with_a_plan_gives_the_bits_and_gradients_without(sorted_, include_self,
                                                                          reduce, mode, backend):
     dtype = torch.bfloat16 if backend != "triton" or mode != "exact" else torch.float32
-    index = _index(40, NUM_ROWS, seed=3, sorted_=sorted_)
+    device = backend_device(backend)
+    index = _index(40, NUM_ROWS, seed=3, sorted_=sorted_).to(device)
     # Small integers: ties for amax / amin, zeros for prod, in every dtype.
     g = torch.Generator().manual_seed(4)
-    src = torch.randint(-3, 4, (40, 5), generator=g).to(dtype).requires_grad_()
-    base = torch.randint(-3, 4, (NUM_ROWS, 5), generator=g).to(dtype).requires_grad_()
-    grad = make_data((NUM_ROWS, 5), dtype, seed=5)
+    src = torch.randint(-3, 4, (40, 5), generator=g).to(device, dtype).requires_grad_()
+    base = torch.randint(-3, 4, (NUM_ROWS, 5), generator=g).to(device, dtype).requires_grad_()
+    grad = make_data((NUM_ROWS, 5), dtype, seed=5).to(device)
     with detsum.backend(backend):
         plan = detsum.plan(index, NUM_ROWS, sorted=sorted_)
         results = []
@@ -176,9 +178,10 @@ def test_a_plan_serves_every_layer_and_step_of_a_graph():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_calls_with_a_plan_sort_nothing_forward_and_backward(backend):
-    index = _index(60, NUM_ROWS, seed=7)
-    src = make_data((60, 4), torch.float32, seed=8).requires_grad_()
-    base = make_data((NUM_ROWS, 4), torch.float32, seed=9).requires_grad_()
+    device = backend_device(backend)
+    index = _index(60, NUM_ROWS, seed=7).to(device)
+    src = make_data((60, 4), torch.float32, seed=8).to(device).requires_grad_()
+    base = make_data((NUM_ROWS, 4), torch.float32, seed=9).to(device).requires_grad_()
     with detsum.backend(backend):
         plan = detsum.plan(index, NUM_ROWS)
         with sorts_counted() as sorts:
@@ -193,9 +196,10 @@ def test_calls_with_a_plan_sort_nothing_forward_and_backward(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "amax", "amin"])
 def test_forward_and_backward_without_a_plan_sort_the_index_once(backend, reduce):
-    index = _index(60, NUM_ROWS, seed=10)
-    src = make_data((60, 4), torch.float32, seed=11).requires_grad_()
-    base = make_data((NUM_ROWS, 4), torch.float32, seed=12).requires_grad_()
+    device = backend_device(backend)
+    index = _index(60, NUM_ROWS, seed=10).to(device)
+    src = make_data((60, 4), torch.float32, seed=11).to(device).requires_grad_()
+    base = make_data((NUM_ROWS, 4), torch.float32, seed=12).to(device).requires_grad_()
     with detsum.backend(backend), sorts_counted() as sorts:
         out = detsum.scatter_reduce(base, 0, index, src, reduce)
         torch.autograd.grad(out.sum(), (base, src))
@@ -203,6 +207,7 @@ def test_forward_and_backward_without_a_plan_sort_the_index_once(backend, reduce
     assert len(sorts) <= 1, sorts
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("check", ["host", "device", "off"])
 def test_calls_with_a_plan_read_nothing_back_on_the_gpu_path(check):
     """On the GPU's path (the Triton backend with the GPU's checks, in the interpreter): the
@@ -227,6 +232,7 @@ def test_calls_with_a_plan_read_nothing_back_on_the_gpu_path(check):
         assert reads == []
 
 
+@pytest.mark.interpreter
 def test_an_unchecked_plan_gives_what_off_gives():
     """On the GPU's path a plan made at "off" leaves a bad value's row out, as the call with
     check="off" does, forward and backward."""

@@ -903,6 +903,7 @@ def _gpu_path():
         yield
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("reduce", ["sum", "mean", "min", "max"])
 def test_on_a_gpu_an_index_is_read_back_once_or_not_at_all(reduce):
     """torch_scatter's API reads its index back once, for its size and its check together,

@@ -277,6 +277,7 @@ def test_gradients_equal_the_elementwise_path(reduce, include_self, form):
         assert taken and set(taken) == {1}
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("form", ["expanded", "materialised", "elementwise"])
 @pytest.mark.parametrize("mode,reduce", [("fp32", "sum"), ("kahan", "mean"), ("fp32", "amax"),
                                          ("autograd", "sum"), ("autograd", "prod"),
@@ -297,6 +298,7 @@ def test_triton_backend_gives_the_same_bits(mode, reduce, form):
         assert_equal_bits(got, run(), f"include_self={include_self}, triton against numba")
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("check", ["host", "device", "off"])
 def test_gpu_check_levels_on_an_expanded_index(check):
     """On a GPU's path (Triton's interpreter, values checked as on a GPU) a stride-0 index

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import detsum
-from conftest import (DTYPES, HAS_CUDA, MODE_REDUCTIONS, MODES, assert_same_bits, dtype_id,
-                      make_data)
+from conftest import (DTYPES, HAS_CUDA, MODE_REDUCTIONS, MODES, assert_same_bits,
+                      backend_device, dtype_id, make_data)
 from covering import pairwise
 from detsum import _segments
 
@@ -39,16 +39,17 @@ def _both_plans(fn, monkeypatch, backend_name):
     return results
 
 
-def _case(dtype, n_out, inner=3):
+def _case(dtype, n_out, backend_name, inner=3):
     """Rows around the chunk boundary (257 terms into one row), specials, empty rows, and a
-    transposed input."""
+    transposed input, on ``backend_name``'s device."""
     index = torch.cat([torch.full((257,), 7), torch.tensor([2, 9, 2, 0]),
                        torch.full((3,), n_out - 1)])[torch.randperm(264, generator=torch.Generator().manual_seed(0))]
     source = make_data((index.numel(), inner), dtype, seed=1, spread=True)
     source[5, 1] = float("nan")
     source[6, 2] = float("inf")
     input = make_data((inner, n_out), dtype, seed=2, spread=True).t()
-    return input, index, source
+    device = backend_device(backend_name)
+    return input.to(device), index.to(device), source.to(device)
 
 
 def _index_add_cases(backend_name):
@@ -67,7 +68,7 @@ def _index_add_cases(backend_name):
 @pytest.mark.parametrize("mode,dtype,backend_name",
                          [p for backend in BACKENDS for p in _index_add_cases(backend)])
 def test_index_add_sparse_plan_gives_the_dense_bits(mode, dtype, backend_name, monkeypatch):
-    input, index, source = _case(dtype, n_out=40)
+    input, index, source = _case(dtype, 40, backend_name)
     dense, sparse = _both_plans(
         lambda: detsum.index_add(input, 0, index, source, alpha=0.3, mode=mode), monkeypatch,
         backend_name)
@@ -100,7 +101,7 @@ def _scatter_reduce_cases(backend_name):
                          [p for backend in BACKENDS for p in _scatter_reduce_cases(backend)])
 def test_scatter_reduce_sparse_plan_gives_the_dense_bits(mode, include_self, reduce,
                                                          backend_name, monkeypatch):
-    input, index, source = _case(torch.bfloat16, n_out=40)
+    input, index, source = _case(torch.bfloat16, 40, backend_name)
     if reduce == "prod":
         source = (1 + source.float() / 2**40).to(torch.bfloat16)
     for promise_sorted in (False, True):

@@ -1,0 +1,126 @@
+"""What one call costs on a GPU, by how it is called: without a plan (at each check level), with
+a plan, and torch's op beside it, at a tiny size (all overhead) and a mid size.
+
+Two times per row, both medians over rounds of back-to-back calls on one stream:
+
+- ``latency``: a call and a ``torch.cuda.synchronize()``, timed on the host clock: what a
+  caller waiting for the result sees, host reads included;
+- ``issue``: the host time to issue ``CALLS`` calls without synchronising (the GPU runs behind):
+  what a training step pays per call while the GPU is kept busy; a host read inside the call
+  makes it a latency again.
+
+``kernels`` is the number of GPU kernels one call launches (torch's profiler, one call after the
+warm-up), ``syncs`` whether the call synchronises with the GPU (``torch.cuda`` sync debug mode).
+
+    python benches/gpu_call_cost.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import detsum
+
+CALLS = 50
+ROUNDS = 15
+SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048)}  # source rows, row width, output rows
+
+
+def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(5)
+    index = torch.randint(0, out_rows, (rows,), generator=gen).cuda()
+    src = torch.randn(rows, width, generator=gen).to("cuda", dtype)
+    init = torch.randn(out_rows, width, generator=gen).to("cuda", dtype)
+    sorted_index = index.sort().values
+    offsets = torch.searchsorted(sorted_index, torch.arange(out_rows + 1, device="cuda"))
+    plan = detsum.plan(index, num_rows=out_rows)
+    expanded = index.view(-1, 1).expand(-1, width)
+    return {
+        "torch.index_add": lambda: torch.index_add(init, 0, index, src),
+        "index_add": lambda: detsum.index_add(init, 0, index, src),
+        "index_add device": lambda: detsum.index_add(init, 0, index, src, check="device"),
+        "index_add off": lambda: detsum.index_add(init, 0, index, src, check="off"),
+        "index_add plan": lambda: detsum.index_add(init, 0, index, src, plan=plan),
+        "torch.scatter_reduce": lambda: torch.scatter_reduce(init, 0, expanded, src, "sum"),
+        "scatter_reduce torch form": lambda: detsum.scatter_reduce(init, 0, expanded, src,
+                                                                   "sum"),
+        "scatter_reduce plan": lambda: detsum.scatter_reduce(init, 0, index, src, "sum",
+                                                             plan=plan),
+        "torch.segment_reduce": lambda: torch.segment_reduce(src, "sum", offsets=offsets),
+        "segment_sum": lambda: detsum.segment_sum(src, offsets),
+        "segment_sum device": lambda: detsum.segment_sum(src, offsets, check="device"),
+        "segment_sum plan": lambda: detsum.segment_sum(src, plan=plan),
+    }
+
+
+def _median_us(fn, *, sync_each: bool) -> float:
+    times = []
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+            if sync_each:
+                torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / CALLS * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _kernels(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _syncs(fn) -> bool:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows_out = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
+          f"{CALLS} calls x {ROUNDS} rounds")
+    print(f"{'size':5} {'dtype':5} {'call':26} {'latency us':>10} {'issue us':>9} "
+          f"{'kernels':>7} {'syncs':>5}")
+    for size, (rows, width, out_rows) in SIZES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            for name, fn in _cases(rows, width, out_rows, dtype).items():
+                for _ in range(3):
+                    fn()  # compile, fill caches
+                torch.cuda.synchronize()
+                row = {"size": size, "shape": [rows, width, out_rows], "dtype": str(dtype),
+                       "call": name, "latency_us": _median_us(fn, sync_each=True),
+                       "issue_us": _median_us(fn, sync_each=False),
+                       "kernels": _kernels(fn), "syncs": _syncs(fn)}
+                rows_out.append(row)
+                print(f"{size:5} {str(dtype)[6:]:5} {name:26} {row['latency_us']:10.1f} "
+                      f"{row['issue_us']:9.1f} {row['kernels']:7d} {str(row['syncs']):>5}",
+                      flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "calls": CALLS, "rounds": ROUNDS, "rows": rows_out}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

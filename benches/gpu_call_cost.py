@@ -1,5 +1,7 @@
 """What one call costs on a GPU, by how it is called: without a plan (at each check level), with
-a plan, and torch's op beside it, at a tiny size (all overhead) and a mid size.
+a plan, and torch's op beside it, at a tiny size (all overhead), a mid size and, for
+``index_add``, the MoE backward's (131072 rows of 4096 into 16384: the kernel's bandwidth with
+and without the plan's sort in the call).
 
 Two times per row, both medians over rounds of back-to-back calls on one stream:
 
@@ -28,7 +30,9 @@ import detsum
 
 CALLS = 50
 ROUNDS = 15
-SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048)}  # source rows, row width, output rows
+SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048), "moe": (131072, 4096, 16384)}
+#: The calls timed at the MoE size (each moves 1-2 GB).
+MOE_CALLS = ("torch.index_add", "index_add", "index_add device", "index_add plan")
 
 
 def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
     for size, (rows, width, out_rows) in SIZES.items():
         for dtype in (torch.float32, torch.bfloat16):
             for name, fn in _cases(rows, width, out_rows, dtype).items():
+                if size == "moe" and name not in MOE_CALLS:
+                    continue
                 for _ in range(3):
                     fn()  # compile, fill caches
                 torch.cuda.synchronize()

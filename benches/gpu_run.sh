@@ -4,6 +4,7 @@
 #
 #   bash benches/gpu_run.sh            # everything: tests, benchmarks, report, distributed
 #   bash benches/gpu_run.sh tests      # one stage: tests | benches | report | distributed
+#   bash benches/gpu_run.sh targets    # the GPU issue's targets alone, in about 5 minutes
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
@@ -48,13 +49,30 @@ for stage in $STAGES; do
     report)
         python3 -m detsum report --json "$OUT/report-gpu.json" | tee "$OUT/report-gpu.txt" \
             || status=1 ;;
+    targets)
+        # What a call costs by how it is called (plan, check level, torch's form), the MoE
+        # backward against a copy, the Zipf-skewed index, the small call, then the report
+        # ("exact" against "fp32", segment_sum 16384x64), the CUDA-graph and no-sync tests and
+        # the sum over ranks: every row of the GPU issue's table that one GPU can measure.
+        python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
+            | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" || status=1
+        python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
+            -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_)" \
+            --benchmark-json="$OUT/bench-targets.json" 2>&1 | tail -n 5 || status=1
+        python3 benches/summarize.py "$OUT/bench-targets.json" | tee "$OUT/bench-targets.txt"
+        python3 -m detsum report --json "$OUT/report-gpu.json" > "$OUT/report-gpu.txt" \
+            || status=1
+        python3 -m pytest tests -q -p no:cacheprovider -m cuda -k "graph or synchronisation" \
+            2>&1 | tail -n 3 | tee "$OUT/tests-graph.txt" || status=1
+        python3 benches/distributed_nccl.py > "$OUT/distributed-nccl.txt" 2>&1 || status=1 ;;
     distributed)
         # detsum.distributed and the loss functions' group= on NCCL, one GPU as one rank:
         # every result against the same call without a group (torch.equal), then the exact
         # sum over ranks timed against an fp32 all_reduce of the same gradients.
         python3 benches/distributed_nccl.py 2>&1 | tee "$OUT/distributed-nccl.txt" || status=1 ;;
     *)
-        echo "unknown stage $stage (expected tests, benches, report or distributed)"; exit 2 ;;
+        echo "unknown stage $stage (expected tests, benches, report, distributed or targets)"
+        exit 2 ;;
     esac
 done
 exit $status

@@ -150,13 +150,22 @@ def on_every_backend(fn, *tensors, mode=None, dtype=None):
     return results
 
 
-def assert_all_equal(results, torch_bits=None):
+def assert_all_equal(results, torch_bits_on=None):
+    """Every backend's result the first's bits, and with ``torch_bits_on`` (device -> torch's
+    bits computed there, or None where torch has none) torch's too. A GPU backend's result in
+    "autograd" mode is torch's on the GPU instead: that mode's sums are torch's on the device
+    (``modes.rule_for``), and a GPU's torch adds some layouts' terms otherwise than the CPU's."""
     first_name = BACKENDS[0]
     for name, got in results.items():
+        device = TRITON_DEVICE if name == "triton" else "cpu"
+        on_device = None if torch_bits_on is None or device == "cpu" else torch_bits_on(device)
+        expected, against = ((results[first_name], first_name) if on_device is None
+                             else (on_device.cpu(), f"torch on {device}"))
         try:
-            assert_same_bits(got, results[first_name])
+            assert_same_bits(got, expected)
         except AssertionError as e:
-            raise AssertionError(f"{name} vs {first_name}: {e}") from e
+            raise AssertionError(f"{name} vs {against}: {e}") from e
+    torch_bits = None if torch_bits_on is None else torch_bits_on("cpu")
     if torch_bits is not None:
         try:
             assert_same_bits(results[first_name], torch_bits)
@@ -191,12 +200,15 @@ def test_index_add_on_every_backend(plan, dtype, mode, alpha, layout, data_kind,
     results = on_every_backend(
         lambda i, x, s: detsum.index_add(i, dim, x, s, alpha=alpha, mode=mode),
         input, index, source, mode=mode, dtype=dtype)
-    torch_bits = None
+    torch_bits_on = None
     if mode == "autograd":
         # torch (and autograd) scale the source in the dtype before accumulating.
         scaled = source * alpha if alpha != 1 else source
-        torch_bits = index_put_accumulate(input, dim, index.long(), scaled)
-    assert_all_equal(results, torch_bits)
+
+        def torch_bits_on(device):
+            return index_put_accumulate(input.to(device), dim, index.long().to(device),
+                                        scaled.to(device))
+    assert_all_equal(results, torch_bits_on)
 
 
 @DIFFERENTIAL
@@ -217,14 +229,17 @@ def test_segment_sum_on_every_backend(plan, dtype, mode, layout, data_kind, use_
     results = on_every_backend(
         lambda s, o, p: detsum.segment_sum(s, o, dim=dim, perm=p, mode=mode), src, offsets, perm,
         mode=mode, dtype=dtype)
-    torch_bits = None
+    torch_bits_on = None
     if mode == "autograd":
         d = dim % src.dim()
         gathered = src if perm is None else src.index_select(d, perm)
         zeros = torch.zeros(full_shape(others, dim, len(lengths)), dtype=dtype)
         segment_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-        torch_bits = index_put_accumulate(zeros, dim, segment_ids, gathered)
-    assert_all_equal(results, torch_bits)
+
+        def torch_bits_on(device):
+            return index_put_accumulate(zeros.to(device), dim, segment_ids.to(device),
+                                        gathered.to(device))
+    assert_all_equal(results, torch_bits_on)
 
 
 def torch_scatter_reduce_bits(input, dim, index, src, reduce, include_self, elementwise):
@@ -279,11 +294,18 @@ def test_scatter_reduce_on_every_backend(plan, dtype, mode_reduce, include_self,
         lambda i, x, s: detsum.scatter_reduce(i, dim, x, s, reduce, include_self=include_self,
                                               mode=mode, sorted=promise_sorted),
         input, index, src, mode=mode, dtype=dtype)
-    torch_bits = None
+    torch_bits_on = None
     if mode == "autograd" or reduce in ("amax", "amin"):
-        torch_bits = torch_scatter_reduce_bits(input, dim, index, src, reduce, include_self,
-                                               elementwise)
-    assert_all_equal(results, torch_bits)
+        # Only a sum's rule follows the device; the other reductions' is the CPU's everywhere.
+        cpu_bits = torch_scatter_reduce_bits(input, dim, index, src, reduce, include_self,
+                                             elementwise)
+
+        def torch_bits_on(device):
+            if device == "cpu" or reduce != "sum" or mode != "autograd":
+                return cpu_bits
+            return torch_scatter_reduce_bits(input.to(device), dim, index.to(device),
+                                             src.to(device), reduce, include_self, elementwise)
+    assert_all_equal(results, torch_bits_on)
 
 
 def test_plans_reach_every_chunk_boundary():

@@ -63,6 +63,7 @@ from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, 
 from detsum.modes import acc_dtype
 from detsum.ops import index_add as _index_add_op
 from detsum.ops import scatter_reduce as _scatter_reduce_op
+from detsum.ops import segment_sum as _segment_sum_op
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -770,18 +771,26 @@ def _segment_run(mode, data, reduce, axis, starts, lengths, initial):
     batches, size = starts[..., 0].numel(), data.shape[axis]
     count = lengths.shape[-1]
     rows = data.reshape(batches * size, -1)
+    # Segments tile each batch from its first row to its last unless offsets start past 0 or
+    # unsafe lengths stop short: then their rows are picked out.
+    tiled = bool(((starts[..., 0] == 0) & (starts[..., -1] + lengths[..., -1] == size)).all())
     lengths, starts = lengths.reshape(-1), starts.reshape(-1)
-    segments = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    # Each segment's rows, in order: its start in its batch, plus the place in the segment.
-    first = torch.repeat_interleave(
-        starts + torch.arange(batches).repeat_interleave(count) * size, lengths)
-    place = torch.arange(segments.numel()) - torch.repeat_interleave(
-        lengths.cumsum(0) - lengths, lengths)
-    picked = first + place
-    if not torch.equal(picked, torch.arange(rows.shape[0])):
-        rows = rows.index_select(0, picked)
+    picked = None
+    if not tiled:
+        # Each segment's rows, in order: its start in its batch, plus the place in the segment.
+        first = torch.repeat_interleave(
+            starts + torch.arange(batches).repeat_interleave(count) * size, lengths)
+        place = torch.arange(first.numel()) - torch.repeat_interleave(
+            lengths.cumsum(0) - lengths, lengths)
+        picked = first + place
     fill = _SEGMENT_EMPTY[reduce] if initial is None else initial
     shape = (*data.shape[:axis], count, *data.shape[axis + 1:])
+    if picked is not None:
+        rows = rows.index_select(0, picked)
+    if reduce in ("sum", "mean") and fill == 0 and math.copysign(1.0, fill) > 0:
+        return _segment_sum_from_zero(mode, rows, reduce, lengths, initial, data.dtype
+                                      ).view(shape)
+    segments = torch.repeat_interleave(lengths)
     base = torch.full((lengths.numel(), rows.shape[1]), fill, dtype=data.dtype)
     if reduce != "mean":
         if segments.numel() == 0:
@@ -799,11 +808,30 @@ def _segment_run(mode, data, reduce, axis, starts, lengths, initial):
     total = base.to(work)
     if segments.numel() > 0:
         total = _index_add_op._index_add(total, 0, segments, rows.to(work), 1.0, mode)
-    divisor = lengths.to(work).view(-1, 1)
-    mean = torch.where(divisor != 0, total / divisor, total).to(data.dtype)
+    return _segment_mean(total, lengths, initial, data.dtype).view(shape)
+
+
+def _segment_sum_from_zero(mode, rows, reduce, lengths, initial, dtype):
+    """A sum or mean of segments started from +0.0, as ``segment_sum`` over CSR offsets: no
+    sort, the rows added in order, the bits of ``index_add`` into zeros in every mode. In
+    "exact" mode a segment whose terms sum to -0.0 (all of them -0.0) gives +0.0 there, as
+    +0.0 + -0.0 does: adding +0.0 turns -0.0 into +0.0 and leaves every other value as it is."""
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    work = dtype if reduce == "sum" or mode == "autograd" else acc_dtype(dtype)
+    total = _segment_sum_op._segment_sum(rows.to(work), offsets, 0, None, mode)
+    if mode == "exact":
+        total = total + 0.0
+    return total if reduce == "sum" else _segment_mean(total, lengths, initial, dtype)
+
+
+def _segment_mean(total, lengths, initial, dtype):
+    """The segments' means from their sums ``total`` (in the mean's working type): an empty
+    segment keeps ``initial``, or is NaN."""
+    divisor = lengths.to(total.dtype).view(-1, 1)
+    mean = torch.where(divisor != 0, total / divisor, total).to(dtype)
     if initial is None:
         mean[lengths == 0] = math.nan
-    return mean.view(shape)
+    return mean
 
 
 # histc ------------------------------------------------------------------------------------------

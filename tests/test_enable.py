@@ -888,6 +888,66 @@ def test_segment_reduce_long_segments_within_the_modes_bound(mode, dtype):
     assert torch.isnan(mean[1]).all()  # an empty segment without initial, as torch
 
 
+def _segment_reduce_as_index_add(values, reduce, mode, bounds, axis, initial):
+    """What the switch's segment_reduce computes, written as its docstring says: each batch's
+    segments (``bounds`` are offsets) reduced by ``index_add`` from ``initial`` or +0.0, in row
+    order; a mean divides in the accumulator type (the dtype in "autograd" mode)."""
+    batch_shape = values.shape[:axis]
+    work = values.dtype if reduce == "sum" or mode == "autograd" else (
+        torch.float64 if values.dtype == torch.float64 else torch.float32)
+    outs = []
+    for batch in range(batch_shape.numel()):
+        rows = values.reshape(batch_shape.numel(), values.shape[axis], -1)[batch]
+        offsets = bounds.reshape(batch_shape.numel(), -1)[batch]
+        lengths = offsets.diff()
+        segments = torch.repeat_interleave(lengths)
+        picked = torch.cat([torch.arange(int(a), int(b)) for a, b in
+                            zip(offsets[:-1], offsets[1:])] + [torch.zeros(0, dtype=torch.long)])
+        start = torch.full((lengths.numel(), rows.shape[1]), 0.0 if initial is None else initial,
+                           dtype=work)
+        total = detsum.index_add(start, 0, segments, rows[picked].to(work), mode=mode)
+        if reduce == "mean":
+            divisor = lengths.to(work).view(-1, 1)
+            total = torch.where(divisor != 0, total / divisor, total).to(values.dtype)
+            if initial is None:
+                total[lengths == 0] = math.nan
+        outs.append(total)
+    return torch.stack(outs).view(*batch_shape, -1, *values.shape[axis + 1:])
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_segment_reduce_sum_and_mean_are_index_add_from_the_start_value(mode, dtype, reduce):
+    """In every mode, a sum and a mean from +0.0 (the CSR path, no sort) give the bits of the
+    same segments reduced by index_add from +0.0, as from any other ``initial``: segments that
+    tile every batch, offsets that start past the first row, unsafe lengths that stop short,
+    a batch dim, chunked segments, empty ones, and terms that are all -0.0 (+0.0 in every
+    mode: +0.0 + -0.0)."""
+    values = data((2, 600, 3), torch.float32, 1).to(dtype)
+    values[:, 300:310] = -0.0
+    tiling = torch.tensor([[0, 300, 300, 310, 600], [0, 0, 290, 597, 600]])
+    inside = torch.tensor([[5, 300, 300, 310, 580], [7, 7, 290, 597, 598]])
+    with detsum.deterministic(mode):
+        cases = [
+            (tiling, torch.segment_reduce(values, reduce, offsets=tiling, axis=1), None),
+            (inside, torch.segment_reduce(values, reduce, offsets=inside, axis=1), None),
+            (tiling, torch.segment_reduce(values, reduce, lengths=tiling.diff(), axis=1,
+                                          initial=0), 0),
+            (tiling, torch.segment_reduce(values, reduce, offsets=tiling, axis=1,
+                                          initial=0.25), 0.25),
+        ]
+        short = torch.segment_reduce(values[0], reduce, lengths=torch.tensor([300, 10, 0, 270]),
+                                     unsafe=True)
+    for bounds, got, initial in cases:
+        assert_same_bits(got, _segment_reduce_as_index_add(values, reduce, mode, bounds, 1,
+                                                           initial))
+    assert_same_bits(short, _segment_reduce_as_index_add(
+        values[0], reduce, mode, torch.tensor([0, 300, 310, 310, 580]), 0, None))
+    negative_zeros = cases[0][1][0, 2]  # batch 0's third segment: rows 300-309, all -0.0
+    assert (negative_zeros == 0).all() and not torch.signbit(negative_zeros).any()
+
+
 @pytest.mark.parametrize("mode", detsum.MODES)
 def test_segment_reduce_amax_and_amin_run_on_detsum(mode):
     """torch names segment_reduce's max and min "amax" and "amin" (its own error lists those;

@@ -77,7 +77,7 @@ def test_route_tables_count_unchecked_ids_as_searchsorted_does():
             assert torch.equal(got.cpu(), want)
         with pytest.raises(IndexError, match=r"selected_experts\[0, 1\] = 7 is out of range"):
             moe.route(on_device, 3)
-    if not HAS_CUDA:  # on a GPU the assert stops the stream: tests/test_check.py, cuda marks
+    if not HAS_CUDA:  # on a GPU the assert stops the stream: tests/test_moe_check.py, cuda marks
         with detsum.backend("triton"), pytest.raises(RuntimeError, match="has a value outside"):
             moe.route(selected, 3, check="device")
 

@@ -1,11 +1,12 @@
 """PyG layers, forward and backward, switched by ``detsum.pyg.make_deterministic`` against PyG's
 default, in one run.
 
-A GCNConv and a SAGEConv (64 features in, 64 out, fp32) on random graphs of 10k nodes and 100k
+A GCNConv, a SAGEConv and a GATConv (64 features in, 64 out, one head, fp32) on random graphs of 10k nodes and 100k
 edges, and of 100k nodes and 1M edges (uniformly random endpoints, about 10 edges per node).
 One timed step is ``layer(x, edge_index)`` with ``x`` requiring grad, then ``backward`` of a
 fixed upstream gradient: the gather of messages and its backward, the aggregation and its
-backward, GCN's degree normalisation, the dense layers.
+backward, GCN's degree normalisation, GAT's attention (a softmax over each node's incoming
+edges: a scatter's max and sum), the dense layers.
 
 - ``pyg``: PyG's own layer (its CPU path: ``index_select``, ``scatter_add_`` and, in
   backward, ``gather`` and ``index_add_``);
@@ -28,10 +29,10 @@ from conftest import DEVICES, run_case, sync
 pytest.importorskip("torch_geometric")
 
 import detsum.pyg  # noqa: E402
-from torch_geometric.nn import GCNConv, SAGEConv  # noqa: E402
+from torch_geometric.nn import GATConv, GCNConv, SAGEConv  # noqa: E402
 
 GRAPHS = {"10k-100k": (10_000, 100_000), "100k-1M": (100_000, 1_000_000)}
-LAYERS = {"GCNConv": GCNConv, "SAGEConv": SAGEConv}
+LAYERS = {"GCNConv": GCNConv, "SAGEConv": SAGEConv, "GATConv": GATConv}
 FEATURES = 64
 IMPLS = ["pyg", "detsum-fp32", "detsum-exact"]
 ROUNDS = {"cpu": {"10k-100k": 15, "100k-1M": 5}, "cuda": {"10k-100k": 100, "100k-1M": 50}}

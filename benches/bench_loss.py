@@ -8,7 +8,7 @@ Cases (group "loss batch_grad <device>"):
 - ``torch-mean-backward``: ``F.cross_entropy(model(x), y).backward()``, the baseline: autograd
   sums over the batch inside its matmuls (fast, and the order is the matmul's);
 - ``per-sample-only``: the per-sample gradients as ``batch_grad`` evaluates them (each sample
-  alone, its ``nn.Linear`` weights as factors: ``loss._SampleGradients``), dropped as they
+  alone, its ``nn.Linear`` weights as factors: ``detsum._sample_gradients``), dropped as they
   come: the inherent cost;
 - ``per-sample-grads``: ``loss.per_sample_grads`` in 8 blocks of 32, which also forms every
   weight's rows;
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import DEVICES, run_case, sync
-from detsum import loss
+from detsum import _sample_gradients, loss
 
 BATCH, CHUNK, CLASSES = 256, 32, 100
 WIDTHS = (1024, 2048, 2048, 1792, CLASSES)
@@ -81,7 +81,7 @@ def _fn(impl: str, model, x, y):
         return mean_backward
     if impl == "per-sample-only":
         def per_sample_only():
-            gradients = loss._SampleGradients("bench", model, PER_SAMPLE_LOSS)
+            gradients = _sample_gradients.SampleGradients("bench", model, PER_SAMPLE_LOSS)
             for _ in gradients.each(x, y, 0, BATCH):
                 pass
         return per_sample_only
@@ -108,7 +108,7 @@ def _fn(impl: str, model, x, y):
 def factored_block(model, x, y) -> dict:
     """The per-sample gradients of ``x`` in the form batch_grad gathers them: OuterProducts
     for the nn.Linear weights, rows for the rest."""
-    gradients = loss._SampleGradients("bench", model, PER_SAMPLE_LOSS)
+    gradients = _sample_gradients.SampleGradients("bench", model, PER_SAMPLE_LOSS)
     samples = list(gradients.each(x, y, 0, x.shape[0]))
     block = {}
     for name, first in samples[0].items():

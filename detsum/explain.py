@@ -7,6 +7,7 @@ import math
 import numbers
 import operator
 from collections.abc import Iterator, Mapping
+from typing import NamedTuple
 
 import torch
 
@@ -437,86 +438,128 @@ def _compare(a: torch.Tensor, b: torch.Tensor, n: int, terms_assumed: bool,
              given_magnitude: torch.Tensor | None, rounded_once: bool) -> Explanation:
     """The :class:`Explanation` of two checked tensors."""
     a, b = a.detach().cpu(), b.detach().cpu()
-    da, db = a.double(), b.double()
-    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
-    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    same = torch.equal(nan_a, nan_b) and torch.equal(
-        a.masked_fill(nan_a, 0).contiguous().view(bits),
-        b.masked_fill(nan_b, 0).contiguous().view(bits))
-
-    finite_a, finite_b = torch.isfinite(da), torch.isfinite(db)
-    both_finite = finite_a & finite_b
-    # The same NaN or infinity on both sides is the same value computed two ways; any other
-    # non-finite element came from an overflow or an invalid operation on one side only.
-    same_special = (nan_a & nan_b) | (~finite_a & (da == db))
-    nonfinite_mismatch = ~both_finite & ~same_special
-    diff = torch.where(both_finite, (da - db).abs(), torch.zeros_like(da))
-    diff = diff.masked_fill(nonfinite_mismatch, math.inf)
-
-    abs_a = torch.where(finite_a, da.abs(), torch.zeros_like(da))
-    abs_b = torch.where(finite_b, db.abs(), torch.zeros_like(db))
+    same = _same_bits(a, b)
+    values = _elementwise(a, b)
     counted = min(n, _MANY_TERMS)
     largest_term = None
     if given_magnitude is None:
         # Norm-wise: one bound for every element, from the largest finite value anywhere, so an
         # element whose terms cancel is judged as leniently as the largest one.
-        largest_term = float(torch.maximum(abs_a.max(), abs_b.max())) if a.numel() else 0.0
+        largest_term = (float(torch.maximum(values.abs_a.max(), values.abs_b.max()))
+                        if a.numel() else 0.0)
         magnitude_sum = torch.tensor(counted * largest_term, dtype=torch.float64)
     else:
         magnitude_sum = given_magnitude
-    unit_roundoff = _UNIT_ROUNDOFF[a.dtype]
-    acc_unit_roundoff = _UNIT_ROUNDOFF[acc_dtype(a.dtype)]
-    if rounded_once or acc_dtype(a.dtype) == a.dtype:
-        step_roundoff = acc_unit_roundoff
-    else:
-        # An add in the acc type, then its result rounded to the dtype: two roundings per add.
-        step_roundoff = (1 + unit_roundoff) * (1 + acc_unit_roundoff) - 1
-    growth = _growth(counted, step_roundoff)
-    underflow = counted * _SMALLEST_SUBNORMAL[a.dtype]
-
-    def error_of(abs_x: torch.Tensor) -> torch.Tensor:
-        cap = abs_x + magnitude_sum
-        if math.isinf(growth):
-            return cap  # growth * 0 would be NaN where the magnitude is 0
-        return torch.minimum(growth * magnitude_sum + unit_roundoff * abs_x + underflow, cap)
-
-    bound = (error_of(abs_a) + error_of(abs_b)).expand_as(diff)
-    exceeding = int(((diff > bound) | nonfinite_mismatch).sum())
-    both = both_finite & (da != 0) & (db != 0)
-    ratio = None
-    if not same and both.any() and not nonfinite_mismatch.any():
-        ratios = (da[both] / db[both])
-        if bool((ratios == ratios[0]).all()) and ratios[0] != 1 and (~both).logical_and(
-                (da != 0) | (db != 0)).logical_and(both_finite).sum() == 0:
-            ratio = float(ratios[0])
+    growth = _growth(counted, _step_roundoff(a.dtype, rounded_once))
+    bound = (_error_bound(values.abs_a, a.dtype, counted, magnitude_sum, growth)
+             + _error_bound(values.abs_b, a.dtype, counted, magnitude_sum, growth)
+             ).expand_as(values.diff)
+    exceeding = int(((values.diff > bound) | values.nonfinite_mismatch).sum())
     verdict = "identical" if same else ("rounding" if exceeding == 0 else "not rounding")
-    figures = {}
-    if a.numel():
-        # Each figure at its own element: the largest difference in absolute terms, in ulps
-        # (values of opposite signs are far apart in ulps, every value down to 0 counting) and
-        # relative to the values are often three different elements.
-        ulps = reference.ulp_distance(a, b)
-        larger = torch.maximum(abs_a, abs_b)
-        relative = torch.where(larger > 0, diff / larger, torch.zeros_like(diff))
-        relative = relative.masked_fill(nonfinite_mismatch, math.inf)
-        max_abs, where = _largest(diff, a.shape)
-        max_ulps, max_ulps_where = _largest(ulps, a.shape)
-        max_rel, max_rel_where = _largest(relative, a.shape)
-        figures = dict(max_abs=max_abs, bound=float(bound[where]), max_ulps=max_ulps,
-                       ulps_at_where=float(ulps[where]), max_rel=max_rel)
-        if not same:
-            figures.update(where=where, max_ulps_where=max_ulps_where,
-                           max_rel_where=max_rel_where,
-                           values_at={w: (float(da[w]), float(db[w]))
-                                      for w in (where, max_ulps_where, max_rel_where)})
+    figures = _figures(a, b, values, bound, same) if a.numel() else {}
     return Explanation(
         verdict=verdict, **{"max_abs": 0.0, "where": None, "max_ulps": 0.0, "bound": 0.0,
                             **figures},
         exceeding=exceeding, numel=a.numel(), terms=n, terms_assumed=terms_assumed,
-        magnitude_estimated=given_magnitude is None, dtype=a.dtype, constant_ratio=ratio,
+        magnitude_estimated=given_magnitude is None, dtype=a.dtype,
+        constant_ratio=None if same else _constant_ratio(values),
         rounded_once=rounded_once, largest_term=largest_term,
-        nonfinite_mismatches=int(nonfinite_mismatch.sum()), vacuous=growth >= 1,
+        nonfinite_mismatches=int(values.nonfinite_mismatch.sum()), vacuous=growth >= 1,
         shape=tuple(a.shape))
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` hold the same bits, NaN compared by position alone."""
+    nan_a, nan_b = torch.isnan(a), torch.isnan(b)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(nan_a, nan_b) and torch.equal(
+        a.masked_fill(nan_a, 0).contiguous().view(bits),
+        b.masked_fill(nan_b, 0).contiguous().view(bits))
+
+
+class _Elementwise(NamedTuple):
+    """Two tensors compared element by element, in float64."""
+
+    da: torch.Tensor
+    db: torch.Tensor
+    #: |a| and |b| where finite, 0 elsewhere.
+    abs_a: torch.Tensor
+    abs_b: torch.Tensor
+    both_finite: torch.Tensor
+    #: NaN or infinite on one side only, or infinities of opposite sign.
+    nonfinite_mismatch: torch.Tensor
+    #: |a - b| where both are finite, inf at a mismatch, 0 at the same NaN or infinity.
+    diff: torch.Tensor
+
+
+def _elementwise(a: torch.Tensor, b: torch.Tensor) -> _Elementwise:
+    da, db = a.double(), b.double()
+    finite_a, finite_b = torch.isfinite(da), torch.isfinite(db)
+    both_finite = finite_a & finite_b
+    # The same NaN or infinity on both sides is the same value computed two ways; any other
+    # non-finite element came from an overflow or an invalid operation on one side only.
+    same_special = (torch.isnan(a) & torch.isnan(b)) | (~finite_a & (da == db))
+    nonfinite_mismatch = ~both_finite & ~same_special
+    diff = torch.where(both_finite, (da - db).abs(), torch.zeros_like(da))
+    diff = diff.masked_fill(nonfinite_mismatch, math.inf)
+    abs_a = torch.where(finite_a, da.abs(), torch.zeros_like(da))
+    abs_b = torch.where(finite_b, db.abs(), torch.zeros_like(db))
+    return _Elementwise(da, db, abs_a, abs_b, both_finite, nonfinite_mismatch, diff)
+
+
+def _step_roundoff(dtype: torch.dtype, rounded_once: bool) -> float:
+    """``u_op`` of ``explain``'s docstring: the unit roundoff of one rounding step."""
+    acc_unit_roundoff = _UNIT_ROUNDOFF[acc_dtype(dtype)]
+    if rounded_once or acc_dtype(dtype) == dtype:
+        return acc_unit_roundoff
+    # An add in the acc type, then its result rounded to the dtype: two roundings per add.
+    return (1 + _UNIT_ROUNDOFF[dtype]) * (1 + acc_unit_roundoff) - 1
+
+
+def _error_bound(abs_x: torch.Tensor, dtype: torch.dtype, terms: int,
+                 magnitude_sum: torch.Tensor, growth: float) -> torch.Tensor:
+    """``e(x)`` of ``explain``'s docstring at every element, ``abs_x`` holding ``|x|``."""
+    cap = abs_x + magnitude_sum
+    if math.isinf(growth):
+        return cap  # growth * 0 would be NaN where the magnitude is 0
+    underflow = terms * _SMALLEST_SUBNORMAL[dtype]
+    return torch.minimum(growth * magnitude_sum + _UNIT_ROUNDOFF[dtype] * abs_x + underflow, cap)
+
+
+def _constant_ratio(values: _Elementwise) -> float | None:
+    """a / b where it is the same number (not 1) wherever both are nonzero, and every other
+    finite element is 0 on both sides; else None."""
+    da, db, both_finite = values.da, values.db, values.both_finite
+    both = both_finite & (da != 0) & (db != 0)
+    if not both.any() or values.nonfinite_mismatch.any():
+        return None
+    ratios = (da[both] / db[both])
+    if bool((ratios == ratios[0]).all()) and ratios[0] != 1 and (~both).logical_and(
+            (da != 0) | (db != 0)).logical_and(both_finite).sum() == 0:
+        return float(ratios[0])
+    return None
+
+
+def _figures(a: torch.Tensor, b: torch.Tensor, values: _Elementwise, bound: torch.Tensor,
+             same: bool) -> dict:
+    """The figures of :class:`Explanation` for two tensors that are not empty."""
+    # Each figure at its own element: the largest difference in absolute terms, in ulps
+    # (values of opposite signs are far apart in ulps, every value down to 0 counting) and
+    # relative to the values are often three different elements.
+    ulps = reference.ulp_distance(a, b)
+    larger = torch.maximum(values.abs_a, values.abs_b)
+    relative = torch.where(larger > 0, values.diff / larger, torch.zeros_like(values.diff))
+    relative = relative.masked_fill(values.nonfinite_mismatch, math.inf)
+    max_abs, where = _largest(values.diff, a.shape)
+    max_ulps, max_ulps_where = _largest(ulps, a.shape)
+    max_rel, max_rel_where = _largest(relative, a.shape)
+    figures = dict(max_abs=max_abs, bound=float(bound[where]), max_ulps=max_ulps,
+                   ulps_at_where=float(ulps[where]), max_rel=max_rel)
+    if not same:
+        figures.update(where=where, max_ulps_where=max_ulps_where, max_rel_where=max_rel_where,
+                       values_at={w: (float(values.da[w]), float(values.db[w]))
+                                  for w in (where, max_ulps_where, max_rel_where)})
+    return figures
 
 
 def _growth(terms: int, step_roundoff: float) -> float:

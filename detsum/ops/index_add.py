@@ -16,62 +16,89 @@ _CALLER = "detsum.index_add"
 # ---- operators: out of place and in place -------------------------------------------------------
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-         alpha: float, mode: str, out3: torch.Tensor | None, *, check: str = "host",
-         index_checked: bool = False, out_is_input: bool = False,
+         alpha: float, mode: str, *, in_place: bool = False, check: str = "host",
          planned: Planned | None = None) -> torch.Tensor:
-    """The shared body: validate index values (as ``check`` says), plan, launch. Writes
-    ``out3`` when given (``out_is_input``: it is ``input``'s own rows view, in place).
-    ``index_checked``: the index holds positions among the rows with terms, in range.
-    ``planned``: the positions of a ``detsum.Plan`` of ``index``, checked when it was made:
-    nothing to check or plan here."""
-    num_segments = input.shape[dim]
+    """The shared body: validate index values (as ``check`` says), plan, launch. Returns the
+    result's rows view (``_segments.rows_view``); ``in_place``: written into ``input``'s own
+    rows view, which ``input`` must be contiguous to have. ``planned``: the positions of a
+    ``detsum.Plan`` of ``index``, checked when it was made: nothing to check or plan here."""
     device_type = input.device.type
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
-    sparse = None
-    if not index_checked and planned is None and backend_name != "reference":
-        sparse = _segments.rows_with_terms(_CALLER, index, num_segments, index_name="index",
+    out3 = _segments.rows_view(input, dim) if in_place else None
+    if backend_name == "reference":
+        return _run_reference(input, dim, index, source, alpha, mode, out3, check, planned)
+    if planned is None:
+        sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
                                            size_name=f"input.size({dim})", check=check)
-    if sparse is not None:
-        targets, positions = sparse
-        rows = _run(input.index_select(dim, targets), dim, positions, source, alpha, mode, None,
-                    index_checked=True)
-        if out3 is None:
-            out3 = _segments.new_output_like(_segments.rows_view(input, dim))
-            out3.copy_(_segments.rows_view(input, dim))
-        out3.index_copy_(1, targets, rows)
-        return out3
-    if backend_name == "numba" and not index_checked:
-        # In place, out3 is input's own view: one view fewer, and the kernel reads it once.
-        input3 = out3 if out_is_input else _segments.rows_view(input, dim)
-        small = _segments.small_index_add(
-            _CALLER, _segments.rows_view(source, dim), index, input3, out3, alpha,
-            rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
+        if sparse is not None:
+            return _run_on_rows_with_terms(input, dim, *sparse, source, alpha, mode, out3,
+                                           backend_name)
+    if backend_name == "numba":
+        small = _run_small(input, dim, index, source, alpha, mode, out3)
         if small is not None:
             return small
-    chunks = None
-    if planned is not None:
-        order, offsets, chunks = planned
-    elif index_checked:
-        # Checked once already (on a GPU, that check is a host read).
-        order, offsets = _segments.plan_from_keys(index, num_segments, backend_name,
-                                                  as_keys=True)
-    else:
-        order, offsets = _segments.plan_from_index(
-            _CALLER, index, num_segments, index_name="index", size_name=f"input.size({dim})",
-            promised_sorted=False, backend_name=backend_name, check=check, as_keys=True)
-    if backend_name == "reference":
-        result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
-        if out3 is None:
-            return result
-        out3.copy_(_segments.rows_view(result, dim))
-        return out3
+    if planned is None:
+        planned = (*_plan(input, dim, index, backend_name, check), None)
+    return _launch(backend_name, input, dim, source, alpha, mode, planned, out3)
+
+
+def _plan(input: torch.Tensor, dim: int, index: torch.Tensor, backend_name: str,
+          check: str) -> tuple:
+    """(order, offsets) of ``index``'s rows, after checking its values as ``check`` says."""
+    return _segments.plan_from_index(
+        _CALLER, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
+        promised_sorted=False, backend_name=backend_name, check=check, as_keys=True)
+
+
+def _run_reference(input, dim, index, source, alpha, mode, out3, check, planned):
+    """``_run`` on the reference backend, after the same checks of ``index``'s values."""
+    if planned is None:
+        _plan(input, dim, index, "reference", check)
+    result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
+    if out3 is None:
+        return result
+    out3.copy_(_segments.rows_view(result, dim))
+    return out3
+
+
+def _run_on_rows_with_terms(input, dim, targets, positions, source, alpha, mode, out3,
+                            backend_name):
+    """``_run`` where few of ``input``'s rows receive terms: those rows (``targets``) alone go
+    through the kernel, their terms at ``positions`` among them (checked already), and the
+    others are copied (``_segments.rows_with_terms``: the same bits)."""
+    rows_in = input.index_select(dim, targets)
+    # Checked once already (on a GPU, that check is a host read).
+    order, offsets = _segments.plan_from_keys(positions, rows_in.shape[dim], backend_name,
+                                              as_keys=True)
+    rows = _launch(backend_name, rows_in, dim, source, alpha, mode, (order, offsets, None), None)
+    if out3 is None:
+        out3 = _segments.new_output_like(_segments.rows_view(input, dim))
+        out3.copy_(_segments.rows_view(input, dim))
+    out3.index_copy_(1, targets, rows)
+    return out3
+
+
+def _run_small(input, dim, index, source, alpha, mode, out3):
+    """``_run`` as one Numba call without a plan (``_segments.small_index_add``), or None where
+    that call does not fit."""
+    # In place, out3 is input's own view: one view fewer, and the kernel reads it once.
+    input3 = _segments.rows_view(input, dim) if out3 is None else out3
+    return _segments.small_index_add(
+        _CALLER, _segments.rows_view(source, dim), index, input3, out3, alpha,
+        rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
+
+
+def _launch(backend_name, input, dim, source, alpha, mode, planned, out3):
+    """``input`` plus ``alpha * source``'s rows in ``planned``'s order, by ``backend_name``'s
+    kernel, into ``out3`` (a new output when None)."""
+    order, offsets, chunks = planned
     input3 = _segments.rows_view(input, dim)
     if out3 is None:
         out3 = _segments.new_output_like(input3)
     _segments.launch(backend_name, _segments.rows_view(source, dim), order, offsets, input3, out3,
                      reduce="sum",
-                     rule=rule_for(MODE_BY_NAME[mode], "sum", device_type, input3.shape[2]),
+                     rule=rule_for(MODE_BY_NAME[mode], "sum", input.device.type, input3.shape[2]),
                      alpha=alpha, include_base=True, chunks=chunks)
     return out3
 
@@ -80,7 +107,7 @@ def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=N
                offsets=None, chunk_ends=None, chunk_slots=-1):
     """The out-of-place operator's body (also called directly, see ``_dispatch``)."""
     # view(*sizes): torch parses sizes one by one in half the time it takes a torch.Size.
-    return _run(input, dim, index, source, alpha, acc_mode, None, check=check,
+    return _run(input, dim, index, source, alpha, acc_mode, check=check,
                 planned=unpack(order, offsets, chunk_ends, chunk_slots)).view(*input.shape)
 
 
@@ -110,10 +137,10 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
-        _run(input, dim, index, source, alpha, acc_mode, _segments.rows_view(input, dim),
-             check=check, out_is_input=True, planned=planned)
+        _run(input, dim, index, source, alpha, acc_mode, in_place=True, check=check,
+             planned=planned)
     else:
-        input.copy_(_run(input, dim, index, source, alpha, acc_mode, None, check=check,
+        input.copy_(_run(input, dim, index, source, alpha, acc_mode, check=check,
                          planned=planned).view(input.shape))
 
 

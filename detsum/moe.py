@@ -409,29 +409,26 @@ def _permute_setup(ctx, inputs, output):
 def _permute_backward(ctx, grad):
     gather_indices, positions, token_table = ctx.saved_tensors
     if token_table is not None:
-        # route's tables: each token's rows in increasing position, their tokens and the
-        # token offsets, made in route's one launch: the sum is the only launch here.
+        # route's one launch made the tables: the sum is the only launch here.
         tokens, token_rows, token_offsets = _token_table_parts(token_table,
                                                                gather_indices.numel())
         grad_x = call_segment_sum(grad, token_offsets, 0, token_rows, ctx.acc_mode, "off",
                                   tokens, None, _no_chunks(ctx.topk))
         return grad_x, *(None,) * 6
     if positions is not None:
-        # A routing's inverse: token t's rows sit at positions[t * topk:(t + 1) * topk], and in
-        # increasing order they are the canonical order; each token has exactly topk rows.
+        # Token t's rows sit at positions[t * topk:(t + 1) * topk]; sorted, they are in the
+        # canonical order.
         token_rows = positions.view(-1, ctx.topk).sort(dim=1).values.view(-1)
         grad_x = call_segment_sum(grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device),
                                   0, token_rows, ctx.acc_mode, "off", gather_indices // ctx.topk,
                                   None, _no_chunks(ctx.topk))
         return grad_x, *(None,) * 6
-    # Each token's rows in increasing permuted position: the order in which autograd's
-    # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
-    # finds them without assuming a permutation: under check=False or "off" a repeated value is
-    # allowed, and its token then has more rows (and another fewer), each summed all the same.
+    # Increasing permuted position is the order in which autograd's index_put_ meets a
+    # token's rows. A stable sort by token finds them without assuming a permutation (under
+    # check=False or "off" a token may have more rows than topk, or fewer).
     tokens = _gather_indices_in_range(gather_indices, ctx.check) // ctx.topk
     sorted_tokens, token_rows = torch.sort(tokens, stable=True)
     boundaries = torch.arange(ctx.num_tokens + 1, dtype=tokens.dtype, device=tokens.device)
-    # Offsets and rows built here, right by construction: nothing to check, nothing read back.
     grad_x = call_segment_sum(grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows,
                               ctx.acc_mode, "off")
     return grad_x, *(None,) * 6
@@ -594,9 +591,7 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
     rows = y
     if weights is not None:
         rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype)
-    # The offsets are built here and the positions are checked (or, under "off", in range by
-    # construction): nothing to check again, nothing read back. Given each row's token, the
-    # sum takes them as a plan's: nothing clamped either.
+    # Offsets built here and positions already checked (or in range by construction): "off".
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
                                        positions, acc_mode, "off", gather_indices // topk,
                                        None, _no_chunks(topk))
@@ -656,9 +651,8 @@ def _unpermute_backward(ctx, grad):
         return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype),
                 *_NO_MORE_GRADIENTS)
     grad_rows = grad.index_select(0, tokens)
-    # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
-    # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
-    # weights). The same bits in every mode; the weights themselves are never rounded.
+    # torch's multiply backward, for autograd's bits in every mode: g * w in the promoted
+    # dtype, then rounded to y's.
     grad_y = (grad_rows * position_weights.view((-1,) + (1,) * (grad.dim() - 1))).to(y.dtype)
     # Spelled out: a reshape to -1 is ambiguous when there are no rows.
     features = math.prod(y.shape[1:])
@@ -766,8 +760,8 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
     inside every tensor, and gives the same bits on every run. With
     ``v = gather_indices.clamp(0, T * topk - 1)``, slot ``j`` takes the row at the last
     position ``p`` with ``v[p] == j``, or row 0 when there is none (``reduce=False``:
-    ``out[j] = y[p]``); with weights, each row ``p`` is weighted by ``weights.view(-1)[v[p]]``
-    (on the CPU's blocked path and in one pass alike); the sums are those below. Backward
+    ``out[j] = y[p]``); with weights, each row ``p`` is weighted by ``weights.view(-1)[v[p]]``;
+    the sums are those below. Backward
     applies its formulas to ``v`` (each row ``p`` receives the gradient of the slot ``v[p]``),
     which is then not the gradient of that output.
 

@@ -15,8 +15,9 @@ run on a given number of threads (``cpu_threads``).
 - The exact state (``detsum._limbs``): ``add_exact_terms``, ``normalise_limbs``,
   ``round_exact_state``.
 - MoE's weighted combination (``detsum.moe.unpermute``): ``weighted_token_sums``,
-  ``weighted_gradients`` (on CPU), ``fused_weighted_rule``, ``weighted_slot_gradients`` (the
-  triton backend's kernels); a routing's tables (``detsum.moe.route``): ``route_tables``.
+  ``weighted_gradients_in_blocks`` (on CPU), ``fused_weighted_rule``,
+  ``weighted_gradients_in_one_launch`` (the triton backend's kernels); a routing's tables
+  (``detsum.moe.route``): ``route_tables``.
 - A state on the wire of a sum over ranks (``detsum.distributed``): ``outgoing_states``,
   ``decode_state``.
 """
@@ -250,9 +251,9 @@ def weighted_token_sums(y: torch.Tensor, positions: torch.Tensor, slot_weights: 
     return out
 
 
-def weighted_gradients(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
-                       position_weights: torch.Tensor, acc_mode: str
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_gradients_in_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
+                                 position_weights: torch.Tensor, acc_mode: str
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of ``weighted_token_sums`` for the output gradient ``grad`` ``[T, ...]``:
     ``grad_y[p] = grad[tokens[p]] * position_weights[p]`` in grad's dtype, then rounded to
     y's (``y``'s shape, contiguous); ``dots[p]`` = the sum over the features ``h`` of
@@ -310,14 +311,15 @@ def fused_weighted_rule(y: torch.Tensor, weights_dtype: torch.dtype, out_dtype: 
     return KAHAN if acc_mode == Mode.KAHAN.value else WIDE
 
 
-def weighted_slot_gradients(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
-                            slot_weights: torch.Tensor, topk: int, acc_mode: str, by_slot: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_gradients_in_one_launch(grad: torch.Tensor, y: torch.Tensor,
+                                     slots: torch.Tensor, slot_weights: torch.Tensor, topk: int,
+                                     acc_mode: str, by_slot: bool
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where ``fused_weighted_rule`` gives a rule: the gradients of ``weighted_token_sums`` in
     one launch, each row ``p`` of ``y`` taken as slot ``slots[p]`` (in range) of token
     ``slots[p] // topk`` with weight ``slot_weights[slots[p]]``: ``grad_y`` as
-    ``weighted_gradients`` gives it, and the dot products in ``slot_weights``' dtype, stored
-    by slot (``by_slot``: ``slots`` is a permutation, so these are the weights' gradient in
+    ``weighted_gradients_in_blocks`` gives it, and the dot products in ``slot_weights``' dtype,
+    stored by slot (``by_slot``: ``slots`` is a permutation, so these are the weights' gradient in
     slot order) or by row."""
     from detsum.kernels.triton.moe import weighted_gradients as triton_weighted_gradients
 

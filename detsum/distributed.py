@@ -198,7 +198,7 @@ def _summable(local: Sequence[int]) -> list[int]:
 _POISON = 0x5EED_5EED_5EED_5EED
 
 
-def _unwritten(tensor: torch.Tensor) -> torch.Tensor:
+def _poisoned_under_test(tensor: torch.Tensor) -> torch.Tensor:
     """A new ``tensor``, poisoned under test: an element that nothing writes fails there."""
     if _segments.POISON_OUTPUTS:
         tensor.fill_(_POISON)
@@ -229,7 +229,7 @@ class _Wire:
                     if self.kinds else 1)
             self.fields, self.bits = max(1, 63 // bits), bits
 
-    def rows(self, n_limbs: int) -> int:
+    def window_rows(self, n_limbs: int) -> int:
         """Rows of the window within a state of ``n_limbs`` limbs (fp32 and fp64 states
         summed in one call share one window)."""
         return max(0, min(self.top, n_limbs - 1) - self.bottom + 1)
@@ -238,16 +238,16 @@ class _Wire:
         return -(-numel // self.fields)
 
     def size(self, n_limbs: int, numel: int) -> int:
-        return 1 + self.rows(n_limbs) * numel + len(self.kinds) * self.lanes(numel)
+        return 1 + self.window_rows(n_limbs) * numel + len(self.kinds) * self.lanes(numel)
 
     def encode(self, outgoing: Sequence[_wire.Outgoing]) -> torch.Tensor:
         """The payload of ``outgoing``, this rank's states."""
         sizes = [self.size(o.n_limbs, o.state.shape[1]) for o in outgoing]
         device = outgoing[0].state.device if outgoing else torch.device("cpu")
-        payload = _unwritten(torch.empty(sum(sizes), dtype=torch.int64, device=device))
+        payload = _poisoned_under_test(torch.empty(sum(sizes), dtype=torch.int64, device=device))
         offset = 0
         for o, size in zip(outgoing, sizes):
-            o.write(payload[offset:offset + size], self.bottom, self.rows(o.n_limbs),
+            o.write(payload[offset:offset + size], self.bottom, self.window_rows(o.n_limbs),
                     self.kinds, self.fields, self.bits)
             offset += size
         return payload
@@ -264,9 +264,9 @@ class _Wire:
         results = []
         for i, (o, offset, total) in enumerate(zip(outgoing, offsets, totals)):
             numel, n_limbs = o.state.shape[1], o.n_limbs
-            summed = _unwritten(torch.empty_like(o.state)) if out is None else out[i]
+            summed = _poisoned_under_test(torch.empty_like(o.state)) if out is None else out[i]
             part = payload[offset:offset + self.size(n_limbs, numel)]
-            _kernel_ops.decode_state(part, self.bottom, self.rows(n_limbs), self.kinds,
+            _kernel_ops.decode_state(part, self.bottom, self.window_rows(n_limbs), self.kinds,
                                      self.fields, self.bits, total, summed)
             results.append((summed, total))
         return results
@@ -338,7 +338,7 @@ def _read_whole(room: torch.Tensor, states: Sequence[tuple[torch.Tensor, int]],
     are sums of counts."""
     results, offset = [], len(states)
     for i, ((state, _), total) in enumerate(zip(states, totals)):
-        summed = _unwritten(torch.empty_like(state)) if out is None else out[i]
+        summed = _poisoned_under_test(torch.empty_like(state)) if out is None else out[i]
         summed.copy_(room[offset:offset + state.numel()].view(state.shape))
         _kernel_ops.normalise_limbs(summed[:state.shape[0] - _limbs.COUNTERS])
         results.append((summed, total))

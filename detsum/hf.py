@@ -1,12 +1,10 @@
 """A ``"detsum"`` experts implementation for Hugging Face transformers' mixture-of-experts models.
 
-transformers 5 sends the expert computation of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and the
-other models whose experts class carries ``@use_experts_implementation`` through one registry,
-``transformers.integrations.moe.ExpertsInterface``: the class's ``forward`` looks up
-``config._experts_implementation`` there (``"grouped_mm"`` by default, ``"eager"`` for the
-model's own loop, ``"batched_mm"``) and calls the function it finds with the experts module,
-``hidden_states [T, H]``, ``top_k_index [T, topk]`` and ``top_k_weights [T, topk]``. This module
-registers ``"detsum"`` there::
+transformers 5 computes the experts of Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and every other
+model whose experts class carries ``@use_experts_implementation`` with the function registered
+in ``transformers.integrations.moe.ExpertsInterface`` under ``config._experts_implementation``,
+called with the experts module, ``hidden_states [T, H]``, ``top_k_index [T, topk]`` and
+``top_k_weights [T, topk]``. This module registers ``"detsum"`` there::
 
     import detsum.hf
 
@@ -16,22 +14,13 @@ registers ``"detsum"`` there::
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="detsum")
 
 transformers is imported only by ``register`` and ``use_detsum_experts``: ``import detsum`` and
-``import detsum.hf`` never need it. The experts computation is ``experts_forward``: routing,
-permutation and combination by ``detsum.moe`` (and, in ``"autograd"`` mode,
-``detsum.index_add``); the expert matrix products are torch's ``mm``, one per expert, the
-products the model's own loop computes.
+``import detsum.hf`` never need it.
 
-What each mode gives, against transformers' ``"eager"`` implementation (the loop written in
-the model's experts class), on CPU:
-
-- ``"autograd"``: the same bits, logits and every gradient, in bf16 and fp32 models
-  (``tests/test_hf.py``: Mixtral, Qwen3-MoE and OLMoE, top-2 and top-4; fp16 on the experts
-  block). Qwen2-MoE: the same logits and the same experts block, forward and backward, but
-  not the same gradients below it (see ``experts_forward``).
-- ``"fp32"`` (default), ``"kahan"``, ``"exact"``: the sums of ``detsum.moe`` in that mode,
-  each token's weighted expert rows summed in fp32 (compensated, or exactly) and rounded
-  once: the same bits on every run and thread count, close to eager rather than equal
-  (``docs/switching.md`` gives the measured differences).
+Against transformers' ``"eager"`` implementation (the model's own loop), on CPU:
+``"autograd"`` gives the same bits, logits and every gradient (Qwen2-MoE: not the gradients
+below the experts block); ``"fp32"`` (default), ``"kahan"`` and ``"exact"`` sum each token's
+weighted expert rows in that mode and round once: the same bits on every run and thread
+count, close to eager rather than equal (docs/switching.md).
 """
 
 from __future__ import annotations
@@ -226,54 +215,33 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
             are read, before any product).
 
     Each expert's rows are multiplied by its weights with torch's ``mm``, in the model's order
-    (slot by slot, then token by token, as its loop takes them); those products, and their
-    gradients, are the model's bits in every mode. The modes differ in the sums:
+    (slot by slot, then token by token); those products and their gradients are the model's
+    own loop's in every mode. The modes differ in the sums:
 
-    - ``"autograd"``: the arithmetic of transformers' ``"eager"`` loop. Its combination is
-      ``index_add_`` of each expert's weighted rows, expert by expert, into zeros of the hidden
-      dtype: each product ``y * w`` as torch's multiply computes it (fp32 for bf16 rows and
-      fp32 weights), rounded to the hidden dtype, then added in increasing expert order with a
-      rounding to the hidden dtype after every add. Here that is one
-      ``detsum.index_add(mode="autograd")`` over the rows in increasing expert order.
-      Backward, the hidden states' gradient of the loop is one gradient per expert, added by
-      autograd's engine as they arrive: the last expert's first (the engine runs the most
-      recently created node first). Here the rows are permuted in decreasing expert order, so
-      that ``detsum.moe.permute(mode="autograd")`` adds each token's rows in that order, and
-      then reordered for the products (a gather of the ``T * topk`` rows, exact both ways). The
-      routing weights' gradient is torch's own multiply backward, as in the loop. The expert
-      weights' gradient of the loop is one gradient per expert summed by autograd, each zeros
-      outside its expert, which turns an mm's -0.0 into +0.0: here too. In a model whose
-      other consumers of the block's input run before the experts (the router, in Mixtral,
-      Qwen3-MoE and OLMoE), the engine adds their gradients after the experts' sum, and
-      every gradient of the model is eager's. Qwen2-MoE computes its shared expert's gate
-      *after* the experts, so the engine adds that gate's gradient first and the experts'
-      one by one after it; a block that returns one gradient for all its experts cannot
-      interleave with it: the logits and the experts block's own gradients are eager's bits,
-      the gradients below the block differ in the last bits.
+    - ``"autograd"``: the arithmetic of transformers' ``"eager"`` loop: each product ``y * w``
+      as torch's multiply computes it, rounded to the hidden dtype, added in increasing expert
+      order with a rounding after every add; backward, each token's gradient rows added last
+      expert first, as autograd's engine adds the loop's; the expert weights' gradient with
+      the loop's signed zeros. In a model whose other consumers of the block's input run
+      before the experts (Mixtral, Qwen3-MoE, OLMoE) every gradient is eager's; in Qwen2-MoE
+      the gradients below the block differ in the last bits (docs/switching.md, "Limits").
     - ``"fp32"``, ``"kahan"``, ``"exact"``: ``detsum.moe.permute`` and
-      ``detsum.moe.unpermute(weights=top_k_weights)`` in that mode: each product in fp32
-      (exact for half-precision rows and weights; one rounding for bf16 rows and fp32
-      weights), the token's ``topk`` products summed in slot order in fp32 (``"kahan"``:
-      compensated; ``"exact"``: the exact sum), rounded once to the promoted dtype of rows and
-      weights, then to the hidden dtype (a second rounding only for half-precision rows with
-      fp32 weights: Mixtral in bf16). The hidden states' gradient sums each token's ``topk``
-      rows in that mode, rounded once; the routing weights' gradient is each dot product over
-      the features in that mode.
+      ``detsum.moe.unpermute(weights=top_k_weights)`` in that mode: products in fp32, each
+      token's ``topk`` products summed in slot order in that mode, rounded once to the promoted
+      dtype of rows and weights, then to the hidden dtype (a second rounding only for
+      half-precision rows with fp32 weights). Backward: each token's ``topk`` gradient rows
+      summed in that mode, rounded once; each routing weight's gradient a dot product over the
+      features in that mode.
 
-    The sums are detsum's, so the same on every run and thread count; the matrix products are
-    torch's ``mm`` (on CPU, MKL's fp32 ``sgemm`` gave other bits on one thread than on two for
-    5 to 11 rows, in torch 2.13), as in the model's own loop. Under ``torch.autocast`` they
-    stay in the weights' dtype, where the loop's ``nn.functional.linear`` would cast to the
-    autocast dtype.
+    The sums are the same on every run and thread count; the matrix products are only as
+    thread-independent as torch's ``mm``. Under ``torch.autocast`` they stay in the weights'
+    dtype.
 
-    ``torch.compile(fullgraph=True)`` traces it, forward and backward: every host read (the
-    bounds of the routing, the row counts of each expert, one read per product as torch's own
-    CPU ``grouped_mm`` does) runs inside detsum's operators, and ``detsum.moe.route`` is
-    called with ``check=False``, its ids checked where the counts are read. With the
-    ``aot_eager`` backend the bits are the uncompiled call's; Inductor keeps detsum's
-    operators as they are but lowers the model's own elementwise code (the gate's activation)
-    its own way. transformers' ``"eager"`` loop itself does not compile with
-    ``fullgraph=True`` (its ``nonzero`` has a data-dependent size).
+    ``torch.compile(fullgraph=True)`` traces it, forward and backward: every host read runs
+    inside detsum's operators (``detsum.moe.route`` is called with ``check=False``, the ids
+    checked where the row counts are read). With the ``aot_eager`` backend the bits are the
+    uncompiled call's; Inductor keeps detsum's operators as they are but lowers the model's
+    own elementwise code (the gate's activation) its own way.
     """
     caller = "detsum.hf.experts_forward"
     mode = parse_mode(getattr(experts, "detsum_mode", _default_mode), caller=caller)
@@ -282,6 +250,10 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
     num_experts, topk = experts.gate_up_proj.shape[0], top_k_index.shape[1]
     gather_indices, boundaries = _route_slot_major(top_k_index, num_experts, descending=False)
     if mode is Mode.AUTOGRAD:
+        # autograd's engine adds the loop's per-expert gradients of the block input last expert
+        # first (it runs the most recently created node first): permuted by decreasing expert,
+        # permute's backward adds each token's rows in that order; the exact gather that
+        # follows puts the rows back in the products' order.
         descending, _ = _route_slot_major(top_k_index, num_experts, descending=True)
         rows = moe.permute(hidden_states, descending, topk, mode=mode, check=False)
         rows = rows.index_select(0, _inverse(descending).index_select(0, gather_indices))
@@ -292,6 +264,8 @@ def experts_forward(experts: torch.nn.Module, hidden_states: torch.Tensor,
     expert_rows = call_expert_linear(experts._apply_gate(projected), experts.down_proj,
                                      boundaries, loop_zeros)
     if mode is Mode.AUTOGRAD:
+        # The loop's combination: index_add_ of each expert's weighted rows, rounded to the
+        # hidden dtype, expert by expert into zeros.
         position_weights = top_k_weights.reshape(-1).index_select(0, gather_indices)
         weighted = (expert_rows * position_weights[:, None]).to(hidden_states.dtype)
         return detsum.index_add(torch.zeros_like(hidden_states), 0, gather_indices // topk,

@@ -9,26 +9,12 @@ default, combines each token's ``topk`` rows, weighted by the routing probabilit
 Flat slot ``j = t * topk + k`` is slot ``k`` of token ``t``; ``gather_indices[p]`` is the flat slot
 at permuted position ``p``, so ``gather_indices // topk`` are the token ids of the permuted rows.
 
-This module owns no kernel: every sum is a ``detsum.segment_sum`` over the ``topk`` rows of a
-token, fetched through its ``perm`` argument (a gather inside the kernel, no copy of the rows),
-or a kernel of ``detsum._kernel_ops`` with the same bits (the weighted combination, route's
-tables on a GPU). The modes mean what they mean for the primitives:
-
-- ``"autograd"``: bit-identical to autograd of the naive torch composition on the same device
-  (``x[gather_indices // topk]`` for ``permute``; ``index_copy`` then
-  ``(u.view(T, topk, H) * weights[..., None]).sum(1)`` for ``unpermute``);
-- ``"fp32"`` / ``"kahan"``: products and sums in fp32 (compensated for ``"kahan"``), one
-  rounding to the dtype: closer to the exact result than autograd.
-
-The combined rows of ``unpermute`` have torch's promoted dtype of the rows and the weights in
-every mode (bf16 rows with fp32 routing weights give fp32, as the naive composition does), and
-fp32 weights are never rounded to the rows' dtype, forward or backward.
-
-Each function checks its routing as ``check`` says, with the primitives' levels: ``"host"``
-reads it back and names the first bad position, ``"device"`` checks it on the device with no
-host read, ``"off"`` trusts it (a broken promise still stays inside every tensor). Backward
-passes never check again and, on a GPU, never read back (docs/moe.md, "Checks and host
-reads").
+Every sum is a ``detsum.segment_sum`` over the ``topk`` rows of a token, or a kernel of
+``detsum._kernel_ops`` with the same bits. ``"autograd"`` is bit-identical to autograd of the
+naive torch composition on the same device; ``"fp32"`` / ``"kahan"`` sum in fp32
+(compensated for ``"kahan"``) and round once. Each function checks its routing as ``check``
+says, with the primitives' levels; backward passes never check again and, on a GPU, never
+read back (docs/moe.md, "Checks and host reads").
 
 The gradients are the same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``;
 forward mode (``jvp``, ``jacfwd``) raises NotImplementedError, and so does a second derivative
@@ -53,8 +39,7 @@ __all__ = ["Routing", "permute", "route", "unpermute"]
 
 def _check_level(caller: str, check: object, *, false_means: str) -> str:
     """The ``check`` argument as a level: "host", "device" or "off" (as the primitives take
-    it), or True and False, the flag it was before the levels: True is "host", False what it
-    meant to ``caller`` then (``false_means``)."""
+    it); True is "host", False ``false_means``."""
     if isinstance(check, bool):
         return "host" if check else false_means
     if not isinstance(check, str) or check not in _validation.CHECK_LEVELS:
@@ -181,24 +166,20 @@ def route(selected_experts: torch.Tensor, num_experts: int, *, check: str | bool
             ``"off"``: not checked; an id below 0 or from ``E`` up is then counted by no
             expert: its pair still has its place in ``gather_indices`` (before expert 0's
             pairs, or after the last expert's), and ``tokens_per_expert`` sums to fewer than
-            ``T * topk``. True means ``"host"`` and False ``"off"`` (the flag's old values).
+            ``T * topk``. True means ``"host"`` and False ``"off"``.
 
     Returns:
         A :class:`Routing`, which unpacks as ``(gather_indices, tokens_per_expert)``:
         ``gather_indices`` [T * topk] int64 is the stable argsort of
         ``selected_experts.view(-1)`` (expert by expert; within an expert, tokens in order),
         ``tokens_per_expert`` [E] int64 the rows each expert receives. It also holds the
-        inverse permutation; passed to ``permute`` and ``unpermute`` in place of
-        ``gather_indices``, it spares them checking it (a sort's indices are a permutation)
-        and inverting it, forward and backward: the same bits, fewer device ops. So does
-        ``gather_indices`` passed alone, as long as that tensor is not changed in place (as
-        its version counter tells, which, as for autograd's saved tensors, a write through
-        ``.data`` or a NumPy view does not move): an index changed since, a copy of it, or
-        one made in ``torch.inference_mode`` (no version counter) is checked and inverted as
-        any other. Computed on the tensor's device with no host synchronisation besides
-        ``"host"``'s check.
-        ``torch.compile(fullgraph=True)`` traces it at every level (the check's read runs
-        inside an operator).
+        inverse permutation: passed to ``permute`` and ``unpermute`` in place of
+        ``gather_indices``, it spares them checking and inverting it, forward and backward,
+        with the same bits. So does ``gather_indices`` passed alone while that tensor is
+        unchanged (its version counter, which a write through ``.data`` or a NumPy view does
+        not move); a copy, an index changed in place or one made in ``torch.inference_mode``
+        is checked and inverted as any other. No host synchronisation besides ``"host"``'s
+        check; ``torch.compile(fullgraph=True)`` traces it at every level.
 
     Raises:
         IndexError: with ``check="host"``, an id outside ``[0, E)``, named with its position.
@@ -270,11 +251,8 @@ def _remember(routing: Routing) -> None:
 
 def _as_routing(gather_indices: torch.Tensor | Routing) -> torch.Tensor | Routing:
     """``gather_indices`` as ``permute`` and ``unpermute`` take it: the ``gather_indices`` that
-    ``route`` returned, unchanged since, as the whole Routing; anything else as it is.
-
-    A sort's indices are a permutation and route has inverted them: given bare, they need the
-    check and the inversion no more than the Routing does. An index changed in place since (its
-    version counter moved) is an index like any other, checked as ``check`` says."""
+    ``route`` returned, unchanged since, as the whole Routing (a sort's indices need no check
+    and route has inverted them); anything else as it is."""
     if (isinstance(gather_indices, Routing) or not isinstance(gather_indices, torch.Tensor)
             or not _has_stamp(gather_indices)):
         return gather_indices
@@ -301,7 +279,7 @@ def _slot_positions(gather_indices: torch.Tensor, unreached: int = 0) -> torch.T
     return positions[:n]
 
 
-def _trusted(gather_indices: torch.Tensor, check: str) -> torch.Tensor:
+def _gather_indices_in_range(gather_indices: torch.Tensor, check: str) -> torch.Tensor:
     """gather_indices as the operators compute with it: checked values as they are; under
     check="off", each value outside [0, n) taken as the nearest bound (one pass over the
     indices, nothing read back), so that a broken promise still reads and writes inside every
@@ -336,13 +314,10 @@ def _check_bounds(caller: str, gather_indices: torch.Tensor) -> None:
 def _check_permutation(caller: str, gather_indices: torch.Tensor, check: str) -> torch.Tensor:
     """Verify that gather_indices holds each of 0 .. n-1 once, read back (check="host") or on
     the device (check="device"), and return its inverse (``_slot_positions``): one O(n)
-    scatter, no sort.
-
-    n values that all lie in [0, n) and together reach all n slots are a permutation, so the
-    bounds and the coverage of the inverse are the whole check. An out-of-range value writes to
-    the spare slot n, never outside the buffer, so the check itself cannot fail in torch's words.
-    """
+    scatter, no sort."""
     n = gather_indices.numel()
+    # n values in [0, n) that reach all n slots are a permutation. An out-of-range value goes
+    # to the spare slot n, so the check itself cannot fail in torch's words.
     in_range = (gather_indices >= 0) & (gather_indices < n)
     positions = _slot_positions(torch.where(in_range, gather_indices, n), unreached=-1)
     out_of_range, slot_without_row = ~in_range.all(), (positions < 0).any()
@@ -395,8 +370,8 @@ def _token_table(routing: torch.Tensor | Routing, topk: int) -> torch.Tensor | N
 
 # ---- permute ------------------------------------------------------------------------------------
 
-#: permute's level for check=False, the flag's old "no permutation check": the bounds alone,
-#: read back as under "host", a repeated value allowed.
+#: permute's level for check=False: the bounds alone, read back as under "host", a repeated
+#: value allowed.
 _BOUNDS_ONLY = "bounds"
 #: The level of a Routing's gather_indices: a sort's indices, a permutation by construction,
 #: given with their inverse: nothing to check, clamp or invert.
@@ -416,7 +391,7 @@ def permute_op(x: torch.Tensor, gather_indices: torch.Tensor, topk: int, acc_mod
         _check_permutation(caller, gather_indices, check)
     if token_table is not None:
         return x.index_select(0, token_table[1:gather_indices.numel() + 1])
-    return x.index_select(0, _trusted(gather_indices, check) // topk)
+    return x.index_select(0, _gather_indices_in_range(gather_indices, check) // topk)
 
 
 @permute_op.register_fake
@@ -434,29 +409,26 @@ def _permute_setup(ctx, inputs, output):
 def _permute_backward(ctx, grad):
     gather_indices, positions, token_table = ctx.saved_tensors
     if token_table is not None:
-        # route's tables: each token's rows in increasing position, their tokens and the
-        # token offsets, made in route's one launch: the sum is the only launch here.
+        # route's one launch made the tables: the sum is the only launch here.
         tokens, token_rows, token_offsets = _token_table_parts(token_table,
                                                                gather_indices.numel())
         grad_x = call_segment_sum(grad, token_offsets, 0, token_rows, ctx.acc_mode, "off",
                                   tokens, None, _no_chunks(ctx.topk))
         return grad_x, *(None,) * 6
     if positions is not None:
-        # A routing's inverse: token t's rows sit at positions[t * topk:(t + 1) * topk], and in
-        # increasing order they are the canonical order; each token has exactly topk rows.
+        # Token t's rows sit at positions[t * topk:(t + 1) * topk]; sorted, they are in the
+        # canonical order.
         token_rows = positions.view(-1, ctx.topk).sort(dim=1).values.view(-1)
         grad_x = call_segment_sum(grad, _token_offsets(ctx.num_tokens, ctx.topk, grad.device),
                                   0, token_rows, ctx.acc_mode, "off", gather_indices // ctx.topk,
                                   None, _no_chunks(ctx.topk))
         return grad_x, *(None,) * 6
-    # Each token's rows in increasing permuted position: the order in which autograd's
-    # index_put_ meets them, and so the canonical order of every mode. A stable sort by token
-    # finds them without assuming a permutation: under check=False or "off" a repeated value is
-    # allowed, and its token then has more rows (and another fewer), each summed all the same.
-    tokens = _trusted(gather_indices, ctx.check) // ctx.topk
+    # Increasing permuted position is the order in which autograd's index_put_ meets a
+    # token's rows. A stable sort by token finds them without assuming a permutation (under
+    # check=False or "off" a token may have more rows than topk, or fewer).
+    tokens = _gather_indices_in_range(gather_indices, ctx.check) // ctx.topk
     sorted_tokens, token_rows = torch.sort(tokens, stable=True)
     boundaries = torch.arange(ctx.num_tokens + 1, dtype=tokens.dtype, device=tokens.device)
-    # Offsets and rows built here, right by construction: nothing to check, nothing read back.
     grad_x = call_segment_sum(grad, torch.searchsorted(sorted_tokens, boundaries), 0, token_rows,
                               ctx.acc_mode, "off")
     return grad_x, *(None,) * 6
@@ -487,9 +459,8 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, 
             conditions on ``gather_indices``' device, with no host read (no synchronisation:
             the call can be captured in a CUDA graph); a bad value fails at the next
             synchronisation (on CPU at once). ``"off"``: not checked (see below what a bad
-            value then gives). True means ``"host"``; False keeps the flag's old meaning:
-            the bounds only, read back (one min/max pass and one host read), a repeated
-            value allowed.
+            value then gives). True means ``"host"``; False: the bounds only, read back (one
+            min/max pass and one host read), a repeated value allowed.
 
     Returns:
         ``[T * topk, ...]``. Forward is an exact gather in every mode.
@@ -503,10 +474,8 @@ def permute(x: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int, 
             naming ``gather_indices`` but not the position; on a GPU at the next
             synchronisation).
 
-    A repeated value is no hazard for ``permute`` itself: it is a gather, defined for any
-    index in range, and its backward sums each token's gradient rows whatever their number (it
-    never inverts the permutation), so the result and the gradient are exactly those of
-    ``x[gather_indices // topk]``; the check is there to catch a routing mistake early. Under
+    A repeated value is no hazard for ``permute`` itself: the result and the gradient are
+    exactly those of ``x[gather_indices // topk]``; the check catches a routing mistake. Under
     ``"off"`` a value outside ``[0, T * topk)`` is taken as the nearest bound (below 0: slot 0
     of token 0; from ``T * topk`` up: the last slot of token ``T - 1``), forward and backward,
     so nothing is read or written outside ``x``, the result or the gradient; the result and
@@ -597,7 +566,7 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
     if check == _ROUTED:
         pass  # a routing: a permutation by construction, and its inverse
     elif check == "off":
-        gather_indices = _trusted(gather_indices, check)
+        gather_indices = _gather_indices_in_range(gather_indices, check)
         positions = _slot_positions(gather_indices)
     else:
         positions = _check_permutation("detsum.moe.unpermute", gather_indices, check)
@@ -622,9 +591,7 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
     rows = y
     if weights is not None:
         rows = _weighted_rows(y, weights.reshape(-1).index_select(0, gather_indices), out_dtype)
-    # The offsets are built here and the positions are checked (or, under "off", in range by
-    # construction): nothing to check again, nothing read back. Given each row's token, the
-    # sum takes them as a plan's: nothing clamped either.
+    # Offsets built here and positions already checked (or in range by construction): "off".
     out = torch.ops.detsum.segment_sum(rows, _token_offsets(num_tokens, topk, y.device), 0,
                                        positions, acc_mode, "off", gather_indices // topk,
                                        None, _no_chunks(topk))
@@ -651,17 +618,15 @@ _NO_MORE_GRADIENTS = (None,) * 4
 def _unpermute_backward(ctx, grad):
     y, gather_indices, weights, positions = ctx.saved_tensors
     # Checked by the forward call, as its level said: nothing checked or read back here.
-    gather_indices = _trusted(gather_indices, ctx.check)
+    gather_indices = _gather_indices_in_range(gather_indices, ctx.check)
     if (ctx.reduce and weights is not None and not torch.is_grad_enabled()
             and _kernel_ops.fused_weighted_rule(y, weights.dtype, grad.dtype, ctx.acc_mode,
                                                 ctx.topk) is not None):
-        # One launch (the triton backend), unless a second derivative is on its way: each row
-        # as the slot gather_indices names, its dot product stored at that slot when every
-        # slot is named once (a checked permutation, or a routing's), else by row.
+        # Dots stored by slot only when every slot is named once (checked, or a routing's).
         by_slot = ctx.check != "off"
-        gradients = (_kernel_ops.weighted_slot_gradients
+        gradients = (_kernel_ops.weighted_gradients_in_one_launch
                      if _dispatch.direct_call_ok(grad, y, gather_indices, weights)
-                     else call_weighted_slot_gradients)
+                     else call_weighted_gradients_in_one_launch)
         grad_y, dots = gradients(grad, y, gather_indices, weights.reshape(-1), ctx.topk,
                                  ctx.acc_mode, by_slot)
         if not by_slot:
@@ -672,36 +637,30 @@ def _unpermute_backward(ctx, grad):
         positions = _slot_positions(gather_indices)
     if not ctx.reduce:
         return grad.index_select(0, gather_indices), None, None, None, *_NO_MORE_GRADIENTS
-    # Every permuted row p received its token's gradient row (times its weight). grad has the
-    # output's dtype: the promoted one when weights are wider than y.
     tokens = gather_indices // ctx.topk
     if weights is None:
         return grad.index_select(0, tokens), None, None, None, *_NO_MORE_GRADIENTS
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
     if _blocked(y.device, ctx.acc_mode):
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
-        gradients = (_kernel_ops.weighted_gradients
+        gradients = (_kernel_ops.weighted_gradients_in_blocks
                      if _dispatch.direct_call_ok(grad, y, tokens, position_weights)
-                     else call_weighted_backward_by_blocks)
+                     else call_weighted_gradients_in_blocks)
         grad_y, dots = gradients(grad, y, tokens, position_weights, ctx.acc_mode)
         grad_weights = dots.index_select(0, positions)
         return (grad_y, None, None, grad_weights.view(weights.shape).to(weights.dtype),
                 *_NO_MORE_GRADIENTS)
     grad_rows = grad.index_select(0, tokens)
-    # torch's multiply backward: g * w in the promoted dtype (the exact product rounded once),
-    # then rounded to y's dtype, a second rounding only when that is narrower (bf16 rows, fp32
-    # weights). The same bits in every mode; the weights themselves are never rounded.
+    # torch's multiply backward, for autograd's bits in every mode: g * w in the promoted
+    # dtype, then rounded to y's.
     grad_y = (grad_rows * position_weights.view((-1,) + (1,) * (grad.dim() - 1))).to(y.dtype)
-    # d out[t] / d w[t, k] = <grad[t], y[p]>: a dot product over the features. (Their count
-    # is spelled out: a reshape to -1 is ambiguous when there are no rows.)
+    # Spelled out: a reshape to -1 is ambiguous when there are no rows.
     features = math.prod(y.shape[1:])
     if ctx.acc_mode == Mode.AUTOGRAD.value:
-        # torch leaves the order of this sum open (on CPU it follows the vector width), so only
-        # its own reduction, the one autograd runs to fold the broadcast weights' gradient,
-        # gives autograd's bits: products rounded to grad's dtype, torch's sum over features.
+        # torch leaves the order of this sum open: only its own reduction, the one autograd
+        # runs for the broadcast weights, gives autograd's bits.
         dots = (grad_rows * y).reshape(y.shape[0], features).sum(1)
     else:
-        # In order, in the accumulator ("kahan": compensated), rounded once.
         products = grad_rows.to(acc_dtype(grad.dtype)).mul_(y)  # exact for half grad and y
         products = products.reshape(y.shape[0], features)
         dots = call_segment_sum(products, _segments.one_segment(products.shape[1], y.device), 1,
@@ -712,43 +671,44 @@ def _unpermute_backward(ctx, grad):
 
 
 @torch.library.custom_op("detsum::moe_unpermute_weighted_backward", mutates_args=())
-def _weighted_backward_by_blocks(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
-                                 position_weights: torch.Tensor, acc_mode: str
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _weighted_gradients_in_blocks_op(grad: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
+                                     position_weights: torch.Tensor, acc_mode: str
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """An operator of its own, so that a compiled backward sees one call, not a loop of
     blocks."""
-    return _kernel_ops.weighted_gradients(grad, y, tokens, position_weights, acc_mode)
+    return _kernel_ops.weighted_gradients_in_blocks(grad, y, tokens, position_weights, acc_mode)
 
 
-@_weighted_backward_by_blocks.register_fake
+@_weighted_gradients_in_blocks_op.register_fake
 def _(grad, y, tokens, position_weights, acc_mode):
     return (torch.empty_like(y, memory_format=torch.contiguous_format),
             y.new_empty(y.shape[0], dtype=acc_dtype(grad.dtype)))
 
 
 @torch.library.custom_op("detsum::moe_unpermute_weighted_slot_gradients", mutates_args=())
-def _weighted_slot_gradients_op(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
-                                slot_weights: torch.Tensor, topk: int, acc_mode: str,
-                                by_slot: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _weighted_gradients_in_one_launch_op(grad: torch.Tensor, y: torch.Tensor,
+                                         slots: torch.Tensor, slot_weights: torch.Tensor,
+                                         topk: int, acc_mode: str, by_slot: bool
+                                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """An operator, so that a compiled backward sees the launch as one call."""
-    return _kernel_ops.weighted_slot_gradients(grad, y, slots, slot_weights, topk, acc_mode,
-                                               by_slot)
+    return _kernel_ops.weighted_gradients_in_one_launch(grad, y, slots, slot_weights, topk,
+                                                        acc_mode, by_slot)
 
 
-@_weighted_slot_gradients_op.register_fake
+@_weighted_gradients_in_one_launch_op.register_fake
 def _(grad, y, slots, slot_weights, topk, acc_mode, by_slot):
     return (torch.empty_like(y, memory_format=torch.contiguous_format),
             slot_weights.new_empty(slot_weights.numel() if by_slot else y.shape[0]))
 
 
-call_weighted_slot_gradients = _transforms.register_autograd(
-    _weighted_slot_gradients_op,
+call_weighted_gradients_in_one_launch = _transforms.register_autograd(
+    _weighted_gradients_in_one_launch_op,
     _transforms.refuse_second_order("detsum.moe.unpermute", "the gradient of weighted rows"),
     caller="detsum.moe.unpermute")
 
 
-call_weighted_backward_by_blocks = _transforms.register_autograd(
-    _weighted_backward_by_blocks,
+call_weighted_gradients_in_blocks = _transforms.register_autograd(
+    _weighted_gradients_in_blocks_op,
     _transforms.refuse_second_order("detsum.moe.unpermute", "the gradient of weighted rows"),
     caller="detsum.moe.unpermute")
 
@@ -765,11 +725,10 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
 
     Args:
         y: ``[T * topk, ...]`` rows in expert order (as ``permute`` made them).
-        gather_indices: ``[T * topk]``, a permutation of ``0 .. T * topk - 1`` (from ``route``),
-            or the :class:`Routing` that ``route`` returned: then it is neither checked
-            (``check`` does not apply: it is a permutation by construction) nor inverted,
-            forward or backward. So is the ``gather_indices`` tensor that ``route`` returned,
-            while unchanged (see ``route``).
+        gather_indices: as for ``permute``: ``[T * topk]``, a permutation of
+            ``0 .. T * topk - 1``, or the :class:`Routing` that ``route`` returned (neither
+            checked nor inverted, forward or backward; nor is ``route``'s ``gather_indices``
+            tensor while unchanged).
         topk: slots per token: a positive int (a NumPy or 0-d tensor int too).
         weights: ``[T, topk]`` routing probabilities (any float dtype, not necessarily ``y``'s),
             or None for plain sums. Only with ``reduce=True``.
@@ -778,20 +737,14 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
             (exact).
         mode: ``"fp32"`` (default), ``"kahan"`` or ``"autograd"``.
         check: how ``gather_indices`` is checked to be a permutation, in the pass that
-            inverts it (no sort). ``"host"`` (default): one host read, before anything is
-            computed, with an error naming the first bad position or the repeated value.
-            ``"device"``: the same conditions on ``gather_indices``' device, with no host
-            read (no synchronisation: the call can be captured in a CUDA graph); a bad value
-            fails at the next synchronisation (on CPU at once). ``"off"``: not checked (see
-            below what a bad value then gives). True and False both mean ``"host"``: before
-            the levels the flag was kept for symmetry with ``permute`` and ``unpermute``
-            verified ``gather_indices`` either way.
+            inverts it (no sort): ``"host"`` (default), ``"device"`` or ``"off"``, as for
+            ``permute`` (``"off"``: see below what a bad value then gives). True and False
+            both mean ``"host"``.
 
     Returns:
-        ``reduce=True`` with weights: dtype ``torch.promote_types(y.dtype, weights.dtype)``,
-        torch's type promotion and so the dtype of the naive composition below (bf16 rows and
-        fp32 weights give fp32), in every mode, so that a change of mode never changes a dtype
-        downstream. Otherwise ``y``'s dtype.
+        ``reduce=True`` with weights: dtype ``torch.promote_types(y.dtype, weights.dtype)``
+        in every mode, the dtype of the naive composition below (bf16 rows and fp32 weights
+        give fp32). Otherwise ``y``'s dtype.
 
     Raises:
         IndexError: with ``check="host"`` (or True, or False), a value of ``gather_indices``
@@ -807,8 +760,8 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
     inside every tensor, and gives the same bits on every run. With
     ``v = gather_indices.clamp(0, T * topk - 1)``, slot ``j`` takes the row at the last
     position ``p`` with ``v[p] == j``, or row 0 when there is none (``reduce=False``:
-    ``out[j] = y[p]``); with weights, each row ``p`` is weighted by ``weights.view(-1)[v[p]]``
-    (on the CPU's blocked path and in one pass alike); the sums are those below. Backward
+    ``out[j] = y[p]``); with weights, each row ``p`` is weighted by ``weights.view(-1)[v[p]]``;
+    the sums are those below. Backward
     applies its formulas to ``v`` (each row ``p`` receives the gradient of the slot ``v[p]``),
     which is then not the gradient of that output.
 
@@ -819,9 +772,7 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
     - ``"autograd"``: the naive composition itself,
       ``u = torch.empty_like(y).index_copy(0, gather_indices, y)`` then
       ``(u.view(T, topk, H) * weights[..., None]).sum(1)``, run by torch on the same shapes:
-      torch's bits for every ``topk``, ``H`` and pair of dtypes, on every CPU and GPU, whatever
-      order torch's ``sum`` takes there (on CPU it follows the shape and the vector width).
-      It forms the products and the unpermuted rows in memory, as the composition does.
+      torch's bits for every ``topk``, ``H`` and pair of dtypes, on every CPU and GPU.
     - ``"fp32"``: products and sum in ``acc``, in slot order, one rounding to ``R``.
     - ``"kahan"``: products in ``acc``, Neumaier-compensated sum, one rounding: within
       ``Mode.KAHAN``'s bound of the exact sum of those products (1 ulp unless they cancel
@@ -831,17 +782,13 @@ def unpermute(y: torch.Tensor, gather_indices: torch.Tensor | Routing, topk: int
     (fp16/bf16); bf16 rows times fp32 weights, or fp32 times fp32, round it once to fp32.
 
     Gradients: ``grad_y[p] = grad[t] * weights[t, k]`` as torch's multiply computes it (in
-    ``R``, one rounding), then rounded to ``y``'s dtype (a second rounding only when ``R`` is
-    wider, as autograd does): bit-identical to autograd's in every mode.
-    ``grad_weights[t, k] = <grad[t], y[p]>``, the dot product over the features: in
-    ``"fp32"``/``"kahan"`` summed in order in ``acc`` (``"kahan"``: compensated) and rounded
-    once to the weights' dtype, from products in ``acc`` (exact when ``grad`` and ``y`` are
-    both half precision). In ``"autograd"`` each product is rounded to ``R``, as torch's
-    broadcast multiply does, and summed by torch's own ``sum`` over the features, the reduction
-    autograd runs there, then rounded to the weights' dtype: autograd's bits. torch leaves that
-    sum's order unspecified (on CPU it follows the vector width of the machine), so this one
-    sum is torch's rather than detsum's; it is still the same on every run and thread count
-    (``tests/test_moe.py`` checks 1 and 2 threads).
+    ``R``), then rounded to ``y``'s dtype: autograd's bits in every mode.
+    ``grad_weights[t, k] = <grad[t], y[p]>`` over the features: in ``"fp32"``/``"kahan"``,
+    products in ``acc`` (exact when ``grad`` and ``y`` are both half precision) summed in order
+    (``"kahan"``: compensated), one rounding to the weights' dtype; in ``"autograd"``,
+    autograd's bits: products rounded to ``R``, summed by torch's own ``sum`` over the features
+    (in an order torch leaves open, the same on every run and thread count), then rounded to
+    the weights' dtype.
 
     **Deterministic in every mode.**
 

@@ -347,7 +347,7 @@ class _Extreme(torch.autograd.Function):
         if not want_arg:
             return result, torch.empty(0, dtype=torch.int64, device=src.device)
         return result, _first_positions(src, index_b, dim, result,
-                                        _kept(result, base, base_counts))
+                                        _base_kept_mask(result, base, base_counts))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -355,7 +355,7 @@ class _Extreme(torch.autograd.Function):
         result, arg = output
         # ``kept`` rather than ``base``: base may be the caller's out, overwritten next.
         # (``arg`` is an integer tensor: autograd never differentiates it.)
-        ctx.save_for_backward(src, index_b, result, _kept(result, base, base_counts),
+        ctx.save_for_backward(src, index_b, result, _base_kept_mask(result, base, base_counts),
                               arg if want_arg else None)
         ctx.dim = dim
 
@@ -377,7 +377,8 @@ class _Extreme(torch.autograd.Function):
         return grad_src, grad_base, None, None, None, None, None, None
 
 
-def _kept(result: torch.Tensor, base: torch.Tensor, base_counts: bool) -> torch.Tensor | None:
+def _base_kept_mask(result: torch.Tensor, base: torch.Tensor, base_counts: bool
+                    ) -> torch.Tensor | None:
     """Where the start value (``out``) is the result: no source element beat it."""
     if not base_counts:
         return None
@@ -397,7 +398,8 @@ def _extreme(caller: str, src: torch.Tensor, index_b: torch.Tensor, dim: int,
         return (base.clone() if out is None else base), (arg if want_arg else None)
     if not src.is_floating_point():
         result = _reduce_into(src, index_b, dim, base, reduce, out is not None, mode)
-        arg = (_first_positions(src, index_b, dim, result, _kept(result, base, out is not None))
+        arg = (_first_positions(src, index_b, dim, result,
+                                _base_kept_mask(result, base, out is not None))
                if want_arg else None)
         return result, arg
     values, arg = _transforms.apply(_Extreme, caller, src, base, index_b, dim, reduce,
@@ -405,7 +407,7 @@ def _extreme(caller: str, src: torch.Tensor, index_b: torch.Tensor, dim: int,
     return values, (arg if want_arg else None)
 
 
-def _joined_to(src: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+def _attached_to_graph_of(src: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
     """``result``, made part of ``src``'s autograd graph: a result that no element of an empty
     ``src`` reaches still takes a backward call, as any other result does."""
     if src.requires_grad and torch.is_grad_enabled():
@@ -451,7 +453,7 @@ def _scatter(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
     if separate_index is not index:
         index_b = _broadcast_index(caller, separate_index, src, d)
     if src.numel() == 0:
-        result = out if out is not None else _joined_to(
+        result = out if out is not None else _attached_to_graph_of(
             src, _sized_like(src, d, size, 1 if r == "mul" else 0))
         arg = None
         if r in ("min", "max"):
@@ -657,7 +659,7 @@ def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
     segments = max(indptr.shape[-1] - 1, 0)
     one_pointer = all(size == 1 for size in indptr.shape[:-1])
     if src.numel() == 0 or segments == 0:
-        result = _joined_to(src, _sized_like(src, d, segments, 0))
+        result = _attached_to_graph_of(src, _sized_like(src, d, segments, 0))
         arg = (torch.full(result.shape, src.shape[d], dtype=torch.int64, device=src.device)
                if r in ("min", "max") else None)
         return _finish(out, result), arg
@@ -916,7 +918,7 @@ def gather_csr(src: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor | None
     shape = list(src.shape)
     shape[d] = length
     if src.numel() == 0 or length == 0:
-        return _finish(out, _joined_to(src, torch.zeros(shape, dtype=src.dtype,
+        return _finish(out, _attached_to_graph_of(src, torch.zeros(shape, dtype=src.dtype,
                                                          device=src.device)))
     # Which segment each output position copies; positions outside every segment copy row 0
     # and are then zeroed.
@@ -970,7 +972,7 @@ def gather_coo(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None 
     _check_index_values(caller, index, src.shape[d], f"src.size({d})")
     src, index = _apart_from(out, src), _apart_from(out, index)
     if src.numel() == 0 or index.numel() == 0:
-        return _finish(out, _joined_to(src, torch.zeros(shape, dtype=src.dtype,
+        return _finish(out, _attached_to_graph_of(src, torch.zeros(shape, dtype=src.dtype,
                                                          device=src.device)))
     like = torch.empty(shape, dtype=src.dtype, device="meta")
     index_b = _broadcast_index(caller, index.expand(tuple(shape[:d + 1])), like, d)

@@ -108,6 +108,6 @@ def test_eager_backward_of_the_weighted_unpermute_skips_its_operator(monkeypatch
         return y_leaf.grad, w_leaf.grad
 
     unpatched = gradients()
-    monkeypatch.setattr(moe, "call_weighted_backward_by_blocks", _refuse)
+    monkeypatch.setattr(moe, "call_weighted_gradients_in_blocks", _refuse)
     for got, expected in zip(gradients(), unpatched):
         assert torch.equal(got, expected)

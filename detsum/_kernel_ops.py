@@ -11,7 +11,7 @@ or ``("triton")``. Consumers and adapters call these (and the primitives), never
 run on a given number of threads (``cpu_threads``).
 
 - Running sums (``detsum.RunningSum``): ``resume_sum``, ``resume_outer_products``,
-  ``add_exact_outer_products``.
+  ``kahan_result``, ``add_exact_outer_products``.
 - The exact state (``detsum._limbs``): ``add_exact_terms``, ``normalise_limbs``,
   ``round_exact_state``.
 - MoE's weighted combination (``detsum.moe.unpermute``): ``weighted_token_sums``,
@@ -31,7 +31,7 @@ import torch
 
 from detsum import _limbs, _segments, _wire, reference
 from detsum.backend import current_backend
-from detsum.kernels import CHUNK_TERMS, KAHAN, WIDE
+from detsum.kernels import CHUNK_TERMS, EXACT_TARGETS, KAHAN, WIDE
 from detsum.modes import Mode, acc_dtype
 
 
@@ -83,6 +83,19 @@ def resume_sum(total: torch.Tensor, comp: torch.Tensor | None, rows: torch.Tenso
                      state3, state3, reduce="sum", rule=KAHAN if comp is not None else WIDE,
                      alpha=1.0, include_base=True,
                      carry3=None if comp is None else comp.view(1, 1, -1))
+
+
+def kahan_result(total: torch.Tensor, comp: torch.Tensor) -> torch.Tensor:
+    """The KAHAN rule's final step on the running sum ``total`` and its compensation ``comp``
+    as ``resume_sum`` leaves them (1-D, acc type, left unchanged): a new tensor holding
+    ``total + comp``, or ``total`` where ``total`` is not finite or ``comp == 0``. The torch
+    form of the kernels' own final step (``kernels/numba/common.py``'s ``kahan_result``), for
+    a state on any device; the addition is the backend's, through ``resume_sum``."""
+    compensated = total.clone()
+    resume_sum(compensated, None, comp.unsqueeze(0))
+    # A non-finite total's comp is NaN (inf - inf), which would turn an inf sum into NaN; a
+    # zero comp would turn a sum of -0.0 terms into +0.0: the total stands in both cases.
+    return torch.where(torch.isfinite(total) & (comp != 0), compensated, total)
 
 
 #: Products formed at once where a backend has no kernel that forms them itself (elements).
@@ -175,9 +188,9 @@ def round_exact_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.
     if _numba_runs(state, _EXACT_STATE):
         from detsum.kernels.numba import exact_state
 
-        precision, min_quantum = _limbs.ROUNDING_TARGETS[dtype]
+        precision, min_quantum, _, _ = EXACT_TARGETS[dtype]
         return exact_state.round_state(state, precision, min_quantum,
-                                       _limbs.UNIT_EXPONENT[acc_dtype], count).to(dtype)
+                                       EXACT_TARGETS[acc_dtype][2], count).to(dtype)
     return _limbs.round_state(state, acc_dtype, dtype, count)
 
 

@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from detsum.kernels import EXACT_TARGETS
 from detsum.modes import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
 
 COUNTERS = 4
 NAN, POS_INF, NEG_INF, NOT_NEG_ZERO = range(COUNTERS)
 _DIGIT = (1 << LIMB_BITS) - 1
-
-#: (precision, smallest quantum in units) of each dtype's rounding, and each acc type's unit.
-ROUNDING_TARGETS = {torch.bfloat16: (8, 16), torch.float16: (11, 125),
-                    torch.float32: (24, 0), torch.float64: (53, 0)}
-UNIT_EXPONENT = {torch.float32: -149, torch.float64: -1074}
 
 #: Terms decomposed per step: bounds the int64 temporaries (about 8 of this many elements).
 _STEP_ELEMENTS = 1 << 22
@@ -172,7 +168,7 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
         half_below = (fraction >> (LIMB_BITS - 1)) != 0
         sticky_below = (((fraction & ((1 << (LIMB_BITS - 1)) - 1)) != 0)
                         | ((remainder << LIMB_BITS) % count != 0))
-    precision, min_quantum = ROUNDING_TARGETS[dtype]
+    precision, min_quantum, _, _ = EXACT_TARGETS[dtype]
     nonzero = limbs != 0
     positions = torch.arange(n_limbs, device=limbs.device).unsqueeze(1).expand_as(limbs)
     top = torch.where(nonzero, positions, -1).amax(0)
@@ -193,7 +189,7 @@ def round_state(state: torch.Tensor, acc_dtype: torch.dtype, dtype: torch.dtype,
     sticky = torch.where(at_unit, sticky_below, half_below | sticky_below | own | under)
     round_up = half & (sticky | ((significand & 1) != 0))
     significand = significand + round_up.long()
-    magnitude = _scale(significand.double(), quantum + UNIT_EXPONENT[acc_dtype])
+    magnitude = _scale(significand.double(), quantum + EXACT_TARGETS[acc_dtype][2])
     value = torch.where(negative, -magnitude, magnitude)
     value = torch.where(counters[NOT_NEG_ZERO] == 0, -0.0, value)  # every term was -0.0
     value = torch.where(counters[NEG_INF] > 0, -torch.inf, value)

@@ -51,6 +51,8 @@ CHUNK_TERMS = kernels.CHUNK_TERMS
 LIMB_BITS = kernels.LIMB_BITS
 EXACT_LIMBS = kernels.EXACT_LIMBS
 MAX_TERMS_PER_STATE = kernels.MAX_TERMS_PER_STATE
+# The accumulator type of each data dtype, which every mode but "autograd" sums in:
+acc_dtype = kernels.acc_dtype
 
 
 def parse_mode(mode: object, *, caller: str) -> Mode:
@@ -72,11 +74,6 @@ def parse_ordered_mode(mode: object, *, caller: str, why_not_autograd: str) -> M
         raise ValueError(f"{caller}: mode='autograd' has no meaning {why_not_autograd}; "
                          f"use mode='fp32', 'kahan' or 'exact'")
     return mode
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulator type (docs/determinism.md): fp64 for fp64 data, fp32 for everything narrower."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rule_for(mode: Mode, reduce: str, device_type: str, slice_size: int) -> int:

@@ -40,6 +40,34 @@ RULE_NAMES = {WIDE: "wide", KAHAN: "kahan", ROUND_EACH: "round_each",
               CUDA_SMALL_STRIDE: "cuda_small_stride", CUDA_STRIDE_1: "cuda_stride_1",
               EXACT: "exact"}
 
+# Where each rule is written: once in the oracle (detsum/reference.py, on purpose a copy of its
+# own), once per backend, and the tests that hold the bits of each against the oracle.
+# - WIDE: reference.py::_wide; numba/segment.py::_make_rows (OP_ADD, with scatter.py and
+#   small.py's loops); triton/segment.py::_combine. Tests: test_kernels_numba.py::
+#   test_against_reference, test_triton.py::test_long_segments.
+# - KAHAN: reference.py::_neumaier and _kahan; numba/common.py::neumaier and kahan_result (the
+#   final step, for every Numba kernel); triton/segment.py::_combine and _finish; a running
+#   sum's final step on any device: detsum/_kernel_ops.py::kahan_result. Tests:
+#   test_reference.py::test_kahan_non_finite_and_signed_zero, test_kernels_numba.py::
+#   test_nonfinite, test_triton.py::test_index_add_inplace_and_special_values,
+#   test_running_sum.py::test_special_values.
+# - ROUND_EACH: reference.py::_round_each; numba/segment.py::_make_rows (OP_ADD_ROUND,
+#   OP_ADD_ROUND_SCALED); triton/segment.py::_combine. Tests: test_reference.py::
+#   test_torch_index_add_alpha1 (the oracle against torch), test_kernels_numba.py::
+#   test_round_each_is_torch_index_put, test_triton.py::test_index_add.
+# - CUDA_SMALL_STRIDE: reference.py::_cuda_small_stride; triton/segment.py::_combine and
+#   _finish (no Numba kernel). Tests: test_reference.py::test_cuda_small_stride_rounds_once,
+#   test_triton.py::test_cuda_autograd_rules_match_reference.
+# - CUDA_STRIDE_1: reference.py::_cuda_warp_tree; triton/segment.py::_stride1_kernel (no Numba
+#   kernel). Tests: test_reference.py::test_cuda_warp_tree_matches_literal_lane_simulation,
+#   test_triton.py::test_cuda_autograd_rules_match_reference.
+# - EXACT: reference.py::_exact and round_exact; numba/exact.py::segment_reduce_exact and
+#   numba/limbs.py::finish, rounding to EXACT_TARGETS (below), as detsum/_limbs.py::round_state
+#   and numba/exact_state.py::round_state do for a state; triton/segment.py::_exact_kernel.
+#   Tests: test_exact.py::test_segment_sum_is_correctly_rounded, test_exact_state.py::
+#   test_roundings_give_the_values_of_the_torch_operations, test_exact_triton.py::
+#   test_matches_oracle_and_numba.
+
 #: Rules whose canonical order splits a segment of more than CHUNK_TERMS terms into chunks.
 SPLIT_RULES = (WIDE, KAHAN)
 
@@ -52,6 +80,12 @@ SPLIT_RULES = (WIDE, KAHAN)
 #: every backend computes the same bits. Changing it changes results: it is part of the
 #: determinism contract (docs/determinism.md), never a tuning knob.
 CHUNK_TERMS = 256
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator type (docs/determinism.md): fp64 for fp64 data, fp32 for everything narrower."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 # EXACT STATE. A term is RN_acc(A(x) * A(alpha)) (A(x) when alpha == 1), a float of the acc
 # type, so it is an integer multiple of the acc type's smallest subnormal, the *unit* (2**-149
@@ -69,6 +103,17 @@ EXACT_LIMBS = {"fp32": 10, "fp64": 67}
 MAX_TERMS_PER_STATE = 2**30 - 1
 #: Kernels normalise a segment's limbs after this many terms, so one segment may be of any length.
 NORMALISE_EVERY = 2**20
+#: Each data dtype's rounding of an exact sum of N units: ``(precision, smallest quantum,
+#: unit exponent, limbs)``. The result keeps ``precision`` significant bits with a quantum of
+#: at least ``2**smallest quantum`` units (the dtype's smallest subnormal: 2**-133 is 2**16
+#: fp32 units for bf16, 2**-24 is 2**125 for fp16); the unit (``2**unit exponent``) and the
+#: limbs are those of the dtype's acc type, so an acc type's own row gives its unit too.
+EXACT_TARGETS = {
+    torch.float32: (24, 0, -149, EXACT_LIMBS["fp32"]),
+    torch.bfloat16: (8, 16, -149, EXACT_LIMBS["fp32"]),
+    torch.float16: (11, 125, -149, EXACT_LIMBS["fp32"]),
+    torch.float64: (53, 0, -1074, EXACT_LIMBS["fp64"]),
+}
 
 # Reductions.
 SUM = 0

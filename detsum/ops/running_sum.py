@@ -204,10 +204,7 @@ class RunningSum:
             self._fold_part(total, total_comp)
         if total_comp is None:
             return total
-        compensated = total.clone()
-        _kernel_ops.resume_sum(compensated, None, total_comp.unsqueeze(0))
-        # The kernels' final step: s + c only for a finite s and a nonzero c.
-        return torch.where(torch.isfinite(total) & (total_comp != 0), compensated, total)
+        return _kernel_ops.kahan_result(total, total_comp)
 
     def sum(self) -> torch.Tensor:
         """The sum of every row added, rounded once to dtype (zeros before any row)."""

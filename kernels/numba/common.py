@@ -1,6 +1,7 @@
-"""What the Numba kernels share: conversions to the acc type, Neumaier's step, a prefetch hint,
-the naming of a kernel per data format, flat NumPy views of tensors, and the threads of a
-launch (how many, how the work splits over them, and the settings put back afterwards).
+"""What the Numba kernels share: conversions to the acc type, Neumaier's step and the KAHAN
+rule's final step, a prefetch hint, the naming of a kernel per data format, flat NumPy views of
+tensors, and the threads of a launch (how many, how the work splits over them, and the
+settings put back afterwards).
 
 Kernels inline the ``@njit`` helpers here, so Numba's on-disk cache of a kernel does not see a
 change to them (it checks only the timestamp of the kernel's own file): after editing this
@@ -73,6 +74,17 @@ def neumaier(s, c, t):
     # Both sides are computed and one selected: the column loop stays branch-free.
     d = (s - u) + t if abs(s) >= abs(t) else (t - u) + s
     return u, c + d
+
+
+@njit(cache=True, inline="always")
+def kahan_result(s, c):
+    """The KAHAN rule's final step: ``s + c``, or ``s`` when ``s`` is not finite or ``c == 0``
+    (every kernel that finishes a sum under it takes this one).
+
+    A non-finite ``s`` is the answer as it is: its ``c`` is then NaN (inf - inf), which would
+    turn an inf sum into NaN, as a plain sum never does. A zero ``c`` is not added either:
+    ``-0.0 + (+0.0)`` would turn a sum of -0.0 terms into +0.0, unlike a plain sum."""
+    return s + c if np.isfinite(s) and c != 0 else s
 
 
 def _njit_named_for(fmt):

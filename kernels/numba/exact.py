@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from .. import EXACT_LIMBS, MEAN, NORMALISE_EVERY, has_exact_work
+from .. import EXACT_TARGETS, MEAN, NORMALISE_EVERY, has_exact_work
 from ..rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -65,21 +65,12 @@ __all__ = ["segment_reduce_exact"]
 # ---- one format's kernel ---------------------------------------------------------------------
 
 
-# Rounding targets: (precision, smallest quantum in units, unit exponent, limbs).
-_FP32_UNITS = (-149, EXACT_LIMBS["fp32"])
-_TARGETS = {
-    "f32": (24, 0) + _FP32_UNITS,
-    "bf16": (8, 16) + _FP32_UNITS,
-    "f16": (11, 125) + _FP32_UNITS,
-    "f64": (53, 0, -1074, EXACT_LIMBS["fp64"]),
-}
-
-
 @functools.cache  # one set per format: two would share their names
-def _make_exact_helpers(fmt, dec, enc, cvt, wide_data):
+def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
     """The helpers of the EXACT ``_block`` for data format ``fmt`` (see ``segment._make_rows``
-    for ``dec``, ``enc`` and ``cvt``, and for why they are compile-time constants)."""
-    precision, min_quantum, unit_exponent, n_limbs = _TARGETS[fmt]
+    for ``dec``, ``enc`` and ``cvt``, and for why they are compile-time constants), which
+    rounds to ``targets`` (its dtype's ``EXACT_TARGETS``)."""
+    precision, min_quantum, unit_exponent, n_limbs = targets
     narrow = fmt in ("bf16", "f16")
     term_into = f64_term if wide_data else f32_term
     format_njit = _njit_named_for(f"exact_{fmt}")
@@ -403,12 +394,12 @@ def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, b
     return DONE
 
 
-#: Per data format: its name, its conversions (see ``segment._make_rows``), its limbs.
+#: Per data format: its name and its conversions (see ``segment._make_rows``).
 _FORMATS = {
-    torch.float32: ("f32", _f32, _f32, _f32, EXACT_LIMBS["fp32"]),
-    torch.float64: ("f64", _f64, _f64, _f64, EXACT_LIMBS["fp64"]),
-    torch.bfloat16: ("bf16", bf16_bits_to_f32, f32_to_bf16_bits, _f32, EXACT_LIMBS["fp32"]),
-    torch.float16: ("f16", f16_bits_to_f32, f32_to_f16_bits, _f32, EXACT_LIMBS["fp32"]),
+    torch.float32: ("f32", _f32, _f32, _f32),
+    torch.float64: ("f64", _f64, _f64, _f64),
+    torch.bfloat16: ("bf16", bf16_bits_to_f32, f32_to_bf16_bits, _f32),
+    torch.float16: ("f16", f16_bits_to_f32, f32_to_f16_bits, _f32),
 }
 
 #: (dtype, is_mean, first_stage) -> the kernel, made on the first launch that needs it.
@@ -420,17 +411,19 @@ def kernel_for(dtype, is_mean, first_stage):
     the second (see ``_block``), launched over thread blocks (``instances.Blocks``)."""
     kernel = _KERNELS.get((dtype, is_mean, first_stage))
     if kernel is None:
-        fmt, dec, enc, cvt, _ = _FORMATS[dtype]
+        fmt, dec, enc, cvt = _FORMATS[dtype]
+        precision = EXACT_TARGETS[dtype][0]
         wide_data = fmt == "f64"  # terms are fp64: no fast path (an fp64 sum is rarely exact)
         (final_rounding, tile_pass, column_pass, column, exact_value_of_sum,
-         rounded_quotient) = _make_exact_helpers(fmt, dec, enc, cvt, wide_data)
+         rounded_quotient) = _make_exact_helpers(fmt, dec, enc, cvt, wide_data,
+                                                 EXACT_TARGETS[dtype])
         block = instance(
             _block, f"{fmt}_{'mean' if is_mean else 'sum'}_{'first' if first_stage else 'second'}",
             is_mean=is_mean, first_stage=first_stage, enc=enc, cvt=cvt, wide_data=wide_data,
             # Significant bits of a data element: the terms have that many when alpha == 1.
-            data_bits={"f32": 24, "bf16": 8, "f16": 11, "f64": 53}[fmt],
+            data_bits=precision,
             # Counts whose means rounded_quotient takes (see there): 2**(53 - precision).
-            quotient_divisors=2.0 ** (53 - _TARGETS[fmt][0]),
+            quotient_divisors=2.0 ** (53 - precision),
             final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
             column=column,
             exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)
@@ -447,7 +440,8 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     positions = order.shape[0] if order is not None else src.shape[1]
-    fmt, _, _, _, n_limbs = _FORMATS[src.dtype]
+    fmt = _FORMATS[src.dtype][0]
+    n_limbs = EXACT_TARGETS[src.dtype][3]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)
     offsets_np, (fst,) = _flat(offsets)

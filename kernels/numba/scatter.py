@@ -49,7 +49,8 @@ from ..rounding import (
     round_f32_to_f16,
 )
 from . import parallel_njit
-from .common import _f32, _f64, _flat, _njit_named_for, launch_threads, neumaier, threads
+from .common import (_f32, _f64, _flat, _njit_named_for, kahan_result, launch_threads, neumaier,
+                     threads)
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 from .variants import (OP_ADD, OP_ADD_ROUND, OP_KAHAN, OP_MAX, OP_MIN, OP_MUL, OP_NAMES,
                        variant_for, variant_name)
@@ -251,10 +252,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
                     fold(acc, comp, part, pcomp, e)  # the last, shorter chunk
                 v = acc[e]
                 if op == OP_KAHAN:
-                    # As segment_reduce: the compensation joins a finite sum, and only when
-                    # nonzero (a sum of -0.0 terms stays -0.0).
-                    cj = comp[e]
-                    v = v + cj if np.isfinite(v) and cj != 0 else v
+                    v = kahan_result(v, comp[e])
                 if mean:
                     divisor = cvt(c + (1 if use_base else 0))
                     v = rnd(v) / divisor if mean_round else v / divisor

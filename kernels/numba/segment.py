@@ -126,6 +126,7 @@ from .common import (
     _flat,
     _njit_named_for,
     _prefetch,
+    kahan_result,
     launch_threads,
     neumaier,
     threads,
@@ -353,13 +354,8 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
                 for j in range(w):
                     carry[cstart + j * cs[2]] = comp[j]
             elif op == OP_KAHAN:
-                # inf/nan in s propagate as in a plain sum: the compensation (possibly the nan of
-                # inf - inf) is only added to a finite s. A zero compensation is not added either:
-                # -0.0 + (+0.0) would turn a sum of -0.0 terms into +0.0, unlike a plain sum.
                 for j in range(w):
-                    sj = acc[j]
-                    cj = comp[j]
-                    acc[j] = sj + cj if np.isfinite(sj) and cj != 0 else sj
+                    acc[j] = kahan_result(acc[j], comp[j])
             if mean:
                 count = cvt((p1 - p0) + (1 if use_base else 0))
                 if mean_round:

@@ -35,7 +35,7 @@ from ..rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
-from .common import _f32, _f64, neumaier
+from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
 __all__ = ["index_add_small", "fits"]
@@ -103,8 +103,7 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
                     acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j], dec(src[o, i, j]) * a)
             for s in range(rows):
                 for j in range(inner):
-                    x, c = acc[s, j], comp[s, j]
-                    out[o, s, j] = enc(x + c if np.isfinite(x) and c != 0 else x)
+                    out[o, s, j] = enc(kahan_result(acc[s, j], comp[s, j]))
             continue
         if rule == ROUND_EACH and alpha == 1.0:
             for i in range(n):

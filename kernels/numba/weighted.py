@@ -25,7 +25,7 @@ from numba import prange
 
 from .. import CHUNK_TERMS, KAHAN, WIDE
 from ..rounding import bf16_bits_to_f32, f16_bits_to_f32
-from .common import _f32, _f64, _flat, launch_threads, neumaier, threads
+from .common import _f32, _f64, _flat, kahan_result, launch_threads, neumaier, threads
 from .instances import instance
 
 __all__ = ["gather_scale_sum", "row_dots"]
@@ -53,10 +53,7 @@ def _forward(out, y, positions, weights, tokens, topk, cols):
                 for h in range(cols):
                     row[h], comp[h] = neumaier(row[h], comp[h], dec(src[h]) * w)
             for h in range(cols):
-                s = row[h]
-                c = comp[h]
-                # The kernels' final step: a NaN or inf sum, or a zero compensation, stays.
-                row[h] = s + c if np.isfinite(s) and c != 0 else s
+                row[h] = kahan_result(row[h], comp[h])
         else:
             for j in range(topk):
                 p = positions[t * topk + j]
@@ -95,8 +92,8 @@ def _dots(out, grad, tokens, y, rows, cols):
                     part += g[h] * dec(r[h])
                 s = s + part
             start = end
-        if kahan and np.isfinite(s) and c != 0:
-            s = s + c
+        if kahan:
+            s = kahan_result(s, c)
         out[p] = s
 
 

@@ -430,7 +430,6 @@ def _exact_kernel(
                              mask=need | seeded)
 
 
-
 # ---- launcher ----------------------------------------------------------------------------------
 
 # Each launch after a specialisation's first calls its compiled kernel directly (see launch.py).

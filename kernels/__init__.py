@@ -43,27 +43,28 @@ RULE_NAMES = {WIDE: "wide", KAHAN: "kahan", ROUND_EACH: "round_each",
 # Where each rule is written: once in the oracle (detsum/reference.py, on purpose a copy of its
 # own), once per backend, and the tests that hold the bits of each against the oracle.
 # - WIDE: reference.py::_wide; numba/segment.py::_make_rows (OP_ADD, with scatter.py and
-#   small.py's loops); triton/segment.py::_combine. Tests: test_kernels_numba.py::
+#   small.py's loops); triton/common.py::_combine. Tests: test_kernels_numba.py::
 #   test_against_reference, test_triton.py::test_long_segments.
 # - KAHAN: reference.py::_neumaier and _kahan; numba/common.py::neumaier and kahan_result (the
-#   final step, for every Numba kernel); triton/segment.py::_combine and _finish; a running
+#   final step, for every Numba kernel); triton/common.py::_combine and _finish; a running
 #   sum's final step on any device: detsum/_kernel_ops.py::kahan_result. Tests:
 #   test_reference.py::test_kahan_non_finite_and_signed_zero, test_kernels_numba.py::
 #   test_nonfinite, test_triton.py::test_index_add_inplace_and_special_values,
 #   test_running_sum.py::test_special_values.
 # - ROUND_EACH: reference.py::_round_each; numba/segment.py::_make_rows (OP_ADD_ROUND,
-#   OP_ADD_ROUND_SCALED); triton/segment.py::_combine. Tests: test_reference.py::
+#   OP_ADD_ROUND_SCALED); triton/common.py::_combine. Tests: test_reference.py::
 #   test_torch_index_add_alpha1 (the oracle against torch), test_kernels_numba.py::
 #   test_round_each_is_torch_index_put, test_triton.py::test_index_add.
-# - CUDA_SMALL_STRIDE: reference.py::_cuda_small_stride; triton/segment.py::_combine and
+# - CUDA_SMALL_STRIDE: reference.py::_cuda_small_stride; triton/common.py::_combine and
 #   _finish (no Numba kernel). Tests: test_reference.py::test_cuda_small_stride_rounds_once,
 #   test_triton.py::test_cuda_autograd_rules_match_reference.
-# - CUDA_STRIDE_1: reference.py::_cuda_warp_tree; triton/segment.py::_stride1_kernel (no Numba
+# - CUDA_STRIDE_1: reference.py::_cuda_warp_tree; triton/stride1.py::_stride1_kernel (no Numba
 #   kernel). Tests: test_reference.py::test_cuda_warp_tree_matches_literal_lane_simulation,
 #   test_triton.py::test_cuda_autograd_rules_match_reference.
 # - EXACT: reference.py::_exact and round_exact; numba/exact.py::segment_reduce_exact and
 #   numba/limbs.py::finish, rounding to EXACT_TARGETS (below), as detsum/_limbs.py::round_state
-#   and numba/exact_state.py::round_state do for a state; triton/segment.py::_exact_kernel.
+#   and numba/exact_state.py::round_state do for a state; triton/exact.py::_exact_kernel (with
+#   the same EXACT_TARGETS).
 #   Tests: test_exact.py::test_segment_sum_is_correctly_rounded, test_exact_state.py::
 #   test_roundings_give_the_values_of_the_torch_operations, test_exact_triton.py::
 #   test_matches_oracle_and_numba.

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from detsum import kernels
-from detsum.kernels.triton import moe, segment
+from detsum.kernels.triton import common, exact, moe, segment, stride1
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -61,8 +61,8 @@ def _exact_types(data: str, acc: str) -> dict:
 
 
 def _exact_config(reduce, dtype, scaled, block):
-    precision, min_quantum, unit_exponent, n_limbs = segment._EXACT_TARGETS[dtype]
-    return dict(REDUCE=reduce, DATA=segment._DATA_CODES[dtype], ACC=segment._tl_acc(dtype),
+    precision, min_quantum, unit_exponent, n_limbs = exact._EXACT_TARGETS[dtype]
+    return dict(REDUCE=reduce, DATA=common._DATA_CODES[dtype], ACC=common._tl_acc(dtype),
                 HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, SCALED=scaled, HEADROOM=2.0**28,
                 PRECISION=precision, MIN_QUANTUM=min_quantum, UNIT_EXPONENT=unit_exponent,
                 N_LIMBS=n_limbs, LANES=triton.next_power_of_2(n_limbs + 1),
@@ -226,16 +226,16 @@ def main() -> dict:
                          offsets_ptr="*i64", alpha_ptr="*fp32",
                          **{n: "i64" for n in ("ss0", "ss1", "bs0", "bs1", "os0", "os1",
                                                "outer")})
-    stride1 = dict(DATA=1, ACC=tl.float32, HAS_ORDER=True, HAS_BASE=True, USE_BASE=True,
-                   SCALED=True)
-    found["bf16 stride1 alpha"] = _count(_ptx(segment._stride1_kernel, stride1_types, stride1,
-                                              fp_fusion=False))
+    stride1_config = dict(DATA=1, ACC=tl.float32, HAS_ORDER=True, HAS_BASE=True,
+                          USE_BASE=True, SCALED=True)
+    found["bf16 stride1 alpha"] = _count(_ptx(stride1._stride1_kernel, stride1_types,
+                                              stride1_config, fp_fusion=False))
     # EXACT: the fp64 fast path (bf16 data) and the limbs (fp64 data, a mean: integer division).
     found["bf16 sum exact alpha"] = _count(_ptx(
-        segment._exact_kernel, _exact_types("i16", "fp32"),
+        exact._exact_kernel, _exact_types("i16", "fp32"),
         _exact_config(kernels.SUM, torch.bfloat16, True, 256), fp_fusion=False))
     found["fp64 mean exact"] = _count(_ptx(
-        segment._exact_kernel, _exact_types("fp64", "fp64"),
+        exact._exact_kernel, _exact_types("fp64", "fp64"),
         _exact_config(kernels.MEAN, torch.float64, False, 32), fp_fusion=False))
     # MoE's weighted sum and its gradients: bf16 rows, fp32 weights (and grad), compensated.
     found["moe bf16 weighted sum kahan"] = _count(_ptx(

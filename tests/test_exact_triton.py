@@ -241,7 +241,7 @@ def test_transposed_output_and_several_column_blocks(dtype, monkeypatch):
     """A transposed src and out, columns spread over several blocks (the fast path passes in
     some blocks and not in others), programs looping over blocks and outer indices, and the
     limbs carried every 3 terms: none of it changes a bit."""
-    from detsum.kernels.triton import segment
+    from detsum.kernels.triton import exact
 
     kinds = ("tame",) * 17 + ("wide", "tame", "cancel") + ("tame",) * 12 + ("special",)
     src, order, offsets, base = make_case(dtype, seed=seed_of("exact-blocks", dtype),
@@ -249,9 +249,9 @@ def test_transposed_output_and_several_column_blocks(dtype, monkeypatch):
                                           sizes=(7, 0, 3), kinds=kinds)
     src = src.transpose(0, 2).contiguous().transpose(0, 2)
     out = torch.full((len(kinds), 3, 2), NAN, dtype=dtype).transpose(0, 2)
-    monkeypatch.setattr(segment, "_ROW_BYTES", 16 * src.element_size())
-    monkeypatch.setattr(segment, "_MAX_GRID_YZ", 1)
-    monkeypatch.setattr(segment, "_NORMALISE_EVERY", 3)
+    monkeypatch.setattr(exact, "_ROW_BYTES", 16 * src.element_size())
+    monkeypatch.setattr(exact, "_MAX_GRID_YZ", 1)
+    monkeypatch.setattr(exact, "_NORMALISE_EVERY", 3)
     for reduce in (SUM, MEAN):
         args = dict(reduce=reduce, alpha=1.0, include_base=True)
         got = launch("triton", src, order, offsets, base, out=out.clone(), **args)

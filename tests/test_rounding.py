@@ -1,4 +1,4 @@
-"""detsum.kernels.rounding against torch's own CPU conversions, bit for bit.
+"""detsum.kernels.numba.rounding against torch's own CPU conversions, bit for bit.
 
 torch's CPU ``.to(torch.bfloat16)`` / ``.to(torch.float16)`` round to nearest even, which is
 what the contract calls RN. Upcasts are checked on all 65536 patterns; downcasts on millions of
@@ -12,8 +12,8 @@ import pytest
 import torch
 from numba import njit
 
-from detsum.kernels import rounding
-from detsum.kernels.rounding import (
+from detsum.kernels.numba import rounding
+from detsum.kernels.numba.rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
     f32_to_bf16_bits,

@@ -46,7 +46,7 @@ import torch
 from numba import njit, prange
 
 from .. import EXACT_TARGETS, MEAN, NORMALISE_EVERY, has_exact_work
-from ..rounding import (
+from .rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
     f32_as_u32,

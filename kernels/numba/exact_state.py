@@ -23,7 +23,7 @@ import torch
 from numba import njit, prange
 
 from .. import NORMALISE_EVERY
-from ..rounding import f32_as_u32, f64_as_u64
+from .rounding import f32_as_u32, f64_as_u64
 from . import parallel_njit
 from .common import launch_threads, threads
 from .instances import instance

@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from .. import LIMB_BITS
-from ..rounding import f32_as_u32, f64_as_u64
+from .rounding import f32_as_u32, f64_as_u64
 
 DIGIT_MASK = (1 << LIMB_BITS) - 1
 

@@ -29,7 +29,7 @@ import torch
 from numba import prange
 
 from .. import KAHAN, WIDE
-from ..rounding import bf16_bits_to_f32, f16_bits_to_f32, round_f32_to_bf16, round_f32_to_f16
+from .rounding import bf16_bits_to_f32, f16_bits_to_f32, round_f32_to_bf16, round_f32_to_f16
 from .common import _f32, _f64, _flat, launch_threads, neumaier, threads
 from .instances import instance
 

@@ -40,7 +40,7 @@ import torch
 from numba import prange
 
 from .. import CHUNK_TERMS, KAHAN, MEAN, ROUND_EACH, SUM, WIDE
-from ..rounding import (
+from .rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
     f32_to_bf16_bits,

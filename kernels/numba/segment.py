@@ -87,7 +87,7 @@ IMPLEMENTATION NOTES (this backend):
   element plus its strides, so one compiled specialisation serves every layout
   (transposed, sliced, expanded). Rows with unit column stride are read in place; others are
   gathered into a scratch row first. bf16 and fp16 travel as uint16 bit patterns (torch
-  ``view(int16)``) and are converted by ``detsum.kernels.rounding``.
+  ``view(int16)``) and are converted by ``detsum.kernels.numba.rounding``.
 
 - Speed: the terms of a segment are rows scattered over ``src`` (``order`` is a permutation),
   so the kernel prefetches the start of the rows it will read a few rows ahead; the loops
@@ -108,7 +108,7 @@ import torch
 from numba import prange
 
 from .. import CHUNK_TERMS, EXACT, KAHAN, ROUND_EACH, WIDE, has_work
-from ..rounding import (
+from .rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
     f32_to_bf16_bits,

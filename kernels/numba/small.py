@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import CHUNK_TERMS, KAHAN, ROUND_EACH, RULE_NAMES, WIDE
-from ..rounding import (
+from .rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
     f32_to_bf16_bits,

@@ -24,7 +24,7 @@ import torch
 from numba import prange
 
 from .. import CHUNK_TERMS, KAHAN, WIDE
-from ..rounding import bf16_bits_to_f32, f16_bits_to_f32
+from .rounding import bf16_bits_to_f32, f16_bits_to_f32
 from .common import _f32, _f64, _flat, kahan_result, launch_threads, neumaier, threads
 from .instances import instance
 

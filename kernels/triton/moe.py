@@ -19,9 +19,9 @@ rows with its gradients, each in one launch.
   stored at ``j`` (``BY_SLOT``: the slots are a permutation, so each is written once) or at
   ``p``.
 
-The arithmetic is ``segment.py``'s (``_combine``, ``_fold``, ``_finish``): the same steps, in
-the same order, with FMA contraction off (``launch.Kernel``), so the bits are those of the
-segment kernel summing the formed products.
+The arithmetic is the segment kernel's (``_combine``, ``_fold``, ``_finish`` of ``common.py``):
+the same steps, in the same order, with FMA contraction off (``launch.Kernel``), so the bits
+are those of the segment kernel summing the formed products.
 
 Work split: route, one lane per sorted row (and per token offset, per expert); the forward,
 a program per token and block of features; the backward, a lane per row, the features one
@@ -41,7 +41,7 @@ import triton.language as tl
 
 from .. import CHUNK_TERMS, SUM
 from .launch import Kernel
-from .segment import (
+from .common import (
     _DATA_CODES,
     _as_stored,
     _combine,

@@ -1,0 +1,482 @@
+"""The Triton kernel of the EXACT rule: correctly rounded sums and means, in no order at all.
+
+``segment_reduce_exact`` takes the arguments of ``segment.segment_reduce`` (read the contract
+there) for ``rule == EXACT`` and ``reduce`` SUM or MEAN, with offsets, and no carry;
+``segment.segment_reduce`` hands it such launches. Its results are the ones
+``detsum.kernels.numba.exact`` defines, bit for bit.
+
+IMPLEMENTATION NOTES (this backend; ``common.py`` has those every kernel here shares):
+
+- EXACT (``_exact_kernel``): one program per segment and column block, as the rules that
+  never split. bf16, fp16 and fp32 data first take a fast path: the terms summed in fp64 while
+  the largest and smallest nonzero magnitude of each column are kept; a column whose spread
+  fp64 provably holds (see ``_exact_fast_pass``) has its exact sum there, rounded once (through
+  a round-to-odd fp32 for bf16 and fp16). The other columns, all fp64 data, and every mean
+  (whose fast-path sum is put in the limbs, to be divided there) go through the integer state
+  of ``detsum.kernels`` (EXACT STATE), only in blocks that have such columns: a [columns,
+  limbs] int64 tensor to which each term adds its digits, carried, divided by the count (into
+  one more digit, below the unit, so that a mean whose quantum is one unit, an fp32 or fp64
+  subnormal, is rounded rather than truncated) and rounded from the integer. Either way the
+  bits are the correctly rounded result, so which path ran never shows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import EXACT_TARGETS, NORMALISE_EVERY, has_exact_work
+from .common import (
+    _DATA_CODES,
+    _MAX_GRID_YZ,
+    _MEAN,
+    _NATIVE,
+    _ROW_BYTES,
+    _SUM,
+    _acc_dtype,
+    _as_stored,
+    _cdiv,
+    _next_power_of_2,
+    _tl_acc,
+    _to_acc,
+    _to_data,
+)
+from .launch import Kernel
+
+__all__ = ["segment_reduce_exact"]
+
+
+# ---- the EXACT rule ----------------------------------------------------------------------------
+# The state is the one detsum.kernels describes (EXACT STATE): per column, an integer count of
+# units in int64 limbs of LIMB_BITS = 32 bits. Here the limbs of a column block are one
+# [BLOCK, LANES] tensor, lane i holding limb i; a term is added to the lanes it spans by
+# one-hot selects, and the carries, the long division and the rounding walk the lanes with
+# masked row sums. Shift amounts are clamped below 64 wherever a select discards the result,
+# since a shift by 64 or more is undefined on the GPU.
+
+_SIGN_BIT = tl.constexpr(-(2**63))  # the int64 with only the top bit set
+_F64_INF_BITS = tl.constexpr(0x7FF0000000000000)
+_F64_NAN_BITS = tl.constexpr(0x7FF8000000000000)
+_F32_INF_BITS = tl.constexpr(0x7F800000)
+_NO_MAGNITUDE = tl.constexpr(0x7FFFFFFF)  # above every finite fp32 magnitude's bits
+# The biased exponent at which an fp64's last significand bit is worth one fp32 unit, 2**-149.
+_F64_EXPONENT_OF_FP32_UNIT = tl.constexpr(1023 + 52 - 149)
+
+
+@triton.jit
+def _float_fields(x, ACC: tl.constexpr):
+    """Sign (int1), biased exponent and stored fraction (int64) of the fp32 or fp64 x."""
+    if ACC == tl.float64:
+        bits = x.to(tl.int64, bitcast=True)
+        return bits < 0, (bits >> 52) & 0x7FF, bits & 0xFFFFFFFFFFFFF
+    else:
+        bits = x.to(tl.int32, bitcast=True)
+        return bits < 0, ((bits >> 23) & 0xFF).to(tl.int64), (bits & 0x7FFFFF).to(tl.int64)
+
+
+@triton.jit
+def _lane(limbs, lanes, i):
+    """Limb ``i`` (a constant, or one per column as a [BLOCK, 1] tensor) of every column."""
+    return tl.sum(tl.where(lanes == i, limbs, 0), axis=1)
+
+
+@triton.jit
+def _deposit(limbs, lanes, significand, shift, negative, WIDE: tl.constexpr):
+    """limbs += -+ significand * 2**shift units, cut into digits at the limb boundaries.
+
+    significand < 2**53 (WIDE) or < 2**24, shift >= 0. Each digit is below 2**33, so the state
+    takes MAX_TERMS_PER_STATE of these before a limb could overflow; nothing carries here."""
+    k = (shift >> 5)[:, None]
+    r = shift & 31
+    low = (significand & 0xFFFFFFFF) << r
+    d0 = low & 0xFFFFFFFF
+    d1 = low >> 32
+    if WIDE:
+        high = (significand >> 32) << r
+        d1 = d1 + (high & 0xFFFFFFFF)
+        d2 = high >> 32
+    d0 = tl.where(negative, -d0, d0)
+    d1 = tl.where(negative, -d1, d1)
+    limbs = limbs + tl.where(lanes == k, d0[:, None], 0) + tl.where(lanes == k + 1, d1[:, None], 0)
+    if WIDE:
+        d2 = tl.where(negative, -d2, d2)
+        limbs = limbs + tl.where(lanes == k + 2, d2[:, None], 0)
+    return limbs
+
+
+@triton.jit
+def _deposit_term(limbs, lanes, t, take, nan, pinf, ninf, not_neg_zero, ACC: tl.constexpr):
+    """Add the term ``t`` (the acc type: its units are the acc type's smallest subnormal) to the
+    columns in ``take``; record NaN, +inf, -inf and anything but -0.0 in the flags instead."""
+    negative, exponent, fraction = _float_fields(t, ACC)
+    if ACC == tl.float64:
+        special = exponent == 0x7FF
+        hidden = fraction | (1 << 52)
+    else:
+        special = exponent == 0xFF
+        hidden = fraction | (1 << 23)
+    nan = nan | (take & special & (fraction != 0))
+    pinf = pinf | (take & special & (fraction == 0) & (negative == 0))
+    ninf = ninf | (take & special & (fraction == 0) & negative)
+    not_neg_zero = not_neg_zero | (take & ((negative == 0) | (exponent != 0) | (fraction != 0)))
+    # A subnormal counts fraction units; a normal one (fraction + hidden bit) << (exponent - 1).
+    significand = tl.where(exponent == 0, fraction, hidden)
+    significand = tl.where(take & (special == 0), significand, 0)
+    shift = tl.maximum(exponent - 1, 0)
+    limbs = _deposit(limbs, lanes, significand, shift, negative, ACC == tl.float64)
+    return limbs, nan, pinf, ninf, not_neg_zero
+
+
+@triton.jit
+def _normalise(limbs, lanes, N_LIMBS: tl.constexpr):
+    """Carry every limb but the last into [0, 2**32) (the value is unchanged)."""
+    # A loop, not tl.static_range: unrolled 66 times (fp64) it takes minutes to compile. The
+    # limb is read inline: a call to _lane costs the interpreter more than the work.
+    for i in range(N_LIMBS - 1):
+        v = tl.sum(tl.where(lanes == i, limbs, 0), axis=1)
+        carry = v >> 32  # arithmetic: floor(v / 2**32)
+        limbs = tl.where(lanes == i, (v & 0xFFFFFFFF)[:, None],
+                         tl.where(lanes == i + 1, limbs + carry[:, None], limbs))
+    return limbs
+
+
+@triton.jit
+def _negate(limbs, lanes, N_LIMBS: tl.constexpr):
+    """-N for a normalised N, normalised, with no carry chain: complementing the digits gives
+    -N - 1 exactly (digit d becomes 2**32 - 1 - d, the top limb t becomes -1 - t), and adding
+    1 to that clears its lowest run of all-ones digits and increments the digit above them."""
+    low = lanes < N_LIMBS - 1
+    complement = tl.where(low, 0xFFFFFFFF - limbs, tl.where(lanes == N_LIMBS - 1, -1 - limbs, 0))
+    first = tl.min(tl.where(low & (complement != 0xFFFFFFFF), lanes, N_LIMBS - 1), axis=1)
+    return tl.where(lanes < first[:, None], 0,
+                    tl.where(lanes == first[:, None], complement + 1, complement))
+
+
+@triton.jit
+def _bits(limbs, lanes, start, count):
+    """Bits [start, start + count) of the normalised nonnegative integer (0 <= count <= 62).
+
+    Each limb's share is cut out and moved to where it lands; the shares are disjoint, so
+    their sum is the field."""
+    offset = lanes * 32 - start[:, None]  # where a limb's bit 0 lands, counted from start
+    width = count[:, None]
+    below = limbs >> tl.minimum(tl.maximum(-offset, 0), 63)  # a limb that starts under start
+    keep = tl.minimum(tl.maximum(width - offset, 0), 62)
+    above = (limbs & ((tl.full([], 1, tl.int64) << keep) - 1)) << tl.minimum(
+        tl.maximum(offset, 0), 62)
+    share = tl.where(offset < 0, below, tl.where(offset < width, above, 0))
+    return tl.sum(share, axis=1) & ((tl.full([], 1, tl.int64) << count) - 1)
+
+
+@triton.jit
+def _any_below(limbs, lanes, position):
+    """Whether the normalised nonnegative integer has a set bit below ``position`` (>= -1)."""
+    width = position[:, None] - lanes * 32  # how many of a limb's bits lie below position
+    cut = limbs & ((tl.full([], 1, tl.int64) << tl.minimum(tl.maximum(width, 0), 62)) - 1)
+    return tl.max(tl.where(width >= 32, limbs, cut), axis=1) > 0
+
+
+@triton.jit
+def _bit_length(v):
+    """The number of bits of 0 <= v < 2**53: the exponent of its (exact) fp64 conversion."""
+    exponent = (v.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1022
+    return tl.where(v > 0, exponent, 0)
+
+
+@triton.jit
+def _round_units(limbs, lanes, sticky, PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr,
+                 UNIT_EXPONENT: tl.constexpr):
+    """RN of N * 2**UNIT_EXPONENT to PRECISION bits with a quantum of at least 2**MIN_QUANTUM
+    units, as the bits of an fp64 (exact, or inf past fp64's range).
+
+    ``limbs``: N, normalised and nonnegative. ``sticky``: N stands for a value a little above
+    it (a division's nonzero remainder), which breaks a tie upward."""
+    top = tl.max(tl.where(limbs != 0, lanes, -1), axis=1)
+    top_bits = _bit_length(_lane(limbs, lanes, top[:, None]))
+    length = tl.where(top >= 0, top * 32 + top_bits, 0)
+    quantum = tl.maximum(length - PRECISION, MIN_QUANTUM)
+    significand = _bits(limbs, lanes, quantum, tl.maximum(length - quantum, 0))
+    half_at = tl.maximum(quantum - 1, 0)
+    half = (quantum > 0) & (half_at < length) & (
+        _bits(limbs, lanes, half_at, tl.zeros_like(half_at) + 1) != 0)
+    odd = (significand & 1) != 0
+    significand += (half & (sticky | odd | _any_below(limbs, lanes, quantum - 1))).to(tl.int64)
+    # significand * 2**exponent, with 2**exponent built from its bits (normal or subnormal);
+    # a product past fp64's range is inf, set here rather than overflowing a multiply.
+    exponent = quantum + UNIT_EXPONENT
+    overflow = exponent + _bit_length(significand) > 1024
+    exponent = tl.where(overflow, 0, tl.minimum(exponent, 1023))
+    normal = ((tl.maximum(exponent, -1022) + 1023) << 52).to(tl.float64, bitcast=True)
+    subnormal = (tl.full([], 1, tl.int64) << tl.minimum(tl.maximum(exponent + 1074, 0), 51)).to(
+        tl.float64, bitcast=True)
+    scale = tl.where(exponent >= -1022, normal, subnormal)
+    magnitude = significand.to(tl.float64) * scale
+    return tl.where(overflow, _F64_INF_BITS, magnitude.to(tl.int64, bitcast=True))
+
+
+@triton.jit
+def _exact_value(limbs, lanes, count, nan, pinf, ninf, not_neg_zero, REDUCE: tl.constexpr,
+                 PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr,
+                 UNIT_EXPONENT: tl.constexpr, N_LIMBS: tl.constexpr):
+    """The rounded sum (or mean over ``count``) of each column's limbs and flags, as fp64."""
+    limbs = _normalise(limbs, lanes, N_LIMBS)
+    negative = _lane(limbs, lanes, N_LIMBS - 1) < 0
+    limbs = tl.where(negative[:, None], _negate(limbs, lanes, N_LIMBS), limbs)
+    if REDUCE == _MEAN:
+        # Long division by the count, top limb first (remainder < count <= 2**30, so every
+        # partial dividend fits in int64). Quotient digit i goes one lane up, to lane i + 1, and
+        # one more step divides the remainder into a 32-bit fraction digit in lane 0: the
+        # quotient is then counted in units of 2**-32 units, so that its rounding bit exists
+        # even where the result's quantum is one unit (fp32 and fp64 subnormals).
+        remainder = tl.zeros_like(negative.to(tl.int64))
+        for k in range(N_LIMBS):
+            i = N_LIMBS - 1 - k
+            partial = (remainder << 32) | tl.sum(tl.where(lanes == i, limbs, 0), axis=1)
+            digit = partial // count
+            remainder = partial - digit * count
+            limbs = tl.where(lanes == i + 1, digit[:, None], limbs)
+        partial = remainder << 32
+        digit = partial // count
+        remainder = partial - digit * count
+        limbs = tl.where(lanes == 0, digit[:, None], limbs)
+        magnitude = _round_units(limbs, lanes, remainder != 0, PRECISION, MIN_QUANTUM + 32,
+                                 UNIT_EXPONENT - 32)
+    else:
+        magnitude = _round_units(limbs, lanes, negative != negative, PRECISION, MIN_QUANTUM,
+                                 UNIT_EXPONENT)
+    # A nonzero value that rounds to zero keeps its sign; an exact zero is +0.0 unless every
+    # term was -0.0.
+    bits = magnitude | tl.where(negative, _SIGN_BIT, 0)
+    bits = tl.where(not_neg_zero, bits, _SIGN_BIT)
+    bits = tl.where(pinf, _F64_INF_BITS, bits)
+    bits = tl.where(ninf, _F64_INF_BITS | _SIGN_BIT, bits)
+    bits = tl.where(nan | (pinf & ninf), _F64_NAN_BITS, bits)
+    return bits.to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def _f32_to_odd(s):
+    """RO_fp32 of the fp64 ``s``: RN, then, where that was inexact and landed on an even
+    significand, its odd neighbour on the side of ``s``. Rounding the result to nearest at 8 or
+    11 bits (bf16, fp16, both with at least two bits fewer than fp32, subnormals included)
+    equals rounding ``s`` once."""
+    f = s.to(tl.float32)
+    bits = f.to(tl.int32, bitcast=True)  # sign and magnitude: +1 steps away from zero
+    back = f.to(tl.float64)
+    step = tl.where(tl.abs(s) > tl.abs(back), 1, -1)
+    fix = (back != s) & ((bits & _F32_INF_BITS) != _F32_INF_BITS) & ((bits & 1) == 0)
+    return tl.where(fix, bits + step, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exact_term(row_base, order_ptr, p, ss1, ss2, cols, mask, alpha, DATA: tl.constexpr,
+                ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr):
+    """The term at position ``p``: RN_acc(A(x) * A(alpha)), or A(x) without a scale."""
+    row = p
+    if HAS_ORDER:
+        row = tl.load(order_ptr + p)
+    t = _to_acc(tl.load(row_base + row * ss1 + cols * ss2, mask=mask, other=0), DATA, ACC)
+    if SCALED:
+        t = t * alpha
+    return t
+
+
+@triton.jit
+def _exact_fast_pass(row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1, count, alpha,
+                     DATA: tl.constexpr, HAS_ORDER: tl.constexpr, USE_BASE: tl.constexpr,
+                     SCALED: tl.constexpr, HEADROOM: tl.constexpr):
+    """The fp32 terms (and init) summed in fp64, and per column whether that sum is exact.
+
+    It is when fp64's 53 bits cover the column's spread: every term is a multiple of the ulp of
+    the smallest nonzero magnitude, which is at least smallest * 2**-term_bits; every partial
+    sum is at most count * largest; fp64 holds every multiple of that ulp up to 2**53 of them,
+    and HEADROOM = 2**(52 - term_bits) leaves a factor 2 for the rounding of count * largest.
+    Magnitudes compare as their bits (cheaper than floats); an inf or NaN makes the largest
+    0x7F800000 or more, which fails the certificate."""
+    # -0.0, IEEE's additive identity: a sum of -0.0 stays -0.0.
+    total = tl.full(cols.shape, _SIGN_BIT, tl.int64).to(tl.float64, bitcast=True)
+    largest = tl.zeros(cols.shape, tl.int32)
+    smallest = largest + _NO_MAGNITUDE
+    if USE_BASE:
+        init = _to_acc(tl.load(base_at, mask=mask, other=0), DATA, tl.float32)
+        total = init.to(tl.float64)
+        largest = init.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        smallest = tl.where(largest == 0, _NO_MAGNITUDE, largest)
+    for p in range(p0, p1):
+        t = _exact_term(row_base, order_ptr, p, ss1, ss2, cols, mask, alpha, DATA, tl.float32,
+                        HAS_ORDER, SCALED)
+        total += t.to(tl.float64)
+        magnitude = t.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        largest = tl.maximum(largest, magnitude)
+        smallest = tl.minimum(smallest, tl.where(magnitude == 0, _NO_MAGNITUDE, magnitude))
+    spread_fits = (count.to(tl.float64) * largest.to(tl.float32, bitcast=True).to(tl.float64)
+                   <= smallest.to(tl.float32, bitcast=True).to(tl.float64) * HEADROOM)
+    return total, (largest < _F32_INF_BITS) & ((largest == 0) | spread_fits)
+
+
+@triton.jit
+def _deposit_fp64_sum(limbs, lanes, total, take):
+    """Add the fp64 ``total``, an exact sum of fp32 values, to the limbs (fp32 units) of the
+    columns in ``take``; returns the limbs and whether the sum is anything but -0.0."""
+    negative, exponent, fraction = _float_fields(total, tl.float64)
+    # A nonzero sum of fp32 values is a multiple of 2**-149, so its fp64 exponent is large
+    # enough that a right shift here only drops zero bits.
+    shift = exponent - _F64_EXPONENT_OF_FP32_UNIT
+    significand = (fraction | (1 << 52)) >> tl.minimum(tl.maximum(-shift, 0), 63)
+    significand = tl.where(take & (exponent != 0), significand, 0)
+    limbs = _deposit(limbs, lanes, significand, tl.maximum(shift, 0), negative, True)
+    return limbs, take & ((negative == 0) | (exponent != 0) | (fraction != 0))
+
+
+@triton.jit
+def _deposit_terms(limbs, lanes, take, nan, pinf, ninf, not_neg_zero, row_base, ss1, ss2, cols,
+                   mask, base_at, order_ptr, p0, p1, alpha, DATA: tl.constexpr,
+                   ACC: tl.constexpr, HAS_ORDER: tl.constexpr, USE_BASE: tl.constexpr,
+                   SCALED: tl.constexpr, N_LIMBS: tl.constexpr, NORMALISE_EVERY: tl.constexpr):
+    """Add the init and every term of the columns in ``take`` to their limbs and flags."""
+    if USE_BASE:
+        init = _to_acc(tl.load(base_at, mask=mask, other=0), DATA, ACC)
+        limbs, nan, pinf, ninf, not_neg_zero = _deposit_term(
+            limbs, lanes, init, take, nan, pinf, ninf, not_neg_zero, ACC)
+    for start in range(p0, p1, NORMALISE_EVERY):
+        for p in range(start, tl.minimum(start + NORMALISE_EVERY, p1)):
+            t = _exact_term(row_base, order_ptr, p, ss1, ss2, cols, mask, alpha, DATA, ACC,
+                            HAS_ORDER, SCALED)
+            limbs, nan, pinf, ninf, not_neg_zero = _deposit_term(
+                limbs, lanes, t, take, nan, pinf, ninf, not_neg_zero, ACC)
+        if start + NORMALISE_EVERY < p1:  # (the last carry is _exact_value's)
+            limbs = _normalise(limbs, lanes, N_LIMBS)
+    return limbs, nan, pinf, ninf, not_neg_zero
+
+
+@triton.jit
+def _exact_kernel(
+    src_ptr, ss0, ss1, ss2, order_ptr, offsets_ptr, base_ptr, bs0, bs1, bs2,
+    out_ptr, os0, os1, os2, alpha_ptr, outer, inner,
+    REDUCE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr, HAS_ORDER: tl.constexpr,
+    HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr, SCALED: tl.constexpr,
+    HEADROOM: tl.constexpr, PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr,
+    UNIT_EXPONENT: tl.constexpr, N_LIMBS: tl.constexpr, LANES: tl.constexpr,
+    NORMALISE_EVERY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """EXACT: one segment per program (segments are never split), each column block whole."""
+    seg = tl.program_id(0).to(tl.int64)
+    p0 = tl.load(offsets_ptr + seg)
+    p1 = tl.load(offsets_ptr + seg + 1)
+    n = p1 - p0
+    count = n
+    copy_base = n == 0
+    if USE_BASE:
+        count = n + 1
+        copy_base = n < 0  # never: the base row is a term
+    alpha = 1.0
+    if SCALED:
+        alpha = tl.load(alpha_ptr)
+    lanes = tl.arange(0, LANES).to(tl.int64)[None, :]
+    n_blocks = tl.cdiv(inner, BLOCK)
+    for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
+        for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
+            cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = cols < inner
+            out_at = out_ptr + o * os0 + seg * os1 + cols * os2
+            base_at = base_ptr + o * bs0 + seg * bs1 + cols * bs2
+            if copy_base:
+                if HAS_BASE:
+                    tl.store(out_at, tl.load(base_at, mask=mask), mask=mask)
+                else:
+                    zero = tl.zeros([BLOCK], ACC)
+                    tl.store(out_at, _to_data(zero, DATA, out_ptr.dtype.element_ty), mask=mask)
+            else:
+                row_base = src_ptr + o * ss0
+                need = mask  # the columns whose terms go through the limbs
+                seeded = cols < 0  # the columns whose exact sum the fast path has (a mean's)
+                if ACC == tl.float32:
+                    total, certified = _exact_fast_pass(
+                        row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1, count, alpha,
+                        DATA, HAS_ORDER, USE_BASE, SCALED, HEADROOM)
+                    if REDUCE == _SUM:
+                        if DATA == _NATIVE:
+                            rounded = total.to(tl.float32)
+                        else:
+                            rounded = _f32_to_odd(total)
+                        tl.store(out_at, _to_data(rounded, DATA, out_ptr.dtype.element_ty),
+                                 mask=mask & certified)
+                    else:
+                        seeded = mask & certified
+                    need = mask & (certified == 0)
+                any_need = tl.max(need.to(tl.int32), axis=0) > 0
+                finish = any_need  # a block the fast path wrote whole is done
+                if REDUCE == _MEAN:
+                    finish = tl.max(mask.to(tl.int32), axis=0) > 0  # every mean divides here
+                if finish:
+                    limbs = tl.zeros([BLOCK, LANES], tl.int64)
+                    nan = cols < 0  # all false
+                    pinf = nan
+                    ninf = nan
+                    not_neg_zero = nan
+                    if ACC == tl.float32:
+                        if REDUCE == _MEAN:
+                            limbs, not_neg_zero = _deposit_fp64_sum(limbs, lanes, total, seeded)
+                    if any_need:
+                        limbs, nan, pinf, ninf, not_neg_zero = _deposit_terms(
+                            limbs, lanes, need, nan, pinf, ninf, not_neg_zero, row_base, ss1,
+                            ss2, cols, mask, base_at, order_ptr, p0, p1, alpha, DATA, ACC,
+                            HAS_ORDER, USE_BASE, SCALED, N_LIMBS, NORMALISE_EVERY)
+                    value = _exact_value(limbs, lanes, count, nan, pinf, ninf, not_neg_zero,
+                                         REDUCE, PRECISION, MIN_QUANTUM, UNIT_EXPONENT, N_LIMBS)
+                    # The value is the dtype's already (or +-inf, or NaN): converting is exact.
+                    tl.store(out_at, _to_data(value.to(ACC), DATA, out_ptr.dtype.element_ty),
+                             mask=need | seeded)
+
+
+# ---- launcher ----------------------------------------------------------------------------------
+
+# Each launch after a specialisation's first calls its compiled kernel directly (see launch.py).
+_launch_exact = Kernel(_exact_kernel)
+
+# EXACT's rounding targets: (precision, smallest quantum in units, unit exponent, limbs).
+_EXACT_TARGETS = EXACT_TARGETS
+# Significant bits of a data element: the terms have that many when alpha == 1 (24 otherwise).
+_DATA_BITS = {dtype: precision for dtype, (precision, *_) in EXACT_TARGETS.items()}
+# Limbs held per program (columns x lanes): bounds the registers of the limb state.
+_EXACT_STATE_LIMBS = 4096
+# Terms between two carries of the limbs (a parameter so that a test can make it small).
+_NORMALISE_EVERY = NORMALISE_EVERY
+
+
+def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
+    """``segment.segment_reduce`` for ``rule == EXACT`` (see the module's notes)."""
+    if not has_exact_work(src, order, offsets, reduce, _DATA_CODES,
+                          include_base and base is not None):
+        return
+    outer, _, inner = src.shape
+    nseg = offsets.shape[0] - 1
+    has_order = order is not None
+    precision, min_quantum, unit_exponent, n_limbs = _EXACT_TARGETS[src.dtype]
+    # One lane more than the limbs: the mean's quotient moves up a lane (see _exact_value).
+    lanes = _next_power_of_2(n_limbs + 1)
+    acc_dtype = _acc_dtype(src.dtype)
+    offsets = offsets.contiguous()
+    order = order.contiguous() if has_order else offsets  # never read without HAS_ORDER
+    has_base = base is not None
+    scaled = float(alpha) != 1.0
+    alpha_t = torch.full((1,), float(alpha), dtype=acc_dtype, device=src.device) if scaled else out
+    src_s, out_s = _as_stored(src), _as_stored(out)
+    base_s = _as_stored(base) if has_base else out_s  # never read without HAS_BASE
+    term_bits = 24 if scaled else _DATA_BITS[src.dtype]
+    block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size(),
+                max(_EXACT_STATE_LIMBS // lanes, 16))
+    num_warps = max(1, min(8, block * lanes // 512))
+    grid = (nseg, min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    _launch_exact(
+        grid, (src_s, *src_s.stride(), order, offsets, base_s, *base_s.stride(), out_s,
+               *out_s.stride(), alpha_t, outer, inner),
+        {"REDUCE": int(reduce), "DATA": _DATA_CODES[src.dtype], "ACC": _tl_acc(src.dtype),
+         "HAS_ORDER": has_order, "HAS_BASE": has_base,
+         "USE_BASE": has_base and bool(include_base), "SCALED": scaled,
+         "HEADROOM": 2.0 ** (52 - term_bits), "PRECISION": precision,
+         "MIN_QUANTUM": min_quantum, "UNIT_EXPONENT": unit_exponent, "N_LIMBS": n_limbs,
+         "LANES": lanes, "NORMALISE_EVERY": _NORMALISE_EVERY, "BLOCK": block},
+        num_warps=num_warps,
+    )

@@ -38,7 +38,7 @@ def test_every_block_runs_with_its_instance_constants(n_blocks):
         out = np.zeros(n_blocks)
         kernel(n_blocks, (out, 1.5))
         assert out.tolist() == [1.5 * scale * (b + 1) for b in range(n_blocks)]
-    assert twice.block.py_func.__qualname__ == "_fill_twice"
+    assert twice.block_kernel.py_func.__qualname__ == "_fill_twice"
 
 
 def test_a_launch_of_other_argument_types_runs_code_compiled_for_them():
@@ -49,7 +49,7 @@ def test_a_launch_of_other_argument_types_runs_code_compiled_for_them():
     kernel(4, (wide, 0.3))
     assert wide.tolist() == [0.3 * 2.0 * (b + 1) for b in range(4)]
     assert narrow.tolist() == [np.float32(0.1 * 2.0 * (b + 1)) for b in range(4)]
-    assert len(kernel.block.signatures) == 2
+    assert len(kernel.block_kernel.signatures) == 2
 
 
 def test_a_block_that_raises_is_reported():

@@ -380,7 +380,7 @@ def _compiled_functions(value, found):
     """Every Numba dispatcher reachable from ``value`` (a kernel, ``instances.Blocks``, or a
     dispatcher) through the functions a kernel instance binds and through closure cells."""
     if isinstance(value, Blocks):
-        for part in (value.block, value.driver):
+        for part in (value.block_kernel, value.driver):
             _compiled_functions(part, found)
         return found
     if isinstance(value, numba_kernels._ParallelKernel):

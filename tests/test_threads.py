@@ -121,7 +121,7 @@ def _dispatchers(value, found):
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, Blocks):
-        value = [value.driver, value.block]
+        value = [value.driver, value.block_kernel]
     if isinstance(value, (tuple, list)):
         for item in value:
             _dispatchers(item, found)

@@ -88,7 +88,7 @@ def kahan_result(s, c):
 
 
 def _njit_named_for(fmt):
-    """``njit`` for the closures of a kernel factory (``segment._make_block`` and the like),
+    """``njit`` for the closures of a kernel factory (``segment._make_rows`` and the like),
     under a qualname that names ``fmt``.
 
     Why: Numba names a compiled function by its module, qualname and argument types plus a

@@ -31,9 +31,9 @@ IMPLEMENTATION NOTES (this backend):
   that quotient, which rounds as the exact one does for counts below 2**(53 - p), p the
   dtype's precision (``rounded_quotient`` proves it); a larger count puts the sum into limbs
   to divide there. Every way gives the exact value, so which one ran never shows in the bits.
-- Two stages, two compiled kernels per format and reduction (``_block``): the first writes
-  the tiles the whole-tile certificate covers and marks the others; the second, compiled on
-  the first launch that marks one, computes the marked tiles by every way above.
+- Two stages, two compiled kernels per format and reduction (``_exact_block_kernel``): the
+  first writes the tiles the whole-tile certificate covers and marks the others; the second,
+  compiled on the first launch that marks one, computes the marked tiles by every way above.
 - Threads: the work items of ``segment.segment_reduce`` (outer index, segment, column block),
   each output element written by one item. The result would not depend on the split even if
   it did not: that is the point of the rule.
@@ -67,9 +67,9 @@ __all__ = ["segment_reduce_exact"]
 
 @functools.cache  # one set per format: two would share their names
 def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
-    """The helpers of the EXACT ``_block`` for data format ``fmt`` (see ``segment._make_rows``
-    for ``dec``, ``enc`` and ``cvt``, and for why they are compile-time constants), which
-    rounds to ``targets`` (its dtype's ``EXACT_TARGETS``)."""
+    """The helpers of the EXACT ``_exact_block_kernel`` for data format ``fmt`` (see
+    ``segment._make_rows`` for ``dec``, ``enc`` and ``cvt``, and for why they are compile-time
+    constants), which rounds to ``targets`` (its dtype's ``EXACT_TARGETS``)."""
     precision, min_quantum, unit_exponent, n_limbs = targets
     narrow = fmt in ("bf16", "f16")
     term_into = f64_term if wide_data else f32_term
@@ -216,7 +216,8 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
             pf_lines = (min(_PF_LINES, (w + pf_step - 1) // pf_step)
                         if ost >= 0 and not strided else 0)
             # The loop below spells out fast_row and tile_row: an inlined call with array
-            # arguments costs about 10 ns a row (see segment.py's rows), as much as a narrow row.
+            # arguments costs about 10 ns a row (see segment.py's combine_term_rows), as much
+            # as a narrow row.
             for p in range(p0, p1):
                 if p + pf_dist < n_positions and pf_lines:
                     # The rows of a segment lie anywhere in src: ask for the one pf_dist
@@ -254,9 +255,9 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
     return final_rounding, tile_pass, column_pass, column, exact_value_of_sum, rounded_quotient
 
 
-def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha, include_base,
-           has_base, chunk, acc_scratch, data_scratch, limb_scratch, flag_scratch, n_positions,
-           pf_dist, pending):
+def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
+                        include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
+                        flag_scratch, n_positions, pf_dist, pending):
     """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, segment, column
     block), with block b's scratch: the template of every format's kernels, for sums and for
     means, in two stages. ``instances.instance`` binds ``is_mean``, ``first_stage``, the
@@ -379,8 +380,9 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha
 def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, base, bs, out,
                 us, shape, alpha, include_base, has_base, chunk, acc_scratch, data_scratch,
                 limb_scratch, flag_scratch, n_positions, pf_dist, pending):
-    """The driver of every format's kernel, ``_block`` at ``address`` (``instances.Blocks``):
-    each output element is written by one item, and its value depends on no order."""
+    """The driver of every format's kernel, ``_exact_block_kernel`` at ``address``
+    (``instances.Blocks``): each output element is written by one item, and its value
+    depends on no order."""
     if types_key_of((src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
                      include_base, has_base, chunk, acc_scratch, data_scratch, limb_scratch,
                      flag_scratch, n_positions, pf_dist, pending)) != types_key:
@@ -408,7 +410,7 @@ _KERNELS = {}
 
 def kernel_for(dtype, is_mean, first_stage):
     """The EXACT kernel of data type ``dtype``, for sums or for means, of the first stage or
-    the second (see ``_block``), launched over thread blocks (``instances.Blocks``)."""
+    the second (see ``_exact_block_kernel``), launched over thread blocks (``instances.Blocks``)."""
     kernel = _KERNELS.get((dtype, is_mean, first_stage))
     if kernel is None:
         fmt, dec, enc, cvt = _FORMATS[dtype]
@@ -417,8 +419,9 @@ def kernel_for(dtype, is_mean, first_stage):
         (final_rounding, tile_pass, column_pass, column, exact_value_of_sum,
          rounded_quotient) = _make_exact_helpers(fmt, dec, enc, cvt, wide_data,
                                                  EXACT_TARGETS[dtype])
-        block = instance(
-            _block, f"{fmt}_{'mean' if is_mean else 'sum'}_{'first' if first_stage else 'second'}",
+        block_kernel = instance(
+            _exact_block_kernel,
+            f"{fmt}_{'mean' if is_mean else 'sum'}_{'first' if first_stage else 'second'}",
             is_mean=is_mean, first_stage=first_stage, enc=enc, cvt=cvt, wide_data=wide_data,
             # Significant bits of a data element: the terms have that many when alpha == 1.
             data_bits=precision,
@@ -427,7 +430,7 @@ def kernel_for(dtype, is_mean, first_stage):
             final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
             column=column,
             exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)
-        kernel = Blocks(_run_blocks, block)
+        kernel = Blocks(_run_blocks, block_kernel)
         _KERNELS[(dtype, is_mean, first_stage)] = kernel
     return kernel
 

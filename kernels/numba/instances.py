@@ -106,8 +106,9 @@ DONE, OTHER_TYPES = 0, 1
 
 
 class Blocks:
-    """A kernel, ``block(b, *args)`` (an :func:`instance`: the work of thread block ``b``),
-    launched over ``n_blocks`` blocks by a driver: ``Blocks(driver, block)(n_blocks, args)``.
+    """A kernel, ``block_kernel(b, *args)`` (an :func:`instance`: the work of thread block
+    ``b``), launched over ``n_blocks`` blocks by a driver:
+    ``Blocks(driver, block_kernel)(n_blocks, args)``.
 
     The driver, one per kernel module, is a :func:`parallel_njit` function of
     ``(address, types_key, failed, *args)``, its parameters spelled out (a parallel loop
@@ -124,24 +125,24 @@ class Blocks:
     the kernel directly, on the calling thread.
     """
 
-    def __init__(self, driver, block):
+    def __init__(self, driver, block_kernel):
         self.driver = driver
-        self.block = block
+        self.block_kernel = block_kernel
         self._address = 0
         self._types_key = -1
 
     def _take_address(self, args):
         args_type = typeof(args)
         signature = (types.int64,) + tuple(args_type.types)
-        self.block.compile(signature)
-        compiled = self.block.overloads[signature]
+        self.block_kernel.compile(signature)
+        compiled = self.block_kernel.overloads[signature]
         self._address = compiled.library.get_pointer_to_function(compiled.fndesc.llvm_func_name)
         self._types_key = _types_key(args_type)
 
     def __call__(self, n_blocks, args):
         if n_blocks == 1:
             # No driver to compile, and no parallel region to enter, for a small launch.
-            self.block(0, *args)
+            self.block_kernel(0, *args)
             return
         failed = np.zeros(n_blocks, dtype=np.uint8)
         answer = self.driver(self._address, self._types_key, failed, *args)
@@ -149,5 +150,5 @@ class Blocks:
             self._take_address(args)
             answer = self.driver(self._address, self._types_key, failed, *args)
         if answer != DONE or failed.any():
-            raise RuntimeError(f"{self.block.py_func.__qualname__}: a block failed "
+            raise RuntimeError(f"{self.block_kernel.py_func.__qualname__}: a block failed "
                                f"({'argument types' if answer == OTHER_TYPES else 'an error'})")

@@ -70,9 +70,9 @@ _MIN_BLOCK_ELEMENTS = 65536
 
 @functools.cache  # one set per format and operation: two would share their names
 def _make_helpers(fmt, dec, rnd, op):
-    """The helpers of ``_block`` for one data format (``fmt`` names it) and term operation
-    ``op`` (see ``variants.variant_for``): ``every_term``, the pass over the rows, and
-    ``fold`` and ``long_segments``, inlined where they are called.
+    """The helpers of ``_scatter_block_kernel`` for one data format (``fmt`` names it) and
+    term operation ``op`` (see ``variants.variant_for``): ``every_term``, the pass over the
+    rows, and ``fold_partial_sum`` and ``long_segments``, inlined where they are called.
 
     ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
     dtype (see ``segment._make_rows``, and for why each format's and variant's functions
@@ -96,8 +96,8 @@ def _make_helpers(fmt, dec, rnd, op):
     def every_term(src, ss, index, xs, acc, comp, count, o, j0, w, nrows, nseg):
         """The pass over the rows: each term joins its element, unsplit, and is counted;
         returns 1 when an index value lies outside [0, nseg), else 0. A function of its own,
-        not inlined: as part of ``_block`` the same loop ran 5-8% slower (sum, mean; 300k x
-        64 random elements into 30k x 64, one thread)."""
+        not inlined: as part of ``_scatter_block_kernel`` the same loop ran 5-8% slower (sum,
+        mean; 300k x 64 random elements into 30k x 64, one thread)."""
         bad = 0
         for n in range(nrows):
             r0 = o * ss[0] + n * ss[1] + j0 * ss[2]
@@ -118,7 +118,7 @@ def _make_helpers(fmt, dec, rnd, op):
         return bad
 
     @format_njit(inline="always")
-    def fold(acc, comp, part, pcomp, e):
+    def fold_partial_sum(acc, comp, part, pcomp, e):
         """Fold a completed later chunk (part, and pcomp under KAHAN) into element e."""
         if op == OP_KAHAN:
             acc[e], c = neumaier(acc[e], comp[e], part[e])
@@ -133,8 +133,8 @@ def _make_helpers(fmt, dec, rnd, op):
                       acc, comp, part, pcomp, count, seen):
         """The elements of more than CHUNK_TERMS terms (``count``), done again in chunks: the
         first chunk into acc from the start, each later one reduced from its own first term
-        and folded in once complete (the last, shorter one by ``_block``). ``seen`` counts the
-        terms again. The index values were checked by the first pass."""
+        and folded in once complete (the last, shorter one by ``_scatter_block_kernel``).
+        ``seen`` counts the terms again. The index values were checked by the first pass."""
         for s in range(nseg):
             b0 = o * bs[0] + s * bs[1] + j0 * bs[2]
             for j in range(w):
@@ -177,13 +177,14 @@ def _make_helpers(fmt, dec, rnd, op):
                 else:
                     part[e] = part[e] + x
                 if r == CHUNK_TERMS - 1:
-                    fold(acc, comp, part, pcomp, e)
+                    fold_partial_sum(acc, comp, part, pcomp, e)
 
-    return every_term, fold, long_segments
+    return every_term, fold_partial_sum, long_segments
 
 
-def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc_scratch,
-           comp_scratch, part_scratch, pcomp_scratch, count_scratch, seen_scratch, bad):
+def _scatter_block_kernel(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base,
+                          acc_scratch, comp_scratch, part_scratch, pcomp_scratch, count_scratch,
+                          seen_scratch, bad):
     """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, block of columns), with
     block b's state; ``bad[b]`` = 1 when an index value lies outside [0, nseg), else 0. The
     template of every format's and variant's kernel: ``instances.instance`` binds the
@@ -249,7 +250,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
                     out[u0 + j * us[2]] = base[b0 + j * bs[2]]
                     continue
                 if split and c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
-                    fold(acc, comp, part, pcomp, e)  # the last, shorter chunk
+                    fold_partial_sum(acc, comp, part, pcomp, e)  # the last, shorter chunk
                 v = acc[e]
                 if op == OP_KAHAN:
                     v = kahan_result(v, comp[e])
@@ -264,7 +265,7 @@ def _block(b, src, ss, index, xs, base, bs, out, us, shape, width, use_base, acc
 def _run_blocks(address, types_key, failed, src, ss, index, xs, base, bs, out, us, shape,
                 width, use_base, acc_scratch, comp_scratch, part_scratch, pcomp_scratch,
                 count_scratch, seen_scratch, bad):
-    """The driver of every format's and variant's kernel, ``_block`` at ``address``
+    """The driver of every format's and variant's kernel, ``_scatter_block_kernel`` at ``address``
     (``instances.Blocks``). Items own their output elements outright, so which thread runs
     a block never matters."""
     if types_key_of((src, ss, index, xs, base, bs, out, us, shape, width, use_base,
@@ -299,11 +300,13 @@ def kernel_for(dtype, variant):
     if kernel is None:
         fmt, dec, rnd, enc, cvt, _ = _FORMATS[dtype]
         op, mean, mean_round, split = variant
-        every_term, fold, long_segments = _make_helpers(fmt, dec, rnd, op)
-        block = instance(_block, f"{fmt}_{variant_name(*variant)}", dec=dec, rnd=rnd, enc=enc,
-                         cvt=cvt, op=op, mean=mean, mean_round=mean_round, split=split,
-                         every_term=every_term, fold=fold, long_segments=long_segments)
-        kernel = Blocks(_run_blocks, block)
+        every_term, fold_partial_sum, long_segments = _make_helpers(fmt, dec, rnd, op)
+        block_kernel = instance(
+            _scatter_block_kernel, f"{fmt}_{variant_name(*variant)}", dec=dec, rnd=rnd,
+            enc=enc, cvt=cvt, op=op, mean=mean, mean_round=mean_round, split=split,
+            every_term=every_term, fold_partial_sum=fold_partial_sum,
+            long_segments=long_segments)
+        kernel = Blocks(_run_blocks, block_kernel)
         _KERNELS[(dtype, variant)] = kernel
     return kernel
 

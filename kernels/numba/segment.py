@@ -141,8 +141,9 @@ __all__ = ["segment_reduce"]
 
 @functools.cache  # one set per format and operation: two would share their names
 def _make_rows(fmt, dec, rnd, op):
-    """The row helpers of ``_block`` for one data format (``fmt`` names it) and one term
-    operation ``op`` (see ``variants.variant_for``), inlined where they are called.
+    """The row helpers of ``_segment_block_kernel`` for one data format (``fmt`` names it)
+    and one term operation ``op`` (see ``variants.variant_for``), inlined where they are
+    called.
 
     ``dec`` turns a data element into the acc type and ``rnd`` rounds an acc value to the data
     dtype (staying in the acc type); with ``enc``, which turns an acc value into a data
@@ -172,8 +173,8 @@ def _make_rows(fmt, dec, rnd, op):
                 acc[j] = dec(a[start + j * step])
 
     @format_njit(inline="always")
-    def rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist,
-             pf_lines, w, alpha):
+    def combine_term_rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end,
+                          pf_dist, pf_lines, w, alpha):
         """Combine the term rows at positions p .. end - 1 into acc (and comp), in order.
 
         Rows of a segment lie anywhere in src: while a row is combined, the start of the row
@@ -238,7 +239,7 @@ def _make_rows(fmt, dec, rnd, op):
             p += 1
 
     @format_njit(inline="always")
-    def fold(acc, comp, part, pcomp, w):
+    def fold_partial_sum(acc, comp, part, pcomp, w):
         """Fold a later chunk's result (part, and pcomp under KAHAN) into acc (and comp)."""
         if op == OP_KAHAN:
             for j in range(w):
@@ -251,15 +252,17 @@ def _make_rows(fmt, dec, rnd, op):
             for j in range(w):
                 acc[j] = acc[j] + part[j]
 
-    return load, rows, fold
+    return load, combine_term_rows, fold_partial_sum
 
 
-def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, shape, alpha,
-           include_base, has_base, has_carry, chunk, acc_scratch, data_scratch, pf_dist):
+def _segment_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs,
+                          shape, alpha, include_base, has_base, has_carry, chunk, acc_scratch,
+                          data_scratch, pf_dist):
     """Items [b * n / B, (b + 1) * n / B) of the n items, with block b's scratch rows: the
     template of every format's and variant's kernel (``instances.instance`` binds the
     format's ``enc``, ``cvt`` and ``rnd``, the variant's ``op``, ``mean``, ``mean_round`` and
-    ``split``, and ``load``, ``rows`` and ``fold`` of :func:`_make_rows`)."""
+    ``split``, and ``load``, ``combine_term_rows`` and ``fold_partial_sum`` of
+    :func:`_make_rows`)."""
     outer, nseg, inner = shape
     use_base = has_base and include_base
     a = cvt(alpha)
@@ -331,8 +334,8 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
 
             # The first chunk of terms (the whole segment unless it is split) goes into acc.
             end = min(p1, p0 + CHUNK_TERMS) if split else p1
-            rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end, pf_dist, pf_lines,
-                 w, a)
+            combine_term_rows(acc, comp, src, ss, order, ost, tmp, rstart, p, end, pf_end,
+                              pf_dist, pf_lines, w, a)
             # Later chunks: each reduces its own terms from its first term, then folds into acc.
             while split and end < p1:
                 p = end
@@ -344,9 +347,9 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
                         part[j] = part[j] * a
                 for j in range(w):
                     pcomp[j] = 0.0
-                rows(part, pcomp, src, ss, order, ost, tmp, rstart, p + 1, end, pf_end,
-                     pf_dist, pf_lines, w, a)
-                fold(acc, comp, part, pcomp, w)
+                combine_term_rows(part, pcomp, src, ss, order, ost, tmp, rstart, p + 1, end,
+                                  pf_end, pf_dist, pf_lines, w, a)
+                fold_partial_sum(acc, comp, part, pcomp, w)
 
             if has_carry:
                 # The sum runs on: s goes to out (exact, the data dtype is the acc type) and c to
@@ -391,7 +394,7 @@ def _block(b, src, ss, order, ost, offsets, fst, base, bs, out, us, carry, cs, s
 def _run_blocks(address, types_key, failed, src, ss, order, ost, offsets, fst, base, bs, out,
                 us, carry, cs, shape, alpha, include_base, has_base, has_carry, chunk,
                 acc_scratch, data_scratch, pf_dist):
-    """The driver of every format's and variant's kernel, ``_block`` at ``address``
+    """The driver of every format's and variant's kernel, ``_segment_block_kernel`` at ``address``
     (``instances.Blocks``).
 
     Threads take whole blocks of items (a block reuses one set of scratch rows); which thread
@@ -429,11 +432,12 @@ def kernel_for(dtype, variant):
     if kernel is None:
         fmt, dec, rnd, enc, cvt, _ = _FORMATS[dtype]
         op, mean, mean_round, split = variant
-        load, rows, fold = _make_rows(fmt, dec, rnd, op)
-        block = instance(_block, f"{fmt}_{variant_name(*variant)}", enc=enc, cvt=cvt, rnd=rnd,
-                         op=op, mean=mean, mean_round=mean_round, split=split, load=load,
-                         rows=rows, fold=fold)
-        kernel = Blocks(_run_blocks, block)
+        load, combine_term_rows, fold_partial_sum = _make_rows(fmt, dec, rnd, op)
+        block_kernel = instance(
+            _segment_block_kernel, f"{fmt}_{variant_name(*variant)}", enc=enc, cvt=cvt,
+            rnd=rnd, op=op, mean=mean, mean_round=mean_round, split=split, load=load,
+            combine_term_rows=combine_term_rows, fold_partial_sum=fold_partial_sum)
+        kernel = Blocks(_run_blocks, block_kernel)
         _KERNELS[(dtype, variant)] = kernel
     return kernel
 

@@ -334,10 +334,10 @@ def weighted_gradients_in_one_launch(grad: torch.Tensor, y: torch.Tensor,
     ``weighted_gradients_in_blocks`` gives it, and the dot products in ``slot_weights``' dtype,
     stored by slot (``by_slot``: ``slots`` is a permutation, so these are the weights' gradient in
     slot order) or by row."""
-    from detsum.kernels.triton.moe import weighted_gradients as triton_weighted_gradients
+    from detsum.kernels.triton.moe import weighted_gradients_by_slot
 
     rule = fused_weighted_rule(y, slot_weights.dtype, grad.dtype, acc_mode, topk)
-    return triton_weighted_gradients(grad, y, slots, slot_weights, topk, rule, by_slot)
+    return weighted_gradients_by_slot(grad, y, slots, slot_weights, topk, rule, by_slot)
 
 
 def triton_runs(tensor: torch.Tensor, caller: str) -> bool:

@@ -53,7 +53,7 @@ def trainable_parameters(named_parameters) -> dict[str, torch.Tensor]:
     return {name: p for name, p in named_parameters if p.requires_grad}
 
 
-def _alone(batch: torch.Tensor, i: int) -> torch.Tensor:
+def _sample_as_own_batch(batch: torch.Tensor, i: int) -> torch.Tensor:
     """Sample ``i`` as a batch of one, in contiguous storage of its own.
 
     The copy is part of the invariance: a view ``batch[i:i + 1]`` starts ``i`` rows into the
@@ -216,12 +216,13 @@ class SampleGradients:
     those of samples ``start .. stop - 1`` in order, the same bits.
 
     Each sample is its own batch of one: ``x = inputs[i:i + 1]`` copied into fresh storage
-    (:func:`_alone`), through the model's forward and ``torch.autograd.grad`` of its loss. So
-    every sample goes through the same operations on tensors of the same shapes, strides and
-    alignment, whatever batch, position in it, micro-batch or chunk it arrived in, and nothing
-    of the other samples enters its computation: its bits are those of a deterministic function
-    of the sample, by construction, not by any matmul library's choice of kernel by row count
-    or by a row's alignment in the batch (the CPU we measured does both; see docs/loss.md).
+    (:func:`_sample_as_own_batch`), through the model's forward and ``torch.autograd.grad`` of
+    its loss. So every sample goes through the same operations on tensors of the same shapes,
+    strides and alignment, whatever batch, position in it, micro-batch or chunk it arrived in,
+    and nothing of the other samples enters its computation: its bits are those of a
+    deterministic function of the sample, by construction, not by any matmul library's choice
+    of kernel by row count or by a row's alignment in the batch (the CPU we measured does both;
+    see docs/loss.md).
 
     The weights of ``nn.Linear`` layers (:func:`_factorable_layers`) that the sample's forward
     uses once, on its one row, get their gradient as factors: ``OuterProducts(output gradient,
@@ -284,7 +285,8 @@ class SampleGradients:
         group = JOINT_SAMPLES if self._joint else 1
         for first in range(start, stop, group):
             indices = range(first, min(first + group, stop))
-            samples = [(_alone(inputs, i), _alone(targets, i)) for i in indices]
+            samples = [(_sample_as_own_batch(inputs, i), _sample_as_own_batch(targets, i))
+                       for i in indices]
             if self._checked:
                 yield from self._evaluate_group(samples)
             else:
@@ -302,7 +304,7 @@ class SampleGradients:
                 return self._evaluate(samples, buffers_before=buffers_before)
             except _UsedOutsideTheLayer:
                 pass  # each sample alone, then, to find its own way
-        return [self._evaluate_alone(x, y, buffers_before) for x, y in samples]
+        return [self._evaluate_one_sample(x, y, buffers_before) for x, y in samples]
 
     def _checked_group(self, inputs: torch.Tensor, targets: torch.Tensor, indices: range,
                        samples: list[tuple[torch.Tensor, torch.Tensor]]
@@ -327,7 +329,8 @@ class SampleGradients:
             i = indices[0]
             difference = _first_difference(
                 _materialised(gradients[0]),
-                _materialised(self._evaluate_alone(_alone(inputs, i), _alone(targets, i))))
+                _materialised(self._evaluate_one_sample(_sample_as_own_batch(inputs, i),
+                                                        _sample_as_own_batch(targets, i))))
             if difference is not None:
                 raise ValueError(
                     f"{self.caller}: the model's forward is not a deterministic function of "
@@ -342,21 +345,21 @@ class SampleGradients:
         self._checked = True
         return gradients
 
-    def _evaluate_alone(self, x: torch.Tensor, y: torch.Tensor,
-                        buffers_before: list[torch.Tensor] | None = None
-                        ) -> dict[str, torch.Tensor | OuterProducts]:
+    def _evaluate_one_sample(self, x: torch.Tensor, y: torch.Tensor,
+                             buffers_before: list[torch.Tensor] | None = None
+                             ) -> dict[str, torch.Tensor | OuterProducts]:
         """One sample's gradient; layers whose parameters its forward uses outside them are
         evaluated again without stand-ins."""
-        left_alone: set[torch.nn.Linear] = set()
+        without_stand_ins: set[torch.nn.Linear] = set()
         while True:
             try:
-                [gradient] = self._evaluate([(x, y)], left_alone, buffers_before)
+                [gradient] = self._evaluate([(x, y)], without_stand_ins, buffers_before)
                 return gradient
             except _UsedOutsideTheLayer as used:
-                left_alone |= used.layers
+                without_stand_ins |= used.layers
 
     def _evaluate(self, samples: list[tuple[torch.Tensor, torch.Tensor]],
-                  left_alone: set[torch.nn.Linear] = frozenset(),
+                  without_stand_ins: set[torch.nn.Linear] = frozenset(),
                   buffers_before: list[torch.Tensor] | None = None
                   ) -> list[dict[str, torch.Tensor | OuterProducts]]:
         """The gradients of ``samples`` (each ``(x, y)`` a batch of one), by one
@@ -364,7 +367,7 @@ class SampleGradients:
         has a stand-in. ``buffers_before``: the buffers' values, put back if the forward
         changes them (else the change is only detected). Raises ``_UsedOutsideTheLayer``."""
         hooks = _StandIns({module: layer for module, layer in self._layers.items()
-                           if module not in left_alone})
+                           if module not in without_stand_ins})
         losses, wanted, not_called = [], [], []
         with hooks.hooked():
             for x, y in samples:

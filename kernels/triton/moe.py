@@ -11,9 +11,9 @@ rows with its gradients, each in one launch.
   ``torch.searchsorted`` on the sorted ids counts them) and whether every id lies in
   ``[0, E)``.
 - ``gather_scale_sum``: the twin of ``detsum.kernels.numba.weighted.gather_scale_sum``.
-- ``weighted_gradients``: for each row ``p`` of ``y``, with ``j = slots[p]`` its flat slot and
-  ``t = j // topk`` its token: ``grad_y[p] = RN_y(RN_R(grad[t] * w[j]))`` (torch's multiply in
-  the output dtype ``R``, then rounded to y's dtype), and the dot product
+- ``weighted_gradients_by_slot``: for each row ``p`` of ``y``, with ``j = slots[p]`` its flat
+  slot and ``t = j // topk`` its token: ``grad_y[p] = RN_y(RN_R(grad[t] * w[j]))`` (torch's
+  multiply in the output dtype ``R``, then rounded to y's dtype), and the dot product
   ``sum over h of RN_A(grad[t, h] * y[p, h])`` in the contract's chunks, as
   ``detsum.kernels.numba.weighted.row_dots`` sums it, rounded once to the weights' dtype and
   stored at ``j`` (``BY_SLOT``: the slots are a permutation, so each is written once) or at
@@ -53,7 +53,7 @@ from .common import (
     _to_data,
 )
 
-__all__ = ["gather_scale_sum", "route_tables", "weighted_gradients"]
+__all__ = ["gather_scale_sum", "route_tables", "weighted_gradients_by_slot"]
 
 _SUM = tl.constexpr(SUM)
 _BLOCK = 128
@@ -241,9 +241,9 @@ def _weighted_gradients_kernel(grad_ptr, y_ptr, slots_ptr, weights_ptr, grad_y_p
 _launch_weighted_gradients = Kernel(_weighted_gradients_kernel)
 
 
-def weighted_gradients(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
-                       weights: torch.Tensor, topk: int, rule: int, by_slot: bool
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def weighted_gradients_by_slot(grad: torch.Tensor, y: torch.Tensor, slots: torch.Tensor,
+                               weights: torch.Tensor, topk: int, rule: int, by_slot: bool
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_y, dots)``: ``grad_y`` of ``y``'s shape and dtype, ``dots`` of ``weights``'
     dtype, one per slot (``by_slot``: ``slots`` is a permutation) or per row (see the module
     docstring). ``grad`` ``[T, ...]`` in the output dtype, ``weights`` ``T * topk`` in slot

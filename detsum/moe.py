@@ -549,7 +549,7 @@ def _weighted_rows(y: torch.Tensor, position_weights: torch.Tensor,
     return y * position_weights.to(acc_dtype(out_dtype)).view(shape)
 
 
-def _blocked(device: torch.device, acc_mode: str) -> bool:
+def _runs_in_token_blocks(device: torch.device, acc_mode: str) -> bool:
     """Whether the weighted unpermute runs by blocks of tokens: on CPU, where the cache is what
     a pass through memory costs, and for "fp32"/"kahan" ("autograd" is torch's own
     composition). Each token's sum and each row's dot product involve its own rows only, so
@@ -584,8 +584,9 @@ def unpermute_op(y: torch.Tensor, gather_indices: torch.Tensor, topk: int,
             slot_weights = slot_weights.index_select(0, gather_indices).index_select(0, positions)
     if acc_mode == Mode.AUTOGRAD.value:
         return _naive_combination(y, positions, topk, slot_weights)
-    if weights is not None and (_blocked(y.device, acc_mode) or _kernel_ops.fused_weighted_rule(
-            y, weights.dtype, out_dtype, acc_mode, topk) is not None):
+    if weights is not None and (_runs_in_token_blocks(y.device, acc_mode)
+                                or _kernel_ops.fused_weighted_rule(
+                                    y, weights.dtype, out_dtype, acc_mode, topk) is not None):
         return _kernel_ops.weighted_token_sums(y, positions, slot_weights, topk, out_dtype,
                                                acc_mode).to(out_dtype)
     rows = y
@@ -641,7 +642,7 @@ def _unpermute_backward(ctx, grad):
     if weights is None:
         return grad.index_select(0, tokens), None, None, None, *_NO_MORE_GRADIENTS
     position_weights = weights.reshape(-1).index_select(0, gather_indices)
-    if _blocked(y.device, ctx.acc_mode):
+    if _runs_in_token_blocks(y.device, ctx.acc_mode):
         # A plain eager backward calls the operator's body itself (see detsum/_dispatch.py).
         gradients = (_kernel_ops.weighted_gradients_in_blocks
                      if _dispatch.direct_call_ok(grad, y, tokens, position_weights)

@@ -214,11 +214,12 @@ def gpu_path():
     GPU's, and the weighted ``moe.unpermute`` in one pass as on a GPU (on the CPU it runs by
     blocks of tokens, for the cache). The other choices by device (``rule_for``) differ only
     in "autograd" mode, which no row runs."""
-    blocked = moe._blocked
+    runs_in_token_blocks = moe._runs_in_token_blocks
     with detsum.backend("triton"), \
             unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU", True), \
-            unittest.mock.patch.object(moe, "_blocked", lambda device, acc_mode: blocked(
-                torch.device("cuda"), acc_mode)):
+            unittest.mock.patch.object(
+                moe, "_runs_in_token_blocks",
+                lambda device, acc_mode: runs_in_token_blocks(torch.device("cuda"), acc_mode)):
         yield
 
 

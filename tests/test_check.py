@@ -349,7 +349,7 @@ def test_cpu_checks_every_level_on_every_backend(backend, call, mistake):
 
 # ---- what "off" gives for a bad value, as the docstrings say, written out here in plain loops ----
 
-def _kept(index, size):
+def _kept_rows(index, size):
     """The positions whose value lies in [0, size): the rows "off" reduces."""
     return [p for p, value in enumerate(index.tolist()) if 0 <= value < size]
 
@@ -380,8 +380,8 @@ def _clamped_perm(perm, rows):
                         device=perm.device)
 
 
-def _rows_kept(t, index_name, size):
-    keep = torch.tensor(_kept(t[index_name], size), dtype=torch.int64,
+def _index_and_kept_rows(t, index_name, size):
+    keep = torch.tensor(_kept_rows(t[index_name], size), dtype=torch.int64,
                         device=t[index_name].device)
     return t[index_name][keep], keep
 
@@ -392,7 +392,7 @@ def _off_expected(call, t):
     init, src = t["init"], t["src"]
     if call.startswith("index_add"):
         name = "index32" if call == "index_add-int32" else "index"
-        index, keep = _rows_kept(t, name, _SEGMENTS)
+        index, keep = _index_and_kept_rows(t, name, _SEGMENTS)
         alpha, mode = (-2.0, "kahan") if call == "index_add-kahan-alpha" else (1, "fp32")
         base = t["target"] if call == "index_add_" else init
         return reference.index_add(base, 0, index, src[keep], alpha=alpha, mode=mode)
@@ -402,18 +402,18 @@ def _off_expected(call, t):
         index = t["elementwise_index"]
         columns = []
         for c in range(_COLUMNS):
-            keep = torch.tensor(_kept(index[:, c], _SEGMENTS), dtype=torch.int64,
+            keep = torch.tensor(_kept_rows(index[:, c], _SEGMENTS), dtype=torch.int64,
                                 device=index.device)
             columns.append(reference.scatter_reduce(init[:, c], 0, index[keep, c],
                                                     src[keep, c], "sum"))
         return torch.stack(columns, 1)
     if call == "scatter_reduce-sorted":
         t = dict(t, planned=_planned_targets(t["sorted_index"], _SEGMENTS))
-        index, keep = _rows_kept(t, "planned", _SEGMENTS)
+        index, keep = _index_and_kept_rows(t, "planned", _SEGMENTS)
         return reference.scatter_reduce(init, 0, index, src[keep], "sum")
     if call.startswith("scatter_reduce"):
         reduce = call.split("-")[1]
-        index, keep = _rows_kept(t, "index", _SEGMENTS)
+        index, keep = _index_and_kept_rows(t, "index", _SEGMENTS)
         values = t["factors"] if reduce == "prod" else src
         return reference.scatter_reduce(init, 0, index, values[keep], reduce,
                                         include_self="without-self" not in call)
@@ -546,7 +546,7 @@ def _segment_gradient(t, grad, with_perm):
 def _kept_call_gradient(t, grad, reduce, include_self, planned=False):
     """The gradients of a checked call on the rows that "off" keeps."""
     index = _planned_targets(t["sorted_index"], _SEGMENTS) if planned else t["index"]
-    keep = torch.tensor(_kept(index, _SEGMENTS), dtype=torch.int64, device=index.device)
+    keep = torch.tensor(_kept_rows(index, _SEGMENTS), dtype=torch.int64, device=index.device)
     values = t["factors"] if reduce == "prod" else t["src"]
     init, kept = t["init"].clone().requires_grad_(), values[keep].clone().requires_grad_()
     detsum.scatter_reduce(init, 0, index[keep], kept, reduce,

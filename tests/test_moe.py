@@ -772,7 +772,7 @@ def test_weighted_unpermute_by_blocks_gives_the_bits_of_one_pass(
         patch.setattr(_kernel_ops, "_PRODUCT_BLOCK_BYTES", block_bytes)
         blocked = run()
     with monkeypatch.context() as patch:
-        patch.setattr(moe, "_blocked", lambda device, acc_mode: False)
+        patch.setattr(moe, "_runs_in_token_blocks", lambda device, acc_mode: False)
         one_pass = run()
     for got, expected in zip(blocked, one_pass):
         assert_same_bits(got, expected)

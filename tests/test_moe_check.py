@@ -91,10 +91,11 @@ def _moe_call(name, seed=0):
     function, differentiable, mode, dtype, weights_dtype, keywords = _MOE_CALLS[name]
     inputs = _moe_inputs(dtype, weights_dtype, seed)
     # "one-pass": the weighted rows in one pass, forward and backward, as on a GPU.
-    blocked = (lambda device, acc_mode: False) if name.endswith("one-pass") else moe._blocked
+    runs_in_token_blocks = ((lambda device, acc_mode: False) if name.endswith("one-pass")
+                            else moe._runs_in_token_blocks)
 
     def run(check):
-        with unittest.mock.patch.object(moe, "_blocked", blocked):
+        with unittest.mock.patch.object(moe, "_runs_in_token_blocks", runs_in_token_blocks):
             return _forward_backward(function, inputs, check, differentiable, mode=mode,
                                      **keywords)
     return run
@@ -404,7 +405,8 @@ def _moe_on_cuda(call):
         leaves = {name: inputs[name].clone().requires_grad_() for name in differentiable}
         arguments = {name: leaves.get(name, inputs[name]) for name in inputs
                      if name != "grad_seed"}
-        with unittest.mock.patch.object(moe, "_blocked", lambda device, acc_mode: False) \
+        with unittest.mock.patch.object(moe, "_runs_in_token_blocks",
+                                        lambda device, acc_mode: False) \
                 if call.endswith("one-pass") else contextlib.nullcontext():
             out = function(arguments, "device", mode=mode, **keywords)
         if "out" not in grads:

@@ -118,7 +118,7 @@ def cpu_tensors_as_cuda():
     def runs_as_cuda(name, device_type, caller):
         return check_backend_runs(name, "cuda" if device_type == "cpu" else device_type, caller)
 
-    blocked = moe._blocked
+    runs_in_token_blocks = moe._runs_in_token_blocks
     with contextlib.ExitStack() as stack:
         stack.enter_context(detsum.backend("triton"))
         for module in (backend_module, _segments):
@@ -126,7 +126,8 @@ def cpu_tensors_as_cuda():
                                                            runs_as_cuda))
         stack.enter_context(unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU", True))
         stack.enter_context(unittest.mock.patch.object(
-            moe, "_blocked", lambda device, acc_mode: blocked(torch.device("cuda"), acc_mode)))
+            moe, "_runs_in_token_blocks",
+            lambda device, acc_mode: runs_in_token_blocks(torch.device("cuda"), acc_mode)))
         stack.enter_context(unittest.mock.patch.object(moe_kernels, "route_tables",
                                                        _route_tables_in_range))
         yield

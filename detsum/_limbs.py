@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum.kernels import EXACT_TARGETS
-from detsum.modes import EXACT_LIMBS, LIMB_BITS, MAX_TERMS_PER_STATE
+from detsum.modes import EXACT_LIMBS, EXACT_TARGETS, LIMB_BITS, MAX_TERMS_PER_STATE
 
 COUNTERS = 4
 NAN, POS_INF, NEG_INF, NOT_NEG_ZERO = range(COUNTERS)

@@ -46,10 +46,12 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 # canonical order of "fp32" and "kahan" (part of the determinism contract):
 CHUNK_TERMS = kernels.CHUNK_TERMS
 # The exact state of "exact": limbs of LIMB_BITS bits, EXACT_LIMBS of them per element ("fp32"
-# units for fp32-family data, "fp64" units for fp64), and the terms a normalised state absorbs
-# (also the largest count an exact mean divides by):
+# units for fp32-family data, "fp64" units for fp64), each dtype's rounding of an exact sum
+# (EXACT_TARGETS), and the terms a normalised state absorbs (also the largest count an exact
+# mean divides by):
 LIMB_BITS = kernels.LIMB_BITS
 EXACT_LIMBS = kernels.EXACT_LIMBS
+EXACT_TARGETS = kernels.EXACT_TARGETS
 MAX_TERMS_PER_STATE = kernels.MAX_TERMS_PER_STATE
 # The accumulator type of each data dtype, which every mode but "autograd" sums in:
 acc_dtype = kernels.acc_dtype

@@ -142,72 +142,127 @@ def scatter_reduce_op(input: torch.Tensor, dim: int, index: torch.Tensor, src: t
 
 
 def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, check="host",
-         index_checked=False, planned=None):
+         planned=None):
     """The operator's body: validate index values (as ``check`` says), plan, launch.
-    ``index_checked``: the index holds positions among the rows with terms, in range.
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here."""
-    input3 = _segments.rows_view(input, dim)
     device_type = input.device.type
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
     if planned is None:  # a plan's index is a row index already
         index = _as_rows(input, dim, index, reduce, acc_mode, check)
-    rowwise = index.dim() == 1
-    sparse = None
-    if not index_checked and rowwise and planned is None and backend_name != "reference":
-        sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
-                                           size_name=f"input.size({dim})", check=check)
-    if sparse is not None:
-        # Rows without terms keep input (include_self or not), as in torch.
-        targets, positions = sparse
-        rows = _run(input.index_select(dim, targets), dim, positions, src, reduce, include_self,
-                    acc_mode, sorted, index_checked=True)
-        out3 = _segments.new_output_like(input3)
-        out3.copy_(input3)
-        out3.index_copy_(1, targets, _segments.rows_view(rows, dim))
-        return out3.view(input.shape)
-    if (backend_name == "numba" and rowwise and reduce == "sum" and include_self
-            and not (index_checked or sorted or planned is not None)):
-        # A sum from input is index_add's arithmetic, rule for rule (alpha 1).
-        small = _segments.small_index_add(
-            _CALLER, _segments.rows_view(src, dim), index, input3, None, 1.0,
-            rule_for(MODE_BY_NAME[acc_mode], "sum", "cpu", input3.shape[2]),
-            f"input.size({dim})")
-        if small is not None:
-            return small.view(*input.shape)
-    chunks = None
-    if planned is not None:
-        order, offsets, chunks = planned
-        src3, base3 = _segments.rows_view(src, dim), input3
-    elif rowwise and index_checked and not sorted:
-        # Checked once already (on a GPU, that check is a host read). A sorted=True promise is
-        # still checked below: the positions are sorted exactly when the index is.
-        order, offsets = _segments.plan_from_keys(index, input.shape[dim], backend_name,
-                                                  as_keys=True)
-        src3, base3 = _segments.rows_view(src, dim), input3
-    elif rowwise:
-        order, offsets = _segments.plan_from_index(
-            _CALLER, index, input.shape[dim], index_name="index",
-            size_name=f"input.size({dim})", promised_sorted=sorted, backend_name=backend_name,
-            check=check, as_keys=True)
-        src3, base3 = _segments.rows_view(src, dim), input3
-    else:
-        rule = rule_for(Mode(acc_mode), reduce, input.device.type, 1)
-        if _streams(backend_name, input.device.type, rule):
-            return _stream_elements(input, dim, index, src, reduce, include_self, rule)
-        order, offsets = _elementwise_plan(input3, index, dim, backend_name, check)
-        src3, base3 = src.reshape(1, -1, 1), input3.reshape(1, -1, 1)
     if backend_name == "reference":
-        if rowwise and sorted and check != "host":
-            index = _segments.index_as_planned(index, input.shape[dim])
-        return reference.scatter_reduce(input, dim, index, src, reduce,
-                                        include_self=include_self, mode=acc_mode)
+        return _run_reference(input, dim, index, src, reduce, include_self, acc_mode, sorted,
+                              check, planned)
+    if planned is not None:
+        return _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode,
+                            planned).view(*input.shape)
+    if index.dim() != 1:
+        return _run_elements(backend_name, input, dim, index, src, reduce, include_self,
+                             acc_mode, check)
+    sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
+                                       size_name=f"input.size({dim})", check=check)
+    if sparse is not None:
+        return _run_on_rows_with_terms(backend_name, input, dim, *sparse, src, reduce,
+                                       include_self, acc_mode, sorted)
+    if backend_name == "numba" and reduce == "sum" and include_self and not sorted:
+        small = _run_small(input, dim, index, src, acc_mode)
+        if small is not None:
+            return small
+    planned = (*_plan(input, dim, index, sorted, backend_name, check), None)
+    # Sizes one by one: half the parsing of a torch.Size.
+    return _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode,
+                        planned).view(*input.shape)
+
+
+def _plan(input, dim, index, sorted, backend_name, check):
+    """(order, offsets) of a 1-D ``index``'s rows, after checking its values (and a
+    ``sorted=True`` promise) as ``check`` says."""
+    return _segments.plan_from_index(
+        _CALLER, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
+        promised_sorted=sorted, backend_name=backend_name, check=check, as_keys=True)
+
+
+def _run_reference(input, dim, index, src, reduce, include_self, acc_mode, sorted, check,
+                   planned):
+    """``_run`` on the reference backend, after the same checks of ``index``'s values."""
+    rowwise = index.dim() == 1
+    if planned is None:
+        if rowwise:
+            _plan(input, dim, index, sorted, "reference", check)
+        else:
+            _elementwise_plan(_segments.rows_view(input, dim), index, dim, "reference", check)
+    if rowwise and sorted and check != "host":
+        # An unchecked promise reduces rows as the other backends' plans do.
+        index = _segments.index_as_planned(index, input.shape[dim])
+    return reference.scatter_reduce(input, dim, index, src, reduce, include_self=include_self,
+                                    mode=acc_mode)
+
+
+def _run_elements(backend_name, input, dim, index, src, reduce, include_self, acc_mode, check):
+    """``_run`` for an index of ``src``'s shape: without a plan where ``_streams`` says so, or
+    else as a 1-D segmented reduction over the flattened tensors (``_elementwise_plan``)."""
+    rule = rule_for(Mode(acc_mode), reduce, input.device.type, 1)
+    if _streams(backend_name, input.device.type, rule):
+        return _stream_elements(input, dim, index, src, reduce, include_self, rule)
+    input3 = _segments.rows_view(input, dim)
+    order, offsets = _elementwise_plan(input3, index, dim, backend_name, check)
+    return _launch(backend_name, src.reshape(1, -1, 1), input3.reshape(1, -1, 1), reduce,
+                   include_self, acc_mode, (order, offsets, None)).view(*input.shape)
+
+
+def _run_on_rows_with_terms(backend_name, input, dim, targets, positions, src, reduce,
+                            include_self, acc_mode, sorted):
+    """``_run`` where few of ``input``'s rows receive terms: those rows (``targets``) alone go
+    through the kernel, their terms at ``positions`` among them (checked already), and the
+    others keep ``input``, include_self or not, as in torch (``_segments.rows_with_terms``:
+    the same bits)."""
+    rows_in = input.index_select(dim, targets)
+    if sorted:
+        # A sorted=True promise is still checked: the positions are sorted exactly when the
+        # index is.
+        order, offsets = _plan(rows_in, dim, positions, True, backend_name, "host")
+    else:
+        # Checked once already (on a GPU, that check is a host read).
+        order, offsets = _segments.plan_from_keys(positions, rows_in.shape[dim], backend_name,
+                                                  as_keys=True)
+    rows = _launch_rows(backend_name, rows_in, dim, src, reduce, include_self, acc_mode,
+                        (order, offsets, None))
+    input3 = _segments.rows_view(input, dim)
+    out3 = _segments.new_output_like(input3)
+    out3.copy_(input3)
+    out3.index_copy_(1, targets, rows)
+    return out3.view(*input.shape)
+
+
+def _run_small(input, dim, index, src, acc_mode):
+    """``_run`` of a sum from ``input`` as one Numba call without a plan
+    (``_segments.small_index_add``: a sum from input is index_add's arithmetic, rule for rule,
+    alpha 1), or None where that call does not fit."""
+    input3 = _segments.rows_view(input, dim)
+    small = _segments.small_index_add(
+        _CALLER, _segments.rows_view(src, dim), index, input3, None, 1.0,
+        rule_for(MODE_BY_NAME[acc_mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
+    return None if small is None else small.view(*input.shape)
+
+
+def _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode, planned):
+    """``_launch`` of ``src``'s rows into ``input``'s, as rows views (``_segments.rows_view``)."""
+    return _launch(backend_name, _segments.rows_view(src, dim), _segments.rows_view(input, dim),
+                   reduce, include_self, acc_mode, planned)
+
+
+def _launch(backend_name, src3, base3, reduce, include_self, acc_mode, planned):
+    """A new output of ``base3``'s shape: each of its rows reduces ``base3``'s (when
+    ``include_self``), then ``src3``'s rows of its segment in ``planned``'s order, by
+    ``backend_name``'s kernel."""
+    order, offsets, chunks = planned
     out3 = _segments.new_output_like(base3)
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
-                     rule=rule_for(MODE_BY_NAME[acc_mode], reduce, device_type, base3.shape[2]),
+                     rule=rule_for(MODE_BY_NAME[acc_mode], reduce, base3.device.type,
+                                   base3.shape[2]),
                      alpha=1.0, include_base=include_self, chunks=chunks)
-    return out3.view(*input.shape)  # sizes one by one: half the parsing of a torch.Size
+    return out3
 
 
 @scatter_reduce_op.register_fake

@@ -205,8 +205,8 @@ def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position:
         f"expected a nondecreasing index, or pass sorted=False")
 
 
-def _check_sorted(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
-                  size_name: str) -> None:
+def check_sorted(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
+                 size_name: str) -> None:
     """Check a promised-sorted index on the host (one read), raising the error of its first
     bad value: out of range first, then decreasing."""
     decreasing = (index[1:] < index[:-1]).any()
@@ -241,7 +241,7 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
                 torch.zeros(num_segments + 1, dtype=torch.int64, device=index.device))
     in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
     if promised_sorted:
-        host_check = functools.partial(_check_sorted, caller, index, num_segments,
+        host_check = functools.partial(check_sorted, caller, index, num_segments,
                                        index_name=index_name, size_name=size_name)
         if as_keys:
             # The launch checks every value itself: one assert, or one read of its verdict.

@@ -351,6 +351,19 @@ def test_sorted_index_gives_same_bits(mode, dtype, reduce):
     both_include_self(check)
 
 
+@pytest.mark.parametrize("output_rows", [3, 100], ids=["every-row", "few-rows-receive"])
+def test_a_broken_sorted_promise_names_the_callers_values(output_rows):
+    """The error of a decreasing index under sorted=True quotes the index's own values, also
+    where few of the output's rows receive terms (those rows alone are reduced, by their
+    positions among them)."""
+    index = torch.tensor([0, 2, 1]) if output_rows == 3 else torch.tensor([7, 50, 30])
+    input, before = torch.zeros(output_rows), torch.zeros(output_rows)
+    first, second = index[1].item(), index[2].item()
+    with pytest.raises(ValueError, match=rf"decreases at position 2 \({first} then {second}\)"):
+        detsum.scatter_reduce(input, 0, index, torch.ones(3), "sum", sorted=True)
+    assert torch.equal(input, before)
+
+
 # ---------------------------------------------------------------------------------------------
 # "kahan": within 1 ulp of the exactly rounded sum
 # ---------------------------------------------------------------------------------------------

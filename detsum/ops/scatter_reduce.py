@@ -163,7 +163,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
                                        size_name=f"input.size({dim})", check=check)
     if sparse is not None:
-        return _run_on_rows_with_terms(backend_name, input, dim, *sparse, src, reduce,
+        return _run_on_rows_with_terms(backend_name, input, dim, index, *sparse, src, reduce,
                                        include_self, acc_mode, sorted)
     if backend_name == "numba" and reduce == "sum" and include_self and not sorted:
         small = _run_small(input, dim, index, src, acc_mode)
@@ -211,7 +211,7 @@ def _run_elements(backend_name, input, dim, index, src, reduce, include_self, ac
                    include_self, acc_mode, (order, offsets, None)).view(*input.shape)
 
 
-def _run_on_rows_with_terms(backend_name, input, dim, targets, positions, src, reduce,
+def _run_on_rows_with_terms(backend_name, input, dim, index, targets, positions, src, reduce,
                             include_self, acc_mode, sorted):
     """``_run`` where few of ``input``'s rows receive terms: those rows (``targets``) alone go
     through the kernel, their terms at ``positions`` among them (checked already), and the
@@ -219,13 +219,13 @@ def _run_on_rows_with_terms(backend_name, input, dim, targets, positions, src, r
     the same bits)."""
     rows_in = input.index_select(dim, targets)
     if sorted:
-        # A sorted=True promise is still checked: the positions are sorted exactly when the
-        # index is.
-        order, offsets = _plan(rows_in, dim, positions, True, backend_name, "host")
-    else:
-        # Checked once already (on a GPU, that check is a host read).
-        order, offsets = _segments.plan_from_keys(positions, rows_in.shape[dim], backend_name,
-                                                  as_keys=True)
+        # A sorted=True promise is still checked, on the caller's index (its values in range
+        # already) so that the error quotes them: the positions are sorted exactly when it is.
+        _segments.check_sorted(_CALLER, index, input.shape[dim], index_name="index",
+                               size_name=f"input.size({dim})")
+    # Checked once already (on a GPU, that check is a host read).
+    order, offsets = _segments.plan_from_keys(positions, rows_in.shape[dim], backend_name,
+                                              as_keys=True)
     rows = _launch_rows(backend_name, rows_in, dim, src, reduce, include_self, acc_mode,
                         (order, offsets, None))
     input3 = _segments.rows_view(input, dim)

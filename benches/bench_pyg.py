@@ -1,8 +1,9 @@
 """PyG layers, forward and backward, switched by ``detsum.pyg.make_deterministic`` against PyG's
 default, in one run.
 
-A GCNConv, a SAGEConv and a GATConv (64 features in, 64 out, one head, fp32) on random graphs of 10k nodes and 100k
-edges, and of 100k nodes and 1M edges (uniformly random endpoints, about 10 edges per node).
+A GCNConv, a SAGEConv and a GATConv (64 features in, 64 out, one head, fp32) on random graphs
+of 10k nodes and 100k edges, and of 100k nodes and 1M edges (uniformly random endpoints, about
+10 edges per node).
 One timed step is ``layer(x, edge_index)`` with ``x`` requiring grad, then ``backward`` of a
 fixed upstream gradient: the gather of messages and its backward, the aggregation and its
 backward, GCN's degree normalisation, GAT's attention (a softmax over each node's incoming

@@ -8,7 +8,9 @@
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
-#   TEST_ARGS="-n 12 -m cuda tests tests/test_triton.py" BENCH_ARGS="-k 'cuda and dispatch'"
+#   TEST_ARGS="-n 14 -k 'cuda or triton' tests" BENCH_ARGS="-k 'cuda and dispatch'"
+# (-n: pytest-xdist, on the GPU machine; "cuda or triton" keeps the cuda-marked tests and
+# every test that names the triton backend, in 3 minutes on an H200).
 #
 # Each stage fits in one 10-minute device command; run them one by one when a session's device
 # time is short. Everything is written to $OUT (default benches/results/gpu-<date>/): the
@@ -41,7 +43,8 @@ for stage in $STAGES; do
         # The whole log goes to tests-full.txt as it is written, so a run stopped at the device's
         # time limit still leaves what it printed.
         eval "python3 -m pytest -q -p no:cacheprovider --junitxml=\"\$OUT/tests.xml\" \
-            --durations=20 $TEST_ARGS" 2>&1 | tee "$OUT/tests-full.txt" | tail -n 60 | tee "$OUT/tests.txt" || status=1 ;;
+            --durations=20 $TEST_ARGS" 2>&1 | tee "$OUT/tests-full.txt" | tail -n 60 \
+            | tee "$OUT/tests.txt" || status=1 ;;
     benches)
         eval "python3 -m pytest benches $BENCH_ARGS --benchmark-only -q -p no:cacheprovider \
             --benchmark-json=\"\$OUT/bench-gpu.json\"" 2>&1 | tail -n 20 || status=1

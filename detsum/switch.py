@@ -716,9 +716,10 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     """Each segment of consecutive rows along ``axis`` (given by ``lengths`` or by
     ``offsets``, per batch of the dims before ``axis``) reduced from ``initial`` (or the
     reduction's identity) in row order: ``scatter_reduce`` with a row index, ``index_add``
-    for sum and mean. A mean divides the sum by the length (an empty segment keeps
-    ``initial``, or is NaN): in torch's arithmetic in "autograd" mode, in the accumulator
-    type otherwise. CPU tensors only: "autograd" reproduces torch's CPU arithmetic."""
+    for sum and mean (from +0.0 the same bits as a ``segment_sum`` of the rows). A mean
+    divides the sum by the length (an empty segment keeps ``initial``, or is NaN): in torch's
+    arithmetic in "autograd" mode, in the accumulator type otherwise. CPU tensors only:
+    "autograd" reproduces torch's CPU arithmetic."""
     bounds = offsets if offsets is not None else lengths
     if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
             or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0

@@ -47,6 +47,7 @@ def backend_device(backend: str) -> str:
     CPU."""
     return "cuda" if backend == "triton" and HAS_CUDA else "cpu"
 
+
 def slow_exact_in_interpreter(backend: str, mode: str, dtype: torch.dtype) -> bool:
     """Whether a layout sweep's case is "exact" fp16 or fp64 on Triton's interpreter.
 

@@ -73,8 +73,9 @@ def _run_on_rows_with_terms(input, dim, targets, positions, source, alpha, mode,
                                               as_keys=True)
     rows = _launch(backend_name, rows_in, dim, source, alpha, mode, (order, offsets, None), None)
     if out3 is None:
-        out3 = _segments.new_output_like(_segments.rows_view(input, dim))
-        out3.copy_(_segments.rows_view(input, dim))
+        input3 = _segments.rows_view(input, dim)
+        out3 = _segments.new_output_like(input3)
+        out3.copy_(input3)
     out3.index_copy_(1, targets, rows)
     return out3
 

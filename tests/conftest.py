@@ -235,7 +235,7 @@ def detsum_threads(count: int):
     thread counts compares detsum's, never torch's BLAS, whose bits follow its thread count
     on some CPUs. Torch needs ``count`` threads for the kernels to get them."""
     import numba
-    from detsum.kernels.numba.segment import threads
+    from detsum.kernels.numba.common import threads
 
     if torch.get_num_threads() < count:
         pytest.skip(f"torch runs on {torch.get_num_threads()} thread(s); the test needs {count}")

@@ -29,7 +29,8 @@ from kernel_instances import every_kernel
 
 @pytest.fixture
 def threads_used(monkeypatch):
-    """The Numba thread count each fp32 kernel launch ran with."""
+    """The threads each fp32 kernel launch could run on: Numba's count for a launch of
+    several blocks, one for a launch of one block (run on the calling thread, ``Blocks``)."""
     seen = []
     kernel_for = segment.kernel_for
 
@@ -38,9 +39,9 @@ def threads_used(monkeypatch):
         if dtype != torch.float32:
             return kernel
 
-        def recording_kernel(*args):
-            seen.append(numba.get_num_threads())
-            return kernel(*args)
+        def recording_kernel(n_blocks, args):
+            seen.append(numba.get_num_threads() if n_blocks > 1 else 1)
+            return kernel(n_blocks, args)
 
         return recording_kernel
 

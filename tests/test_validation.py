@@ -129,6 +129,28 @@ def test_failing_inplace_call_leaves_input_untouched(bad_index, contiguous):
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("offsets,perm", [
+    ([0, 3], None), ([1, 3], None), ([0, 2], None), ([0, 2, 1, 3], None), ([2, 1, 5], None),
+    ([0, 3], [0, 3, 1]), ([0, 3], [-1, 0, 1]), ([0, 3], [2, 1, 0]), ([0, 3], []),
+    ([0, 1, 1, 3], [0, 2, 1]), ([0, 1, 3], [0, 5, 1])])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_segment_sums_two_host_checks_agree(offsets, perm, dtype):
+    """CPU tensors are checked in NumPy, a GPU's with torch ops and one host read: both
+    raise the same error for the same values (or none), the first check that fails winning."""
+    from detsum.ops import segment_sum as primitive
+
+    offsets = torch.tensor(offsets, dtype=dtype)
+    perm = None if perm is None else torch.tensor(perm, dtype=dtype)
+    outcomes = []
+    for check in (primitive._check_on_cpu, primitive._check_on_host):
+        try:
+            check(offsets, perm, 3)
+            outcomes.append(None)
+        except (ValueError, IndexError) as error:
+            outcomes.append((type(error), str(error)))
+    assert outcomes[0] == outcomes[1]
+
+
 def test_mode_accepts_enum_members():
     x, dim, idx, src = _index_add_args()
     for mode in detsum.Mode:

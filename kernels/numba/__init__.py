@@ -24,6 +24,8 @@ import types
 
 import numba
 import torch
+from numba.core.caching import FunctionCache
+from numba.core.runtime import rtsys
 
 if not {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & os.environ.keys():
     # Read by Numba when its threading layer starts, just below.
@@ -37,6 +39,51 @@ _torch_threads = torch.get_num_threads()
 numba.get_num_threads()
 if torch.get_num_threads() != _torch_threads:
     torch.set_num_threads(_torch_threads)
+
+
+
+class _LeanLoadingCache(FunctionCache):
+    """The on-disk cache of a detsum kernel, which loads compiled code without refreshing
+    Numba's typing and lowering registries first.
+
+    Numba's ``load_overload`` refreshes them before every load: the first time, that imports
+    the implementations of every NumPy and Python feature it compiles (typed lists and dicts,
+    linear algebra, random generators ...), 0.27 s of a first call's 0.44 s on the project's
+    2-core VM. Loaded machine code needs none of them: only the runtime (NRT) that compiled
+    code allocates through, set up here as the refresh would. A compilation refreshes them
+    itself (``numba.core.compiler.CompilerBase``), so a cache miss compiles as before.
+    ``tests/test_first_call.py`` holds both: a first call from the cache imports none of
+    them and gives the compiled bits, and a later compilation still works.
+    """
+
+    def load_overload(self, sig, target_context):
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+
+#: Whether this Numba's cache has the parts ``_LeanLoadingCache`` overrides; otherwise each
+#: kernel keeps Numba's own (its loads then refresh the registries, as Numba's do).
+_LEAN_LOADS = all(hasattr(FunctionCache, name) for name in
+                  ("load_overload", "_load_overload", "_guard_against_spurious_io_errors"))
+
+
+def lean_loads(dispatcher):
+    """``dispatcher``, a ``cache=True`` kernel, with loads that skip the registry refresh
+    (:class:`_LeanLoadingCache`); any other dispatcher as it is."""
+    cache = getattr(dispatcher, "_cache", None)
+    if _LEAN_LOADS and type(cache) is FunctionCache:
+        cache.__class__ = _LeanLoadingCache
+    return dispatcher
+
+
+def njit(*args, **options):
+    """``numba.njit`` for detsum's kernels: the same compiled function, whose on-disk cache
+    loads without the registry refresh (:func:`lean_loads`). ``@njit`` or ``@njit(...)``."""
+    if args and callable(args[0]):
+        return lean_loads(numba.njit(*args, **options))
+    return lambda py_func: lean_loads(numba.njit(*args, **options)(py_func))
+
 
 _forked = False
 
@@ -63,7 +110,7 @@ class _ParallelKernel:
     def __init__(self, py_func, options):
         self.py_func = py_func
         self._options = options
-        self._parallel = numba.njit(parallel=True, **options)(py_func)
+        self._parallel = njit(parallel=True, **options)(py_func)
         self._serial = None
 
     def __call__(self, *args):
@@ -83,7 +130,7 @@ class _ParallelKernel:
             # twin would load the parallel code, or overwrite it.
             twin.__qualname__ = f"{f.__qualname__}_serial"
             twin.__module__ = f.__module__
-            self._serial = numba.njit(**self._options)(twin)
+            self._serial = njit(**self._options)(twin)
         return self._serial
 
 

@@ -14,11 +14,11 @@ import numba
 import numpy as np
 import torch
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import forked, parallel_njit
+from . import forked, njit, parallel_njit
 
 # Columns per work item. Chunking columns changes nothing in any element's order; it bounds
 # the scratch rows (kept in L1) and gives every thread items when there are few output rows.
@@ -156,6 +156,13 @@ def work_split(rows, inner, nthreads, terms):
     n_items = rows * -(-inner // chunk)
     n_blocks = min(n_items, 64 * nthreads, max(1, (terms + rows) * inner // _MIN_BLOCK_ELEMENTS))
     return chunk, n_blocks
+
+
+def block_threads(n_blocks, nthreads):
+    """The context a launch of ``n_blocks`` :class:`~.instances.Blocks` runs in: ``threads``
+    for several blocks; for one, which ``Blocks`` runs on the calling thread outside any
+    parallel region, none (setting and restoring the counts would cost a small call 4 us)."""
+    return threads(nthreads) if n_blocks > 1 else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ import functools
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
 from .. import EXACT_TARGETS, MEAN, NORMALISE_EVERY, has_exact_work
 from .rounding import (
@@ -54,9 +54,9 @@ from .rounding import (
     f32_to_f16_bits,
     u32_as_f32,
 )
-from . import parallel_njit
+from . import njit, parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
-from .common import _prefetch, launch_threads, threads, work_split
+from .common import _prefetch, block_threads, launch_threads, work_split
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 from .limbs import f32_term, f64_in_fp32_units, f64_term, finish, normalise_limbs
 
@@ -465,8 +465,7 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     args = (src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
             (outer, nseg, inner), float(alpha), bool(include_base), base is not None, chunk,
             acc_scratch, data_scratch, limb_scratch, flag_scratch, positions, pf_dist, pending)
-    # One block, one thread (see segment.segment_reduce).
-    with threads(nthreads if n_blocks > 1 else 1):
+    with block_threads(n_blocks, nthreads):
         if first:
             kernel_for(src.dtype, reduce == MEAN, True)(n_blocks, args)
         if not first or pending.any():

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
 from .. import NORMALISE_EVERY
 from .rounding import f32_as_u32, f64_as_u64
-from . import parallel_njit
+from . import njit, parallel_njit
 from .common import launch_threads, threads
 from .instances import instance
 from .limbs import DIGIT_MASK, deposit, finish, normalise_limbs

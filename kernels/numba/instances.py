@@ -25,12 +25,12 @@ from types import FunctionType
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, typeof, types
+from numba import typeof, types
 from numba.core import cgutils
 from numba.core.callconv import RETCODE_NONE, RETCODE_OK, excinfo_t
 from numba.extending import intrinsic
 
-from . import parallel_njit
+from . import njit, parallel_njit
 
 __all__ = ["instance", "Blocks", "call_at", "types_key_of", "DONE", "OTHER_TYPES"]
 

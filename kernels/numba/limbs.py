@@ -11,9 +11,9 @@ file): after editing this file, delete ``kernels/numba/__pycache__`` to drop sta
 import math
 
 import numpy as np
-from numba import njit
 
 from .. import LIMB_BITS
+from . import njit
 from .rounding import f32_as_u32, f64_as_u64
 
 DIGIT_MASK = (1 << LIMB_BITS) - 1

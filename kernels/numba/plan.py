@@ -12,7 +12,8 @@ deterministic by construction, and cheap next to the reduction itself.
 
 import numpy as np
 import torch
-from numba import njit
+
+from . import njit
 
 __all__ = ["counting_sort", "check_sorted_offsets"]
 

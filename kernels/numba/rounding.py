@@ -27,8 +27,10 @@ tests compare NaN positions only (docs/determinism.md).
 import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic
+
+from . import njit
 
 __all__ = [
     "f32_as_u32",

@@ -49,8 +49,8 @@ from .rounding import (
     round_f32_to_f16,
 )
 from . import parallel_njit
-from .common import (_f32, _f64, _flat, _njit_named_for, kahan_result, launch_threads, neumaier,
-                     threads)
+from .common import (_f32, _f64, _flat, _njit_named_for, block_threads, kahan_result,
+                     launch_threads, neumaier)
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 from .variants import (OP_ADD, OP_ADD_ROUND, OP_KAHAN, OP_MAX, OP_MIN, OP_MUL, OP_NAMES,
                        variant_for, variant_name)
@@ -364,7 +364,7 @@ def scatter_elements(src, index, base, out, *, reduce, rule, include_base):
     count = np.empty((n_blocks, state), dtype=count_dtype)
     seen = np.empty((n_blocks, chunk_state), dtype=count_dtype)
     bad = np.zeros(n_blocks, dtype=np.int64)
-    with threads(nthreads if n_blocks > 1 else 1):
+    with block_threads(n_blocks, nthreads):
         kernel(n_blocks, (src_np, ss, index_np, xs, base_np, bs, out_np, us,
                           (outer, nrows, nseg, inner), width, bool(include_base), acc, comp,
                           part, pcomp, count, seen, bad))

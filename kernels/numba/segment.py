@@ -126,10 +126,10 @@ from .common import (
     _flat,
     _njit_named_for,
     _prefetch,
+    block_threads,
     kahan_result,
     launch_threads,
     neumaier,
-    threads,
     work_split,
 )
 from .exact import segment_reduce_exact
@@ -479,9 +479,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     acc_scratch = np.empty((n_blocks, 4, chunk), dtype=acc_dtype)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
-    # One block runs on one thread: a parallel region of more would wait for threads with
-    # nothing to do, a whole time slice each on a busy machine (seen: 12 us -> 1.8 ms).
-    with threads(nthreads if n_blocks > 1 else 1):
+    with block_threads(n_blocks, nthreads):
         kernel(n_blocks, (
             src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us, carry_np, cs,
             (outer, nseg, inner), float(alpha), bool(include_base), base is not None,

@@ -33,10 +33,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
 
 from .. import LIMB_BITS
-from . import parallel_njit
+from . import njit, parallel_njit
 from .common import launch_threads, threads
 
 __all__ = ["scan", "encode", "decode"]

@@ -12,18 +12,29 @@ Each op's primitive is what the switch calls (``detsum/switch.py``): ``index_add
 ``index_put_(accumulate=True)`` run ``detsum.index_add_``; ``scatter_add_`` and
 ``scatter_reduce_`` run ``detsum.scatter_reduce`` copied into ``self``; the dense backward of
 ``embedding`` and ``bincount`` with weights run ``detsum.index_add`` from zeros;
-``segment_reduce`` runs ``detsum.index_add`` with each row's segment as its index (here its
-primitive is ``detsum.segment_sum``, the cheaper call a user would write).
+``segment_reduce`` sums and means from 0 run ``detsum.segment_sum`` over the CSR offsets of
+its segments (given as lengths, the switch makes the offsets: the primitive's call here is
+given them, the call a user would write).
+
+On a GPU (``test_enable_cuda``, the issue's GPU target): torch's ``index_add_`` and the
+backward of ``x[idx]`` (``index_put_`` with ``accumulate=True``) on a Zipf-skewed index
+(``bench_skew.py``'s, 50k rows of 256 features into a 32k-row table), under the switch in
+"fp32" mode against torch's default (atomics) and against torch under
+``use_deterministic_algorithms(True)`` (a sort); target: at most 1.2x the first, at least
+3x faster than the second.
 
     pytest benches/bench_enable.py --benchmark-json=benches/results/cpu-enable-<date>.json
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 import detsum
+from bench_skew import ZIPF_EXPONENT, zipf_index
 from conftest import run_case
 
 MODE = "fp32"
@@ -77,6 +88,10 @@ def _calls(t: dict) -> dict:
         "segment_reduce sum": (
             lambda: torch.segment_reduce(src, "sum", lengths=t["lengths"]),
             lambda: detsum.segment_sum(src, t["offsets"], mode=MODE)),
+        # PyG's form (its segment over a CSR pointer): the same offsets in both calls.
+        "segment_reduce offsets sum": (
+            lambda: torch.segment_reduce(src, "sum", offsets=t["offsets"]),
+            lambda: detsum.segment_sum(src, t["offsets"], mode=MODE)),
     }
 
 
@@ -109,3 +124,35 @@ def test_enable(benchmark, size, op, impl):
     calls = detsum.switch.counts - before
     # A call the switch left to torch would time torch's kernel under this case's name.
     assert calls and all(how == "detsum" for _, how in calls), dict(calls)
+
+
+CUDA_ROWS, CUDA_TABLE, CUDA_FEATURES = 50_000, 32_768, 256
+CUDA_OPS = ["index_add_", "index_put_ accumulate"]
+
+
+@pytest.mark.parametrize("impl", ["switch", "torch", "torch deterministic"])
+@pytest.mark.parametrize("op", CUDA_OPS)
+def test_enable_cuda(benchmark, op, impl):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(2)
+    index = zipf_index(CUDA_ROWS, CUDA_TABLE, ZIPF_EXPONENT, gen).cuda()
+    src = torch.randn(CUDA_ROWS, CUDA_FEATURES, generator=gen).cuda()
+    work = torch.zeros(CUDA_TABLE, CUDA_FEATURES, device="cuda")
+    call = {"index_add_": lambda: work.index_add_(0, index, src),
+            "index_put_ accumulate": lambda: work.index_put_((index,), src, accumulate=True)}[op]
+    benchmark.group = f"enable cuda {op} zipf"
+    info = {"primitive": "enable", "op": op, "device": "cuda", "dtype": "fp32", "impl": impl,
+            "case": f"zipf {CUDA_ROWS}x{CUDA_FEATURES} -> {CUDA_TABLE}", "mode": MODE,
+            "max_ulps": None}
+    baseline = f"test_enable_cuda[{op}-torch]" if impl != "torch" else None
+    before = detsum.switch.counts.copy()
+    try:
+        torch.use_deterministic_algorithms(impl == "torch deterministic")
+        with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
+            run_case(benchmark, call, "cuda", rounds=50, warmup_rounds=3, info=info,
+                     baseline=baseline, baseline_case=baseline)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    calls = detsum.switch.counts - before
+    assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls)

@@ -55,18 +55,20 @@ for stage in $STAGES; do
     targets)
         # What a call costs by how it is called (plan, check level, torch's form), the MoE
         # backward against a copy, the Zipf-skewed index, the small call, then the report
-        # ("exact" against "fp32", segment_sum 16384x64), the CUDA-graph and no-sync tests and
-        # the sum over ranks: every row of the GPU issue's table that one GPU can measure.
+        # ("exact" against "fp32", segment_sum 16384x64), the CUDA-graph and no-sync tests, the
+        # switch on CUDA (its tests and its cost on the Zipf index) and the sum over ranks:
+        # every row of the GPU issues' tables that one GPU can measure.
         python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
             | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" || status=1
         python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
-            -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_)" \
+            -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda" \
             --benchmark-json="$OUT/bench-targets.json" 2>&1 | tail -n 5 || status=1
         python3 benches/summarize.py "$OUT/bench-targets.json" | tee "$OUT/bench-targets.txt"
         python3 -m detsum report --json "$OUT/report-gpu.json" > "$OUT/report-gpu.txt" \
             || status=1
-        python3 -m pytest tests -q -p no:cacheprovider -m cuda -k "graph or synchronisation" \
-            2>&1 | tail -n 3 | tee "$OUT/tests-graph.txt" || status=1
+        python3 -m pytest tests -q -p no:cacheprovider -m cuda \
+            -k "graph or synchronisation or test_enable_cuda" 2>&1 | tail -n 30 \
+            | tee "$OUT/tests-graph.txt" || status=1
         python3 benches/distributed_nccl.py > "$OUT/distributed-nccl.txt" 2>&1 || status=1 ;;
     distributed)
         # detsum.distributed and the loss functions' group= on NCCL, one GPU as one rank:

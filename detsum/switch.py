@@ -55,6 +55,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from detsum import _validation
@@ -197,21 +198,27 @@ def _register() -> torch.library.Library:
 
 def _switched(name, body, original):
     """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
-    function that computes the result on detsum, or None to leave the call to torch."""
+    function that computes the result on detsum, or None to leave the call to torch; that
+    function may still leave it to torch, by raising ``_LeaveToTorch`` before it writes
+    anything."""
     def kernel(keyset, *args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
             run = body(mode, *args, **kwargs)
             if run is not None:
-                counts[(name, "detsum")] += 1
                 _inside.running = True
                 try:
-                    return run()
+                    result = run()
+                except _LeaveToTorch:
+                    pass
                 except IndexOutOfRangeError as error:
                     # detsum names its own function; the caller called torch's.
                     _, _, detail = str(error).partition(": ")
                     raise IndexOutOfRangeError(f"{name} (run by detsum.enable): {detail}") \
                         from None
+                else:
+                    counts[(name, "detsum")] += 1
+                    return result
                 finally:
                     _inside.running = False
         counts[(name, "torch")] += 1
@@ -221,6 +228,12 @@ def _switched(name, body, original):
     return kernel
 
 
+class _LeaveToTorch(Exception):
+    """Raised by a switched call's run, before it writes anything, where detsum's own checks
+    show that torch's kernel gives the meaning (a test that would cost every call a read of
+    the index, made only when detsum's check fails)."""
+
+
 # ---- what detsum takes ------------------------------------------------------------------------
 # Each test below accepts only inputs that torch accepts too and that detsum's primitive
 # computes with torch's meaning; anything else goes to torch, which gives its own result or
@@ -228,9 +241,22 @@ def _switched(name, body, original):
 
 def _plain(*tensors: torch.Tensor) -> bool:
     """Strided tensors on one CPU or CUDA device, without a lazy negation bit."""
-    device = tensors[0].device
-    return device.type in ("cpu", "cuda") and all(
-        t.layout == torch.strided and t.device == device and not t.is_neg() for t in tensors)
+    # t.is_cpu reads a flag where t.device builds an object: the test in half the time.
+    if tensors[0].is_cpu:
+        on_device = _on_cpu
+    elif tensors[0].is_cuda:
+        index = tensors[0].get_device()
+        on_device = lambda t: t.is_cuda and t.get_device() == index  # noqa: E731
+    else:
+        return False
+    for t in tensors:
+        if not on_device(t) or t.layout != torch.strided or t.is_neg():
+            return False
+    return True
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    return t.is_cpu
 
 
 def _values(self: torch.Tensor, other: torch.Tensor) -> bool:
@@ -493,9 +519,13 @@ def _index_put(mode, self, indices, values, accumulate=False, unsafe=False):
 
     def run():
         _check_changeable("index_put_", self)
-        flat = index.reshape(-1)
-        terms = values.expand(shape).reshape(*self.shape[:d], flat.shape[0],
-                                             *self.shape[d + 1:])
+        if index.dim() == 1:  # x[idx]'s backward: the index and values as they are
+            flat = index
+            terms = values if values.shape == shape else values.expand(shape)
+        else:
+            flat = index.reshape(-1)
+            terms = values.expand(shape).reshape(*self.shape[:d], flat.shape[0],
+                                                 *self.shape[d + 1:])
         _add_at_python_indices(self, d, flat, terms, mode, lambda bad: (
             f"index_put_ (run by detsum.enable): index {bad} is out of bounds for dimension "
             f"{d} with size {self.shape[d]}"))
@@ -562,14 +592,16 @@ def _bincount(mode, self, weights=None, minlength=0):
             or self.dim() != 1 or weights.dim() != 1 or weights.shape[0] != self.shape[0]
             or self.numel() == 0 or minlength < 0 or not _plain(self, weights)):
         return None
-    low, high = (int(v) for v in torch.aminmax(self))
-    if low < 0:  # torch refuses negative values: its error is the one to give
-        return None
     bins = torch.float32 if weights.dtype == torch.float32 else torch.float64
 
     def run():
-        zeros = torch.zeros(max(high + 1, minlength), dtype=bins, device=weights.device)
-        return _index_add_op._index_add(zeros, 0, self, weights.to(bins), 1.0, mode)
+        zeros = torch.zeros(max(int(self.max()) + 1, minlength), dtype=bins,
+                            device=weights.device)
+        try:
+            return _index_add_op._index_add(zeros, 0, self, weights if weights.dtype == bins
+                                            else weights.to(bins), 1.0, mode)
+        except IndexOutOfRangeError:
+            raise _LeaveToTorch from None  # a negative value: torch refuses it, in its words
     return run
 
 
@@ -585,14 +617,11 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
             or grad_output.dim() < 1 or not _plain(grad_output, indices)
             or grad_output.numel() != indices.numel() * grad_output.shape[-1]):
         return None
-    rows = indices.reshape(-1)
-    low, high = (int(v) for v in torch.aminmax(rows))
-    if low < 0 or high >= num_weights:  # torch leaves such rows out; so does its kernel here
-        return None
 
     def run():
+        rows = indices if indices.dim() == 1 else indices.reshape(-1)
         width = grad_output.shape[-1]
-        grad = grad_output.reshape(-1, width)
+        grad = grad_output if grad_output.dim() == 2 else grad_output.reshape(-1, width)
         keep_rows, keep_grad = rows, grad
         if padding_idx >= 0:
             keep = rows != padding_idx
@@ -600,7 +629,10 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
         zeros = grad.new_zeros(num_weights, width)
         if keep_rows.numel() == 0 or width == 0:
             return zeros
-        return _index_add_op._index_add(zeros, 0, keep_rows, keep_grad, 1.0, mode)
+        try:
+            return _index_add_op._index_add(zeros, 0, keep_rows, keep_grad, 1.0, mode)
+        except IndexOutOfRangeError:
+            raise _LeaveToTorch from None  # torch leaves out rows outside [0, num_weights)
     return run
 
 
@@ -740,24 +772,54 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
         return None
     size = data.shape[axis]
     caller = "segment_reduce (run by detsum.enable)"
+    # CPU tensors: their values are read in NumPy, a microsecond or two a step where a torch
+    # op on a small tensor takes three to five.
+    values = bounds.numpy()
     if offsets is not None:
-        low, high = (int(v) for v in torch.aminmax(offsets))
+        decreasing = bool((values[..., 1:] < values[..., :-1]).any())
+        # Nondecreasing offsets lie in [0, size] when each batch's first and last do.
+        firsts, lasts = values[..., 0], values[..., -1]
+        low, high = (values.min(), values.max()) if decreasing else (firsts.min(), lasts.max())
         if low < 0 or high > size:  # torch would read outside data
             return lambda: _validation.raise_first_out_of_range(
                 caller, "offsets", offsets, size, f"data.size({axis})", size_included=True)
-        starts, lengths = offsets[..., :-1], offsets.diff(dim=-1)
-        if bool((lengths < 0).any()):  # torch refuses a decreasing offset: its error
+        if decreasing:  # torch refuses it: its error
             return None
+        tiled = bool((firsts == 0).all() and (lasts == size).all())
+        if tiled and values.ndim == 1:
+            # The caller's offsets are the CSR offsets of data's rows already.
+            return lambda: _segment_run(mode, data, reduce, axis, offsets, None, initial)
+        starts, lengths = values[..., :-1], np.diff(values, axis=-1)
     else:
-        if bool((lengths < 0).any()):  # torch refuses a negative length: its error
+        if values.min() < 0:  # torch refuses a negative length: its error
             return None
+        lengths = values
         ends = lengths.cumsum(-1)
-        if not unsafe and not bool((ends[..., -1] == size).all()):  # torch's error
+        # (One batch's total as a Python int: a NumPy comparison and all() cost 2 us.)
+        tiled = int(ends[-1]) == size if ends.ndim == 1 else bool((ends[..., -1] == size).all())
+        if not (tiled or unsafe):  # torch's error
             return None
-        if unsafe and int(ends[..., -1].max()) > size:  # torch would read outside data
-            return lambda: _raise_lengths_past(caller, ends[..., -1], size, axis)
+        if unsafe and ends[..., -1].max() > size:  # torch would read outside data
+            return lambda: _raise_lengths_past(caller, torch.from_numpy(ends[..., -1]), size,
+                                               axis)
         starts = ends - lengths
-    return lambda: _segment_run(mode, data, reduce, axis, starts, lengths, initial)
+    if tiled:
+        # Each batch's segments tile its rows: in data's rows, the CSR offsets of all of them
+        # one after the other.
+        flat = np.zeros(lengths.size + 1, dtype=np.int64)
+        np.cumsum(lengths, out=flat[1:])
+        return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat), None,
+                                    initial)
+    # Segments that leave rows out: each one's rows, in order (its start in its batch, plus
+    # the place in the segment), picked out of data's.
+    batches, count = starts[..., 0].size, lengths.shape[-1]
+    firsts = (starts + size * np.arange(batches).reshape(*starts.shape[:-1], 1)).reshape(-1)
+    lengths = lengths.reshape(-1)
+    flat = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=flat[1:])
+    picked = np.repeat(firsts - flat[:-1], lengths) + np.arange(flat[-1])
+    return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat),
+                                torch.from_numpy(picked), initial)
 
 
 def _raise_lengths_past(caller, totals, size, axis):
@@ -768,31 +830,22 @@ def _raise_lengths_past(caller, totals, size, axis):
         f"{size} (expected a sum <= {size} with unsafe=True)")
 
 
-def _segment_run(mode, data, reduce, axis, starts, lengths, initial):
-    batches, size = starts[..., 0].numel(), data.shape[axis]
-    count = lengths.shape[-1]
-    rows = data.reshape(batches * size, -1)
-    # Segments tile each batch from its first row to its last unless offsets start past 0 or
-    # unsafe lengths stop short: then their rows are picked out.
-    tiled = bool(((starts[..., 0] == 0) & (starts[..., -1] + lengths[..., -1] == size)).all())
-    lengths, starts = lengths.reshape(-1), starts.reshape(-1)
-    picked = None
-    if not tiled:
-        # Each segment's rows, in order: its start in its batch, plus the place in the segment.
-        first = torch.repeat_interleave(
-            starts + torch.arange(batches).repeat_interleave(count) * size, lengths)
-        place = torch.arange(first.numel()) - torch.repeat_interleave(
-            lengths.cumsum(0) - lengths, lengths)
-        picked = first + place
-    fill = _SEGMENT_EMPTY[reduce] if initial is None else initial
-    shape = (*data.shape[:axis], count, *data.shape[axis + 1:])
+def _segment_run(mode, data, reduce, axis, offsets, picked, initial):
+    """The segments' reduction: segment ``s`` (of all batches' segments, one after the other)
+    is rows ``offsets[s]`` to ``offsets[s + 1]`` of ``data``'s rows (of the dims up to
+    ``axis``, flattened), or of ``data``'s rows at ``picked`` where that is given."""
+    batches, count = math.prod(data.shape[:axis]), offsets.shape[0] - 1
+    rows = data if data.dim() == 2 and axis == 0 else data.reshape(batches * data.shape[axis], -1)
     if picked is not None:
         rows = rows.index_select(0, picked)
+    fill = _SEGMENT_EMPTY[reduce] if initial is None else initial
+    shape = (*data.shape[:axis], count // batches, *data.shape[axis + 1:])
     if reduce in ("sum", "mean") and fill == 0 and math.copysign(1.0, fill) > 0:
-        return _segment_sum_from_zero(mode, rows, reduce, lengths, initial, data.dtype
-                                      ).view(shape)
+        return _segment_sum_from_zero(mode, rows, reduce, offsets, initial, data.dtype
+                                      ).view(*shape)  # sizes one by one: parsed faster
+    lengths = offsets.diff()
     segments = torch.repeat_interleave(lengths)
-    base = torch.full((lengths.numel(), rows.shape[1]), fill, dtype=data.dtype)
+    base = torch.full((count, rows.shape[1]), fill, dtype=data.dtype)
     if reduce != "mean":
         if segments.numel() == 0:
             return base.view(shape)
@@ -812,17 +865,18 @@ def _segment_run(mode, data, reduce, axis, starts, lengths, initial):
     return _segment_mean(total, lengths, initial, data.dtype).view(shape)
 
 
-def _segment_sum_from_zero(mode, rows, reduce, lengths, initial, dtype):
-    """A sum or mean of segments started from +0.0, as ``segment_sum`` over CSR offsets: no
-    sort, the rows added in order, the bits of ``index_add`` into zeros in every mode. In
-    "exact" mode a segment whose terms sum to -0.0 (all of them -0.0) gives +0.0 there, as
-    +0.0 + -0.0 does: adding +0.0 turns -0.0 into +0.0 and leaves every other value as it is."""
-    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+def _segment_sum_from_zero(mode, rows, reduce, offsets, initial, dtype):
+    """A sum or mean of segments started from +0.0, as ``segment_sum`` over the CSR
+    ``offsets``: no sort, the rows added in order, the bits of ``index_add`` into zeros in
+    every mode. In "exact" mode a segment whose terms sum to -0.0 (all of them -0.0) gives
+    +0.0 there, as +0.0 + -0.0 does: adding +0.0 turns -0.0 into +0.0 and leaves every other
+    value as it is."""
     work = dtype if reduce == "sum" or mode == "autograd" else acc_dtype(dtype)
-    total = _segment_sum_op._segment_sum(rows.to(work), offsets, 0, None, mode)
+    total = _segment_sum_op._segment_sum(rows if work == dtype else rows.to(work), offsets, 0,
+                                         None, mode)
     if mode == "exact":
         total = total + 0.0
-    return total if reduce == "sum" else _segment_mean(total, lengths, initial, dtype)
+    return total if reduce == "sum" else _segment_mean(total, offsets.diff(), initial, dtype)
 
 
 def _segment_mean(total, lengths, initial, dtype):

@@ -571,6 +571,9 @@ def fallbacks():
         "scatter narrower index": lambda: x.scatter_add(0, index.view(3, 1), torch.ones(3, 3)),
         "embedding scale_grad_by_freq": lambda: torch.ops.aten.embedding_dense_backward(
             torch.ones(3, 3), index, 4, -1, True),
+        # torch leaves the rows outside [0, num_weights) out; detsum's check hands it over.
+        "embedding index out of range": lambda: torch.ops.aten.embedding_dense_backward(
+            torch.ones(3, 3), torch.tensor([0, 7, -2]), 4, -1, False),
         "embedding_bag scale_grad_by_freq": lambda: torch.ops.aten._embedding_bag_dense_backward(
             torch.ones(2, 3), index, torch.tensor([0, 0, 1]), torch.tensor([2, 1]),
             torch.zeros(2, dtype=torch.int64), 4, True, 0, None),
@@ -618,7 +621,25 @@ def test_bad_inputs_give_torchs_errors_and_write_nothing(mode):
             x.put_(torch.tensor([0, 12]), torch.ones(2), accumulate=True)
         with pytest.raises(IndexError, match=r"out of bounds for dimension 0 with size 4"):
             x.index_put_((torch.tensor([0, -5]),), torch.ones(2, 3), accumulate=True)
+        with pytest.raises(RuntimeError, match="non-negative"):  # torch's, after detsum's check
+            torch.bincount(torch.tensor([0, -1]), torch.ones(2))
     assert torch.equal(x, torch.zeros(4, 3))
+
+
+def test_a_call_handed_back_after_detsums_check_counts_as_torchs():
+    """Where detsum's own check of the values shows that torch's kernel gives the meaning (an
+    embedding row out of range, a negative bincount value), the call goes to torch and is
+    counted there, and the next call runs on detsum again."""
+    grad, index = torch.ones(3, 3), torch.tensor([0, 7, -2])
+    before = switch.counts.copy()
+    with detsum.deterministic("fp32"):
+        torch.ops.aten.embedding_dense_backward(grad, index, 4, -1, False)
+        with pytest.raises(RuntimeError):
+            torch.bincount(torch.tensor([0, -1]), torch.ones(2))
+        torch.ops.aten.embedding_dense_backward(grad, index.clamp(0, 3), 4, -1, False)
+    ran = switch.counts - before
+    assert ran == {("embedding_dense_backward", "torch"): 1, ("bincount", "torch"): 1,
+                   ("embedding_dense_backward", "detsum"): 1}
 
 
 def test_torch_ops_that_detsum_calls_inside_the_switch_reach_torch(monkeypatch):
@@ -939,11 +960,15 @@ def test_segment_reduce_sum_and_mean_are_index_add_from_the_start_value(mode, dt
         ]
         short = torch.segment_reduce(values[0], reduce, lengths=torch.tensor([300, 10, 0, 270]),
                                      unsafe=True)
+        # One batch whose int32 offsets tile its rows: the caller's offsets as they are.
+        one_batch = torch.segment_reduce(values[1], reduce, offsets=tiling[1].int())
     for bounds, got, initial in cases:
         assert_same_bits(got, _segment_reduce_as_index_add(values, reduce, mode, bounds, 1,
                                                            initial))
     assert_same_bits(short, _segment_reduce_as_index_add(
         values[0], reduce, mode, torch.tensor([0, 300, 310, 310, 580]), 0, None))
+    assert_same_bits(one_batch, _segment_reduce_as_index_add(values[1], reduce, mode,
+                                                             tiling[1], 0, None))
     negative_zeros = cases[0][1][0, 2]  # batch 0's third segment: rows 300-309, all -0.0
     assert (negative_zeros == 0).all() and not torch.signbit(negative_zeros).any()
 

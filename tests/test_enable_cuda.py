@@ -1,0 +1,188 @@
+"""The switch on a GPU's tensors: ``detsum.enable`` registers its kernels at the CUDA key too,
+where they run detsum's primitives on the triton backend.
+
+- ``interpreter``: the switch's way to the triton backend, on CPU tensors in Triton's
+  interpreter: every form gives the bits it gives on the Numba backend (each backend gives
+  the same bits in every mode, ``tests/test_differential.py``).
+- ``cuda``: on CUDA tensors, each form gives the same bits on every run; "exact" gives the
+  CPU's bits (it is order-free); "autograd" gives torch's bits under
+  ``torch.use_deterministic_algorithms(True)`` wherever torch has a deterministic kernel; and
+  the ops torch refuses in that mode on CUDA run under the switch.
+
+The forms are the ops the switch takes on CUDA tensors: ``segment_reduce``, ``histc`` and
+``embedding_bag``'s backward are CPU-only there (docs/enable.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import detsum
+from detsum import switch
+from tests.conftest import assert_same_bits
+
+pytest.importorskip("triton")
+
+
+@pytest.fixture(autouse=True)
+def switched_off_after():
+    yield
+    switch._blocks.clear()
+    detsum.disable()
+    torch.use_deterministic_algorithms(False)
+
+
+def _data(shape, dtype, seed, device):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype).to(device)
+
+
+def _hot_index(n, rows, seed, device):
+    """Most terms on row 0 (more than a 256-term chunk), the rest spread."""
+    generator = torch.Generator().manual_seed(seed)
+    index = torch.randint(0, rows, (n,), generator=generator)
+    index[torch.rand(n, generator=generator) < 0.7] = 0
+    return index.to(device)
+
+
+def forms(device, dtype=torch.float32, seed=0, n=600) -> dict:
+    """(name -> function of nothing) for each form of the ops the switch takes on CUDA, ``n``
+    rows of terms: the operator it reaches in the name's first word."""
+    x = _data((7, 5), dtype, seed, device)
+    src = _data((n, 5), dtype, seed + 1, device)
+    weight = _data((7, 5), dtype, seed + 2, device).requires_grad_()
+    index = _hot_index(n, 7, seed + 3, device)
+    wide = index.view(-1, 1).expand(n, 5)
+    scattered = _hot_index(5 * n, 7, seed + 4, device).view(n, 5)
+    flat = _hot_index(5 * n, 35, seed + 5, device)
+    cases = {
+        "index_add": lambda: x.index_add(0, index, src),
+        "index_add alpha": lambda: x.index_add(0, index, src, alpha=-2),
+        "index_add dim 1": lambda: x.t().index_add(1, index, src.t()),
+        "index_add int32": lambda: x.index_add(0, index.int(), src),
+        "index_add_": lambda: x.clone().index_add_(0, index, src),
+        "index_add_ select backward": lambda: torch.autograd.grad(
+            weight.index_select(0, index), weight, src)[0],
+        "scatter_add": lambda: x.scatter_add(0, wide, src),
+        "scatter_add elementwise": lambda: x.scatter_add(0, scattered, src),
+        "scatter_add gather backward": lambda: torch.autograd.grad(
+            weight.gather(0, scattered[:7]), weight, src[:7])[0],
+        "_index_put_impl_": lambda: x.index_put((index,), src, accumulate=True),
+        "_index_put_impl_ x[idx] backward": lambda: torch.autograd.grad(
+            weight[index], weight, src)[0],
+        "put_": lambda: x.clone().put_(flat, src.reshape(-1), accumulate=True),
+        "bincount": lambda: torch.bincount(index, src[:, 0]),
+        "embedding_dense_backward": lambda: torch.autograd.grad(
+            torch.nn.functional.embedding(index, weight), weight, src)[0],
+    }
+    for reduce in ("sum", "mean", "prod", "amax", "amin"):
+        for include_self in (True, False):
+            cases[f"scatter_reduce {reduce} {include_self}"] = (
+                lambda r=reduce, s=include_self: x.scatter_reduce(
+                    0, scattered, 1 + src / 64 if r == "prod" else src, r, include_self=s))
+    for reduce in ("prod", "mean", "amax", "amin"):
+        cases[f"index_reduce {reduce}"] = (
+            lambda r=reduce: x.index_reduce(0, index, 1 + src / 64 if r == "prod" else src, r))
+    return cases
+
+
+#: The operators the forms reach, each of which the switch takes in "fp32" mode.
+_TAKEN = {"index_add", "index_add_", "scatter_add", "scatter_reduce.two", "index_reduce",
+          "_index_put_impl_", "put_", "bincount", "embedding_dense_backward"}
+
+
+def _same_bits(actual, expected, name):
+    try:
+        assert_same_bits(actual, expected)
+    except AssertionError as error:
+        raise AssertionError(f"{name}: {error}") from None
+
+
+def _on_detsum(counts_before) -> set:
+    """The operators that ran on detsum since ``counts_before``."""
+    return {op for (op, how) in switch.counts - counts_before if how == "detsum"}
+
+
+# ---- the triton backend, in the interpreter ------------------------------------------------------
+
+@pytest.mark.interpreter
+def test_switched_forms_on_the_triton_backend_give_the_numba_backends_bits():
+    """What the switch runs for a GPU's tensors, run on CPU tensors: the same primitives on
+    the triton backend (Triton's interpreter), the Numba backend's bits. One mode and few
+    terms: the interpreter is slow, and the kernels' modes and chunks are the differential
+    tests' part; the switch's way to them is the same in every mode."""
+    before = switch.counts.copy()
+    for name, call in forms("cpu", n=40).items():
+        with detsum.deterministic("fp32"):
+            on_numba = call()
+            with detsum.backend("triton"):
+                on_triton = call()
+        _same_bits(on_triton, on_numba, name)
+    assert _TAKEN <= _on_detsum(before), _TAKEN - _on_detsum(before)
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+
+_MODES = ["autograd", "kahan", "fp32", "exact"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", _MODES)
+def test_switched_forms_on_cuda_give_the_same_bits_on_every_run(mode, dtype):
+    cases = forms("cuda", dtype)
+    before = switch.counts.copy()
+    with detsum.deterministic(mode):
+        first = {name: call() for name, call in cases.items()}
+        for name, call in cases.items():
+            _same_bits(call(), first[name], name)
+    # In "autograd" mode float16 and bfloat16 index_add and scatter_add go to torch (its
+    # arithmetic there follows the layout).
+    expected = set(_TAKEN)
+    if mode == "autograd" and dtype != torch.float32:
+        expected -= {"index_add", "index_add_", "scatter_add"}
+    assert expected <= _on_detsum(before), expected - _on_detsum(before)
+
+
+@pytest.mark.cuda
+def test_exact_mode_on_cuda_gives_the_cpus_bits():
+    on_cuda, on_cpu = forms("cuda"), forms("cpu")
+    with detsum.deterministic("exact"):
+        for name in on_cuda:
+            _same_bits(on_cuda[name]().cpu(), on_cpu[name](), name)
+
+
+@pytest.mark.cuda
+def test_autograd_mode_on_cuda_gives_torchs_deterministic_bits():
+    """Each float32 form against torch itself under ``use_deterministic_algorithms(True)``,
+    where torch has a deterministic CUDA kernel for it (the others it refuses)."""
+    compared = []
+    for name, call in forms("cuda").items():
+        torch.use_deterministic_algorithms(True)
+        try:
+            expected = call()
+        except RuntimeError as error:
+            if "deterministic" not in str(error):
+                raise
+            continue
+        finally:
+            torch.use_deterministic_algorithms(False)
+        with detsum.deterministic("autograd"):
+            _same_bits(call(), expected, name)
+        compared.append(name)
+    assert {"index_add", "scatter_add", "_index_put_impl_ x[idx] backward",
+            "embedding_dense_backward"} <= set(compared), compared
+
+
+@pytest.mark.cuda
+def test_ops_torch_refuses_in_deterministic_mode_run_under_the_switch_on_cuda():
+    """``use_deterministic_algorithms(True)`` refuses some of these forms on CUDA (a product
+    scatter, bincount with weights, put_ with accumulate, ...); under the switch every one
+    runs, with the bits it has with torch's setting off."""
+    cases = forms("cuda")
+    with detsum.deterministic("fp32"):
+        expected = {name: call() for name, call in cases.items()}
+        torch.use_deterministic_algorithms(True)
+        for name, call in cases.items():
+            _same_bits(call(), expected[name], name)

@@ -41,15 +41,14 @@ if torch.get_num_threads() != _torch_threads:
     torch.set_num_threads(_torch_threads)
 
 
-
 class _LeanLoadingCache(FunctionCache):
     """The on-disk cache of a detsum kernel, which loads compiled code without refreshing
     Numba's typing and lowering registries first.
 
     Numba's ``load_overload`` refreshes them before every load: the first time, that imports
     the implementations of every NumPy and Python feature it compiles (typed lists and dicts,
-    linear algebra, random generators ...), 0.27 s of a first call's 0.44 s on the project's
-    2-core VM. Loaded machine code needs none of them: only the runtime (NRT) that compiled
+    linear algebra, random generators ...), about 0.2 s of a first call's 0.45 s on the
+    project's 2-core VM. Loaded machine code needs none of them: only the runtime (NRT) that compiled
     code allocates through, set up here as the refresh would. A compilation refreshes them
     itself (``numba.core.compiler.CompilerBase``), so a cache miss compiles as before.
     ``tests/test_first_call.py`` holds both: a first call from the cache imports none of

@@ -24,8 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import (AMAX, AMIN, CUDA_SMALL_STRIDE, KAHAN, MEAN, PROD, ROUND_EACH, SUM, WIDE,
-                acc_dtype)
+from .. import AMAX, AMIN, CUDA_SMALL_STRIDE, KAHAN, MEAN, PROD, ROUND_EACH, SUM, acc_dtype
 
 # Triton kernels may only read module globals that are constexpr.
 _SUM = tl.constexpr(SUM)
@@ -33,7 +32,6 @@ _MEAN = tl.constexpr(MEAN)
 _PROD = tl.constexpr(PROD)
 _AMAX = tl.constexpr(AMAX)
 _AMIN = tl.constexpr(AMIN)
-_WIDE = tl.constexpr(WIDE)
 _KAHAN = tl.constexpr(KAHAN)
 _ROUND_EACH = tl.constexpr(ROUND_EACH)
 _SMALL_STRIDE = tl.constexpr(CUDA_SMALL_STRIDE)

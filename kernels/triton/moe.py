@@ -39,14 +39,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import CHUNK_TERMS, SUM
+from .. import CHUNK_TERMS
 from .launch import Kernel
 from .common import (
     _DATA_CODES,
+    _SUM,
     _as_stored,
+    _cdiv,
     _combine,
     _finish,
     _fold,
+    _next_power_of_2,
     _round_to_data,
     _tl_acc,
     _to_acc,
@@ -55,16 +58,7 @@ from .common import (
 
 __all__ = ["gather_scale_sum", "route_tables", "weighted_gradients_by_slot"]
 
-_SUM = tl.constexpr(SUM)
 _BLOCK = 128
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 # ---- a routing's tables --------------------------------------------------------------------------

@@ -48,11 +48,12 @@ class _LeanLoadingCache(FunctionCache):
     Numba's ``load_overload`` refreshes them before every load: the first time, that imports
     the implementations of every NumPy and Python feature it compiles (typed lists and dicts,
     linear algebra, random generators ...), about 0.2 s of a first call's 0.45 s on the
-    project's 2-core VM. Loaded machine code needs none of them: only the runtime (NRT) that compiled
-    code allocates through, set up here as the refresh would. A compilation refreshes them
-    itself (``numba.core.compiler.CompilerBase``), so a cache miss compiles as before.
-    ``tests/test_first_call.py`` holds both: a first call from the cache imports none of
-    them and gives the compiled bits, and a later compilation still works.
+    project's 2-core VM. Loaded machine code needs none of them: only the runtime (NRT) that
+    compiled code allocates through, set up here as the refresh would. A compilation refreshes
+    them itself (``numba.core.compiler.CompilerBase``), so a cache miss compiles as before.
+    ``tests/test_kernels_numba.py`` holds both: a later process's calls load every kind of
+    kernel without the refresh and compute the compiled kernels' bits, and a compilation
+    afterwards works.
     """
 
     def load_overload(self, sig, target_context):

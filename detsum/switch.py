@@ -57,8 +57,9 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from detsum import _validation
+from detsum import _segments, _validation
 from detsum._validation import IndexOutOfRangeError
+from detsum.backend import current_backend
 from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, parse_mode
 from detsum.modes import acc_dtype
 from detsum.ops import index_add as _index_add_op
@@ -233,6 +234,22 @@ class _LeaveToTorch(Exception):
     the index, made only when detsum's check fails)."""
 
 
+#: The check level the switch asks of the primitives. They check CPU tensors on the host
+#: whatever they are asked (``_segments.check_that_runs``); a GPU's on the device, as torch's
+#: own CUDA kernels do: a value out of range stops the stream at the next synchronisation, and
+#: a switched call never waits for the GPU (nor breaks a CUDA graph's capture).
+_CHECK = "device"
+
+
+def _checked_on_device(t: torch.Tensor) -> bool:
+    """Whether a primitive checks ``t``'s index values on the device (no error before its
+    call returns), as ``_CHECK`` asks; else on the host, before anything is written."""
+    if t.is_cpu and not _segments.GPU_CHECKS_ON_CPU:
+        return False
+    backend_name = current_backend(t.device.type, "detsum.enable")
+    return _segments.check_that_runs(_CHECK, t.device.type, backend_name) == "device"
+
+
 # ---- what detsum takes ------------------------------------------------------------------------
 # Each test below accepts only inputs that torch accepts too and that detsum's primitive
 # computes with torch's meaning; anything else goes to torch, which gives its own result or
@@ -325,7 +342,8 @@ def _index_add(mode, self, dim, index, source, *, alpha=1):
     dim = _index_add_dim(mode, self, dim, index, source, alpha)
     if dim is None:
         return None
-    return lambda: _index_add_op._index_add(self, dim, index, source, float(alpha), mode)
+    return lambda: _index_add_op._index_add(self, dim, index, source, float(alpha), mode,
+                                            _CHECK)
 
 
 def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
@@ -335,7 +353,7 @@ def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
 
     def run():
         _check_changeable("index_add_", self)
-        _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode)
+        _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode, _CHECK)
         return self
     return run
 
@@ -350,7 +368,8 @@ def _index_add_out(mode, self, dim, index, source, *, alpha=1, out):
 
     def run():
         _check_changeable("index_add.out", out)
-        return out.copy_(_index_add_op._index_add(self, dim, index, source, float(alpha), mode))
+        return out.copy_(_index_add_op._index_add(self, dim, index, source, float(alpha), mode,
+                                                  _CHECK))
     return run
 
 
@@ -384,7 +403,7 @@ def _scatter_terms(mode, self, dim, index, src, reduce, include_self):
 
 def _scatter_run(self, dim, index, src, reduce, include_self, mode):
     return _scatter_reduce_op._run(self, dim, index, src, reduce, bool(include_self), mode,
-                                   False)
+                                   False, check=_CHECK)
 
 
 def _scatter_functional(name, mode, self, dim, index, src, reduce, include_self):
@@ -535,16 +554,22 @@ def _index_put(mode, self, indices, values, accumulate=False, unsafe=False):
 def _add_at_python_indices(target, dim, index, terms, mode, out_of_range) -> None:
     """``index_add_`` of ``terms`` into ``target`` along ``dim`` at the 1-D ``index``, whose
     values have Python's meaning (torch's indexing and ``put_`` give it): a negative value
-    counts from the end. detsum's own check finds any value outside ``[0, size)`` before
-    anything is written; only then is the index read back (its least and largest value) and
-    its negative values turned into positions, so that a call with every value in range reads
-    nothing more. A value outside ``[-size, size)`` raises, worded by ``out_of_range(value)``."""
+    counts from the end. Checked on the host: detsum's own check finds any value outside
+    ``[0, size)`` before anything is written; only then is the index read back (its least and
+    largest value) and its negative values turned into positions, so that a call with every
+    value in range reads nothing more; a value outside ``[-size, size)`` raises, worded by
+    ``out_of_range(value)``. Checked on the device: the negative values are turned into
+    positions first (a value still outside ``[0, size)`` fails the device's check)."""
+    size = target.shape[dim]
+    if _checked_on_device(target):
+        _index_add_op._index_add_inplace(target, dim, torch.where(index < 0, index + size, index),
+                                         terms, 1.0, mode, _CHECK)
+        return
     try:
         _index_add_op._index_add_inplace(target, dim, index, terms, 1.0, mode)
         return
     except IndexOutOfRangeError:
         pass
-    size = target.shape[dim]
     low, high = (int(v) for v in torch.aminmax(index))
     if low < -size or high >= size:
         raise IndexOutOfRangeError(out_of_range(low if low < -size else high))
@@ -594,11 +619,19 @@ def _bincount(mode, self, weights=None, minlength=0):
     bins = torch.float32 if weights.dtype == torch.float32 else torch.float64
 
     def run():
+        terms = weights if weights.dtype == bins else weights.to(bins)
+        if _checked_on_device(self):
+            # The one read of the call, as torch's: the number of bins, and a negative value
+            # (torch refuses it, in its words).
+            low, high = torch.stack(torch.aminmax(self)).tolist()
+            if low < 0:
+                raise _LeaveToTorch
+            zeros = torch.zeros(max(high + 1, minlength), dtype=bins, device=weights.device)
+            return _index_add_op._index_add(zeros, 0, self, terms, 1.0, mode, _CHECK)
         zeros = torch.zeros(max(int(self.max()) + 1, minlength), dtype=bins,
                             device=weights.device)
         try:
-            return _index_add_op._index_add(zeros, 0, self, weights if weights.dtype == bins
-                                            else weights.to(bins), 1.0, mode)
+            return _index_add_op._index_add(zeros, 0, self, terms, 1.0, mode)
         except IndexOutOfRangeError:
             raise _LeaveToTorch from None  # a negative value: torch refuses it, in its words
     return run
@@ -618,15 +651,27 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
         return None
 
     def run():
-        rows = indices if indices.dim() == 1 else indices.reshape(-1)
         width = grad_output.shape[-1]
+        if width == 0:
+            return grad_output.new_zeros(num_weights, 0)
+        rows = indices if indices.dim() == 1 else indices.reshape(-1)
         grad = grad_output if grad_output.dim() == 2 else grad_output.reshape(-1, width)
+        if _checked_on_device(grad):
+            # No read of the index: the padding rows' terms go to a spare row past the table,
+            # and a row outside it fails the device's check (torch's forward, an index_select,
+            # refuses such rows on the device already).
+            if padding_idx >= 0:
+                rows = torch.where(rows == padding_idx, num_weights, rows)
+            spare = int(padding_idx >= 0)
+            sums = _index_add_op._index_add(grad.new_zeros(num_weights + spare, width), 0, rows,
+                                            grad, 1.0, mode, _CHECK)
+            return sums[:num_weights] if spare else sums
         keep_rows, keep_grad = rows, grad
         if padding_idx >= 0:
             keep = rows != padding_idx
             keep_rows, keep_grad = rows[keep], grad[keep]
         zeros = grad.new_zeros(num_weights, width)
-        if keep_rows.numel() == 0 or width == 0:
+        if keep_rows.numel() == 0:
             return zeros
         try:
             return _index_add_op._index_add(zeros, 0, keep_rows, keep_grad, 1.0, mode)

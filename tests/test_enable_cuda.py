@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import detsum
-from detsum import switch
-from tests.conftest import assert_same_bits
+from detsum import _segments, switch
+from tests.conftest import assert_same_bits, host_reads
 
 pytest.importorskip("triton")
 
@@ -72,10 +72,14 @@ def forms(device, dtype=torch.float32, seed=0, n=600) -> dict:
         "_index_put_impl_": lambda: x.index_put((index,), src, accumulate=True),
         "_index_put_impl_ x[idx] backward": lambda: torch.autograd.grad(
             weight[index], weight, src)[0],
+        "_index_put_impl_ negative": lambda: x.index_put((index - 7,), src, accumulate=True),
         "put_": lambda: x.clone().put_(flat, src.reshape(-1), accumulate=True),
+        "put_ negative": lambda: x.clone().put_(flat - 35, src.reshape(-1), accumulate=True),
         "bincount": lambda: torch.bincount(index, src[:, 0]),
         "embedding_dense_backward": lambda: torch.autograd.grad(
             torch.nn.functional.embedding(index, weight), weight, src)[0],
+        "embedding_dense_backward padding": lambda: torch.autograd.grad(
+            torch.nn.functional.embedding(index, weight, padding_idx=0), weight, src)[0],
     }
     for reduce in ("sum", "mean", "prod", "amax", "amin"):
         for include_self in (True, False):
@@ -129,6 +133,24 @@ def test_switched_forms_on_the_triton_backend_give_the_numba_backends_bits():
                 on_triton = call()
         _same_bits(on_triton, on_numba, name)
     assert _TAKEN <= _on_detsum(before), _TAKEN - _on_detsum(before)
+
+
+@pytest.mark.interpreter
+def test_on_a_gpus_path_the_switch_reads_nothing_back(monkeypatch):
+    """With a GPU's check levels (the triton backend, ``GPU_CHECKS_ON_CPU``), no switched form
+    reads a value back into Python (on a GPU, a synchronisation) but ``bincount``, which
+    reads its range once, as torch's CUDA kernel does for its number of bins; and each gives
+    the host path's bits (negative indices too, turned into positions on the device)."""
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    reads = []
+    for name, call in forms("cpu", n=40).items():
+        with detsum.deterministic("fp32"):
+            on_host = call()  # the Numba backend checks on the host whatever it is asked
+            with detsum.backend("triton"), host_reads(
+                    lambda what, where, name=name: reads.append((name, what, where))):
+                on_device = call()
+        _same_bits(on_device, on_host, name)
+    assert {name for name, _, _ in reads} == {"bincount"}, reads
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------

@@ -847,21 +847,17 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
             return lambda: _raise_lengths_past(caller, torch.from_numpy(ends[..., -1]), size,
                                                axis)
         starts = ends - lengths
-    if tiled:
-        # Each batch's segments tile its rows: in data's rows, the CSR offsets of all of them
-        # one after the other.
-        flat = np.zeros(lengths.size + 1, dtype=np.int64)
-        np.cumsum(lengths, out=flat[1:])
+    # The CSR offsets of all batches' segments one after the other.
+    flat = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=flat[1:])
+    if tiled:  # each batch's segments tile its rows: they are offsets into data's rows
         return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat), None,
                                     initial)
     # Segments that leave rows out: each one's rows, in order (its start in its batch, plus
     # the place in the segment), picked out of data's.
-    batches, count = starts[..., 0].size, lengths.shape[-1]
+    batches = starts[..., 0].size
     firsts = (starts + size * np.arange(batches).reshape(*starts.shape[:-1], 1)).reshape(-1)
-    lengths = lengths.reshape(-1)
-    flat = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=flat[1:])
-    picked = np.repeat(firsts - flat[:-1], lengths) + np.arange(flat[-1])
+    picked = np.repeat(firsts - flat[:-1], lengths.reshape(-1)) + np.arange(flat[-1])
     return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat),
                                 torch.from_numpy(picked), initial)
 

@@ -13,7 +13,9 @@ import torch
 
 # Arithmetic rules. A mode resolves to one rule per (reduction, dtype, device, slice size) in
 # detsum.modes. WIDE and KAHAN define the "fp32" and "kahan" modes and split long segments into
-# chunks (CHUNK_TERMS); the other rules reproduce torch and never split.
+# chunks (CHUNK_TERMS), as part of their arithmetic. EXACT's result has no order, so a backend
+# may split a segment anywhere (the Triton one does, in chunks of its own). The other rules
+# reproduce torch and never split.
 
 #: acc = acc_type(init); acc = RN_acc(acc + term) per row; out = RN_dtype(acc).
 WIDE = 0

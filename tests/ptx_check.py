@@ -27,10 +27,10 @@ from detsum.kernels.triton import common, exact, moe, segment, stride1
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def _ptx(fn, types: dict, constexprs: dict, *, fp_fusion: bool) -> str:
+def _ptx(fn, types: dict, constexprs: dict, *, fp_fusion: bool, num_warps: int = 4) -> str:
     signature = dict(types, **{name: "constexpr" for name in constexprs})
     compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs), target=TARGET,
-                              options={"num_warps": 4, "enable_fp_fusion": fp_fusion})
+                              options={"num_warps": num_warps, "enable_fp_fusion": fp_fusion})
     return compiled.asm["ptx"]
 
 
@@ -55,9 +55,10 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
 
 def _exact_types(data: str, acc: str) -> dict:
     ints = {name: "i64" for name in ("ss0", "ss1", "ss2", "bs0", "bs1", "bs2", "os0", "os1",
-                                     "os2", "outer", "inner")}
+                                     "os2", "positions", "n_parts", "outer", "nseg", "inner")}
     return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
-                order_ptr="*i64", offsets_ptr="*i64", alpha_ptr=f"*{acc}")
+                order_ptr="*i64", offsets_ptr="*i64", alpha_ptr=f"*{acc}", work_ptr="*i32",
+                counters_ptr="*i64")
 
 
 def _exact_config(reduce, dtype, scaled, block):
@@ -66,7 +67,8 @@ def _exact_config(reduce, dtype, scaled, block):
                 HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, SCALED=scaled, HEADROOM=2.0**28,
                 PRECISION=precision, MIN_QUANTUM=min_quantum, UNIT_EXPONENT=unit_exponent,
                 N_LIMBS=n_limbs, LANES=triton.next_power_of_2(n_limbs + 1),
-                NORMALISE_EVERY=kernels.NORMALISE_EVERY, BLOCK=block)
+                NORMALISE_EVERY=kernels.NORMALISE_EVERY, SPLIT=True,
+                CHUNK=exact._EXACT_CHUNK_TERMS, BLOCK=block)
 
 
 def _count(ptx: str) -> dict:
@@ -230,13 +232,17 @@ def main() -> dict:
                           USE_BASE=True, SCALED=True)
     found["bf16 stride1 alpha"] = _count(_ptx(stride1._stride1_kernel, stride1_types,
                                               stride1_config, fp_fusion=False))
-    # EXACT: the fp64 fast path (bf16 data) and the limbs (fp64 data, a mean: integer division).
-    found["bf16 sum exact alpha"] = _count(_ptx(
-        exact._exact_kernel, _exact_types("i16", "fp32"),
-        _exact_config(kernels.SUM, torch.bfloat16, True, 256), fp_fusion=False))
-    found["fp64 mean exact"] = _count(_ptx(
-        exact._exact_kernel, _exact_types("fp64", "fp64"),
-        _exact_config(kernels.MEAN, torch.float64, False, 32), fp_fusion=False))
+    # EXACT: the fp64 fast path (bf16 data) and the limbs (fp64 data, a mean: integer
+    # division), with the chunk programs of long segments (SPLIT); the blocks segment_reduce
+    # gives them (16 lanes of 256 columns; 128 lanes of 32).
+    for name, dtype, types, reduce, scaled, block in (
+            ("bf16 sum exact alpha", torch.bfloat16, _exact_types("i16", "fp32"), kernels.SUM,
+             True, 256),
+            ("fp64 mean exact", torch.float64, _exact_types("fp64", "fp64"), kernels.MEAN,
+             False, 32)):
+        ptx = _ptx(exact._exact_kernel, types, _exact_config(reduce, dtype, scaled, block),
+                   fp_fusion=False, num_warps=8)
+        found[name] = {**_count(ptx), **_resources(ptx)}
     # MoE's weighted sum and its gradients: bf16 rows, fp32 weights (and grad), compensated.
     found["moe bf16 weighted sum kahan"] = _count(_ptx(
         moe._weighted_sum_kernel,

@@ -221,19 +221,38 @@ LAYOUTS = [pytest.param(False, id="contiguous"),
            pytest.param(True, id="shuffled-strided")]  # rows in a shuffled order, strided tensors
 
 
+@pytest.fixture
+def tiny_chunks(monkeypatch):
+    """Chunks of 4 terms: SIZES' segments of 6 and 9 terms are split, over chunk programs that
+    own one chunk start or two; the others are whole."""
+    from detsum.kernels.triton import exact
+
+    monkeypatch.setattr(exact, "_EXACT_CHUNK_TERMS", 4)
+
+
+def tickets_left():
+    from detsum.kernels.triton import chunks
+
+    return chunks.ticket_counters(torch.device(DEVICE), 1).any().item()
+
+
 # Every pair of dtype, reduction, use of the base row and layout: each dtype with every
 # reduction, base use and layout; each reduction with every base use and layout.
 @pytest.mark.parametrize("dtype,reduce,alpha,has_base,include_base,scattered", pairwise(
     [list(DTYPES), REDUCTIONS, BASES, LAYOUTS], everything=HAS_CUDA))
-def test_matches_oracle_and_numba(dtype, reduce, alpha, has_base, include_base, scattered):
+def test_matches_oracle_and_numba(tiny_chunks, dtype, reduce, alpha, has_base, include_base,
+                                  scattered):
     """Every column kind side by side in one tile (so the fast path's certificate holds for
     some columns and fails for others), every dtype, both reductions, both alphas, every use
-    of the base row, contiguous rows and a shuffled order over strided tensors."""
+    of the base row, contiguous rows and a shuffled order over strided tensors; segments of at
+    most a chunk whole, the longer ones split into chunks (each chunk's exact sum, the fast
+    path's or its terms', added in the fold with the base row). The tickets are left at 0."""
     seed = seed_of("exact-triton", dtype, reduce, alpha, has_base, include_base)
     src, order, offsets, base = make_case(dtype, seed=seed, with_order=scattered,
                                           strided=scattered)
     check(src, order, offsets, base if has_base else None, reduce=reduce, alpha=alpha,
           include_base=include_base)
+    assert not tickets_left()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -356,8 +375,8 @@ def test_fast_path_certificate_edges():
 
 
 def test_long_segment_of_cancelling_terms():
-    """More terms than CHUNK_TERMS (EXACT never splits a segment) that cancel down to the
-    smallest subnormals: bf16 data, with and without the fast path."""
+    """More terms than CHUNK_TERMS (where the rules that split cut; EXACT's chunks are longer)
+    that cancel down to the smallest subnormals: bf16 data, with and without the fast path."""
     g = torch.Generator().manual_seed(3)
     x = wide(g, kernels.CHUNK_TERMS // 2 + 2, torch.bfloat16, -60, 60).to(torch.bfloat16).double()
     values = torch.cat([x, -x, torch.tensor([2.0**-133, 2.0**-130])])
@@ -367,6 +386,69 @@ def test_long_segment_of_cancelling_terms():
     offsets = torch.tensor([0, values.shape[0]])
     for reduce in (SUM, MEAN):
         check(src, None, offsets, None, reduce=reduce, alpha=1.0, include_base=False)
+
+
+# ---- long segments split over chunk programs -------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64], ids=dtype_id)
+def test_split_segments_over_column_blocks_and_outer_loops(tiny_chunks, dtype, monkeypatch):
+    """Chunk programs and folds that loop over column blocks (the last one partial) and outer
+    indices (grid capped at one), in place (out is base): the whole segments' bits, and the
+    tickets set back for the next launch. bf16 takes the fast path, fp64 the limbs alone."""
+    from detsum.kernels.triton import exact, segment
+
+    kinds = ("tame", "wide", "cancel", "special", "zero", "tame")
+    src, order, offsets, base = make_case(dtype, seed=seed_of("exact-split-blocks", dtype),
+                                          with_order=True, strided=False, outer=2,
+                                          sizes=(9, 0, 3, 6), kinds=kinds)
+    monkeypatch.setattr(exact, "_ROW_BYTES", 4 * src.element_size())  # blocks of 4 columns
+    monkeypatch.setattr(exact, "_MAX_GRID_YZ", 1)
+    for reduce in (SUM, MEAN):
+        args = dict(reduce=reduce, alpha=1.0, include_base=True)
+        buffer = base.clone().to(DEVICE)
+        segment.segment_reduce(src.to(DEVICE), order.to(DEVICE), offsets.to(DEVICE), buffer,
+                               buffer, rule=kernels.EXACT, **args)
+        assert_same_bits(buffer.cpu(), oracle(src, order, offsets, base, **args))
+        assert not tickets_left()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_chunks_the_fast_path_certifies_alone_but_not_together(tiny_chunks, dtype):
+    """Each chunk's spread fits fp64 (so its fast-path sum is exact), the segment's does not
+    (2**100 against 2**-100): adding the chunks' fp64 sums in fp64 would round; the parts are
+    added as integers. With a mean, and with the chunks' order reversed."""
+    big, small = 2.0**100, 2.0**-100
+    for values in ([big, -big, big, 3.0, small, small, -small, small * 3],
+                   [small, small, -small, small * 3, big, 1.0, big, -big, small]):
+        for reduce in (SUM, MEAN):
+            src, order, offsets, base, args = one_column(values, dtype, reduce=reduce)
+            check(src, order, offsets, base, **args)
+
+
+def test_split_is_spared_where_a_plan_found_no_long_segment(monkeypatch):
+    """chunks=(..., 0), a plan's word that no segment is longer than CHUNK_TERMS: no chunk
+    programs (the launch's grid is its segments), the same bits."""
+    from detsum.kernels.triton import exact, segment
+
+    src, order, offsets, base = make_case(torch.float32, seed=5, with_order=True,
+                                          strided=False, sizes=(3, 5, 2))
+    monkeypatch.setattr(exact, "_EXACT_CHUNK_TERMS", 4)
+    grids = []
+    launch_exact = exact._launch_exact
+
+    def recorded(grid, *args, **kwargs):
+        grids.append(grid)
+        launch_exact(grid, *args, **kwargs)
+
+    monkeypatch.setattr(exact, "_launch_exact", recorded)
+    args = dict(reduce=SUM, alpha=1.0, include_base=True)
+    expected = oracle(src, order, offsets, base, **args)
+    for chunks in (None, (None, 0)):
+        out = torch.full_like(base, NAN).to(DEVICE)
+        segment.segment_reduce(src.to(DEVICE), order.to(DEVICE), offsets.to(DEVICE),
+                               base.to(DEVICE), out, rule=kernels.EXACT, chunks=chunks, **args)
+        assert_same_bits(out.cpu(), expected)
+    assert [grid[0] for grid in grids] == [3 + 3, 3]  # 10 positions: 3 chunk programs
 
 
 def test_refusals():

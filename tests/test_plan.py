@@ -78,8 +78,8 @@ def _index_add_sweep_allowed(n, template, dim, dtype, mode, backend):
     # dtype only picks the kernel's arithmetic).
     if backend != "numba" and dtype in (torch.float16, torch.float64):
         return False
-    # Long segments on Triton: fp32 stands for the dtypes (and "exact", which never splits a
-    # segment, is covered by the short ones).
+    # Long segments on Triton: fp32 stands for the dtypes (and "exact", whose chunks are of its
+    # own length, is covered by the short ones here and in tests/test_exact_triton.py).
     return not (backend == "triton" and n > 300 and (dtype != torch.float32 or mode == "exact"))
 
 

@@ -568,6 +568,14 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
         assert found[name]["barrier_before_each_atomic"], name
         assert found[name]["cg_loads"] > 0, name
     assert found["bf16 sum round_each alpha"]["atomics"] == []  # never split, never a ticket
+    # EXACT's chunk programs take the same tickets and its fold reads their parts from L2;
+    # nothing spilled (its fold rounds half a column block at a time: exact._exact_fold).
+    for name in ("bf16 sum exact alpha", "fp64 mean exact"):
+        assert found[name]["atomics"] == ["atom.global.gpu.acq_rel.add.u64"], name
+        assert found[name]["barrier_before_each_atomic"], name
+        assert found[name]["cg_loads"] > 0, name
+        if "spill_stores" in found[name]:  # Triton shipped a ptxas for sm_90
+            assert found[name]["spill_stores"] == found[name]["spill_loads"] == 0, found[name]
     # The checkers' ticket carries what they found in its value: relaxed is enough.
     assert found["fp32 sum wide offsets checked"]["atomics"] == [
         "atom.global.gpu.acq_rel.add.u64", "atom.global.gpu.relaxed.add.u64"]

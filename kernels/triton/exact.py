@@ -7,8 +7,8 @@ there) for ``rule == EXACT`` and ``reduce`` SUM or MEAN, with offsets, and no ca
 
 IMPLEMENTATION NOTES (this backend; ``common.py`` has those every kernel here shares):
 
-- EXACT (``_exact_kernel``): one program per segment and column block, as the rules that
-  never split. bf16, fp16 and fp32 data first take a fast path: the terms summed in fp64 while
+- EXACT (``_exact_kernel``): one program per segment and column block (``_exact_segment``).
+  bf16, fp16 and fp32 data first take a fast path: the terms summed in fp64 while
   the largest and smallest nonzero magnitude of each column are kept; a column whose spread
   fp64 provably holds (see ``_exact_fast_pass``) has its exact sum there, rounded once (through
   a round-to-odd fp32 for bf16 and fp16). The other columns, all fp64 data, and every mean
@@ -18,6 +18,17 @@ IMPLEMENTATION NOTES (this backend; ``common.py`` has those every kernel here sh
   one more digit, below the unit, so that a mean whose quantum is one unit, an fp32 or fp64
   subnormal, is rounded rather than truncated) and rounded from the integer. Either way the
   bits are the correctly rounded result, so which path ran never shows.
+
+- Long segments (more than ``_EXACT_CHUNK_TERMS`` terms, where the launch has more positions
+  than that) go to chunk programs, as the rules that split spread theirs (``chunks.py``: one
+  launch, the fold in it, tickets). A chunk program sums its chunk exactly (the fast path's
+  fp64 sum for the columns it certifies over the chunk, put in the limbs; the terms of the
+  others) and stores its part: the carried limbs, each a 32-bit digit but the signed top one,
+  as int32, and the flags (NaN, +inf, -inf, a term other than -0.0) in the spare lane. The last
+  to finish adds the parts as integers (exact, so their order is free), then the base row,
+  and rounds or divides once (``_exact_fold``). The chunks' fp64 sums are not added in fp64:
+  each is exact over its chunk, but their sum need not be (2**100 in one chunk, 2**-100 in
+  another). The segment's value, and so its bits, are those of the unsplit launch.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ from .common import (
     _to_acc,
     _to_data,
 )
+from .chunks import _OFFSETS, _chunk_owned, _chunk_slot, _last_chunk_done, ticket_counters
 from .launch import Kernel
 
 __all__ = ["segment_reduce_exact"]
@@ -351,29 +363,23 @@ def _deposit_terms(limbs, lanes, take, nan, pinf, ninf, not_neg_zero, row_base, 
 
 
 @triton.jit
-def _exact_kernel(
-    src_ptr, ss0, ss1, ss2, order_ptr, offsets_ptr, base_ptr, bs0, bs1, bs2,
-    out_ptr, os0, os1, os2, alpha_ptr, outer, inner,
+def _exact_segment(
+    src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2,
+    alpha, lanes, outer, inner, seg, p0, p1,
     REDUCE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr, HAS_ORDER: tl.constexpr,
     HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr, SCALED: tl.constexpr,
     HEADROOM: tl.constexpr, PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr,
     UNIT_EXPONENT: tl.constexpr, N_LIMBS: tl.constexpr, LANES: tl.constexpr,
     NORMALISE_EVERY: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """EXACT: one segment per program (segments are never split), each column block whole."""
-    seg = tl.program_id(0).to(tl.int64)
-    p0 = tl.load(offsets_ptr + seg)
-    p1 = tl.load(offsets_ptr + seg + 1)
+    """Segment ``seg`` (positions ``p0 .. p1 - 1``) whole, into its row: for this program's
+    column blocks and outer indices."""
     n = p1 - p0
     count = n
     copy_base = n == 0
     if USE_BASE:
         count = n + 1
         copy_base = n < 0  # never: the base row is a term
-    alpha = 1.0
-    if SCALED:
-        alpha = tl.load(alpha_ptr)
-    lanes = tl.arange(0, LANES).to(tl.int64)[None, :]
     n_blocks = tl.cdiv(inner, BLOCK)
     for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
         for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
@@ -430,6 +436,158 @@ def _exact_kernel(
                              mask=need | seeded)
 
 
+@triton.jit
+def _part_at(work_ptr, work_rows, o, slot, cols, lanes, inner, LANES: tl.constexpr):
+    """Where the part in workspace ``slot`` of outer index ``o`` keeps its [columns, lanes]."""
+    return work_ptr + ((o * work_rows + slot) * inner + cols)[:, None] * LANES + lanes
+
+
+@triton.jit
+def _exact_chunk(
+    src_ptr, ss0, ss1, ss2, order_ptr, work_ptr, work_rows, alpha, lanes, outer, inner,
+    p_begin, p_end, slot,
+    DATA: tl.constexpr, ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr,
+    HEADROOM: tl.constexpr, N_LIMBS: tl.constexpr, LANES: tl.constexpr,
+    NORMALISE_EVERY: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The exact sum of the terms at positions ``p_begin .. p_end - 1`` (a chunk of a long
+    segment; never its base row) into workspace ``slot``, as a part (see the notes): for
+    fp32 data, the fast path's fp64 sum of each column it certifies (exact, so its units are
+    the chunk's), the terms of the others."""
+    n_blocks = tl.cdiv(inner, BLOCK)
+    for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
+        for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
+            cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            mask = cols < inner
+            row_base = src_ptr + o * ss0
+            limbs = tl.zeros([BLOCK, LANES], tl.int64)
+            nan = cols < 0  # all false
+            pinf = nan
+            ninf = nan
+            not_neg_zero = nan
+            need = mask
+            if ACC == tl.float32:
+                total, certified = _exact_fast_pass(
+                    row_base, ss1, ss2, cols, mask, row_base, order_ptr, p_begin, p_end,
+                    p_end - p_begin, alpha, DATA, HAS_ORDER, False, SCALED, HEADROOM)
+                limbs, not_neg_zero = _deposit_fp64_sum(limbs, lanes, total, mask & certified)
+                need = mask & (certified == 0)
+            if tl.max(need.to(tl.int32), axis=0) > 0:
+                limbs, nan, pinf, ninf, not_neg_zero = _deposit_terms(
+                    limbs, lanes, need, nan, pinf, ninf, not_neg_zero, row_base, ss1, ss2, cols,
+                    mask, row_base, order_ptr, p_begin, p_end, alpha, DATA, ACC, HAS_ORDER,
+                    False, SCALED, N_LIMBS, NORMALISE_EVERY)
+            limbs = _normalise(limbs, lanes, N_LIMBS)
+            flags = (nan.to(tl.int64) | (pinf.to(tl.int64) << 1) | (ninf.to(tl.int64) << 2)
+                     | (not_neg_zero.to(tl.int64) << 3))
+            part = tl.where(lanes == N_LIMBS, flags[:, None], limbs)
+            tl.store(_part_at(work_ptr, work_rows, o, slot, cols, lanes, inner, LANES),
+                     part.to(tl.int32), mask=mask[:, None] & (lanes <= N_LIMBS))
+
+
+@triton.jit
+def _exact_fold(
+    base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, work_ptr, work_rows, lanes, outer, inner,
+    seg, p0, n,
+    REDUCE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr, USE_BASE: tl.constexpr,
+    PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr, UNIT_EXPONENT: tl.constexpr,
+    N_LIMBS: tl.constexpr, LANES: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The long segment ``seg`` (``n`` terms from position ``p0``): its chunks' parts added
+    (integers: in any order), its base row, and the value rounded into its row."""
+    n_chunks = (n + CHUNK - 1) // CHUNK
+    count = n
+    if USE_BASE:
+        count = n + 1
+    n_blocks = tl.cdiv(inner, BLOCK)
+    # Half a column block at a time: the rounding of a whole block's tile, in a program that
+    # also holds a chunk program's work, spilled registers on sm_90 (tests/ptx_check.py; so
+    # did a loop over the two halves with a constant trip count).
+    for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
+        for first_half in range(tl.program_id(1).to(tl.int64) * 2, n_blocks * 2,
+                                tl.num_programs(1) * 2):
+            for half in range(first_half, first_half + 2):
+                cols = half * (BLOCK // 2) + tl.arange(0, BLOCK // 2).to(tl.int64)
+                mask = cols < inner
+                # The parts' limbs added, their flags (in the spare lane) or'ed: one tile.
+                state = tl.zeros([BLOCK // 2, LANES], tl.int64)
+                for k in range(n_chunks):
+                    # Parts that other programs wrote: read from L2 (.cg), never from an L1
+                    # line of this SM's that could predate them.
+                    at = _part_at(work_ptr, work_rows, o, _chunk_slot(p0, k, CHUNK), cols, lanes,
+                                  inner, LANES)
+                    part = tl.load(at, mask=mask[:, None] & (lanes <= N_LIMBS), other=0,
+                                   cache_modifier=".cg").to(tl.int64)
+                    # Digits below the top limb are unsigned 32-bit values; the top is signed.
+                    digits = tl.where(lanes < N_LIMBS - 1, part & 0xFFFFFFFF, part)
+                    state = tl.where(lanes == N_LIMBS, state | part, state + digits)
+                flags = _lane(state, lanes, N_LIMBS)
+                limbs = tl.where(lanes < N_LIMBS, state, 0)
+                nan = (flags & 1) != 0
+                pinf = (flags & 2) != 0
+                ninf = (flags & 4) != 0
+                not_neg_zero = (flags & 8) != 0
+                if USE_BASE:
+                    init = _to_acc(tl.load(base_ptr + o * bs0 + seg * bs1 + cols * bs2,
+                                           mask=mask, other=0), DATA, ACC)
+                    limbs, nan, pinf, ninf, not_neg_zero = _deposit_term(
+                        limbs, lanes, init, mask, nan, pinf, ninf, not_neg_zero, ACC)
+                value = _exact_value(limbs, lanes, count, nan, pinf, ninf, not_neg_zero,
+                                     REDUCE, PRECISION, MIN_QUANTUM, UNIT_EXPONENT, N_LIMBS)
+                tl.store(out_ptr + o * os0 + seg * os1 + cols * os2,
+                         _to_data(value.to(ACC), DATA, out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _exact_kernel(
+    src_ptr, ss0, ss1, ss2, order_ptr, offsets_ptr, positions, n_parts, base_ptr, bs0, bs1,
+    bs2, out_ptr, os0, os1, os2, alpha_ptr, work_ptr, counters_ptr, outer, nseg, inner,
+    REDUCE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr, HAS_ORDER: tl.constexpr,
+    HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr, SCALED: tl.constexpr,
+    HEADROOM: tl.constexpr, PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr,
+    UNIT_EXPONENT: tl.constexpr, N_LIMBS: tl.constexpr, LANES: tl.constexpr,
+    NORMALISE_EVERY: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """EXACT: whole segments (slot < nseg) and, under SPLIT, the chunks of the segments longer
+    than CHUNK: chunk program ``slot - nseg`` of ``n_parts`` (``chunks._chunk_owned``), the
+    last of a segment's to finish adding their parts (a ticket in ``counters_ptr[1 + ...]``)."""
+    slot = tl.program_id(0).to(tl.int64)
+    alpha = 1.0
+    if SCALED:
+        alpha = tl.load(alpha_ptr)
+    lanes = tl.arange(0, LANES).to(tl.int64)[None, :]
+    if slot < nseg:
+        p0 = tl.load(offsets_ptr + slot)
+        p1 = tl.load(offsets_ptr + slot + 1)
+        whole = p1 >= p0  # always, unless the chunk programs own this segment
+        if SPLIT:
+            whole = p1 - p0 <= CHUNK
+        if whole:
+            _exact_segment(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr,
+                           os0, os1, os2, alpha, lanes, outer, inner, slot, p0, p1, REDUCE,
+                           DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, SCALED, HEADROOM,
+                           PRECISION, MIN_QUANTUM, UNIT_EXPONENT, N_LIMBS, LANES,
+                           NORMALISE_EVERY, BLOCK)
+    elif SPLIT:
+        e = slot - nseg
+        work_rows = 2 * n_parts
+        for side in range(2):
+            seg, j, owned, p0, n = _chunk_owned(offsets_ptr, nseg, positions, e, side, CHUNK,
+                                                _OFFSETS)
+            if owned:
+                p_begin = p0 + j * CHUNK
+                _exact_chunk(src_ptr, ss0, ss1, ss2, order_ptr, work_ptr, work_rows, alpha,
+                             lanes, outer, inner, p_begin, tl.minimum(p0 + n, p_begin + CHUNK),
+                             e * 2 + side, DATA, ACC, HAS_ORDER, SCALED, HEADROOM, N_LIMBS,
+                             LANES, NORMALISE_EVERY, BLOCK)
+                if _last_chunk_done(counters_ptr, p0, n, CHUNK):
+                    _exact_fold(base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, work_ptr,
+                                work_rows, lanes, outer, inner, seg, p0, n, REDUCE, DATA, ACC,
+                                USE_BASE, PRECISION, MIN_QUANTUM, UNIT_EXPONENT, N_LIMBS, LANES,
+                                CHUNK, BLOCK)
+
+
 # ---- launcher ----------------------------------------------------------------------------------
 
 # Each launch after a specialisation's first calls its compiled kernel directly (see launch.py).
@@ -443,10 +601,19 @@ _DATA_BITS = {dtype: precision for dtype, (precision, *_) in EXACT_TARGETS.items
 _EXACT_STATE_LIMBS = 4096
 # Terms between two carries of the limbs (a parameter so that a test can make it small).
 _NORMALISE_EVERY = NORMALISE_EVERY
+# The chunk of a long segment (terms): a power of two, at least kernels.CHUNK_TERMS (so that a
+# plan that found no segment longer than that has none longer than this), and long enough
+# that the parts (2 slots of LANES int32 per column and chunk program) stay within 1/8 of the
+# data they sum (fp64: 2 * 128 * 4 bytes per 1024 * 8). A parameter so that a test can make
+# it small.
+_EXACT_CHUNK_TERMS = 1024
 
 
-def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base):
-    """``segment.segment_reduce`` for ``rule == EXACT`` (see the module's notes)."""
+def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, include_base,
+                         chunks=None):
+    """``segment.segment_reduce`` for ``rule == EXACT`` (see the module's notes); ``chunks``
+    as there: a plan's count of the chunks of CHUNK_TERMS terms, 0 where no segment is longer
+    than that, which spares the launch its chunk programs."""
     if not has_exact_work(src, order, offsets, reduce, _DATA_CODES,
                           include_base and base is not None):
         return
@@ -468,15 +635,28 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     block = min(max(_next_power_of_2(inner), 16), _ROW_BYTES // src.element_size(),
                 max(_EXACT_STATE_LIMBS // lanes, 16))
     num_warps = max(1, min(8, block * lanes // 512))
-    grid = (nseg, min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    grid_yz = (min(_cdiv(inner, block), _MAX_GRID_YZ), min(outer, _MAX_GRID_YZ))
+    # Chunk programs (one per _EXACT_CHUNK_TERMS positions) where some segment can be longer
+    # than a chunk; their parts, 2 slots per chunk program, and tickets (chunks.py).
+    positions = order.shape[0] if has_order else src.shape[1]
+    split = (positions > _EXACT_CHUNK_TERMS
+             and not (chunks is not None and chunks[1] == 0))
+    n_parts = _cdiv(positions, _EXACT_CHUNK_TERMS) if split else 0
+    work, counters = offsets, offsets  # never touched without SPLIT
+    if split:
+        work = torch.empty(outer * 2 * n_parts * inner * lanes, dtype=torch.int32,
+                           device=src.device)
+        counters = ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
     _launch_exact(
-        grid, (src_s, *src_s.stride(), order, offsets, base_s, *base_s.stride(), out_s,
-               *out_s.stride(), alpha_t, outer, inner),
+        (nseg + n_parts, *grid_yz),
+        (src_s, *src_s.stride(), order, offsets, positions, n_parts, base_s, *base_s.stride(),
+         out_s, *out_s.stride(), alpha_t, work, counters, outer, nseg, inner),
         {"REDUCE": int(reduce), "DATA": _DATA_CODES[src.dtype], "ACC": _tl_acc(src.dtype),
          "HAS_ORDER": has_order, "HAS_BASE": has_base,
          "USE_BASE": has_base and bool(include_base), "SCALED": scaled,
          "HEADROOM": 2.0 ** (52 - term_bits), "PRECISION": precision,
          "MIN_QUANTUM": min_quantum, "UNIT_EXPONENT": unit_exponent, "N_LIMBS": n_limbs,
-         "LANES": lanes, "NORMALISE_EVERY": _NORMALISE_EVERY, "BLOCK": block},
+         "LANES": lanes, "NORMALISE_EVERY": _NORMALISE_EVERY, "SPLIT": split,
+         "CHUNK": _EXACT_CHUNK_TERMS, "BLOCK": block},
         num_warps=num_warps,
     )

@@ -27,29 +27,18 @@ IMPLEMENTATION NOTES (this backend):
   segment (of at most CHUNK_TERMS terms, or any length under the rules that never split) and
   write its output row. Under WIDE and KAHAN, when some segment can be longer (more than
   CHUNK_TERMS positions in all), the slots after them are chunk programs, one per CHUNK_TERMS
-  positions: program ``e`` owns the chunk starts of the long segments that fall in positions
-  ``[e C, (e + 1) C)``, at most two (``_chunk_owned``), found by binary searches of the
-  segments' bounds, and writes each chunk's acc (and Kahan compensation) to its workspace slot,
-  then takes a ticket of its segment (an atomic add on a counter). The program that takes
-  the segment's last ticket folds its chunks in order, finding chunk ``k``'s slot from the
-  segment's start alone (``_chunk_slot``), writes its row and sets the counter back to 0.
-  Nothing is counted before the launch, and the fold is part of it: one launch, no other
-  device op, no host read. Which program folds changes from run to run; what it folds, and
-  in which order, never does: each output element is written once, from the same values in
-  the same order, so the result is the same on every run, for every grid, block width and
-  number of SMs. Only the column block width and the warp count are tuned, and neither takes
-  part in any element's arithmetic.
+  positions, which write each chunk's acc (and Kahan compensation) to a workspace slot; the
+  last of a segment's to finish folds its chunks in order and writes its row, in the same
+  launch (``chunks.py`` says how, and how the tickets order the memory). Which program folds
+  changes from run to run; what it folds, and in which order, never does: each output element
+  is written once, from the same values in the same order, so the result is the same on every
+  run, for every grid, block width and number of SMs. Only the column block width and the
+  warp count are tuned, and neither takes part in any element's arithmetic.
 
-- Tickets: a chunk program's stores of its part, by all its threads, come before its ticket
-  (``tl.debug_barrier``, then the atomic with release semantics at GPU scope, ``acq_rel``),
-  and the folder's loads come after its own ticket (acquire) and bypass L1 (``.cg``); the
-  sm_90 PTX is checked for both (tests/ptx_check.py). The counters live in a workspace kept
-  per device and stream (``ticket_counters``), zeroed once when it is made; a launch leaves
-  every counter it used at 0, so no op resets them between launches. That holds when the
-  bounds are consistent (offsets that never decrease; sorted keys, whose searches never
-  decrease): offsets that a launch checks and finds bad can leave a counter off 0, so the
-  paths that report that and go on (a host read of the verdict, an assert on CPU tensors)
-  set the counters back; on a GPU a failed ``torch._assert_async`` ends the CUDA context.
+- Tickets (``chunks.py``): offsets that a launch checks and finds bad can leave a counter off
+  0, so the paths that report that and go on (a host read of the verdict, an assert on CPU
+  tensors) set the counters back; on a GPU a failed ``torch._assert_async`` ends the CUDA
+  context.
 
 - Bounds (BOUNDS): offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted
   index itself, in which each program finds its segment's start and end by
@@ -88,7 +77,6 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import driver
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -122,18 +110,22 @@ from .common import (
     _to_acc,
     _to_data,
 )
+from .chunks import (
+    _ANY_OFFSETS,
+    _KEYS,
+    _OFFSETS,
+    _chunk_owned,
+    _chunk_slot,
+    _last_chunk_done,
+    _segment_start,
+    ticket_counters,
+)
 from .exact import segment_reduce_exact
 from .launch import Kernel
 from .stride1 import segment_reduce_stride1
 
 __all__ = ["interpreted", "segment_reduce", "ticket_counters"]
 
-# What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
-# read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys
-# (``kernels.SortedKeys``).
-_OFFSETS = tl.constexpr(0)
-_ANY_OFFSETS = tl.constexpr(1)
-_KEYS = tl.constexpr(2)
 # What a launch checks of its bounds (CHECK), writing its flag: nothing, the sorted keys' two
 # ends (one program), every bound (spread over programs, _check_every_bound).
 _CHECK_NOTHING = tl.constexpr(0)
@@ -146,7 +138,7 @@ _CHECK_BLOCK = tl.constexpr(1024)
 _TERM_STAGES = tl.constexpr(5)
 
 
-# ---- a program's terms: the term loop, the segments' bounds, the chunks -----------------------
+# ---- a program's terms ------------------------------------------------------------------------
 
 @triton.jit
 def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin, p_end, alpha,
@@ -170,98 +162,6 @@ def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin,
     return acc, comp
 
 
-@triton.jit
-def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
-    """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
-    segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``), or
-    under KEYS the first of the ``positions`` sorted keys that is ``>= s``, found by the steps
-    of ``torch.searchsorted`` (so the same answer, also for keys that are not sorted)."""
-    if BOUNDS == _KEYS:
-        lo = tl.zeros([], tl.int64)
-        hi = lo + positions
-        while lo < hi:
-            mid = lo + (hi - lo) // 2
-            if tl.load(bounds_ptr + mid) >= s:
-                hi = mid
-            else:
-                lo = mid + 1
-        start = lo
-    else:
-        start = tl.load(bounds_ptr + s).to(tl.int64)
-        if BOUNDS == _ANY_OFFSETS:
-            start = tl.minimum(tl.maximum(start, 0), positions)
-    return start
-
-
-@triton.jit
-def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
-    """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
-    when no segment does."""
-    found = tl.zeros([], tl.int64) - 2  # -2: not known yet
-    if BOUNDS == _KEYS:
-        # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
-        # are not sorted may fail the check, and take the search below).
-        guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)
-        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, BOUNDS)
-        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, BOUNDS)
-        holds = tl.where(guess < 0, p < start,
-                         tl.where(guess >= nseg, p >= start, (start <= p) & (p < end)))
-        found = tl.where(holds, tl.where(guess >= nseg, -1, guess), -2)
-    if found == -2:
-        # The first segment starting after p, by a binary search of the starts.
-        lo = tl.zeros([], tl.int64)
-        hi = lo + nseg + 1
-        while lo < hi:
-            mid = lo + (hi - lo) // 2
-            if _segment_start(bounds_ptr, mid, positions, BOUNDS) > p:
-                hi = mid
-            else:
-                lo = mid + 1
-        # lo == nseg + 1: p is at or after the last segment's end; lo == 0: before the first.
-        found = tl.where(lo > nseg, -1, lo - 1)
-    return found
-
-
-@triton.jit
-def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
-                 BOUNDS: tl.constexpr):
-    """(segment, chunk number, whether there is one) of chunk program ``e``'s ``side``.
-
-    Chunk program ``e`` owns the chunk starts of the long segments (more than CHUNK terms)
-    that lie in positions ``[e * CHUNK, (e + 1) * CHUNK)``. A long segment being longer than
-    that range, it holds at most two: side 0, one of the segment holding position
-    ``e * CHUNK`` (the first of its chunk starts at or after it); side 1, the first chunk of a
-    long segment starting after ``e * CHUNK`` inside the range, which then holds the range's
-    last position. The fold finds chunk ``k`` of a segment from its start alone
-    (``_chunk_slot``), so no running count of chunks is needed."""
-    low = e * CHUNK
-    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS)
-    seg = first_seg
-    if side == 1:
-        seg = _segment_at(bounds_ptr, nseg, tl.minimum(low + CHUNK, positions) - 1, positions,
-                          BOUNDS)
-    real = seg >= 0
-    seg_at = tl.maximum(seg, 0)
-    p0 = _segment_start(bounds_ptr, seg_at, positions, BOUNDS)
-    n = _segment_start(bounds_ptr, seg_at + 1, positions, BOUNDS) - p0
-    j = tl.zeros([], tl.int64)
-    if side == 0:
-        j = (tl.maximum(low - p0, 0) + CHUNK - 1) // CHUNK
-    else:
-        real = real & (seg != first_seg)
-    owned = real & (n > CHUNK) & (p0 + j * CHUNK < p0 + n)
-    return seg_at, j, owned, p0, n
-
-
-@triton.jit
-def _chunk_slot(p0, k, CHUNK: tl.constexpr):
-    """The workspace slot of chunk ``k`` of the long segment starting at ``p0``: chunk
-    program ``e = (p0 + k * CHUNK) // CHUNK``'s side 0, or its side 1 for a first chunk that
-    starts after ``e * CHUNK``."""
-    q = p0 + k * CHUNK
-    e = q // CHUNK
-    side = tl.where((k == 0) & (q != e * CHUNK), 1, 0)
-    return e * 2 + side
 
 
 @triton.jit
@@ -492,18 +392,9 @@ def _segment_kernel(
                              tl.minimum(p0 + n, p_begin + CHUNK), n, e * 2 + side, REDUCE,
                              RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
                              True, FIRST_TERM_START, NCOMP, BLOCK)
-                # A ticket per long segment (and column block and outer index of the grid),
-                # taken once this program's stores of its part are done (the barrier orders
-                # every thread's before it, the release publishes them): the program that
-                # takes the last folds the parts, after its acquire. Which program folds
-                # varies from run to run; the order of the fold never does.
-                tl.debug_barrier()
-                ticket_at = (counters_ptr + 1
-                             + (_chunk_slot(p0, 0, CHUNK) * tl.num_programs(1)
-                                + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2))
-                taken = tl.atomic_add(ticket_at, 1, sem="acq_rel")
-                if taken == (n + CHUNK - 1) // CHUNK - 1:
-                    tl.store(ticket_at, 0)  # for the next launch, which starts after this one
+                # Which program folds varies from run to run; the order of the fold never
+                # does.
+                if _last_chunk_done(counters_ptr, p0, n, CHUNK):
                     _fold_chunks(out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
                                  work_rows, outer, inner, seg, p0, n, REDUCE, RULE, DATA, ACC,
                                  USE_BASE, HAS_CARRY, NCOMP, CHUNK, BLOCK)
@@ -528,7 +419,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         if carry is not None:
             raise ValueError("segment_reduce: the EXACT rule takes no carry")
         segment_reduce_exact(src, order, offsets, base, out, reduce=reduce, alpha=alpha,
-                             include_base=include_base)
+                             include_base=include_base, chunks=chunks)
         return
     if rule == CUDA_STRIDE_1:
         segment_reduce_stride1(src, order, offsets, base, out, reduce=reduce, alpha=alpha,
@@ -639,32 +530,6 @@ def _report(flag: torch.Tensor, failure, counters: torch.Tensor | None) -> None:
             counters.zero_()
         raise
 
-
-# A launch's tickets (the chunk programs', the checkers'): int64 counters, zero between
-# launches, one set per device and stream (launches on one stream run one after the other;
-# on two streams they may run at once; a CUDA graph replays its launches with the set of the
-# stream it was captured on). Made zero when first needed, and again, larger, when a launch
-# needs more: then the old set is kept, since a CUDA graph may have captured a launch that
-# uses it.
-_TICKET_COUNTERS: dict[tuple, torch.Tensor] = {}
-_RETIRED_COUNTERS: list[torch.Tensor] = []
-_MIN_COUNTERS = 4096
-
-
-def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
-    """At least ``size`` ticket counters for a launch on ``device``'s current stream, zero."""
-    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else None
-    key = (device, stream)
-    counters = _TICKET_COUNTERS.get(key)
-    if counters is None or counters.numel() < size:
-        held = 0
-        if counters is not None:
-            _RETIRED_COUNTERS.append(counters)
-            held = counters.numel()
-        counters = torch.zeros(max(size, 2 * held, _MIN_COUNTERS), dtype=torch.int64,
-                               device=device)
-        _TICKET_COUNTERS[key] = counters
-    return counters
 
 
 @functools.lru_cache(maxsize=256)

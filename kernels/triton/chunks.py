@@ -1,0 +1,183 @@
+"""How a launch splits long segments into chunks, and folds them in the same launch.
+
+The rules that split (WIDE and KAHAN in ``segment.py``; EXACT in ``exact.py``, where the
+order does not matter) give a segment longer than a chunk of ``CHUNK`` positions to chunk
+programs, one per ``CHUNK`` positions of the launch: program ``e`` owns the chunk starts of
+the long segments that fall in positions ``[e * CHUNK, (e + 1) * CHUNK)``, at most two
+(``_chunk_owned``), found by binary searches of the segments' bounds, and writes each chunk's
+part to its workspace slot (``_chunk_slot``, found from the segment's start alone). It then
+takes a ticket of its segment (``_last_chunk_done``); the program that takes the segment's
+last ticket folds the parts and writes the segment's row. Nothing is counted before the
+launch and the fold is part of it: one launch, no other device op, no host read.
+
+Tickets: a chunk program's stores of its part, by all its threads, come before its ticket
+(``tl.debug_barrier``, then the atomic with release semantics at GPU scope, ``acq_rel``), and
+the folder's loads come after its own ticket (acquire) and must bypass L1 (``.cg``); the sm_90
+PTX is checked for both (tests/ptx_check.py). The counters live in a workspace kept per device
+and stream (``ticket_counters``), zeroed once when it is made; a launch leaves every counter it
+used at 0, so no op resets them between launches. That holds when the bounds are consistent
+(offsets that never decrease; sorted keys, whose searches never decrease).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import driver
+
+__all__ = ["ticket_counters"]
+
+# What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
+# read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys
+# (``kernels.SortedKeys``).
+_OFFSETS = tl.constexpr(0)
+_ANY_OFFSETS = tl.constexpr(1)
+_KEYS = tl.constexpr(2)
+
+
+# ---- the segments' bounds, the chunks --------------------------------------------------------
+
+@triton.jit
+def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
+    """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
+    segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``), or
+    under KEYS the first of the ``positions`` sorted keys that is ``>= s``, found by the steps
+    of ``torch.searchsorted`` (so the same answer, also for keys that are not sorted)."""
+    if BOUNDS == _KEYS:
+        lo = tl.zeros([], tl.int64)
+        hi = lo + positions
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            if tl.load(bounds_ptr + mid) >= s:
+                hi = mid
+            else:
+                lo = mid + 1
+        start = lo
+    else:
+        start = tl.load(bounds_ptr + s).to(tl.int64)
+        if BOUNDS == _ANY_OFFSETS:
+            start = tl.minimum(tl.maximum(start, 0), positions)
+    return start
+
+
+@triton.jit
+def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
+    """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
+    when no segment does."""
+    found = tl.zeros([], tl.int64) - 2  # -2: not known yet
+    if BOUNDS == _KEYS:
+        # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
+        # are not sorted may fail the check, and take the search below).
+        guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)
+        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, BOUNDS)
+        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, BOUNDS)
+        holds = tl.where(guess < 0, p < start,
+                         tl.where(guess >= nseg, p >= start, (start <= p) & (p < end)))
+        found = tl.where(holds, tl.where(guess >= nseg, -1, guess), -2)
+    if found == -2:
+        # The first segment starting after p, by a binary search of the starts.
+        lo = tl.zeros([], tl.int64)
+        hi = lo + nseg + 1
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            if _segment_start(bounds_ptr, mid, positions, BOUNDS) > p:
+                hi = mid
+            else:
+                lo = mid + 1
+        # lo == nseg + 1: p is at or after the last segment's end; lo == 0: before the first.
+        found = tl.where(lo > nseg, -1, lo - 1)
+    return found
+
+
+@triton.jit
+def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
+                 BOUNDS: tl.constexpr):
+    """(segment, chunk number, whether there is one) of chunk program ``e``'s ``side``.
+
+    Chunk program ``e`` owns the chunk starts of the long segments (more than CHUNK terms)
+    that lie in positions ``[e * CHUNK, (e + 1) * CHUNK)``. A long segment being longer than
+    that range, it holds at most two: side 0, one of the segment holding position
+    ``e * CHUNK`` (the first of its chunk starts at or after it); side 1, the first chunk of a
+    long segment starting after ``e * CHUNK`` inside the range, which then holds the range's
+    last position. The fold finds chunk ``k`` of a segment from its start alone
+    (``_chunk_slot``), so no running count of chunks is needed."""
+    low = e * CHUNK
+    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS)
+    seg = first_seg
+    if side == 1:
+        seg = _segment_at(bounds_ptr, nseg, tl.minimum(low + CHUNK, positions) - 1, positions,
+                          BOUNDS)
+    real = seg >= 0
+    seg_at = tl.maximum(seg, 0)
+    p0 = _segment_start(bounds_ptr, seg_at, positions, BOUNDS)
+    n = _segment_start(bounds_ptr, seg_at + 1, positions, BOUNDS) - p0
+    j = tl.zeros([], tl.int64)
+    if side == 0:
+        j = (tl.maximum(low - p0, 0) + CHUNK - 1) // CHUNK
+    else:
+        real = real & (seg != first_seg)
+    owned = real & (n > CHUNK) & (p0 + j * CHUNK < p0 + n)
+    return seg_at, j, owned, p0, n
+
+
+@triton.jit
+def _chunk_slot(p0, k, CHUNK: tl.constexpr):
+    """The workspace slot of chunk ``k`` of the long segment starting at ``p0``: chunk
+    program ``e = (p0 + k * CHUNK) // CHUNK``'s side 0, or its side 1 for a first chunk that
+    starts after ``e * CHUNK``."""
+    q = p0 + k * CHUNK
+    e = q // CHUNK
+    side = tl.where((k == 0) & (q != e * CHUNK), 1, 0)
+    return e * 2 + side
+
+
+@triton.jit
+def _last_chunk_done(counters_ptr, p0, n, CHUNK: tl.constexpr):
+    """Take a ticket of the long segment of ``n`` terms starting at ``p0`` (and of this
+    program's column block and outer index), once this program's stores of its chunk's part
+    are done; whether it was the segment's last, whose taker folds the parts (and has set the
+    counter back to 0 for the next launch, which starts after this one ends).
+
+    The barrier orders every thread's stores before the ticket, and the release publishes
+    them; the last taker's acquire makes the other parts visible to its loads. Which program
+    folds varies from run to run; what it folds never does."""
+    tl.debug_barrier()
+    ticket_at = (counters_ptr + 1
+                 + (_chunk_slot(p0, 0, CHUNK) * tl.num_programs(1) + tl.program_id(1))
+                 * tl.num_programs(2) + tl.program_id(2))
+    taken = tl.atomic_add(ticket_at, 1, sem="acq_rel")
+    last = taken == (n + CHUNK - 1) // CHUNK - 1
+    if last:
+        tl.store(ticket_at, 0)
+    return last
+
+
+# ---- tickets -----------------------------------------------------------------------------------
+
+# A launch's tickets (the chunk programs', the checkers'): int64 counters, zero between
+# launches, one set per device and stream (launches on one stream run one after the other;
+# on two streams they may run at once; a CUDA graph replays its launches with the set of the
+# stream it was captured on). Made zero when first needed, and again, larger, when a launch
+# needs more: then the old set is kept, since a CUDA graph may have captured a launch that
+# uses it.
+_TICKET_COUNTERS: dict[tuple, torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+_MIN_COUNTERS = 4096
+
+
+def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
+    """At least ``size`` ticket counters for a launch on ``device``'s current stream, zero."""
+    stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else None
+    key = (device, stream)
+    counters = _TICKET_COUNTERS.get(key)
+    if counters is None or counters.numel() < size:
+        held = 0
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+            held = counters.numel()
+        counters = torch.zeros(max(size, 2 * held, _MIN_COUNTERS), dtype=torch.int64,
+                               device=device)
+        _TICKET_COUNTERS[key] = counters
+    return counters
+

@@ -97,6 +97,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cuda)
         if item.get_closest_marker("interpreter") and not TRITON_RUNS_CPU_TENSORS:
             item.add_marker(skip_interpreter)
+    # Tests marked ``last`` after the others, each group in its own order (a stable sort).
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
 
 
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -7,6 +7,10 @@ first 1, 2, 3 and 4 ranks, and each process returns what it found through a file
 read those results and compare bits with ``torch.equal``. A sum over a subgroup of ``w`` ranks
 is a sum over ``w`` ranks: detsum sees the group, never the world around it. Each process uses
 one thread, so that the per-sample gradients have the same bits in all of them.
+
+The file runs after the rest of the suite (``last``): its four processes then load the Numba
+kernels that the other tests compiled into the shared cache (12 s here) rather than compile
+them at once on a 2-core machine (32-35 s).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from torch import nn
 import detsum
 from conftest import assert_same_bits, host_reads
 from detsum import loss
+
+pytestmark = pytest.mark.last
 
 RANKS = 4
 GROUP_SIZES = (1, 2, 3, 4)

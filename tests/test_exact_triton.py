@@ -374,6 +374,28 @@ def test_fast_path_certificate_edges():
             check(src, order, offsets, base, **args)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered in add:RuntimeWarning")
+def test_fp64_fast_path_certificate_edges():
+    """fp64 terms of two magnitudes 2**k apart, with full significands, so that TwoSum's
+    rounded sum rounds at every step and its errors add up, for spreads on both sides of the
+    fp64 certificate (count**2 * largest <= smallest * 2**52: 2**46 for 8 terms): the
+    correctly rounded sum and mean either way (a certificate too generous would round the
+    errors' sum, or overflow it)."""
+    g = torch.Generator().manual_seed(11)
+    for k in range(38, 54, 3):
+        values = torch.cat([wide(g, 4, torch.float64, k, k), wide(g, 4, torch.float64, 0, 0)])
+        values = values[torch.randperm(8, generator=g)].tolist()
+        for reduce in (SUM, MEAN):
+            for alpha in (1.0, 0.3):
+                src, order, offsets, base, args = one_column(values, torch.float64,
+                                                             reduce=reduce, alpha=alpha)
+                check(src, order, offsets, base, **args)
+    top = 2.0**1023 * 1.5  # sums past fp64's range: inf, never an overflowed TwoSum's NaN
+    for values in ([top, top, -top / 4], [top, -top, top, 2.0**-1074]):
+        src, order, offsets, base, args = one_column(values, torch.float64)
+        check(src, order, offsets, base, **args)
+
+
 def test_long_segment_of_cancelling_terms():
     """More terms than CHUNK_TERMS (where the rules that split cut; EXACT's chunks are longer)
     that cancel down to the smallest subnormals: bf16 data, with and without the fast path."""

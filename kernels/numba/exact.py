@@ -25,7 +25,12 @@ IMPLEMENTATION NOTES (this backend):
   that fails is summed again with the same certificate per column (the sum of magnitudes).
   Non-finite terms fail both. The loops are straight and vectorise; the integer reductions
   cost almost nothing where floating-point ones would not vectorise at all.
-- Every other column (both certificates failed, and all fp64 data) is summed again from its
+- Fast path for fp64 data: the terms summed by TwoSum into a pair (the rounded sum and the
+  sum of its rounding errors), with the same largest and smallest magnitudes;
+  ``count**2 * largest <= smallest * 2**52`` proves that the errors' sum never rounded, so
+  the pair's sum is exact and one fp64 addition rounds it (``tile_certified`` proves it;
+  per column ``count * mass``). A span of 2**32 for 1024 terms: most gradients again.
+- Every other column (both certificates failed) is summed again from its
   terms into limbs, one column at a time, with integer adds only, then rounded from the
   integer (``limbs.round_units``). A MEAN divides its certified fp64 sum in fp64 and rounds
   that quotient, which rounds as the exact one does for counts below 2**(53 - p), p the
@@ -52,13 +57,19 @@ from .rounding import (
     f32_as_u32,
     f32_to_bf16_bits,
     f32_to_f16_bits,
+    f64_as_u64,
     u32_as_f32,
+    u64_as_f64,
 )
 from . import njit, parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
 from .common import _prefetch, block_threads, launch_threads, work_split
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 from .limbs import f32_term, f64_in_fp32_units, f64_term, finish, normalise_limbs
+
+# fp64 terms' certificate (see _make_exact_helpers): no partial sum past this magnitude, so
+# that no TwoSum overflows.
+_WIDE_LIMIT = 2.0**1022
 
 __all__ = ["segment_reduce_exact"]
 
@@ -74,6 +85,64 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
     narrow = fmt in ("bf16", "f16")
     term_into = f64_term if wide_data else f32_term
     format_njit = _njit_named_for(f"exact_{fmt}")
+    # Magnitudes compare as the bit patterns of the terms' acc type (those of nonnegative
+    # values order as the values): the largest starts at NO_TOP, the smallest nonzero one at
+    # NO_BOTTOM (see tile_row); INF_BITS is the first pattern past every finite magnitude.
+    bits_type = np.uint64 if wide_data else np.uint32
+    magnitude_mask = bits_type(0x7FFFFFFFFFFFFFFF if wide_data else 0x7FFFFFFF)
+    inf_bits = bits_type(0x7FF0000000000000 if wide_data else 0x7F800000)
+    no_top, no_bottom, one_bit = bits_type(0), ~bits_type(0), bits_type(1)
+
+    @format_njit(inline="always")
+    def magnitude_bits(t):
+        # (Numba widens integer arithmetic to 64 bits: each result is cast back.)
+        if wide_data:
+            return bits_type(f64_as_u64(t) & magnitude_mask)
+        return bits_type(f32_as_u32(t) & magnitude_mask)
+
+    @format_njit(inline="always")
+    def magnitude_value(bits):
+        if wide_data:
+            return u64_as_f64(bits)
+        return np.float64(u32_as_f32(bits))
+
+    @format_njit(inline="always")
+    def tile_certified(top, bottom, count, headroom):
+        """Whether a tile's fast-path sums are exact, from its largest and smallest nonzero
+        magnitudes (``tile_row``'s bits) and its count of terms.
+
+        fp32 terms (bf16, fp16, fp32 data): each is a multiple of ulp(the smallest nonzero
+        magnitude) >= smallest * 2**-term_bits, every partial sum is at most count * largest,
+        and fp64 holds every multiple of that ulp up to 2**53 of them (a factor 2 to spare
+        covers the rounding of count * largest): ``count * largest <= smallest * headroom``.
+
+        fp64 terms: summed with TwoSum into (hi, lo), hi + lo is the exact partial sum as long
+        as each lo + e is exact. All of hi, the terms and each error e are multiples of
+        u = ulp(smallest) >= smallest * 2**-52 (a rounded multiple of u is one), so lo + e is
+        exact while |lo + e| <= 2**53 u. Each |e| <= 2**-53 |hi| <~ 2**-53 count * largest,
+        so |lo| <~ count**2 * largest * 2**-53: ``count**2 * largest <= smallest * 2**52``
+        holds it there with a factor 4 to spare (for the roundings of the bound itself).
+        ``_WIDE_LIMIT`` keeps every partial sum, and so TwoSum, clear of overflow. An inf or
+        NaN term makes the largest magnitude's bits INF_BITS or more, and fails both."""
+        if top >= inf_bits:
+            return False
+        if bottom == no_bottom:
+            return True  # every term is zero
+        largest = magnitude_value(top)
+        smallest = magnitude_value(bits_type(bottom + one_bit))
+        c = np.float64(count)
+        if wide_data:
+            return c * largest <= _WIDE_LIMIT and c * c * largest <= smallest * 2.0**52
+        return c * largest <= smallest * headroom
+
+    @format_njit(inline="always")
+    def column_certified(mass, least, count, headroom):
+        """``tile_certified`` for one column, from its sum of magnitudes ``mass`` (which bounds
+        every partial sum) and its smallest nonzero magnitude ``least``. mass is inf or NaN
+        when a term is: never exact (inf <= inf would hold)."""
+        if wide_data:
+            return mass <= _WIDE_LIMIT and np.float64(count) * mass <= least * 2.0**52
+        return mass <= least * headroom and mass < np.inf
 
     @format_njit(inline="always")
     def final_rounding(s):
@@ -93,18 +162,28 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
         return enc(f)
 
     @format_njit(inline="always")
+    def rounded_sum(hi, lo):
+        """RN_dtype of a certified exact sum, as a data element: the fp64 ``hi`` (fp32 terms),
+        or ``hi + lo`` (fp64 terms, TwoSum's pair: one addition rounds it once; ``hi`` alone
+        when ``lo`` is 0, which keeps the sign of a sum of -0.0 terms)."""
+        if wide_data:
+            return hi if lo == 0.0 else hi + lo
+        return final_rounding(hi)
+
+    @format_njit(inline="always")
     def tile_row(acc, a, start, w, alpha, top, bottom):
-        """acc += the row's terms; returns the largest magnitude's bits and the smallest
-        nonzero magnitude's bits minus one, both over the row and the given ones (fp32 bit
-        patterns of nonnegative values order as the values; 0 - 1 wraps to the top and drops
-        out of the minimum). Integer reductions vectorise; floating-point ones would not."""
+        """acc += the row's terms, the first of a tile (acc is -0.0, so each sum is exact even
+        for fp64 terms); returns the largest magnitude's bits and the smallest nonzero
+        magnitude's bits minus one, both over the row and the given ones (0 - 1 wraps to the
+        top and drops out of the minimum). Integer reductions vectorise; floating-point ones
+        would not."""
         u = np.uint64(start)
         for j in range(w):
             t = dec(a[u + np.uint64(j)]) * alpha
             acc[j] += np.float64(t)
-            magnitude = f32_as_u32(t) & np.uint32(0x7FFFFFFF)
-            top = max(top, np.uint32(magnitude))
-            bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
+            magnitude = magnitude_bits(t)
+            top = max(top, magnitude)
+            bottom = min(bottom, bits_type(magnitude - one_bit))
         return top, bottom
 
     @format_njit(inline="always")
@@ -141,13 +220,19 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
                        unit_exponent)
 
     @format_njit()
-    def exact_value_of_sum(s, count, is_mean, limbs, flags):
-        """The rounded mean over ``count`` of the exact fp64 sum ``s``, as an fp64."""
+    def exact_value_of_sum(s, lo, count, is_mean, limbs, flags):
+        """The rounded mean over ``count`` of the exact sum ``s`` (fp32 terms) or ``s + lo``
+        (fp64 terms, TwoSum's pair), as an fp64."""
         for i in range(n_limbs):
             limbs[i] = 0
         for i in range(4):
             flags[i] = 0
-        f64_in_fp32_units(limbs, s, flags)
+        if wide_data:
+            f64_term(limbs, s, flags)
+            if lo != 0.0:  # (a -0.0 sum stays one)
+                f64_term(limbs, lo, flags)
+        else:
+            f64_in_fp32_units(limbs, s, flags)
         return finish(limbs, n_limbs, flags, count, is_mean, precision, min_quantum,
                        unit_exponent)
 
@@ -177,14 +262,18 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
 
         @_njit_named_for(f"exact_{fmt}_{'columns' if per_column else 'tile'}")(inline="always")
         def fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha, acc,
-                      tmp, n_positions, pf_dist, pf_step, mass, least):
+                      lo, tmp, n_positions, pf_dist, pf_step, mass, least):
             """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
-            segment). per_column: also each column's sum of magnitudes (mass) and smallest
-            nonzero magnitude (least); otherwise returns the tile's (top, bottom) of
-            ``tile_row``."""
+            segment); for fp64 terms acc + lo, by TwoSum (Knuth's, without branches: acc the
+            rounded sums, lo the sum of their errors). per_column: also each column's sum of
+            magnitudes (mass) and smallest nonzero magnitude (least); otherwise returns the
+            tile's (top, bottom) of ``tile_row``."""
             one = cvt(1.0)  # the init row is not scaled
-            top = np.uint32(0)
-            bottom = np.uint32(0xFFFFFFFF)
+            top = no_top
+            bottom = no_bottom
+            if wide_data:
+                for j in range(w):
+                    lo[j] = 0.0
             if use_base:
                 # The init row is one more term, starting each column's sum.
                 bstart = o * bs[0] + s * bs[1] + j0 * bs[2]
@@ -235,16 +324,28 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
                     for j in range(w):
                         t = np.float64(dec(row[u + np.uint64(j)]) * alpha)
                         m = abs(t)
-                        acc[j] += t
+                        if wide_data:
+                            total = acc[j] + t
+                            back = total - acc[j]
+                            lo[j] += (acc[j] - (total - back)) + (t - back)
+                            acc[j] = total
+                        else:
+                            acc[j] += t
                         mass[j] += m
                         least[j] = min(least[j], m if m != 0.0 else np.inf)
                 else:
                     for j in range(w):
                         t = dec(row[u + np.uint64(j)]) * alpha
-                        acc[j] += np.float64(t)
-                        magnitude = f32_as_u32(t) & np.uint32(0x7FFFFFFF)
-                        top = max(top, np.uint32(magnitude))
-                        bottom = min(bottom, np.uint32(magnitude - np.uint32(1)))
+                        if wide_data:
+                            total = acc[j] + t
+                            back = total - acc[j]
+                            lo[j] += (acc[j] - (total - back)) + (t - back)
+                            acc[j] = total
+                        else:
+                            acc[j] += np.float64(t)
+                        magnitude = magnitude_bits(t)
+                        top = max(top, magnitude)
+                        bottom = min(bottom, bits_type(magnitude - one_bit))
             return top, bottom
 
         return fast_pass
@@ -252,7 +353,8 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
     tile_pass = tile_sums(False)
     column_pass = tile_sums(True)
 
-    return final_rounding, tile_pass, column_pass, column, exact_value_of_sum, rounded_quotient
+    return (rounded_sum, tile_certified, column_certified, tile_pass, column_pass, column,
+            exact_value_of_sum, rounded_quotient)
 
 
 def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us, shape, alpha,
@@ -261,16 +363,17 @@ def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us,
     """Items [b * n / B, (b + 1) * n / B) of the n items (outer index, segment, column
     block), with block b's scratch: the template of every format's kernels, for sums and for
     means, in two stages. ``instances.instance`` binds ``is_mean``, ``first_stage``, the
-    format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms: no fast path), ``data_bits``
+    format's ``enc``, ``cvt``, ``wide_data`` (fp64 terms, summed by TwoSum), ``data_bits``
     (significant bits of a data element) and ``quotient_divisors`` (the counts whose means
     ``rounded_quotient`` takes), and the helpers of :func:`_make_exact_helpers`.
 
     The first stage writes the items that tier 1 certifies and marks the others in
     ``pending``, writing nothing of them; the second takes the marked items alone, by every
-    other way (fp64 terms: every item, through the limbs). Why two: the second stage's code
+    other way. Why two: the second stage's code
     (the per-column certificate, the limbs of every term) is most of the kernel, and rarely
     needed: it compiles on the first launch that needs it. (A certified tile's mean is
-    settled in the first stage, from its fp64 sum: ``rounded_quotient``.) An item's elements
+    settled in the first stage, from its fp64 sum: ``rounded_quotient``; fp64 terms' mean
+    divides in the limbs, from the two parts of its sum.) An item's elements
     are read (from base) and written by that item alone, so the second stage reads a base
     that the first left untouched, in place too."""
     outer, nseg, inner = shape
@@ -284,6 +387,7 @@ def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us,
     acc = acc_scratch[b, 0]
     mass = acc_scratch[b, 1]
     least = acc_scratch[b, 2]
+    lo = acc_scratch[b, 3]
     exact_here = flag_scratch[b, 4:]
     tmp = data_scratch[b]
     limbs = limb_scratch[b]
@@ -312,34 +416,27 @@ def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us,
             continue
         count = (p1 - p0) + (1 if use_base else 0)
         if first_stage:
-            # Tier 1: one certificate for the whole tile. Every term is a multiple of ulp(the
-            # smallest nonzero magnitude) >= smallest * 2**-term_bits, every partial sum is at
-            # most count * largest, and fp64 holds every multiple of that ulp up to 2**53 of
-            # them (a factor 2 to spare covers the rounding of count * largest). An inf or NaN
-            # term makes the largest magnitude's bits 0x7F800000 or more, and fails it.
+            # Tier 1: one certificate for the whole tile (``tile_certified``).
             top, bottom = tile_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1,
-                                    use_base, a, acc, tmp, n_positions, pf_dist, pf_step, mass,
-                                    least)
-            tile_exact = top < np.uint32(0x7F800000) and (
-                bottom == np.uint32(0xFFFFFFFF)
-                or np.float64(count) * np.float64(u32_as_f32(top))
-                <= np.float64(u32_as_f32(np.uint32(bottom + np.uint32(1)))) * headroom)
+                                    use_base, a, acc, lo, tmp, n_positions, pf_dist, pf_step,
+                                    mass, least)
+            tile_exact = tile_certified(top, bottom, count, headroom)
             if tile_exact and not is_mean:
                 # The common case: one straight loop writes the whole tile.
                 if us[2] == 1:
                     u = np.uint64(ostart)
                     for j in range(w):
-                        out[u + np.uint64(j)] = final_rounding(acc[j])
+                        out[u + np.uint64(j)] = rounded_sum(acc[j], lo[j])
                 else:
                     for j in range(w):
-                        out[ostart + j * us[2]] = final_rounding(acc[j])
+                        out[ostart + j * us[2]] = rounded_sum(acc[j], lo[j])
                 continue
             if is_mean and tile_exact:
                 divisor = np.float64(count)
                 if divisor >= quotient_divisors:
                     for j in range(w):
                         out[ostart + j * us[2]] = enc(cvt(exact_value_of_sum(
-                            acc[j], count, True, limbs, flags)))
+                            acc[j], lo[j], count, True, limbs, flags)))
                 elif us[2] == 1:
                     # Unit stride spelled out, so that the loop vectorises.
                     u = np.uint64(ostart)
@@ -351,23 +448,22 @@ def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us,
                 continue
             pending[it] = 1
             continue
-        if not wide_data:
-            # Tier 2 (tier 1 failed this tile in the first stage): the same certificate per
-            # column, with the sum of magnitudes.
-            column_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, a, acc,
-                        tmp, n_positions, pf_dist, pf_step, mass, least)
-            for j in range(w):
-                # mass is inf or NaN when a term is: never exact (inf <= inf would hold).
-                exact_here[j] = mass[j] <= least[j] * headroom and mass[j] < np.inf
+        # Tier 2 (tier 1 failed this tile in the first stage): the same certificate per
+        # column, with the sum of magnitudes (``column_certified``).
+        column_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, a, acc, lo,
+                    tmp, n_positions, pf_dist, pf_step, mass, least)
+        for j in range(w):
+            exact_here[j] = column_certified(mass[j], least[j], count, headroom)
         divisor = np.float64(count)
         for j in range(w):
-            if not wide_data and exact_here[j]:
+            if exact_here[j]:
                 if not is_mean:
-                    value = final_rounding(acc[j])
+                    value = rounded_sum(acc[j], lo[j])
                 elif divisor < quotient_divisors:
                     value = rounded_quotient(acc[j], divisor)
                 else:
-                    value = enc(cvt(exact_value_of_sum(acc[j], count, True, limbs, flags)))
+                    value = enc(cvt(exact_value_of_sum(acc[j], lo[j], count, True, limbs,
+                                                       flags)))
             else:
                 exact = column(src, ss, order, ost, base, bs, o, s, j0 + j, p0, p1, use_base,
                                is_mean, a, limbs, flags)
@@ -415,10 +511,10 @@ def kernel_for(dtype, is_mean, first_stage):
     if kernel is None:
         fmt, dec, enc, cvt = _FORMATS[dtype]
         precision = EXACT_TARGETS[dtype][0]
-        wide_data = fmt == "f64"  # terms are fp64: no fast path (an fp64 sum is rarely exact)
-        (final_rounding, tile_pass, column_pass, column, exact_value_of_sum,
-         rounded_quotient) = _make_exact_helpers(fmt, dec, enc, cvt, wide_data,
-                                                 EXACT_TARGETS[dtype])
+        wide_data = fmt == "f64"  # fp64 terms: the fast path sums by TwoSum
+        (rounded_sum, tile_certified, column_certified, tile_pass, column_pass, column,
+         exact_value_of_sum, rounded_quotient) = _make_exact_helpers(
+            fmt, dec, enc, cvt, wide_data, EXACT_TARGETS[dtype])
         block_kernel = instance(
             _exact_block_kernel,
             f"{fmt}_{'mean' if is_mean else 'sum'}_{'first' if first_stage else 'second'}",
@@ -427,7 +523,8 @@ def kernel_for(dtype, is_mean, first_stage):
             data_bits=precision,
             # Counts whose means rounded_quotient takes (see there): 2**(53 - precision).
             quotient_divisors=2.0 ** (53 - precision),
-            final_rounding=final_rounding, tile_pass=tile_pass, column_pass=column_pass,
+            rounded_sum=rounded_sum, tile_certified=tile_certified,
+            column_certified=column_certified, tile_pass=tile_pass, column_pass=column_pass,
             column=column,
             exact_value_of_sum=exact_value_of_sum, rounded_quotient=rounded_quotient)
         kernel = Blocks(_run_blocks, block_kernel)
@@ -443,7 +540,6 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
     outer, _, inner = src.shape
     nseg = offsets.shape[0] - 1
     positions = order.shape[0] if order is not None else src.shape[1]
-    fmt = _FORMATS[src.dtype][0]
     n_limbs = EXACT_TARGETS[src.dtype][3]
     src_np, ss = _flat(src)
     out_np, us = _flat(out)
@@ -453,20 +549,17 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
 
     nthreads = launch_threads()
     chunk, n_blocks = work_split(outer * nseg, inner, nthreads, outer * positions)
-    acc_scratch = np.empty((n_blocks, 3, chunk), dtype=np.float64)
+    acc_scratch = np.empty((n_blocks, 4, chunk), dtype=np.float64)
     data_scratch = np.empty((n_blocks, chunk), dtype=src_np.dtype)
     limb_scratch = np.empty((n_blocks, n_limbs), dtype=np.int64)
     flag_scratch = np.empty((n_blocks, 4 + chunk), dtype=np.int64)
     pf_dist = min(_PF_MAX_DIST, max(1, _PF_AHEAD // (chunk * src.element_size())))
-    # fp64 terms have no first stage: every item is pending.
-    first = fmt != "f64"
     n_items = outer * nseg * -(-inner // chunk)
-    pending = (np.zeros if first else np.ones)(n_items, dtype=np.uint8)
+    pending = np.zeros(n_items, dtype=np.uint8)
     args = (src_np, ss, order_np, ost, offsets_np, fst, base_np, bs, out_np, us,
             (outer, nseg, inner), float(alpha), bool(include_base), base is not None, chunk,
             acc_scratch, data_scratch, limb_scratch, flag_scratch, positions, pf_dist, pending)
     with block_threads(n_blocks, nthreads):
-        if first:
-            kernel_for(src.dtype, reduce == MEAN, True)(n_blocks, args)
-        if not first or pending.any():
+        kernel_for(src.dtype, reduce == MEAN, True)(n_blocks, args)
+        if pending.any():
             kernel_for(src.dtype, reduce == MEAN, False)(n_blocks, args)

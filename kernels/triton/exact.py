@@ -8,16 +8,18 @@ there) for ``rule == EXACT`` and ``reduce`` SUM or MEAN, with offsets, and no ca
 IMPLEMENTATION NOTES (this backend; ``common.py`` has those every kernel here shares):
 
 - EXACT (``_exact_kernel``): one program per segment and column block (``_exact_segment``).
-  bf16, fp16 and fp32 data first take a fast path: the terms summed in fp64 while
-  the largest and smallest nonzero magnitude of each column are kept; a column whose spread
-  fp64 provably holds (see ``_exact_fast_pass``) has its exact sum there, rounded once (through
-  a round-to-odd fp32 for bf16 and fp16). The other columns, all fp64 data, and every mean
-  (whose fast-path sum is put in the limbs, to be divided there) go through the integer state
-  of ``detsum.kernels`` (EXACT STATE), only in blocks that have such columns: a [columns,
-  limbs] int64 tensor to which each term adds its digits, carried, divided by the count (into
-  one more digit, below the unit, so that a mean whose quantum is one unit, an fp32 or fp64
-  subnormal, is rounded rather than truncated) and rounded from the integer. Either way the
-  bits are the correctly rounded result, so which path ran never shows.
+  The terms first take a fast path: summed in fp64 (fp64 terms by TwoSum, into a rounded sum
+  and the sum of its errors) while the largest and smallest nonzero magnitude of each column
+  are kept; a column whose spread provably leaves no sum rounded (``_exact_fast_pass``,
+  ``_exact_fast_pass_wide``) has its exact sum there, rounded once (through a round-to-odd
+  fp32 for bf16 and fp16; by one addition of the pair for fp64). The other columns, and
+  every mean (whose fast-path sum is put in the limbs, to be divided there) go through the
+  integer state of ``detsum.kernels`` (EXACT STATE), only in blocks that have such columns:
+  a [columns, limbs] int64 tensor to which each term adds its digits, carried, divided by
+  the count (into one more digit, below the unit, so that a mean whose quantum is one unit,
+  an fp32 or fp64 subnormal, is rounded rather than truncated) and rounded from the
+  integer. Either way the bits are the correctly rounded result, so which path ran never
+  shows.
 
 - Long segments (more than ``_EXACT_CHUNK_TERMS`` terms, where the launch has more positions
   than that) go to chunk programs, as the rules that split spread theirs (``chunks.py``: one
@@ -72,6 +74,10 @@ _F64_INF_BITS = tl.constexpr(0x7FF0000000000000)
 _F64_NAN_BITS = tl.constexpr(0x7FF8000000000000)
 _F32_INF_BITS = tl.constexpr(0x7F800000)
 _NO_MAGNITUDE = tl.constexpr(0x7FFFFFFF)  # above every finite fp32 magnitude's bits
+_NO_MAGNITUDE_64 = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # and fp64's
+# fp64 terms' certificate (_exact_fast_pass_wide): no partial sum past this magnitude.
+_WIDE_LIMIT = tl.constexpr(2.0**1022)
+_TWO_TO_52 = tl.constexpr(2.0**52)
 # The biased exponent at which an fp64's last significand bit is worth one fp32 unit, 2**-149.
 _F64_EXPONENT_OF_FP32_UNIT = tl.constexpr(1023 + 52 - 149)
 
@@ -328,6 +334,61 @@ def _exact_fast_pass(row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1,
 
 
 @triton.jit
+def _exact_fast_pass_wide(row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1, count,
+                          alpha, DATA: tl.constexpr, HAS_ORDER: tl.constexpr,
+                          USE_BASE: tl.constexpr, SCALED: tl.constexpr):
+    """The fp64 terms (and init) summed by TwoSum into (hi, lo), and per column whether
+    hi + lo is their exact sum.
+
+    It is when lo never rounded: the terms, hi and each TwoSum error are multiples of the ulp
+    of the smallest nonzero magnitude, u >= smallest * 2**-52, so lo + error is exact while
+    it stays within 2**53 u; each error is at most 2**-53 |hi| <~ 2**-53 count * largest, so
+    ``count**2 * largest <= smallest * 2**52`` keeps lo there with a factor 4 to spare, and
+    _WIDE_LIMIT keeps every sum clear of overflow (detsum.kernels.numba.exact says the same
+    for its ``tile_certified``). An inf or NaN makes the largest _F64_INF_BITS or more."""
+    hi = tl.full(cols.shape, _SIGN_BIT, tl.int64).to(tl.float64, bitcast=True)  # -0.0
+    lo = tl.zeros(cols.shape, tl.float64)
+    largest = tl.zeros(cols.shape, tl.int64)
+    smallest = largest + _NO_MAGNITUDE_64
+    if USE_BASE:
+        hi = _to_acc(tl.load(base_at, mask=mask, other=0), DATA, tl.float64)
+        largest = hi.to(tl.int64, bitcast=True) & _NO_MAGNITUDE_64
+        smallest = tl.where(largest == 0, _NO_MAGNITUDE_64, largest)
+    for p in range(p0, p1):
+        t = _exact_term(row_base, order_ptr, p, ss1, ss2, cols, mask, alpha, DATA, tl.float64,
+                        HAS_ORDER, SCALED)
+        total = hi + t
+        back = total - hi
+        lo += (hi - (total - back)) + (t - back)
+        hi = total
+        magnitude = t.to(tl.int64, bitcast=True) & _NO_MAGNITUDE_64
+        largest = tl.maximum(largest, magnitude)
+        smallest = tl.minimum(smallest, tl.where(magnitude == 0, _NO_MAGNITUDE_64, magnitude))
+    c = count.to(tl.float64)
+    top = largest.to(tl.float64, bitcast=True)
+    spread_fits = ((c * top <= _WIDE_LIMIT)
+                   & (c * c * top <= smallest.to(tl.float64, bitcast=True) * _TWO_TO_52))
+    return hi, lo, (largest < _F64_INF_BITS) & ((largest == 0) | spread_fits)
+
+
+@triton.jit
+def _wide_sum(hi, lo):
+    """The fp64 value of a certified (hi, lo): one addition rounds it; hi alone when lo is 0,
+    which keeps the sign of a sum of -0.0 terms."""
+    return tl.where(lo == 0, hi, hi + lo)
+
+
+@triton.jit
+def _deposit_wide_sum(limbs, lanes, hi, lo, take, nan, pinf, ninf, not_neg_zero):
+    """Add a certified (hi, lo), an exact sum of fp64 terms, to the limbs of the columns in
+    ``take`` (lo only where it is not 0: a sum of -0.0 terms stays one)."""
+    limbs, nan, pinf, ninf, not_neg_zero = _deposit_term(
+        limbs, lanes, hi, take, nan, pinf, ninf, not_neg_zero, tl.float64)
+    return _deposit_term(limbs, lanes, lo, take & (lo != 0), nan, pinf, ninf, not_neg_zero,
+                         tl.float64)
+
+
+@triton.jit
 def _deposit_fp64_sum(limbs, lanes, total, take):
     """Add the fp64 ``total``, an exact sum of fp32 values, to the limbs (fp32 units) of the
     columns in ``take``; returns the limbs and whether the sum is anything but -0.0."""
@@ -408,9 +469,15 @@ def _exact_segment(
                             rounded = _f32_to_odd(total)
                         tl.store(out_at, _to_data(rounded, DATA, out_ptr.dtype.element_ty),
                                  mask=mask & certified)
-                    else:
-                        seeded = mask & certified
-                    need = mask & (certified == 0)
+                else:
+                    hi, lo, certified = _exact_fast_pass_wide(
+                        row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1, count, alpha,
+                        DATA, HAS_ORDER, USE_BASE, SCALED)
+                    if REDUCE == _SUM:
+                        tl.store(out_at, _wide_sum(hi, lo), mask=mask & certified)
+                if REDUCE == _MEAN:
+                    seeded = mask & certified
+                need = mask & (certified == 0)
                 any_need = tl.max(need.to(tl.int32), axis=0) > 0
                 finish = any_need  # a block the fast path wrote whole is done
                 if REDUCE == _MEAN:
@@ -421,9 +488,12 @@ def _exact_segment(
                     pinf = nan
                     ninf = nan
                     not_neg_zero = nan
-                    if ACC == tl.float32:
-                        if REDUCE == _MEAN:
+                    if REDUCE == _MEAN:
+                        if ACC == tl.float32:
                             limbs, not_neg_zero = _deposit_fp64_sum(limbs, lanes, total, seeded)
+                        else:
+                            limbs, nan, pinf, ninf, not_neg_zero = _deposit_wide_sum(
+                                limbs, lanes, hi, lo, seeded, nan, pinf, ninf, not_neg_zero)
                     if any_need:
                         limbs, nan, pinf, ninf, not_neg_zero = _deposit_terms(
                             limbs, lanes, need, nan, pinf, ninf, not_neg_zero, row_base, ss1,
@@ -465,13 +535,18 @@ def _exact_chunk(
             pinf = nan
             ninf = nan
             not_neg_zero = nan
-            need = mask
             if ACC == tl.float32:
                 total, certified = _exact_fast_pass(
                     row_base, ss1, ss2, cols, mask, row_base, order_ptr, p_begin, p_end,
                     p_end - p_begin, alpha, DATA, HAS_ORDER, False, SCALED, HEADROOM)
                 limbs, not_neg_zero = _deposit_fp64_sum(limbs, lanes, total, mask & certified)
-                need = mask & (certified == 0)
+            else:
+                hi, lo, certified = _exact_fast_pass_wide(
+                    row_base, ss1, ss2, cols, mask, row_base, order_ptr, p_begin, p_end,
+                    p_end - p_begin, alpha, DATA, HAS_ORDER, False, SCALED)
+                limbs, nan, pinf, ninf, not_neg_zero = _deposit_wide_sum(
+                    limbs, lanes, hi, lo, mask & certified, nan, pinf, ninf, not_neg_zero)
+            need = mask & (certified == 0)
             if tl.max(need.to(tl.int32), axis=0) > 0:
                 limbs, nan, pinf, ninf, not_neg_zero = _deposit_terms(
                     limbs, lanes, need, nan, pinf, ninf, not_neg_zero, row_base, ss1, ss2, cols,

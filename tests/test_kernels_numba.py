@@ -503,7 +503,7 @@ class Compiled(event.Listener):
 
 
 # A module that only Numba's registry refresh imports (its typed lists): a load from the
-# cache skips that refresh (detsum.kernels.numba._LeanLoadingCache), a compilation runs it.
+# cache skips that refresh (detsum.kernels.numba._KernelCache), a compilation runs it.
 REFRESH_MODULE = "numba.typed.typedlist"
 compiled, results = {}, {}
 for name, call in CALLS.items():
@@ -570,7 +570,7 @@ def test_every_kernel_loads_from_the_cache_in_a_later_process(compiled_by_two_pr
 
 def test_a_later_process_loads_without_the_registry_refresh(two_processes):
     """A first call from the cache skips Numba's refresh of its typing and lowering
-    registries (0.2 s of 0.45, ``detsum.kernels.numba._LeanLoadingCache``); a compilation
+    registries (0.2 s of 0.45, ``detsum.kernels.numba._KernelCache``); a compilation
     afterwards runs it, and works."""
     first, second = two_processes
     assert second["lean"], "this Numba's cache lacks what the lean load overrides"
@@ -604,3 +604,70 @@ def test_a_mode_compiles_its_own_kernel_on_its_first_call(compiled_by_two_proces
     assert any("bf16_add_chunked" in name for name in fp32), fp32
     assert not any("kahan" in name for name in fp32), fp32
     assert any("bf16_kahan_chunked" in name for name in kahan), kahan
+
+
+# ---- the on-disk cache: saves from processes at once ----------------------------------------
+
+_SAVE_AT_ONCE = """
+import pathlib, sys, time
+from numba.core import caching
+from detsum.kernels.numba import njit
+
+@njit(cache=True)
+def plus_one(x):
+    return x + 1
+
+kind, folder = sys.argv[1], pathlib.Path(sys.argv[2])
+if kind == "load":  # a later process: both signatures from the cache
+    print(plus_one(2), plus_one(2.5), sum(plus_one.stats.cache_hits.values()))
+    sys.exit()
+
+# Numba's save reads the kernel's index, then writes it and the data file. Pauses there (as a
+# loaded machine can make) put both processes' reads before either's writes, and the float
+# process's data file after the int process's, each under the number its read found free.
+pause_index, pause_data = {"int": (1.0, 0.0), "float": (1.0, 2.0)}[kind]
+save_index = caching.IndexDataCacheFile._save_index
+save_data = caching.IndexDataCacheFile._save_data
+
+def slow_index(self, overloads):
+    time.sleep(pause_index)
+    save_index(self, overloads)
+
+def slow_data(self, name, data):
+    time.sleep(pause_data)
+    save_data(self, name, data)
+
+caching.IndexDataCacheFile._save_index = slow_index
+caching.IndexDataCacheFile._save_data = slow_data
+(folder / kind).touch()
+while not all((folder / other).exists() for other in ("int", "float")):  # start together
+    time.sleep(0.01)
+print(plus_one(2 if kind == "int" else 2.5))
+"""
+
+
+def test_saves_of_two_processes_at_once_keep_each_signature_its_own_code(tmp_path):
+    """Two processes compile different signatures (int, float) of one kernel and save them at
+    once, each reading the kernel's index before the other writes it (pauses put there). With
+    Numba's own save both took data file 1, and the index named the int code for the float
+    signature: a later process loaded it for 2.5 + 1. Under the save's lock
+    (``detsum.kernels.numba._KernelCache``) the second save reads the first's index, and a
+    later process loads each signature's own code."""
+    import os
+    import subprocess
+
+    if not numba_kernels._LEAN_LOADS:
+        pytest.skip("this Numba's cache lacks the parts the lock overrides")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    script = tmp_path / "plus_one.py"  # Numba files a kernel's cache by its source file
+    script.write_text(_SAVE_AT_ONCE)
+    runs = [subprocess.Popen([sys.executable, str(script), kind, str(tmp_path)], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for kind in ("int", "float")]
+    outputs = [run.communicate(timeout=300) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err for _, err in outputs]
+    assert [out.split() for out, _ in outputs] == [["3"], ["3.5"]]
+    run = subprocess.run([sys.executable, str(script), "load", str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["3", "3.5", "2"], run.stdout  # both loaded, right code

@@ -19,6 +19,7 @@ twin of its kernel (see :func:`parallel_njit`): the same code compiled without
 parent's bits.
 """
 
+import contextlib
 import os
 import types
 
@@ -26,6 +27,11 @@ import numba
 import torch
 from numba.core.caching import FunctionCache
 from numba.core.runtime import rtsys
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: saves as Numba's own (see _KernelCache)
+    fcntl = None
 
 if not {"NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY"} & os.environ.keys():
     # Read by Numba when its threading layer starts, just below.
@@ -41,9 +47,9 @@ if torch.get_num_threads() != _torch_threads:
     torch.set_num_threads(_torch_threads)
 
 
-class _LeanLoadingCache(FunctionCache):
+class _KernelCache(FunctionCache):
     """The on-disk cache of a detsum kernel, which loads compiled code without refreshing
-    Numba's typing and lowering registries first.
+    Numba's typing and lowering registries first, and saves it under a lock.
 
     Numba's ``load_overload`` refreshes them before every load: the first time, that imports
     the implementations of every NumPy and Python feature it compiles (typed lists and dicts,
@@ -54,6 +60,15 @@ class _LeanLoadingCache(FunctionCache):
     ``tests/test_kernels_numba.py`` holds both: a later process's calls load every kind of
     kernel without the refresh and compute the compiled kernels' bits, and a compilation
     afterwards works.
+
+    Numba's save reads the kernel's index, picks the first data file number the index does not
+    name, and writes both, with no lock: two processes saving different signatures of one
+    kernel at once (the ranks of a job on its first run, test workers) can pick the same
+    number, and the index then names one's machine code for the other's signature. Here a
+    save holds an exclusive lock on a file in the cache's folder (``_SAVE_LOCK``), so that it
+    reads the index the last save wrote. A load needs no lock: a data file only ever holds
+    the code of the signature its index entry names. (``tests/test_kernels_numba.py`` makes
+    two processes save at once.)
     """
 
     def load_overload(self, sig, target_context):
@@ -61,19 +76,42 @@ class _LeanLoadingCache(FunctionCache):
         with self._guard_against_spurious_io_errors():
             return self._load_overload(sig, target_context)
 
+    def save_overload(self, sig, data):
+        with self._guard_against_spurious_io_errors(), self._saving():
+            self._save_overload(sig, data)
 
-#: Whether this Numba's cache has the parts ``_LeanLoadingCache`` overrides; otherwise each
-#: kernel keeps Numba's own (its loads then refresh the registries, as Numba's do).
+    @contextlib.contextmanager
+    def _saving(self):
+        if fcntl is None:
+            yield
+            return
+        self._impl.locator.ensure_cache_path()
+        with open(os.path.join(self._cache_path, _SAVE_LOCK), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+#: The file in a cache folder whose lock a save holds (one for all the folder's kernels:
+#: saves are rare and short).
+_SAVE_LOCK = "detsum-save.lock"
+
+
+#: Whether this Numba's cache has the parts ``_KernelCache`` overrides; otherwise each kernel
+#: keeps Numba's own (its loads then refresh the registries, and its saves take no lock).
 _LEAN_LOADS = all(hasattr(FunctionCache, name) for name in
-                  ("load_overload", "_load_overload", "_guard_against_spurious_io_errors"))
+                  ("load_overload", "_load_overload", "save_overload", "_save_overload",
+                   "_guard_against_spurious_io_errors"))
 
 
 def lean_loads(dispatcher):
-    """``dispatcher``, a ``cache=True`` kernel, with loads that skip the registry refresh
-    (:class:`_LeanLoadingCache`); any other dispatcher as it is."""
+    """``dispatcher``, a ``cache=True`` kernel, with loads that skip the registry refresh and
+    saves under a lock (:class:`_KernelCache`); any other dispatcher as it is."""
     cache = getattr(dispatcher, "_cache", None)
     if _LEAN_LOADS and type(cache) is FunctionCache:
-        cache.__class__ = _LeanLoadingCache
+        cache.__class__ = _KernelCache
     return dispatcher
 
 

@@ -35,8 +35,11 @@ pytestmark = [
         not HAS_TRITON or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
         reason="needs triton, and a GPU or TRITON_INTERPRET=1"),
     # The interpreter converts with NumPy, which warns where a value rounds to fp16's inf (as
-    # the sums past its range do on purpose).
+    # the sums past its range do on purpose), and computes the fp64 fast path's TwoSum and
+    # certificate past fp64's range where the certificate then fails.
     pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in add:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning"),
 ]
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -374,7 +377,6 @@ def test_fast_path_certificate_edges():
             check(src, order, offsets, base, **args)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in add:RuntimeWarning")
 def test_fp64_fast_path_certificate_edges():
     """fp64 terms of two magnitudes 2**k apart, with full significands, so that TwoSum's
     rounded sum rounds at every step and its errors add up, for spreads on both sides of the

@@ -162,6 +162,14 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
         return enc(f)
 
     @format_njit(inline="always")
+    def two_sum(a, b):
+        """(RN(a + b), the exact error a + b - RN(a + b)): Knuth's TwoSum, without branches
+        (so that a loop over a row's columns vectorises)."""
+        total = a + b
+        back = total - a
+        return total, (a - (total - back)) + (b - back)
+
+    @format_njit(inline="always")
     def rounded_sum(hi, lo):
         """RN_dtype of a certified exact sum, as a data element: the fp64 ``hi`` (fp32 terms),
         or ``hi + lo`` (fp64 terms, TwoSum's pair: one addition rounds it once; ``hi`` alone
@@ -264,8 +272,8 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
         def fast_pass(src, ss, order, ost, base, bs, o, s, j0, w, p0, p1, use_base, alpha, acc,
                       lo, tmp, n_positions, pf_dist, pf_step, mass, least):
             """acc = the fp64 sum of a tile's init and terms (columns j0 .. j0 + w - 1 of one
-            segment); for fp64 terms acc + lo, by TwoSum (Knuth's, without branches: acc the
-            rounded sums, lo the sum of their errors). per_column: also each column's sum of
+            segment); for fp64 terms acc + lo, by ``two_sum`` (acc the rounded sums, lo the sum
+            of their errors). per_column: also each column's sum of
             magnitudes (mass) and smallest nonzero magnitude (least); otherwise returns the
             tile's (top, bottom) of ``tile_row``."""
             one = cvt(1.0)  # the init row is not scaled
@@ -325,10 +333,8 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
                         t = np.float64(dec(row[u + np.uint64(j)]) * alpha)
                         m = abs(t)
                         if wide_data:
-                            total = acc[j] + t
-                            back = total - acc[j]
-                            lo[j] += (acc[j] - (total - back)) + (t - back)
-                            acc[j] = total
+                            acc[j], error = two_sum(acc[j], t)
+                            lo[j] += error
                         else:
                             acc[j] += t
                         mass[j] += m
@@ -337,10 +343,8 @@ def _make_exact_helpers(fmt, dec, enc, cvt, wide_data, targets):
                     for j in range(w):
                         t = dec(row[u + np.uint64(j)]) * alpha
                         if wide_data:
-                            total = acc[j] + t
-                            back = total - acc[j]
-                            lo[j] += (acc[j] - (total - back)) + (t - back)
-                            acc[j] = total
+                            acc[j], error = two_sum(acc[j], t)
+                            lo[j] += error
                         else:
                             acc[j] += np.float64(t)
                         magnitude = magnitude_bits(t)

@@ -236,7 +236,9 @@ def tiny_chunks(monkeypatch):
 def tickets_left():
     from detsum.kernels.triton import chunks
 
-    return chunks.ticket_counters(torch.device(DEVICE), 1).any().item()
+    # A launch's device, as its tensors name it (``cuda:0``: a stream needs the index).
+    device = torch.empty(0, device=DEVICE).device
+    return chunks.ticket_counters(device, 1).any().item()
 
 
 # Every pair of dtype, reduction, use of the base row and layout: each dtype with every

@@ -9,7 +9,7 @@ that calls torch directly and has never heard of detsum.
 
 How. While the switch is on, one ``torch.library.Library("aten", "IMPL")`` holds a Python
 kernel for each of those operators at the CPU dispatch key (and at the CUDA key where CUDA is
-available; that path is not tested yet). The kernel sits below autograd, so it is what
+available; tests/test_enable_cuda.py on a GPU). The kernel sits below autograd, so it is what
 autograd's own backward formulas reach too (``x[idx]`` -> ``_index_put_impl_``, ``gather`` ->
 ``scatter_add``, ``index_select`` -> ``index_add_``, ``embedding`` ->
 ``embedding_dense_backward``), from any thread. Each kernel keeps the kernel torch had
@@ -643,7 +643,13 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
                         scale_grad_by_freq):
     """``grad_weight[indices[k]] += grad_output[k]`` over the rows with ``indices[k] !=
     padding_idx``, from zeros. ``scale_grad_by_freq=True`` goes to torch (its scale is a
-    per-row division that the primitives do not take)."""
+    per-row division that the primitives do not take), and so does "autograd" mode on CUDA:
+    torch's CUDA kernels for it hold no atomics (with or without deterministic algorithms)
+    and their order is neither ``index_put_``'s nor serial (up to 3072 indices, sums of each
+    row's terms in windows of 32 positions, added window by window; past that, sums of 10
+    sorted terms, then of those sums), so torch's kernel is the one source of its bits."""
+    if mode == "autograd" and grad_output.device.type == "cuda":
+        return None
     if (scale_grad_by_freq or grad_output.dtype not in FLOAT_DTYPES
             or indices.dtype not in INDEX_DTYPES or indices.numel() == 0 or num_weights <= 0
             or grad_output.dim() < 1 or not _plain(grad_output, indices)

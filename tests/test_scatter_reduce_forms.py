@@ -212,16 +212,65 @@ def test_the_materialised_comparison_is_a_host_read_and_only_under_host():
                        torch.full((5,), 2))
 
 
-def test_autograd_sums_on_cuda_keep_the_elementwise_rule():
-    """torch's CUDA index_put_ picks its arithmetic by slice size, 1 for an index of src's
-    shape: "autograd" sums keep it; every other rule is the row path's."""
+def test_autograd_sums_on_cuda_follow_torchs_slice_size():
+    """torch's CUDA index_put_ picks its arithmetic by slice size. Its deterministic scatter
+    indexes rows (a slice of 40 here) for a stride-0 broadcast along every other dim and
+    flattens every other index (a slice of 1): "autograd" sums follow it, every other rule
+    takes the row path for both."""
     cuda_input = types.SimpleNamespace(device=torch.device("cuda"), shape=torch.Size([3, 40]))
-    expanded = torch.tensor([0, 2]).view(-1, 1).expand(2, 40)
-    assert scatter_reduce_module._as_rows(cuda_input, 0, expanded, "sum", "autograd",
-                                          "off") is expanded
+    rows = torch.tensor([0, 2])
+    expanded = rows.view(-1, 1).expand(2, 40)
+    materialised = expanded.contiguous()
+    assert torch.equal(scatter_reduce_module._as_rows(cuda_input, 0, expanded, "sum",
+                                                      "autograd", "off"), rows)
+    assert scatter_reduce_module._as_rows(cuda_input, 0, materialised, "sum", "autograd",
+                                          "host") is materialised
+    # A size-1 dim with a nonzero stride: torch flattens, detsum sees a row index.
+    cuda_input3 = types.SimpleNamespace(device=torch.device("cuda"),
+                                        shape=torch.Size([1, 3, 40]))
+    size_one = rows.view(1, -1, 1).expand(1, 2, 40)
+    assert size_one.stride(0) != 0
+    assert scatter_reduce_module._as_rows(cuda_input3, 1, size_one, "sum", "autograd",
+                                          "off") is size_one
     for mode, reduce in [("fp32", "sum"), ("autograd", "mean"), ("autograd", "amax")]:
-        assert scatter_reduce_module._as_rows(cuda_input, 0, expanded, reduce, mode,
-                                              "off").dim() == 1
+        for index in (expanded, materialised):
+            assert scatter_reduce_module._as_rows(cuda_input, 0, index, reduce, mode,
+                                                  "host").dim() == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("form", BROADCAST_FORMS + ELEMENTWISE_FORMS)
+@pytest.mark.parametrize("template,dim", SHAPES)
+def test_autograd_sums_and_means_match_torchs_deterministic_scatter_on_cuda(template, dim,
+                                                                             form, dtype):
+    """"autograd" sums and means of every index form against torch's own ``scatter_add``
+    and ``scatter_reduce`` under ``use_deterministic_algorithms(True)`` on the GPU (about
+    520 terms into one output element, where the slice size's kernels part ways)."""
+    input, index, src = (t.cuda() for t in make_case(template, dim, form, "long", dtype,
+                                                       "sum"))
+    calls = {}
+    for reduce in ("sum", "mean"):
+        for include_self in (True, False):
+            calls[f"scatter_reduce {reduce} include_self={include_self}"] = (
+                lambda r=reduce, s=include_self: input.scatter_reduce(dim, index, src, r,
+                                                                      include_self=s))
+    calls["scatter_add"] = lambda: input.scatter_add(dim, index, src)
+    torch.use_deterministic_algorithms(True)
+    try:
+        expected = {name: call() for name, call in calls.items()}
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for reduce in ("sum", "mean"):
+        for include_self in (True, False):
+            name = f"scatter_reduce {reduce} include_self={include_self}"
+            got = detsum.scatter_reduce(input, dim, index, src, reduce,
+                                        include_self=include_self, mode="autograd")
+            assert_equal_bits(got.cpu(), expected[name].cpu(), name)
+    if dtype == torch.float32:  # the switch leaves half-precision "autograd" sums to torch
+        with detsum.deterministic("autograd"):
+            for name, call in calls.items():
+                assert_equal_bits(call().cpu(), expected[name].cpu(), f"{name}, switched")
 
 
 def test_a_bad_value_is_named_where_the_caller_put_it():

@@ -79,11 +79,22 @@ def _broadcast_rows(index: torch.Tensor, dim: int, check: str) -> torch.Tensor |
     return rows if torch.equal(index, rows.view(shape).expand(index.shape)) else None
 
 
+def _torch_indexes_rows(index: torch.Tensor, dim: int) -> bool:
+    """Whether torch's deterministic CUDA scatter (``_scatter_via_index_put``) indexes
+    ``index``'s rows, with a slice of every element after ``dim``: for a stride-0 broadcast
+    along every other dim (``index.view(-1, 1).expand_as(src)``). Any other index it flattens
+    to single elements, a slice size of 1, even where the values repeat a row index or a
+    size-1 dim has a nonzero stride. (Measured on torch 2.11: the expanded form runs
+    ``indexing_backward_kernel_small_stride`` for 5 columns, the materialised one
+    ``indexing_backward_kernel_stride_1``.)"""
+    return all(index.stride(d) == 0 for d in range(index.dim()) if d != dim)
+
+
 def _as_rows(input: torch.Tensor, dim: int, index: torch.Tensor, reduce: str, acc_mode: str,
              check: str) -> torch.Tensor:
     """``index``, or the 1-D row index it broadcasts (``_broadcast_rows``) where the row path
-    computes the same arithmetic: everywhere but "autograd" sums on CUDA, whose rule follows
-    the slice size (1 for an index of ``src``'s shape, as torch flattens it). Under
+    computes the same arithmetic. That is everywhere but some "autograd" sums on CUDA, whose
+    rule follows the slice size torch's ``index_put_`` sees (``_torch_indexes_rows``). Under
     ``check="host"`` a row index with a bad value is not taken either: the error then names
     the position in ``index`` as the caller passed it."""
     rows = _broadcast_rows(index, dim, check)
@@ -91,7 +102,8 @@ def _as_rows(input: torch.Tensor, dim: int, index: torch.Tensor, reduce: str, ac
         return index
     mode, device_type = Mode(acc_mode), input.device.type
     inner = math.prod(input.shape[dim + 1:])
-    if rule_for(mode, reduce, device_type, 1) != rule_for(mode, reduce, device_type, inner):
+    if (rule_for(mode, reduce, device_type, 1) != rule_for(mode, reduce, device_type, inner)
+            and not _torch_indexes_rows(index, dim)):
         return index
     if check == "host":
         if rows.device.type == "cpu":
@@ -147,6 +159,8 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here."""
     device_type = input.device.type
+    if reduce == "mean" and acc_mode == "autograd" and device_type == "cuda":
+        return _torch_cuda_mean(input, dim, index, src, include_self, sorted, check, planned)
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
     if planned is None:  # a plan's index is a row index already
@@ -181,6 +195,19 @@ def _plan(input, dim, index, sorted, backend_name, check):
     return _segments.plan_from_index(
         _CALLER, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
         promised_sorted=sorted, backend_name=backend_name, check=check, as_keys=True)
+
+
+def _torch_cuda_mean(input, dim, index, src, include_self, sorted, check, planned):
+    """The "autograd" mean on CUDA: torch's under ``use_deterministic_algorithms(True)``,
+    which sums with ``index_put_(accumulate=True)`` (the "autograd" sum's kernels, by slice
+    size, from the input or, without ``include_self``, from +0.0), counts in the dtype (the
+    count rounded to it once) and divides with its own ``div_``: the same division here, so
+    the same bits. Elements that receive nothing keep the input (divided by 1)."""
+    total = _run(input, dim, index, src, "sum", include_self, "autograd", sorted, check=check,
+                 planned=planned)
+    counts = _count_every(input, dim, index, src) + int(bool(include_self))
+    counts = counts.masked_fill(counts == 0, 1).to(input.dtype)
+    return total.div_(counts)
 
 
 def _run_reference(input, dim, index, src, reduce, include_self, acc_mode, sorted, check,

@@ -42,7 +42,9 @@ What the user sees: before the table, each dtype's kernels prepared and timed (`
 so the rows never compile silently. "compiling" is said only when Numba compiles: Numba raises
 its ``numba:compile`` event only after its disk cache has no entry for the kernel and its
 signature, so the report announces a compilation when the first such event starts and says
-"loaded from the disk cache" when none came. The table fits 120 columns (``NARROW_COLUMNS``, one
+"loaded from the disk cache" when none came. On a cold cache and two cores or more, a second
+process compiles two of the dtypes meanwhile (``SECOND_PROCESS_DTYPES``), which halves the
+wait; the watch counts that process's CPU time as the run's own. The table fits 120 columns (``NARROW_COLUMNS``, one
 block per primitive); ``--wide`` prints every column (``COLUMNS``). Right under the table,
 notes on what could read as a contradiction (``notes``), then what every column means
 (``legend``: the same explanations as above, in the user's words) and one verdict per mode
@@ -63,6 +65,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -174,8 +177,11 @@ def timed_comparison(detsum_call: Callable[[], object], torch_call: Callable[[],
 # Other processes' part of the 1-minute load average, per core, above which the machine is
 # called busy: detsum's kernels and torch's ops both run on every core.
 BUSY_LOAD_PER_CORE = 0.5
-# The calibration call's slowest median over its fastest above which the machine's speed
-# changed during the run.
+# The calibration call's slowest time over its fastest, each the fastest of a sample's runs,
+# above which the machine's speed changed during the run. The fastest of a sample and not its
+# median: a hiccup of a few milliseconds (3 of 5 runs, 2.5 ms for 1.3, once in each of two
+# cold reports on a quiet 2-core EPYC) made a quiet run "busy"; a machine kept busy slows
+# every run.
 CALIBRATION_DRIFT = 1.5
 # The calibration call is a square float32 matrix product of this size per device type: about
 # a millisecond on two CPU cores or on an H100, long enough that a thread's wake-up or a
@@ -196,12 +202,25 @@ def machine_cores() -> int:
     return os.cpu_count() or 1
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the system has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else machine_cores()
+
+
 def load_average() -> float | None:
     """The 1-minute load average; None where the system has none (Windows)."""
     try:
         return os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its children that ended (the warm-up's second
+    process): the run's own share of the load average."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
 
 
 def own_load(cpu_use: Sequence[tuple[float, float, float]], now: float) -> float:
@@ -228,7 +247,7 @@ def disturbance(cores: int, others_load: Sequence[float | None],
     """Why the run's times cannot be ranked, in the user's words; empty for a quiet run.
 
     ``others_load``: other processes' part of the 1-minute load average at each sample (None
-    where unknown); ``calibration_ms``: the calibration call's median time at each sample;
+    where unknown); ``calibration_ms``: the calibration call's fastest time at each sample;
     ``calibration``: what that call is, for the message (``calibration_name``).
     """
     reasons = []
@@ -261,7 +280,7 @@ class MachineWatch:
         n = CALIBRATION_SIZE.get(device.type, CALIBRATION_SIZE["cpu"])
         self._matrix = torch.randn(n, n, generator=gen).to(device)
         self._cpu_use: list[tuple[float, float, float]] = []
-        now, cpu = time.perf_counter(), time.process_time()
+        now, cpu = time.perf_counter(), _cpu_seconds()
         # Before the first sample, this process imported its modules: about one busy thread
         # for as long as its CPU time.
         self._cpu_use.append((now - cpu, now, cpu))
@@ -273,8 +292,8 @@ class MachineWatch:
         calibration_ms = None
         if calibrate:
             product = lambda: self._matrix @ self._matrix  # noqa: E731
-            calibration_ms = 1e3 * median_seconds(product, self.device, reps=5)
-        now, cpu = time.perf_counter(), time.process_time()
+            calibration_ms = 1e3 * min(interleaved_runs([product], self.device, reps=5)[0])
+        now, cpu = time.perf_counter(), _cpu_seconds()
         self._cpu_use.append((self._last[0], now, cpu - self._last[1]))
         self._last = (now, cpu)
         load = load_average()
@@ -484,8 +503,83 @@ def _seconds(x: float) -> str:
     return f"{x:.2f} s" if x < 10 else f"{x:.1f} s"
 
 
+#: On a cold disk cache, the dtypes whose CPU kernels a second process compiles while this
+#: one compiles the others (``warm_up``'s ``second_process``; ``run`` asks for it where the
+#: process may use two cores or more). Each dtype's kernels take 7-8 s to compile on a 2-core
+#: EPYC, all four 30 s: two processes take about half of that.
+SECOND_PROCESS_DTYPES: tuple[str, ...] = ("bf16", "fp64")
+#: How long ``warm_up`` waits for the second process before compiling its dtypes itself.
+SECOND_PROCESS_TIMEOUT_S = 300.0
+
+
+def _warm_up_cases(dtype_name: str, sizes: Sizes, device: torch.device
+                   ) -> list[tuple[str, Case]]:
+    """(primitive, case) for each primitive and data set, of the report's shapes, in
+    ``dtype_name``. Both data sets: "exact" takes another kernel where the terms cancel (its
+    fast path's certificate fails), which compiled silently in the first row when the warm-up
+    had "well" alone (2.9 s for fp32)."""
+    d_i = list(DTYPES).index(dtype_name)
+    return [(primitive, make_case(primitive, DTYPES[dtype_name], dataset, sizes, device,
+                                  seed=100 * d_i + 10 * k + p_i, with_exact=False))
+            for k, dataset in enumerate(DATASETS) for p_i, primitive in enumerate(PRIMITIVES)]
+
+
+def _call_every_kernel(cases: list[tuple[str, Case]]) -> None:
+    """One call per case and mode: every kernel the table's rows of these cases use."""
+    for primitive, case in cases:
+        for mode in detsum.MODES:
+            try:
+                detsum_fn(primitive, case, mode)()
+            except NotImplementedError:
+                pass  # the row says so, as "n/a"
+
+
+def warm_dtypes(dtype_names: Sequence[str], sizes: Sizes) -> None:
+    """Compile (or load) the CPU kernels of ``dtype_names`` into Numba's disk cache, without a
+    word: the second process's work (``_SecondProcess``)."""
+    device = torch.device("cpu")
+    for name in dtype_names:
+        _call_every_kernel(_warm_up_cases(name, sizes, device))
+
+
+class _SecondProcess:
+    """A second Python process running ``warm_dtypes``, started at once. Its saves to Numba's
+    disk cache are safe beside this process's (``detsum.kernels.numba``'s save lock), and it
+    imports detsum from this process's ``sys.path``."""
+
+    def __init__(self, dtype_names: Sequence[str], sizes: Sizes):
+        self.dtype_names = tuple(dtype_names)
+        self.seconds: float | None = None  # how long it took, once it finished its work
+        self.failure: str | None = None
+        self._started = time.perf_counter()
+        code = (f"import sys; sys.path[:0] = {sys.path!r}; "
+                "from detsum.report import Sizes, warm_dtypes; "
+                f"warm_dtypes({list(self.dtype_names)!r}, Sizes(**{dataclasses.asdict(sizes)!r}))")
+        self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         text=True)
+
+    def wait(self) -> bool:
+        """Wait for it to end; True when it did its work (``failure`` says why not)."""
+        if self.seconds is None and self.failure is None:
+            try:
+                _, errors = self._process.communicate(timeout=SECOND_PROCESS_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.communicate()
+                self.failure = f"no end after {SECOND_PROCESS_TIMEOUT_S:.0f} s"
+            else:
+                if self._process.returncode == 0:
+                    self.seconds = time.perf_counter() - self._started
+                else:
+                    last = (errors.strip().splitlines() or ["no message"])[-1]
+                    self.failure = f"exit status {self._process.returncode}: {last}"
+        return self.failure is None
+
+
 def warm_up(sizes: Sizes, device: torch.device, *,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
+            progress: Callable[[str], None] | None = None,
+            second_process: Sequence[str] = ()) -> list[dict]:
     """Compile (or load from the disk cache) every kernel the table uses, one dtype at a time,
     saying which and how long it took: one call per primitive and mode on inputs of the
     report's shapes.
@@ -496,44 +590,72 @@ def warm_up(sizes: Sizes, device: torch.device, *,
     "compiling" is printed when Numba starts compiling (``_announced_compilations``), never
     for a load from its disk cache. Returns one entry per step, for the JSON: ``seconds``, and
     ``compiled`` (True / False on the CPU, None where it cannot be told).
+
+    ``second_process`` (CPU only): dtypes whose kernels a second process compiles
+    (``_SecondProcess``), started when the first compilation here starts, the sign of a cold
+    disk cache. This process compiles the other dtypes meanwhile; at the first of those it
+    waits for the second process and then loads their kernels from the disk cache (their
+    steps carry ``second_process_s``, how long that process took), or compiles them itself
+    if it failed. With a warm cache no second process starts.
     """
     say = progress or (lambda line: None)
     steps = []
+    handed = [name for name in second_process if name in DTYPES] if device.type == "cpu" else []
+    helper: _SecondProcess | None = None
+
+    def start_second_process():
+        nonlocal helper
+        if handed and helper is None:
+            helper = _SecondProcess(handed, sizes)
+            say(f"compiling the {' and '.join(handed)} kernels in a second process meanwhile ...")
 
     library = _KERNEL_LIBRARY.get(device.type, device.type)
-    for d_i, (dtype_name, dtype) in enumerate(DTYPES.items()):
+    for dtype_name in DTYPES:
         if device.type == "cpu":
             say(f"preparing the Numba kernels for {dtype_name} ...")
         else:
             say(f"preparing the {library} kernels for {dtype_name} (compiled on first use, or "
                 f"loaded from {library}'s cache) ...")
-        cases = {primitive: make_case(primitive, dtype, "well", sizes, device,
-                                      seed=10 * d_i + p_i, with_exact=False)
-                 for p_i, primitive in enumerate(PRIMITIVES)}
+        start = time.perf_counter()
+        from_helper = helper is not None and dtype_name in handed
+        if from_helper and helper.seconds is None and helper.failure is None:
+            say("waiting for the second process ...")
+        if from_helper and not helper.wait():
+            say(f"the second process failed ({helper.failure}): compiling the {dtype_name} "
+                f"kernels here")
+            from_helper = False
+        cases = _warm_up_cases(dtype_name, sizes, device)
 
         announcement = (f"compiling the Numba kernels for {dtype_name}: not in the disk cache "
                         f"yet (later runs load them from there) ...")
-        with _announced_compilations(device, lambda: say(announcement)) as compilations:
-            start = time.perf_counter()
-            for primitive, case in cases.items():
-                for mode in detsum.MODES:
-                    try:
-                        detsum_fn(primitive, case, mode)()
-                    except NotImplementedError:
-                        pass  # the row says so, as "n/a"
+
+        def announce(announcement=announcement):
+            say(announcement)
+            start_second_process()
+
+        with _announced_compilations(device, announce) as compilations:
+            _call_every_kernel(cases)
             sync(device)
-            seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
         compiled = None if compilations is None else bool(compilations)
+        step = {"step": f"{library.lower()} kernels", "dtype": dtype_name, "seconds": seconds,
+                "compiled": compiled}
         if compiled is None:
             say(f"... {dtype_name} kernels ready in {_seconds(seconds)} (compiled or loaded "
                 f"from {library}'s cache)")
         elif compiled:
             say(f"... {dtype_name} kernels compiled in {_seconds(seconds)}, and saved to the "
                 f"disk cache")
+        elif from_helper:
+            say(f"... {dtype_name} kernels loaded from the disk cache in {_seconds(seconds)}, "
+                f"waiting included (the second process compiled {' and '.join(handed)} in "
+                f"{_seconds(helper.seconds)})")
+            step["second_process_s"] = helper.seconds
         else:
             say(f"... {dtype_name} kernels loaded from the disk cache in {_seconds(seconds)}")
-        steps.append({"step": f"{library.lower()} kernels", "dtype": dtype_name,
-                      "seconds": seconds, "compiled": compiled})
+        steps.append(step)
+    if helper is not None:
+        helper.wait()  # none left running, whatever this run asked of it
     return steps
 
 
@@ -576,7 +698,9 @@ def run(sizes: Sizes = FULL, device: torch.device | None = None, *,
     if watch.busy_now():
         say(f"the machine is busy (other processes: load about {watch.before['others_load']:.1f} "
             f"on {watch.cores} cores); if that lasts, times will be shown but not ranked")
-    warmup = warm_up(sizes, device, progress=progress)
+    # A second process halves a cold warm-up where it has a core of its own.
+    second = SECOND_PROCESS_DTYPES if _usable_cores() >= 2 else ()
+    warmup = warm_up(sizes, device, progress=progress, second_process=second)
     watch.sample("after the warm-up")
     rows = []
     for p_i, primitive in enumerate(PRIMITIVES):
@@ -934,16 +1058,18 @@ def format_table(report: dict, *, wide: bool = False) -> str:
     warmup = report.get("warmup", [])
     kernels = [s for s in warmup if s["dtype"] is not None]
     if kernels:
-        how = {True: "compiled", False: "loaded from the disk cache",
-               None: "compiled or loaded from disk"}
-        if len({s["compiled"] for s in kernels}) == 1:
+        def how(step):
+            if "second_process_s" in step:
+                return "compiled by a second process"
+            return {True: "compiled", False: "loaded from the disk cache",
+                    None: "compiled or loaded from disk"}[step["compiled"]]
+        if len({how(s) for s in kernels}) == 1:
             lines += _wrap("kernels, before the table: " + ", ".join(
                 f"{s['dtype']} {_seconds(s['seconds'])}" for s in kernels)
-                + f" (all {how[kernels[0]['compiled']]})")
+                + f" (all {how(kernels[0])})")
         else:
             lines += _wrap("kernels, before the table: " + ", ".join(
-                f"{s['dtype']} {_seconds(s['seconds'])} ({how[s['compiled']]})"
-                for s in kernels))
+                f"{s['dtype']} {_seconds(s['seconds'])} ({how(s)})" for s in kernels))
     calibrations = [s["calibration_ms"] for s in machine.get("samples", [])
                     if s.get("calibration_ms") is not None]
     if calibrations:

@@ -169,6 +169,92 @@ def test_warm_up_announces_a_compilation_as_it_starts(monkeypatch):
     assert [s["compiled"] for s in steps] == [True] * len(report.DTYPES)
 
 
+class _FakeSecondProcess:
+    """Stands in for ``report._SecondProcess``: records what it was handed, ends at once."""
+
+    started: list[tuple[str, ...]] = []
+    fails = False
+
+    def __init__(self, dtype_names, sizes):
+        type(self).started.append(tuple(dtype_names))
+        self.seconds, self.failure = None, None
+
+    def wait(self):
+        if self.fails:
+            self.failure = "exit status 1: boom"
+            return False
+        self.seconds = 1.0
+        return True
+
+
+def _warm_up_with_second_process(monkeypatch, compiles_for, fails=False):
+    """warm_up with the second process asked for and faked; a kernel call compiles a fresh
+    Numba function for the dtypes in ``compiles_for`` and does nothing for the others."""
+    monkeypatch.setattr(_FakeSecondProcess, "started", [])
+    monkeypatch.setattr(_FakeSecondProcess, "fails", fails)
+    monkeypatch.setattr(report, "_SecondProcess", _FakeSecondProcess)
+    names = {dtype: name for name, dtype in report.DTYPES.items()}
+
+    def kernel_call(primitive, case, mode):
+        if names[case.src.dtype] in compiles_for:
+            return lambda: _fresh_numba_function()(1)
+        return lambda: None
+
+    monkeypatch.setattr(report, "detsum_fn", kernel_call)
+    lines: list[str] = []
+    steps = report.warm_up(report.QUICK, torch.device("cpu"), progress=lines.append,
+                           second_process=("bf16", "fp64"))
+    return lines, steps
+
+
+def test_a_cold_cache_hands_dtypes_to_a_second_process(monkeypatch):
+    """The first compilation starts the second process with its dtypes; this process
+    compiles the others, then waits for it and loads its dtypes from the disk cache."""
+    lines, steps = _warm_up_with_second_process(monkeypatch, {"fp32", "fp16"})
+    assert _FakeSecondProcess.started == [("bf16", "fp64")]
+    compiling = lines.index("compiling the Numba kernels for fp32: not in the disk cache yet "
+                            "(later runs load them from there) ...")
+    assert lines[compiling + 1] == ("compiling the bf16 and fp64 kernels in a second process "
+                                    "meanwhile ...")
+    bf16 = lines.index("preparing the Numba kernels for bf16 ...")
+    assert lines[bf16 + 1] == "waiting for the second process ..."
+    assert re.fullmatch(r"\.\.\. bf16 kernels loaded from the disk cache in \d+\.\d+ s, waiting "
+                        r"included \(the second process compiled bf16 and fp64 in 1\.00 s\)",
+                        lines[bf16 + 2])
+    assert not any(line.startswith(("compiling the Numba kernels for bf16",
+                                    "compiling the Numba kernels for fp64")) for line in lines)
+    assert [(s["dtype"], s["compiled"], s.get("second_process_s")) for s in steps] == [
+        ("fp32", True, None), ("fp16", True, None), ("bf16", False, 1.0), ("fp64", False, 1.0)]
+
+
+def test_a_warm_cache_starts_no_second_process(monkeypatch):
+    lines, steps = _warm_up_with_second_process(monkeypatch, set())
+    assert _FakeSecondProcess.started == []
+    assert not any("second process" in line for line in lines), lines
+    assert [s["compiled"] for s in steps] == [False] * len(report.DTYPES)
+
+
+def test_a_failed_second_process_leaves_its_dtypes_to_this_one(monkeypatch):
+    lines, steps = _warm_up_with_second_process(monkeypatch, set(report.DTYPES), fails=True)
+    assert ("the second process failed (exit status 1: boom): compiling the bf16 kernels here"
+            in lines)
+    for name in ("bf16", "fp64"):
+        assert any(line.startswith(f"compiling the Numba kernels for {name}: ")
+                   for line in lines), lines
+    assert [s["compiled"] for s in steps] == [True] * len(report.DTYPES)
+    assert not any("second_process_s" in s for s in steps)
+
+
+def test_the_second_process_warms_the_disk_cache_or_says_why_not():
+    """A real second process: it runs the kernels of its dtype and ends; one handed a dtype
+    the report has not ends with the error's last line."""
+    warm = report._SecondProcess(["fp32"], report.QUICK)
+    assert warm.wait() and warm.seconds > 0 and warm.failure is None
+    broken = report._SecondProcess(["fp8"], report.QUICK)
+    assert not broken.wait() and broken.seconds is None
+    assert broken.failure == "exit status 1: ValueError: 'fp8' is not in list"
+
+
 # ---- timing: spread and the noisy flag -----------------------------------------------------------
 
 def test_spread_fields(quick_report):

@@ -60,9 +60,9 @@ def op_infos():
     return {(op.name, op.variant_test_name): op for op in op_db}
 
 
-def samples(name, variant, dtype, requires_grad=False):
+def samples(name, variant, dtype, requires_grad=False, device="cpu"):
     op = op_infos()[(name, variant)]
-    return op, list(op.sample_inputs("cpu", dtype, requires_grad=requires_grad))
+    return op, list(op.sample_inputs(device, dtype, requires_grad=requires_grad))
 
 
 FORWARD_OPS = [("index_add", ""), ("scatter_add", ""), ("index_put", ""), ("put", "")] + [
@@ -110,7 +110,7 @@ def gradients(name, op, sample, seed):
     inputs = [t for t in (sample.input, *sample.args) if isinstance(t, torch.Tensor)
               and t.requires_grad]
     generator = torch.Generator().manual_seed(seed)
-    grad = torch.randn(out.shape, generator=generator).to(out.dtype)
+    grad = torch.randn(out.shape, generator=generator).to(out.device, out.dtype)
     return torch.autograd.grad(out, inputs, grad)
 
 
@@ -124,6 +124,69 @@ def test_opinfo_backward_autograd_mode_gives_torchs_bits(name, variant, dtype):
             actual = gradients(name, op, sample, seed)
         for a, e in zip(actual, expected):
             assert_same_bits(a, e)
+
+
+# ---- torch's own samples on CUDA: against torch's deterministic mode ------------------------
+
+def _deterministic_or_refused(compute):
+    """``compute()`` under ``use_deterministic_algorithms(True)``, or None where torch refuses
+    it there (no deterministic CUDA kernel)."""
+    torch.use_deterministic_algorithms(True)
+    try:
+        return compute()
+    except RuntimeError as error:
+        if "deterministic" not in str(error):
+            raise
+        return None
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _switched(compute, mode):
+    """(``compute()`` under the switch in ``mode``, whether every switched operator it reached
+    ran on detsum): one that went to torch's own kernel has torch's bits, which on CUDA may be
+    its atomics'."""
+    before = switch.counts.copy()
+    with detsum.deterministic(mode):
+        result = compute()
+    return result, all(how == "detsum" for _, how in switch.counts - before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,variant", FORWARD_OPS)
+def test_opinfo_samples_on_cuda_autograd_mode_gives_torchs_deterministic_bits(name, variant,
+                                                                            dtype):
+    """Each CUDA sample the switch runs on detsum in "autograd" mode against torch under
+    ``use_deterministic_algorithms(True)`` (the samples torch refuses there skipped); in
+    every mode, a second run gives the first's bits."""
+    op, cases = samples(name, variant, dtype, device="cuda")
+    for sample in cases:
+        expected = _deterministic_or_refused(lambda: call(op, sample, name))
+        actual, on_detsum = _switched(lambda: call(op, sample, name), "autograd")
+        if expected is not None and on_detsum:
+            assert_same_bits(actual.cpu(), expected.cpu())
+        for mode in detsum.MODES:
+            if mode == "exact" and "prod" in (name, variant):
+                continue  # "exact" has no product: torch's own kernel runs it
+            first, on_detsum = _switched(lambda: call(op, sample, name), mode)
+            if on_detsum:
+                assert_same_bits(_switched(lambda: call(op, sample, name), mode)[0].cpu(),
+                                 first.cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,variant", BACKWARD_OPS)
+def test_opinfo_backward_on_cuda_autograd_mode_gives_torchs_deterministic_bits(name, variant,
+                                                                             dtype):
+    op, cases = samples(name, variant, dtype, requires_grad=True, device="cuda")
+    for seed, sample in enumerate(cases):
+        expected = _deterministic_or_refused(lambda: gradients(name, op, sample, seed))
+        actual, on_detsum = _switched(lambda: gradients(name, op, sample, seed), "autograd")
+        if expected is not None and on_detsum:
+            for a, e in zip(actual, expected):
+                assert_same_bits(a.cpu(), e.cpu())
 
 
 # ---- duplicate-heavy indices, every form ------------------------------------------------------

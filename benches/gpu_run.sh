@@ -5,6 +5,7 @@
 #   bash benches/gpu_run.sh            # everything: tests, benchmarks, report, distributed
 #   bash benches/gpu_run.sh tests      # one stage: tests | benches | report | distributed
 #   bash benches/gpu_run.sh targets    # the GPU issue's targets alone, in about 5 minutes
+#   bash benches/gpu_run.sh switch     # the switch's CUDA tests against torch, about 2 minutes
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
@@ -70,13 +71,23 @@ for stage in $STAGES; do
             -k "graph or synchronisation or test_enable_cuda" 2>&1 | tail -n 30 \
             | tee "$OUT/tests-graph.txt" || status=1
         python3 benches/distributed_nccl.py > "$OUT/distributed-nccl.txt" 2>&1 || status=1 ;;
+    switch)
+        # The switch (detsum.enable) on CUDA: every switched form and torch's OpInfo samples,
+        # "autograd" against torch under use_deterministic_algorithms(True), every mode the
+        # same bits twice, and every scatter index form's sum and mean against torch; then
+        # which CUDA kernel torch runs for each form (its arithmetic follows the kernel).
+        python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda tests/test_enable_cuda.py \
+            tests/test_enable.py tests/test_scatter_reduce_forms.py 2>&1 | tail -n 40 \
+            | tee "$OUT/tests-switch.txt" || status=1
+        python3 benches/probe_torch_cuda.py 2>/dev/null | tee "$OUT/torch-cuda-kernels.txt" \
+            || status=1 ;;
     distributed)
         # detsum.distributed and the loss functions' group= on NCCL, one GPU as one rank:
         # every result against the same call without a group (torch.equal), then the exact
         # sum over ranks timed against an fp32 all_reduce of the same gradients.
         python3 benches/distributed_nccl.py 2>&1 | tee "$OUT/distributed-nccl.txt" || status=1 ;;
     *)
-        echo "unknown stage $stage (expected tests, benches, report, distributed or targets)"
+        echo "unknown stage $stage (expected tests, benches, report, distributed, targets or switch)"
         exit 2 ;;
     esac
 done

@@ -44,11 +44,11 @@ its ``numba:compile`` event only after its disk cache has no entry for the kerne
 signature, so the report announces a compilation when the first such event starts and says
 "loaded from the disk cache" when none came. On a cold cache and two cores or more, a second
 process compiles two of the dtypes meanwhile (``SECOND_PROCESS_DTYPES``), which halves the
-wait; the watch counts that process's CPU time as the run's own. The table fits 120 columns (``NARROW_COLUMNS``, one
-block per primitive); ``--wide`` prints every column (``COLUMNS``). Right under the table,
-notes on what could read as a contradiction (``notes``), then what every column means
-(``legend``: the same explanations as above, in the user's words) and one verdict per mode
-derived from the rows (``verdict``). The JSON carries all of it: the rows with their spreads,
+wait; the watch counts that process's CPU time as the run's own. The table fits 120 columns
+(``NARROW_COLUMNS``, one block per primitive); ``--wide`` prints every column (``COLUMNS``).
+Right under the table, notes on what could read as a contradiction (``notes``), then what
+every column means (``legend``: the same explanations as above, in the user's words) and one
+verdict per mode derived from the rows (``verdict``). The JSON carries all of it: the rows with their spreads,
 the warm-up steps, the machine's load and calibration times, and the verdicts.
 
 The data sets, exact references, ulps and timed runs come from ``detsum.measure``, which the
@@ -83,7 +83,6 @@ from detsum.measure import (
     make_init,
     make_source,
     max_ulps,
-    median_seconds,
     numba_threads,
     same_bits,
     sample_rows,

@@ -1,8 +1,9 @@
 """scatter_reduce (sum, mean, amax) of graph edges into nodes, against torch.scatter_reduce.
 
 A GNN message-aggregation step: on CUDA 1M edges into 100k nodes with H=128 features (the GPU
-issue's shape), on the 2-core CPU 200k edges into 20k nodes, H=64. detsum takes the
-1-D index (whole rows); torch needs it expanded to the source's shape, as users write it.
+issue's shape), on the 2-core CPU 200k edges into 20k nodes, H=64; bf16, fp32 and fp64 (whose
+"exact" mean divides a TwoSum pair, ``pair_quotient``). detsum takes the 1-D index (whole
+rows); torch needs it expanded to the source's shape, as users write it.
 ``test_scatter_reduce_torch_form`` gives both the same index of the source's shape (torch's
 own form: expanded, materialised, or one destination per element), 1M edges into 100k nodes,
 H=64, every reduction and mode.
@@ -20,12 +21,12 @@ from detsum import measure
 # (edges, nodes, features) per device type.
 GRAPH = {"cpu": (200_000, 20_000, 64), "cuda": (1_000_000, 100_000, 128)}
 SAMPLE_ROWS = 32
-DTYPES = [torch.bfloat16, torch.float32]
+DTYPES = [torch.bfloat16, torch.float32, torch.float64]
 CASES = [  # (reduce, impl): the mode is irrelevant for amax (exact in every mode)
     ("sum", "detsum-fp32"), ("sum", "detsum-kahan"), ("sum", "detsum-autograd"),
-    ("sum", "torch"),
+    ("sum", "detsum-exact"), ("sum", "torch"),
     ("mean", "detsum-fp32"), ("mean", "detsum-kahan"), ("mean", "detsum-autograd"),
-    ("mean", "torch"),
+    ("mean", "detsum-exact"), ("mean", "torch"),
     ("amax", "detsum-fp32"), ("amax", "torch"),
 ]
 ROUNDS = {"cpu": 11, "cuda": 200}

@@ -34,6 +34,24 @@ _PF_MAX_DIST = 64
 
 
 @intrinsic
+def fused_multiply_add(typingctx, a, b, c):
+    """``a * b + c`` rounded once (LLVM's ``fma``: the hardware's instruction, or a correctly
+    rounded software one): for error-free products (``a * b - RN(a * b)`` exactly), never in
+    a sum's own arithmetic."""
+    if not all(t == types.float64 for t in (a, b, c)):
+        return None
+    sig = types.float64(types.float64, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        double = ir.DoubleType()
+        fnty = ir.FunctionType(double, [double, double, double])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.f64")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
 def _prefetch(typingctx, arr, i):
     """Hint the cache to fetch the line holding arr[i] (1-D array); never changes a result."""
     if not isinstance(arr, types.Array) or arr.ndim != 1 or not isinstance(i, types.Integer):

@@ -29,13 +29,15 @@ IMPLEMENTATION NOTES (this backend):
   sum of its rounding errors), with the same largest and smallest magnitudes;
   ``count**2 * largest <= smallest * 2**52`` proves that the errors' sum never rounded, so
   the pair's sum is exact and one fp64 addition rounds it (``tile_certified`` proves it;
-  per column ``count * mass``). A span of 2**32 for 1024 terms: most gradients again.
+  per column ``count * mass``). A span of 2**32 for 1024 terms: most gradients again. A MEAN
+  of the pair is rounded by ``pair_quotient`` (integer comparisons with the midpoints around
+  the fp64 quotient), or in the limbs where it declines.
 - Every other column (both certificates failed) is summed again from its
   terms into limbs, one column at a time, with integer adds only, then rounded from the
-  integer (``limbs.round_units``). A MEAN divides its certified fp64 sum in fp64 and rounds
-  that quotient, which rounds as the exact one does for counts below 2**(53 - p), p the
-  dtype's precision (``rounded_quotient`` proves it); a larger count puts the sum into limbs
-  to divide there. Every way gives the exact value, so which one ran never shows in the bits.
+  integer (``limbs.round_units``). A MEAN of fp32 terms divides its certified fp64 sum in
+  fp64 and rounds that quotient, which rounds as the exact one does for counts below
+  2**(53 - p), p the dtype's precision (``rounded_quotient`` proves it); a larger count puts
+  the sum into limbs to divide there. Every way gives the exact value, so which one ran never shows in the bits.
 - Two stages, two compiled kernels per format and reduction (``_exact_block_kernel``): the
   first writes the tiles the whole-tile certificate covers and marks the others; the second,
   compiled on the first launch that marks one, computes the marked tiles by every way above.
@@ -63,7 +65,7 @@ from .rounding import (
 )
 from . import njit, parallel_njit
 from .common import _PF_AHEAD, _PF_LINES, _PF_MAX_DIST, _f32, _f64, _flat, _njit_named_for
-from .common import _prefetch, block_threads, launch_threads, work_split
+from .common import _prefetch, block_threads, fused_multiply_add, launch_threads, work_split
 from .instances import DONE, OTHER_TYPES, Blocks, call_at, instance, types_key_of
 from .limbs import f32_term, f64_in_fp32_units, f64_term, finish, normalise_limbs
 
@@ -71,7 +73,93 @@ from .limbs import f32_term, f64_in_fp32_units, f64_term, finish, normalise_limb
 # that no TwoSum overflows.
 _WIDE_LIMIT = 2.0**1022
 
+#: The smallest quotient ``pair_quotient`` rounds itself: its steps stay clear of subnormals.
+_PAIR_QUOTIENT_MIN = 2.0**-960
+
 __all__ = ["segment_reduce_exact"]
+
+
+@njit(cache=True, inline="always")
+def _sign_of(whole, fraction):
+    """The sign (-1, 0 or 1) of ``whole + fraction``, an integer and a value in [0, 1)."""
+    if whole > 0 or (whole == 0 and fraction > 0.0):
+        return 1
+    if whole == 0:
+        return 0
+    return -1
+
+
+@njit(cache=True, inline="always")
+def pair_quotient(hi, lo, divisor):
+    """(RN_fp64((hi + lo) / divisor), True) for an exact sum ``hi + lo`` at most 2**1022 in
+    magnitude (fp64 terms' certified TwoSum pair) and an integer ``divisor`` in [1, 2**53);
+    (0.0, False) where it does not decide, which the limbs then do: a quotient below
+    ``_PAIR_QUOTIENT_MIN``, or one an ulp or more from ``q`` below.
+
+    Why it is right. Let S = hi + lo and n the divisor. TwoSum gives h = RN(S) and l = S - h
+    exactly (``hi`` and ``lo`` as they are when ``lo`` is 0, so that a sum of -0.0 keeps its
+    sign). Work with |S| (rounding is symmetric) and q, RN(h / n) moved by an estimate of
+(h - q n + l) / n. The quotient t = S / n
+    rounds to q, to its upper neighbour q + u (u = ulp(q)) or to its lower one q - v (v = u,
+    or u / 2 where q is a power of two), as t lies around the midpoints q + u/2 and q - v/2,
+    ties to the even one; past q + u or below q - v it falls to the limbs. Compare
+    D = S - q n = n (t - q) with n u / 2 and -n v / 2, exactly:
+    D = (h - P) + l - E, with P = RN(q n) and E = q n - P (one fused multiply-add, exact:
+    q n is a multiple of u, far above the subnormals). h - P is exact (Sterbenz: q n is h
+    within two roundings). Let Q = u / 4. h, P and E are multiples of u (each at least q in
+    magnitude, or E an error of a multiple of u), so (h - P) / Q and E / Q are integers, below
+    6n and 4n; so are n u / 2 / Q = 2n and n v / 2 / Q (2n or n). l / Q is exact (the guard
+    keeps it from the subnormals) and below 8n: its floor is an integer, the rest a fraction
+    in [0, 1). So D / Q = (an int64) + (a fraction), and each comparison is exact in integers
+    (``_sign_of``). tests/test_exact.py holds it to fractions at, beside and between the
+    midpoints."""
+    if lo == 0.0:
+        h, l = hi, 0.0
+    else:
+        h = hi + lo
+        back = h - hi
+        l = (hi - (h - back)) + (lo - back)
+    if h == 0.0:
+        return h / divisor, True  # S = 0, with the sum's sign
+    negative = h < 0.0
+    if negative:
+        h, l = -h, -l
+    q = h / divisor
+    # Nearer t with l's share (h - q n is exact by the fused multiply-add): then t is almost
+    # never an ulp from q, where the limbs would have to decide.
+    q = q + (fused_multiply_add(-q, divisor, h) + l) / divisor
+    if not q >= _PAIR_QUOTIENT_MIN:
+        return 0.0, False
+    bits = f64_as_u64(q)
+    up = u64_as_f64(np.uint64(bits + np.uint64(1))) - q
+    down = q - u64_as_f64(np.uint64(bits - np.uint64(1)))
+    quantum = 0.25 * up
+    if l != 0.0 and abs(l) < quantum * 2.0**-900:
+        return 0.0, False  # l / quantum could lose bits to the subnormals
+    product = q * divisor
+    error = fused_multiply_add(q, divisor, -product)
+    scaled_l = l / quantum
+    whole_l = np.floor(scaled_l)
+    fraction = scaled_l - whole_l
+    d = (np.int64((h - product) / quantum) - np.int64(error / quantum) + np.int64(whole_l))
+    n = np.int64(divisor)
+    half_up = 2 * n
+    half_down = 2 * n if down == up else n
+    result = bits
+    if _sign_of(d - half_up, fraction) > 0:
+        if _sign_of(d - 2 * half_up, fraction) >= 0:
+            return 0.0, False
+        result = np.uint64(bits + np.uint64(1))
+    elif _sign_of(d - half_up, fraction) == 0:
+        result = bits if (bits & np.uint64(1)) == 0 else np.uint64(bits + np.uint64(1))
+    elif _sign_of(d + half_down, fraction) < 0:
+        if _sign_of(d + 2 * half_down, fraction) <= 0:
+            return 0.0, False
+        result = np.uint64(bits - np.uint64(1))
+    elif _sign_of(d + half_down, fraction) == 0:
+        result = bits if (bits & np.uint64(1)) == 0 else np.uint64(bits - np.uint64(1))
+    value = u64_as_f64(result)
+    return (-value if negative else value), True
 
 # ---- one format's kernel ---------------------------------------------------------------------
 
@@ -437,7 +525,14 @@ def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us,
                 continue
             if is_mean and tile_exact:
                 divisor = np.float64(count)
-                if divisor >= quotient_divisors:
+                if wide_data:
+                    for j in range(w):
+                        value, decided = pair_quotient(acc[j], lo[j], divisor)
+                        if not decided:
+                            value = exact_value_of_sum(acc[j], lo[j], count, True, limbs,
+                                                       flags)
+                        out[ostart + j * us[2]] = enc(cvt(value))
+                elif divisor >= quotient_divisors:
                     for j in range(w):
                         out[ostart + j * us[2]] = enc(cvt(exact_value_of_sum(
                             acc[j], lo[j], count, True, limbs, flags)))
@@ -460,14 +555,16 @@ def _exact_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, us,
             exact_here[j] = column_certified(mass[j], least[j], count, headroom)
         divisor = np.float64(count)
         for j in range(w):
-            if exact_here[j]:
-                if not is_mean:
-                    value = rounded_sum(acc[j], lo[j])
-                elif divisor < quotient_divisors:
-                    value = rounded_quotient(acc[j], divisor)
-                else:
-                    value = enc(cvt(exact_value_of_sum(acc[j], lo[j], count, True, limbs,
-                                                       flags)))
+            if exact_here[j] and not is_mean:
+                value = rounded_sum(acc[j], lo[j])
+            elif exact_here[j] and not wide_data and divisor < quotient_divisors:
+                value = rounded_quotient(acc[j], divisor)
+            elif exact_here[j]:
+                quotient, decided = (pair_quotient(acc[j], lo[j], divisor) if wide_data
+                                     else (0.0, False))
+                if not decided:
+                    quotient = exact_value_of_sum(acc[j], lo[j], count, True, limbs, flags)
+                value = enc(cvt(quotient))
             else:
                 exact = column(src, ss, order, ost, base, bs, o, s, j0 + j, p0, p1, use_base,
                                is_mean, a, limbs, flags)

@@ -37,7 +37,8 @@ IMPLEMENTATION NOTES (this backend):
   integer (``limbs.round_units``). A MEAN of fp32 terms divides its certified fp64 sum in
   fp64 and rounds that quotient, which rounds as the exact one does for counts below
   2**(53 - p), p the dtype's precision (``rounded_quotient`` proves it); a larger count puts
-  the sum into limbs to divide there. Every way gives the exact value, so which one ran never shows in the bits.
+  the sum into limbs to divide there. Every way gives the exact value, so which one ran
+  never shows in the bits.
 - Two stages, two compiled kernels per format and reduction (``_exact_block_kernel``): the
   first writes the tiles the whole-tile certificate covers and marks the others; the second,
   compiled on the first launch that marks one, computes the marked tiles by every way above.
@@ -98,21 +99,21 @@ def pair_quotient(hi, lo, divisor):
 
     Why it is right. Let S = hi + lo and n the divisor. TwoSum gives h = RN(S) and l = S - h
     exactly (``hi`` and ``lo`` as they are when ``lo`` is 0, so that a sum of -0.0 keeps its
-    sign). Work with |S| (rounding is symmetric) and q, RN(h / n) moved by an estimate of
-(h - q n + l) / n. The quotient t = S / n
-    rounds to q, to its upper neighbour q + u (u = ulp(q)) or to its lower one q - v (v = u,
-    or u / 2 where q is a power of two), as t lies around the midpoints q + u/2 and q - v/2,
-    ties to the even one; past q + u or below q - v it falls to the limbs. Compare
+    sign). Work with |S| (rounding is symmetric) and q: RN(h / n), moved by an estimate of
+    (h - q n + l) / n, so within about an ulp of the quotient t = S / n. t rounds to q, to
+    q's upper neighbour q + u (u = ulp(q)) or to its lower one q - v (v = u, or u / 2 where q
+    is a power of two), as t lies around the midpoints q + u/2 and q - v/2, ties to the even
+    one; at q + u or past it, or at q - v or below, the limbs decide. Compare
     D = S - q n = n (t - q) with n u / 2 and -n v / 2, exactly:
     D = (h - P) + l - E, with P = RN(q n) and E = q n - P (one fused multiply-add, exact:
     q n is a multiple of u, far above the subnormals). h - P is exact (Sterbenz: q n is h
-    within two roundings). Let Q = u / 4. h, P and E are multiples of u (each at least q in
-    magnitude, or E an error of a multiple of u), so (h - P) / Q and E / Q are integers, below
-    6n and 4n; so are n u / 2 / Q = 2n and n v / 2 / Q (2n or n). l / Q is exact (the guard
-    keeps it from the subnormals) and below 8n: its floor is an integer, the rest a fraction
-    in [0, 1). So D / Q = (an int64) + (a fraction), and each comparison is exact in integers
-    (``_sign_of``). tests/test_exact.py holds it to fractions at, beside and between the
-    midpoints."""
+    within a few of its ulps). Let Q = u / 4. h, P and E are multiples of u (h and P at least
+    q in magnitude, E an error of a multiple of u), so (h - P) / Q and E / Q are integers,
+    below 16n and 4n; so are n u / 2 / Q = 2n and n v / 2 / Q (2n or n). l / Q is exact (the
+    guard keeps it from the subnormals) and below 8n: its floor is an integer, the rest a
+    fraction in [0, 1). So D / Q = (an int64 far from overflow) + (a fraction), and each
+    comparison is exact in integers (``_sign_of``). tests/test_exact.py holds it to
+    fractions at, beside and between the midpoints."""
     if lo == 0.0:
         h, l = hi, 0.0
     else:

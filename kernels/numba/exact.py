@@ -146,19 +146,22 @@ def pair_quotient(hi, lo, divisor):
     n = np.int64(divisor)
     half_up = 2 * n
     half_down = 2 * n if down == up else n
+    above = _sign_of(d - half_up, fraction)  # t against the midpoint above q
+    below = _sign_of(d + half_down, fraction)  # and against the one below
+    even = (bits & np.uint64(1)) == 0
     result = bits
-    if _sign_of(d - half_up, fraction) > 0:
+    if above > 0:
         if _sign_of(d - 2 * half_up, fraction) >= 0:
             return 0.0, False
         result = np.uint64(bits + np.uint64(1))
-    elif _sign_of(d - half_up, fraction) == 0:
-        result = bits if (bits & np.uint64(1)) == 0 else np.uint64(bits + np.uint64(1))
-    elif _sign_of(d + half_down, fraction) < 0:
+    elif above == 0:
+        result = bits if even else np.uint64(bits + np.uint64(1))
+    elif below < 0:
         if _sign_of(d + 2 * half_down, fraction) <= 0:
             return 0.0, False
         result = np.uint64(bits - np.uint64(1))
-    elif _sign_of(d + half_down, fraction) == 0:
-        result = bits if (bits & np.uint64(1)) == 0 else np.uint64(bits - np.uint64(1))
+    elif below == 0:
+        result = bits if even else np.uint64(bits - np.uint64(1))
     value = u64_as_f64(result)
     return (-value if negative else value), True
 

@@ -1025,6 +1025,12 @@ def test_segment_reduce_sum_and_mean_are_index_add_from_the_start_value(mode, dt
                                      unsafe=True)
         # One batch whose int32 offsets tile its rows: the caller's offsets as they are.
         one_batch = torch.segment_reduce(values[1], reduce, offsets=tiling[1].int())
+        # 1-D bounds (the switch's shorter checks): offsets that leave out the first rows, or
+        # the last; int32 lengths that tile the rows.
+        one_dim = [(values[0], offsets, torch.segment_reduce(values[0], reduce, offsets=offsets))
+                   for offsets in (torch.tensor([5, 300, 310, 600]), torch.tensor([0, 300, 580]))]
+        one_dim.append((values[1], tiling[1], torch.segment_reduce(
+            values[1], reduce, lengths=tiling[1].diff().int())))
     for bounds, got, initial in cases:
         assert_same_bits(got, _segment_reduce_as_index_add(values, reduce, mode, bounds, 1,
                                                            initial))
@@ -1032,6 +1038,8 @@ def test_segment_reduce_sum_and_mean_are_index_add_from_the_start_value(mode, dt
         values[0], reduce, mode, torch.tensor([0, 300, 310, 310, 580]), 0, None))
     assert_same_bits(one_batch, _segment_reduce_as_index_add(values[1], reduce, mode,
                                                              tiling[1], 0, None))
+    for rows, bounds, got in one_dim:
+        assert_same_bits(got, _segment_reduce_as_index_add(rows, reduce, mode, bounds, 0, None))
     negative_zeros = cases[0][1][0, 2]  # batch 0's third segment: rows 300-309, all -0.0
     assert (negative_zeros == 0).all() and not torch.signbit(negative_zeros).any()
 

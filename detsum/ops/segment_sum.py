@@ -90,10 +90,13 @@ def _as_launched(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int
 
 
 def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chunk_ends=None,
-                 chunk_slots=-1):
+                 chunk_slots=-1, offsets_checked=False):
     """The operator's body (also called directly, see ``_dispatch``). ``rows``: the output
     row of each source row, given with the positions of a ``detsum.Plan`` (checked when it was
-    made, and inside every tensor whatever its level): nothing to check here. ``chunk_ends``
+    made, and inside every tensor whatever its level): nothing to check here. Nor with
+    ``offsets_checked``, which says the caller (in detsum, not an operator's argument) has
+    checked what "host" would: ``offsets`` run from 0 to ``src.size(dim)`` without
+    decreasing, and ``perm`` is None. ``chunk_ends``
     and ``chunk_slots``: the chunk split of the segments (``kernels.chunk_ends`` and the number
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
     ``kernels.CHUNK_TERMS``; -1: the launch counts them."""
@@ -104,6 +107,8 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     bounds, perm_in_range = offsets, None
     if rows is not None:
         pass  # a plan's: checked when it was made
+    elif offsets_checked:
+        bounds = _int64(offsets)
     elif backend_name == "triton" and (check != "host" or perm is None):
         bounds = kernels.UncheckedOffsets(offsets, num_rows, _failure(offsets, num_rows, check))
         if perm is not None:

@@ -15,6 +15,7 @@ tests/launch_counter.py: 512 rows of 4 fp32 features into 16 rows; MoE: 64 token
 4 experts):
 
 - ``index_add`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32" and "kahan";
+- ``index_add`` and a ``scatter_reduce`` max without a plan at check="off";
 - ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing``, and the whole layer
   with ``moe.route`` (forward only);
 - one launch of ``_segment_kernel`` alone (detsum's ``Kernel``, or ``JITFunction.run``, and
@@ -89,6 +90,13 @@ def _detsum_calls(t: dict) -> dict:
             t["src"], mode=mode, plan=t["plan"])
         calls[f"scatter_reduce {mode} plan"] = lambda mode=mode: detsum.scatter_reduce(
             t["init"], 0, t["index"], t["src"], "sum", mode=mode, plan=t["plan"])
+
+    # Without a plan, check="off" (the others read or assert a flag that the stubbed launch
+    # never writes): an unsorted index of at most CHUNK_TERMS values, scanned by the launch.
+    calls["index_add fp32 no plan, off"] = lambda: detsum.index_add(
+        t["init"], 0, t["index"], t["src"], check="off")
+    calls["scatter_reduce amax no plan, off"] = lambda: detsum.scatter_reduce(
+        t["init"], 0, t["index"], t["src"], "amax", check="off")
 
     def permute_unpermute():
         rows = moe.permute(t["x"], t["routing"], TOPK)

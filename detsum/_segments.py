@@ -131,8 +131,9 @@ def one_segment(num_rows: int, device: torch.device) -> torch.Tensor:
 
 def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
                     index_name: str, size_name: str, promised_sorted: bool, backend_name: str,
-                    check: str = "host", as_keys: bool = False
-                    ) -> tuple[torch.Tensor | None, torch.Tensor | kernels.SortedKeys]:
+                    check: str = "host", as_keys: bool = False, in_place: bool = False
+                    ) -> tuple[torch.Tensor | None,
+                               torch.Tensor | kernels.SortedKeys | kernels.UnsortedKeys]:
     """(order, offsets) of the segments that a 1-D ``index`` defines, after checking its values
     as ``check`` says (``_validation.check_level``).
 
@@ -149,9 +150,18 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
 
     ``as_keys``: for a launch on the triton backend, which finds the segments' bounds itself
     in the sorted keys (``kernels.SortedKeys``) and checks them ("device"; a promised-sorted
-    index at "host" too): no offsets computed here. Other backends are given offsets.
+    index at "host" too): no offsets computed here. An unsorted index of at most
+    ``kernels.CHUNK_TERMS`` values is not even sorted: it goes to the launch as it is
+    (``kernels.UnsortedKeys``, no order), checked there too, at "host" by one read of the
+    launch's verdict, unless the launch writes into the caller's tensor (``in_place``): then
+    before it, by one read of the index's least and largest value. Other backends are given
+    offsets.
     """
     if backend_name != "numba" or index.device.type != "cpu":
+        if as_keys and scans_index(backend_name, index, promised_sorted):
+            return None, _small_unsorted_keys(caller, index, num_segments, index_name=index_name,
+                                              size_name=size_name, check=check,
+                                              in_place=in_place)
         return _device_plan(caller, index, num_segments, index_name=index_name,
                             size_name=size_name, promised_sorted=promised_sorted, check=check,
                             as_keys=as_keys and backend_name == "triton")
@@ -221,6 +231,33 @@ def check_sorted(caller: str, index: torch.Tensor, num_segments: int, *, index_n
         _raise_unsorted(caller, index_name, index, first)
 
 
+def scans_index(backend_name: str, index: torch.Tensor, promised_sorted: bool) -> bool:
+    """Whether the launch takes this 1-D index unsorted, as it is (``plan_from_index``'s
+    ``kernels.UnsortedKeys``): on the triton backend, at most CHUNK_TERMS values not promised
+    sorted. Every output row is then written by the launch, none left to a copy."""
+    return (backend_name == "triton" and not promised_sorted
+            and 0 < index.numel() <= kernels.CHUNK_TERMS)
+
+
+def _small_unsorted_keys(caller: str, index: torch.Tensor, num_segments: int, *,
+                         index_name: str, size_name: str, check: str, in_place: bool
+                         ) -> kernels.UnsortedKeys:
+    """``plan_from_index``'s unsorted index of at most CHUNK_TERMS values, with its check."""
+    in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
+
+    def host_check() -> None:
+        low, high = torch.stack(torch.aminmax(index)).tolist()
+        if low < 0 or high >= num_segments:
+            raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
+
+    if check == "host" and in_place:
+        host_check()  # nothing may be written before a bad value raises
+        return kernels.UnsortedKeys(index, num_segments)
+    failure = {"off": None, "host": host_check,
+               "device": device_check_message(caller, in_range)}[check]
+    return kernels.UnsortedKeys(index, num_segments, failure)
+
+
 def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
                  size_name: str, promised_sorted: bool, check: str, as_keys: bool = False
                  ) -> tuple[torch.Tensor | None, torch.Tensor | kernels.SortedKeys]:
@@ -275,9 +312,12 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
 
 def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str, *,
                    as_keys: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | kernels.SortedKeys]:
+                   ) -> tuple[torch.Tensor | None,
+                              torch.Tensor | kernels.SortedKeys | kernels.UnsortedKeys]:
     """(order, offsets) for 1-D ``keys`` already known to lie in ``[0, num_segments)``;
-    ``as_keys``: as ``plan_from_index`` says."""
+    ``as_keys``: as ``plan_from_index`` says (at most CHUNK_TERMS keys: unsorted, no order)."""
+    if as_keys and scans_index(backend_name, keys, False):
+        return None, kernels.UnsortedKeys(keys, num_segments)
     if backend_name != "numba" or keys.device.type != "cpu":
         values, order = torch.sort(keys, stable=True)
         sorted_keys = kernels.SortedKeys(values, num_segments)

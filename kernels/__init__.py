@@ -222,6 +222,35 @@ class UncheckedOffsets:
         return torch.cummax(values.clamp(0, self.positions), 0).values
 
 
+@dataclasses.dataclass(frozen=True)
+class UnsortedKeys:
+    """Segment bounds given by the index itself, as it is (``offsets=`` of a launch on the
+    Triton backend, with no ``order``: the source rows are the positions): segment ``s`` holds
+    the positions ``p`` with ``keys[p] == s``, in position order, which is the order a stable
+    sort gives. A key outside ``[0, num_segments)`` is in no segment. A launch of at most
+    ``CHUNK_TERMS`` positions by the kernels that read bounds themselves (fp32, Kahan, torch's
+    order) scans the keys in every program, with no sort before it; any other launch sorts
+    them first (``sorted``)."""
+
+    #: 1-D int32/int64 on the data's device, one key per source row.
+    keys: torch.Tensor
+    num_segments: int
+    #: How the launch's check that every key lies in ``[0, num_segments)`` reports a failure
+    #: (``Failure``); None: no check.
+    failure: Failure | None = None
+
+    def check(self) -> None:
+        """The check by torch ops, for a launch that does not make it in its kernel."""
+        keys, size = self.keys, self.num_segments
+        _check_by_torch_ops(self.failure, lambda: ((keys >= 0) & (keys < size)).all())
+
+    def sorted(self) -> tuple[torch.Tensor, SortedKeys]:
+        """(order, the sorted keys) of a stable sort, with the check: a sort's values lie in
+        range exactly when their two ends do."""
+        values, order = torch.sort(self.keys, stable=True)
+        return order, SortedKeys(values, self.num_segments, self.failure)
+
+
 #: ``chunks=`` of a launch whose caller knows that no segment is longer than CHUNK_TERMS.
 NO_CHUNKS = (None, 0)
 
@@ -246,7 +275,7 @@ def has_work(src, order, offsets, supported_dtypes) -> bool:
     """Check a launch's arguments against the contract; False when the output is empty."""
     if src.dtype not in supported_dtypes:
         raise TypeError(f"segment_reduce: unsupported dtype {src.dtype}")
-    if isinstance(offsets, SortedKeys):
+    if isinstance(offsets, (SortedKeys, UnsortedKeys)):
         bounds_ok, nseg = offsets.keys.dtype in (torch.int32, torch.int64), offsets.num_segments
     elif isinstance(offsets, UncheckedOffsets):
         bounds_ok = offsets.values.dtype in (torch.int32, torch.int64)

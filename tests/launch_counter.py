@@ -262,6 +262,9 @@ CHECKS = ("host", "device", "off")
 # 512 source rows: more than CHUNK_TERMS make the Kahan and fp32 launches split long segments
 # into chunks and fold them, as any real size does (kernels/triton/segment.py, "Work split").
 _ROWS, _SEGMENTS, _FEATURES = 512, 16, 4
+#: The small calls' source rows: at most kernels.CHUNK_TERMS, so the launch scans the
+#: unsorted index itself (kernels.UnsortedKeys), with no sort.
+_SMALL_ROWS = 200
 _TOKENS, _TOPK, _EXPERTS = 64, 2, 4
 
 
@@ -273,6 +276,7 @@ def inputs(backward: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     t = {
         "src": torch.randn(_ROWS, _FEATURES, generator=gen),
         "init": torch.randn(_SEGMENTS, _FEATURES, generator=gen),
+        "work": torch.randn(_SEGMENTS, _FEATURES, generator=gen),  # index_add_'s target
         "index": index,
         "sorted_index": sorted_index,
         "offsets": torch.searchsorted(sorted_index, torch.arange(_SEGMENTS + 1)),
@@ -303,6 +307,16 @@ def _scatter_reduce(t, mode, check, sorted=False):
     index = t["sorted_index"] if sorted else t["index"]
     return detsum.scatter_reduce(t["init"], 0, index, t["src"], "sum", mode=mode,
                                  sorted=sorted, check=check)
+
+
+def _small(t, name, mode, check):
+    """A small call without a plan: the first _SMALL_ROWS rows of the index and the source."""
+    index, src = t["index"][:_SMALL_ROWS], t["src"][:_SMALL_ROWS]
+    if name == "index_add":
+        return detsum.index_add(t["init"], 0, index, src, mode=mode, check=check)
+    if name == "index_add_":
+        return detsum.index_add_(t["work"], 0, index, src, mode=mode, check=check)
+    return detsum.scatter_reduce(t["init"], 0, index, src, "sum", mode=mode, check=check)
 
 
 def _with_plan(t, name, mode):
@@ -349,6 +363,10 @@ def _rows() -> dict[str, Row]:
             for check in CHECKS:
                 rows[f"{name} {mode} {check}"] = Row(
                     functools.partial(call, mode=mode, check=check), check)
+    for name in ("index_add", "index_add_", "scatter_reduce"):
+        for check in CHECKS:
+            rows[f"{name} fp32 {check} small"] = Row(
+                functools.partial(_small, name=name, mode="fp32", check=check), check)
     for check in CHECKS:
         rows[f"scatter_reduce sorted fp32 {check}"] = Row(
             functools.partial(_scatter_reduce, mode="fp32", check=check, sorted=True), check)

@@ -397,6 +397,115 @@ def test_cuda_autograd_rules_match_reference(alpha, dtype, n_terms, slice_size):
     assert_same_bits(out.cpu(), expected)
 
 
+# ---- an unsorted index of at most CHUNK_TERMS values: every program scans it, no sort -----------
+
+# Every rule each reduction takes (kernels.EXACT and CUDA_STRIDE_1 sort the keys first).
+SCAN_RULES = [(reduce, rule) for reduce, rules in (
+    ("sum", ["WIDE", "KAHAN", "ROUND_EACH", "CUDA_SMALL_STRIDE", "CUDA_STRIDE_1", "EXACT"]),
+    ("mean", ["WIDE", "KAHAN", "ROUND_EACH", "EXACT"]), ("prod", ["WIDE", "ROUND_EACH"]),
+    ("amax", ["WIDE", "ROUND_EACH"]), ("amin", ["WIDE"])) for rule in rules]
+
+
+def _scan_allowed(reduce_rule, dtype, n_terms, alpha, include_base, keys_dtype):
+    reduce, rule = reduce_rule
+    return ((alpha == 1.0 or reduce == "sum")
+            and not (rule == "EXACT" and slow_exact_in_interpreter("triton", "exact", dtype)))
+
+
+# Every pair of (reduction, rule), dtype, number of keys, alpha, base and key dtype.
+@pytest.mark.parametrize("reduce_rule,dtype,n_terms,alpha,include_base,keys_dtype", pairwise(
+    [SCAN_RULES, DTYPES, [1, 37, CHUNK], [1.0, 0.3], [True, False],
+     [torch.int64, torch.int32]], allowed=_scan_allowed, everything=HAS_CUDA))
+def test_unsorted_keys_give_the_bits_of_the_sorted_keys(reduce_rule, dtype, n_terms, alpha,
+                                                        include_base, keys_dtype):
+    """The launch given ``kernels.UnsortedKeys`` (each program scans every key: no sort)
+    against the same keys sorted first (``UnsortedKeys.sorted()``, the launch a longer index
+    takes): the same bits for every reduction and rule, with keys outside ``[0, nseg)`` (in
+    no segment; unchecked), a segment without terms, NaN, infinities and signed zeros among
+    the terms, and an outer dim. Outputs are NaN before the launch."""
+    from detsum.kernels.triton.segment import segment_reduce
+
+    reduce, rule = reduce_rule
+    seed = seed_of("triton-scan", reduce, rule, dtype, n_terms, alpha, include_base)
+    g = torch.Generator().manual_seed(seed)
+    nseg, slice_size = 6, 1 if rule == "CUDA_STRIDE_1" else 3
+    keys = torch.randint(-1, nseg + 1, (n_terms,), generator=g)
+    keys[keys == 4] = 2  # segment 4 receives nothing
+    src = make_data((2, n_terms, slice_size), dtype, seed=seed, spread=reduce != "prod")
+    if reduce == "prod":
+        src = (1 + src.double() / 256).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    picks = torch.rand(src.shape, generator=g) < 0.05
+    src[picks] = specials[torch.randint(0, 5, (int(picks.sum()),), generator=g)].to(dtype)
+    base = make_data((2, nseg, slice_size), dtype, seed=seed + 1)
+    unsorted = kernels.UnsortedKeys(on_device(keys.to(keys_dtype)), nseg)
+    outs = []
+    for order, bounds in ((None, unsorted), unsorted.sorted()):
+        out = on_device(torch.full(base.shape, float("nan"), dtype=dtype))
+        segment_reduce(on_device(src), order, bounds, on_device(base), out,
+                       reduce=kernels.REDUCE_CODES[reduce], rule=getattr(kernels, rule),
+                       alpha=alpha, include_base=include_base)
+        outs.append(out.cpu())
+    assert_same_bits(*outs)
+
+
+def test_unsorted_keys_are_scanned_up_to_a_chunk_and_sorted_past_it():
+    """At most CHUNK_TERMS positions, one launch and no sort (``index_add``, ``index_add_``
+    and ``scatter_reduce``); one more, the sort; the bits the Numba backend gives either
+    way."""
+    from launch_counter import count, gpu_path
+
+    for rows, sorts in ((CHUNK, 0), (CHUNK + 1, 1)):
+        g = torch.Generator().manual_seed(rows)
+        index = torch.randint(0, N_OUT, (rows,), generator=g)
+        source = make_data((rows, 3), torch.float32, seed=rows, spread=True)
+        input = make_data((N_OUT, 3), torch.float32, seed=rows + 1)
+        calls = {
+            "index_add": lambda: detsum.index_add(input, 0, index, source, mode="kahan"),
+            "index_add_": lambda: detsum.index_add_(input.clone(), 0, index, source),
+            "scatter_reduce": lambda: detsum.scatter_reduce(input, 0, index, source, "amax")}
+        for name, call in calls.items():
+            with gpu_path():
+                counted = count(call)
+            assert counted.summary()["sorts"] == sorts, (rows, name)
+            assert [name for name, _ in counted.launches] == ["_segment_kernel"], (rows, name)
+            with detsum.backend("numba"):
+                assert_same_bits(counted.result, call())
+
+
+@pytest.mark.parametrize("check", ["host", "device", "off"])
+def test_unsorted_keys_checked_at_every_level(check, monkeypatch):
+    """A key out of range in a scanned index: at "host" the caller's error (in place, raised
+    before anything is written: the index's range read first), at "device" the launch's
+    assert, at "off" the position in no segment; a valid index at every level gives the
+    Numba backend's bits."""
+    from detsum import _segments
+
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    input, source = torch.zeros(4, 3), make_data((5, 3), torch.float32, seed=1)
+    good, bad = torch.tensor([0, 3, 1, 3, 2]), torch.tensor([0, 3, 4, 3, 2])
+    with detsum.backend("numba"):
+        expected = detsum.index_add(input, 0, good, source)
+    with detsum.backend("triton"):
+        assert_same_bits(detsum.index_add(input, 0, good, source, check=check), expected)
+        if check == "off":
+            kept = good.clone()
+            kept[2] = 0
+            out = detsum.index_add(input, 0, bad, source, check=check)
+            assert_same_bits(out, detsum.index_add(input, 0, kept, source * (kept == good)
+                                                   .view(-1, 1), check=check))
+            return
+        error = IndexError if check == "host" else RuntimeError
+        with pytest.raises(error, match=r"index\[2\] = 4 is out of range" if check == "host"
+                           else "index has a value outside"):
+            detsum.index_add(input, 0, bad, source, check=check)
+        target = input.clone()
+        with pytest.raises(error):
+            detsum.index_add_(target, 0, bad, source, check=check)
+        if check == "host":
+            assert not target.any()
+
+
 # ---- only order-neutral parameters may change; validation happens before any write ----------
 
 def test_block_width_and_grid_caps_do_not_change_bits(monkeypatch):

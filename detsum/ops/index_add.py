@@ -28,7 +28,10 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
     out3 = _segments.rows_view(input, dim) if in_place else None
     if backend_name == "reference":
         return _run_reference(input, dim, index, source, alpha, mode, out3, check, planned)
-    if planned is None:
+    # Out of place, every output row is written either way: a scanned index goes straight to
+    # its launch. In place, the rows without terms are better left as they are.
+    if planned is None and not (out3 is None
+                                and _segments.scans_index(backend_name, index, False)):
         sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
                                            size_name=f"input.size({dim})", check=check)
         if sparse is not None:
@@ -39,16 +42,18 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         if small is not None:
             return small
     if planned is None:
-        planned = (*_plan(input, dim, index, backend_name, check), None)
+        planned = (*_plan(input, dim, index, backend_name, check, in_place=in_place), None)
     return _launch(backend_name, input, dim, source, alpha, mode, planned, out3)
 
 
 def _plan(input: torch.Tensor, dim: int, index: torch.Tensor, backend_name: str,
-          check: str) -> tuple:
-    """(order, offsets) of ``index``'s rows, after checking its values as ``check`` says."""
+          check: str, *, in_place: bool = False) -> tuple:
+    """(order, offsets) of ``index``'s rows, after checking its values as ``check`` says
+    (``in_place``: the launch writes into ``input``, so "host" checks before it)."""
     return _segments.plan_from_index(
         _CALLER, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
-        promised_sorted=False, backend_name=backend_name, check=check, as_keys=True)
+        promised_sorted=False, backend_name=backend_name, check=check, as_keys=True,
+        in_place=in_place)
 
 
 def _run_reference(input, dim, index, source, alpha, mode, out3, check, planned):

@@ -174,8 +174,10 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     if index.dim() != 1:
         return _run_elements(backend_name, input, dim, index, src, reduce, include_self,
                              acc_mode, check)
-    sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
-                                       size_name=f"input.size({dim})", check=check)
+    # A scanned index goes straight to its launch, which writes every output row anyway.
+    sparse = None if _segments.scans_index(backend_name, index, sorted) else \
+        _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
+                                  size_name=f"input.size({dim})", check=check)
     if sparse is not None:
         return _run_on_rows_with_terms(backend_name, input, dim, index, *sparse, src, reduce,
                                        include_self, acc_mode, sorted)

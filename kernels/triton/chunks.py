@@ -30,10 +30,12 @@ __all__ = ["ticket_counters"]
 
 # What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
 # read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys
-# (``kernels.SortedKeys``).
+# (``kernels.SortedKeys``); the keys as they are, at most CHUNK_TERMS of them
+# (``kernels.UnsortedKeys``: segment.py's programs each scan them all; no chunks).
 _OFFSETS = tl.constexpr(0)
 _ANY_OFFSETS = tl.constexpr(1)
 _KEYS = tl.constexpr(2)
+_UNSORTED_KEYS = tl.constexpr(3)
 
 
 # ---- the segments' bounds, the chunks --------------------------------------------------------

@@ -46,10 +46,16 @@ IMPLEMENTATION NOTES (this backend):
   the launch. Offsets not known to be valid (``kernels.UncheckedOffsets``) are clamped into
   ``[0, M]`` as each is read, and a segment whose end is below its start is empty: every read
   and write stays inside the tensors whatever they hold. Unchecked ("off"), they are first
-  made nondecreasing (their running maximum: one op), for consistent bounds.
+  made nondecreasing (their running maximum: one op), for consistent bounds. An unsorted
+  index of at most CHUNK_TERMS values (``kernels.UnsortedKeys``, no order) is not sorted at
+  all: each program loads every key as one vector, counts its segment's terms and finds the
+  first, and its term loop takes the positions whose key is its segment, in position order
+  (the order a stable sort gives, so the sorted launch's bits); with so few positions
+  nothing is chunked.
 
 - Checks (CHECK), of bounds that the caller has not checked: under CHECK_ENDS (a sort's
-  values) the first program writes whether the first and last key lie in range; under
+  values) the first program writes whether the first and last key lie in range (unsorted
+  keys: every key); under
   CHECK_EVERY (offsets: from 0 to M without decreasing; a promised-sorted index:
   nondecreasing, in range) the first ``checkers`` programs each check blocks of
   ``_CHECK_BLOCK`` bounds and take a ticket that carries what they found, and the last to
@@ -92,6 +98,7 @@ from .. import (
     SUM,
     SortedKeys,
     UncheckedOffsets,
+    UnsortedKeys,
     has_work,
 )
 from .common import (
@@ -114,6 +121,7 @@ from .chunks import (
     _ANY_OFFSETS,
     _KEYS,
     _OFFSETS,
+    _UNSORTED_KEYS,
     _chunk_owned,
     _chunk_slot,
     _last_chunk_done,
@@ -142,9 +150,11 @@ _TERM_STAGES = tl.constexpr(5)
 
 @triton.jit
 def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin, p_end, alpha,
-                  REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr,
-                  ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr):
-    """Combine the term rows at positions p_begin .. p_end - 1, in order.
+                  seg, REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr,
+                  ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr,
+                  SCAN: tl.constexpr):
+    """Combine the term rows at positions p_begin .. p_end - 1, in order; under SCAN
+    (``order_ptr`` holding the unsorted keys, and no order) only those whose key is ``seg``.
 
     The loop is software-pipelined (``_TERM_STAGES``; on the GPU, asynchronous copies to
     shared memory): the rows of the next positions, and their entries of ``order``, are on
@@ -153,12 +163,19 @@ def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin,
     memory's latency once per term. Only the loads move: the rows are combined one after
     another in position order."""
     for p in tl.range(p_begin, p_end, num_stages=_TERM_STAGES):
-        if HAS_ORDER:
-            row = tl.load(order_ptr + p)
+        if SCAN:
+            if tl.load(order_ptr + p) == seg:
+                x = _to_acc(tl.load(row_base + p * ss1 + cols * ss2, mask=mask, other=0),
+                            DATA, ACC)
+                acc, comp = _combine(acc, comp, x, alpha, REDUCE, RULE, DATA, SCALED)
         else:
-            row = p
-        x = _to_acc(tl.load(row_base + row * ss1 + cols * ss2, mask=mask, other=0), DATA, ACC)
-        acc, comp = _combine(acc, comp, x, alpha, REDUCE, RULE, DATA, SCALED)
+            if HAS_ORDER:
+                row = tl.load(order_ptr + p)
+            else:
+                row = p
+            x = _to_acc(tl.load(row_base + row * ss1 + cols * ss2, mask=mask, other=0), DATA,
+                        ACC)
+            acc, comp = _combine(acc, comp, x, alpha, REDUCE, RULE, DATA, SCALED)
     return acc, comp
 
 
@@ -173,9 +190,12 @@ def _reduce_part(
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
     HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, IS_CHUNK: tl.constexpr,
     FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, BLOCK: tl.constexpr,
+    SCAN: tl.constexpr,
 ):
     """Reduce positions ``p_begin .. p_end - 1``: chunk ``j`` of segment ``seg`` (``n``
-    terms) into workspace slot ``slot`` (IS_CHUNK), or the whole segment into its row."""
+    terms) into workspace slot ``slot`` (IS_CHUNK), or the whole segment into its row. Under
+    SCAN (unsorted keys at ``order_ptr``, no order), the terms are the positions from
+    ``p_begin`` (the first term's) whose key is ``seg``."""
     # A later chunk starts from its first term; so does an amax / amin without a base row.
     from_first = (j > 0) | FIRST_TERM_START
     count = n
@@ -227,8 +247,8 @@ def _reduce_part(
                 else:
                     acc = tl.zeros([BLOCK], ACC)
                 acc, comp = _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr,
-                                          p, p_end, alpha, REDUCE, RULE, DATA, ACC, HAS_ORDER,
-                                          SCALED)
+                                          p, p_end, alpha, seg, REDUCE, RULE, DATA, ACC,
+                                          HAS_ORDER, SCALED, SCAN)
                 if IS_CHUNK:
                     work_at = work_ptr + ((o * work_rows + slot) * NCOMP) * inner + cols
                     tl.store(work_at, acc, mask=mask)
@@ -333,6 +353,14 @@ def _fold_chunks(
 
 
 @triton.jit
+def _scanned_keys(keys_ptr, positions, absent, CHUNK: tl.constexpr):
+    """The ``positions <= CHUNK`` unsorted keys as one vector of CHUNK, ``absent`` past
+    them."""
+    at = tl.arange(0, CHUNK)
+    return tl.load(keys_ptr + at, mask=at < positions, other=absent).to(tl.int64)
+
+
+@triton.jit
 def _segment_kernel(
     src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, n_parts,
     base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
@@ -353,8 +381,12 @@ def _segment_kernel(
     first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
     if CHECK == _CHECK_ENDS:
         if (slot == 0) & first_of_slot:
-            in_range = ((tl.load(bounds_ptr) >= 0)
-                        & (tl.load(bounds_ptr + positions - 1) < nseg))
+            if BOUNDS == _UNSORTED_KEYS:
+                keys = _scanned_keys(bounds_ptr, positions, 0, CHUNK)
+                in_range = (tl.min(keys, 0) >= 0) & (tl.max(keys, 0) < nseg)
+            else:
+                in_range = ((tl.load(bounds_ptr) >= 0)
+                            & (tl.load(bounds_ptr + positions - 1) < nseg))
             tl.store(flag_ptr, in_range.to(flag_ptr.dtype.element_ty))
     elif CHECK == _CHECK_EVERY:
         if (slot < checkers) & first_of_slot:
@@ -364,11 +396,20 @@ def _segment_kernel(
     if SCALED:
         alpha = tl.load(alpha_ptr)
     if slot < nseg:
-        p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
-        p1 = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
-        if BOUNDS == _ANY_OFFSETS:
-            p1 = tl.maximum(p1, p0)  # offsets that decrease: an empty segment
-        n = p1 - p0
+        if BOUNDS == _UNSORTED_KEYS:
+            # Every key at once (at most CHUNK): how many are this segment's, and the first
+            # one's position, from which the term loop takes those whose key is the segment.
+            at = tl.arange(0, CHUNK)
+            hits = _scanned_keys(bounds_ptr, positions, -1, CHUNK) == slot
+            n = tl.sum(hits.to(tl.int64), 0)
+            p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
+            p1 = tl.zeros([], tl.int64) + positions
+        else:
+            p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
+            p1 = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
+            if BOUNDS == _ANY_OFFSETS:
+                p1 = tl.maximum(p1, p0)  # offsets that decrease: an empty segment
+            n = p1 - p0
         whole = n >= 0  # always, unless the chunk programs own this segment
         if SPLIT:
             whole = n <= CHUNK
@@ -377,7 +418,7 @@ def _segment_kernel(
                          os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, 0, alpha, outer,
                          inner, slot, 0, p0, p1, n, 0, REDUCE, RULE, DATA, ACC, HAS_ORDER,
                          HAS_BASE, USE_BASE, HAS_CARRY, SCALED, False, FIRST_TERM_START,
-                         NCOMP, BLOCK)
+                         NCOMP, BLOCK, BOUNDS == _UNSORTED_KEYS)
     elif SPLIT:
         e = slot - nseg
         work_rows = 2 * n_parts
@@ -391,7 +432,7 @@ def _segment_kernel(
                              work_rows, alpha, outer, inner, seg, j, p_begin,
                              tl.minimum(p0 + n, p_begin + CHUNK), n, e * 2 + side, REDUCE,
                              RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
-                             True, FIRST_TERM_START, NCOMP, BLOCK)
+                             True, FIRST_TERM_START, NCOMP, BLOCK, False)
                 # Which program folds varies from run to run; the order of the fold never
                 # does.
                 if _last_chunk_done(counters_ptr, p0, n, CHUNK):
@@ -409,10 +450,18 @@ _launch_segment = Kernel(_segment_kernel)
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
                    carry=None, chunks=None):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes; here
-    ``offsets`` may also be ``kernels.SortedKeys`` or ``kernels.UncheckedOffsets``, bounds
-    that the fp32 / Kahan / torch-order kernels read and check themselves (the others are
-    given offsets, checked by torch ops)."""
-    given = isinstance(offsets, (SortedKeys, UncheckedOffsets))
+    ``offsets`` may also be ``kernels.SortedKeys``, ``kernels.UncheckedOffsets`` or
+    ``kernels.UnsortedKeys``, bounds that the fp32 / Kahan / torch-order kernels read and
+    check themselves (the others are given offsets, checked by torch ops). Unsorted keys
+    (with no ``order``) are scanned by every program where there are at most CHUNK_TERMS of
+    them, and sorted first otherwise."""
+    if isinstance(offsets, UnsortedKeys):
+        if order is not None:
+            raise ValueError("segment_reduce: unsorted keys take no order (the rows are the "
+                             "positions)")
+        if rule in (EXACT, CUDA_STRIDE_1) or offsets.keys.shape[0] > CHUNK_TERMS:
+            order, offsets = offsets.sorted()
+    given = isinstance(offsets, (SortedKeys, UncheckedOffsets, UnsortedKeys))
     if given and rule in (EXACT, CUDA_STRIDE_1):
         offsets, given = offsets.offsets(), False  # checked there, if still to check
     if rule == EXACT:
@@ -435,6 +484,10 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         bounds_kind, bounds, nseg = _KEYS.value, offsets.keys.contiguous(), offsets.num_segments
         failure = offsets.failure
         check = (_CHECK_EVERY if offsets.every_key else _CHECK_ENDS).value
+    elif isinstance(offsets, UnsortedKeys):
+        # Checked by the first program, every key (CHECK_ENDS's flag, of all of them here).
+        bounds_kind, bounds = _UNSORTED_KEYS.value, offsets.keys.contiguous()
+        nseg, failure, check = offsets.num_segments, offsets.failure, _CHECK_ENDS.value
     elif isinstance(offsets, UncheckedOffsets):
         bounds_kind, nseg = _ANY_OFFSETS.value, offsets.values.shape[0] - 1
         failure, check = offsets.failure, _CHECK_EVERY.value

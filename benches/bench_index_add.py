@@ -27,8 +27,10 @@ HIDDEN = {"cpu": 1024, "cuda": 4096}
 N_EXPERTS = 64
 SAMPLE_ROWS = 32
 DTYPES = [torch.bfloat16, torch.float32]
-IMPLS = ["detsum-fp32", "detsum-kahan", "detsum-autograd", "torch-index_add_",
-         "torch-index_put_"]
+# "detsum-fp32-plan": the same call given a plan of the index (no sort, no check in the
+# call), as detsum.moe's backward runs.
+IMPLS = ["detsum-fp32", "detsum-fp32-plan", "detsum-kahan", "detsum-autograd",
+         "torch-index_add_", "torch-index_put_"]
 
 # Rounds per case: each call moves ~0.4-0.8 GB, 50-150 ms on a 2-core CPU; torch's CPU
 # index_put_(accumulate=True) takes 0.3 s (bf16, serial) to 1.2 s (fp32, atomics).

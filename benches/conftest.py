@@ -66,8 +66,14 @@ def skip_unsupported(fn: Callable[[], object]) -> object:
 
 def index_add_impl(impl: str, work: torch.Tensor, index: torch.Tensor, source: torch.Tensor
                    ) -> Callable[[], object]:
-    """One in-place index_add into ``work`` by ``impl``: "detsum-<mode>", "torch-index_add_"
-    (atomics on CUDA) or "torch-index_put_" (accumulate=True: autograd's own path)."""
+    """One in-place index_add into ``work`` by ``impl``: "detsum-<mode>", "detsum-<mode>-plan"
+    (with a ``detsum.plan`` of the index, made here, once: the form of a backward that reuses
+    its forward's plan, as ``detsum.moe`` does), "torch-index_add_" (atomics on CUDA) or
+    "torch-index_put_" (accumulate=True: autograd's own path)."""
+    if impl.endswith("-plan"):
+        mode = impl.removeprefix("detsum-").removesuffix("-plan")
+        plan = detsum.plan(index, work.shape[0])
+        return lambda: detsum.index_add_(work, 0, index, source, mode=mode, plan=plan)
     if impl.startswith("detsum-"):
         mode = impl.removeprefix("detsum-")
         return lambda: detsum.index_add_(work, 0, index, source, mode=mode)

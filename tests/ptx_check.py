@@ -212,6 +212,10 @@ def main() -> dict:
     found["fp32 sum kahan keyed"] = _count(_ptx(
         segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
         config, fp_fusion=False))
+    # The same from a sort's values (int64), searched from a guess.
+    config = dict(config, BOUNDS=segment._SORT_VALUES.value)
+    found["fp32 sum kahan sort values"] = _count(_ptx(
+        segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
     # An unsorted index of at most CHUNK_TERMS values, scanned by every program (no order, no
     # chunks), every key checked by the first program: int64 and int32 keys.
     for name, keys in (("bf16 sum wide alpha scanned", "*i64"),

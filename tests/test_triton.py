@@ -30,8 +30,17 @@ try:
 except ImportError:
     HAS_TRITON = False
 if HAS_TRITON:
+    import triton.language as tl
+
+    from detsum.kernels.triton.chunks import _first_key_at_least
     from detsum.kernels.triton.segment import _TERM_STAGES
     TERM_STAGES = _TERM_STAGES.value
+
+    @triton.jit
+    def _starts_kernel(keys_ptr, out_ptr, positions, nseg):
+        """Segment ``program_id``'s start in sorted keys, as the launch finds it."""
+        s = tl.program_id(0).to(tl.int64)
+        tl.store(out_ptr + s, _first_key_at_least(keys_ptr, s, positions, nseg))
 else:
     TERM_STAGES = 5
 
@@ -447,6 +456,31 @@ def test_unsorted_keys_give_the_bits_of_the_sorted_keys(reduce_rule, dtype, n_te
                        alpha=alpha, include_base=include_base)
         outs.append(out.cpu())
     assert_same_bits(*outs)
+
+
+def test_a_sorts_values_are_searched_from_a_guess_with_searchsorteds_answers():
+    """``chunks._first_key_at_least`` (the segments' bounds in a sort's values, searched from
+    where even segments would start) against ``torch.searchsorted``, for every ``s`` in
+    ``[0, nseg + 1]``: even segments (the guess exact), random ones, one hot segment among
+    empty ones (the guess far off, both ways), every key below or above the segments, and
+    one key."""
+    g = torch.Generator().manual_seed(11)
+    cases = {
+        "even": (torch.arange(64).repeat_interleave(8), 64),
+        "random": (torch.randint(0, 50, (300,), generator=g).sort().values, 50),
+        "one hot segment": (torch.cat([torch.zeros(3), torch.full((500,), 37.0),
+                                       torch.full((2,), 39.0)]).long(), 40),
+        "all below": (torch.full((20,), -1), 6),
+        "all above": (torch.full((20,), 9), 6),
+        "one key": (torch.tensor([2]), 5),
+    }
+    for name, (keys, nseg) in cases.items():
+        for dtype in (torch.int64, torch.int32):
+            on = on_device(keys.to(dtype))
+            out = on_device(torch.full((nseg + 2,), -7, dtype=torch.int64))
+            _starts_kernel[(nseg + 2,)](on, out, keys.numel(), nseg)
+            expected = torch.searchsorted(keys, torch.arange(nseg + 2))
+            assert torch.equal(out.cpu(), expected), (name, dtype)
 
 
 def test_unsorted_keys_are_scanned_up_to_a_chunk_and_sorted_past_it():

@@ -30,12 +30,15 @@ __all__ = ["ticket_counters"]
 
 # What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
 # read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys
-# (``kernels.SortedKeys``); the keys as they are, at most CHUNK_TERMS of them
-# (``kernels.UnsortedKeys``: segment.py's programs each scan them all; no chunks).
+# (``kernels.SortedKeys``: a promised-sorted index, searched by torch.searchsorted's steps,
+# or SORT_VALUES, a sort's values, sorted for certain, which any search may take); the keys as
+# they are, at most CHUNK_TERMS of them (``kernels.UnsortedKeys``: segment.py's programs each
+# scan them all; no chunks).
 _OFFSETS = tl.constexpr(0)
 _ANY_OFFSETS = tl.constexpr(1)
 _KEYS = tl.constexpr(2)
 _UNSORTED_KEYS = tl.constexpr(3)
+_SORT_VALUES = tl.constexpr(4)
 
 
 # ---- the segments' bounds, the chunks --------------------------------------------------------
@@ -44,9 +47,10 @@ _UNSORTED_KEYS = tl.constexpr(3)
 def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
     """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
     segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``), or
-    under KEYS the first of the ``positions`` sorted keys that is ``>= s``, found by the steps
-    of ``torch.searchsorted`` (so the same answer, also for keys that are not sorted)."""
-    if BOUNDS == _KEYS:
+    under KEYS (and SORT_VALUES) the first of the ``positions`` sorted keys that is ``>= s``,
+    found by the steps of ``torch.searchsorted`` (so the same answer, also for keys that are
+    not sorted)."""
+    if (BOUNDS == _KEYS) | (BOUNDS == _SORT_VALUES):
         lo = tl.zeros([], tl.int64)
         hi = lo + positions
         while lo < hi:
@@ -64,11 +68,43 @@ def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
 
 
 @triton.jit
+def _first_key_at_least(keys_ptr, s, positions, nseg):
+    """The first of the ``positions`` keys, sorted for certain (SORT_VALUES), that is ``>= s``
+    (``positions`` when none is): ``torch.searchsorted``'s answer, found from where segment
+    ``s`` would start if all ``nseg`` segments had as many terms. From that guess the search
+    doubles its steps down, then up, until the answer is bracketed, then halves the bracket:
+    two loads where the segments are even (an MoE backward's tokens, k terms each), about
+    ``2 log2`` of the guess's distance otherwise, where the binary search of ``_segment_start``
+    takes ``log2(positions)`` dependent loads whatever the keys."""
+    hi = tl.minimum(s * positions // nseg, positions)
+    lo = hi - 1
+    # Bracket the answer in (lo, hi]: keys[lo] < s (or lo == -1, before the keys) and
+    # keys[hi] >= s (or hi == positions, past them).
+    step = tl.zeros([], tl.int64) + 1
+    while (lo >= 0) & (tl.load(keys_ptr + lo, mask=lo >= 0, other=0) >= s):
+        hi = lo
+        lo = tl.maximum(lo - step, -1)
+        step *= 2
+    step = tl.zeros([], tl.int64) + 1
+    while (hi < positions) & (tl.load(keys_ptr + hi, mask=hi < positions, other=0) < s):
+        lo = hi
+        hi = tl.minimum(hi + step, positions)
+        step *= 2
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if tl.load(keys_ptr + mid) >= s:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@triton.jit
 def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
     """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
     when no segment does."""
     found = tl.zeros([], tl.int64) - 2  # -2: not known yet
-    if BOUNDS == _KEYS:
+    if (BOUNDS == _KEYS) | (BOUNDS == _SORT_VALUES):
         # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
         # are not sorted may fail the check, and take the search below).
         guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)

@@ -121,8 +121,10 @@ from .chunks import (
     _ANY_OFFSETS,
     _KEYS,
     _OFFSETS,
+    _SORT_VALUES,
     _UNSORTED_KEYS,
     _chunk_owned,
+    _first_key_at_least,
     _chunk_slot,
     _last_chunk_done,
     _segment_start,
@@ -404,6 +406,10 @@ def _segment_kernel(
             n = tl.sum(hits.to(tl.int64), 0)
             p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
             p1 = tl.zeros([], tl.int64) + positions
+        elif BOUNDS == _SORT_VALUES:
+            p0 = _first_key_at_least(bounds_ptr, slot, positions, nseg)
+            p1 = _first_key_at_least(bounds_ptr, slot + 1, positions, nseg)
+            n = p1 - p0
         else:
             p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
             p1 = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
@@ -481,7 +487,10 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     outer, num_rows, inner = src.shape
     failure, check = None, _CHECK_NOTHING.value
     if isinstance(offsets, SortedKeys):
-        bounds_kind, bounds, nseg = _KEYS.value, offsets.keys.contiguous(), offsets.num_segments
+        # A promised-sorted index, searched as torch.searchsorted does; a sort's values,
+        # from a guess (chunks._first_key_at_least).
+        bounds_kind = (_KEYS if offsets.every_key else _SORT_VALUES).value
+        bounds, nseg = offsets.keys.contiguous(), offsets.num_segments
         failure = offsets.failure
         check = (_CHECK_EVERY if offsets.every_key else _CHECK_ENDS).value
     elif isinstance(offsets, UnsortedKeys):

@@ -165,7 +165,8 @@ class SortedKeys:
     #: failure (``Failure``); None: no check.
     failure: Failure | None = None
     #: What is checked: every key (a promised-sorted index: each in ``[0, num_segments)`` and
-    #: none below the one before), or only the two ends (a sort's values, which are sorted).
+    #: none below the one before), or only the two ends (a sort's values, which are sorted:
+    #: the launch may then find the bounds by any search, not only searchsorted's steps).
     every_key: bool = False
 
     def check(self) -> None:

@@ -6,6 +6,7 @@
 #   bash benches/gpu_run.sh tests      # one stage: tests | benches | report | distributed
 #   bash benches/gpu_run.sh targets    # the GPU issue's targets alone, in about 5 minutes
 #   bash benches/gpu_run.sh switch     # the switch's CUDA tests against torch, about 2 minutes
+#   bash benches/gpu_run.sh profile    # the MoE backward's parts, and ncu on its launch
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
@@ -81,13 +82,34 @@ for stage in $STAGES; do
             | tee "$OUT/tests-switch.txt" || status=1
         python3 benches/probe_torch_cuda.py 2>/dev/null | tee "$OUT/torch-cuda-kernels.txt" \
             || status=1 ;;
+    profile)
+        # Where the MoE backward's time goes: the call's parts timed against a copy (without a
+        # plan, the sort alone, with a plan), then Nsight Compute on one launch with a plan and
+        # one without (clocks left as they are).
+        python3 benches/gpu_moe_profile.py --json "$OUT/moe-profile.json" \
+            | tee "$OUT/moe-profile.txt" || status=1
+        NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)}
+        if [ -n "$NCU" ]; then
+            for form in plan off; do
+                timeout 240 "$NCU" --clock-control none --kernel-name regex:_segment_kernel \
+                    --launch-skip 2 --launch-count 1 --section SpeedOfLight \
+                    --section Occupancy --section LaunchStats --section WarpStateStats \
+                    --section MemoryWorkloadAnalysis \
+                    python3 benches/gpu_moe_profile.py --only $form \
+                    > "$OUT/ncu-moe-$form.txt" 2>&1 || status=1
+                tail -n 40 "$OUT/ncu-moe-$form.txt"
+            done
+        else
+            echo "no ncu on this machine: the profile stage timed the parts only"
+        fi ;;
     distributed)
         # detsum.distributed and the loss functions' group= on NCCL, one GPU as one rank:
         # every result against the same call without a group (torch.equal), then the exact
         # sum over ranks timed against an fp32 all_reduce of the same gradients.
         python3 benches/distributed_nccl.py 2>&1 | tee "$OUT/distributed-nccl.txt" || status=1 ;;
     *)
-        echo "unknown stage $stage (expected tests, benches, report, distributed, targets or switch)"
+        echo "unknown stage $stage (expected tests, benches, report, distributed, targets, switch" \
+             "or profile)"
         exit 2 ;;
     esac
 done

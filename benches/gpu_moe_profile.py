@@ -1,0 +1,117 @@
+"""Where the MoE backward's time goes on a GPU: ``index_add_`` of 131072 rows of 4096 into 16384
+(each token receives 8 rows), bf16 and fp32, "fp32" mode, by the parts of the call.
+
+Rows (median of CUDA-event times over ``--reps`` calls after a warm-up, each into the same
+output): the copy of the source (the bandwidth yardstick: bytes read plus written), torch's
+``index_add_`` (atomics), detsum's call without a plan at "host" and "off", the sort of the
+index alone, and the call with a plan (one launch, the kernel alone); every detsum row's
+result equal to the others' (``torch.equal``), so the parts are the same computation. GB/s
+counts what the call must move: the source once, the output read and written, the index.
+
+With ``--only plan`` (or ``off``) the script runs that row alone, a few times: the form
+``ncu`` profiles (``bash benches/gpu_run.sh profile``).
+
+    python3 benches/gpu_moe_profile.py [--json PATH] [--reps 30] [--only plan|off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+import detsum
+
+TOKENS, TOPK, HIDDEN = 16384, 8, 4096
+
+
+def _data(dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    gather_indices = torch.randint(0, 64, (TOKENS, TOPK), generator=gen).view(-1).argsort(
+        stable=True)
+    index = (gather_indices // TOPK).cuda()
+    return {"index": index, "source": torch.randn(TOKENS * TOPK, HIDDEN, generator=gen)
+            .to("cuda", dtype), "init": torch.randn(TOKENS, HIDDEN, generator=gen)
+            .to("cuda", dtype), "plan": detsum.plan(index, TOKENS)}
+
+
+def _calls(d: dict, out: torch.Tensor) -> dict:
+    index, source, plan = d["index"], d["source"], d["plan"]
+    copy_target = torch.empty_like(source)
+    return {
+        "copy": lambda: copy_target.copy_(source),
+        "torch index_add_": lambda: out.index_add_(0, index, source),
+        "sort of the index": lambda: torch.sort(index, stable=True),
+        "detsum host": lambda: detsum.index_add_(out, 0, index, source),
+        "detsum off": lambda: detsum.index_add_(out, 0, index, source, check="off"),
+        "detsum plan": lambda: detsum.index_add_(out, 0, index, source, plan=plan),
+    }
+
+
+def _median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--only", choices=["plan", "off"])
+    args = parser.parse_args(argv)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        d = _data(dtype)
+        if args.only:
+            out = d["init"].clone()
+            call = _calls(d, out)[f"detsum {args.only}"]
+            for _ in range(5):
+                call()
+            torch.cuda.synchronize()
+            continue
+        results = {}
+        for name, fn in _calls(d, d["init"].clone()).items():
+            if name.startswith("detsum"):
+                out = d["init"].clone()  # one call's result, for the bits
+                _calls(d, out)[name]()
+                results[name] = out
+            moved = (2 * d["source"].nbytes if name == "copy" else
+                     d["index"].nbytes if name == "sort of the index" else
+                     d["source"].nbytes + 2 * d["init"].nbytes + d["index"].nbytes)
+            ms = _median_ms(fn, args.reps)
+            rows.append({"dtype": str(dtype), "call": name, "ms": ms, "gb_per_s": moved / ms / 1e6})
+        first, *others = results.values()
+        same = all(torch.equal(first, other) for other in others)
+        copy = next(r for r in rows if r["call"] == "copy" and r["dtype"] == str(dtype))
+        for r in rows:
+            if r["dtype"] == str(dtype):
+                r["of_copy"] = r["gb_per_s"] / copy["gb_per_s"]
+                r["same_bits"] = same
+    if args.only:
+        return 0
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; median of {args.reps}")
+    print(f"{'dtype':15} {'call':18} {'ms':>8} {'GB/s':>8} {'of copy':>8} same bits")
+    for r in rows:
+        print(f"{r['dtype']:15} {r['call']:18} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
+              f"{r['of_copy']:8.2f} {r['same_bits']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "reps": args.reps, "rows": rows}, f, indent=1)
+    return 0 if all(r["same_bits"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

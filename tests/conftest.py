@@ -143,6 +143,39 @@ def terms_with_specials(rows: int, numel: int, acc: torch.dtype, seed: int) -> t
     return terms
 
 
+def midpoint_means(dtype: torch.dtype, *, count: int = 40, seed: int = 13
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, src ``[rows * 4, 1]``, expected means ``[rows, 1]``) of segments of four terms
+    ``lo, lo, 2 hi, c`` (``lo < hi`` neighbours of ``dtype``, ``m`` their midpoint): means
+    ``m + c / 4``, a tie of the dtype for ``c = 0`` and just off one for small ``c`` of either
+    sign, down to a unit of the sum's last fp64 bit; expected by fractions, rounded once."""
+    from fractions import Fraction
+
+    from detsum import reference
+
+    g = torch.Generator().manual_seed(seed)
+    p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[dtype]
+    rows = []
+    for _ in range(count):
+        lo = Fraction(2**(p - 1) + int(torch.randint(0, 2**(p - 1) - 1, (1,), generator=g)),
+                      2**(p - 1))  # in [1, 2), p significant bits
+        hi = lo + Fraction(1, 2**(p - 1))
+        for exponent in (None, p + 2, p + 20, 50):
+            for sign in (1, -1):
+                c = Fraction(0) if exponent is None else sign * Fraction(1, 2**exponent)
+                as_dtype = torch.tensor(float(c), dtype=torch.float64).to(dtype).double()
+                if Fraction(as_dtype.item()) == c:  # c is a value of the dtype
+                    rows.append([lo, lo, 2 * hi, c])
+    index = torch.arange(len(rows)).repeat_interleave(4)
+    src = torch.tensor([float(t) for terms in rows for t in terms],
+                       dtype=torch.float64).to(dtype).unsqueeze(1)
+    assert torch.equal(src.double().view(-1),
+                       torch.tensor([float(t) for terms in rows for t in terms]))
+    expected = torch.stack([reference.round_exact(sum(terms, Fraction(0)) / 4, dtype)
+                            for terms in rows]).view(-1, 1)
+    return index, src, expected
+
+
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -253,7 +253,9 @@ def main() -> dict:
             ("bf16 sum exact alpha", torch.bfloat16, _exact_types("i16", "fp32"), kernels.SUM,
              True, 256),
             ("fp64 mean exact", torch.float64, _exact_types("fp64", "fp64"), kernels.MEAN,
-             False, 32)):
+             False, 32),
+            ("bf16 mean exact", torch.bfloat16, _exact_types("i16", "fp32"), kernels.MEAN,
+             False, 256)):
         ptx = _ptx(exact._exact_kernel, types, _exact_config(reduce, dtype, scaled, block),
                    fp_fusion=False, num_warps=8)
         found[name] = {**_count(ptx), **_resources(ptx)}

@@ -18,7 +18,7 @@ import torch
 import detsum
 from detsum import kernels, reference
 from detsum.kernels.numba import common as numba_common
-from conftest import DTYPES, assert_same_bits, dtype_id
+from conftest import DTYPES, assert_same_bits, dtype_id, midpoint_means
 
 BACKENDS = ("numba", "reference")
 _BITS = {torch.float16: (torch.int16, 10, 5), torch.bfloat16: (torch.int16, 7, 8),
@@ -254,35 +254,15 @@ def test_means_of_narrow_data_round_their_ties_and_zeros(dtype, include_self):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
 def test_means_at_and_near_the_dtypes_midpoints(dtype):
-    """Means of four terms ``lo, lo, 2 hi, c`` (``lo < hi`` neighbours of the dtype, ``m``
-    their midpoint): ``m + c / 4``, a tie of the dtype for ``c = 0`` and just off one for
-    small ``c`` of either sign, down to a unit of the sum's last fp64 bit. The Numba kernels
-    round the fp64 quotient of a certified sum (proved right: ``rounded_quotient``) and take
-    the others to the limbs; both against fractions."""
-    g = torch.Generator().manual_seed(13)
-    p = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[dtype]
-    rows = []
-    for _ in range(40):
-        lo = Fraction(2**(p - 1) + int(torch.randint(0, 2**(p - 1) - 1, (1,), generator=g)),
-                      2**(p - 1))  # in [1, 2), p significant bits
-        hi = lo + Fraction(1, 2**(p - 1))
-        for exponent in (None, p + 2, p + 20, 50):
-            for sign in (1, -1):
-                c = Fraction(0) if exponent is None else sign * Fraction(1, 2**exponent)
-                as_dtype = torch.tensor(float(c), dtype=torch.float64).to(dtype).double()
-                if Fraction(as_dtype.item()) == c:  # c is a value of the dtype
-                    rows.append([lo, lo, 2 * hi, c])
-    index = torch.arange(len(rows)).repeat_interleave(4)
-    src = torch.tensor([float(t) for terms in rows for t in terms],
-                       dtype=torch.float64).to(dtype).unsqueeze(1)
-    assert torch.equal(src.double().view(-1),
-                       torch.tensor([float(t) for terms in rows for t in terms]))
-    expected = torch.stack([reference.round_exact(sum(terms, Fraction(0)) / 4, dtype)
-                            for terms in rows]).view(-1, 1)
+    """Means at and just off the dtype's midpoints (``conftest.midpoint_means``). The Numba
+    kernels round the fp64 quotient of a certified sum (proved right: ``rounded_quotient``)
+    and take the others to the limbs; both against fractions (the Triton kernel:
+    tests/test_exact_triton.py)."""
+    index, src, expected = midpoint_means(dtype)
     for backend in BACKENDS:
         with detsum.backend(backend):
-            got = detsum.scatter_reduce(torch.zeros(len(rows), 1, dtype=dtype), 0, index, src,
-                                        "mean", include_self=False, mode="exact")
+            got = detsum.scatter_reduce(torch.zeros_like(expected), 0, index, src, "mean",
+                                        include_self=False, mode="exact")
         assert_same_bits(got, expected)
 
 

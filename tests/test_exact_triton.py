@@ -19,7 +19,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import DTYPES, HAS_CUDA, assert_same_bits, dtype_id, seed_of, strided_copy
+from conftest import (DTYPES, HAS_CUDA, assert_same_bits, dtype_id, midpoint_means, seed_of,
+                      strided_copy)
 from covering import pairwise
 from detsum import kernels, reference
 from detsum.kernels.numba import segment as numba_segment
@@ -352,6 +353,18 @@ def test_rounding_edges(dtype):
         assert_same_bits(launch("triton", src, order, offsets, base, **args),
                          reference.exact_sum_rounded(values, dtype).view(1, 1, 1))
         check(src, order, offsets, base, **args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+def test_means_at_and_near_the_dtypes_midpoints(dtype):
+    """Means at and just off the dtype's midpoints (``conftest.midpoint_means``), whose fp64
+    quotient the kernel rounds once more (a certified sum over a small count): a tie goes to
+    even, a quotient just off one to its side, never rounded twice."""
+    index, src, expected = midpoint_means(dtype)
+    offsets = torch.arange(0, index.numel() + 1, 4)
+    got = launch("triton", src.unsqueeze(0), None, offsets, None, reduce=MEAN, alpha=1.0,
+                 include_base=False)
+    assert_same_bits(got, expected.unsqueeze(0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

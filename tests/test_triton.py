@@ -703,6 +703,8 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     assert found["bf16 mean kahan"]["divisions"] == ["div.rn.f32"]
     assert found["fp64 mean wide"]["divisions"] == ["div.rn.f64"]
     assert found["fp64 mean exact"]["divisions"] == []  # the exact mean divides integers
+    # ... but a certified sum of narrow data over a small count by one IEEE fp64 division.
+    assert found["bf16 mean exact"]["divisions"] == ["div.rn.f64"]
     # The chunk programs' tickets (SPLIT): an acq_rel atomic at GPU scope after a barrier that
     # follows the program's stores of its part, and the folder's loads of the parts from L2.
     for name in ("bf16 sum wide alpha", "bf16 sum kahan alpha", "fp16 mean kahan",
@@ -713,7 +715,7 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     assert found["bf16 sum round_each alpha"]["atomics"] == []  # never split, never a ticket
     # EXACT's chunk programs take the same tickets and its fold reads their parts from L2;
     # nothing spilled (its fold rounds half a column block at a time: exact._exact_fold).
-    for name in ("bf16 sum exact alpha", "fp64 mean exact"):
+    for name in ("bf16 sum exact alpha", "fp64 mean exact", "bf16 mean exact"):
         assert found[name]["atomics"] == ["atom.global.gpu.acq_rel.add.u64"], name
         assert found[name]["barrier_before_each_atomic"], name
         assert found[name]["cg_loads"] > 0, name

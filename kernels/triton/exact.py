@@ -12,8 +12,11 @@ IMPLEMENTATION NOTES (this backend; ``common.py`` has those every kernel here sh
   and the sum of its errors) while the largest and smallest nonzero magnitude of each column
   are kept; a column whose spread provably leaves no sum rounded (``_exact_fast_pass``,
   ``_exact_fast_pass_wide``) has its exact sum there, rounded once (through a round-to-odd
-  fp32 for bf16 and fp16; by one addition of the pair for fp64). The other columns, and
-  every mean (whose fast-path sum is put in the limbs, to be divided there) go through the
+  fp32 for bf16 and fp16; by one addition of the pair for fp64). A certified column's mean
+  of fp32, bf16 or fp16 data over fewer than ``2**(53 - p)`` terms (p the dtype's precision)
+  is the fp64 quotient of that sum, rounded once more to the dtype, as the Numba kernel's
+  ``rounded_quotient`` proves it may be. The other columns, and the other means (whose
+  fast-path sum is put in the limbs, to be divided there) go through the
   integer state of ``detsum.kernels`` (EXACT STATE), only in blocks that have such columns:
   a [columns, limbs] int64 tensor to which each term adds its digits, carried, divided by
   the count (into one more digit, below the unit, so that a mean whose quantum is one unit,
@@ -476,12 +479,25 @@ def _exact_segment(
                     if REDUCE == _SUM:
                         tl.store(out_at, _wide_sum(hi, lo), mask=mask & certified)
                 if REDUCE == _MEAN:
-                    seeded = mask & certified
+                    seeded = mask & certified  # divided in the limbs, below
+                    if ACC == tl.float32:
+                        if count < (1 << (53 - PRECISION)):
+                            # RN_fp64(total / count) rounds to the dtype as the exact quotient
+                            # does, for a count this small (the Numba kernel's
+                            # rounded_quotient says why); fp64's / is IEEE division.
+                            q = total / count.to(tl.float64)
+                            if DATA == _NATIVE:
+                                rounded = q.to(tl.float32)
+                            else:
+                                rounded = _f32_to_odd(q)
+                            tl.store(out_at, _to_data(rounded, DATA, out_ptr.dtype.element_ty),
+                                     mask=mask & certified)
+                            seeded = cols < 0
                 need = mask & (certified == 0)
                 any_need = tl.max(need.to(tl.int32), axis=0) > 0
-                finish = any_need  # a block the fast path wrote whole is done
-                if REDUCE == _MEAN:
-                    finish = tl.max(mask.to(tl.int32), axis=0) > 0  # every mean divides here
+                # A block the fast path wrote whole is done; a mean's seeded columns still
+                # divide in the limbs.
+                finish = any_need | (tl.max(seeded.to(tl.int32), axis=0) > 0)
                 if finish:
                     limbs = tl.zeros([BLOCK, LANES], tl.int64)
                     nan = cols < 0  # all false

@@ -176,6 +176,73 @@ def midpoint_means(dtype: torch.dtype, *, count: int = 40, seed: int = 13
     return index, src, expected
 
 
+def pair_quotient_cases(count: int = 4000, seed: int = 5):
+    """(hi, lo, n, exact sum) cases for an exact fp64 pair's quotient by n: at, beside and
+    between the midpoints of fp64 quotients (and q itself, and its neighbours), nudged by far
+    less than an ulp, for divisors up to 2**52 - 1, pairs as TwoSum leaves them or not
+    normalised (hi off by a few of its ulps), either sign."""
+    import math
+    import random
+    from fractions import Fraction
+
+    rng = random.Random(seed)
+    for _ in range(count):
+        exponent = rng.choice([0, 1, -1, 7, -300, 300, 900, -900])
+        q = math.ldexp(rng.choice([2**52, rng.randint(2**52, 2**53 - 1)]), exponent - 52)
+        n = rng.choice([1, 2, 3, 5, 7, 10, 1000, 2**20 + 1, 2**40 + 7, 2**52 - 1])
+        up = Fraction(math.ulp(q))
+        down = up / 2 if math.frexp(q)[0] == 0.5 else up
+        where = rng.choice([up / 2, -down / 2, 0, up / 4, -down / 4, 3 * up / 4, up, -down])
+        nudge = rng.choice([0, 1, -1]) * Fraction(q) / 2**rng.randint(60, 200)
+        total = (Fraction(q) + where + nudge) * n * rng.choice([1, -1])
+        if abs(total) > 2**1022:
+            continue
+        hi = float(total)
+        lo = float(total - Fraction(hi))
+        if rng.random() < 0.3:  # not normalised: hi off by a few of its ulps
+            hi += rng.choice([1, -2, 5]) * math.ulp(hi)
+            lo = float(total - Fraction(hi))
+        if Fraction(hi) + Fraction(lo) != total:
+            continue
+        yield hi, lo, n, total
+
+
+def fp64_midpoint_means(scale: float, sizes=(2, 3, 4, 7, 8, 100, 1001)
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index, src ``[rows, 2]``, expected means ``[segments, 2]``) of fp64 means of n terms
+    (n in ``sizes``) of one binade times ``scale`` (the fast path certifies them): half of them q and half
+    q's upper neighbour, a tie at the midpoint; one term moved by an ulp, a mean an ulp over
+    n beside it; q at a power of two, where its neighbours' gaps differ. A second column is
+    inf in every other segment, whose tiles then fail the whole-tile certificate (the
+    first column certified column by column)."""
+    import math
+    import random
+    from fractions import Fraction
+
+    rng = random.Random(9)
+    rows = []
+    for n in sizes:
+        for _ in range(6):
+            q = math.ldexp(rng.choice([2**52, 2**53 - 1, rng.randint(2**52, 2**53 - 2)]),
+                           -52) * scale
+            above = math.nextafter(q, math.inf)
+            below = math.nextafter(q, -math.inf)
+            for moved in (None, above, below, math.nextafter(above, math.inf)):
+                for sign in (1.0, -1.0):
+                    terms = [q] * (n // 2) + [above] * (n - n // 2)
+                    if moved is not None:
+                        terms[0] = moved
+                    rows.append([sign * t for t in terms])
+    index = torch.cat([torch.full((len(terms),), i) for i, terms in enumerate(rows)])
+    means = [float(sum(map(Fraction, terms)) / len(terms)) for terms in rows]
+    spoilt = [[math.inf] + terms[1:] if i % 2 == 0 else terms for i, terms in enumerate(rows)]
+    src = torch.tensor([[t, u] for terms, other in zip(rows, spoilt)
+                        for t, u in zip(terms, other)], dtype=torch.float64)
+    expected = torch.tensor([[m, math.inf if i % 2 == 0 else m] for i, m in enumerate(means)],
+                            dtype=torch.float64)
+    return index, src, expected
+
+
 def dtype_id(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

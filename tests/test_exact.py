@@ -8,7 +8,6 @@ subnormals included, as often as the normals.
 from __future__ import annotations
 
 import math
-import random
 from fractions import Fraction
 
 import numba
@@ -18,7 +17,8 @@ import torch
 import detsum
 from detsum import kernels, reference
 from detsum.kernels.numba import common as numba_common
-from conftest import DTYPES, assert_same_bits, dtype_id, midpoint_means
+from conftest import (DTYPES, assert_same_bits, dtype_id, fp64_midpoint_means, midpoint_means,
+                      pair_quotient_cases)
 
 BACKENDS = ("numba", "reference")
 _BITS = {torch.float16: (torch.int16, 10, 5), torch.bfloat16: (torch.int16, 7, 8),
@@ -267,33 +267,13 @@ def test_means_at_and_near_the_dtypes_midpoints(dtype):
 
 
 def test_fp64_pair_quotient_against_fractions():
-    """``pair_quotient``: the quotient of an exact fp64 pair (hi, lo) by n, rounded once, at,
-    beside and between the midpoints of fp64 quotients (and q itself, and its neighbours),
-    nudged by far less than an ulp, for divisors up to 2**52 - 1, pairs as TwoSum leaves them
-    or not normalised, either sign; where it declines (quotients near the subnormals) the
-    limbs decide."""
+    """``pair_quotient``: the quotient of an exact fp64 pair (hi, lo) by n, rounded once
+    (``conftest.pair_quotient_cases``); where it declines (quotients near the subnormals) the
+    limbs decide. The Triton kernel's: tests/test_exact_triton.py."""
     from detsum.kernels.numba.exact import pair_quotient
 
-    rng = random.Random(5)
     decided = 0
-    for _ in range(4000):
-        exponent = rng.choice([0, 1, -1, 7, -300, 300, 900, -900])
-        q = math.ldexp(rng.choice([2**52, rng.randint(2**52, 2**53 - 1)]), exponent - 52)
-        n = rng.choice([1, 2, 3, 5, 7, 10, 1000, 2**20 + 1, 2**40 + 7, 2**52 - 1])
-        up = Fraction(math.ulp(q))
-        down = up / 2 if math.frexp(q)[0] == 0.5 else up
-        where = rng.choice([up / 2, -down / 2, 0, up / 4, -down / 4, 3 * up / 4, up, -down])
-        nudge = rng.choice([0, 1, -1]) * Fraction(q) / 2**rng.randint(60, 200)
-        total = (Fraction(q) + where + nudge) * n * rng.choice([1, -1])
-        if abs(total) > 2**1022:
-            continue
-        hi = float(total)
-        lo = float(total - Fraction(hi))
-        if rng.random() < 0.3:  # not normalised: hi off by a few of its ulps
-            hi += rng.choice([1, -2, 5]) * math.ulp(hi)
-            lo = float(total - Fraction(hi))
-        if Fraction(hi) + Fraction(lo) != total:
-            continue
+    for hi, lo, n, total in pair_quotient_cases():
         value, ok = pair_quotient(hi, lo, float(n))
         if not ok:  # only near the subnormals
             assert abs(total / n) < 2.0**-958, (hi, lo, n)
@@ -310,37 +290,13 @@ def test_fp64_pair_quotient_against_fractions():
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**-500, 2.0**600], ids=["1", "2^-500", "2^600"])
 def test_fp64_means_at_and_beside_the_midpoints(scale):
-    """fp64 means of n terms of one binade (the fast path certifies them): half of them q and
-    half q's upper neighbour, a tie at the midpoint; one term moved by an ulp, a mean an ulp
-    over n beside it; q at a power of two, where its neighbours' gaps differ. Against
-    fractions, on the Numba kernels and the reference."""
-    rng = random.Random(9)
-    rows = []
-    for n in (2, 3, 4, 7, 8, 100, 1001):
-        for _ in range(6):
-            q = math.ldexp(rng.choice([2**52, 2**53 - 1, rng.randint(2**52, 2**53 - 2)]),
-                           -52) * scale
-            above = math.nextafter(q, math.inf)
-            below = math.nextafter(q, -math.inf)
-            for moved in (None, above, below, math.nextafter(above, math.inf)):
-                for sign in (1.0, -1.0):
-                    terms = [q] * (n // 2) + [above] * (n - n // 2)
-                    if moved is not None:
-                        terms[0] = moved
-                    rows.append([sign * t for t in terms])
-    index = torch.cat([torch.full((len(terms),), i) for i, terms in enumerate(rows)])
-    means = [float(sum(map(Fraction, terms)) / len(terms)) for terms in rows]
-    # A second column, inf in every other segment: those segments' tiles fail the whole-tile
-    # certificate, and their first column is certified column by column (the second tier).
-    spoilt = [[math.inf] + terms[1:] if i % 2 == 0 else terms for i, terms in enumerate(rows)]
-    src = torch.tensor([[t, u] for terms, other in zip(rows, spoilt)
-                        for t, u in zip(terms, other)], dtype=torch.float64)
-    expected = torch.tensor([[m, math.inf if i % 2 == 0 else m] for i, m in enumerate(means)],
-                            dtype=torch.float64)
+    """fp64 means at and beside the midpoints (``conftest.fp64_midpoint_means``), in both
+    tiers of the certificate. Against fractions, on the Numba kernels and the reference."""
+    index, src, expected = fp64_midpoint_means(scale)
     for backend in BACKENDS:
         with detsum.backend(backend):
-            got = detsum.scatter_reduce(torch.zeros(len(rows), 2, dtype=torch.float64), 0,
-                                        index, src, "mean", include_self=False, mode="exact")
+            got = detsum.scatter_reduce(torch.zeros_like(expected), 0, index, src, "mean",
+                                        include_self=False, mode="exact")
         assert_same_bits(got, expected)
 
 

@@ -19,17 +19,33 @@ from fractions import Fraction
 import pytest
 import torch
 
-from conftest import (DTYPES, HAS_CUDA, assert_same_bits, dtype_id, midpoint_means, seed_of,
-                      strided_copy)
+from conftest import (DTYPES, HAS_CUDA, assert_same_bits, dtype_id, fp64_midpoint_means,
+                      midpoint_means, pair_quotient_cases, seed_of, strided_copy)
 from covering import pairwise
 from detsum import kernels, reference
 from detsum.kernels.numba import segment as numba_segment
 
 try:
-    import triton  # noqa: F401
+    import triton
+    import triton.language as tl
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+
+if HAS_TRITON:
+    from detsum.kernels.triton.exact import _pair_quotient
+
+    @triton.jit
+    def _pair_quotient_kernel(hi_ptr, lo_ptr, count_ptr, value_ptr, decided_ptr, cases,
+                              BLOCK: tl.constexpr):
+        """``_pair_quotient`` of each case, as the exact kernel calls it."""
+        at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < cases
+        value, decided = _pair_quotient(tl.load(hi_ptr + at, mask=mask, other=1.0),
+                                        tl.load(lo_ptr + at, mask=mask, other=0.0),
+                                        tl.load(count_ptr + at, mask=mask, other=1))
+        tl.store(value_ptr + at, value, mask=mask)
+        tl.store(decided_ptr + at, decided.to(tl.int8), mask=mask)
 
 pytestmark = [
     pytest.mark.skipif(
@@ -362,6 +378,52 @@ def test_means_at_and_near_the_dtypes_midpoints(dtype):
     even, a quotient just off one to its side, never rounded twice."""
     index, src, expected = midpoint_means(dtype)
     offsets = torch.arange(0, index.numel() + 1, 4)
+    got = launch("triton", src.unsqueeze(0), None, offsets, None, reduce=MEAN, alpha=1.0,
+                 include_base=False)
+    assert_same_bits(got, expected.unsqueeze(0))
+
+
+def test_fp64_pair_quotient_against_fractions():
+    """``_pair_quotient`` (the fp64 mean of a certified TwoSum pair, Dekker's exact products
+    in place of fused multiply-adds) against fractions, on the Numba test's cases
+    (``conftest.pair_quotient_cases``) with divisors below 2**30 (a count's range): decided
+    everywhere but near the subnormals and near fp64's top, correctly rounded, signed zeros
+    kept."""
+    cases = [(hi, lo, n % 2**30 or 1, total) for hi, lo, n, total in pair_quotient_cases()]
+    cases += [(-0.0, 0.0, 3, Fraction(0)), (0.0, 0.0, 1, Fraction(0)),
+              (2.0**-1000, 0.0, 3, Fraction(2.0**-1000))]
+    hi = torch.tensor([c[0] for c in cases], dtype=torch.float64, device=DEVICE)
+    lo = torch.tensor([c[1] for c in cases], dtype=torch.float64, device=DEVICE)
+    counts = torch.tensor([c[2] for c in cases], dtype=torch.int64, device=DEVICE)
+    value = torch.full_like(hi, NAN)
+    decided = torch.full(hi.shape, -1, dtype=torch.int8, device=DEVICE)
+    _pair_quotient_kernel[(triton.cdiv(len(cases), 256),)](hi, lo, counts, value, decided,
+                                                           len(cases), BLOCK=256)
+    settled = 0
+    for (h, l, n, total), got, ok in zip(cases, value.cpu().tolist(), decided.cpu().tolist()):
+        if not ok:
+            assert abs(total / n) < 2.0**-958 or abs(h) >= 2.0**993, (h, l, n)
+            continue
+        expected = float(total / n) if total else math.copysign(0.0, h)
+        assert got == expected and math.copysign(1, got) == math.copysign(1, expected), (
+            h, l, n, got, expected)
+        settled += 1
+    assert settled > 1500
+    assert decided[-1] == 0 and math.copysign(1, value[-3].item()) < 0
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0**-500, 2.0**600], ids=["1", "2^-500", "2^600"])
+def test_fp64_means_at_and_beside_the_midpoints(scale):
+    """The Numba test's fp64 means at and beside the midpoints
+    (``conftest.fp64_midpoint_means``) through the Triton kernel, against fractions. In the
+    interpreter without the second column (inf in every other segment: the limbs there, which
+    the interpreter runs for minutes) and the segments of 1001 terms; on a GPU with both."""
+    if HAS_CUDA:
+        index, src, expected = fp64_midpoint_means(scale)
+    else:
+        index, src, expected = fp64_midpoint_means(scale, sizes=(2, 3, 4, 7, 8, 100))
+        src, expected = src[:, :1].contiguous(), expected[:, :1].contiguous()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.bincount(index).cumsum(0)])
     got = launch("triton", src.unsqueeze(0), None, offsets, None, reduce=MEAN, alpha=1.0,
                  include_base=False)
     assert_same_bits(got, expected.unsqueeze(0))

@@ -702,8 +702,9 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
         assert all(d.startswith("div.rn.") for d in counts["divisions"]), (name, counts)
     assert found["bf16 mean kahan"]["divisions"] == ["div.rn.f32"]
     assert found["fp64 mean wide"]["divisions"] == ["div.rn.f64"]
-    assert found["fp64 mean exact"]["divisions"] == []  # the exact mean divides integers
-    # ... but a certified sum of narrow data over a small count by one IEEE fp64 division.
+    # The exact mean divides a certified sum by one IEEE fp64 division (fp64 data: then its
+    # remainder, exactly, by Dekker's products: still no fma), the others' limbs as integers.
+    assert found["fp64 mean exact"]["divisions"] == ["div.rn.f64"]
     assert found["bf16 mean exact"]["divisions"] == ["div.rn.f64"]
     # The chunk programs' tickets (SPLIT): an acq_rel atomic at GPU scope after a barrier that
     # follows the program's stores of its part, and the folder's loads of the parts from L2.

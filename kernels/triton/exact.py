@@ -15,8 +15,10 @@ IMPLEMENTATION NOTES (this backend; ``common.py`` has those every kernel here sh
   fp32 for bf16 and fp16; by one addition of the pair for fp64). A certified column's mean
   of fp32, bf16 or fp16 data over fewer than ``2**(53 - p)`` terms (p the dtype's precision)
   is the fp64 quotient of that sum, rounded once more to the dtype, as the Numba kernel's
-  ``rounded_quotient`` proves it may be. The other columns, and the other means (whose
-  fast-path sum is put in the limbs, to be divided there) go through the
+  ``rounded_quotient`` proves it may be; a certified column's mean of fp64 data is the
+  Numba kernel's ``pair_quotient``, step for step (``_pair_quotient``: exact products by
+  Dekker's method where the Numba kernel fuses a multiply-add). The other columns, and the
+  other means (whose fast-path sum is put in the limbs, to be divided there) go through the
   integer state of ``detsum.kernels`` (EXACT STATE), only in blocks that have such columns:
   a [columns, limbs] int64 tensor to which each term adds its digits, carried, divided by
   the count (into one more digit, below the unit, so that a mean whose quantum is one unit,
@@ -381,6 +383,84 @@ def _wide_sum(hi, lo):
     return tl.where(lo == 0, hi, hi + lo)
 
 
+# _pair_quotient's range: quotients from here up (clear of the subnormals, as the Numba
+# kernel's), sums below _PAIR_SUM_MAX (Veltkamp's split of the quotient, times 2**27 + 1,
+# stays finite).
+_PAIR_QUOTIENT_MIN = tl.constexpr(2.0**-960)
+_PAIR_SUM_MAX = tl.constexpr(2.0**994)
+
+
+@triton.jit
+def _product_error(a, b, product):
+    """``a * b - product`` exactly, for ``product = RN(a * b)``: Dekker's product of
+    Veltkamp's halves (26 and 27 bits, each partial product exact), with no fused
+    multiply-add (the launch allows none), for products far from overflow and from the
+    subnormals."""
+    ca = 134217729.0 * a  # 2**27 + 1
+    a_hi = ca - (ca - a)
+    a_lo = a - a_hi
+    cb = 134217729.0 * b
+    b_hi = cb - (cb - b)
+    b_lo = b - b_hi
+    return ((a_hi * b_hi - product) + a_hi * b_lo + a_lo * b_hi) + a_lo * b_lo
+
+
+@triton.jit
+def _sign_of(whole, fraction):
+    """The sign (-1, 0 or 1) of ``whole + fraction``, an integer and a value in [0, 1)."""
+    return tl.where((whole > 0) | ((whole == 0) & (fraction > 0)), 1, tl.where(whole == 0, 0, -1))
+
+
+@triton.jit
+def _pair_quotient(hi, lo, count):
+    """(RN_fp64((hi + lo) / count), decided) per column, for a certified TwoSum pair (an
+    exact sum at most 2**1022 in magnitude) and a count in [1, 2**30): the Numba kernel's
+    ``pair_quotient`` (its docstring proves it), step for step, with its two fused
+    multiply-adds made exact products by ``_product_error``. Not decided: a quotient below
+    _PAIR_QUOTIENT_MIN, a sum from _PAIR_SUM_MAX up, or a quotient an ulp or more from q; the
+    limbs decide those."""
+    n = count.to(tl.float64)
+    two_sum = lo != 0
+    h = tl.where(two_sum, hi + lo, hi)
+    back = h - hi
+    l = tl.where(two_sum, (hi - (h - back)) + (lo - back), 0.0)
+    negative = h < 0
+    h = tl.abs(h)
+    l = tl.where(negative, -l, l)
+    q = h / n
+    # h - q n exactly (the remainder of a rounded division is a double): (h - RN(q n)) is
+    # exact (Sterbenz), and so is what is left of it.
+    product = q * n
+    q = q + (((h - product) - _product_error(q, n, product)) + l) / n
+    decided = (q >= _PAIR_QUOTIENT_MIN) & (h < _PAIR_SUM_MAX)
+    bits = q.to(tl.int64, bitcast=True)
+    up = (bits + 1).to(tl.float64, bitcast=True) - q
+    down = q - (bits - 1).to(tl.float64, bitcast=True)
+    quantum = 0.25 * up
+    decided &= (l == 0) | (tl.abs(l) >= quantum * 2.0**-900)  # l / quantum keeps its bits
+    product = q * n
+    error = _product_error(q, n, product)
+    scaled_l = l / quantum
+    whole_l = scaled_l.to(tl.int64)
+    whole_l = tl.where(whole_l.to(tl.float64) > scaled_l, whole_l - 1, whole_l)  # the floor
+    fraction = scaled_l - whole_l.to(tl.float64)
+    d = ((h - product) / quantum).to(tl.int64) - (error / quantum).to(tl.int64) + whole_l
+    half_up = 2 * count
+    half_down = tl.where(down == up, 2 * count, count)
+    above = _sign_of(d - half_up, fraction)  # t against the midpoint above q
+    below = _sign_of(d + half_down, fraction)  # and against the one below
+    odd = (bits & 1) != 0
+    step = tl.where(above > 0, 1, tl.where(above == 0, odd.to(tl.int64),
+                    tl.where(below < 0, -1, tl.where(below == 0, -odd.to(tl.int64), 0))))
+    decided &= ~((above > 0) & (_sign_of(d - 2 * half_up, fraction) >= 0))
+    decided &= ~((above < 0) & (below < 0) & (_sign_of(d + 2 * half_down, fraction) <= 0))
+    value = (bits + step).to(tl.float64, bitcast=True)
+    value = tl.where(negative, -value, value)
+    # A zero sum: the pair's own zero, with its sign, over the count.
+    value = tl.where(h == 0, tl.where(two_sum, hi + lo, hi) / n, value)
+    return value, decided | (h == 0)
+
+
 @triton.jit
 def _deposit_wide_sum(limbs, lanes, hi, lo, take, nan, pinf, ninf, not_neg_zero):
     """Add a certified (hi, lo), an exact sum of fp64 terms, to the limbs of the columns in
@@ -480,7 +560,11 @@ def _exact_segment(
                         tl.store(out_at, _wide_sum(hi, lo), mask=mask & certified)
                 if REDUCE == _MEAN:
                     seeded = mask & certified  # divided in the limbs, below
-                    if ACC == tl.float32:
+                    if ACC == tl.float64:
+                        value, decided = _pair_quotient(hi, lo, count)
+                        tl.store(out_at, value, mask=mask & certified & decided)
+                        seeded = mask & certified & (decided == 0)
+                    else:
                         if count < (1 << (53 - PRECISION)):
                             # RN_fp64(total / count) rounds to the dtype as the exact quotient
                             # does, for a count this small (the Numba kernel's

@@ -76,7 +76,8 @@ def _first_key_at_least(keys_ptr, s, positions, nseg):
     two loads where the segments are even (an MoE backward's tokens, k terms each), about
     ``2 log2`` of the guess's distance otherwise, where the binary search of ``_segment_start``
     takes ``log2(positions)`` dependent loads whatever the keys."""
-    hi = tl.minimum(s * positions // nseg, positions)
+    # (In fp64: s * positions could pass int64's range; any guess gives the same answer.)
+    hi = tl.minimum((s.to(tl.float64) * positions / nseg).to(tl.int64), positions)
     lo = hi - 1
     # Bracket the answer in (lo, hi]: keys[lo] < s (or lo == -1, before the keys) and
     # keys[hi] >= s (or hi == positions, past them).

@@ -55,11 +55,10 @@ IMPLEMENTATION NOTES (this backend):
 
 - Checks (CHECK), of bounds that the caller has not checked: under CHECK_ENDS (a sort's
   values) the first program writes whether the first and last key lie in range (unsorted
-  keys: every key); under
-  CHECK_EVERY (offsets: from 0 to M without decreasing; a promised-sorted index:
-  nondecreasing, in range) the first ``checkers`` programs each check blocks of
-  ``_CHECK_BLOCK`` bounds and take a ticket that carries what they found, and the last to
-  take one writes the verdict (``_check_every_bound``). The verdict is a flag at the end of
+  keys: whether every key does); under CHECK_EVERY (offsets: from 0 to M without
+  decreasing; a promised-sorted index: nondecreasing, in range) the first ``checkers``
+  programs each check blocks of ``_CHECK_BLOCK`` bounds and take a ticket that carries what
+  they found, and the last to take one writes the verdict (``_check_every_bound``). The verdict is a flag at the end of
   the launch's workspace, which no op initialises: one program writes it, in every checked
   launch. The launcher asserts it on the device (check="device": one op, no read) or reads
   it back once (check="host"); only then, on the failure's path, are the values looked at
@@ -124,8 +123,8 @@ from .chunks import (
     _SORT_VALUES,
     _UNSORTED_KEYS,
     _chunk_owned,
-    _first_key_at_least,
     _chunk_slot,
+    _first_key_at_least,
     _last_chunk_done,
     _segment_start,
     ticket_counters,

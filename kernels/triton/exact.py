@@ -427,16 +427,20 @@ def _pair_quotient(hi, lo, count):
     negative = h < 0
     h = tl.abs(h)
     l = tl.where(negative, -l, l)
+    # Sums too large to split are left undecided; a stand-in keeps their steps finite.
+    too_large = h >= _PAIR_SUM_MAX
+    h = tl.where(too_large, 1.0, h)
     q = h / n
     # h - q n exactly (the remainder of a rounded division is a double): (h - RN(q n)) is
     # exact (Sterbenz), and so is what is left of it.
     product = q * n
     q = q + (((h - product) - _product_error(q, n, product)) + l) / n
-    decided = (q >= _PAIR_QUOTIENT_MIN) & (h < _PAIR_SUM_MAX)
+    decided = (q >= _PAIR_QUOTIENT_MIN) & (too_large == 0)
     bits = q.to(tl.int64, bitcast=True)
     up = (bits + 1).to(tl.float64, bitcast=True) - q
     down = q - (bits - 1).to(tl.float64, bitcast=True)
-    quantum = 0.25 * up
+    # (A quotient too small to decide has a quantum that may underflow to 0: any other then.)
+    quantum = tl.where(decided, 0.25 * up, 1.0)
     decided &= (l == 0) | (tl.abs(l) >= quantum * 2.0**-900)  # l / quantum keeps its bits
     product = q * n
     error = _product_error(q, n, product)

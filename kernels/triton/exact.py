@@ -293,6 +293,18 @@ def _f32_to_odd(s):
 
 
 @triton.jit
+def _store_rounded(out_at, s, take, DATA: tl.constexpr, out_ty):
+    """Store RN_dtype(s) in the columns in ``take``, for an fp64 ``s`` that is exact (a
+    certified sum) or a quotient whose rounding is the exact one's: to fp32 directly, to bf16
+    and fp16 through round-to-odd fp32 (one rounding in effect)."""
+    if DATA == _NATIVE:
+        rounded = s.to(tl.float32)
+    else:
+        rounded = _f32_to_odd(s)
+    tl.store(out_at, _to_data(rounded, DATA, out_ty), mask=take)
+
+
+@triton.jit
 def _exact_term(row_base, order_ptr, p, ss1, ss2, cols, mask, alpha, DATA: tl.constexpr,
                 ACC: tl.constexpr, HAS_ORDER: tl.constexpr, SCALED: tl.constexpr):
     """The term at position ``p``: RN_acc(A(x) * A(alpha)), or A(x) without a scale."""
@@ -550,12 +562,8 @@ def _exact_segment(
                         row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1, count, alpha,
                         DATA, HAS_ORDER, USE_BASE, SCALED, HEADROOM)
                     if REDUCE == _SUM:
-                        if DATA == _NATIVE:
-                            rounded = total.to(tl.float32)
-                        else:
-                            rounded = _f32_to_odd(total)
-                        tl.store(out_at, _to_data(rounded, DATA, out_ptr.dtype.element_ty),
-                                 mask=mask & certified)
+                        _store_rounded(out_at, total, mask & certified, DATA,
+                                       out_ptr.dtype.element_ty)
                 else:
                     hi, lo, certified = _exact_fast_pass_wide(
                         row_base, ss1, ss2, cols, mask, base_at, order_ptr, p0, p1, count, alpha,
@@ -573,13 +581,8 @@ def _exact_segment(
                             # RN_fp64(total / count) rounds to the dtype as the exact quotient
                             # does, for a count this small (the Numba kernel's
                             # rounded_quotient says why); fp64's / is IEEE division.
-                            q = total / count.to(tl.float64)
-                            if DATA == _NATIVE:
-                                rounded = q.to(tl.float32)
-                            else:
-                                rounded = _f32_to_odd(q)
-                            tl.store(out_at, _to_data(rounded, DATA, out_ptr.dtype.element_ty),
-                                     mask=mask & certified)
+                            _store_rounded(out_at, total / count.to(tl.float64),
+                                           mask & certified, DATA, out_ptr.dtype.element_ty)
                             seeded = cols < 0
                 need = mask & (certified == 0)
                 any_need = tl.max(need.to(tl.int32), axis=0) > 0

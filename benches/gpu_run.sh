@@ -14,6 +14,13 @@
 # (-n: pytest-xdist, on the GPU machine; "cuda or triton" keeps the cuda-marked tests and
 # every test that names the triton backend, in 3 minutes on an H200).
 #
+# The GPU machine has no package registry and no expecttest, which torch's OpInfo database (the
+# switch stage's samples) imports: carry its wheel, and any other missing package's, in .whl/
+# (kept out of git), made on a machine with a registry by
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp --platform manylinux2014_x86_64 -d .whl expecttest==0.3.0
+# and this script installs them into /tmp/site first.
+#
 # Each stage fits in one 10-minute device command; run them one by one when a session's device
 # time is short. Everything is written to $OUT (default benches/results/gpu-<date>/): the
 # environment (GPU name, torch, triton and CUDA versions, date), the test log and JUnit XML,
@@ -28,6 +35,11 @@ STAGES=${*:-tests benches report distributed}
 TEST_ARGS=${TEST_ARGS:-}
 BENCH_ARGS=${BENCH_ARGS:--k cuda}
 
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . || exit 1
 python3 - <<'PY' | tee "$OUT/gpu_env.txt"
 import datetime, numba, torch, triton

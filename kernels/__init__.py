@@ -154,9 +154,10 @@ class SortedKeys:
     """Segment bounds given by a sorted index instead of offsets (``offsets=`` of a launch on
     a backend that takes them: the Triton one): segment ``s`` starts at
     ``torch.searchsorted(keys, s)`` (the first key ``>= s``) and ends where ``s + 1`` starts,
-    for ``s`` in ``[0, num_segments)``. The launch finds those bounds itself, so the caller
-    runs no ``searchsorted``; keys that are not sorted give the segments those searches give.
-    A key outside ``[0, num_segments)`` is in no segment."""
+    for ``s`` in ``[0, num_segments)``. The launch finds those bounds itself (a promised-sorted
+    index by searches in its kernel, a sort's values by a search kernel before it), so the
+    caller runs no ``searchsorted``; keys that are not sorted give the segments those searches
+    give. A key outside ``[0, num_segments)`` is in no segment."""
 
     #: 1-D int32/int64 on the data's device: a stable sort's values, or an index promised sorted.
     keys: torch.Tensor
@@ -166,7 +167,7 @@ class SortedKeys:
     failure: Failure | None = None
     #: What is checked: every key (a promised-sorted index: each in ``[0, num_segments)`` and
     #: none below the one before), or only the two ends (a sort's values, which are sorted:
-    #: the launch may then find the bounds by any search, not only searchsorted's steps).
+    #: the launch may then take the offsets the keys stand for, by any search).
     every_key: bool = False
 
     def check(self) -> None:

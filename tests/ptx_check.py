@@ -185,6 +185,33 @@ def _launched_gather() -> dict:
     return {**_count(ptx), **_term_loop(ptx), **_resources(ptx)}
 
 
+def _launched_moe_backward() -> dict:
+    """The registers of ``_segment_kernel`` as ``index_add_`` launches it for an MoE backward
+    (bf16 rows of 4096, 8 rows into each token, sorted by expert), with a plan and without
+    one (the sort's offsets, chunk programs included), through Triton's launch with the driver
+    stubbed."""
+    import triton_stub
+
+    import detsum
+
+    triton_stub.install(record=False)
+    tokens, topk, width = 512, 8, 4096
+    experts = torch.randint(0, 64, (tokens * topk,), generator=torch.Generator().manual_seed(0))
+    index = experts.argsort(stable=True) // topk
+    source = torch.zeros(tokens * topk, width, dtype=torch.bfloat16)
+    out = torch.zeros(tokens, width, dtype=torch.bfloat16)
+    found = {}
+    with triton_stub.cpu_tensors_as_cuda():
+        plan = detsum.plan(index, tokens)
+        for form, kwargs in (("plan", {"plan": plan}), ("sort", {})):
+            before = set(segment._launch_segment._compiled)
+            detsum.index_add_(out, 0, index, source, check="off", **kwargs)
+            (compiled,) = [entry[-1] for key, entry in segment._launch_segment._compiled.items()
+                           if key not in before]
+            found[form] = _resources(compiled.asm["ptx"])
+    return found
+
+
 def main() -> dict:
     found = {}
     bf16 = _segment_types("i16", "fp32")
@@ -205,16 +232,16 @@ def main() -> dict:
     found["fp32 sum kahan carry"] = _count(_ptx(segment._segment_kernel,
                                                 _segment_types("fp32", "fp32"), config,
                                                 fp_fusion=False))
-    # Bounds from int32 sorted keys, their two ends checked on the device (a launch without a
-    # plan).
+    # Bounds from int32 sorted keys, every key checked on the device (a sorted=True index).
     config = dict(_segment_config(kernels.SUM, kernels.KAHAN, 0, tl.float32, False, 512),
-                  BOUNDS=segment._KEYS.value, CHECK=segment._CHECK_ENDS.value)
+                  BOUNDS=segment._KEYS.value, CHECK=segment._CHECK_EVERY.value)
     found["fp32 sum kahan keyed"] = _count(_ptx(
         segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
         config, fp_fusion=False))
-    # The same from a sort's values (int64), searched from a guess.
-    config = dict(config, BOUNDS=segment._SORT_VALUES.value)
-    found["fp32 sum kahan sort values"] = _count(_ptx(
+    # A sort's values as offsets, their two ends checked on the device (a launch without a
+    # plan).
+    config = dict(config, BOUNDS=segment._OFFSETS.value, CHECK=segment._CHECK_ENDS.value)
+    found["fp32 sum kahan sort's offsets"] = _count(_ptx(
         segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
     # An unsorted index of at most CHUNK_TERMS values, scanned by every program (no order, no
     # chunks), every key checked by the first program: int64 and int32 keys.
@@ -280,6 +307,7 @@ def main() -> dict:
              num_experts="i64", topk="i64", steps="i64"),
         dict(TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
     found["bf16 sum wide h4096 launched"] = _launched_gather()
+    found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
     # The control: Triton's default (fusion allowed) does contract the scaled sum, so a count
     # of 0 above is the launch option's doing, not an accident of the code.
     config = _segment_config(kernels.SUM, kernels.WIDE, 1, tl.float32, True, 1024)

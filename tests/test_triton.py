@@ -13,6 +13,7 @@ arithmetic, which the reference computes with ``device_type="cuda"``.
 from __future__ import annotations
 
 import os
+import unittest.mock
 
 import pytest
 import torch
@@ -30,17 +31,8 @@ try:
 except ImportError:
     HAS_TRITON = False
 if HAS_TRITON:
-    import triton.language as tl
-
-    from detsum.kernels.triton.chunks import _first_key_at_least
     from detsum.kernels.triton.segment import _TERM_STAGES
     TERM_STAGES = _TERM_STAGES.value
-
-    @triton.jit
-    def _starts_kernel(keys_ptr, out_ptr, positions, nseg):
-        """Segment ``program_id``'s start in sorted keys, as the launch finds it."""
-        s = tl.program_id(0).to(tl.int64)
-        tl.store(out_ptr + s, _first_key_at_least(keys_ptr, s, positions, nseg))
 else:
     TERM_STAGES = 5
 
@@ -458,12 +450,14 @@ def test_unsorted_keys_give_the_bits_of_the_sorted_keys(reduce_rule, dtype, n_te
     assert_same_bits(*outs)
 
 
-def test_a_sorts_values_are_searched_from_a_guess_with_searchsorteds_answers():
-    """``chunks._first_key_at_least`` (the segments' bounds in a sort's values, searched from
-    where even segments would start) against ``torch.searchsorted``, for every ``s`` in
-    ``[0, nseg + 1]``: even segments (the guess exact), random ones, one hot segment among
-    empty ones (the guess far off, both ways), every key below or above the segments, and
-    one key."""
+def test_sort_offsets_are_searchsorteds_answers():
+    """``chunks.sort_offsets`` (a sort's values to the launch's offsets, one kernel) against
+    ``torch.searchsorted`` for every ``s`` in ``[0, nseg]``: even segments, random ones, one
+    hot segment among empty ones, every key below or above the segments, one key, and more
+    segments than one program searches; int64 and int32 keys. The output is NaN-poisoned
+    first (as int64: -1), so an offset no program writes fails."""
+    from detsum.kernels.triton import chunks
+
     g = torch.Generator().manual_seed(11)
     cases = {
         "even": (torch.arange(64).repeat_interleave(8), 64),
@@ -473,20 +467,60 @@ def test_a_sorts_values_are_searched_from_a_guess_with_searchsorteds_answers():
         "all below": (torch.full((20,), -1), 6),
         "all above": (torch.full((20,), 9), 6),
         "one key": (torch.tensor([2]), 5),
+        "past one program": (torch.randint(0, 2500, (777,), generator=g).sort().values, 2500),
     }
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(-1)
+
     for name, (keys, nseg) in cases.items():
         for dtype in (torch.int64, torch.int32):
-            on = on_device(keys.to(dtype))
-            out = on_device(torch.full((nseg + 2,), -7, dtype=torch.int64))
-            _starts_kernel[(nseg + 2,)](on, out, keys.numel(), nseg)
-            expected = torch.searchsorted(keys, torch.arange(nseg + 2))
-            assert torch.equal(out.cpu(), expected), (name, dtype)
+            with unittest.mock.patch.object(chunks.torch, "empty", poisoned):
+                got = chunks.sort_offsets(on_device(keys.to(dtype)), nseg)
+            expected = torch.searchsorted(keys, torch.arange(nseg + 1))
+            assert torch.equal(got.cpu(), expected), (name, dtype)
+
+
+@pytest.mark.parametrize("check", ["host", "device", "off"])
+@pytest.mark.parametrize("bad_key", [-1, 7], ids=["below", "past"])
+def test_sorted_index_past_a_chunk_checked_by_its_offsets_ends(check, bad_key, monkeypatch):
+    """More than CHUNK_TERMS positions: the index is sorted and its values reach the launch as
+    the offsets that ``chunks.sort_offsets`` finds for them, whose two ends the launch
+    checks (0 and every position exactly when the keys lie in range). A key below 0 or at
+    ``size`` and past: the caller's error at "host", the launch's assert at "device", at
+    "off" the position in no segment; valid keys at every level: the Numba backend's bits,
+    with a segment long enough for chunks."""
+    from detsum import _segments
+
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    n, size = CHUNK + 45, 7
+    input, source = make_data((size, 3), torch.float32, seed=2), make_data(
+        (n, 3), torch.float32, seed=3)
+    good = torch.randint(0, size, (n,), generator=torch.Generator().manual_seed(4))
+    good[: CHUNK + 9] = 5  # one segment of two chunks
+    bad = good.clone()
+    bad[n // 2] = bad_key
+    with detsum.backend("numba"):
+        expected = detsum.index_add(input, 0, good, source)
+    with detsum.backend("triton"):
+        assert_same_bits(detsum.index_add(input, 0, good, source, check=check), expected)
+        if check == "off":
+            kept = bad.clamp(0, size - 1)
+            out = detsum.index_add(input, 0, bad, source, check=check)
+            assert_same_bits(out, detsum.index_add(input, 0, kept, source * (kept == bad)
+                                                   .view(-1, 1), check=check))
+            return
+        error = IndexError if check == "host" else RuntimeError
+        with pytest.raises(error, match=rf"index\[{n // 2}\] = {bad_key} is out of range"
+                           if check == "host" else "index has a value outside"):
+            detsum.index_add(input, 0, bad, source, check=check)
 
 
 def test_unsorted_keys_are_scanned_up_to_a_chunk_and_sorted_past_it():
     """At most CHUNK_TERMS positions, one launch and no sort (``index_add``, ``index_add_``
-    and ``scatter_reduce``); one more, the sort; the bits the Numba backend gives either
-    way."""
+    and ``scatter_reduce``); one more, the sort and the launch that finds its offsets; the
+    bits the Numba backend gives either way."""
     from launch_counter import count, gpu_path
 
     for rows, sorts in ((CHUNK, 0), (CHUNK + 1, 1)):
@@ -502,7 +536,8 @@ def test_unsorted_keys_are_scanned_up_to_a_chunk_and_sorted_past_it():
             with gpu_path():
                 counted = count(call)
             assert counted.summary()["sorts"] == sorts, (rows, name)
-            assert [name for name, _ in counted.launches] == ["_segment_kernel"], (rows, name)
+            launched = ["_sort_offsets_kernel"] * sorts + ["_segment_kernel"]
+            assert [name for name, _ in counted.launches] == launched, (rows, name)
             with detsum.backend("numba"):
                 assert_same_bits(counted.result, call())
 
@@ -696,6 +731,7 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     control = found.pop("control: bf16 sum wide alpha, fusion allowed")
+    moe = found.pop("moe backward bf16 h4096 launched")  # its registers (below)
     assert control["fma"] > 0
     for name, counts in found.items():
         assert counts["fma"] == 0, name
@@ -734,6 +770,14 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     assert gather["rows_in_flight"] >= 4, gather
     if "spill_stores" in gather:  # Triton shipped a ptxas for sm_90
         assert gather["spill_stores"] == gather["spill_loads"] == 0, gather
+    # The MoE backward's launch: with a plan 32 registers a thread (every warp slot of an
+    # SM filled); without one, the sort's offsets and the chunk programs, at most 40 (three
+    # quarters of them; 64 and half when each program searched the sort's values itself).
+    if moe["plan"]:  # Triton shipped a ptxas for sm_90
+        assert moe["plan"]["registers"] <= 32, moe
+        assert moe["sort"]["registers"] <= 40, moe
+        for form in moe.values():
+            assert form["spill_stores"] == form["spill_loads"] == 0, moe
 
 
 def test_ptx_check_sees_an_atomic_without_a_barrier_before_it():

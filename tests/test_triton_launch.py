@@ -148,10 +148,13 @@ def test_key_is_at_least_as_fine_as_triton(launch_check):
     the same detsum key have different Triton keys. Where detsum's key is finer, it is only
     a constexpr's type (Triton memoises its key on a tuple, in which True == 1 == 1.0)."""
     keys = launch_check["keys"]
-    assert keys["kernels"] == ["_exact_kernel", "_segment_kernel", "_stride1_kernel"]
+    assert keys["kernels"] == ["_exact_kernel", "_segment_kernel", "_sort_offsets_kernel",
+                               "_stride1_kernel"]
     for name in keys["kernels"]:
         found = keys[name]
-        assert found["launches"] > 100, name
+        # Each argument and constexpr varied: 56 launches for the offsets' search (5
+        # arguments, BLOCK), over 100 for the others.
+        assert found["launches"] > (50 if name == "_sort_offsets_kernel" else 100), name
         assert found["unsafe"] == [], (name, found["unsafe"])
         for group in found["split"]:
             assert all(label.endswith((" as int", " as float")) for label in group), group
@@ -166,7 +169,7 @@ def test_direct_launch_runs_what_jitfunction_run_runs(launch_check):
     assert launch_check["direct_launch"]
     replays = launch_check["replays"]
     assert {r["kernel"] for r in replays} == {"_segment_kernel", "_stride1_kernel",
-                                              "_exact_kernel"}
+                                              "_exact_kernel", "_sort_offsets_kernel"}
     first = [r for r in replays if r["replay"] == 1]
     assert sum(r["jitfunction_runs"] for r in first) >= 8  # distinct keys, each once
     for replay in replays:

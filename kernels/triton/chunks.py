@@ -26,19 +26,20 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-__all__ = ["ticket_counters"]
+from .launch import Kernel
+
+__all__ = ["sort_offsets", "ticket_counters"]
 
 # What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
 # read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys
-# (``kernels.SortedKeys``: a promised-sorted index, searched by torch.searchsorted's steps,
-# or SORT_VALUES, a sort's values, sorted for certain, which any search may take); the keys as
-# they are, at most CHUNK_TERMS of them (``kernels.UnsortedKeys``: segment.py's programs each
-# scan them all; no chunks).
+# (``kernels.SortedKeys``: a promised-sorted index, searched by torch.searchsorted's steps; a
+# sort's values reach the launch as offsets, segment.py); the keys as they are, at most
+# CHUNK_TERMS of them (``kernels.UnsortedKeys``: segment.py's programs each scan them all; no
+# chunks).
 _OFFSETS = tl.constexpr(0)
 _ANY_OFFSETS = tl.constexpr(1)
 _KEYS = tl.constexpr(2)
 _UNSORTED_KEYS = tl.constexpr(3)
-_SORT_VALUES = tl.constexpr(4)
 
 
 # ---- the segments' bounds, the chunks --------------------------------------------------------
@@ -47,10 +48,10 @@ _SORT_VALUES = tl.constexpr(4)
 def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
     """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
     segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``), or
-    under KEYS (and SORT_VALUES) the first of the ``positions`` sorted keys that is ``>= s``,
+    under KEYS the first of the ``positions`` sorted keys that is ``>= s``,
     found by the steps of ``torch.searchsorted`` (so the same answer, also for keys that are
     not sorted)."""
-    if (BOUNDS == _KEYS) | (BOUNDS == _SORT_VALUES):
+    if BOUNDS == _KEYS:
         lo = tl.zeros([], tl.int64)
         hi = lo + positions
         while lo < hi:
@@ -68,44 +69,11 @@ def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
 
 
 @triton.jit
-def _first_key_at_least(keys_ptr, s, positions, nseg):
-    """The first of the ``positions`` keys, sorted for certain (SORT_VALUES), that is ``>= s``
-    (``positions`` when none is): ``torch.searchsorted``'s answer, found from where segment
-    ``s`` would start if all ``nseg`` segments had as many terms. From that guess the search
-    doubles its steps down, then up, until the answer is bracketed, then halves the bracket:
-    two loads where the segments are even (an MoE backward's tokens, k terms each), about
-    ``2 log2`` of the guess's distance otherwise, where the binary search of ``_segment_start``
-    takes ``log2(positions)`` dependent loads whatever the keys."""
-    # (In fp64: s * positions could pass int64's range; any guess gives the same answer.)
-    hi = tl.minimum((s.to(tl.float64) * positions / nseg).to(tl.int64), positions)
-    lo = hi - 1
-    # Bracket the answer in (lo, hi]: keys[lo] < s (or lo == -1, before the keys) and
-    # keys[hi] >= s (or hi == positions, past them).
-    step = tl.zeros([], tl.int64) + 1
-    while (lo >= 0) & (tl.load(keys_ptr + lo, mask=lo >= 0, other=0) >= s):
-        hi = lo
-        lo = tl.maximum(lo - step, -1)
-        step *= 2
-    step = tl.zeros([], tl.int64) + 1
-    while (hi < positions) & (tl.load(keys_ptr + hi, mask=hi < positions, other=0) < s):
-        lo = hi
-        hi = tl.minimum(hi + step, positions)
-        step *= 2
-    while hi - lo > 1:
-        mid = lo + (hi - lo) // 2
-        if tl.load(keys_ptr + mid) >= s:
-            hi = mid
-        else:
-            lo = mid
-    return hi
-
-
-@triton.jit
 def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
     """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
     when no segment does."""
     found = tl.zeros([], tl.int64) - 2  # -2: not known yet
-    if (BOUNDS == _KEYS) | (BOUNDS == _SORT_VALUES):
+    if BOUNDS == _KEYS:
         # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
         # are not sorted may fail the check, and take the search below).
         guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)
@@ -190,6 +158,47 @@ def _last_chunk_done(counters_ptr, p0, n, CHUNK: tl.constexpr):
     if last:
         tl.store(ticket_at, 0)
     return last
+
+
+# ---- a sort's offsets ---------------------------------------------------------------------------
+
+# Segments whose offsets one program searches for at once.
+_OFFSETS_BLOCK = 1024
+
+
+@triton.jit
+def _sort_offsets_kernel(keys_ptr, offsets_ptr, positions, nseg, steps, BLOCK: tl.constexpr):
+    """``offsets[s]`` for this program's BLOCK of ``s`` in ``[0, nseg]``: the first of the
+    ``positions`` sorted keys that is ``>= s`` (``positions`` when none is), by ``steps``
+    halvings of ``[0, positions]``, all of them at once. Keys in ``[0, nseg)`` give 0 first
+    and ``positions`` last."""
+    s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    lo = tl.zeros([BLOCK], tl.int64)
+    hi = lo + positions
+    for _ in range(steps):
+        searching = lo < hi
+        mid = lo + (hi - lo) // 2
+        at_or_past = tl.load(keys_ptr + mid, mask=searching, other=0).to(tl.int64) >= s
+        hi = tl.where(searching & at_or_past, mid, hi)
+        lo = tl.where(searching & ~at_or_past, mid + 1, lo)
+    tl.store(offsets_ptr + s, lo, mask=s <= nseg)
+
+
+_launch_sort_offsets = Kernel(_sort_offsets_kernel)
+
+
+def sort_offsets(keys: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """The ``num_segments + 1`` int64 offsets that sorted 1-D ``keys`` stand for,
+    ``torch.searchsorted(keys, torch.arange(num_segments + 1))``, in one launch (no
+    ``arange``): from 0 to ``keys.numel()``, never decreasing."""
+    positions = keys.shape[0]
+    offsets = torch.empty(num_segments + 1, dtype=torch.int64, device=keys.device)
+    # Each halving at least halves [lo, hi): positions.bit_length() of them empty it.
+    _launch_sort_offsets(
+        (triton.cdiv(num_segments + 1, _OFFSETS_BLOCK),),
+        (keys.contiguous(), offsets, positions, num_segments, positions.bit_length()),
+        {"BLOCK": _OFFSETS_BLOCK}, num_warps=4)
+    return offsets
 
 
 # ---- tickets -----------------------------------------------------------------------------------

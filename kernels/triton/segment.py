@@ -120,13 +120,12 @@ from .chunks import (
     _ANY_OFFSETS,
     _KEYS,
     _OFFSETS,
-    _SORT_VALUES,
     _UNSORTED_KEYS,
     _chunk_owned,
     _chunk_slot,
-    _first_key_at_least,
     _last_chunk_done,
     _segment_start,
+    sort_offsets,
     ticket_counters,
 )
 from .exact import segment_reduce_exact
@@ -135,8 +134,9 @@ from .stride1 import segment_reduce_stride1
 
 __all__ = ["interpreted", "segment_reduce", "ticket_counters"]
 
-# What a launch checks of its bounds (CHECK), writing its flag: nothing, the sorted keys' two
-# ends (one program), every bound (spread over programs, _check_every_bound).
+# What a launch checks of its bounds (CHECK), writing its flag: nothing, the keys' range (one
+# program: scanned keys, a sort's offsets), every bound (spread over programs,
+# _check_every_bound).
 _CHECK_NOTHING = tl.constexpr(0)
 _CHECK_ENDS = tl.constexpr(1)
 _CHECK_EVERY = tl.constexpr(2)
@@ -376,7 +376,8 @@ def _segment_kernel(
     program ``slot - nseg`` of ``n_parts`` (``_chunk_owned``), the last of a segment's to
     finish folding them (a ticket in ``counters_ptr[1 + ...]``). The segments' bounds are at
     ``bounds_ptr``, as BOUNDS says (``_segment_start``). CHECK_ENDS: the first program writes
-    to ``flag_ptr`` whether the sorted keys' two ends lie in ``[0, nseg)``; CHECK_EVERY: the
+    to ``flag_ptr`` whether the keys lie in ``[0, nseg)`` (the scanned keys all; a sort's
+    offsets, whether they run from 0 to ``positions``); CHECK_EVERY: the
     first ``checkers`` programs check every bound (``_check_every_bound``)."""
     slot = tl.program_id(0).to(tl.int64)
     first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
@@ -386,8 +387,10 @@ def _segment_kernel(
                 keys = _scanned_keys(bounds_ptr, positions, 0, CHUNK)
                 in_range = (tl.min(keys, 0) >= 0) & (tl.max(keys, 0) < nseg)
             else:
-                in_range = ((tl.load(bounds_ptr) >= 0)
-                            & (tl.load(bounds_ptr + positions - 1) < nseg))
+                # A sort's offsets (OFFSETS): no key below 0 and none at or past nseg exactly
+                # when they run from 0 to every position.
+                in_range = ((tl.load(bounds_ptr) == 0)
+                            & (tl.load(bounds_ptr + nseg) == positions))
             tl.store(flag_ptr, in_range.to(flag_ptr.dtype.element_ty))
     elif CHECK == _CHECK_EVERY:
         if (slot < checkers) & first_of_slot:
@@ -405,10 +408,6 @@ def _segment_kernel(
             n = tl.sum(hits.to(tl.int64), 0)
             p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
             p1 = tl.zeros([], tl.int64) + positions
-        elif BOUNDS == _SORT_VALUES:
-            p0 = _first_key_at_least(bounds_ptr, slot, positions, nseg)
-            p1 = _first_key_at_least(bounds_ptr, slot + 1, positions, nseg)
-            n = p1 - p0
         else:
             p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
             p1 = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
@@ -485,13 +484,21 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         return
     outer, num_rows, inner = src.shape
     failure, check = None, _CHECK_NOTHING.value
-    if isinstance(offsets, SortedKeys):
-        # A promised-sorted index, searched as torch.searchsorted does; a sort's values,
-        # from a guess (chunks._first_key_at_least).
-        bounds_kind = (_KEYS if offsets.every_key else _SORT_VALUES).value
-        bounds, nseg = offsets.keys.contiguous(), offsets.num_segments
-        failure = offsets.failure
-        check = (_CHECK_EVERY if offsets.every_key else _CHECK_ENDS).value
+    if isinstance(offsets, SortedKeys) and offsets.every_key:
+        # A promised-sorted index, searched as torch.searchsorted does (its answers on keys
+        # that break the promise are the contract's), every key checked.
+        bounds_kind, bounds = _KEYS.value, offsets.keys.contiguous()
+        nseg, failure, check = offsets.num_segments, offsets.failure, _CHECK_EVERY.value
+    elif isinstance(offsets, SortedKeys):
+        # A sort's values: their offsets by one small launch (sort_offsets), so that each
+        # program loads its two bounds as from a plan. Searched for by the programs
+        # themselves, they cost each program dependent loads and the kernel registers: 64 a
+        # thread in the MoE backward's launch, where the plan's takes 32 and this one 40 (on
+        # the H200, 64 held half the warp slots and 64% of DRAM's bandwidth; the plan's
+        # kernel reached 91%). The offsets' two ends are the keys' check (CHECK_ENDS).
+        bounds_kind, nseg, failure = _OFFSETS.value, offsets.num_segments, offsets.failure
+        bounds = sort_offsets(offsets.keys, nseg)
+        check = _CHECK_ENDS.value
     elif isinstance(offsets, UnsortedKeys):
         # Checked by the first program, every key (CHECK_ENDS's flag, of all of them here).
         bounds_kind, bounds = _UNSORTED_KEYS.value, offsets.keys.contiguous()

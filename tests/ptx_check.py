@@ -188,22 +188,24 @@ def _launched_gather() -> dict:
 def _launched_moe_backward() -> dict:
     """The registers of ``_segment_kernel`` as ``index_add_`` launches it for an MoE backward
     (bf16 rows of 4096, 8 rows into each token, sorted by expert), with a plan and without
-    one (the sort's offsets, chunk programs included), through Triton's launch with the driver
-    stubbed."""
+    one (the sort's offsets, chunk programs included), and for fp32 rows of 256 without one,
+    through Triton's launch with the driver stubbed."""
     import triton_stub
 
     import detsum
 
     triton_stub.install(record=False)
-    tokens, topk, width = 512, 8, 4096
+    tokens, topk = 512, 8
     experts = torch.randint(0, 64, (tokens * topk,), generator=torch.Generator().manual_seed(0))
     index = experts.argsort(stable=True) // topk
-    source = torch.zeros(tokens * topk, width, dtype=torch.bfloat16)
-    out = torch.zeros(tokens, width, dtype=torch.bfloat16)
     found = {}
     with triton_stub.cpu_tensors_as_cuda():
         plan = detsum.plan(index, tokens)
-        for form, kwargs in (("plan", {"plan": plan}), ("sort", {})):
+        for form, kwargs, dtype, width in (("plan", {"plan": plan}, torch.bfloat16, 4096),
+                                           ("sort", {}, torch.bfloat16, 4096),
+                                           ("fp32 sort", {}, torch.float32, 256)):
+            source = torch.zeros(tokens * topk, width, dtype=dtype)
+            out = torch.zeros(tokens, width, dtype=dtype)
             before = set(segment._launch_segment._compiled)
             detsum.index_add_(out, 0, index, source, check="off", **kwargs)
             (compiled,) = [entry[-1] for key, entry in segment._launch_segment._compiled.items()

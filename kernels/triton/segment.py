@@ -186,15 +186,16 @@ def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin,
 def _reduce_part(
     src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2,
     carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, alpha, outer, inner,
-    seg, j, p_begin, p_end, n, slot,
+    seg, j, p_begin, p_end, n, slot, is_chunk,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
-    HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, IS_CHUNK: tl.constexpr,
+    HAS_CARRY: tl.constexpr, SCALED: tl.constexpr,
     FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, BLOCK: tl.constexpr,
     SCAN: tl.constexpr,
 ):
     """Reduce positions ``p_begin .. p_end - 1``: chunk ``j`` of segment ``seg`` (``n``
-    terms) into workspace slot ``slot`` (IS_CHUNK), or the whole segment into its row. Under
+    terms) into workspace slot ``slot`` (``is_chunk``: a runtime value, or the constant False
+    where the launch has no chunks), or the whole segment into its row. Under
     SCAN (unsorted keys at ``order_ptr``, no order), the terms are the positions from
     ``p_begin`` (the first term's) whose key is ``seg``."""
     # A later chunk starts from its first term; so does an amax / amin without a base row.
@@ -250,7 +251,7 @@ def _reduce_part(
                 acc, comp = _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr,
                                           p, p_end, alpha, seg, REDUCE, RULE, DATA, ACC,
                                           HAS_ORDER, SCALED, SCAN)
-                if IS_CHUNK:
+                if is_chunk:
                     work_at = work_ptr + ((o * work_rows + slot) * NCOMP) * inner + cols
                     tl.store(work_at, acc, mask=mask)
                     if NCOMP == 2:
@@ -372,13 +373,14 @@ def _segment_kernel(
     FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
     BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Whole segments (slot < nseg) and, under SPLIT, the chunks of the long segments: chunk
-    program ``slot - nseg`` of ``n_parts`` (``_chunk_owned``), the last of a segment's to
-    finish folding them (a ticket in ``counters_ptr[1 + ...]``). The segments' bounds are at
-    ``bounds_ptr``, as BOUNDS says (``_segment_start``). CHECK_ENDS: the first program writes
-    to ``flag_ptr`` whether the keys lie in ``[0, nseg)`` (the scanned keys all; a sort's
-    offsets, whether they run from 0 to ``positions``); CHECK_EVERY: the
-    first ``checkers`` programs check every bound (``_check_every_bound``)."""
+    """Whole segments (slot < nseg) and, under SPLIT, the chunks of the long segments: side
+    ``(slot - nseg) % 2`` of chunk program ``(slot - nseg) // 2`` of ``n_parts``
+    (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
+    ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
+    (``_segment_start``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
+    keys lie in ``[0, nseg)`` (the scanned keys all; a sort's offsets, whether they run from
+    0 to ``positions``); CHECK_EVERY: the first ``checkers`` programs check every bound
+    (``_check_every_bound``)."""
     slot = tl.program_id(0).to(tl.int64)
     first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
     if CHECK == _CHECK_ENDS:
@@ -399,7 +401,21 @@ def _segment_kernel(
     alpha = 1.0
     if SCALED:
         alpha = tl.load(alpha_ptr)
-    if slot < nseg:
+    # One term loop for whole segments and chunks: a second copy of the loop would hold
+    # registers of its own. Without SPLIT, is_chunk is the constant False and the chunks'
+    # code is not compiled. Chunk program e's two sides (_chunk_owned) are two programs,
+    # slots nseg + 2 e + side: its workspace slots.
+    is_chunk = False
+    if SPLIT:
+        is_chunk = slot >= nseg
+    work_slot = slot - nseg
+    work_rows = 2 * n_parts
+    if is_chunk:
+        seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, work_slot // 2,
+                                            work_slot % 2, CHUNK, BOUNDS)
+        p_begin = p0 + j * CHUNK
+        p_end = tl.minimum(p0 + n, p_begin + CHUNK)
+    else:
         if BOUNDS == _UNSORTED_KEYS:
             # Every key at once (at most CHUNK): how many are this segment's, and the first
             # one's position, from which the term loop takes those whose key is the segment.
@@ -407,36 +423,27 @@ def _segment_kernel(
             hits = _scanned_keys(bounds_ptr, positions, -1, CHUNK) == slot
             n = tl.sum(hits.to(tl.int64), 0)
             p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
-            p1 = tl.zeros([], tl.int64) + positions
+            p_end = tl.zeros([], tl.int64) + positions
         else:
             p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
-            p1 = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
+            p_end = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
             if BOUNDS == _ANY_OFFSETS:
-                p1 = tl.maximum(p1, p0)  # offsets that decrease: an empty segment
-            n = p1 - p0
-        whole = n >= 0  # always, unless the chunk programs own this segment
+                p_end = tl.maximum(p_end, p0)  # offsets that decrease: an empty segment
+            n = p_end - p0
+        seg = slot
+        j = tl.zeros([], tl.int64)
+        p_begin = p0
+        owned = n >= 0  # always, unless the chunk programs own this segment
         if SPLIT:
-            whole = n <= CHUNK
-        if whole:
-            _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr,
-                         os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, 0, alpha, outer,
-                         inner, slot, 0, p0, p1, n, 0, REDUCE, RULE, DATA, ACC, HAS_ORDER,
-                         HAS_BASE, USE_BASE, HAS_CARRY, SCALED, False, FIRST_TERM_START,
-                         NCOMP, BLOCK, BOUNDS == _UNSORTED_KEYS)
-    elif SPLIT:
-        e = slot - nseg
-        work_rows = 2 * n_parts
-        for side in range(2):
-            seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK,
-                                                BOUNDS)
-            if owned:
-                p_begin = p0 + j * CHUNK
-                _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2,
-                             out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
-                             work_rows, alpha, outer, inner, seg, j, p_begin,
-                             tl.minimum(p0 + n, p_begin + CHUNK), n, e * 2 + side, REDUCE,
-                             RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
-                             True, FIRST_TERM_START, NCOMP, BLOCK, False)
+            owned = n <= CHUNK
+    if owned:
+        _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0,
+                     os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, alpha, outer,
+                     inner, seg, j, p_begin, p_end, n, work_slot, is_chunk, REDUCE, RULE,
+                     DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
+                     FIRST_TERM_START, NCOMP, BLOCK, BOUNDS == _UNSORTED_KEYS)
+        if SPLIT:  # within `if owned`, Triton 3.9 compiled `if is_chunk` even when False
+            if is_chunk:
                 # Which program folds varies from run to run; the order of the fold never
                 # does.
                 if _last_chunk_done(counters_ptr, p0, n, CHUNK):
@@ -543,11 +550,12 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     split = (rule in SPLIT_RULES and positions > CHUNK_TERMS
              and not (chunks is not None and chunks[1] == 0))
     ncomp = 2 if rule == KAHAN else 1
-    # One chunk program per CHUNK_TERMS positions, two workspace slots each (_chunk_owned).
+    # One chunk program per CHUNK_TERMS positions, its two sides (_chunk_owned) launched as
+    # two programs, a workspace slot each.
     n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
     block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
                                           _MAX_GRID_YZ)
-    # The checkers of every bound: one per _CHECK_BLOCK bounds, at most one per slot.
+    # The checkers of every bound: one per _CHECK_BLOCK bounds, at most one per program.
     checked_bounds = bounds.shape[0]
     checkers = (min(_cdiv(checked_bounds, _CHECK_BLOCK.value), nseg + n_parts)
                 if check == _CHECK_EVERY.value else 1)
@@ -561,7 +569,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     counters = (ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
                 if split or check == _CHECK_EVERY.value else None)
     _launch_segment(
-        (nseg + n_parts, *grid_yz),
+        (nseg + 2 * n_parts, *grid_yz),
         (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
          out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag,
          out if counters is None else counters, checkers, outer, nseg, inner),

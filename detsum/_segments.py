@@ -131,7 +131,7 @@ def one_segment(num_rows: int, device: torch.device) -> torch.Tensor:
 
 def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
                     index_name: str, size_name: str, promised_sorted: bool, backend_name: str,
-                    check: str = "host", as_keys: bool = False, in_place: bool = False
+                    check: str = "host", as_keys: bool = False
                     ) -> tuple[torch.Tensor | None,
                                torch.Tensor | kernels.SortedKeys | kernels.UnsortedKeys]:
     """(order, offsets) of the segments that a 1-D ``index`` defines, after checking its values
@@ -153,15 +153,13 @@ def plan_from_index(caller: str, index: torch.Tensor, num_segments: int, *,
     index at "host" too): no offsets computed here. An unsorted index of at most
     ``kernels.CHUNK_TERMS`` values is not even sorted: it goes to the launch as it is
     (``kernels.UnsortedKeys``, no order), checked there too, at "host" by one read of the
-    launch's verdict, unless the launch writes into the caller's tensor (``in_place``): then
-    before it, by one read of the index's least and largest value. Other backends are given
-    offsets.
+    launch's verdict (a launch that finds a bad key writes nothing, so an in-place call
+    raises with the caller's tensor untouched). Other backends are given offsets.
     """
     if backend_name != "numba" or index.device.type != "cpu":
         if as_keys and scans_index(backend_name, index, promised_sorted):
             return None, _small_unsorted_keys(caller, index, num_segments, index_name=index_name,
-                                              size_name=size_name, check=check,
-                                              in_place=in_place)
+                                              size_name=size_name, check=check)
         return _device_plan(caller, index, num_segments, index_name=index_name,
                             size_name=size_name, promised_sorted=promised_sorted, check=check,
                             as_keys=as_keys and backend_name == "triton")
@@ -240,7 +238,7 @@ def scans_index(backend_name: str, index: torch.Tensor, promised_sorted: bool) -
 
 
 def _small_unsorted_keys(caller: str, index: torch.Tensor, num_segments: int, *,
-                         index_name: str, size_name: str, check: str, in_place: bool
+                         index_name: str, size_name: str, check: str
                          ) -> kernels.UnsortedKeys:
     """``plan_from_index``'s unsorted index of at most CHUNK_TERMS values, with its check."""
     in_range = f"{index_name} has a value outside [0, {size_name} = {num_segments})"
@@ -250,9 +248,6 @@ def _small_unsorted_keys(caller: str, index: torch.Tensor, num_segments: int, *,
         if low < 0 or high >= num_segments:
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
 
-    if check == "host" and in_place:
-        host_check()  # nothing may be written before a bad value raises
-        return kernels.UnsortedKeys(index, num_segments)
     failure = {"off": None, "host": host_check,
                "device": device_check_message(caller, in_range)}[check]
     return kernels.UnsortedKeys(index, num_segments, failure)

@@ -238,7 +238,8 @@ class UnsortedKeys:
     keys: torch.Tensor
     num_segments: int
     #: How the launch's check that every key lies in ``[0, num_segments)`` reports a failure
-    #: (``Failure``); None: no check.
+    #: (``Failure``); None: no check. With a failure to call (check="host"), a scanning launch
+    #: that finds a key out of range writes nothing.
     failure: Failure | None = None
 
     def check(self) -> None:

@@ -247,12 +247,14 @@ def main() -> dict:
         segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
     # An unsorted index of at most CHUNK_TERMS values, scanned by every program (no order, no
     # chunks), every key checked by the first program: int64 and int32 keys.
-    for name, keys in (("bf16 sum wide alpha scanned", "*i64"),
-                       ("bf16 sum kahan alpha scanned int32", "*i32")):
+    for name, keys, check in (
+            ("bf16 sum wide alpha scanned", "*i64", segment._CHECK_ENDS),
+            ("bf16 sum kahan alpha scanned int32, checked before writing", "*i32",
+             segment._CHECK_BEFORE_WRITING)):
         rule = kernels.KAHAN if "kahan" in name else kernels.WIDE
         config = dict(_segment_config(kernels.SUM, rule, 1, tl.float32, True, 1024),
                       HAS_ORDER=False, SPLIT=False, BOUNDS=segment._UNSORTED_KEYS.value,
-                      CHECK=segment._CHECK_ENDS.value)
+                      CHECK=check.value)
         found[name] = _count(_ptx(segment._segment_kernel, dict(bf16, bounds_ptr=keys),
                                   config, fp_fusion=False))
     # int32 offsets of any values, each checked (check="device" or "host"): the checkers'

@@ -544,10 +544,10 @@ def test_unsorted_keys_are_scanned_up_to_a_chunk_and_sorted_past_it():
 
 @pytest.mark.parametrize("check", ["host", "device", "off"])
 def test_unsorted_keys_checked_at_every_level(check, monkeypatch):
-    """A key out of range in a scanned index: at "host" the caller's error (in place, raised
-    before anything is written: the index's range read first), at "device" the launch's
-    assert, at "off" the position in no segment; a valid index at every level gives the
-    Numba backend's bits."""
+    """A key out of range in a scanned index: at "host" the caller's error (in place with the
+    caller's tensor untouched: the launch, finding a bad key, writes nothing), at "device"
+    the launch's assert, at "off" the position in no segment; a valid index at every level
+    gives the Numba backend's bits."""
     from detsum import _segments
 
     monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)

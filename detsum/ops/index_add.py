@@ -42,18 +42,17 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         if small is not None:
             return small
     if planned is None:
-        planned = (*_plan(input, dim, index, backend_name, check, in_place=in_place), None)
+        planned = (*_plan(input, dim, index, backend_name, check), None)
     return _launch(backend_name, input, dim, source, alpha, mode, planned, out3)
 
 
 def _plan(input: torch.Tensor, dim: int, index: torch.Tensor, backend_name: str,
-          check: str, *, in_place: bool = False) -> tuple:
+          check: str) -> tuple:
     """(order, offsets) of ``index``'s rows, after checking its values as ``check`` says
-    (``in_place``: the launch writes into ``input``, so "host" checks before it)."""
+    (``_segments.plan_from_index``: at "host", a bad value raises with ``input`` untouched)."""
     return _segments.plan_from_index(
         _CALLER, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
-        promised_sorted=False, backend_name=backend_name, check=check, as_keys=True,
-        in_place=in_place)
+        promised_sorted=False, backend_name=backend_name, check=check, as_keys=True)
 
 
 def _run_reference(input, dim, index, source, alpha, mode, out3, check, planned):

@@ -136,10 +136,13 @@ __all__ = ["interpreted", "segment_reduce", "ticket_counters"]
 
 # What a launch checks of its bounds (CHECK), writing its flag: nothing, the keys' range (one
 # program: scanned keys, a sort's offsets), every bound (spread over programs,
-# _check_every_bound).
+# _check_every_bound); CHECK_BEFORE_WRITING, scanned keys at "host": their range, and where
+# a key is out of it no program writes anything (the caller's error then raises with an
+# in-place call's tensor untouched; at "device" the launch writes what "off" writes).
 _CHECK_NOTHING = tl.constexpr(0)
 _CHECK_ENDS = tl.constexpr(1)
 _CHECK_EVERY = tl.constexpr(2)
+_CHECK_BEFORE_WRITING = tl.constexpr(3)
 # Bounds that one checker program reads at a time.
 _CHECK_BLOCK = tl.constexpr(1024)
 # Stages of the term loop's software pipeline (_combine_rows): the rows of the next
@@ -379,11 +382,12 @@ def _segment_kernel(
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
     (``_segment_start``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
     keys lie in ``[0, nseg)`` (the scanned keys all; a sort's offsets, whether they run from
-    0 to ``positions``); CHECK_EVERY: the first ``checkers`` programs check every bound
+    0 to ``positions``), and under CHECK_BEFORE_WRITING, where one does not, no program
+    writes anything; CHECK_EVERY: the first ``checkers`` programs check every bound
     (``_check_every_bound``)."""
     slot = tl.program_id(0).to(tl.int64)
     first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
-    if CHECK == _CHECK_ENDS:
+    if (CHECK == _CHECK_ENDS) | (CHECK == _CHECK_BEFORE_WRITING):
         if (slot == 0) & first_of_slot:
             if BOUNDS == _UNSORTED_KEYS:
                 keys = _scanned_keys(bounds_ptr, positions, 0, CHUNK)
@@ -420,7 +424,8 @@ def _segment_kernel(
             # Every key at once (at most CHUNK): how many are this segment's, and the first
             # one's position, from which the term loop takes those whose key is the segment.
             at = tl.arange(0, CHUNK)
-            hits = _scanned_keys(bounds_ptr, positions, -1, CHUNK) == slot
+            keys = _scanned_keys(bounds_ptr, positions, -1, CHUNK)
+            hits = keys == slot
             n = tl.sum(hits.to(tl.int64), 0)
             p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
             p_end = tl.zeros([], tl.int64) + positions
@@ -436,6 +441,13 @@ def _segment_kernel(
         owned = n >= 0  # always, unless the chunk programs own this segment
         if SPLIT:
             owned = n <= CHUNK
+        if (BOUNDS == _UNSORTED_KEYS) & (CHECK == _CHECK_BEFORE_WRITING):
+            # Keys checked at "host": where one is out of range no program writes anything,
+            # so the caller's tensor of an in-place call is as it was when the error raises
+            # (after the launch, from one read of the flag).
+            in_range = ((tl.min(tl.where(at < positions, keys, 0), 0) >= 0)
+                        & (tl.max(keys, 0) < nseg))
+            owned = owned & in_range
     if owned:
         _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0,
                      os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, alpha, outer,
@@ -507,9 +519,11 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         bounds = sort_offsets(offsets.keys, nseg)
         check = _CHECK_ENDS.value
     elif isinstance(offsets, UnsortedKeys):
-        # Checked by the first program, every key (CHECK_ENDS's flag, of all of them here).
+        # Checked by the first program, every key (CHECK_ENDS's flag, of all of them here);
+        # at "host" (a failure to call) by every program before it writes.
         bounds_kind, bounds = _UNSORTED_KEYS.value, offsets.keys.contiguous()
-        nseg, failure, check = offsets.num_segments, offsets.failure, _CHECK_ENDS.value
+        nseg, failure = offsets.num_segments, offsets.failure
+        check = (_CHECK_BEFORE_WRITING if callable(failure) else _CHECK_ENDS).value
     elif isinstance(offsets, UncheckedOffsets):
         bounds_kind, nseg = _ANY_OFFSETS.value, offsets.values.shape[0] - 1
         failure, check = offsets.failure, _CHECK_EVERY.value

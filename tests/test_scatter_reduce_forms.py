@@ -222,20 +222,20 @@ def test_autograd_sums_on_cuda_follow_torchs_slice_size():
     expanded = rows.view(-1, 1).expand(2, 40)
     materialised = expanded.contiguous()
     assert torch.equal(scatter_reduce_module._as_rows(cuda_input, 0, expanded, "sum",
-                                                      "autograd", "off"), rows)
+                                                      "autograd", "off", "triton"), rows)
     assert scatter_reduce_module._as_rows(cuda_input, 0, materialised, "sum", "autograd",
-                                          "host") is materialised
+                                          "host", "triton") is materialised
     # A size-1 dim with a nonzero stride: torch flattens, detsum sees a row index.
     cuda_input3 = types.SimpleNamespace(device=torch.device("cuda"),
                                         shape=torch.Size([1, 3, 40]))
     size_one = rows.view(1, -1, 1).expand(1, 2, 40)
     assert size_one.stride(0) != 0
     assert scatter_reduce_module._as_rows(cuda_input3, 1, size_one, "sum", "autograd",
-                                          "off") is size_one
+                                          "off", "triton") is size_one
     for mode, reduce in [("fp32", "sum"), ("autograd", "mean"), ("autograd", "amax")]:
         for index in (expanded, materialised):
             assert scatter_reduce_module._as_rows(cuda_input, 0, index, reduce, mode,
-                                                  "host").dim() == 1
+                                                  "host", "triton").dim() == 1
 
 
 @pytest.mark.cuda
@@ -273,15 +273,34 @@ def test_autograd_sums_and_means_match_torchs_deterministic_scatter_on_cuda(temp
                 assert_equal_bits(call().cpu(), expected[name].cpu(), f"{name}, switched")
 
 
-def test_a_bad_value_is_named_where_the_caller_put_it():
-    """The row path would name the position in the row index: a bad value keeps the
-    elementwise path's message, with the position in the index as passed."""
-    rows = torch.tensor([1, 0, 9, 2])
+@pytest.mark.parametrize("backend", ["numba", "triton"])
+@pytest.mark.parametrize("n", [4, 300], ids=["scanned", "sorted"])
+def test_a_bad_value_is_named_where_the_caller_put_it(backend, n, monkeypatch):
+    """The row path would name the position in the row index: a bad value gets the
+    elementwise path's message, with the position in the index as passed. On the triton
+    backend (a GPU's checks) the row path runs and finds it itself, in the read of its
+    launch's verdict (an index of at most 256 values, scanned) or of the sorted rows' ends:
+    a valid index costs that read alone, where a read of the rows' range before it made two;
+    on the Numba backend the rows' range is read first."""
+    from launch_counter import count, gpu_path
+
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    rows = torch.arange(n) % 5
+    good = index_of_form("expanded", rows, (n, 3), 0, 0)
+    bad_rows = rows.clone()
+    bad_rows[2] = 9
     for form in ("expanded", "materialised"):
-        index = index_of_form(form, rows, (4, 3), 0, 0)
-        with pytest.raises(IndexError, match=r"index\[2, 0\] = 9 is out of range for "
-                                             r"input\.size\(0\) = 5"):
-            detsum.scatter_reduce(torch.zeros(5, 3), 0, index, torch.ones(4, 3), "sum")
+        index = index_of_form(form, bad_rows, (n, 3), 0, 0)
+        with detsum.backend(backend), pytest.raises(
+                IndexError, match=r"index\[2, 0\] = 9 is out of range for input\.size\(0\) = 5"):
+            detsum.scatter_reduce(torch.zeros(5, 3), 0, index, torch.ones(n, 3), "sum")
+    if backend == "triton":
+        with gpu_path():
+            counted = count(lambda: detsum.scatter_reduce(torch.zeros(5, 3), 0, good,
+                                                          torch.ones(n, 3), "sum"))
+        assert len(counted.host_reads) == 1, counted.host_reads
     index = torch.zeros(4, 3, dtype=torch.long)
     index[3, 1], index[1, 2] = -1, 7
     with pytest.raises(IndexError, match=r"index\[1, 2\] = 7 is out of range"):

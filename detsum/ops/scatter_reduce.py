@@ -91,12 +91,13 @@ def _torch_indexes_rows(index: torch.Tensor, dim: int) -> bool:
 
 
 def _as_rows(input: torch.Tensor, dim: int, index: torch.Tensor, reduce: str, acc_mode: str,
-             check: str) -> torch.Tensor:
+             check: str, backend_name: str) -> torch.Tensor:
     """``index``, or the 1-D row index it broadcasts (``_broadcast_rows``) where the row path
     computes the same arithmetic. That is everywhere but some "autograd" sums on CUDA, whose
     rule follows the slice size torch's ``index_put_`` sees (``_torch_indexes_rows``). Under
-    ``check="host"`` a row index with a bad value is not taken either: the error then names
-    the position in ``index`` as the caller passed it."""
+    ``check="host"`` the error must name the position in ``index`` as the caller passed it:
+    on the triton backend the row path's own check finds a bad value (``_run`` names it
+    again), elsewhere a row index with one is not taken."""
     rows = _broadcast_rows(index, dim, check)
     if rows is None:
         return index
@@ -105,7 +106,7 @@ def _as_rows(input: torch.Tensor, dim: int, index: torch.Tensor, reduce: str, ac
     if (rule_for(mode, reduce, device_type, 1) != rule_for(mode, reduce, device_type, inner)
             and not _torch_indexes_rows(index, dim)):
         return index
-    if check == "host":
+    if check == "host" and backend_name != "triton":
         if rows.device.type == "cpu":
             # NumPy's pass: torch's wakes a second thread for 1M values, a time slice (8 ms,
             # against 0.2 ms) whenever the other core is busy.
@@ -164,13 +165,32 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
     if planned is None:  # a plan's index is a row index already
-        index = _as_rows(input, dim, index, reduce, acc_mode, check)
+        given = index
+        index = _as_rows(input, dim, index, reduce, acc_mode, check, backend_name)
+        if index is not given and check == "host" and backend_name == "triton":
+            # The row path checks the rows (on a GPU, with the one read of its verdict, where
+            # a check of them before it would cost a second) and writes into a new tensor.
+            try:
+                return _run_index(backend_name, input, dim, index, src, reduce, include_self,
+                                  acc_mode, sorted, check)
+            except _validation.IndexOutOfRangeError:
+                pass  # its error names a position in the rows; the caller passed ``given``
+            _validation.raise_first_out_of_range(_CALLER, "index", given, input.shape[dim],
+                                                 f"input.size({dim})")
     if backend_name == "reference":
         return _run_reference(input, dim, index, src, reduce, include_self, acc_mode, sorted,
                               check, planned)
     if planned is not None:
         return _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode,
                             planned).view(*input.shape)
+    return _run_index(backend_name, input, dim, index, src, reduce, include_self, acc_mode,
+                      sorted, check)
+
+
+def _run_index(backend_name, input, dim, index, src, reduce, include_self, acc_mode, sorted,
+               check):
+    """``_run`` on a kernel backend without a plan: the elementwise layout, or the row
+    index's rows with terms, its small form, or its plan and launch."""
     if index.dim() != 1:
         return _run_elements(backend_name, input, dim, index, src, reduce, include_self,
                              acc_mode, check)

@@ -408,7 +408,7 @@ def _segment_kernel(
     # One term loop for whole segments and chunks: a second copy of the loop would hold
     # registers of its own. Without SPLIT, is_chunk is the constant False and the chunks'
     # code is not compiled. Chunk program e's two sides (_chunk_owned) are two programs,
-    # slots nseg + 2 e + side: its workspace slots.
+    # slots nseg + 2 e + side, which are also their workspace slots.
     is_chunk = False
     if SPLIT:
         is_chunk = slot >= nseg

@@ -40,29 +40,32 @@ IMPLEMENTATION NOTES (this backend):
   tensors) set the counters back; on a GPU a failed ``torch._assert_async`` ends the CUDA
   context.
 
-- Bounds (BOUNDS): offsets, or (``kernels.SortedKeys``, a launch without a plan) the sorted
-  index itself, in which each program finds its segment's start and end by
-  torch.searchsorted's binary search (``_segment_start``): no offsets are computed before
-  the launch. Offsets not known to be valid (``kernels.UncheckedOffsets``) are clamped into
-  ``[0, M]`` as each is read, and a segment whose end is below its start is empty: every read
-  and write stays inside the tensors whatever they hold. Unchecked ("off"), they are first
-  made nondecreasing (their running maximum: one op), for consistent bounds. An unsorted
-  index of at most CHUNK_TERMS values (``kernels.UnsortedKeys``, no order) is not sorted at
-  all: each program loads every key as one vector, counts its segment's terms and finds the
-  first, and its term loop takes the positions whose key is its segment, in position order
-  (the order a stable sort gives, so the sorted launch's bits); with so few positions
-  nothing is chunked.
+- Bounds (BOUNDS): offsets, or a promised-sorted index itself (``kernels.SortedKeys`` with
+  ``every_key``), in which each program finds its segment's start and end by
+  torch.searchsorted's binary search (``_segment_start``). A sort's values (a launch without a
+  plan) become offsets first, by one small launch (``chunks.sort_offsets``): searched in every
+  program, they cost the kernel registers (see the launcher). Offsets not known to be valid
+  (``kernels.UncheckedOffsets``) are clamped into ``[0, M]`` as each is read, and a segment
+  whose end is below its start is empty: every read and write stays inside the tensors
+  whatever they hold. Unchecked ("off"), they are first made nondecreasing (their running
+  maximum: one op), for consistent bounds. An unsorted index of at most CHUNK_TERMS values
+  (``kernels.UnsortedKeys``, no order) is not sorted at all: each program loads every key as
+  one vector, counts its segment's terms and finds the first, and its term loop takes the
+  positions whose key is its segment, in position order (the order a stable sort gives, so the
+  sorted launch's bits); with so few positions nothing is chunked.
 
-- Checks (CHECK), of bounds that the caller has not checked: under CHECK_ENDS (a sort's
-  values) the first program writes whether the first and last key lie in range (unsorted
-  keys: whether every key does); under CHECK_EVERY (offsets: from 0 to M without
-  decreasing; a promised-sorted index: nondecreasing, in range) the first ``checkers``
-  programs each check blocks of ``_CHECK_BLOCK`` bounds and take a ticket that carries what
-  they found, and the last to take one writes the verdict (``_check_every_bound``). The verdict is a flag at the end of
-  the launch's workspace, which no op initialises: one program writes it, in every checked
-  launch. The launcher asserts it on the device (check="device": one op, no read) or reads
-  it back once (check="host"); only then, on the failure's path, are the values looked at
-  again, to raise the caller's error naming the first bad position.
+- Checks (CHECK), of bounds that the caller has not checked: under CHECK_ENDS the first
+  program writes whether a sort's offsets run from 0 to M (its keys then all lie in range), or
+  whether every unsorted key lies in range (under CHECK_BEFORE_WRITING, at "host", every
+  program checks them too and none writes if one does not); under CHECK_EVERY (offsets: from 0
+  to M without decreasing; a promised-sorted index: nondecreasing, in range) the first
+  ``checkers`` programs each check blocks of ``_CHECK_BLOCK`` bounds and take a ticket that
+  carries what they found, and the last to take one writes the verdict
+  (``_check_every_bound``). The verdict is a flag at the end of the launch's workspace, which
+  no op initialises: one program writes it, in every checked launch. The launcher asserts it
+  on the device (check="device": one op, no read) or reads it back once (check="host"); only
+  then, on the failure's path, are the values looked at again, to raise the caller's error
+  naming the first bad position.
 
 - Carry (a running Kahan sum, see the contract): the program of a segment's first chunk starts
   ``c`` from ``carry``; the program that writes the segment's row (its whole-segment slot, or

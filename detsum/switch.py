@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import sys
 import threading
@@ -701,24 +702,29 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
     torch's terms: ``scale[k]`` is 1, ``per_sample_weights[k]`` (sum) or ``1 / bag_size`` of
     the bag, rounded to the dtype (mean), and each product is rounded to the dtype. max:
     ``grad_weight[maximum_indices[b, j], j] += grad[b, j]`` over the bags ``b`` that hold an
-    index, a scatter_add along the bags. CPU tensors only: the "autograd" order below is
-    torch's CPU order."""
+    index, a scatter_add along the bags. "autograd" mode: on CPU tensors in torch's CPU
+    order; on CUDA, sum and mean go to torch's kernel (no atomics, an order of its own, as
+    embedding's backward), and max, which torch refuses in deterministic mode, is the
+    scatter_add of those terms in its "autograd" bits."""
     if (scale_grad_by_freq or bag_mode not in (_BAG_SUM, _BAG_MEAN, _BAG_MAX)
             or grad.dtype not in FLOAT_DTYPES or grad.dim() != 2 or grad.numel() == 0
             or num_weights <= 0 or indices.dtype not in INDEX_DTYPES or indices.dim() != 1
             or indices.numel() == 0 or bag_size.shape != grad.shape[:1]
-            or not _plain(grad, indices, offset2bag, bag_size) or grad.device.type != "cpu"):
+            or not _plain(grad, indices, offset2bag, bag_size)):
         return None
     if bag_mode == _BAG_MAX:
         if (maximum_indices.dtype not in INDEX_DTYPES or maximum_indices.shape != grad.shape
                 or not _plain(grad, maximum_indices)):
             return None
         # torch adds each column with index_add_, whose float16/bfloat16 arithmetic depends
-        # on the layout (see index_add above): its kernel is the one source of those bits.
+        # on the layout (see index_add above): its kernel is the one source of those bits
+        # (on CUDA, scatter_add's "autograd" bits are torch's kernel's for those dtypes too).
         if mode == "autograd" and grad.dtype in _HALF_DTYPES:
             return None
         return lambda: _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices,
                                                    num_weights)
+    if mode == "autograd" and grad.is_cuda:
+        return None
     weights = per_sample_weights
     if (offset2bag.dtype not in INDEX_DTYPES or offset2bag.shape != indices.shape
             or weights is not None and (bag_mode != _BAG_SUM or weights.dtype != grad.dtype
@@ -733,9 +739,11 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
         return None
 
     def run():
-        caller = "_embedding_bag_dense_backward (run by detsum.enable)"
-        _check_in_range(caller, "indices", indices, num_weights, "num_weights")
-        _check_in_range(caller, "offset2bag", offset2bag, grad.shape[0], "grad.size(0)")
+        on_device = _checked_on_device(grad)
+        if not on_device:
+            caller = "_embedding_bag_dense_backward (run by detsum.enable)"
+            _check_in_range(caller, "indices", indices, num_weights, "num_weights")
+            _check_in_range(caller, "offset2bag", offset2bag, grad.shape[0], "grad.size(0)")
         rows, bags, scale = indices, offset2bag, weights
         if mode == "autograd":
             # torch sums each row's terms in the order of its (unstable) sort of the indices.
@@ -748,6 +756,16 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
             scale = torch.where(sizes != 0, 1.0 / sizes, 1.0).to(grad.dtype)
         if scale is not None:
             terms = terms * scale.view(-1, 1)
+        if on_device:
+            # No value read back: the padding rows' terms go to a spare row past the table,
+            # which the result leaves out (as embedding's backward); an index outside the
+            # table fails the device's check, a bag outside grad torch's own index_select's.
+            spare = int(padding_idx >= 0)
+            if spare:
+                rows = torch.where(rows == padding_idx, num_weights, rows)
+            sums = _index_add_op._index_add(grad.new_zeros(num_weights + spare, grad.shape[1]),
+                                            0, rows, terms, 1.0, mode, _CHECK)
+            return sums[:num_weights] if spare else sums
         keep = rows != padding_idx
         zeros = grad.new_zeros(num_weights, grad.shape[1])
         if not bool(keep.all()):
@@ -759,12 +777,19 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
 
 
 def _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices, num_weights):
+    if _checked_on_device(grad):
+        # No value read back: an empty bag's terms go to a spare row past the table, which
+        # the result leaves out; the other bags' in their order, as below.
+        rows = torch.where((bag_size != 0).view(-1, 1), maximum_indices, num_weights)
+        sums = _scatter_run(grad.new_zeros(num_weights + 1, grad.shape[1]), 0, rows, grad,
+                            "sum", True, mode)
+        return sums[:num_weights]
+    zeros = grad.new_zeros(num_weights, grad.shape[1])
     caller = "_embedding_bag_dense_backward (run by detsum.enable)"
     nonempty = (bag_size != 0).nonzero().view(-1)
     rows = maximum_indices.index_select(0, nonempty)
     _check_in_range(caller, "maximum_indices", rows, num_weights, "num_weights",
                     positions=nonempty)
-    zeros = grad.new_zeros(num_weights, grad.shape[1])
     if rows.numel() == 0:
         return zeros
     return _scatter_run(zeros, 0, rows, grad.index_select(0, nonempty), "sum", True, mode)
@@ -801,12 +826,15 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     reduction's identity) in row order: ``scatter_reduce`` with a row index, ``index_add``
     for sum and mean (from +0.0 the same bits as a ``segment_sum`` of the rows). A mean
     divides the sum by the length (an empty segment keeps ``initial``, or is NaN): in torch's
-    arithmetic in "autograd" mode, in the accumulator type otherwise. CPU tensors only:
-    "autograd" reproduces torch's CPU arithmetic."""
+    arithmetic in "autograd" mode, in the accumulator type otherwise. "autograd" mode
+    reproduces torch's CPU arithmetic; on CUDA it goes to torch's kernel (no atomics, an
+    order of its own). The lengths or offsets are read back once (on a GPU a
+    synchronisation; torch's own reads lengths twice when ``unsafe=False``)."""
     bounds = offsets if offsets is not None else lengths
     if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
             or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0
-            or bounds.dtype not in INDEX_DTYPES or not _plain(data, bounds) or not data.is_cpu):
+            or bounds.dtype not in INDEX_DTYPES or not _plain(data, bounds)
+            or mode == "autograd" and data.is_cuda):
         return None
     axis = _dim(axis, data.dim())
     if (axis is None or bounds.dim() != axis + 1 or bounds.shape[:-1] != data.shape[:axis]
@@ -822,9 +850,10 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
         return None
     size = data.shape[axis]
     caller = "segment_reduce (run by detsum.enable)"
-    # CPU tensors: their values are read in NumPy, a microsecond or two a step where a torch
-    # op on a small tensor takes three to five.
-    values = bounds.numpy()
+    # The values are read in NumPy, a microsecond or two a step where a torch op on a small
+    # tensor takes three to five.
+    values = bounds.numpy() if bounds.is_cpu else bounds.cpu().numpy()
+    on_data = functools.partial(_on_device_of, data)
     if values.ndim == 1:  # the common form, with fewer NumPy steps than the general one below
         if offsets is not None:
             if (int(values[0]) == 0 and int(values[-1]) == size
@@ -834,7 +863,7 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
             flat = np.zeros(values.size + 1, dtype=np.int64)
             np.cumsum(values, out=flat[1:])
             if int(flat[-1]) == size:
-                return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat),
+                return lambda: _segment_run(mode, data, reduce, axis, on_data(flat),
                                             None, initial)
     if offsets is not None:
         decreasing = bool((values[..., 1:] < values[..., :-1]).any())
@@ -868,15 +897,21 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     flat = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=flat[1:])
     if tiled:  # each batch's segments tile its rows: they are offsets into data's rows
-        return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat), None,
+        return lambda: _segment_run(mode, data, reduce, axis, on_data(flat), None,
                                     initial)
     # Segments that leave rows out: each one's rows, in order (its start in its batch, plus
     # the place in the segment), picked out of data's.
     batches = starts[..., 0].size
     firsts = (starts + size * np.arange(batches).reshape(*starts.shape[:-1], 1)).reshape(-1)
     picked = np.repeat(firsts - flat[:-1], lengths.reshape(-1)) + np.arange(flat[-1])
-    return lambda: _segment_run(mode, data, reduce, axis, torch.from_numpy(flat),
-                                torch.from_numpy(picked), initial)
+    return lambda: _segment_run(mode, data, reduce, axis, on_data(flat),
+                                on_data(picked), initial)
+
+
+def _on_device_of(data: torch.Tensor, values: np.ndarray) -> torch.Tensor:
+    """``values``, made on the host, as a tensor on ``data``'s device."""
+    made = torch.from_numpy(values)
+    return made if data.is_cpu else made.to(data.device)
 
 
 def _raise_lengths_past(caller, totals, size, axis):
@@ -905,13 +940,14 @@ def _segment_run(mode, data, reduce, axis, offsets, picked, initial):
         return _segment_sum_from_zero(mode, rows, reduce, offsets, initial, data.dtype
                                       ).view(*shape)  # sizes one by one: parsed faster
     lengths = offsets.diff()
-    segments = torch.repeat_interleave(lengths)
-    base = torch.full((count, rows.shape[1]), fill, dtype=data.dtype)
+    # (The size given: on a GPU, repeat_interleave would read it back.)
+    segments = torch.repeat_interleave(lengths, output_size=rows.shape[0])
+    base = torch.full((count, rows.shape[1]), fill, dtype=data.dtype, device=data.device)
     if reduce != "mean":
         if segments.numel() == 0:
             return base.view(shape)
         if reduce == "sum":
-            out = _index_add_op._index_add(base, 0, segments, rows, 1.0, mode)
+            out = _index_add_op._index_add(base, 0, segments, rows, 1.0, mode, _CHECK)
         else:
             out = _scatter_run(base, 0, segments, rows, _SEGMENT_REDUCTIONS[reduce], True, mode)
         return out.view(shape)
@@ -922,7 +958,8 @@ def _segment_run(mode, data, reduce, axis, offsets, picked, initial):
     work = data.dtype if mode == "autograd" else acc_dtype(data.dtype)
     total = base.to(work)
     if segments.numel() > 0:
-        total = _index_add_op._index_add(total, 0, segments, rows.to(work), 1.0, mode)
+        total = _index_add_op._index_add(total, 0, segments, rows.to(work), 1.0, mode,
+                                         _CHECK)
     return _segment_mean(total, lengths, initial, data.dtype).view(shape)
 
 
@@ -947,23 +984,25 @@ def _segment_mean(total, lengths, initial, dtype):
     divisor = lengths.to(total.dtype).view(-1, 1)
     mean = torch.where(divisor != 0, total / divisor, total).to(dtype)
     if initial is None:
-        mean[lengths == 0] = math.nan
+        mean = mean.masked_fill((lengths == 0).view(-1, 1), math.nan)
     return mean
 
 
 # histc ------------------------------------------------------------------------------------------
 
-def _histc_positions(self, bins, min, max):
-    """The bin of each element that torch's CPU histc counts, or None where torch refuses (its
-    error) or its own arithmetic would leave its bins. The edges are torch's: ``min`` and
-    ``max``, else the data's range, else that value -1 and +1, as the first and last of
-    ``linspace(min, max, bins + 1)`` in the dtype. An element ``left <= x <= right`` goes to
-    bin ``(x - left) * bins / (right - left)``, each step rounded to the dtype as torch's
-    kernel computes it (for float16/bfloat16, c10's operators: ``bins`` itself rounded to the
-    dtype), truncated toward zero; ``x == right`` goes to the last bin; NaN to none."""
+def _histc_edges(self, bins, min, max):
+    """torch's CPU histc's ``(left, right, width, scale)``, 0-dim CPU tensors in the dtype, or
+    None where torch refuses (its error). The edges are ``min`` and ``max``, else the data's
+    range (torch reads it back too), else that value -1 and +1, as the first and last of
+    ``linspace(min, max, bins + 1)`` in the dtype; ``width = right - left``; ``scale`` is
+    ``bins`` in the dtype (c10's float16/bfloat16 operators round it so). None too where
+    torch's bin arithmetic (``_histc_positions``) can leave its bins: its bin for ``right``,
+    the largest any element gets, past ``bins`` (a float16 product past its range, inf, or
+    ``bins`` rounded up): torch would write outside its histogram. Every value read here is
+    made on the host from the call's numbers, but the data's range where ``min == max``
+    (torch's own histc reads it too)."""
     if (self.dtype not in FLOAT_DTYPES or self.numel() == 0 or isinstance(bins, bool)
             or not isinstance(bins, int) or bins <= 0 or not _plain(self)
-            or self.device.type != "cpu"
             or any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in (min, max))):
         return None
     low, high = float(min), float(max)
@@ -978,22 +1017,46 @@ def _histc_positions(self, bins, min, max):
     width, scale = right - left, torch.tensor(bins, dtype=self.dtype)
     if not (bool(torch.isfinite(width)) and bool(width > 0) and bool(torch.isfinite(scale))):
         return None
-    values = self.reshape(-1)
-    values = values[(values >= left) & (values <= right)]
-    position = ((values - left) * scale / width).to(torch.int64)
-    # A float16 product past its range (inf, then no integer) lands outside torch's bins.
-    if position.numel() > 0 and not 0 <= int(position.min()) <= int(position.max()) <= bins:
+    # Each step of the bin arithmetic is nondecreasing in x: right's bin is the largest.
+    if not (right - left) * scale / width < bins + 1:  # NaN and inf fail too
         return None
-    return torch.where(position == bins, bins - 1, position)
+    return left, right, width, scale
+
+
+def _histc_positions(self, bins, min, max):
+    """The bin of each element that torch's CPU histc counts, or None where ``_histc_edges``
+    is. An element ``left <= x <= right`` goes to bin ``(x - left) * scale / width``, each
+    step rounded to the dtype as torch's kernel computes it, truncated toward zero; a bin
+    ``bins`` (``x == right``, or a product rounded up to it) is the last one; NaN goes to
+    none. On a GPU's path (``_checked_on_device``) every element keeps its place, one outside
+    the bins at a spare bin ``bins``, and no value of the data is read back."""
+    edges = _histc_edges(self, bins, min, max)
+    if edges is None:
+        return None
+    left, right, width, scale = edges
+    values = self.reshape(-1)
+    inside = (values >= left) & (values <= right)
+    if _checked_on_device(self):
+        position = ((torch.where(inside, values, left) - left) * scale / width).to(torch.int64)
+        return torch.where(inside, position.clamp_max(bins - 1), bins)
+    values = values[inside]
+    position = ((values - left) * scale / width).to(torch.int64)
+    return position.clamp_max(bins - 1)
 
 
 def _histc_counts(mode, self, bins, position):
-    """``out[position[k]] += 1`` from zeros, in the dtype: an ``index_add`` of ones."""
-    zeros = torch.zeros(bins, dtype=self.dtype)
-    if position.numel() == 0:
-        return zeros
-    ones = torch.ones(position.shape, dtype=self.dtype)
-    return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode)
+    """``out[position[k]] += 1`` from zeros, in the dtype: an ``index_add`` of ones. On a
+    GPU's path ``position`` holds every element, those outside the histogram at the spare bin
+    ``bins``, which the result leaves out."""
+    if not _checked_on_device(self):
+        zeros = torch.zeros(bins, dtype=self.dtype)
+        if position.numel() == 0:
+            return zeros
+        ones = torch.ones(position.shape, dtype=self.dtype)
+        return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode)
+    zeros = torch.zeros(bins + 1, dtype=self.dtype, device=self.device)
+    ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
+    return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode, _CHECK)[:bins]
 
 
 def _histc(mode, self, bins=100, min=0, max=0):

@@ -301,22 +301,34 @@ _OWN_CODE = (str(pathlib.Path(detsum.__file__).parent),
 _TENSOR_READS = ("tolist", "item", "numpy", "cpu", "nonzero", "__bool__", "__int__",
                  "__index__", "__float__")
 _FUNCTION_READS = ("unique", "nonzero", "bincount")
+#: Indexing with a boolean mask: the count of its True values is read back (a nonzero in C++,
+#: which the Python methods above never see).
+_MASK_READS = ("__getitem__", "__setitem__")
+
+
+def _has_mask(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, torch.Tensor) and k.dtype in (torch.bool, torch.uint8)
+               for k in keys)
 
 
 @contextlib.contextmanager
 def host_reads(on_read):
     """Calls ``on_read(name, filename)`` at every read of a tensor's values into Python from
     detsum's own code (detsum/ and its kernels/), before the read: the Python ways of reading
-    values are replaced for the duration. On a GPU each of them is a synchronisation."""
+    values (and indexing by a boolean mask) are replaced for the duration. On a GPU each of
+    them is a synchronisation."""
     def guarded(name, original):
         def read(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(_OWN_CODE):
+            if caller.startswith(_OWN_CODE) and (name not in _MASK_READS
+                                                 or _has_mask(args[1])):
                 on_read(name, caller)
             return original(*args, **kwargs)
         return read
 
-    saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_READS]
+    saved = [(torch.Tensor, name, getattr(torch.Tensor, name))
+             for name in (*_TENSOR_READS, *_MASK_READS)]
     saved += [(torch, name, getattr(torch, name)) for name in _FUNCTION_READS]
     try:
         for owner, name, original in saved:

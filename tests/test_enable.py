@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import detsum
-from detsum import switch
+from detsum import _segments, switch
 from tests.conftest import assert_same_bits
 
 # torch's own index_reduce says it is in beta, every time torch's kernel runs it.
@@ -1228,3 +1228,26 @@ def test_index_put_takes_the_values_torch_broadcasts():
         except RuntimeError:
             expected = False
         assert switch._broadcasts_to(shape, target) == expected, (shape, target)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("exact", torch.bfloat16),
+                                        ("autograd", torch.float32)], ids=str)
+@pytest.mark.parametrize("name,variant", NEW_OPS)
+def test_new_ops_opinfo_samples_on_a_gpus_path_give_the_host_paths_bits(
+        monkeypatch, name, variant, mode, dtype):
+    """What a GPU's tensors take (the triton backend with a GPU's check levels: no value read
+    back, padding rows, empty bags and values outside a histogram sent to a spare row), run
+    on CPU tensors in Triton's interpreter: every sample gives the bits of the host path (the
+    Numba backend), and runs on detsum where the host path does. ("autograd" here is the
+    CPU's: on CUDA, segment_reduce and embedding_bag's sum and mean go to torch's kernel.)"""
+    op, cases = samples(name, variant, dtype, requires_grad=name != "histc")
+    for seed, sample in enumerate(cases):
+        on_host, ran_on_host = run_counted(name, mode, lambda: results(op, sample, seed))
+        monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+        with detsum.backend("triton"):
+            on_device, ran = run_counted(name, mode, lambda: results(op, sample, seed))
+        monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", False)
+        assert ran == ran_on_host, (seed, sample.kwargs)
+        for a, e in zip(on_device, on_host):
+            assert_same_bits(a, e)

@@ -9,11 +9,13 @@ where they run detsum's primitives on the triton backend.
   ``torch.use_deterministic_algorithms(True)`` wherever torch has a deterministic kernel; and
   the ops torch refuses in that mode on CUDA run under the switch.
 
-The forms are the ops the switch takes on CUDA tensors: ``segment_reduce``, ``histc`` and
-``embedding_bag``'s backward are CPU-only there (docs/enable.md).
+The forms are the ops the switch takes, on CUDA tensors as on CPU tensors (docs/enable.md
+says where CUDA's "autograd" mode differs).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -89,12 +91,58 @@ def forms(device, dtype=torch.float32, seed=0, n=600) -> dict:
     for reduce in ("prod", "mean", "amax", "amin"):
         cases[f"index_reduce {reduce}"] = (
             lambda r=reduce: x.index_reduce(0, index, 1 + src / 64 if r == "prod" else src, r))
+    # embedding_bag's backward: six bags, one empty, one past a chunk when n is 600.
+    bags = torch.tensor([0, 5, 5, n // 2, n // 2 + 10, n - 2], device=device)
+    for bag_mode in ("sum", "mean", "max"):
+        cases[f"_embedding_bag_dense_backward {bag_mode}"] = (
+            lambda m=bag_mode: _embedding_bag_grad(weight, index, bags, m, seed))
+    cases["_embedding_bag_dense_backward padding"] = lambda: _embedding_bag_grad(
+        weight, index, bags, "mean", seed, padding_idx=0)
+    cases["_embedding_bag_dense_backward per_sample_weights"] = lambda: _embedding_bag_grad(
+        weight, index, bags, "sum", seed, per_sample_weights=src[:, 0])
+    # segment_reduce: segments of rows (one empty), in lengths and in offsets; per batch
+    # along dim 1; and lengths that leave rows out.
+    lengths = torch.tensor([n // 2, 0, n // 4, n - n // 2 - n // 4], device=device)
+    offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    cases.update({
+        "segment_reduce sum": lambda: torch.segment_reduce(src, "sum", lengths=lengths),
+        "segment_reduce mean": lambda: torch.segment_reduce(src, "mean", lengths=lengths),
+        "segment_reduce sum initial": lambda: torch.segment_reduce(
+            src, "sum", lengths=lengths, initial=2),
+        "segment_reduce amax offsets": lambda: torch.segment_reduce(
+            src, "max", offsets=offsets),
+        "segment_reduce mean axis 1": lambda: torch.segment_reduce(
+            src.t().contiguous(), "mean", lengths=lengths.repeat(5, 1), axis=1),
+        "segment_reduce sum unsafe": lambda: torch.segment_reduce(
+            src, "sum", lengths=lengths // 2, unsafe=True),
+        # histc: a given range (values outside it too), and the data's own.
+        "histc": lambda: torch.histc(src[:, 0], bins=7, min=-1, max=1.5),
+        "histc data range": lambda: torch.histc(src[:, 1], bins=5),
+    })
     return cases
+
+
+def _embedding_bag_grad(weight, index, bags, bag_mode, seed, **kwargs):
+    """The weight's gradient through a dense ``embedding_bag``."""
+    out = torch.nn.functional.embedding_bag(index, weight, bags, mode=bag_mode, **kwargs)
+    return torch.autograd.grad(out, weight, _data(out.shape, out.dtype, seed + 6,
+                                                  out.device))[0]
 
 
 #: The operators the forms reach, each of which the switch takes in "fp32" mode.
 _TAKEN = {"index_add", "index_add_", "scatter_add", "scatter_reduce.two", "index_reduce",
-          "_index_put_impl_", "put_", "bincount", "embedding_dense_backward"}
+          "_index_put_impl_", "put_", "bincount", "embedding_dense_backward",
+          "_embedding_bag_dense_backward", "segment_reduce", "histc"}
+
+#: The forms that read values back into Python (on a GPU, a synchronisation), each once and
+#: as torch's own kernel for it does: bincount its number of bins, segment_reduce its lengths
+#: or offsets (torch's reads lengths twice, unless unsafe=True), histc with no range given
+#: the data's range (in ``switch._histc_edges``, which also reads the numbers its bin
+#: arithmetic starts from, made on the host: not the device's). Form -> its reads on CPU
+#: tensors.
+_READERS = {"bincount": ["tolist"], "histc data range": [],
+            **{f"segment_reduce {form}": ["numpy"] for form in (
+                "sum", "mean", "sum initial", "amax offsets", "mean axis 1", "sum unsafe")}}
 
 
 def _same_bits(actual, expected, name):
@@ -135,27 +183,64 @@ def test_switched_forms_on_the_triton_backend_give_the_numba_backends_bits():
     assert _TAKEN <= _on_detsum(before), _TAKEN - _on_detsum(before)
 
 
+def _reads_outside_histc_edges(monkeypatch, on_read):
+    """A maker of ``host_reads(on_read)`` contexts that leave out the reads of
+    ``switch._histc_edges`` (numbers made on the host, or the data's range where torch's own
+    histc reads it too)."""
+    inside = []
+    edges = switch._histc_edges
+
+    def counted_edges(*args):
+        inside.append(True)
+        try:
+            return edges(*args)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(switch, "_histc_edges", counted_edges)
+    return lambda: host_reads(lambda what, where: None if inside else on_read(what, where))
+
+
 @pytest.mark.interpreter
-def test_on_a_gpus_path_the_switch_reads_nothing_back(monkeypatch):
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+def test_on_a_gpus_path_the_switch_reads_nothing_back(monkeypatch, mode):
     """With a GPU's check levels (the triton backend, ``GPU_CHECKS_ON_CPU``), no switched form
-    reads a value back into Python (on a GPU, a synchronisation) but ``bincount``, which
-    reads its range once, as torch's CUDA kernel does for its number of bins; and each gives
-    the host path's bits (negative indices too, turned into positions on the device)."""
+    reads a value back into Python (on a GPU, a synchronisation) but ``_READERS``, each as
+    torch's own kernel does; and each gives the host path's bits (negative indices too,
+    turned into positions on the device; padding rows, empty bags and values outside a
+    histogram sent to a spare row past the result)."""
     monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
-    reads = []
+    reads, current = [], []
+    reading = _reads_outside_histc_edges(
+        monkeypatch, lambda what, where: reads.append((current[0], what, where)))
     for name, call in forms("cpu", n=40).items():
-        with detsum.deterministic("fp32"):
+        with detsum.deterministic(mode):
             on_host = call()  # the Numba backend checks on the host whatever it is asked
-            with detsum.backend("triton"), host_reads(
-                    lambda what, where, name=name: reads.append((name, what, where))):
+            current[:] = [name]
+            with detsum.backend("triton"), reading():
                 on_device = call()
         _same_bits(on_device, on_host, name)
-    assert {name for name, _, _ in reads} == {"bincount"}, reads
+    assert {name: [what for form, what, _ in reads if form == name]
+            for name in {name for name, _, _ in reads} | _READERS.keys()} == _READERS, reads
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------
 
 _MODES = ["autograd", "kahan", "fp32", "exact"]
+
+
+def _taken_on_cuda(mode, dtype) -> set:
+    """The operators of ``_TAKEN`` that run on detsum for CUDA tensors: all but, in "autograd"
+    mode, embedding's backward and segment_reduce (torch's CUDA kernels are the one source of
+    their bits), and float16 and bfloat16 index_add and scatter_add (torch's arithmetic there
+    follows the layout); of embedding_bag's backward, its max only (sum and mean as
+    embedding's), in float32."""
+    taken = set(_TAKEN)
+    if mode == "autograd":
+        taken -= {"embedding_dense_backward", "segment_reduce"}
+        if dtype != torch.float32:
+            taken -= {"index_add", "index_add_", "scatter_add", "_embedding_bag_dense_backward"}
+    return taken
 
 
 @pytest.mark.cuda
@@ -169,14 +254,62 @@ def test_switched_forms_on_cuda_give_the_same_bits_on_every_run(mode, dtype):
             first, to_torch = _run(call)
             if not to_torch:
                 _same_bits(call(), first, name)
-    # Every operator runs on detsum but, in "autograd" mode, embedding's backward (torch's
-    # CUDA kernel is the one source of its bits) and float16 and bfloat16 index_add and
-    # scatter_add (torch's arithmetic there follows the layout).
-    expected = set(_TAKEN)
-    if mode == "autograd":
-        expected -= {"embedding_dense_backward"}
-        if dtype != torch.float32:
-            expected -= {"index_add", "index_add_", "scatter_add"}
+    expected = _taken_on_cuda(mode, dtype)
+    assert expected <= _on_detsum(before), expected - _on_detsum(before)
+
+
+def _without_synchronising(body, strict: list):
+    """``body`` (a switched op's, ``switch._BODIES``), with torch's synchronisation check set
+    to raise while it and the function it returns run, when ``strict`` holds an item: what
+    torch's own kernels do around the switched op (a forward, a fallback) is not checked."""
+    @contextlib.contextmanager
+    def checked():
+        if strict:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def wrapped(mode, *args, **kwargs):
+        with checked():
+            run = body(mode, *args, **kwargs)
+        if run is None:
+            return None
+
+        def checked_run():
+            with checked():
+                return run()
+        return checked_run
+    return wrapped
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", _MODES)
+def test_switched_forms_on_cuda_do_not_synchronise(monkeypatch, mode):
+    """Every form but ``_READERS`` runs its switched op with torch's synchronisation check set
+    to raise (after a first run that compiles the kernels)."""
+    strict = []
+    detsum.disable()  # the switch registers its bodies when it is turned on: these
+    monkeypatch.setattr(switch, "_BODIES", {name: _without_synchronising(body, strict)
+                                           for name, body in switch._BODIES.items()})
+    before = None
+    with detsum.deterministic(mode):
+        for name, call in forms("cuda").items():
+            if name in _READERS:
+                continue
+            strict.clear()
+            call()
+            torch.cuda.synchronize()
+            strict.append(True)
+            before = switch.counts.copy() if before is None else before
+            try:
+                call()
+            except RuntimeError as error:
+                raise AssertionError(f"{name}: {error}") from None
+    torch.cuda.synchronize()
+    # Checked: every operator with a form that reads nothing (all of segment_reduce's do).
+    expected = _taken_on_cuda(mode, torch.float32) - {"bincount", "segment_reduce"}
     assert expected <= _on_detsum(before), expected - _on_detsum(before)
 
 

@@ -16,7 +16,8 @@ Each op's primitive is what the switch calls (``detsum/switch.py``): ``index_add
 its segments (given as lengths, the switch makes the offsets: the primitive's call here is
 given them, the call a user would write).
 
-On a GPU (``test_enable_cuda``, the issue's GPU target): torch's ``index_add_`` and the
+On a GPU, ``test_enable_cuda_calls`` times the same calls on CUDA tensors (the switch against
+the primitive, 1.2x), and ``test_enable_cuda`` the issue's GPU target: torch's ``index_add_`` and the
 backward of ``x[idx]`` (``index_put_`` with ``accumulate=True``) on a Zipf-skewed index
 (``bench_skew.py``'s, 50k rows of 256 features into a 32k-row table), under the switch in
 "fp32" mode against torch's default (atomics) and against torch under
@@ -42,17 +43,19 @@ MODE = "fp32"
 SIZES = {"small": ((256, 64, 64), 200, 10), "gnn": ((100_000, 10_000, 64), 15, 1)}
 
 
-def _inputs(size: str) -> dict:
+def _inputs(size: str, device: str = "cpu") -> dict:
     (n_src, n_out, h), _, _ = SIZES[size]
     gen = torch.Generator().manual_seed(7)
-    index = torch.randint(0, n_out, (n_src,), generator=gen)
+    index = torch.randint(0, n_out, (n_src,), generator=gen).to(device)
     lengths = torch.bincount(index, minlength=n_out)
     return {
         "index": index,
         "expanded": index.view(-1, 1).expand(-1, h),
-        "src": torch.randn(n_src, h, generator=gen), "weights": torch.randn(n_src, generator=gen),
+        "src": torch.randn(n_src, h, generator=gen).to(device),
+        "weights": torch.randn(n_src, generator=gen).to(device),
         # Added into over and over: the values grow, the cost does not.
-        "work": torch.randn(n_out, h, generator=gen), "zeros": torch.zeros(n_out, h),
+        "work": torch.randn(n_out, h, generator=gen).to(device),
+        "zeros": torch.zeros(n_out, h, device=device),
         "lengths": lengths, "offsets": torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]),
         "n_out": n_out,
     }
@@ -124,6 +127,31 @@ def test_enable(benchmark, size, op, impl):
     calls = detsum.switch.counts - before
     # A call the switch left to torch would time torch's kernel under this case's name.
     assert calls and all(how == "detsum" for _, how in calls), dict(calls)
+
+
+@pytest.mark.parametrize("impl", ["switch", "primitive", "torch"])
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("size", list(SIZES))
+def test_enable_cuda_calls(benchmark, size, op, impl):
+    """``test_enable`` on CUDA tensors: the switch against the primitive it runs (the issue's
+    1.2x), torch's own kernel (its default, atomics) for the picture."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torchs, primitive = _calls(_inputs(size, "cuda"))[op]
+    (n_src, n_out, h), rounds, iterations = SIZES[size]
+    benchmark.group = f"enable cuda {op} {size}"
+    info = {"primitive": "enable", "op": op, "case": f"{n_src}x{h} -> {n_out}x{h} fp32",
+            "device": "cuda", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
+    baseline = {"switch": f"test_enable_cuda_calls[{size}-{op}-primitive]",
+                "primitive": f"test_enable_cuda_calls[{size}-{op}-torch]"}.get(impl)
+    before = detsum.switch.counts.copy()
+    with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
+        run_case(benchmark, primitive if impl == "primitive" else torchs, "cuda",
+                 rounds=rounds, warmup_rounds=3, info=info, iterations=iterations,
+                 baseline=baseline, baseline_case=baseline)
+    calls = detsum.switch.counts - before
+    assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls), (
+        dict(calls))
 
 
 CUDA_ROWS, CUDA_TABLE, CUDA_FEATURES = 50_000, 32_768, 256

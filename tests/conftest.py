@@ -7,6 +7,7 @@ import importlib.util
 import os
 import pathlib
 import sys
+import warnings
 import zlib
 
 import pytest
@@ -301,39 +302,90 @@ _OWN_CODE = (str(pathlib.Path(detsum.__file__).parent),
 _TENSOR_READS = ("tolist", "item", "numpy", "cpu", "nonzero", "__bool__", "__int__",
                  "__index__", "__float__")
 _FUNCTION_READS = ("unique", "nonzero", "bincount")
-#: Indexing with a boolean mask: the count of its True values is read back (a nonzero in C++,
-#: which the Python methods above never see).
-_MASK_READS = ("__getitem__", "__setitem__")
+
+#: The operators through which torch's own C++ reads a CPU tensor's values into the host, where
+#: no Python method above sees it: indexing by a boolean mask (and ``torch.where`` of a
+#: condition alone) counts its True values by ``nonzero``; ``item``, ``int()`` and the like,
+#: called inside an operator (``repeat_interleave`` without ``output_size``, say), end in
+#: ``_local_scalar_dense``.
+_DISPATCHER_READS = ("nonzero", "_local_scalar_dense")
+#: The asserts whose CPU kernel reads its flag (``_local_scalar_dense``), where a GPU's asserts
+#: on the device: not a read.
+_DEVICE_ASSERTS = ("_assert_async", "_assert_async.msg")
+_TORCH_CODE = str(pathlib.Path(torch.__file__).parent)
 
 
-def _has_mask(key) -> bool:
-    keys = key if isinstance(key, tuple) else (key,)
-    return any(isinstance(k, torch.Tensor) and k.dtype in (torch.bool, torch.uint8)
-               for k in keys)
+def _first_caller_outside_torch() -> str:
+    """The file of the innermost Python frame, above this function's caller, that is not
+    torch's own: the code whose operation reached the operator."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_TORCH_CODE):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_code.co_filename
+
+
+@contextlib.contextmanager
+def _operator_reads(on_read):
+    """``on_read(name, filename)`` at each call of ``_DISPATCHER_READS`` on CPU tensors from
+    detsum's own code, but inside ``_DEVICE_ASSERTS``: a kernel of ours in front of torch's,
+    at the CPU key, for the duration. Not a ``TorchFunctionMode`` nor a dispatch mode (detsum takes another path
+    under either: ``_dispatch.direct_call_ok``), nor a ``__getitem__`` set on
+    ``torch.Tensor`` (a Python ``__getitem__`` fills the class's sequence slot for good, and a
+    0-d tensor then passes for a sequence)."""
+    library = torch.library.Library("aten", "IMPL")
+    asserting = []  # inside a device assert's CPU kernel: its read is the GPU's assert
+
+    def watched(name, original):
+        def kernel(keyset, *args, **kwargs):
+            caller = _first_caller_outside_torch()
+            if caller.startswith(_OWN_CODE) and not asserting:
+                on_read(name, caller)
+            return original.call_boxed(keyset, *args, **kwargs)
+        return kernel
+
+    def an_assert(original):
+        def kernel(keyset, *args, **kwargs):
+            asserting.append(True)
+            try:
+                return original.call_boxed(keyset, *args, **kwargs)
+            finally:
+                asserting.pop()
+        return kernel
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "overriding a kernel": the point
+            for names, wrap in ((_DISPATCHER_READS, watched),
+                                (_DEVICE_ASSERTS, lambda name, original: an_assert(original))):
+                for name in names:
+                    original = torch.library.get_kernel(f"aten::{name}", "CPU")
+                    library.impl(name, wrap(name, original), "CPU", with_keyset=True)
+        yield
+    finally:
+        library._destroy()
 
 
 @contextlib.contextmanager
 def host_reads(on_read):
     """Calls ``on_read(name, filename)`` at every read of a tensor's values into Python from
     detsum's own code (detsum/ and its kernels/), before the read: the Python ways of reading
-    values (and indexing by a boolean mask) are replaced for the duration. On a GPU each of
-    them is a synchronisation."""
+    values are replaced for the duration, and the operators through which torch's C++ reads
+    them are watched (``_operator_reads``). On a GPU each of them is a synchronisation."""
     def guarded(name, original):
         def read(*args, **kwargs):
             caller = sys._getframe(1).f_code.co_filename
-            if caller.startswith(_OWN_CODE) and (name not in _MASK_READS
-                                                 or _has_mask(args[1])):
+            if caller.startswith(_OWN_CODE):
                 on_read(name, caller)
             return original(*args, **kwargs)
         return read
 
-    saved = [(torch.Tensor, name, getattr(torch.Tensor, name))
-             for name in (*_TENSOR_READS, *_MASK_READS)]
+    saved = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in _TENSOR_READS]
     saved += [(torch, name, getattr(torch, name)) for name in _FUNCTION_READS]
     try:
         for owner, name, original in saved:
             setattr(owner, name, guarded(name, original))
-        yield
+        with _operator_reads(on_read):
+            yield
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)

@@ -1251,3 +1251,82 @@ def test_new_ops_opinfo_samples_on_a_gpus_path_give_the_host_paths_bits(
         assert ran == ran_on_host, (seed, sample.kwargs)
         for a, e in zip(on_device, on_host):
             assert_same_bits(a, e)
+
+
+def _generated_new_op_calls(seed: int, dtype) -> dict:
+    """Calls of embedding_bag's backward, segment_reduce and histc on inputs drawn from
+    ``seed``: sizes, empty bags and segments, padding, per-sample weights, the last offset
+    included, batches along an axis, an ``initial``, lengths that leave rows out, values
+    outside a histogram's range and NaN."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    def randint(high, size=()):
+        return torch.randint(0, high, size, generator=gen)
+
+    n, width, table = int(randint(60)) + 1, int(randint(6)) + 1, int(randint(9)) + 1
+    index = randint(table, (n,))
+    cuts = randint(n + 1, (int(randint(5)),)).sort().values
+    bags = torch.cat([torch.zeros(1, dtype=torch.int64), cuts])
+    weight = draw(table, width)
+    bag_mode = int(randint(3))
+    padding = int(randint(table)) if bag_mode != 2 and int(randint(2)) else -1
+    last = bool(randint(2))
+    if last:
+        bags = torch.cat([bags, torch.tensor([n])])
+    per_sample = draw(n) if bag_mode == 0 and int(randint(2)) else None
+    out, offset2bag, bag_size, maximum = torch.ops.aten._embedding_bag(
+        weight, index, bags, False, bag_mode, False, per_sample, last, padding)
+    grad = draw(*out.shape)
+    batches, segments = int(randint(3)) + 1, int(randint(5)) + 1
+    values = draw(batches, n, width)
+    lengths = torch.stack([torch.bincount(randint(segments, (n,)), minlength=segments)
+                           for _ in range(batches)])
+    short = lengths // 2
+    reduce = ["sum", "mean", "max", "min"][int(randint(4))]
+    initial = [None, 0.0, -1.5][int(randint(3))]
+    flat = draw(n)
+    flat[randint(n, (3,))] = math.nan
+    bins, low = int(randint(9)) + 1, float(draw(()))
+    high = low + abs(float(draw(()))) + 0.25
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths[0].cumsum(0)])
+    return {
+        "_embedding_bag_dense_backward": lambda: torch.ops.aten._embedding_bag_backward(
+            grad, index, bags, offset2bag, bag_size, maximum, table, False, bag_mode, False,
+            per_sample, padding),
+        "segment_reduce": lambda: torch.segment_reduce(values, reduce, lengths=lengths, axis=1,
+                                                       initial=initial),
+        "segment_reduce offsets": lambda: torch.segment_reduce(values[0], reduce,
+                                                               offsets=offsets, initial=initial),
+        "segment_reduce unsafe": lambda: torch.segment_reduce(values, reduce, lengths=short,
+                                                              axis=1, unsafe=True),
+        "histc": lambda: torch.histc(flat, bins=bins, min=low, max=high),
+    }
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode,dtype", [("fp32", torch.float32), ("kahan", torch.bfloat16),
+                                        ("exact", torch.float16), ("autograd", torch.float64)],
+                         ids=str)
+def test_new_ops_generated_on_a_gpus_path_give_the_host_paths_bits(monkeypatch, mode, dtype):
+    """Generated inputs (``_generated_new_op_calls``), 12 draws: on the GPU's path (the triton
+    backend in the interpreter, a GPU's check levels) each call gives the host path's bits,
+    and each runs on detsum there exactly where it does on the host path."""
+    for seed in range(12):
+        for name, call in _generated_new_op_calls(seed, dtype).items():
+            operator = name.split()[0]
+            before = switch.counts.copy()
+            with detsum.deterministic(mode):
+                on_host = call()
+                monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+                try:
+                    with detsum.backend("triton"):
+                        on_device = call()
+                finally:
+                    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", False)
+            ran = [how for (op, how), count in (switch.counts - before).items()
+                   if op.split(".")[0] == operator for _ in range(count)]
+            assert len(ran) == 2 and ran[0] == ran[-1], (seed, name, ran)
+            assert_same_bits(on_device, on_host)

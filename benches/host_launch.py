@@ -125,7 +125,7 @@ def _launch_alone(t: dict) -> dict:
                       HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, HAS_CARRY=False,
                       SCALED=False, SPLIT=False, FIRST_TERM_START=False, NCOMP=1,
                       CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
-                      CHECK=segment._CHECK_NOTHING.value, BLOCK=16)
+                      CHECK=segment._CHECK_NOTHING.value, BLOCK=16, SEGS=1)
     grid = (SEGMENTS, 1, 1)
     jitted = segment._segment_kernel
     kernel = launch.Kernel(jitted)

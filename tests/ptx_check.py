@@ -50,7 +50,7 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
                 SPLIT=rule in kernels.SPLIT_RULES,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
                 CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
-                CHECK=segment._CHECK_NOTHING.value, BLOCK=block)
+                CHECK=segment._CHECK_NOTHING.value, BLOCK=block, SEGS=1)
 
 
 def _exact_types(data: str, acc: str) -> dict:

@@ -450,6 +450,134 @@ def test_unsorted_keys_give_the_bits_of_the_sorted_keys(reduce_rule, dtype, n_te
     assert_same_bits(*outs)
 
 
+# ---- narrow rows: several whole segments a program, as a tile ----------------------------------
+
+TILE_RULES = [(reduce, rule) for reduce, rule in SCAN_RULES
+              if rule not in ("CUDA_STRIDE_1", "EXACT")]
+# How the launch gets its offsets: checked already, unchecked ("off": clamped, their running
+# maximum), or checked by the launch itself (every bound, a verdict read back).
+TILE_BOUNDS = ["offsets", "unchecked", "checked by the launch"]
+
+
+def _tile_allowed(reduce_rule, dtype, width, alpha, include_base, has_order, bounds,
+                  long_plan):
+    return alpha == 1.0 or reduce_rule[0] == "sum"
+
+
+@pytest.mark.parametrize(
+    "reduce_rule,dtype,width,alpha,include_base,has_order,bounds,long_plan", pairwise(
+        [TILE_RULES, DTYPES, [1, 5, 64], [1.0, 0.3], [True, False, None], [True, False],
+         TILE_BOUNDS, [False, True]], allowed=_tile_allowed, everything=HAS_CUDA))
+def test_segments_in_tiles_give_the_bits_of_one_segment_a_program(
+        monkeypatch, reduce_rule, dtype, width, alpha, include_base, has_order, bounds,
+        long_plan):
+    """Narrow rows (``segment.TILE_BYTES``: several whole segments a program, as one tile)
+    against the launch of one segment a program (``TILE_BYTES = 0``): the same bits for every
+    reduction and rule, dtype, width (1, 5, 64 columns), alpha, base row (included, left out,
+    none), order or none, kind of offsets, and segments of different lengths (empty ones, 11
+    segments: not a multiple of the tile), with NaN, infinities and signed zeros among the
+    terms and an outer dim; unchecked offsets outside ``[0, positions]`` at both ends; with
+    ``long_plan``, more positions than a chunk that a plan says no segment holds
+    (``chunks=(.., 0)``). Outputs are NaN before the launch."""
+    from detsum.kernels.triton import segment
+
+    reduce, rule = reduce_rule
+    seed = seed_of("triton-tile", reduce, rule, dtype, width, alpha, include_base, has_order,
+                   bounds, long_plan)
+    g = torch.Generator().manual_seed(seed)
+    nseg = 11
+    # With long_plan, more than CHUNK positions in all, no segment near CHUNK.
+    lengths = (torch.randint(30, 60, (nseg,), generator=g) if long_plan
+               else torch.randint(0, 12, (nseg,), generator=g))
+    lengths[[2, 7]] = 0
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    positions = int(offsets[-1])
+    src = make_data((2, positions + 3, width), dtype, seed=seed, spread=reduce != "prod")
+    if reduce == "prod":
+        src = (1 + src.double() / 256).to(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    picks = torch.rand(src.shape, generator=g) < 0.05
+    src[picks] = specials[torch.randint(0, 5, (int(picks.sum()),), generator=g)].to(dtype)
+    order = torch.randperm(positions + 3, generator=g)[:positions] if has_order else None
+    if not has_order:
+        src = src[:, :positions]
+    base = None if include_base is None else make_data((2, nseg, width), dtype, seed=seed + 1)
+    chunks = (torch.zeros(nseg, dtype=torch.int64), 0) if long_plan else None
+    tiled, chosen = [], segment._segments_per_program
+
+    def counted(*args):
+        tiled.append(chosen(*args))
+        return tiled[-1]
+
+    monkeypatch.setattr(segment, "_segments_per_program", counted)
+    outs = []
+    if bounds == "unchecked":
+        # Values "off" launches as they are: clamped into [0, positions] as they are read.
+        offsets = offsets.clone()
+        offsets[0], offsets[-1] = -3, positions + 7
+    for tile_bytes in (segment.TILE_BYTES, 0):
+        monkeypatch.setattr(segment, "TILE_BYTES", tile_bytes)
+        values = on_device(offsets)
+        given = {"offsets": values,
+                 "unchecked": kernels.UncheckedOffsets(values, positions),
+                 "checked by the launch": kernels.UncheckedOffsets(values, positions,
+                                                                   _no_failure)}[bounds]
+        out = on_device(torch.full((2, nseg, width), float("nan"), dtype=dtype))
+        segment.segment_reduce(on_device(src), on_device(order), given, on_device(base), out,
+                               reduce=kernels.REDUCE_CODES[reduce],
+                               rule=getattr(kernels, rule), alpha=alpha,
+                               include_base=bool(include_base), chunks=chunks)
+        outs.append(out.cpu())
+    # Narrow: a row block under 512 bytes (float64 rows of 64 columns are not).
+    narrow = max(16, 1 << (width - 1).bit_length()) * src.element_size() < 512
+    assert (tiled[0] > 1) == narrow and tiled[1] == 1, tiled
+    assert_same_bits(*outs)
+
+
+def _no_failure():
+    raise AssertionError("valid offsets reported bad")
+
+
+class _Reported(Exception):
+    pass
+
+
+def _reported():
+    raise _Reported
+
+
+def test_tiles_of_many_segments_checked_by_the_launch(monkeypatch):
+    """2100 segments of narrow rows, in tiles, their 2101 offsets checked by the launch itself
+    (three checkers, each a block of 1024 bounds, no more checkers than programs): valid
+    offsets give the bits of one segment a program, and a decrease anywhere is reported."""
+    from detsum.kernels.triton import segment
+
+    g = torch.Generator().manual_seed(21)
+    nseg = 2100
+    lengths = torch.randint(0, 3, (nseg,), generator=g)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    positions = int(offsets[-1])
+    src = on_device(make_data((1, positions, 4), torch.float32, seed=22))
+    outs = []
+    for tile_bytes in (segment.TILE_BYTES, 0):
+        monkeypatch.setattr(segment, "TILE_BYTES", tile_bytes)
+        out = on_device(torch.full((1, nseg, 4), float("nan")))
+        segment.segment_reduce(src, None, kernels.UncheckedOffsets(
+            on_device(offsets), positions, _no_failure), None, out, reduce=kernels.SUM,
+            rule=kernels.WIDE, alpha=1.0, include_base=False)
+        outs.append(out.cpu())
+    assert_same_bits(*outs)
+    monkeypatch.setattr(segment, "TILE_BYTES", 2048)
+    for at in (5, nseg - 1):
+        bad = offsets.clone()
+        bad[at] = bad[at + 1] + 1  # one decrease, in the first checker's block, the last's
+        with pytest.raises(_Reported):
+            segment.segment_reduce(src, None, kernels.UncheckedOffsets(
+                on_device(bad), positions, _reported), None,
+                on_device(torch.empty(1, nseg, 4)), reduce=kernels.SUM, rule=kernels.WIDE,
+                alpha=1.0, include_base=False)
+
+
 def test_sort_offsets_are_searchsorteds_answers():
     """``chunks.sort_offsets`` (a sort's values to the launch's offsets, one kernel) against
     ``torch.searchsorted`` for every ``s`` in ``[0, nseg]``: even segments, random ones, one

@@ -270,6 +270,88 @@ def _reduce_part(
                     tl.store(out_at, _to_data(value, DATA, out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _reduce_segments(
+    src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, base_ptr, bs0, bs1, bs2,
+    out_ptr, os0, os1, os2, alpha, outer, nseg, inner, first_seg,
+    REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
+    HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
+    SCALED: tl.constexpr, FIRST_TERM_START: tl.constexpr, BOUNDS: tl.constexpr,
+    SEGS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Segments ``first_seg .. first_seg + SEGS - 1`` (those below ``nseg``), whole, as one
+    tile of SEGS rows by BLOCK columns (narrow rows: see the launcher). Row ``i`` of the tile
+    is segment ``first_seg + i``: its terms are combined in position order, from the same
+    start, by the same steps as ``_reduce_part``'s, so each output element gets the same
+    bits; the term loop runs to the longest segment's count, a shorter segment's row left as
+    it is past its own (masked loads, and ``where``). Bounds: offsets (OFFSETS, ANY_OFFSETS);
+    no chunks, no carry, no scan."""
+    at = tl.arange(0, SEGS).to(tl.int64)
+    segs = first_seg + at
+    real = segs < nseg
+    p0 = tl.load(bounds_ptr + segs, mask=real, other=0).to(tl.int64)
+    p_end = tl.load(bounds_ptr + segs + 1, mask=real, other=0).to(tl.int64)
+    if BOUNDS == _ANY_OFFSETS:
+        p0 = tl.minimum(tl.maximum(p0, 0), positions)
+        p_end = tl.maximum(tl.minimum(tl.maximum(p_end, 0), positions), p0)  # decreasing: empty
+    n = tl.where(real, p_end - p0, 0)
+    count = n
+    if USE_BASE:
+        count = n + 1
+    longest = tl.max(n, 0)
+    has_terms = n > 0
+    n_blocks = tl.cdiv(inner, BLOCK)
+    for o in range(tl.program_id(2).to(tl.int64), outer, tl.num_programs(2)):
+        row_base = src_ptr + o * ss0
+        for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
+            cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+            live = real[:, None] & (cols < inner)[None, :]
+            base_at = base_ptr + o * bs0 + segs[:, None] * bs1 + cols[None, :] * bs2
+            init = tl.zeros([SEGS, BLOCK], ACC)
+            if USE_BASE:
+                init = _to_acc(tl.load(base_at, mask=live, other=0), DATA, ACC)
+            comp = tl.zeros([SEGS, BLOCK], ACC)
+            k_begin = 0
+            if FIRST_TERM_START:
+                first_row = p0
+                if HAS_ORDER:
+                    first_row = tl.load(order_ptr + p0, mask=has_terms, other=0)
+                acc = _to_acc(tl.load(row_base + first_row[:, None] * ss1 + cols[None, :] * ss2,
+                                      mask=live & has_terms[:, None], other=0), DATA, ACC)
+                if SCALED:
+                    acc = acc * alpha
+                k_begin = 1
+            elif RULE == _SMALL_STRIDE:
+                acc = tl.zeros([SEGS, BLOCK], ACC)  # torch sums the terms from 0, init last
+            elif USE_BASE:
+                acc = init
+            elif REDUCE == _PROD:
+                acc = tl.zeros([SEGS, BLOCK], ACC) + 1.0
+            else:
+                acc = tl.zeros([SEGS, BLOCK], ACC)
+            for k in tl.range(k_begin, longest, num_stages=_TERM_STAGES):
+                active = k < n
+                p = p0 + k
+                row = p
+                if HAS_ORDER:
+                    row = tl.load(order_ptr + p, mask=active, other=0)
+                x = _to_acc(tl.load(row_base + row[:, None] * ss1 + cols[None, :] * ss2,
+                                    mask=live & active[:, None], other=0), DATA, ACC)
+                combined, combined_comp = _combine(acc, comp, x, alpha, REDUCE, RULE, DATA,
+                                                   SCALED)
+                acc = tl.where(active[:, None], combined, acc)
+                comp = tl.where(active[:, None], combined_comp, comp)
+            value = _to_data(_finish(acc, comp, init, count[:, None], REDUCE, RULE, DATA, ACC),
+                             DATA, out_ptr.dtype.element_ty)
+            # torch never visits a row without terms: the base row unchanged (bit copy).
+            if HAS_BASE:
+                kept = tl.load(base_at, mask=live, other=0)
+            else:
+                kept = _to_data(tl.zeros([SEGS, BLOCK], ACC), DATA, out_ptr.dtype.element_ty)
+            tl.store(out_ptr + o * os0 + segs[:, None] * os1 + cols[None, :] * os2,
+                     tl.where(has_terms[:, None], value, kept), mask=live)
+
+
 # ---- checks of the bounds, in the launch -------------------------------------------------------
 
 @triton.jit
@@ -377,9 +459,10 @@ def _segment_kernel(
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
     HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
     FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
-    BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
+    BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, SEGS: tl.constexpr,
 ):
-    """Whole segments (slot < nseg) and, under SPLIT, the chunks of the long segments: side
+    """Whole segments (slot < nseg; with SEGS > 1, segments ``SEGS * slot ..`` as a tile,
+    ``_reduce_segments``) and, under SPLIT, the chunks of the long segments: side
     ``(slot - nseg) % 2`` of chunk program ``(slot - nseg) // 2`` of ``n_parts``
     (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
@@ -408,63 +491,69 @@ def _segment_kernel(
     alpha = 1.0
     if SCALED:
         alpha = tl.load(alpha_ptr)
-    # One term loop for whole segments and chunks: a second copy of the loop would hold
-    # registers of its own. Without SPLIT, is_chunk is the constant False and the chunks'
-    # code is not compiled. Chunk program e's two sides (_chunk_owned) are two programs,
-    # slots nseg + 2 e + side, which are also their workspace slots.
-    is_chunk = False
-    if SPLIT:
-        is_chunk = slot >= nseg
-    work_slot = slot - nseg
-    work_rows = 2 * n_parts
-    if is_chunk:
-        seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, work_slot // 2,
-                                            work_slot % 2, CHUNK, BOUNDS)
-        p_begin = p0 + j * CHUNK
-        p_end = tl.minimum(p0 + n, p_begin + CHUNK)
+    if SEGS > 1:
+        _reduce_segments(src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, base_ptr,
+                         bs0, bs1, bs2, out_ptr, os0, os1, os2, alpha, outer, nseg, inner,
+                         slot * SEGS, REDUCE, RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE,
+                         SCALED, FIRST_TERM_START, BOUNDS, SEGS, BLOCK)
     else:
-        if BOUNDS == _UNSORTED_KEYS:
-            # Every key at once (at most CHUNK): how many are this segment's, and the first
-            # one's position, from which the term loop takes those whose key is the segment.
-            at = tl.arange(0, CHUNK)
-            keys = _scanned_keys(bounds_ptr, positions, -1, CHUNK)
-            hits = keys == slot
-            n = tl.sum(hits.to(tl.int64), 0)
-            p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
-            p_end = tl.zeros([], tl.int64) + positions
-        else:
-            p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
-            p_end = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
-            if BOUNDS == _ANY_OFFSETS:
-                p_end = tl.maximum(p_end, p0)  # offsets that decrease: an empty segment
-            n = p_end - p0
-        seg = slot
-        j = tl.zeros([], tl.int64)
-        p_begin = p0
-        owned = n >= 0  # always, unless the chunk programs own this segment
+        # One term loop for whole segments and chunks: a second copy of the loop would hold
+        # registers of its own. Without SPLIT, is_chunk is the constant False and the chunks'
+        # code is not compiled. Chunk program e's two sides (_chunk_owned) are two programs,
+        # slots nseg + 2 e + side, which are also their workspace slots.
+        is_chunk = False
         if SPLIT:
-            owned = n <= CHUNK
-        if (BOUNDS == _UNSORTED_KEYS) & (CHECK == _CHECK_BEFORE_WRITING):
-            # Keys checked at "host": where one is out of range no program writes anything,
-            # so the caller's tensor of an in-place call is as it was when the error raises
-            # (after the launch, from one read of the flag).
-            in_range = ((tl.min(tl.where(at < positions, keys, 0), 0) >= 0)
-                        & (tl.max(keys, 0) < nseg))
-            owned = owned & in_range
-    if owned:
-        _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0,
-                     os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, alpha, outer,
-                     inner, seg, j, p_begin, p_end, n, work_slot, is_chunk, REDUCE, RULE,
-                     DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
-                     FIRST_TERM_START, NCOMP, BLOCK, BOUNDS == _UNSORTED_KEYS)
-        if SPLIT:  # within `if owned`, Triton 3.9 compiled `if is_chunk` even when False
-            if is_chunk:
-                # Which program folds varies from run to run; the order of the fold never
-                # does.
-                if _last_chunk_done(counters_ptr, p0, n, CHUNK):
-                    _fold_chunks(out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
-                                 work_rows, outer, inner, seg, p0, n, REDUCE, RULE, DATA, ACC,
-                                 USE_BASE, HAS_CARRY, NCOMP, CHUNK, BLOCK)
+            is_chunk = slot >= nseg
+        work_slot = slot - nseg
+        work_rows = 2 * n_parts
+        if is_chunk:
+            seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, work_slot // 2,
+                                                work_slot % 2, CHUNK, BOUNDS)
+            p_begin = p0 + j * CHUNK
+            p_end = tl.minimum(p0 + n, p_begin + CHUNK)
+        else:
+            if BOUNDS == _UNSORTED_KEYS:
+                # Every key at once (at most CHUNK): how many are this segment's, and the first
+                # one's position, from which the term loop takes those whose key is the segment.
+                at = tl.arange(0, CHUNK)
+                keys = _scanned_keys(bounds_ptr, positions, -1, CHUNK)
+                hits = keys == slot
+                n = tl.sum(hits.to(tl.int64), 0)
+                p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
+                p_end = tl.zeros([], tl.int64) + positions
+            else:
+                p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
+                p_end = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
+                if BOUNDS == _ANY_OFFSETS:
+                    p_end = tl.maximum(p_end, p0)  # offsets that decrease: an empty segment
+                n = p_end - p0
+            seg = slot
+            j = tl.zeros([], tl.int64)
+            p_begin = p0
+            owned = n >= 0  # always, unless the chunk programs own this segment
+            if SPLIT:
+                owned = n <= CHUNK
+            if (BOUNDS == _UNSORTED_KEYS) & (CHECK == _CHECK_BEFORE_WRITING):
+                # Keys checked at "host": where one is out of range no program writes anything,
+                # so the caller's tensor of an in-place call is as it was when the error raises
+                # (after the launch, from one read of the flag).
+                in_range = ((tl.min(tl.where(at < positions, keys, 0), 0) >= 0)
+                            & (tl.max(keys, 0) < nseg))
+                owned = owned & in_range
+        if owned:
+            _reduce_part(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr, os0,
+                         os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr, work_rows, alpha, outer,
+                         inner, seg, j, p_begin, p_end, n, work_slot, is_chunk, REDUCE, RULE,
+                         DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, HAS_CARRY, SCALED,
+                         FIRST_TERM_START, NCOMP, BLOCK, BOUNDS == _UNSORTED_KEYS)
+            if SPLIT:  # within `if owned`, Triton 3.9 compiled `if is_chunk` even when False
+                if is_chunk:
+                    # Which program folds varies from run to run; the order of the fold never
+                    # does.
+                    if _last_chunk_done(counters_ptr, p0, n, CHUNK):
+                        _fold_chunks(out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2, work_ptr,
+                                     work_rows, outer, inner, seg, p0, n, REDUCE, RULE, DATA, ACC,
+                                     USE_BASE, HAS_CARRY, NCOMP, CHUNK, BLOCK)
 
 
 # ---- launcher ----------------------------------------------------------------------------------
@@ -572,9 +661,14 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
     block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
                                           _MAX_GRID_YZ)
+    segs = _segments_per_program(block * src.element_size(), nseg, split, has_carry,
+                                 bounds_kind)
+    if segs > 1:
+        num_warps = _tile_warps(segs * block * src.element_size())
+    programs = _cdiv(nseg, segs) if segs > 1 else nseg + 2 * n_parts
     # The checkers of every bound: one per _CHECK_BLOCK bounds, at most one per program.
     checked_bounds = bounds.shape[0]
-    checkers = (min(_cdiv(checked_bounds, _CHECK_BLOCK.value), nseg + n_parts)
+    checkers = (min(_cdiv(checked_bounds, _CHECK_BLOCK.value), programs)
                 if check == _CHECK_EVERY.value else 1)
     # The workspace: the chunks' parts, then the flag that a checked launch writes.
     parts_size = outer * 2 * n_parts * ncomp * inner
@@ -586,7 +680,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     counters = (ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
                 if split or check == _CHECK_EVERY.value else None)
     _launch_segment(
-        (nseg + 2 * n_parts, *grid_yz),
+        (programs, *grid_yz),
         (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
          out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag,
          out if counters is None else counters, checkers, outer, nseg, inner),
@@ -594,11 +688,38 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
          "HAS_ORDER": has_order, "HAS_BASE": has_base, "USE_BASE": use_base,
          "HAS_CARRY": has_carry, "SCALED": scaled, "SPLIT": split,
          "FIRST_TERM_START": not use_base and reduce in (AMAX, AMIN), "NCOMP": ncomp,
-         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "CHECK": check, "BLOCK": block},
+         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "CHECK": check, "BLOCK": block,
+         "SEGS": segs},
         num_warps=num_warps,
     )
     if checked:
         _report(flag, failure, counters)
+
+
+#: A narrow row: under 512 bytes a program and step (``_blocking`` gives it one warp, and most
+#: of its lanes load 4 or 8 bytes). Hopper keeps at most 32 programs on an SM, so one-warp
+#: programs fill at most half its 64 warp slots, whatever their registers.
+_NARROW_ROW_BYTES = 512
+#: The bytes of the tile of segments (``_reduce_segments``) that a program of narrow rows
+#: takes instead of one segment: 2 KiB, four warps of 16-byte loads. 0: one segment a
+#: program, always (the layout before, kept for comparing the two on a GPU).
+TILE_BYTES = 2048
+
+
+def _segments_per_program(row_bytes: int, nseg: int, split: bool, has_carry: bool,
+                          bounds_kind: int) -> int:
+    """How many whole segments one program of the launch reduces (``SEGS``): several for
+    narrow rows whose segments are whole (no chunks), with no carry, bounded by offsets;
+    else 1."""
+    if (row_bytes >= _NARROW_ROW_BYTES or split or has_carry or nseg < 2
+            or bounds_kind not in (_OFFSETS.value, _ANY_OFFSETS.value)):
+        return 1
+    return max(1, min(TILE_BYTES // row_bytes, _next_power_of_2(nseg)))
+
+
+def _tile_warps(tile_bytes: int) -> int:
+    """The warps of a program of a tile of segments: one per 512 bytes, 1 to 8."""
+    return max(1, min(8, tile_bytes // 512))
 
 
 def _report(flag: torch.Tensor, failure, counters: torch.Tensor | None) -> None:

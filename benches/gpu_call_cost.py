@@ -18,7 +18,11 @@ and replayed, timed by CUDA events (a node of a graph adds about a microsecond);
 that synchronises, which no graph can hold. Latency minus device time is what the host adds: the
 part a plan, fewer checks or a leaner launch path can remove, as against the kernels' own.
 
-    python benches/gpu_call_cost.py [--json PATH]
+``--tile-bytes 0`` launches narrow rows one segment a program (the layout before the tiles of
+segments, ``detsum.kernels.triton.segment.TILE_BYTES``), to compare the two; ``--sizes``
+narrows the run (``mid`` holds the narrow rows).
+
+    python benches/gpu_call_cost.py [--json PATH] [--sizes tiny mid moe] [--tile-bytes N]
 """
 
 from __future__ import annotations
@@ -128,13 +132,20 @@ def _syncs(fn) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
+    parser.add_argument("--tile-bytes", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.tile_bytes is not None:
+        from detsum.kernels.triton import segment
+
+        segment.TILE_BYTES = args.tile_bytes
     rows_out = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"{CALLS} calls x {ROUNDS} rounds")
     print(f"{'size':5} {'dtype':5} {'call':26} {'latency us':>10} {'issue us':>9} "
           f"{'device us':>9} {'kernels':>7} {'syncs':>5}")
-    for size, (rows, width, out_rows) in SIZES.items():
+    for size in args.sizes:
+        rows, width, out_rows = SIZES[size]
         for dtype in (torch.float32, torch.bfloat16):
             for name, fn in _cases(rows, width, out_rows, dtype).items():
                 if size == "moe" and name not in MOE_CALLS:
@@ -157,7 +168,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "calls": CALLS, "rounds": ROUNDS, "rows": rows_out}, f, indent=1)
+                       "calls": CALLS, "rounds": ROUNDS, "tile_bytes": args.tile_bytes,
+                       "rows": rows_out}, f, indent=1)
     return 0
 
 

@@ -74,6 +74,11 @@ for stage in $STAGES; do
         # every row of the GPU issues' tables that one GPU can measure.
         python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
             | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" || status=1
+        # Narrow rows one segment a program, the layout before the tiles of segments.
+        python3 benches/gpu_call_cost.py --sizes mid --tile-bytes 0 \
+            --json "$OUT/call-cost-untiled.json" 2>&1 \
+            | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost-untiled.txt" \
+            || status=1
         python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
             -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda" \
             --benchmark-json="$OUT/bench-targets.json" 2>&1 | tail -n 5 || status=1

@@ -214,6 +214,33 @@ def _launched_moe_backward() -> dict:
     return found
 
 
+def _launched_narrow() -> dict:
+    """``_segment_kernel`` as ``index_add_`` with a plan launches it for narrow rows (64
+    columns of fp32 and of bf16): several segments a program as one tile
+    (``segment._reduce_segments``). Its PTX's counts, its term loop, whether it loads 16
+    bytes at a time (``ld.global.v4``) and its registers."""
+    import triton_stub
+
+    import detsum
+
+    triton_stub.install(record=False)
+    index = torch.randint(0, 256, (2048,), generator=torch.Generator().manual_seed(1))
+    found = {}
+    with triton_stub.cpu_tensors_as_cuda():
+        plan = detsum.plan(index, 256)
+        for dtype in (torch.float32, torch.bfloat16):
+            before = set(segment._launch_segment._compiled)
+            detsum.index_add_(torch.zeros(256, 64, dtype=dtype), 0, index,
+                              torch.zeros(2048, 64, dtype=dtype), check="off", plan=plan)
+            (compiled,) = [entry[-1] for key, entry in segment._launch_segment._compiled.items()
+                           if key not in before]
+            ptx = compiled.asm["ptx"]
+            found[str(dtype)] = {**_count(ptx), **_term_loop(ptx), **_resources(ptx),
+                                 "loads_16_bytes": "ld.global.v4." in ptx,
+                                 "warps": compiled.metadata.num_warps}
+    return found
+
+
 def main() -> dict:
     found = {}
     bf16 = _segment_types("i16", "fp32")
@@ -312,6 +339,8 @@ def main() -> dict:
         dict(TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
     found["bf16 sum wide h4096 launched"] = _launched_gather()
     found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
+    for dtype, counts in _launched_narrow().items():
+        found[f"narrow rows {dtype} h64 launched"] = counts
     # The control: Triton's default (fusion allowed) does contract the scaled sum, so a count
     # of 0 above is the launch option's doing, not an accident of the code.
     config = _segment_config(kernels.SUM, kernels.WIDE, 1, tl.float32, True, 1024)

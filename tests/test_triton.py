@@ -909,6 +909,18 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
         assert moe["fp32 sort"]["registers"] <= 40, moe
         for form in moe.values():
             assert form["spill_stores"] == form["spill_loads"] == 0, moe
+    # Narrow rows (64 columns) with a plan: several segments a program as one tile of four
+    # warps, loaded 16 bytes at a time by asynchronous copies, 4 tiles in flight (each a row
+    # of every segment of the tile), nothing spilled.
+    for dtype in ("torch.float32", "torch.bfloat16"):
+        narrow = found[f"narrow rows {dtype} h64 launched"]
+        assert narrow["warps"] == 4, narrow
+        assert narrow["loads_16_bytes"], narrow
+        assert narrow["pipelined_term_loops"] == 1, narrow
+        assert narrow["row_copies_per_iteration"] >= 1, narrow
+        assert narrow["rows_in_flight"] >= 4, narrow
+        if "spill_stores" in narrow:  # Triton shipped a ptxas for sm_90
+            assert narrow["spill_stores"] == narrow["spill_loads"] == 0, narrow
 
 
 def test_ptx_check_sees_an_atomic_without_a_barrier_before_it():

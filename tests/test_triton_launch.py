@@ -190,7 +190,7 @@ def test_fallback_launches_through_jitfunction_run(launch_check):
 
 
 def test_constexprs_out_of_order_are_refused(launch_check):
-    assert launch_check["order_error"].startswith("_segment_kernel: constexprs ('BLOCK',")
+    assert launch_check["order_error"].startswith("_segment_kernel: constexprs ('SEGS', 'BLOCK',")
     assert "expected ('REDUCE', 'RULE'," in launch_check["order_error"]
 
 

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import math
 import sys
 import threading
@@ -853,7 +852,6 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     # The values are read in NumPy, a microsecond or two a step where a torch op on a small
     # tensor takes three to five.
     values = bounds.numpy() if bounds.is_cpu else bounds.cpu().numpy()
-    on_data = functools.partial(_on_device_of, data)
     if values.ndim == 1:  # the common form, with fewer NumPy steps than the general one below
         if offsets is not None:
             if (int(values[0]) == 0 and int(values[-1]) == size
@@ -863,7 +861,7 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
             flat = np.zeros(values.size + 1, dtype=np.int64)
             np.cumsum(values, out=flat[1:])
             if int(flat[-1]) == size:
-                return lambda: _segment_run(mode, data, reduce, axis, on_data(flat),
+                return lambda: _segment_run(mode, data, reduce, axis, _on_device_of(data, flat),
                                             None, initial)
     if offsets is not None:
         decreasing = bool((values[..., 1:] < values[..., :-1]).any())
@@ -897,15 +895,15 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     flat = np.zeros(lengths.size + 1, dtype=np.int64)
     np.cumsum(lengths, out=flat[1:])
     if tiled:  # each batch's segments tile its rows: they are offsets into data's rows
-        return lambda: _segment_run(mode, data, reduce, axis, on_data(flat), None,
+        return lambda: _segment_run(mode, data, reduce, axis, _on_device_of(data, flat), None,
                                     initial)
     # Segments that leave rows out: each one's rows, in order (its start in its batch, plus
     # the place in the segment), picked out of data's.
     batches = starts[..., 0].size
     firsts = (starts + size * np.arange(batches).reshape(*starts.shape[:-1], 1)).reshape(-1)
     picked = np.repeat(firsts - flat[:-1], lengths.reshape(-1)) + np.arange(flat[-1])
-    return lambda: _segment_run(mode, data, reduce, axis, on_data(flat),
-                                on_data(picked), initial)
+    return lambda: _segment_run(mode, data, reduce, axis, _on_device_of(data, flat),
+                                _on_device_of(data, picked), initial)
 
 
 def _on_device_of(data: torch.Tensor, values: np.ndarray) -> torch.Tensor:

@@ -1015,8 +1015,9 @@ def _histc_edges(self, bins, min, max):
     width, scale = right - left, torch.tensor(bins, dtype=self.dtype)
     if not (bool(torch.isfinite(width)) and bool(width > 0) and bool(torch.isfinite(scale))):
         return None
-    # Each step of the bin arithmetic is nondecreasing in x: right's bin is the largest.
-    if not (right - left) * scale / width < bins + 1:  # NaN and inf fail too
+    # Each step of the bin arithmetic is nondecreasing in x: right's bin is the largest. (In
+    # Python: compared in the dtype, bins + 1 could round.)
+    if not float((right - left) * scale / width) < bins + 1:  # NaN and inf fail too
         return None
     return left, right, width, scale
 
@@ -1047,10 +1048,10 @@ def _histc_counts(mode, self, bins, position):
     GPU's path ``position`` holds every element, those outside the histogram at the spare bin
     ``bins``, which the result leaves out."""
     if not _checked_on_device(self):
-        zeros = torch.zeros(bins, dtype=self.dtype)
+        zeros = torch.zeros(bins, dtype=self.dtype, device=self.device)
         if position.numel() == 0:
             return zeros
-        ones = torch.ones(position.shape, dtype=self.dtype)
+        ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
         return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode)
     zeros = torch.zeros(bins + 1, dtype=self.dtype, device=self.device)
     ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)

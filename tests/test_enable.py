@@ -1135,6 +1135,22 @@ def test_histc_bins_at_their_edges_as_torch():
             assert_same_bits(counts, expected)
 
 
+def test_histc_bins_past_a_half_dtypes_integers_run_on_detsum():
+    """2048 and 4096 bins of float16 data over [0, 1]: ``bins + 1`` is no float16 value, and
+    the test of the largest bin, made in Python, still takes the call (torch's bits); a
+    range whose product passes float16's (bins 100 over 1000) goes to torch."""
+    values = torch.rand(5000, generator=torch.Generator().manual_seed(3)).half()
+    for bins in (2048, 4096):
+        expected = torch.histc(values, bins=bins, min=0, max=1)
+        counts, ran = run_counted("histc", "autograd",
+                                  lambda: torch.histc(values, bins=bins, min=0, max=1))
+        assert ran == 1, bins
+        assert_same_bits(counts, expected)
+    _, ran = run_counted("histc", "autograd",
+                         lambda: torch.histc(values * 1000, bins=100, min=0, max=1000))
+    assert ran == 0
+
+
 def test_new_ops_fallbacks_per_mode():
     """The calls docs/enable.md leaves to torch, per mode: each runs torch's kernel (and so
     gives torch's bits)."""

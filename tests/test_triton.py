@@ -459,38 +459,44 @@ TILE_RULES = [(reduce, rule) for reduce, rule in SCAN_RULES
 TILE_BOUNDS = ["offsets", "unchecked", "checked by the launch"]
 
 
-def _tile_allowed(reduce_rule, dtype, width, alpha, include_base, has_order, bounds,
-                  long_plan):
+# The segments' lengths: a dozen terms at most; more positions than a chunk, which a plan says
+# no segment holds (chunks=(.., 0)); and one segment longer than a chunk among short ones,
+# which the chunk programs take (under the rules that split).
+TILE_LENGTHS = ["short", "no long segment, planned", "one long segment"]
+
+
+def _tile_allowed(reduce_rule, dtype, width, alpha, include_base, has_order, bounds, lengths):
     return alpha == 1.0 or reduce_rule[0] == "sum"
 
 
 @pytest.mark.parametrize(
-    "reduce_rule,dtype,width,alpha,include_base,has_order,bounds,long_plan", pairwise(
+    "reduce_rule,dtype,width,alpha,include_base,has_order,bounds,lengths", pairwise(
         [TILE_RULES, DTYPES, [1, 5, 64], [1.0, 0.3], [True, False, None], [True, False],
-         TILE_BOUNDS, [False, True]], allowed=_tile_allowed, everything=HAS_CUDA))
+         TILE_BOUNDS, TILE_LENGTHS], allowed=_tile_allowed, everything=HAS_CUDA))
 def test_segments_in_tiles_give_the_bits_of_one_segment_a_program(
         monkeypatch, reduce_rule, dtype, width, alpha, include_base, has_order, bounds,
-        long_plan):
+        lengths):
     """Narrow rows (``segment.TILE_BYTES``: several whole segments a program, as one tile)
     against the launch of one segment a program (``TILE_BYTES = 0``): the same bits for every
     reduction and rule, dtype, width (1, 5, 64 columns), alpha, base row (included, left out,
     none), order or none, kind of offsets, and segments of different lengths (empty ones, 11
     segments: not a multiple of the tile), with NaN, infinities and signed zeros among the
-    terms and an outer dim; unchecked offsets outside ``[0, positions]`` at both ends; with
-    ``long_plan``, more positions than a chunk that a plan says no segment holds
-    (``chunks=(.., 0)``). Outputs are NaN before the launch."""
+    terms and an outer dim; unchecked offsets outside ``[0, positions]`` at both ends;
+    ``TILE_LENGTHS``. Outputs are NaN before the launch."""
     from detsum.kernels.triton import segment
 
     reduce, rule = reduce_rule
     seed = seed_of("triton-tile", reduce, rule, dtype, width, alpha, include_base, has_order,
-                   bounds, long_plan)
+                   bounds, lengths)
     g = torch.Generator().manual_seed(seed)
     nseg = 11
-    # With long_plan, more than CHUNK positions in all, no segment near CHUNK.
-    lengths = (torch.randint(30, 60, (nseg,), generator=g) if long_plan
-               else torch.randint(0, 12, (nseg,), generator=g))
-    lengths[[2, 7]] = 0
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    long_plan = lengths == "no long segment, planned"
+    counts = (torch.randint(30, 60, (nseg,), generator=g) if long_plan
+              else torch.randint(0, 12, (nseg,), generator=g))
+    counts[[2, 7]] = 0
+    if lengths == "one long segment":
+        counts[4] = 2 * CHUNK + 5
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     positions = int(offsets[-1])
     src = make_data((2, positions + 3, width), dtype, seed=seed, spread=reduce != "prod")
     if reduce == "prod":

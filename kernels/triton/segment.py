@@ -285,23 +285,27 @@ def _reduce_segments(
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
     SCALED: tl.constexpr, FIRST_TERM_START: tl.constexpr, BOUNDS: tl.constexpr,
-    SEGS: tl.constexpr, BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr, CHUNK: tl.constexpr, SEGS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Segments ``first_seg .. first_seg + SEGS - 1`` (those below ``nseg``), whole, as one
-    tile of SEGS rows by BLOCK columns (narrow rows: see the launcher). Row ``i`` of the tile
-    is segment ``first_seg + i``: its terms are combined in position order, from the same
+    """Segments ``first_seg .. first_seg + SEGS - 1`` (those below ``nseg``; under SPLIT those
+    of at most CHUNK terms, the longer ones being the chunk programs'), whole, as one tile of
+    SEGS rows by BLOCK columns (narrow rows: see the launcher). Row ``i`` of the tile is
+    segment ``first_seg + i``: its terms are combined in position order, from the same
     start, by the same steps as ``_reduce_part``'s, so each output element gets the same
     bits; the term loop runs to the longest segment's count, a shorter segment's row left as
     it is past its own (masked loads, and ``where``). Bounds: offsets (OFFSETS, ANY_OFFSETS);
-    no chunks, no carry, no scan."""
+    no carry, no scan."""
     at = tl.arange(0, SEGS).to(tl.int64)
     segs = first_seg + at
-    real = segs < nseg
-    p0 = tl.load(bounds_ptr + segs, mask=real, other=0).to(tl.int64)
-    p_end = tl.load(bounds_ptr + segs + 1, mask=real, other=0).to(tl.int64)
+    in_range = segs < nseg
+    p0 = tl.load(bounds_ptr + segs, mask=in_range, other=0).to(tl.int64)
+    p_end = tl.load(bounds_ptr + segs + 1, mask=in_range, other=0).to(tl.int64)
     if BOUNDS == _ANY_OFFSETS:
         p0 = tl.minimum(tl.maximum(p0, 0), positions)
         p_end = tl.maximum(tl.minimum(tl.maximum(p_end, 0), positions), p0)  # decreasing: empty
+    real = in_range
+    if SPLIT:
+        real = in_range & (p_end - p0 <= CHUNK)
     n = tl.where(real, p_end - p0, 0)
     count = n
     if USE_BASE:
@@ -470,8 +474,9 @@ def _segment_kernel(
     BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, SEGS: tl.constexpr,
 ):
     """Whole segments (slot < nseg; with SEGS > 1, segments ``SEGS * slot ..`` as a tile,
-    ``_reduce_segments``) and, under SPLIT, the chunks of the long segments: side
-    ``(slot - nseg) % 2`` of chunk program ``(slot - nseg) // 2`` of ``n_parts``
+    ``_reduce_segments``, in the first ``cdiv(nseg, SEGS)`` slots) and, under SPLIT, the
+    chunks of the long segments in the slots after those: side ``e % 2`` of chunk program
+    ``e // 2`` of ``n_parts``, ``e`` counted from the first of them
     (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
     (``_segment_start``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
@@ -499,20 +504,29 @@ def _segment_kernel(
     alpha = 1.0
     if SCALED:
         alpha = tl.load(alpha_ptr)
+    # The whole segments' programs come first: one a segment, or under SEGS > 1 one a tile of
+    # SEGS (narrow rows); then, under SPLIT, the chunk programs.
+    whole_programs = nseg
+    tiled = False
     if SEGS > 1:
+        whole_programs = (nseg + SEGS - 1) // SEGS
+        tiled = True
+        if SPLIT:
+            tiled = slot < whole_programs
+    if tiled:
         _reduce_segments(src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, base_ptr,
                          bs0, bs1, bs2, out_ptr, os0, os1, os2, alpha, outer, nseg, inner,
                          slot * SEGS, REDUCE, RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE,
-                         SCALED, FIRST_TERM_START, BOUNDS, SEGS, BLOCK)
+                         SCALED, FIRST_TERM_START, BOUNDS, SPLIT, CHUNK, SEGS, BLOCK)
     else:
         # One term loop for whole segments and chunks: a second copy of the loop would hold
         # registers of its own. Without SPLIT, is_chunk is the constant False and the chunks'
         # code is not compiled. Chunk program e's two sides (_chunk_owned) are two programs,
-        # slots nseg + 2 e + side, which are also their workspace slots.
+        # slots whole_programs + 2 e + side, whose workspace slots are 2 e + side.
         is_chunk = False
         if SPLIT:
-            is_chunk = slot >= nseg
-        work_slot = slot - nseg
+            is_chunk = slot >= whole_programs
+        work_slot = slot - whole_programs
         work_rows = 2 * n_parts
         if is_chunk:
             seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, work_slot // 2,
@@ -669,11 +683,10 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     n_parts = _cdiv(positions, CHUNK_TERMS) if split else 0
     block, num_warps, grid_yz = _blocking(inner, src.element_size(), outer, _ROW_BYTES,
                                           _MAX_GRID_YZ)
-    segs = _segments_per_program(block * src.element_size(), nseg, split, has_carry,
-                                 bounds_kind)
+    segs = _segments_per_program(block * src.element_size(), nseg, has_carry, bounds_kind)
     if segs > 1:
         num_warps = _tile_warps(segs * block * src.element_size())
-    programs = _cdiv(nseg, segs) if segs > 1 else nseg + 2 * n_parts
+    programs = (_cdiv(nseg, segs) if segs > 1 else nseg) + 2 * n_parts
     # The checkers of every bound: one per _CHECK_BLOCK bounds, at most one per program.
     checked_bounds = bounds.shape[0]
     checkers = (min(_cdiv(checked_bounds, _CHECK_BLOCK.value), programs)
@@ -714,12 +727,12 @@ _NARROW_ROW_BYTES = 512
 TILE_BYTES = 2048
 
 
-def _segments_per_program(row_bytes: int, nseg: int, split: bool, has_carry: bool,
-                          bounds_kind: int) -> int:
+def _segments_per_program(row_bytes: int, nseg: int, has_carry: bool, bounds_kind: int
+                          ) -> int:
     """How many whole segments one program of the launch reduces (``SEGS``): several for
-    narrow rows whose segments are whole (no chunks), with no carry, bounded by offsets;
-    else 1."""
-    if (row_bytes >= _NARROW_ROW_BYTES or split or has_carry or nseg < 2
+    narrow rows with no carry, bounded by offsets (a segment too long for a whole one is the
+    chunk programs' all the same); else 1."""
+    if (row_bytes >= _NARROW_ROW_BYTES or has_carry or nseg < 2
             or bounds_kind not in (_OFFSETS.value, _ANY_OFFSETS.value)):
         return 1
     return max(1, min(TILE_BYTES // row_bytes, _next_power_of_2(nseg)))

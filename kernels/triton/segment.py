@@ -35,13 +35,14 @@ IMPLEMENTATION NOTES (this backend):
   run, for every grid, block width and number of SMs. Only the column block width and the
   warp count are tuned, and neither takes part in any element's arithmetic.
 
-- Narrow rows (a program's row under 512 bytes, ``_NARROW_ROW_BYTES``): where every segment
-  is whole (no chunks), with no carry, bounded by offsets, a program takes SEGS consecutive
-  segments as one tile of SEGS rows by BLOCK columns, about ``TILE_BYTES`` (2 KiB: four
-  warps, 16-byte loads) in place of one segment on one warp (``_reduce_segments``). Each
-  segment's terms are combined in its own row of the tile, in position order, by the same
-  steps: the same bits. The term loop runs to the tile's longest segment, the others' rows
-  masked past their own: a tile of very unequal segments waits on its longest.
+- Narrow rows (a program's row under 512 bytes, ``_NARROW_ROW_BYTES``): with no carry and
+  offsets for bounds, a program takes SEGS consecutive segments as one tile of SEGS rows by
+  BLOCK columns, about ``TILE_BYTES`` (2 KiB: four warps, 16-byte loads) in place of one
+  segment on one warp (``_reduce_segments``). Each segment's terms are combined in its own
+  row of the tile, in position order, by the same steps: the same bits. The term loop runs
+  to the tile's longest segment, the others' rows masked past their own: a tile of very
+  unequal segments waits on its longest. A segment longer than CHUNK_TERMS stays the chunk
+  programs' (under SPLIT they come after the tiles' programs).
 
 - Tickets (``chunks.py``): offsets that a launch checks and finds bad can leave a counter off
   0, so the paths that report that and go on (a host read of the verdict, an assert on CPU

@@ -299,7 +299,9 @@ def test_switched_forms_on_cuda_do_not_synchronise(monkeypatch, mode):
     """Every form but ``_READERS`` runs its switched op with torch's synchronisation check set
     to raise (after a first run that compiles the kernels)."""
     strict = []
-    detsum.disable()  # the switch registers its bodies when it is turned on: these
+    # The switch registers _BODIES when it is turned on: off first, so that the bodies wrapped
+    # here are the ones it registers.
+    detsum.disable()
     monkeypatch.setattr(switch, "_BODIES", {name: _without_synchronising(body, strict)
                                            for name, body in switch._BODIES.items()})
     before = None

@@ -17,8 +17,8 @@ its segments (given as lengths, the switch makes the offsets: the primitive's ca
 given them, the call a user would write).
 
 On a GPU, ``test_enable_cuda_calls`` times the same calls on CUDA tensors (the switch against
-the primitive, 1.2x), and ``test_enable_cuda`` the issue's GPU target: torch's ``index_add_`` and the
-backward of ``x[idx]`` (``index_put_`` with ``accumulate=True``) on a Zipf-skewed index
+the primitive, 1.2x), and ``test_enable_cuda`` the issue's GPU target: torch's ``index_add_``
+and the backward of ``x[idx]`` (``index_put_`` with ``accumulate=True``) on a Zipf-skewed index
 (``bench_skew.py``'s, 50k rows of 256 features into a 32k-row table), under the switch in
 "fp32" mode against torch's default (atomics) and against torch under
 ``use_deterministic_algorithms(True)`` (a sort); target: at most 1.2x the first, at least

@@ -328,10 +328,10 @@ def _first_caller_outside_torch() -> str:
 def _operator_reads(on_read):
     """``on_read(name, filename)`` at each call of ``_DISPATCHER_READS`` on CPU tensors from
     detsum's own code, but inside ``_DEVICE_ASSERTS``: a kernel of ours in front of torch's,
-    at the CPU key, for the duration. Not a ``TorchFunctionMode`` nor a dispatch mode (detsum takes another path
-    under either: ``_dispatch.direct_call_ok``), nor a ``__getitem__`` set on
-    ``torch.Tensor`` (a Python ``__getitem__`` fills the class's sequence slot for good, and a
-    0-d tensor then passes for a sequence)."""
+    at the CPU key, for the duration. Not a ``TorchFunctionMode`` nor a dispatch mode
+    (detsum takes another path under either: ``_dispatch.direct_call_ok``), nor a
+    ``__getitem__`` set on ``torch.Tensor`` (a Python ``__getitem__`` fills the class's
+    sequence slot for good, and a 0-d tensor then passes for a sequence)."""
     library = torch.library.Library("aten", "IMPL")
     asserting = []  # inside a device assert's CPU kernel: its read is the GPU's assert
 

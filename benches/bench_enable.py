@@ -101,32 +101,33 @@ def _calls(t: dict) -> dict:
 OPS = list(_calls(_inputs("small")))
 
 
+def _time_switched(benchmark, test: str, device: str, size: str, op: str, impl: str) -> None:
+    """One case of ``test``: ``op``'s torch call under the switch ("switch"), the detsum
+    primitive the switch runs for it ("primitive"), or torch's call with the switch off
+    ("torch"), each switch case against its primitive and each primitive against torch."""
+    torchs, primitive = _calls(_inputs(size, device))[op]
+    (n_src, n_out, h), rounds, iterations = SIZES[size]
+    benchmark.group = f"enable {'' if device == 'cpu' else device + ' '}{op} {size}"
+    info = {"primitive": "enable", "op": op, "case": f"{n_src}x{h} -> {n_out}x{h} fp32",
+            "device": device, "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
+    baseline = {"switch": f"{test}[{size}-{op}-primitive]",
+                "primitive": f"{test}[{size}-{op}-torch]"}.get(impl)
+    before = detsum.switch.counts.copy()
+    with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
+        run_case(benchmark, primitive if impl == "primitive" else torchs, device,
+                 rounds=rounds, warmup_rounds=3, info=info, iterations=iterations,
+                 baseline=baseline, baseline_case=baseline)
+    calls = detsum.switch.counts - before
+    # A call the switch left to torch would time torch's kernel under this case's name.
+    assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls), (
+        dict(calls))
+
+
 @pytest.mark.parametrize("impl", ["switch", "primitive", "torch"])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("size", list(SIZES))
 def test_enable(benchmark, size, op, impl):
-    t = _inputs(size)
-    torchs, primitive = _calls(t)[op]
-    (n_src, n_out, h), rounds, iterations = SIZES[size]
-    benchmark.group = f"enable {op} {size}"
-    info = {"primitive": "enable", "op": op, "case": f"{n_src}x{h} -> {n_out}x{h} fp32",
-            "device": "cpu", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
-    baseline = {"switch": f"test_enable[{size}-{op}-primitive]",
-                "primitive": f"test_enable[{size}-{op}-torch]"}.get(impl)
-
-    def timed_case(fn):
-        run_case(benchmark, fn, "cpu", rounds=rounds, warmup_rounds=3, info=info,
-                 iterations=iterations, baseline=baseline, baseline_case=baseline)
-
-    if impl != "switch":
-        timed_case(primitive if impl == "primitive" else torchs)
-        return
-    before = detsum.switch.counts.copy()
-    with detsum.deterministic(MODE):
-        timed_case(torchs)
-    calls = detsum.switch.counts - before
-    # A call the switch left to torch would time torch's kernel under this case's name.
-    assert calls and all(how == "detsum" for _, how in calls), dict(calls)
+    _time_switched(benchmark, "test_enable", "cpu", size, op, impl)
 
 
 @pytest.mark.parametrize("impl", ["switch", "primitive", "torch"])
@@ -137,21 +138,7 @@ def test_enable_cuda_calls(benchmark, size, op, impl):
     1.2x), torch's own kernel (its default, atomics) for the picture."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    torchs, primitive = _calls(_inputs(size, "cuda"))[op]
-    (n_src, n_out, h), rounds, iterations = SIZES[size]
-    benchmark.group = f"enable cuda {op} {size}"
-    info = {"primitive": "enable", "op": op, "case": f"{n_src}x{h} -> {n_out}x{h} fp32",
-            "device": "cuda", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
-    baseline = {"switch": f"test_enable_cuda_calls[{size}-{op}-primitive]",
-                "primitive": f"test_enable_cuda_calls[{size}-{op}-torch]"}.get(impl)
-    before = detsum.switch.counts.copy()
-    with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
-        run_case(benchmark, primitive if impl == "primitive" else torchs, "cuda",
-                 rounds=rounds, warmup_rounds=3, info=info, iterations=iterations,
-                 baseline=baseline, baseline_case=baseline)
-    calls = detsum.switch.counts - before
-    assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls), (
-        dict(calls))
+    _time_switched(benchmark, "test_enable_cuda_calls", "cuda", size, op, impl)
 
 
 CUDA_ROWS, CUDA_TABLE, CUDA_FEATURES = 50_000, 32_768, 256

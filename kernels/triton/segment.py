@@ -319,10 +319,13 @@ def _reduce_segments(
         for cb in range(tl.program_id(1).to(tl.int64), n_blocks, tl.num_programs(1)):
             cols = cb * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
             live = real[:, None] & (cols < inner)[None, :]
-            base_at = base_ptr + o * bs0 + segs[:, None] * bs1 + cols[None, :] * bs2
+            kept = _to_data(tl.zeros([SEGS, BLOCK], ACC), DATA, out_ptr.dtype.element_ty)
+            if HAS_BASE:
+                kept = tl.load(base_ptr + o * bs0 + segs[:, None] * bs1 + cols[None, :] * bs2,
+                               mask=live, other=0)
             init = tl.zeros([SEGS, BLOCK], ACC)
             if USE_BASE:
-                init = _to_acc(tl.load(base_at, mask=live, other=0), DATA, ACC)
+                init = _to_acc(kept, DATA, ACC)
             comp = tl.zeros([SEGS, BLOCK], ACC)
             k_begin = 0
             if FIRST_TERM_START:
@@ -357,10 +360,6 @@ def _reduce_segments(
             value = _to_data(_finish(acc, comp, init, count[:, None], REDUCE, RULE, DATA, ACC),
                              DATA, out_ptr.dtype.element_ty)
             # torch never visits a row without terms: the base row unchanged (bit copy).
-            if HAS_BASE:
-                kept = tl.load(base_at, mask=live, other=0)
-            else:
-                kept = _to_data(tl.zeros([SEGS, BLOCK], ACC), DATA, out_ptr.dtype.element_ty)
             tl.store(out_ptr + o * os0 + segs[:, None] * os1 + cols[None, :] * os2,
                      tl.where(has_terms[:, None], value, kept), mask=live)
 

@@ -200,7 +200,11 @@ def _switched(name, body, original):
     """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
     function that computes the result on detsum, or None to leave the call to torch; that
     function may still leave it to torch, by raising ``_LeaveToTorch`` before it writes
-    anything."""
+    anything. In "autograd" mode a call left to torch runs its kernel under torch's
+    deterministic mode, whose bits (or refusal) that mode gives: torch's default on CUDA is
+    atomics. Not a call whose tensors hold one element each (one term: no order to choose,
+    and torch's deterministic CUDA path refuses some 0-dim tensors), nor detsum's own calls
+    of switched ops inside a run."""
     def kernel(keyset, *args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
@@ -221,11 +225,35 @@ def _switched(name, body, original):
                     return result
                 finally:
                     _inside.running = False
+            if mode == "autograd" and not _one_term_at_most(args, kwargs):
+                counts[(name, "torch")] += 1
+                with _torch_deterministic():
+                    return original.call_boxed(keyset, *args, **kwargs)
         counts[(name, "torch")] += 1
         return original.call_boxed(keyset, *args, **kwargs)
 
     kernel.__name__ = f"detsum_switched_{name.replace('.', '_')}"
     return kernel
+
+
+def _one_term_at_most(args, kwargs) -> bool:
+    tensors = [t for a in (*args, *kwargs.values())
+               for t in (a if isinstance(a, (list, tuple)) else (a,))]
+    return all(t.numel() <= 1 for t in tensors if isinstance(t, torch.Tensor))
+
+
+@contextlib.contextmanager
+def _torch_deterministic() -> Iterator[None]:
+    """torch's deterministic mode for a block, its refusals raising (not warning), then the
+    caller's setting back. The setting is process-wide, as torch keeps it: another thread's
+    torch ops in the block run under it too."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 class _LeaveToTorch(Exception):
@@ -475,9 +503,11 @@ def _index_reduce_dim(mode, self, dim, index, source, reduce, include_self) -> i
     """``index_reduce`` is ``scatter_reduce`` with a 1-D row index: detsum's row form."""
     if reduce not in _INDEX_REDUCTIONS or (reduce == "prod" and mode == "exact"):
         return None
-    # torch rounds float16/bfloat16 products and means its own way here: its kernel is the
-    # one source of those bits.
-    if mode == "autograd" and reduce in ("prod", "mean") and self.dtype in _HALF_DTYPES:
+    # torch's CPU kernel rounds float16/bfloat16 products and means its own way here: it is the
+    # one source of those bits. Its CUDA kernel (atomics) is refused in deterministic mode:
+    # there detsum's own "autograd" rule runs.
+    if (mode == "autograd" and reduce in ("prod", "mean") and self.dtype in _HALF_DTYPES
+            and not self.is_cuda):
         return None
     dim = _rows_dim(self, dim, index, source)
     if dim is None or (reduce == "mean" and mode == "exact"
@@ -719,7 +749,10 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
         # on the layout (see index_add above): its kernel is the one source of those bits
         # (on CUDA, scatter_add's "autograd" bits are torch's kernel's for those dtypes too).
         if mode == "autograd" and grad.dtype in _HALF_DTYPES:
-            return None
+            if not grad.is_cuda:
+                return None
+            return lambda: _embedding_bag_max_backward_by_torch(grad, bag_size, maximum_indices,
+                                                                num_weights)
         return lambda: _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices,
                                                    num_weights)
     if mode == "autograd" and grad.is_cuda:
@@ -792,6 +825,17 @@ def _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices, num_weigh
     if rows.numel() == 0:
         return zeros
     return _scatter_run(zeros, 0, rows, grad.index_select(0, nonempty), "sum", True, mode)
+
+
+def _embedding_bag_max_backward_by_torch(grad, bag_size, maximum_indices, num_weights):
+    """The max backward as torch's deterministic ``scatter_add`` of the terms along the bags
+    (an empty bag's at a spare row past the table, which the result leaves out): the one
+    source of its float16/bfloat16 bits on CUDA in "autograd" mode, where torch's own max
+    backward adds with atomics (float16) or has no kernel (bfloat16). No value read back."""
+    rows = torch.where((bag_size != 0).view(-1, 1), maximum_indices, num_weights)
+    with _torch_deterministic():
+        sums = grad.new_zeros(num_weights + 1, grad.shape[1]).scatter_add_(0, rows, grad)
+    return sums[:num_weights]
 
 
 def _check_in_range(caller, name, index, size, what, *, positions=None):
@@ -989,8 +1033,8 @@ def _segment_mean(total, lengths, initial, dtype):
 # histc ------------------------------------------------------------------------------------------
 
 def _histc_edges(self, bins, min, max):
-    """torch's CPU histc's ``(left, right, width, scale)``, 0-dim CPU tensors in the dtype, or
-    None where torch refuses (its error). The edges are ``min`` and ``max``, else the data's
+    """torch's CPU histc's ``(left, right, width, scale)``, 0-dim tensors in the dtype (CPU
+    tensors, or on a GPU's path the data's device), or None where torch refuses (its error). The edges are ``min`` and ``max``, else the data's
     range (torch reads it back too), else that value -1 and +1, as the first and last of
     ``linspace(min, max, bins + 1)`` in the dtype; ``width = right - left``; ``scale`` is
     ``bins`` in the dtype (c10's float16/bfloat16 operators round it so). None too where
@@ -1019,6 +1063,11 @@ def _histc_edges(self, bins, min, max):
     # Python: compared in the dtype, bins + 1 could round.)
     if not float((right - left) * scale / width) < bins + 1:  # NaN and inf fail too
         return None
+    if _checked_on_device(self):
+        # On the device as fills, not copies (a copy from the host synchronises), and a divisor
+        # there is divided by: CUDA multiplies by the reciprocal of a CPU scalar divisor.
+        return tuple(torch.full((), float(edge), dtype=self.dtype, device=self.device)
+                     for edge in (left, right, width, scale))
     return left, right, width, scale
 
 

@@ -1,7 +1,7 @@
 """What one call costs on a GPU, by how it is called: without a plan (at each check level), with
-a plan, and torch's op beside it, at a tiny size (all overhead), a mid size and, for
-``index_add``, the MoE backward's (131072 rows of 4096 into 16384: the kernel's bandwidth with
-and without the plan's sort in the call).
+a plan, and torch's op beside it, at a tiny size (all overhead), a mid size, a GNN's (1M rows
+of 64 into 100k, with a plan) and, for ``index_add``, the MoE backward's (131072 rows of 4096
+into 16384: the kernel's bandwidth with and without the plan's sort in the call).
 
 Two times per row, both medians over rounds of back-to-back calls on one stream:
 
@@ -20,9 +20,10 @@ part a plan, fewer checks or a leaner launch path can remove, as against the ker
 
 ``--tile-bytes 0`` launches narrow rows one segment a program (the layout before the tiles of
 segments, ``detsum.kernels.triton.segment.TILE_BYTES``), to compare the two; ``--sizes``
-narrows the run (``mid`` holds the narrow rows).
+narrows the run (``mid`` and ``gnn`` hold the narrow rows: at ``mid`` the kernel with a plan
+sits at the launch's floor, about 5 us, either way).
 
-    python benches/gpu_call_cost.py [--json PATH] [--sizes tiny mid moe] [--tile-bytes N]
+    python benches/gpu_call_cost.py [--json PATH] [--sizes tiny mid gnn moe] [--tile-bytes N]
 """
 
 from __future__ import annotations
@@ -38,9 +39,16 @@ import detsum
 
 CALLS = 50
 ROUNDS = 15
-SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048), "moe": (131072, 4096, 16384)}
-#: The calls timed at the MoE size (each moves 1-2 GB).
-MOE_CALLS = ("torch.index_add", "index_add", "index_add device", "index_add plan")
+SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048), "gnn": (1_000_000, 64, 100_000),
+         "moe": (131072, 4096, 16384)}
+#: The calls timed at the large sizes, by size (the others at every size): at the MoE size
+#: each moves 1-2 GB; at the GNN size, 100k segments of 10 rows of 128-256 bytes, the narrow
+#: rows that the tiles of segments are for.
+LARGE_CALLS = {
+    "moe": ("torch.index_add", "index_add", "index_add device", "index_add plan"),
+    "gnn": ("torch.index_add", "index_add plan", "torch.scatter_reduce", "scatter_reduce plan",
+            "torch.segment_reduce", "segment_sum plan"),
+}
 
 
 def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
@@ -148,7 +156,7 @@ def main(argv=None) -> int:
         rows, width, out_rows = SIZES[size]
         for dtype in (torch.float32, torch.bfloat16):
             for name, fn in _cases(rows, width, out_rows, dtype).items():
-                if size == "moe" and name not in MOE_CALLS:
+                if name not in LARGE_CALLS.get(size, (name,)):
                     continue
                 for _ in range(3):
                     fn()  # compile, fill caches
@@ -157,9 +165,9 @@ def main(argv=None) -> int:
                        "call": name, "latency_us": _median_us(fn, sync_each=True),
                        "issue_us": _median_us(fn, sync_each=False),
                        "kernels": _kernels(fn), "syncs": _syncs(fn)}
-                # A graph holds every call's allocations: few of the MoE size's 256 MB outputs.
+                # A graph holds every call's allocations: few of the large sizes' outputs.
                 row["device_us"] = (None if row["syncs"]
-                                    else _device_us(fn, 5 if size == "moe" else CALLS))
+                                    else _device_us(fn, 5 if size in LARGE_CALLS else CALLS))
                 rows_out.append(row)
                 device = "-" if row["device_us"] is None else f"{row['device_us']:.1f}"
                 print(f"{size:5} {str(dtype)[6:]:5} {name:26} {row['latency_us']:10.1f} "

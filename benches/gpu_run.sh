@@ -4,7 +4,7 @@
 #
 #   bash benches/gpu_run.sh            # everything: tests, benchmarks, report, distributed
 #   bash benches/gpu_run.sh tests      # one stage: tests | benches | report | distributed
-#   bash benches/gpu_run.sh targets    # the GPU issue's targets alone, in about 5 minutes
+#   bash benches/gpu_run.sh targets    # the GPU issue's targets alone, in about 8 minutes
 #   bash benches/gpu_run.sh switch     # the switch's CUDA tests against torch, about 2 minutes
 #   bash benches/gpu_run.sh profile    # the MoE backward's parts, and ncu on its launch
 #
@@ -22,7 +22,8 @@
 # and this script installs them into /tmp/site first.
 #
 # Each stage fits in one 10-minute device command; run them one by one when a session's device
-# time is short. Everything is written to $OUT (default benches/results/gpu-<date>/): the
+# time is short (on an H200 with a cold cache, 2026-11-26: switch 2 minutes; targets 4.5 up to
+# the report, whose timings were then cut while its kernels compiled, before the GNN size). Everything is written to $OUT (default benches/results/gpu-<date>/): the
 # environment (GPU name, torch, triton and CUDA versions, date), the test log and JUnit XML,
 # the pytest-benchmark JSON with its summary table and targets, the report's JSON, and the
 # sum over ranks on NCCL (world size 1: the gloo tests' code path on CUDA tensors).
@@ -75,7 +76,7 @@ for stage in $STAGES; do
         python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
             | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" || status=1
         # Narrow rows one segment a program, the layout before the tiles of segments.
-        python3 benches/gpu_call_cost.py --sizes mid --tile-bytes 0 \
+        python3 benches/gpu_call_cost.py --sizes mid gnn --tile-bytes 0 \
             --json "$OUT/call-cost-untiled.json" 2>&1 \
             | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost-untiled.txt" \
             || status=1

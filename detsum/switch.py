@@ -200,9 +200,9 @@ def _switched(name, body, original):
     """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
     function that computes the result on detsum, or None to leave the call to torch; that
     function may still leave it to torch, by raising ``_LeaveToTorch`` before it writes
-    anything. In "autograd" mode a call left to torch runs its kernel under torch's
-    deterministic mode, whose bits (or refusal) that mode gives: torch's default on CUDA is
-    atomics. Not a call whose tensors hold one element each (one term: no order to choose,
+    anything. In "autograd" mode a call left to torch runs under torch's deterministic mode
+    (``_torch_deterministic``), whose bits that mode gives (torch's default on CUDA is
+    atomics); not a call whose tensors hold one element each (one term: no order to choose,
     and torch's deterministic CUDA path refuses some 0-dim tensors), nor detsum's own calls
     of switched ops inside a run."""
     def kernel(keyset, *args, **kwargs):
@@ -244,12 +244,14 @@ def _one_term_at_most(args, kwargs) -> bool:
 
 @contextlib.contextmanager
 def _torch_deterministic() -> Iterator[None]:
-    """torch's deterministic mode for a block, its refusals raising (not warning), then the
-    caller's setting back. The setting is process-wide, as torch keeps it: another thread's
-    torch ops in the block run under it too."""
+    """torch's deterministic mode for a block, then the caller's setting back. Where torch has
+    no deterministic kernel it warns and runs its default one (``warn_only``), unless the
+    caller had set the mode without ``warn_only``: then it refuses, as it would without the
+    switch. The setting is process-wide, as torch keeps it: another thread's torch ops in the
+    block run under it too."""
     enabled = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only or not enabled)
     try:
         yield
     finally:
@@ -593,7 +595,7 @@ def _add_at_python_indices(target, dim, index, terms, mode, out_of_range) -> Non
     positions first (a value still outside ``[0, size)`` fails the device's check)."""
     size = target.shape[dim]
     if _checked_on_device(target):
-        _index_add_op._index_add_inplace(target, dim, torch.where(index < 0, index + size, index),
+        _index_add_op._index_add_inplace(target, dim, _negatives_from_the_end(index, size),
                                          terms, 1.0, mode, _CHECK)
         return
     try:
@@ -604,8 +606,17 @@ def _add_at_python_indices(target, dim, index, terms, mode, out_of_range) -> Non
     low, high = (int(v) for v in torch.aminmax(index))
     if low < -size or high >= size:
         raise IndexOutOfRangeError(out_of_range(low if low < -size else high))
-    _index_add_op._index_add_inplace(target, dim, torch.where(index < 0, index + size, index),
-                                     terms, 1.0, mode)
+    _index_add_op._index_add_inplace(target, dim, _negatives_from_the_end(index, size), terms,
+                                     1.0, mode)
+
+
+def _negatives_from_the_end(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``index`` with each negative value counted from the end (``+ size``), in two
+    elementwise ops (on a GPU, two kernels), where a compare, an add and a select take three:
+    the sign bit, -1 or 0, times ``-size``, added. A value outside ``[-size, size)`` stays
+    outside ``[0, size)``."""
+    sign = index >> (8 * index.element_size() - 1)
+    return torch.add(index, sign, alpha=-size)
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -166,25 +166,19 @@ def _switched(compute, mode):
 @pytest.mark.parametrize("name,variant", FORWARD_OPS)
 def test_opinfo_samples_on_cuda_autograd_mode_gives_torchs_deterministic_bits(name, variant,
                                                                             dtype):
-    """Each CUDA sample in "autograd" mode against torch under
-    ``use_deterministic_algorithms(True)``: on detsum or left to torch (which then runs under
-    that mode), the same bits, and torch's refusal where detsum leaves to torch a sample torch
-    refuses there; in every mode, a second run of a sample on detsum gives the first's bits."""
+    """Each CUDA sample in "autograd" mode, on detsum or left to torch (which then runs under
+    its deterministic mode), against torch under ``use_deterministic_algorithms(True)`` (the
+    samples torch refuses there skipped); in every mode, a second run of a sample on detsum
+    gives the first's bits."""
     op, cases = samples(name, variant, dtype, device="cuda")
     for sample in cases:
         expected = _deterministic_or_refused(lambda: call(op, sample, name), sample)
-        refused = False
-        try:
-            actual, _ = _switched(lambda: call(op, sample, name), "autograd")
-        except RuntimeError as error:
-            assert expected is None and "deterministic" in str(error), error
-            refused = True
-        else:
-            if expected is not None:
-                assert_same_bits(actual.cpu(), expected.cpu())
+        actual, _ = _switched(lambda: call(op, sample, name), "autograd")
+        if expected is not None:
+            assert_same_bits(actual.cpu(), expected.cpu())
         for mode in detsum.MODES:
-            if mode == "exact" and "prod" in (name, variant) or mode == "autograd" and refused:
-                continue  # "exact" has no product (torch's kernel); torch refused "autograd"
+            if mode == "exact" and "prod" in (name, variant):
+                continue  # "exact" has no product: torch's own kernel runs it
             first, on_detsum = _switched(lambda: call(op, sample, name), mode)
             if on_detsum:
                 assert_same_bits(_switched(lambda: call(op, sample, name), mode)[0].cpu(),
@@ -199,11 +193,7 @@ def test_opinfo_backward_on_cuda_autograd_mode_gives_torchs_deterministic_bits(n
     op, cases = samples(name, variant, dtype, requires_grad=True, device="cuda")
     for seed, sample in enumerate(cases):
         expected = _deterministic_or_refused(lambda: gradients(name, op, sample, seed), sample)
-        try:
-            actual, _ = _switched(lambda: gradients(name, op, sample, seed), "autograd")
-        except RuntimeError as error:
-            assert expected is None and "deterministic" in str(error), error
-            continue
+        actual, _ = _switched(lambda: gradients(name, op, sample, seed), "autograd")
         if expected is not None:
             for a, e in zip(actual, expected):
                 assert_same_bits(a.cpu(), e.cpu())
@@ -682,7 +672,9 @@ def test_inputs_detsum_does_not_take_get_torchs_result(mode):
 
 def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkeypatch):
     """In "autograd" mode a call left to torch runs torch's kernel under torch's deterministic
-    mode (whose bits that mode gives; on CUDA torch's default is atomics): each fallback above
+    mode, ``warn_only`` unless the caller had set that mode without it (whose bits that mode
+    gives; on CUDA torch's default is atomics; where torch has no deterministic kernel, its
+    default one with torch's warning, or its refusal as the caller asked): each fallback above
     and a bfloat16 index_add (torch's kernel the one source of its bits; its functional form
     calls the in-place one, itself switched), with torch's deterministic result. Not a call
     of one term at most (0-d, empty: no order), nor a call detsum runs; the caller's setting,
@@ -693,7 +685,8 @@ def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkey
     @contextlib.contextmanager
     def recorded():
         with deterministic():
-            entered.append(torch.are_deterministic_algorithms_enabled())
+            entered.append((torch.are_deterministic_algorithms_enabled(),
+                            torch.is_deterministic_algorithms_warn_only_enabled()))
             yield
 
     monkeypatch.setattr(switch, "_torch_deterministic", recorded)
@@ -706,16 +699,19 @@ def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkey
         for name, f in cases.items():
             entered.clear()
             assert_same_bits(f(), expected[name])
-            assert entered == ([] if name in ("0-d", "histc empty") else [True]) or (
-                name == "bfloat16 index_add" and entered == [True, True]), name
+            assert entered == ([] if name in ("0-d", "histc empty") else [(True, True)]) or (
+                name == "bfloat16 index_add" and entered == [(True, True)] * 2), name
         entered.clear()
         torch.zeros(4, 3).index_add(0, torch.tensor([0, 2, 2]), torch.ones(3, 3))
         assert entered == []  # on detsum
         try:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            cases["int64"]()
-            assert torch.are_deterministic_algorithms_enabled()
-            assert torch.is_deterministic_algorithms_warn_only_enabled()
+            for warn_only in (True, False):
+                torch.use_deterministic_algorithms(True, warn_only=warn_only)
+                entered.clear()
+                cases["int64"]()
+                assert entered == [(True, warn_only)]
+                assert torch.are_deterministic_algorithms_enabled()
+                assert torch.is_deterministic_algorithms_warn_only_enabled() == warn_only
             torch.use_deterministic_algorithms(False)
             with pytest.raises(RuntimeError, match="no larger"):  # torch's own check
                 torch.zeros(4, 3).scatter_add_(0, torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 3))
@@ -1305,6 +1301,20 @@ def test_new_ops_bad_inputs_give_torchs_errors(mode):
         with pytest.raises(RuntimeError):
             torch.segment_reduce(torch.ones(5), "sum", offsets=torch.tensor([0, 3, 2, 5]))
     assert torch.equal(out, torch.full((4,), 7.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_negative_index_values_count_from_the_end(dtype):
+    """``switch._negatives_from_the_end`` (two ops, sign bit times ``-size`` added) against
+    the compare-add-select it replaces, over every value in ``[-size - 3, size + 3)`` and the
+    dtype's extremes: a value outside ``[-size, size)`` stays outside ``[0, size)``."""
+    size = 7
+    info = torch.iinfo(dtype)
+    index = torch.cat([torch.arange(-size - 3, size + 3, dtype=dtype),
+                       torch.tensor([info.min, info.min + size, info.max], dtype=dtype)])
+    got = switch._negatives_from_the_end(index, size)
+    assert got.dtype == dtype
+    assert torch.equal(got, torch.where(index < 0, index + size, index))
 
 
 def test_index_put_takes_the_values_torch_broadcasts():

@@ -237,9 +237,15 @@ def _switched(name, body, original):
 
 
 def _one_term_at_most(args, kwargs) -> bool:
+    """Whether every tensor of a call (in lists too) holds at most one element."""
     tensors = [t for a in (*args, *kwargs.values())
                for t in (a if isinstance(a, (list, tuple)) else (a,))]
     return all(t.numel() <= 1 for t in tensors if isinstance(t, torch.Tensor))
+
+
+_deterministic_lock = threading.Lock()
+_deterministic_blocks = 0
+_setting_before: tuple[bool, bool] = (False, False)
 
 
 @contextlib.contextmanager
@@ -248,14 +254,24 @@ def _torch_deterministic() -> Iterator[None]:
     no deterministic kernel it warns and runs its default one (``warn_only``), unless the
     caller had set the mode without ``warn_only``: then it refuses, as it would without the
     switch. The setting is process-wide, as torch keeps it: another thread's torch ops in the
-    block run under it too."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=warn_only or not enabled)
+    block run under it too. Blocks open in several threads at once share it: the first one
+    opened sets it, the last one closed puts back what was there before the first."""
+    global _deterministic_blocks, _setting_before
+    with _deterministic_lock:
+        if _deterministic_blocks == 0:
+            enabled = torch.are_deterministic_algorithms_enabled()
+            warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+            _setting_before = (enabled, warn_only)
+            torch.use_deterministic_algorithms(True, warn_only=warn_only or not enabled)
+        _deterministic_blocks += 1
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+        with _deterministic_lock:
+            _deterministic_blocks -= 1
+            if _deterministic_blocks == 0:
+                enabled, warn_only = _setting_before
+                torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 class _LeaveToTorch(Exception):
@@ -883,7 +899,9 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     arithmetic in "autograd" mode, in the accumulator type otherwise. "autograd" mode
     reproduces torch's CPU arithmetic; on CUDA it goes to torch's kernel (no atomics, an
     order of its own). The lengths or offsets are read back once (on a GPU a
-    synchronisation; torch's own reads lengths twice when ``unsafe=False``)."""
+    synchronisation; torch's own reads lengths twice when ``unsafe=False``), but on a GPU's
+    path a sum's or mean's from +0.0 over 1-D offsets (PyG's form), which torch does not
+    read either."""
     bounds = offsets if offsets is not None else lengths
     if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
             or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0
@@ -903,6 +921,9 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
                              and data.dtype in _HALF_DTYPES):
         return None
     size = data.shape[axis]
+    if (offsets is not None and offsets.dim() == 1 and axis == 0 and data.dim() == 2
+            and _from_zero(reduce, initial) and _checked_on_device(data)):
+        return lambda: _segment_sum_unread_offsets(mode, data, reduce, offsets, initial)
     caller = "segment_reduce (run by detsum.enable)"
     # The values are read in NumPy, a microsecond or two a step where a torch op on a small
     # tensor takes three to five.
@@ -980,7 +1001,7 @@ def _segment_run(mode, data, reduce, axis, offsets, picked, initial):
     is rows ``offsets[s]`` to ``offsets[s + 1]`` of ``data``'s rows (of the dims up to
     ``axis``, flattened), or of ``data``'s rows at ``picked`` where that is given."""
     fill = _SEGMENT_EMPTY[reduce] if initial is None else initial
-    from_zero = reduce in ("sum", "mean") and fill == 0 and math.copysign(1.0, fill) > 0
+    from_zero = _from_zero(reduce, initial)
     if from_zero and picked is None and data.dim() == 2 and axis == 0:
         # data's own rows (PyG's form): the result has segment_reduce's shape as it comes.
         return _segment_sum_from_zero(mode, data, reduce, offsets, initial, data.dtype)
@@ -1016,16 +1037,36 @@ def _segment_run(mode, data, reduce, axis, offsets, picked, initial):
     return _segment_mean(total, lengths, initial, data.dtype).view(shape)
 
 
-def _segment_sum_from_zero(mode, rows, reduce, offsets, initial, dtype):
+def _from_zero(reduce, initial) -> bool:
+    """Whether a segment_reduce is a sum or mean started from +0.0."""
+    fill = _SEGMENT_EMPTY[reduce] if initial is None else initial
+    return reduce in ("sum", "mean") and fill == 0 and math.copysign(1.0, fill) > 0
+
+
+def _segment_sum_unread_offsets(mode, data, reduce, offsets, initial):
+    """A sum or mean from +0.0 over 1-D ``offsets`` of ``data``'s rows on a GPU's path,
+    nothing read back (torch reads nothing of its offsets either): the segments between two
+    more, of the rows before ``offsets[0]`` and from ``offsets[-1]`` on, tile the rows
+    wherever torch takes the offsets (nondecreasing, inside ``[0, data.size(0)]``), which the
+    launch checks on the device; the result leaves the two out. Each segment sums its own
+    rows: the host path's bits, whose offsets are read and whose rows outside are left out."""
+    tiled = torch.nn.functional.pad(offsets, (1, 1), value=data.shape[0])
+    tiled[:1].zero_()
+    return _segment_sum_from_zero(mode, data, reduce, tiled, initial, data.dtype,
+                                  check=_CHECK)[1:-1]
+
+
+def _segment_sum_from_zero(mode, rows, reduce, offsets, initial, dtype, check=None):
     """A sum or mean of segments started from +0.0, as ``segment_sum`` over the CSR
     ``offsets``: no sort, the rows added in order, the bits of ``index_add`` into zeros in
     every mode. In "exact" mode a segment whose terms sum to -0.0 (all of them -0.0) gives
     +0.0 there, as +0.0 + -0.0 does: adding +0.0 turns -0.0 into +0.0 and leaves every other
-    value as it is."""
+    value as it is. ``check``: the primitive's check level for offsets not yet checked."""
     work = dtype if reduce == "sum" or mode == "autograd" else acc_dtype(dtype)
-    # _segment_reduce has checked the offsets (or made them): the primitive need not again.
+    # Else _segment_reduce has checked the offsets (or made them): the primitive need not.
+    checked = {"offsets_checked": True} if check is None else {"check": check}
     total = _segment_sum_op._segment_sum(rows if work == dtype else rows.to(work), offsets, 0,
-                                         None, mode, offsets_checked=True)
+                                         None, mode, **checked)
     if mode == "exact":
         total = total + 0.0
     return total if reduce == "sum" else _segment_mean(total, offsets.diff(), initial, dtype)
@@ -1045,8 +1086,9 @@ def _segment_mean(total, lengths, initial, dtype):
 
 def _histc_edges(self, bins, min, max):
     """torch's CPU histc's ``(left, right, width, scale)``, 0-dim tensors in the dtype (CPU
-    tensors, or on a GPU's path the data's device), or None where torch refuses (its error). The edges are ``min`` and ``max``, else the data's
-    range (torch reads it back too), else that value -1 and +1, as the first and last of
+    tensors, or on a GPU's path on the data's device), or None where torch refuses (its
+    error). The edges are ``min`` and ``max``, else the data's range (torch reads it back
+    too), else that value -1 and +1, as the first and last of
     ``linspace(min, max, bins + 1)`` in the dtype; ``width = right - left``; ``scale`` is
     ``bins`` in the dtype (c10's float16/bfloat16 operators round it so). None too where
     torch's bin arithmetic (``_histc_positions``) can leave its bins: its bin for ``right``,

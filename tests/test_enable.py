@@ -720,6 +720,31 @@ def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkey
             torch.use_deterministic_algorithms(False)
 
 
+def test_torch_deterministic_blocks_in_two_threads_put_the_setting_back():
+    """Two threads' blocks of torch's deterministic mode (the switch's "autograd" fallbacks),
+    the first closed while the second is open: the setting holds until the last one closes,
+    then is what it was before the first."""
+    first_open, second_open, first_closed = (threading.Event() for _ in range(3))
+    seen = []
+
+    def second():
+        first_open.wait()
+        with switch._torch_deterministic():
+            second_open.set()
+            first_closed.wait()
+            seen.append(torch.are_deterministic_algorithms_enabled())
+        seen.append(torch.are_deterministic_algorithms_enabled())
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with switch._torch_deterministic():
+        first_open.set()
+        second_open.wait()
+    first_closed.set()
+    thread.join()
+    assert seen == [True, False]
+
+
 def test_out_that_torch_resizes_goes_to_torch():
     x, index, source = torch.zeros(4, 3), torch.tensor([0, 2, 2]), torch.ones(3, 3)
     with detsum.deterministic("fp32"):
@@ -1283,6 +1308,20 @@ def test_new_ops_index_out_of_range(mode):
                                  axis=1, unsafe=True)
     for t, before in zip(inputs, kept):
         assert torch.equal(t, before)
+
+
+@pytest.mark.parametrize("offsets", [[0, 2, 6], [0, 3, 2, 5], [-1, 2, 5]], ids=str)
+def test_segment_reduce_offsets_unread_on_a_gpus_path_checked_on_the_device(monkeypatch,
+                                                                             offsets):
+    """On a GPU's path a sum's 1-D offsets are not read back: offsets past the data, or
+    decreasing, fail the launch's check on the device (here, CPU tensors under a GPU's check
+    levels, at once), where torch's kernel would read outside data or its own check refuse."""
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    data = torch.ones(5, 3)
+    with detsum.deterministic("fp32"), detsum.backend("triton"):
+        with pytest.raises(RuntimeError, match=r"detsum.segment_sum: offsets"):
+            torch.segment_reduce(data, "sum", offsets=torch.tensor(offsets))
+    assert torch.equal(data, torch.ones(5, 3))
 
 
 @pytest.mark.parametrize("mode", ["fp32", "autograd"])

@@ -900,8 +900,7 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     reproduces torch's CPU arithmetic; on CUDA it goes to torch's kernel (no atomics, an
     order of its own). The lengths or offsets are read back once (on a GPU a
     synchronisation; torch's own reads lengths twice when ``unsafe=False``), but on a GPU's
-    path a sum's or mean's from +0.0 over 1-D offsets (PyG's form), which torch does not
-    read either."""
+    path a sum's or mean's from +0.0 over 1-D bounds (``_segment_sum_unread_bounds``)."""
     bounds = offsets if offsets is not None else lengths
     if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
             or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0
@@ -921,9 +920,10 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
                              and data.dtype in _HALF_DTYPES):
         return None
     size = data.shape[axis]
-    if (offsets is not None and offsets.dim() == 1 and axis == 0 and data.dim() == 2
-            and _from_zero(reduce, initial) and _checked_on_device(data)):
-        return lambda: _segment_sum_unread_offsets(mode, data, reduce, offsets, initial)
+    if (bounds.dim() == 1 and axis == 0 and data.dim() == 2 and _from_zero(reduce, initial)
+            and _checked_on_device(data)):
+        return lambda: _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe,
+                                                  initial)
     caller = "segment_reduce (run by detsum.enable)"
     # The values are read in NumPy, a microsecond or two a step where a torch op on a small
     # tensor takes three to five.
@@ -1043,14 +1043,23 @@ def _from_zero(reduce, initial) -> bool:
     return reduce in ("sum", "mean") and fill == 0 and math.copysign(1.0, fill) > 0
 
 
-def _segment_sum_unread_offsets(mode, data, reduce, offsets, initial):
-    """A sum or mean from +0.0 over 1-D ``offsets`` of ``data``'s rows on a GPU's path,
-    nothing read back (torch reads nothing of its offsets either): the segments between two
-    more, of the rows before ``offsets[0]`` and from ``offsets[-1]`` on, tile the rows
-    wherever torch takes the offsets (nondecreasing, inside ``[0, data.size(0)]``), which the
-    launch checks on the device; the result leaves the two out. Each segment sums its own
-    rows: the host path's bits, whose offsets are read and whose rows outside are left out."""
-    tiled = torch.nn.functional.pad(offsets, (1, 1), value=data.shape[0])
+def _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe, initial):
+    """A sum or mean from +0.0 over 1-D ``offsets`` or ``lengths`` of ``data``'s rows on a
+    GPU's path, nothing read back; the launch checks the segments on the device. Lengths
+    (``unsafe=False``) must tile the rows, as torch checks (it reads them): their running sum
+    from 0 are the offsets. Offsets, and lengths with ``unsafe=True``, may leave rows out at
+    either end (torch reads nothing of them): the segments run between two more, of the rows
+    before the first offset and from the last one on, which tile the rows wherever torch takes
+    the bounds (nondecreasing, inside ``[0, data.size(0)]``), and the result leaves the two
+    out. Each segment sums its own rows: the host path's bits, which reads the bounds and
+    leaves the rows outside out."""
+    pad = torch.nn.functional.pad
+    if offsets is None:
+        offsets = pad(lengths.cumsum(0), (1, 0))
+        if not unsafe:
+            return _segment_sum_from_zero(mode, data, reduce, offsets, initial, data.dtype,
+                                          check=_CHECK)
+    tiled = pad(offsets, (1, 1), value=data.shape[0])
     tiled[:1].zero_()
     return _segment_sum_from_zero(mode, data, reduce, tiled, initial, data.dtype,
                                   check=_CHECK)[1:-1]

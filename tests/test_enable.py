@@ -1310,17 +1310,23 @@ def test_new_ops_index_out_of_range(mode):
         assert torch.equal(t, before)
 
 
-@pytest.mark.parametrize("offsets", [[0, 2, 6], [0, 3, 2, 5], [-1, 2, 5]], ids=str)
-def test_segment_reduce_offsets_unread_on_a_gpus_path_checked_on_the_device(monkeypatch,
-                                                                             offsets):
-    """On a GPU's path a sum's 1-D offsets are not read back: offsets past the data, or
-    decreasing, fail the launch's check on the device (here, CPU tensors under a GPU's check
-    levels, at once), where torch's kernel would read outside data or its own check refuse."""
+@pytest.mark.parametrize("bounds", [
+    {"offsets": [0, 2, 6]}, {"offsets": [0, 3, 2, 5]}, {"offsets": [-1, 2, 5]},
+    {"lengths": [2, 2]}, {"lengths": [2, 4]}, {"lengths": [3, -1, 3]},
+    {"lengths": [2, 4], "unsafe": True}], ids=str)
+def test_segment_reduce_bounds_unread_on_a_gpus_path_checked_on_the_device(monkeypatch,
+                                                                           bounds):
+    """On a GPU's path a sum's 1-D bounds are not read back: offsets past the data or
+    decreasing, lengths that do not sum to its rows (or, with ``unsafe=True``, sum past
+    them) or negative, fail the launch's check on the device (here, CPU tensors under a
+    GPU's check levels, at once), where torch's kernel would read outside data or its own
+    check refuse."""
     monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
     data = torch.ones(5, 3)
+    given = {k: torch.tensor(v) if isinstance(v, list) else v for k, v in bounds.items()}
     with detsum.deterministic("fp32"), detsum.backend("triton"):
         with pytest.raises(RuntimeError, match=r"detsum.segment_sum: offsets"):
-            torch.segment_reduce(data, "sum", offsets=torch.tensor(offsets))
+            torch.segment_reduce(data, "sum", **given)
     assert torch.equal(data, torch.ones(5, 3))
 
 

@@ -147,13 +147,13 @@ _TAKEN = {"index_add", "index_add_", "scatter_add", "scatter_reduce.two", "index
 #: The forms that read values back into Python (on a GPU, a synchronisation), each once and
 #: as torch's own kernel for it does: bincount its number of bins, segment_reduce its lengths
 #: or offsets (torch's reads lengths twice, unless unsafe=True; a sum or mean from +0.0 over
-#: 1-D offsets reads nothing, as torch's), histc with no range given
+#: 1-D bounds reads nothing, checked on the device), histc with no range given
 #: the data's range (in ``switch._histc_edges``, which also reads the numbers its bin
 #: arithmetic starts from, made on the host: not the device's). Form -> its reads on CPU
 #: tensors.
 _READERS = {"bincount": ["tolist"], "histc data range": [],
             **{f"segment_reduce {form}": ["numpy"] for form in (
-                "sum", "mean", "sum initial", "amax offsets", "mean axis 1", "sum unsafe")}}
+                "sum initial", "amax offsets", "mean axis 1")}}
 
 
 def _same_bits(actual, expected, name):

@@ -9,9 +9,13 @@ result equal to the others' (``torch.equal``), so the parts are the same computa
 counts what the call must move: the source once, the output read and written, the index.
 
 With ``--only plan`` (or ``off``) the script runs that row alone, a few times: the form
-``ncu`` profiles (``bash benches/gpu_run.sh profile``).
+``ncu`` profiles (``bash benches/gpu_run.sh profile``). ``--shape zipf`` takes the same rows
+on ``bench_skew.py``'s index instead (50k rows of 1024 into 32k, Zipf-skewed: a tenth of the
+rows on the hottest one), the shape where the call without a plan is furthest from torch's
+atomics.
 
     python3 benches/gpu_moe_profile.py [--json PATH] [--reps 30] [--only plan|off]
+                                       [--shape moe|zipf]
 """
 
 from __future__ import annotations
@@ -27,14 +31,19 @@ import detsum
 TOKENS, TOPK, HIDDEN = 16384, 8, 4096
 
 
-def _data(dtype: torch.dtype) -> dict:
+def _data(dtype: torch.dtype, shape: str) -> dict:
     gen = torch.Generator().manual_seed(0)
-    gather_indices = torch.randint(0, 64, (TOKENS, TOPK), generator=gen).view(-1).argsort(
-        stable=True)
-    index = (gather_indices // TOPK).cuda()
-    return {"index": index, "source": torch.randn(TOKENS * TOPK, HIDDEN, generator=gen)
-            .to("cuda", dtype), "init": torch.randn(TOKENS, HIDDEN, generator=gen)
-            .to("cuda", dtype), "plan": detsum.plan(index, TOKENS)}
+    if shape == "zipf":
+        from bench_skew import H, ROWS, TABLE, ZIPF_EXPONENT, zipf_index
+        index, rows, table, hidden = zipf_index(ROWS, TABLE, ZIPF_EXPONENT, gen), ROWS, TABLE, H
+    else:
+        gather_indices = torch.randint(0, 64, (TOKENS, TOPK), generator=gen).view(-1).argsort(
+            stable=True)
+        index, rows, table, hidden = gather_indices // TOPK, TOKENS * TOPK, TOKENS, HIDDEN
+    index = index.cuda()
+    return {"index": index, "source": torch.randn(rows, hidden, generator=gen)
+            .to("cuda", dtype), "init": torch.randn(table, hidden, generator=gen)
+            .to("cuda", dtype), "plan": detsum.plan(index, table)}
 
 
 def _calls(d: dict, out: torch.Tensor) -> dict:
@@ -72,10 +81,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only", choices=["plan", "off"])
+    parser.add_argument("--shape", choices=["moe", "zipf"], default="moe")
     args = parser.parse_args(argv)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
-        d = _data(dtype)
+        d = _data(dtype, args.shape)
         if args.only:
             out = d["init"].clone()
             call = _calls(d, out)[f"detsum {args.only}"]
@@ -103,7 +113,8 @@ def main(argv=None) -> int:
                 r["same_bits"] = same
     if args.only:
         return 0
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; median of {args.reps}")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape}; "
+          f"median of {args.reps}")
     print(f"{'dtype':15} {'call':18} {'ms':>8} {'GB/s':>8} {'of copy':>8} same bits")
     for r in rows:
         print(f"{r['dtype']:15} {r['call']:18} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
@@ -111,7 +122,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "reps": args.reps, "rows": rows}, f, indent=1)
+                       "shape": args.shape, "reps": args.reps, "rows": rows}, f, indent=1)
     return 0 if all(r["same_bits"] for r in rows) else 1
 
 

@@ -106,6 +106,9 @@ for stage in $STAGES; do
         # one without (clocks left as they are).
         python3 benches/gpu_moe_profile.py --json "$OUT/moe-profile.json" \
             | tee "$OUT/moe-profile.txt" || status=1
+        # The same parts on the Zipf-skewed index (the switch's case: no plan).
+        python3 benches/gpu_moe_profile.py --shape zipf --json "$OUT/zipf-profile.json" \
+            | tee "$OUT/zipf-profile.txt" || status=1
         NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)}
         if [ -n "$NCU" ]; then
             for form in plan off; do

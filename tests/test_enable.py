@@ -1194,22 +1194,47 @@ def test_histc_counts_past_the_dtypes_integers(dtype, limit):
         torch.set_num_threads(threads)
 
 
+HISTC_RANGES = [(-1.3, 2.7, 7), (0, 10, 10), (-1e-3, 5e-3, 100), (0, 0, 3)]
+
+
+def histc_edge_values(dtype, low, high, bins):
+    """Values on and next to every bin edge of ``histc(bins, low, high)``, then NaN and values
+    outside the range (but for ``low == high``, the data's range: NaN there is torch's
+    error)."""
+    edges = torch.linspace(-2.0 if low == high else low, 3.0 if low == high else high,
+                           bins + 1, dtype=torch.float64)
+    values = torch.cat([edges, edges.nextafter(edges - 1), edges.nextafter(edges + 1),
+                        torch.tensor([math.nan, -1e3, 1e3])]).to(dtype)
+    return values[:-3] if low == high else values
+
+
 def test_histc_bins_at_their_edges_as_torch():
     """Values on and next to every bin edge, NaN and values outside the range: the same bins
     as torch's kernel for every dtype (its arithmetic in the dtype, step by step)."""
     for dtype in DTYPES:
-        for low, high, bins in [(-1.3, 2.7, 7), (0, 10, 10), (-1e-3, 5e-3, 100), (0, 0, 3)]:
-            edges = torch.linspace(-2.0 if low == high else low, 3.0 if low == high else high,
-                                   bins + 1, dtype=torch.float64)
-            values = torch.cat([edges, edges.nextafter(edges - 1), edges.nextafter(edges + 1),
-                                torch.tensor([math.nan, -1e3, 1e3])]).to(dtype)
-            if low == high:
-                values = values[:-3]  # the data's range: NaN there is torch's error
+        for low, high, bins in HISTC_RANGES:
+            values = histc_edge_values(dtype, low, high, bins)
             expected = torch.histc(values, bins, low, high)
             counts, ran = run_counted("histc", "autograd",
                                       lambda: torch.histc(values, bins, low, high))
             assert ran == 1
             assert_same_bits(counts, expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["autograd", "fp32"])
+def test_histc_bins_at_their_edges_on_cuda_as_torchs_cpu_histc(mode):
+    """On CUDA (where torch refuses histc in deterministic mode) the switch's bins are torch's
+    CPU bins, at the edges too: a division by a CPU scalar, which CUDA computes as a product
+    with its reciprocal, would move values next to an edge to the other bin."""
+    for dtype in DTYPES:
+        for low, high, bins in HISTC_RANGES:
+            values = histc_edge_values(dtype, low, high, bins)
+            expected = torch.histc(values, bins, low, high)
+            counts, ran = run_counted("histc", mode,
+                                      lambda: torch.histc(values.cuda(), bins, low, high))
+            assert ran == 1
+            assert_same_bits(counts.cpu(), expected)
 
 
 def test_histc_bins_past_a_half_dtypes_integers_run_on_detsum():

@@ -200,11 +200,10 @@ def _switched(name, body, original):
     """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
     function that computes the result on detsum, or None to leave the call to torch; that
     function may still leave it to torch, by raising ``_LeaveToTorch`` before it writes
-    anything. In "autograd" mode a call left to torch runs under torch's deterministic mode
-    (``_torch_deterministic``), whose bits that mode gives (torch's default on CUDA is
-    atomics); not a call whose tensors hold one element each (one term: no order to choose,
-    and torch's deterministic CUDA path refuses some 0-dim tensors), nor detsum's own calls
-    of switched ops inside a run."""
+    anything. A call left to torch whose terms torch may add in an order of its own
+    (``_torch_orders_terms``) runs under torch's deterministic mode (``_torch_deterministic``):
+    torch's default on CUDA is atomics, and "autograd" mode gives the deterministic mode's
+    bits. Not detsum's own calls of switched ops inside a run."""
     def kernel(keyset, *args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
@@ -225,7 +224,7 @@ def _switched(name, body, original):
                     return result
                 finally:
                     _inside.running = False
-            if mode == "autograd" and not _one_term_at_most(args, kwargs):
+            if _torch_orders_terms(args, kwargs):
                 counts[(name, "torch")] += 1
                 with _torch_deterministic():
                     return original.call_boxed(keyset, *args, **kwargs)
@@ -236,11 +235,16 @@ def _switched(name, body, original):
     return kernel
 
 
-def _one_term_at_most(args, kwargs) -> bool:
-    """Whether every tensor of a call (in lists too) holds at most one element."""
+def _torch_orders_terms(args, kwargs) -> bool:
+    """Whether torch's kernel may add a call's terms in an order of its own, one order giving
+    other bits than another: a tensor of the call (in lists too) is floating-point or
+    complex, and one holds more than one element. Integers add exactly in any order, and one
+    term has no order (torch's deterministic CUDA path refuses some 0-dim tensors, too)."""
     tensors = [t for a in (*args, *kwargs.values())
-               for t in (a if isinstance(a, (list, tuple)) else (a,))]
-    return all(t.numel() <= 1 for t in tensors if isinstance(t, torch.Tensor))
+               for t in (a if isinstance(a, (list, tuple)) else (a,))
+               if isinstance(t, torch.Tensor)]
+    return (any(t.is_floating_point() or t.is_complex() for t in tensors)
+            and any(t.numel() > 1 for t in tensors))
 
 
 _deterministic_lock = threading.Lock()

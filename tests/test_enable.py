@@ -670,15 +670,17 @@ def test_inputs_detsum_does_not_take_get_torchs_result(mode):
             assert torch.equal(f(), expected[name]), name
 
 
-def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkeypatch):
-    """In "autograd" mode a call left to torch runs torch's kernel under torch's deterministic
-    mode, ``warn_only`` unless the caller had set that mode without it (whose bits that mode
-    gives; on CUDA torch's default is atomics; where torch has no deterministic kernel, its
-    default one with torch's warning, or its refusal as the caller asked): each fallback above
-    and a bfloat16 index_add (torch's kernel the one source of its bits; its functional form
-    calls the in-place one, itself switched), with torch's deterministic result. Not a call
-    of one term at most (0-d, empty: no order), nor a call detsum runs; the caller's setting,
-    warn_only too, comes back, also after torch's error."""
+@pytest.mark.parametrize("mode", ["autograd", "fp32"])
+def test_calls_left_to_torch_run_under_its_deterministic_mode(monkeypatch, mode):
+    """A call left to torch with floating-point or complex data runs torch's kernel under
+    torch's deterministic mode, ``warn_only`` unless the caller had set that mode without it
+    (on CUDA torch's default is atomics; "autograd" mode gives that mode's bits; where torch
+    has no deterministic kernel, its default one with torch's warning, or its refusal as the
+    caller asked): each such fallback above and a bfloat16 index_add ("autograd" mode: torch's
+    kernel the one source of its bits; its functional form calls the in-place one, itself
+    switched), with torch's deterministic result. Not integer data (exact in any order), nor
+    a call of one term at most (0-d, empty: no order), nor a call detsum runs; the caller's
+    setting, warn_only too, comes back, also after torch's error."""
     entered = []
     deterministic = switch._torch_deterministic
 
@@ -695,12 +697,16 @@ def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkey
         0, torch.tensor([0, 2, 2]), torch.full((3, 3), 0.1, dtype=torch.bfloat16))
     with measure.torch_deterministic():
         expected = {name: f() for name, f in cases.items()}
-    with detsum.deterministic("autograd"):
+    exact = {"int64", "scatter_add int", "bincount without weights"}
+    with detsum.deterministic(mode):
         for name, f in cases.items():
+            if name == "bfloat16 index_add" and mode != "autograd":
+                continue  # on detsum
             entered.clear()
             assert_same_bits(f(), expected[name])
-            assert entered == ([] if name in ("0-d", "histc empty") else [(True, True)]) or (
-                name == "bfloat16 index_add" and entered == [(True, True)] * 2), name
+            assert entered == ([] if name in {"0-d", "histc empty", *exact} else [(True, True)]
+                               ) or (name == "bfloat16 index_add"
+                                     and entered == [(True, True)] * 2), name
         entered.clear()
         torch.zeros(4, 3).index_add(0, torch.tensor([0, 2, 2]), torch.ones(3, 3))
         assert entered == []  # on detsum
@@ -708,7 +714,7 @@ def test_autograd_mode_leaves_calls_to_torch_under_its_deterministic_mode(monkey
             for warn_only in (True, False):
                 torch.use_deterministic_algorithms(True, warn_only=warn_only)
                 entered.clear()
-                cases["int64"]()
+                cases["complex"]()
                 assert entered == [(True, warn_only)]
                 assert torch.are_deterministic_algorithms_enabled()
                 assert torch.is_deterministic_algorithms_warn_only_enabled() == warn_only

@@ -203,7 +203,9 @@ def _switched(name, body, original):
     anything. A call left to torch whose terms torch may add in an order of its own
     (``_torch_orders_terms``) runs under torch's deterministic mode (``_torch_deterministic``):
     torch's default on CUDA is atomics, and "autograd" mode gives the deterministic mode's
-    bits. Not detsum's own calls of switched ops inside a run."""
+    bits. Not, but in "autograd" mode, a plain assignment (``x[idx] = v``: nothing added, and
+    torch's deterministic path sorts the index), nor detsum's own calls of switched ops inside
+    a run."""
     def kernel(keyset, *args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
@@ -224,7 +226,8 @@ def _switched(name, body, original):
                     return result
                 finally:
                     _inside.running = False
-            if _torch_orders_terms(args, kwargs):
+            if _torch_orders_terms(args, kwargs) and (
+                    mode == "autograd" or _accumulates(name, args, kwargs)):
                 counts[(name, "torch")] += 1
                 with _torch_deterministic():
                     return original.call_boxed(keyset, *args, **kwargs)
@@ -233,6 +236,17 @@ def _switched(name, body, original):
 
     kernel.__name__ = f"detsum_switched_{name.replace('.', '_')}"
     return kernel
+
+
+#: The switched operators that assign unless asked to accumulate (their fourth argument).
+_ASSIGNING = ("_index_put_impl_", "put_")
+
+
+def _accumulates(name, args, kwargs) -> bool:
+    """Whether a call of the switched operator ``name`` adds into its target."""
+    if name not in _ASSIGNING:
+        return True
+    return bool(args[3] if len(args) > 3 else kwargs.get("accumulate", False))
 
 
 def _torch_orders_terms(args, kwargs) -> bool:

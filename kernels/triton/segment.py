@@ -195,6 +195,18 @@ def _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr, p_begin,
     return acc, comp
 
 
+@triton.jit
+def _start(init, REDUCE: tl.constexpr, RULE: tl.constexpr, USE_BASE: tl.constexpr):
+    """The accumulator before the first term, where it does not start from that term: 0
+    under SMALL_STRIDE (torch sums the terms from 0 and adds ``init`` last), else ``init``
+    (USE_BASE), 1 for a product, 0. Any shape: ``init``'s."""
+    acc = tl.zeros_like(init)
+    if RULE != _SMALL_STRIDE:
+        if USE_BASE:
+            acc = init
+        elif REDUCE == _PROD:
+            acc = acc + 1.0
+    return acc
 
 
 @triton.jit
@@ -255,14 +267,8 @@ def _reduce_part(
                         # A later chunk's first term is a term like any other: RN(x * alpha).
                         acc = acc * alpha
                     p = p_begin + 1
-                elif RULE == _SMALL_STRIDE:
-                    acc = tl.zeros([BLOCK], ACC)  # torch sums the terms from 0 and adds init last
-                elif USE_BASE:
-                    acc = init
-                elif REDUCE == _PROD:
-                    acc = tl.zeros([BLOCK], ACC) + 1.0
                 else:
-                    acc = tl.zeros([BLOCK], ACC)
+                    acc = _start(init, REDUCE, RULE, USE_BASE)
                 acc, comp = _combine_rows(acc, comp, row_base, ss1, ss2, cols, mask, order_ptr,
                                           p, p_end, alpha, seg, REDUCE, RULE, DATA, ACC,
                                           HAS_ORDER, SCALED, SCAN)
@@ -337,14 +343,8 @@ def _reduce_segments(
                 if SCALED:
                     acc = acc * alpha
                 k_begin = 1
-            elif RULE == _SMALL_STRIDE:
-                acc = tl.zeros([SEGS, BLOCK], ACC)  # torch sums the terms from 0, init last
-            elif USE_BASE:
-                acc = init
-            elif REDUCE == _PROD:
-                acc = tl.zeros([SEGS, BLOCK], ACC) + 1.0
             else:
-                acc = tl.zeros([SEGS, BLOCK], ACC)
+                acc = _start(init, REDUCE, RULE, USE_BASE)
             for k in tl.range(k_begin, longest, num_stages=_TERM_STAGES):
                 active = k < n
                 p = p0 + k

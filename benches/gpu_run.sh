@@ -75,6 +75,11 @@ for stage in $STAGES; do
         # every row of the GPU issues' tables that one GPU can measure.
         python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
             | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" || status=1
+        # Where a small call's host time goes: each case of the stubbed CPU run on CUDA
+        # tensors with the real driver, and a profile of a call with a plan (about 30 s).
+        python3 benches/host_launch.py --cuda --rounds 100 --profile \
+            --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
+        head -n 30 "$OUT/host-launch.txt"
         # Narrow rows one segment a program, the layout before the tiles of segments.
         python3 benches/gpu_call_cost.py --sizes mid gnn --tile-bytes 0 \
             --json "$OUT/call-cost-untiled.json" 2>&1 \

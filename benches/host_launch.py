@@ -1,4 +1,4 @@
-"""Host time of a detsum call on the GPU path, measured without a GPU: the device work stubbed.
+"""Host time of a detsum call on the GPU path: without a GPU, the device work stubbed (or on one).
 
 Issue "One plan, one launch", item 4: a call with a plan is one Triton launch, and on a GPU
 what it costs is host time (Python, dispatch, the launch). Here the kernels are compiled for
@@ -9,10 +9,12 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 ``torch.Tensor.index_add_`` on CPU tensors of the same size, in the same rounds.
 
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
-directly after a specialisation's first launch) and "JITFunction.run" (``DIRECT_LAUNCH``
-off: Triton's launch every time, the path before). Calls (the inputs of
-tests/launch_counter.py: 512 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of
-4 experts):
+directly after a specialisation's first launch, handed data pointers), "direct, tensors"
+(``POINTERS_AS_INTS`` off: handed the tensors, whose pointers Triton's launcher then reads and
+has the driver check, one call each; the same here, where the launcher is stubbed) and
+"JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every time, the path before).
+Calls (256 rows of 4 fp32 features into 16 rows;
+MoE: 64 tokens, top-2 of 4 experts):
 
 - ``index_add`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32" and "kahan";
 - ``index_add`` and a ``scatter_reduce`` max without a plan at check="off";
@@ -22,7 +24,16 @@ tests/launch_counter.py: 512 rows of 4 fp32 features into 16 rows; MoE: 64 token
   ``JITFunction.run`` with its check of module globals emptied: what passing them as
   constexprs would save it).
 
-    python benches/host_launch.py [--rounds 300] [--calls 20] [--note TEXT] [--json PATH]
+With ``--cuda`` (on a GPU machine) the same cases run on CUDA tensors with the real driver:
+each call's host time to issue it, the GPU running behind (its work, a few microseconds a
+call, never fills the launch queue), against ``torch.Tensor.index_add_`` on CUDA tensors,
+plus ``torch.empty_like`` alone (the allocation a call makes). The difference from the
+stubbed run is what the driver's launch and CUDA's allocator cost on that host. ``--profile``
+adds the 25 functions that take the most of a call with a plan's own time (cProfile, 5000
+calls; it slows every Python call alike, so read it as shares, not microseconds).
+
+    python benches/host_launch.py [--rounds 300] [--calls 20] [--cuda] [--profile]
+                                  [--note TEXT] [--json PATH]
 
 Prints a table (median us per call, its 10th-90th percentile over rounds, and the median
 of the per-round ratios to ``index_add_``) and writes the JSON.
@@ -31,11 +42,15 @@ of the per-round ratios to ``index_add_``) and writes the JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
+import io
 import json
 import os
 import pathlib
 import platform
+import pstats
 import random
 import statistics
 import sys
@@ -63,7 +78,7 @@ def _import_compiled() -> None:
     from detsum.kernels.triton import launch, segment
 
 
-def _inputs() -> dict:
+def _inputs(device: str = "cpu") -> dict:
     gen = torch.Generator().manual_seed(0)
     index = torch.randint(0, SEGMENTS, (ROWS,), generator=gen)
     t = {
@@ -75,10 +90,16 @@ def _inputs() -> dict:
         "x": torch.randn(TOKENS, FEATURES, generator=gen),
         "weights": torch.softmax(torch.randn(TOKENS, TOPK, generator=gen), -1),
     }
-    with triton_stub.cpu_tensors_as_cuda():
+    t = {name: tensor.to(device) for name, tensor in t.items()}
+    with _as_cuda(device):
         t["plan"] = detsum.plan(index, SEGMENTS)
         t["routing"] = moe.route(t["selected"], EXPERTS)
     return t
+
+
+def _as_cuda(device: str):
+    """CPU tensors on the path CUDA tensors take (the stub), or nothing to do (``--cuda``)."""
+    return triton_stub.cpu_tensors_as_cuda() if device == "cpu" else contextlib.nullcontext()
 
 
 def _detsum_calls(t: dict) -> dict:
@@ -115,7 +136,7 @@ def _detsum_calls(t: dict) -> dict:
 def _launch_alone(t: dict) -> dict:
     """One launch of _segment_kernel with index_add's arguments (fp32 mode, a plan)."""
     src = t["src"].unsqueeze(0)
-    out = torch.empty(1, SEGMENTS, FEATURES)
+    out = src.new_empty(1, SEGMENTS, FEATURES)
     base = t["init"].unsqueeze(0)
     order = t["plan"].order
     args = (src, *src.stride(), order, t["plan"].offsets, order.shape[0], 0, base,
@@ -146,12 +167,13 @@ def _launch_alone(t: dict) -> dict:
             "jitfunction_run_no_global_check": jitfunction_run_no_global_check}
 
 
-def _time_rounds(cases: dict, rounds: int, calls: int) -> dict[str, list[float]]:
+def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str, list[float]]:
     """us per call of each case (name -> (call, launch path or None)) in each round; the
     cases take turns within a round, in an order shuffled each round (a case timed right
-    after another runs a few microseconds slower or faster, whatever it is)."""
+    after another runs a few microseconds slower or faster, whatever it is). ``synchronize``
+    runs after each case's calls, untimed: a GPU's queue starts each case empty."""
     times = {name: [] for name in cases}
-    direct_launch = launch.DIRECT_LAUNCH
+    direct_launch, pointers_as_ints = launch.DIRECT_LAUNCH, launch.POINTERS_AS_INTS
     order = list(cases)
     shuffle = random.Random(0).shuffle
     try:
@@ -160,13 +182,29 @@ def _time_rounds(cases: dict, rounds: int, calls: int) -> dict[str, list[float]]
             for name in order:
                 fn, path = cases[name]
                 launch.DIRECT_LAUNCH = path != "JITFunction.run"
+                launch.POINTERS_AS_INTS = path != "direct, tensors"
                 start = time.perf_counter()
                 for _ in range(calls):
                     fn()
                 times[name].append((time.perf_counter() - start) / calls * 1e6)
+                synchronize()
     finally:
-        launch.DIRECT_LAUNCH = direct_launch
+        launch.DIRECT_LAUNCH, launch.POINTERS_AS_INTS = direct_launch, pointers_as_ints
     return {name: spent[1:] for name, spent in times.items()}
+
+
+def _profile(call, calls: int = 5000) -> str:
+    """cProfile's 25 functions with the most own time over ``calls`` calls of ``call``."""
+    for _ in range(100):
+        call()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        call()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
 
 
 def _summary(times: list[float], baseline: list[float]) -> dict:
@@ -193,27 +231,42 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--calls", type=int, default=20, help="calls per case and round")
     parser.add_argument("--note", default="", help="kept in the JSON (what was measured)")
-    parser.add_argument("--json", type=pathlib.Path, default=ROOT / "benches" / "results" / (
-        f"cpu-host-launch-{datetime.date.today().isoformat()}.json"))
+    parser.add_argument("--json", type=pathlib.Path, help="default: benches/results/"
+                        "cpu-host-launch-<date>.json (gpu-... with --cuda)")
+    parser.add_argument("--cuda", action="store_true",
+                        help="CUDA tensors and the real driver (a GPU machine), no stub")
+    parser.add_argument("--profile", action="store_true",
+                        help="also cProfile a call with a plan: its 25 costliest functions")
     args = parser.parse_args()
     _import_compiled()
-    triton_stub.install(record=False)
-    t = _inputs()
+    device = "cuda" if args.cuda else "cpu"
+    if not args.cuda:
+        triton_stub.install(record=False)
+    t = _inputs(device)
     baseline = "torch.Tensor.index_add_"
     cases = {baseline: (lambda: t["work"].index_add_(0, t["index"], t["src"]), None)}
-    with triton_stub.cpu_tensors_as_cuda():
+    if args.cuda:
+        cases["torch.empty_like"] = (lambda: torch.empty_like(t["init"]), None)
+    with _as_cuda(device):
         for name, fn in _detsum_calls(t).items():
             for path in ("direct", "JITFunction.run"):
                 cases[f"{name} | {path}"] = fn, path
+        calls = _detsum_calls(t)
+        cases["index_add fp32 plan | direct, tensors"] = \
+            calls["index_add fp32 plan"], "direct, tensors"
         alone = _launch_alone(t)
         cases["_segment_kernel launch alone | direct"] = alone["kernel"], "direct"
+        cases["_segment_kernel launch alone | direct, tensors"] = \
+            alone["kernel"], "direct, tensors"
         cases["_segment_kernel launch alone | JITFunction.run"] = \
             alone["jitfunction_run"], "JITFunction.run"
         cases["_segment_kernel launch alone | JITFunction.run, no global check"] = \
             alone["jitfunction_run_no_global_check"], "JITFunction.run"
         load_start = os.getloadavg()
-        times = _time_rounds(cases, args.rounds, args.calls)
+        times = _time_rounds(cases, args.rounds, args.calls,
+                             torch.cuda.synchronize if args.cuda else lambda: None)
         load_end = os.getloadavg()
+        profile = _profile(_detsum_calls(t)["index_add fp32 plan"]) if args.profile else None
 
     results = {name: _summary(spent, times[baseline]) for name, spent in times.items()}
     width = max(map(len, results))
@@ -223,12 +276,22 @@ def main() -> None:
         print(f"{name:{width}s}  {r['median_us']:7.1f} ({r['p10_us']:6.1f}-{r['p90_us']:6.1f})"
               f"  {r['ratio_to_index_add_']:6.2f} ({r['ratio_p10']:.2f}-{r['ratio_p90']:.2f})")
     print(f"load average at start / end: {load_start[0]:.2f} / {load_end[0]:.2f}")
+    # Whether the direct launch was in use: a hook that some library installed in Triton's
+    # knobs would send every launch through JITFunction.run, "direct" rows and all.
+    direct_launch = {"DIRECT_LAUNCH": launch.DIRECT_LAUNCH,
+                     "hooks_installed": launch._hooks_installed(segment._segment_kernel),
+                     "specialisations_launched_directly": len(segment._launch_segment._compiled)}
+    print(f"direct launch: {direct_launch}")
+    if profile:
+        print(profile)
     report = {
         "what": __doc__.splitlines()[0],
         "inputs": {"rows": ROWS, "segments": SEGMENTS, "features": FEATURES, "dtype": "fp32",
                    "moe_tokens": TOKENS, "moe_topk": TOPK, "moe_experts": EXPERTS},
         "note": args.note, "rounds": args.rounds, "calls_per_round": args.calls,
-        "baseline": baseline,
+        "device": torch.cuda.get_device_name() if args.cuda else "stubbed (sm_90 kernels)",
+        "baseline": baseline, "direct_launch": direct_launch,
+        "profile_of_index_add_with_a_plan": profile,
         "results": results,
         "times_us": {name: [round(us, 2) for us in spent] for name, spent in times.items()},
         "environment": {"cpu": _cpu_name(),
@@ -238,6 +301,10 @@ def main() -> None:
                         "load_average": {"start": load_start, "end": load_end}},
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
+    if args.json is None:
+        args.json = ROOT / "benches" / "results" / (
+            f"{device.replace('cuda', 'gpu')}-host-launch-{datetime.date.today().isoformat()}"
+            ".json")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")

@@ -15,11 +15,13 @@ interpreter the kernels are not compiled). Prints one JSON object:
   objects through Kernels that start with an empty cache: how many times ``JITFunction.run``
   ran (once for a key not seen before, else never), and whether the launch ran the compiled
   kernel that ``JITFunction.run`` picks for those arguments, handing the driver the same
-  arguments as it does;
+  arguments as it does, each tensor as its data pointer (``pointers_as_ints``);
 - ``fallback``: each launch made twice through a Kernel that starts empty, with
   ``DIRECT_LAUNCH`` off and with a launch hook installed: how many times ``JITFunction.run``
   ran and the driver launched, each time, and how many times the hook was called;
-- ``order_error``: the message when constexprs come in another order than the kernel's.
+- ``order_error``: the message when constexprs come in another order than the kernel's;
+- ``tensors_when_pointers_off``: whether, with ``launch.POINTERS_AS_INTS`` off, every direct
+  launch hands the driver the tensors themselves, as ``JITFunction.run`` does.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def check_keys(launches) -> dict:
             with contextlib.ExitStack() as stack:
                 if knob is not None:
                     stack.enter_context(unittest.mock.patch.object(*knob))
-                ours = layout_key(0, v_warps, v_constexprs.values(), v_args)
+                ours, _ = layout_key(0, v_warps, v_constexprs.values(), v_args)
                 with triton_keys(triton_key):
                     kernel.jitted.run(*v_args, grid=grid, warmup=True, num_warps=v_warps,
                                       enable_fp_fusion=False, **v_constexprs)
@@ -242,15 +244,38 @@ def _idle(hooks_and_metadata: tuple) -> bool:
     return all(hook is None or not getattr(hook, "calls", True) for hook in hooks)
 
 
+_HEAD = 6  # a driver call's grid x, y, z, stream, function, packed metadata
+
+
+def _same_argument(ours, theirs) -> bool:
+    """A direct launch's argument against JITFunction.run's: the same object, or, for a
+    tensor, its data pointer (``launch.POINTERS_AS_INTS``), which Triton's launcher takes as
+    the address it would read from the tensor."""
+    if isinstance(theirs, torch.Tensor) and type(ours) is int:
+        return ours == theirs.data_ptr()
+    return ours is theirs
+
+
 def _same_driver_call(ours: tuple, triton_call: tuple) -> bool:
-    """Same launcher (the same compiled kernel) and the same arguments, tensors the same
-    objects, but for the launch metadata and hooks, which only need to do nothing."""
+    """Same launcher (the same compiled kernel) and the same arguments (``_same_argument``),
+    but for the launch metadata and hooks, which only need to do nothing."""
     (our_launcher, our_args), (their_launcher, their_args) = ours, triton_call
-    head = 6  # grid x, y, z, stream, function, packed metadata
+    head = _HEAD
     return (our_launcher is their_launcher and len(our_args) == len(their_args)
             and our_args[:head] == their_args[:head]
             and _idle(our_args[head:head + 3]) and _idle(their_args[head:head + 3])
-            and all(a is b for a, b in zip(our_args[head + 3:], their_args[head + 3:])))
+            and all(map(_same_argument, our_args[head + 3:], their_args[head + 3:])))
+
+
+def _tensors_as_ints(ours: tuple, triton_call: tuple) -> bool:
+    """Whether the direct launch handed every tensor of JITFunction.run's as an int."""
+    return all(type(a) is int for a, b in zip(ours[1][_HEAD + 3:], triton_call[1][_HEAD + 3:])
+               if isinstance(b, torch.Tensor))
+
+
+def _tensors_as_tensors(ours: tuple, triton_call: tuple) -> bool:
+    return all(a is b for a, b in zip(ours[1][_HEAD + 3:], triton_call[1][_HEAD + 3:])
+               if isinstance(b, torch.Tensor))
 
 
 def check_replays(launches) -> list[dict]:
@@ -274,8 +299,27 @@ def check_replays(launches) -> list[dict]:
                 "same_as_jitfunction_run": (len(direct) == len(triton_call) == 1
                                             and _same_driver_call(direct[0], triton_call[0])),
                 "kernel_triton_picks": len(direct) == 1 and picked.run is direct[0][0],
+                "pointers_as_ints": (len(direct) == len(triton_call) == 1
+                                     and _tensors_as_ints(direct[0], triton_call[0])),
             })
     return results
+
+
+def check_pointers_off(launches) -> bool:
+    """With POINTERS_AS_INTS off, every direct launch hands the driver the tensors themselves,
+    as JITFunction.run does."""
+    same = []
+    with unittest.mock.patch.object(launch, "POINTERS_AS_INTS", False):
+        for kernel, grid, args, num_warps, constexprs in launches:
+            ours = launch.Kernel(kernel.jitted)
+            _driver_calls(ours, grid, args, num_warps, constexprs, "direct")  # compiles
+            direct, runs = _driver_calls(ours, grid, args, num_warps, constexprs, "direct")
+            triton_call, _ = _driver_calls(kernel, grid, args, num_warps, constexprs,
+                                           "JITFunction.run")
+            same.append(runs == 0 and len(direct) == len(triton_call) == 1
+                        and _same_driver_call(direct[0], triton_call[0])
+                        and _tensors_as_tensors(direct[0], triton_call[0]))
+    return bool(same) and all(same)
 
 
 def _twice_through_an_empty_kernel(kernel, grid, args, num_warps, constexprs) -> list[int]:
@@ -318,7 +362,8 @@ def main() -> dict:
     launches = recorded_launches()
     return {"triton": triton.__version__, "direct_launch": launch.DIRECT_LAUNCH,
             "keys": check_keys(launches), "replays": check_replays(launches),
-            "fallback": check_fallback(launches), "order_error": check_order_error(launches)}
+            "fallback": check_fallback(launches), "order_error": check_order_error(launches),
+            "tensors_when_pointers_off": check_pointers_off(launches)}
 
 
 if __name__ == "__main__":

@@ -59,9 +59,10 @@ def test_key_is_shared_by_what_triton_compiles_alike():
 
 def test_key_for_a_layout_is_the_key():
     """The straight-line key a Kernel makes for its first launch's layout gives
-    ``specialisation_key``'s answer for launches of that layout and of any other (which it
-    hands to ``specialisation_key``): a tensor or a bool where the layout has an int, an int
-    where it has a tensor, more or fewer arguments."""
+    ``specialisation_key``'s answer, and the arguments with each tensor's data pointer in its
+    place, for launches of that layout and of any other (which it hands to
+    ``key_and_pointers``): a tensor or a bool where the layout has an int, an int where it has
+    a tensor, more or fewer arguments."""
     buffer = torch.zeros(64)
     aligned, misaligned = buffer[:16], buffer[1:17]
     layout = (aligned, 2, 16, torch.zeros(4, dtype=torch.int64), 2**40)
@@ -78,8 +79,13 @@ def test_key_for_a_layout_is_the_key():
     ]
     for args in others:
         for constexprs in [(), (True,), (1,), (1.0, triton.language.float32)]:
-            assert (layout_key(0, 4, constexprs, args)
-                    == launch.specialisation_key(0, 4, constexprs, args)), (args, constexprs)
+            key, pointers = layout_key(0, 4, constexprs, args)
+            assert (key, pointers) == launch.key_and_pointers(0, 4, constexprs, args)
+            assert key == launch.specialisation_key(0, 4, constexprs, args), (args, constexprs)
+            # What the launcher is handed: each tensor's address, each int itself.
+            assert pointers == tuple(arg if type(arg) is int else arg.data_ptr()
+                                     for arg in args)
+            assert all(type(pointer) is int for pointer in pointers)
     assert layout_key(0, 4, (), layout) != layout_key(0, 4, (), (misaligned, *layout[1:]))
     # a bool or a float equal to an int the layout has there: not that int's class
     for odd in (True, 1.0):
@@ -165,7 +171,9 @@ def test_direct_launch_runs_what_jitfunction_run_runs(launch_check):
     misaligned source after an aligned one, bf16 with alpha, long segments), replayed twice
     through launchers that start empty: a key's first launch goes through JITFunction.run,
     every later one does not, and each hands the driver the compiled kernel that
-    JITFunction.run picks for its arguments, with the same arguments as JITFunction.run."""
+    JITFunction.run picks for its arguments, with the same arguments as JITFunction.run but
+    for each tensor's data pointer in its place (launch.POINTERS_AS_INTS), and with the
+    tensors themselves when that is off."""
     assert launch_check["direct_launch"]
     replays = launch_check["replays"]
     assert {r["kernel"] for r in replays} == {"_segment_kernel", "_stride1_kernel",
@@ -177,6 +185,9 @@ def test_direct_launch_runs_what_jitfunction_run_runs(launch_check):
         assert replay["driver_launches"] == [1, 1], replay
         assert replay["same_as_jitfunction_run"], replay
         assert replay["kernel_triton_picks"], replay
+    direct = [r for r in replays if r["replay"] == 2]
+    assert all(r["pointers_as_ints"] for r in direct)
+    assert launch_check["tensors_when_pointers_off"]
 
 
 def test_fallback_launches_through_jitfunction_run(launch_check):

@@ -16,6 +16,16 @@ returns the ``CompiledKernel``; later launches with the same key call that compi
 as ``JITFunction.run`` does after its own lookup: about 8 us in all, 3.5 of them computing
 and looking up the key.
 
+POINTERS. A direct launch hands the compiled kernel's launcher each tensor's data pointer as
+an int, read once for the key (whose alignment test needs it anyway), not the tensor. For a
+tensor, Triton's C launcher calls ``data_ptr()`` and then asks the CUDA driver whether the
+address is device memory (``cuPointerGetAttribute``, a driver call per pointer, ten or more
+for a ``_segment_kernel`` launch); an int it takes as the address itself. The question
+guards against CPU tensors, which never reach here: every tensor of a detsum launch was made
+on, or checked to be on, the launch's device, and a specialisation's first launch, through
+``JITFunction.run``, still hands over the tensors (``POINTERS_AS_INTS`` off: tensors on
+every launch, to compare the two on a GPU).
+
 THE KEY (``specialisation_key``). Triton compiles one kernel per specialisation of the
 arguments, and a launch must run the one compiled for its own arguments: a kernel compiled
 for 16-byte aligned pointers, say, reads misaligned ones wrongly on a GPU, silently. The key
@@ -63,7 +73,8 @@ try:
 except ImportError:  # a Triton outside DIRECT_LAUNCH's releases
     HookChain = None
 
-__all__ = ["DIRECT_LAUNCH", "Kernel", "key_for_layout", "specialisation_key"]
+__all__ = ["DIRECT_LAUNCH", "POINTERS_AS_INTS", "Kernel", "key_for_layout",
+           "specialisation_key"]
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -76,6 +87,11 @@ def _release(version: str) -> tuple[int, int]:
 #: the arguments it hands ``CompiledKernel.run``) this module follows; checked on 3.6, 3.8
 #: and 3.9. False: ``JITFunction.run`` launches every time.
 DIRECT_LAUNCH = (3, 6) <= _release(triton.__version__) < (3, 10)
+
+#: Whether a direct launch hands the launcher data pointers (ints) rather than tensors (see
+#: POINTERS above): the launcher of every release in DIRECT_LAUNCH's range takes an int as the
+#: address, with no call to the driver.
+POINTERS_AS_INTS = True
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _UINT64_MIN = 2**63
@@ -107,11 +123,19 @@ def specialisation_key(device: int, num_warps: int, constexpr_values, args) -> t
 
     ``args`` are tensors and ints (the kernel's other parameters), ``constexpr_values`` the
     constexprs' values in the kernel's order."""
+    return key_and_pointers(device, num_warps, constexpr_values, args)[0]
+
+
+def key_and_pointers(device: int, num_warps: int, constexpr_values, args
+                     ) -> tuple[tuple, tuple]:
+    """(``specialisation_key``'s key, ``args`` with each tensor's data pointer in its place):
+    what a direct launch needs of its arguments, each pointer read once."""
+    pointers = tuple(arg if type(arg) is int else arg.data_ptr() for arg in args)
     return (device, num_warps, _launch_options(),
             *constexpr_values, *map(type, constexpr_values),
-            *[(arg.dtype, not arg.data_ptr() & 15) if type(arg) is not int
+            *[(arg.dtype, not pointer & 15) if type(arg) is not int
               else _SMALL_INT_CLASSES[arg] if 0 <= arg < _SMALL_INTS else _int_class(arg)
-              for arg in args])
+              for arg, pointer in zip(args, pointers)]), pointers
 
 
 # A small integer's class by a dict lookup: exact for ints (a bool or a float equal to a key
@@ -119,32 +143,35 @@ def specialisation_key(device: int, num_warps: int, constexpr_values, args) -> t
 _small_int_class = dict(enumerate(_SMALL_INT_CLASSES)).get
 
 
-def key_for_layout(args: tuple) -> Callable[[int, int, object, tuple], tuple]:
-    """``specialisation_key`` made for launches whose arguments have the layout of ``args``:
-    the same number of them, an ``int`` where ``args`` has one, a tensor elsewhere. It returns
-    the key ``specialisation_key`` returns, for any arguments (others than that layout take
-    ``specialisation_key`` itself), in straight-line code: the generic loop over the 28
+def key_for_layout(args: tuple) -> Callable[[int, int, object, tuple], tuple[tuple, tuple]]:
+    """``key_and_pointers`` made for launches whose arguments have the layout of ``args``: the
+    same number of them, an ``int`` where ``args`` has one, a tensor elsewhere. It returns what
+    ``key_and_pointers`` returns, for any arguments (others than that layout take
+    ``key_and_pointers`` itself), in straight-line code: the generic loop over the 28
     arguments of a ``_segment_kernel`` launch costs it half a microsecond more."""
     names = [f"arg{i}" for i in range(len(args))]
     ints = [name for name, arg in zip(names, args) if type(arg) is int]
-    entries = [f"_small_int_class({name}) or _int_class({name})" if type(arg) is int
-               else f"({name}.dtype, not {name}.data_ptr() & 15)"
-               for name, arg in zip(names, args)]
+    pointers = {name: f"p{name[3:]}" for name, arg in zip(names, args) if type(arg) is not int}
+    entries = [f"_small_int_class({name}) or _int_class({name})" if name not in pointers
+               else f"({name}.dtype, not {pointers[name]} & 15)" for name in names]
     all_ints = " is ".join([f"type({name})" for name in ints] + ["int"])
     source = (
         "def key(device, num_warps, constexpr_values, args):\n"
         "    try:\n"
         f"        ({''.join(name + ', ' for name in names)}) = args\n"
         f"        if {all_ints}:\n"
-        "            return (device, num_warps, _launch_options(), *constexpr_values,\n"
-        "                    *map(type, constexpr_values),\n"
-        f"                    {''.join(entry + ', ' for entry in entries)})\n"
+        + "".join(f"            {pointer} = {name}.data_ptr()\n"
+                  for name, pointer in pointers.items()) +
+        "            return ((device, num_warps, _launch_options(), *constexpr_values,\n"
+        "                     *map(type, constexpr_values),\n"
+        f"                     {''.join(entry + ', ' for entry in entries)}),\n"
+        f"                    ({''.join(pointers.get(name, name) + ', ' for name in names)}))\n"
         # Another number of arguments, or no tensor where the layout has one.
         "    except (ValueError, AttributeError):\n"
         "        pass\n"
-        "    return specialisation_key(device, num_warps, constexpr_values, args)\n")
+        "    return key_and_pointers(device, num_warps, constexpr_values, args)\n")
     namespace = {"_small_int_class": _small_int_class, "_int_class": _int_class,
-                 "_launch_options": _launch_options, "specialisation_key": specialisation_key}
+                 "_launch_options": _launch_options, "key_and_pointers": key_and_pointers}
     exec(compile(source, f"<key for a launch of {len(args)} arguments>", "exec"), namespace)
     return namespace["key"]
 
@@ -197,7 +224,7 @@ class Kernel:
         key_of = self._key
         if key_of is None:
             key_of = self._key = key_for_layout(args)
-        key = key_of(device, num_warps, values, args)
+        key, pointers = key_of(device, num_warps, values, args)
         found = self._compiled.get(key)
         if found is None:
             compiled = jitted.run(*args, grid=grid, warmup=False, num_warps=num_warps,
@@ -211,7 +238,8 @@ class Kernel:
         run, function, packed_metadata, _ = found
         grid_x, grid_y, grid_z = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
         # What JITFunction.run hands the compiled kernel after its own lookup: every
-        # parameter's value (the launcher skips the constexprs), and no launch metadata or
-        # hooks, since none would run.
+        # parameter's value (the launcher skips the constexprs; a tensor as its address, see
+        # POINTERS), and no launch metadata or hooks, since none would run.
         run(grid_x, grid_y, grid_z, active.get_current_stream(device), function,
-            packed_metadata, None, None, None, *args, *values)
+            packed_metadata, None, None, None, *(pointers if POINTERS_AS_INTS else args),
+            *values)

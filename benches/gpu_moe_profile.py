@@ -12,7 +12,9 @@ With ``--only plan`` (or ``off``) the script runs that row alone, a few times: t
 ``ncu`` profiles (``bash benches/gpu_run.sh profile``). ``--shape zipf`` takes the same rows
 on ``bench_skew.py``'s index instead (50k rows of 1024 into 32k, Zipf-skewed: a tenth of the
 rows on the hottest one), the shape where the call without a plan is furthest from torch's
-atomics.
+atomics. The rows "chunks last" launch the chunk programs of long segments after the whole
+segments' (``chunks.CHUNKS_FIRST`` off, the order before): on the Zipf index, what starting
+them first gains.
 
     python3 benches/gpu_moe_profile.py [--json PATH] [--reps 30] [--only plan|off]
                                        [--shape moe|zipf]
@@ -27,6 +29,7 @@ import statistics
 import torch
 
 import detsum
+from detsum.kernels.triton import chunks
 
 TOKENS, TOPK, HIDDEN = 16384, 8, 4096
 
@@ -46,19 +49,37 @@ def _data(dtype: torch.dtype, shape: str) -> dict:
             .to("cuda", dtype), "plan": detsum.plan(index, table)}
 
 
+def _chunks_last(call):
+    """``call`` with the launch's chunk programs after the whole segments' (the order before
+    ``chunks.CHUNKS_FIRST``): the same bits, another order of the programs."""
+    def called():
+        first = chunks.CHUNKS_FIRST
+        chunks.CHUNKS_FIRST = False
+        try:
+            return call()
+        finally:
+            chunks.CHUNKS_FIRST = first
+    return called
+
+
 def _calls(d: dict, out: torch.Tensor) -> dict:
     index, source, plan = d["index"], d["source"], d["plan"]
     copy_target = torch.empty_like(source)
-    index32 = index.to(torch.int32)  # would a sort of int32 keys (half the radix passes) pay?
-    return {
+    # Would a sort of narrower keys (half or a quarter of the radix passes) pay?
+    index32, index16 = index.to(torch.int32), index.to(torch.int16)
+    calls = {
         "copy": lambda: copy_target.copy_(source),
         "torch index_add_": lambda: out.index_add_(0, index, source),
         "sort of the index": lambda: torch.sort(index, stable=True),
         "sort, int32 keys": lambda: torch.sort(index32, stable=True),
+        "sort, int16 keys": lambda: torch.sort(index16, stable=True),
         "detsum host": lambda: detsum.index_add_(out, 0, index, source),
         "detsum off": lambda: detsum.index_add_(out, 0, index, source, check="off"),
         "detsum plan": lambda: detsum.index_add_(out, 0, index, source, plan=plan),
     }
+    calls["detsum off, chunks last"] = _chunks_last(calls["detsum off"])
+    calls["detsum plan, chunks last"] = _chunks_last(calls["detsum plan"])
+    return calls
 
 
 def _median_ms(fn, reps: int) -> float:

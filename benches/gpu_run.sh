@@ -111,7 +111,8 @@ for stage in $STAGES; do
         # one without (clocks left as they are).
         python3 benches/gpu_moe_profile.py --json "$OUT/moe-profile.json" \
             | tee "$OUT/moe-profile.txt" || status=1
-        # The same parts on the Zipf-skewed index (the switch's case: no plan).
+        # The same parts on the Zipf-skewed index (the switch's case: no plan), with the chunk
+        # programs first (the default) and last.
         python3 benches/gpu_moe_profile.py --shape zipf --json "$OUT/zipf-profile.json" \
             | tee "$OUT/zipf-profile.txt" || status=1
         NCU=${NCU:-$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)}
@@ -125,6 +126,13 @@ for stage in $STAGES; do
                     > "$OUT/ncu-moe-$form.txt" 2>&1 || status=1
                 tail -n 40 "$OUT/ncu-moe-$form.txt"
             done
+            # The Zipf index's launch with a plan (its long segments' chunk programs first).
+            timeout 240 "$NCU" --clock-control none --kernel-name regex:_segment_kernel \
+                --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy \
+                --section LaunchStats --section WarpStateStats \
+                python3 benches/gpu_moe_profile.py --shape zipf --only plan \
+                > "$OUT/ncu-zipf-plan.txt" 2>&1 || status=1
+            tail -n 30 "$OUT/ncu-zipf-plan.txt"
         else
             echo "no ncu on this machine: the profile stage timed the parts only"
         fi ;;

@@ -144,8 +144,8 @@ def _launch_alone(t: dict) -> dict:
             SEGMENTS, FEATURES)
     constexprs = dict(REDUCE=kernels.SUM, RULE=kernels.WIDE, DATA=0, ACC=segment.tl.float32,
                       HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, HAS_CARRY=False,
-                      SCALED=False, SPLIT=False, FIRST_TERM_START=False, NCOMP=1,
-                      CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
+                      SCALED=False, SPLIT=False, CHUNKS_FIRST=False, FIRST_TERM_START=False,
+                      NCOMP=1, CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
                       CHECK=segment._CHECK_NOTHING.value, BLOCK=16, SEGS=1)
     grid = (SEGMENTS, 1, 1)
     jitted = segment._segment_kernel

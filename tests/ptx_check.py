@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from detsum import kernels
-from detsum.kernels.triton import common, exact, moe, segment, stride1
+from detsum.kernels.triton import chunks, common, exact, moe, segment, stride1
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -48,6 +48,7 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
     return dict(REDUCE=reduce, RULE=rule, DATA=data_code, ACC=acc, HAS_ORDER=True,
                 HAS_BASE=True, USE_BASE=True, HAS_CARRY=carry, SCALED=scaled,
                 SPLIT=rule in kernels.SPLIT_RULES,
+                CHUNKS_FIRST=rule in kernels.SPLIT_RULES and chunks.CHUNKS_FIRST,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
                 CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
                 CHECK=segment._CHECK_NOTHING.value, BLOCK=block, SEGS=1)
@@ -68,7 +69,7 @@ def _exact_config(reduce, dtype, scaled, block):
                 PRECISION=precision, MIN_QUANTUM=min_quantum, UNIT_EXPONENT=unit_exponent,
                 N_LIMBS=n_limbs, LANES=triton.next_power_of_2(n_limbs + 1),
                 NORMALISE_EVERY=kernels.NORMALISE_EVERY, SPLIT=True,
-                CHUNK=exact._EXACT_CHUNK_TERMS, BLOCK=block)
+                CHUNKS_FIRST=chunks.CHUNKS_FIRST, CHUNK=exact._EXACT_CHUNK_TERMS, BLOCK=block)
 
 
 def _count(ptx: str) -> dict:
@@ -280,7 +281,8 @@ def main() -> dict:
              segment._CHECK_BEFORE_WRITING)):
         rule = kernels.KAHAN if "kahan" in name else kernels.WIDE
         config = dict(_segment_config(kernels.SUM, rule, 1, tl.float32, True, 1024),
-                      HAS_ORDER=False, SPLIT=False, BOUNDS=segment._UNSORTED_KEYS.value,
+                      HAS_ORDER=False, SPLIT=False, CHUNKS_FIRST=False,
+                      BOUNDS=segment._UNSORTED_KEYS.value,
                       CHECK=check.value)
         found[name] = _count(_ptx(segment._segment_kernel, dict(bf16, bounds_ptr=keys),
                                   config, fp_fusion=False))

@@ -540,6 +540,81 @@ def test_segments_in_tiles_give_the_bits_of_one_segment_a_program(
     assert_same_bits(*outs)
 
 
+CHUNK_ORDER_CASES = [
+    # (mode, reduce, dtype, width, bounds): every kernel with chunk programs (fp32's and
+    # Kahan's term loop, "exact"'s limbs), narrow rows in tiles (width 4) and wide ones, a sort's
+    # offsets, offsets the launch checks itself (its checkers are its first programs, chunk
+    # programs among them under CHUNKS_FIRST) and offsets given.
+    ("fp32", "sum", torch.float32, 4, "sorted keys"),
+    ("fp32", "amax", torch.bfloat16, 33, "offsets"),
+    ("kahan", "mean", torch.float16, 4, "checked by the launch"),
+    ("kahan", "sum", torch.float32, 33, "sorted keys"),
+    ("exact", "sum", torch.bfloat16, 5, "offsets"),
+    ("exact", "mean", torch.float32, 33, "offsets"),
+]
+
+
+@pytest.mark.parametrize("mode,reduce,dtype,width,bounds", CHUNK_ORDER_CASES)
+def test_chunk_programs_first_or_last_give_the_same_bits(monkeypatch, mode, reduce, dtype,
+                                                          width, bounds):
+    """A launch's chunk programs in its first slots (``chunks.CHUNKS_FIRST``, the default) or
+    after the whole segments': the same bits, which are the Numba backend's, for long
+    segments (one of exactly two chunks and a term, one of three chunks, one of a chunk and
+    a term, at the start, in the middle and at the end) among short and empty ones, with an
+    outer dim and a base row. Outputs are NaN before the launch, so a segment that neither
+    order writes fails."""
+    from detsum.kernels.numba import exact as numba_exact
+    from detsum.kernels.numba import segment as numba_segment
+    from detsum.kernels.triton import chunks, exact, segment
+
+    chunk = CHUNK
+    if mode == "exact":
+        chunk = 8  # exact's chunks are a parameter: small ones keep the limbs' loop short
+        monkeypatch.setattr(exact, "_EXACT_CHUNK_TERMS", chunk)
+    g = torch.Generator().manual_seed(seed_of("chunk-order", mode, reduce, dtype, width))
+    counts = torch.randint(0, 5, (9,), generator=g)
+    counts[[0, 4, 8]] = torch.tensor([2 * chunk + 1, 3 * chunk, chunk + 1])
+    counts[6] = 0
+    nseg = counts.numel()
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    positions = int(offsets[-1])
+    src = make_data((2, positions, width), dtype, seed=seed_of("chunk-order src", width))
+    base = make_data((2, nseg, width), dtype, seed=seed_of("chunk-order base", width))
+    order = torch.randperm(positions, generator=g)
+    rule = {"fp32": kernels.WIDE, "kahan": kernels.KAHAN, "exact": kernels.EXACT}[mode]
+    if rule == kernels.EXACT:
+        segment_reduce = exact.segment_reduce_exact
+        rule_kwargs = {}
+    else:
+        segment_reduce = segment.segment_reduce
+        rule_kwargs = {"rule": rule}
+    outs = []
+    for first in (True, False):
+        monkeypatch.setattr(chunks, "CHUNKS_FIRST", first)
+        values = on_device(offsets)
+        given = {"offsets": values,
+                 "sorted keys": kernels.SortedKeys(
+                     on_device(torch.arange(nseg).repeat_interleave(counts)), nseg),
+                 "checked by the launch": kernels.UncheckedOffsets(values, positions,
+                                                                   _no_failure)}[bounds]
+        out = on_device(torch.full((2, nseg, width), float("nan"), dtype=dtype))
+        segment_reduce(on_device(src), on_device(order), given, on_device(base), out,
+                       reduce=kernels.REDUCE_CODES[reduce], alpha=1.0, include_base=True,
+                       **rule_kwargs)
+        outs.append(out.cpu())
+    assert_same_bits(*outs)
+    expected = torch.full((2, nseg, width), float("nan"), dtype=dtype)
+    if rule == kernels.EXACT:
+        numba_exact.segment_reduce_exact(src, order, offsets, base, expected,
+                                         reduce=kernels.REDUCE_CODES[reduce], alpha=1.0,
+                                         include_base=True)
+    else:
+        numba_segment.segment_reduce(src, order, offsets, base, expected,
+                                     reduce=kernels.REDUCE_CODES[reduce], rule=rule,
+                                     alpha=1.0, include_base=True)
+    assert_same_bits(outs[0], expected)
+
+
 def _no_failure():
     raise AssertionError("valid offsets reported bad")
 

@@ -29,7 +29,17 @@ from triton.runtime import driver
 
 from .launch import Kernel
 
-__all__ = ["sort_offsets", "ticket_counters"]
+__all__ = ["CHUNKS_FIRST", "sort_offsets", "ticket_counters"]
+
+#: Whether a launch's chunk programs take its first slots, ahead of the whole segments'. A
+#: GPU starts a launch's programs in about the order of their slots, and a chunk program is
+#: among its longest: two binary searches of the bounds (a dependent load each step), then up
+#: to CHUNK terms, where most whole segments of a skewed index hold a few. Last, the chunk
+#: programs would run on alone after the rest (the launch's tail); first, the short programs
+#: fill the GPU around them (a model of the Zipf benchmark's launch: benches/NOTES.md). The
+#: order of the slots takes no part in any element's arithmetic: the same bits either way.
+#: False: the chunk programs last, the order before, kept to compare the two on a GPU.
+CHUNKS_FIRST = True
 
 # What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
 # read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys

@@ -60,6 +60,7 @@ from .common import (
     _to_acc,
     _to_data,
 )
+from . import chunks as _chunks
 from .chunks import _OFFSETS, _chunk_owned, _chunk_slot, _last_chunk_done, ticket_counters
 from .launch import Kernel
 
@@ -728,31 +729,41 @@ def _exact_kernel(
     HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr, SCALED: tl.constexpr,
     HEADROOM: tl.constexpr, PRECISION: tl.constexpr, MIN_QUANTUM: tl.constexpr,
     UNIT_EXPONENT: tl.constexpr, N_LIMBS: tl.constexpr, LANES: tl.constexpr,
-    NORMALISE_EVERY: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
+    NORMALISE_EVERY: tl.constexpr, SPLIT: tl.constexpr, CHUNKS_FIRST: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """EXACT: whole segments (slot < nseg) and, under SPLIT, the chunks of the segments longer
-    than CHUNK: chunk program ``slot - nseg`` of ``n_parts`` (``chunks._chunk_owned``), the
-    last of a segment's to finish adding their parts (a ticket in ``counters_ptr[1 + ...]``)."""
+    """EXACT: whole segments (one a program) and, under SPLIT, the chunks of the segments
+    longer than CHUNK: ``n_parts`` chunk programs (``chunks._chunk_owned``), after the whole
+    segments' or, under CHUNKS_FIRST, before them, the last of a segment's to finish adding
+    their parts (a ticket in ``counters_ptr[1 + ...]``)."""
     slot = tl.program_id(0).to(tl.int64)
     alpha = 1.0
     if SCALED:
         alpha = tl.load(alpha_ptr)
     lanes = tl.arange(0, LANES).to(tl.int64)[None, :]
-    if slot < nseg:
-        p0 = tl.load(offsets_ptr + slot)
-        p1 = tl.load(offsets_ptr + slot + 1)
+    # This program's whole segment, or its chunk program e: the whole segments' first, or
+    # under CHUNKS_FIRST the chunk programs'. (Here the shift compiles best; counted backwards,
+    # as segment._segment_kernel counts its slots, ptxas spilled the bf16 mean's registers:
+    # tests/ptx_check.py.)
+    whole_slot = slot
+    e = slot - nseg
+    if SPLIT:
+        if CHUNKS_FIRST:
+            whole_slot = slot - n_parts
+            e = slot
+    if (whole_slot >= 0) & (whole_slot < nseg):
+        p0 = tl.load(offsets_ptr + whole_slot)
+        p1 = tl.load(offsets_ptr + whole_slot + 1)
         whole = p1 >= p0  # always, unless the chunk programs own this segment
         if SPLIT:
             whole = p1 - p0 <= CHUNK
         if whole:
             _exact_segment(src_ptr, ss0, ss1, ss2, order_ptr, base_ptr, bs0, bs1, bs2, out_ptr,
-                           os0, os1, os2, alpha, lanes, outer, inner, slot, p0, p1, REDUCE,
-                           DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, SCALED, HEADROOM,
+                           os0, os1, os2, alpha, lanes, outer, inner, whole_slot, p0, p1,
+                           REDUCE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE, SCALED, HEADROOM,
                            PRECISION, MIN_QUANTUM, UNIT_EXPONENT, N_LIMBS, LANES,
                            NORMALISE_EVERY, BLOCK)
     elif SPLIT:
-        e = slot - nseg
         work_rows = 2 * n_parts
         for side in range(2):
             seg, j, owned, p0, n = _chunk_owned(offsets_ptr, nseg, positions, e, side, CHUNK,
@@ -839,6 +850,7 @@ def segment_reduce_exact(src, order, offsets, base, out, *, reduce, alpha, inclu
          "HEADROOM": 2.0 ** (52 - term_bits), "PRECISION": precision,
          "MIN_QUANTUM": min_quantum, "UNIT_EXPONENT": unit_exponent, "N_LIMBS": n_limbs,
          "LANES": lanes, "NORMALISE_EVERY": _NORMALISE_EVERY, "SPLIT": split,
-         "CHUNK": _EXACT_CHUNK_TERMS, "BLOCK": block},
+         "CHUNKS_FIRST": split and _chunks.CHUNKS_FIRST, "CHUNK": _EXACT_CHUNK_TERMS,
+         "BLOCK": block},
         num_warps=num_warps,
     )

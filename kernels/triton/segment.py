@@ -128,6 +128,7 @@ from .common import (
     _to_acc,
     _to_data,
 )
+from . import chunks as _chunks
 from .chunks import (
     _ANY_OFFSETS,
     _KEYS,
@@ -470,13 +471,14 @@ def _segment_kernel(
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
     HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
-    FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr, CHUNK: tl.constexpr,
-    BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr, SEGS: tl.constexpr,
+    CHUNKS_FIRST: tl.constexpr, FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr,
+    CHUNK: tl.constexpr, BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
+    SEGS: tl.constexpr,
 ):
-    """Whole segments (slot < nseg; with SEGS > 1, segments ``SEGS * slot ..`` as a tile,
-    ``_reduce_segments``, in the first ``cdiv(nseg, SEGS)`` slots) and, under SPLIT, the
-    chunks of the long segments in the slots after those: side ``e % 2`` of chunk program
-    ``e // 2`` of ``n_parts``, ``e`` counted from the first of them
+    """Whole segments (one a program; with SEGS > 1, ``SEGS`` consecutive ones as a tile,
+    ``_reduce_segments``, in ``cdiv(nseg, SEGS)`` programs) and, under SPLIT, the chunks of
+    the long segments in ``2 * n_parts`` programs, after the whole segments' or, under
+    CHUNKS_FIRST, before them: side ``e % 2`` of chunk program ``e // 2`` of ``n_parts``
     (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
     (``_segment_start``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
@@ -504,20 +506,32 @@ def _segment_kernel(
     alpha = 1.0
     if SCALED:
         alpha = tl.load(alpha_ptr)
-    # The whole segments' programs come first: one a segment, or under SEGS > 1 one a tile of
-    # SEGS (narrow rows); then, under SPLIT, the chunk programs.
+    # ``slot`` counts the whole segments' programs (one a segment, or under SEGS > 1 one a
+    # tile of SEGS: narrow rows) first, then, under SPLIT, the chunk programs; ``whole_slot``
+    # is a whole program's segment (or tile). Under CHUNKS_FIRST (chunks.py) the grid takes
+    # that order backwards, so that the chunk programs are its first, and ``whole_slot``
+    # counts the whole segments forwards again after them. (The chunk programs below slot
+    # 2 * n_parts and the whole segments shifted, the same work compiles with the branch
+    # the other way round, and ptxas gave the MoE backward's launch without a plan 48
+    # registers a thread, not 40: tests/ptx_check.py.)
     whole_programs = nseg
-    tiled = False
     if SEGS > 1:
         whole_programs = (nseg + SEGS - 1) // SEGS
+    whole_slot = slot
+    if SPLIT:
+        if CHUNKS_FIRST:
+            slot = tl.num_programs(0).to(tl.int64) - 1 - slot
+            whole_slot = whole_programs - 1 - slot
+    tiled = False
+    if SEGS > 1:
         tiled = True
         if SPLIT:
             tiled = slot < whole_programs
     if tiled:
         _reduce_segments(src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, base_ptr,
                          bs0, bs1, bs2, out_ptr, os0, os1, os2, alpha, outer, nseg, inner,
-                         slot * SEGS, REDUCE, RULE, DATA, ACC, HAS_ORDER, HAS_BASE, USE_BASE,
-                         SCALED, FIRST_TERM_START, BOUNDS, SPLIT, CHUNK, SEGS, BLOCK)
+                         whole_slot * SEGS, REDUCE, RULE, DATA, ACC, HAS_ORDER, HAS_BASE,
+                         USE_BASE, SCALED, FIRST_TERM_START, BOUNDS, SPLIT, CHUNK, SEGS, BLOCK)
     else:
         # One term loop for whole segments and chunks: a second copy of the loop would hold
         # registers of its own. Without SPLIT, is_chunk is the constant False and the chunks'
@@ -539,17 +553,17 @@ def _segment_kernel(
                 # one's position, from which the term loop takes those whose key is the segment.
                 at = tl.arange(0, CHUNK)
                 keys = _scanned_keys(bounds_ptr, positions, -1, CHUNK)
-                hits = keys == slot
+                hits = keys == whole_slot
                 n = tl.sum(hits.to(tl.int64), 0)
                 p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
                 p_end = tl.zeros([], tl.int64) + positions
             else:
-                p0 = _segment_start(bounds_ptr, slot, positions, BOUNDS)
-                p_end = _segment_start(bounds_ptr, slot + 1, positions, BOUNDS)
+                p0 = _segment_start(bounds_ptr, whole_slot, positions, BOUNDS)
+                p_end = _segment_start(bounds_ptr, whole_slot + 1, positions, BOUNDS)
                 if BOUNDS == _ANY_OFFSETS:
                     p_end = tl.maximum(p_end, p0)  # offsets that decrease: an empty segment
                 n = p_end - p0
-            seg = slot
+            seg = whole_slot
             j = tl.zeros([], tl.int64)
             p_begin = p0
             owned = n >= 0  # always, unless the chunk programs own this segment
@@ -708,6 +722,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         {"REDUCE": int(reduce), "RULE": int(rule), "DATA": data, "ACC": acc_tl,
          "HAS_ORDER": has_order, "HAS_BASE": has_base, "USE_BASE": use_base,
          "HAS_CARRY": has_carry, "SCALED": scaled, "SPLIT": split,
+         "CHUNKS_FIRST": split and _chunks.CHUNKS_FIRST,
          "FIRST_TERM_START": not use_base and reduce in (AMAX, AMIN), "NCOMP": ncomp,
          "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "CHECK": check, "BLOCK": block,
          "SEGS": segs},

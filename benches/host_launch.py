@@ -139,14 +139,15 @@ def _launch_alone(t: dict) -> dict:
     out = src.new_empty(1, SEGMENTS, FEATURES)
     base = t["init"].unsqueeze(0)
     order = t["plan"].order
-    args = (src, *src.stride(), order, t["plan"].offsets, order.shape[0], 0, base,
+    offsets = t["plan"].offsets
+    args = (src, *src.stride(), order, offsets, offsets, order.shape[0], 0, base,
             *base.stride(), out, *out.stride(), out, *out.stride(), out, out, out, out, 1, 1,
             SEGMENTS, FEATURES)
     constexprs = dict(REDUCE=kernels.SUM, RULE=kernels.WIDE, DATA=0, ACC=segment.tl.float32,
                       HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, HAS_CARRY=False,
                       SCALED=False, SPLIT=False, CHUNKS_FIRST=False, FIRST_TERM_START=False,
                       NCOMP=1, CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
-                      CHECK=segment._CHECK_NOTHING.value, BLOCK=16, SEGS=1)
+                      GUIDED=False, CHECK=segment._CHECK_NOTHING.value, BLOCK=16, SEGS=1)
     grid = (SEGMENTS, 1, 1)
     jitted = segment._segment_kernel
     kernel = launch.Kernel(jitted)

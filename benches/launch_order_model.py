@@ -17,13 +17,15 @@ Assumptions (each one a simplification, stated so that a GPU run can correct it)
   A whole segment of ``n <= CHUNK`` terms: its bounds, ``ceil(n / K)`` steps of the term
   loop (K rows in flight), its base row and its store: ``3 + ceil(n / K)`` trips; one whose
   chunk programs own it: 2. A chunk program: two binary searches of the segments' starts
-  (``SEARCH_STEPS`` trips each), its bounds, up to CHUNK terms, and 8 trips for the ticket
-  and the fold when it owns a chunk.
+  (``SEARCH_STEPS`` trips each; guided by a sort's keys, a launch without a plan, a load of
+  the key and one of its bounds instead), its bounds, up to CHUNK terms, and 8 trips for the
+  ticket and the fold when it owns a chunk.
 
     python benches/launch_order_model.py [--latency-us 1.0]
 
 Prints, for bf16 (one column block of 1024 features) and fp32 (two), the modelled time of the
-launch with the chunk programs last (the order before) and first.
+launch with the chunk programs last (the order before), first, and first with their segments
+found from the sort's keys (``GUIDED``: a launch without a plan).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ SMS, RESIDENT = 132, 16
 K = 4  # rows in flight in the term loop (segment._TERM_STAGES - 1)
 CHUNK = 256  # detsum.kernels.CHUNK_TERMS
 SEARCH_STEPS = 16  # a binary search of 32768 + 1 segment starts
+GUIDED_STEPS = 1  # the sort's key at the position, then its two bounds at once (no plan)
 
 
 def makespan(durations: list[float]) -> float:
@@ -52,9 +55,10 @@ def makespan(durations: list[float]) -> float:
     return end
 
 
-def programs(counts: list[int], positions: int, latency: float
+def programs(counts: list[int], positions: int, latency: float, search_steps: int
              ) -> tuple[list[float], list[float]]:
-    """(the whole segments' programs' times, the chunk programs' times) of one column block."""
+    """(the whole segments' programs' times, the chunk programs' times) of one column block,
+    ``search_steps`` dependent loads to find a chunk's segment."""
     whole = [2 * latency if n > CHUNK else (3 + -(-n // K)) * latency for n in counts]
     starts = [0]
     for n in counts:
@@ -70,7 +74,7 @@ def programs(counts: list[int], positions: int, latency: float
                     terms = min(CHUNK, start + n - low)
                 if side == 1 and low < start < low + CHUNK:
                     terms = min(CHUNK, n)
-            chunk.append((2 * SEARCH_STEPS + 2 + -(-terms // K) + (8 if terms else 0))
+            chunk.append((2 * search_steps + 2 + -(-terms // K) + (8 if terms else 0))
                          * latency)
     return whole, chunk
 
@@ -82,16 +86,19 @@ def main() -> None:
     args = parser.parse_args()
     index = zipf_index(ROWS, TABLE, ZIPF_EXPONENT, torch.Generator().manual_seed(0))
     counts = torch.bincount(index, minlength=TABLE).tolist()
-    whole, chunk = programs(counts, ROWS, args.latency_us)
+    whole, chunk = programs(counts, ROWS, args.latency_us, SEARCH_STEPS)
+    _, guided = programs(counts, ROWS, args.latency_us, GUIDED_STEPS)
     print(f"Zipf index: {ROWS} rows into {TABLE}, {sum(n > CHUNK for n in counts)} segments "
           f"longer than a chunk; per column block {len(whole)} whole-segment and "
-          f"{len(chunk)} chunk programs, the longest {max(chunk):.0f} us (L = "
-          f"{args.latency_us} us)")
+          f"{len(chunk)} chunk programs, the longest {max(chunk):.0f} us, guided "
+          f"{max(guided):.0f} us (L = {args.latency_us} us)")
     for name, blocks in (("bf16, 1 column block", 1), ("fp32, 2 column blocks", 2)):
         last = makespan((whole + chunk) * blocks)
         first = makespan((chunk + whole) * blocks)
+        first_guided = makespan((guided + whole) * blocks)
         print(f"{name}: chunk programs last {last:.0f} us, first {first:.0f} us "
-              f"({first / last:.2f})")
+              f"({first / last:.2f}), first and guided {first_guided:.0f} us "
+              f"({first_guided / last:.2f})")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def _segment_types(data: str, acc: str) -> dict:
                                      "os2", "cs0", "cs1", "cs2", "positions", "n_parts",
                                      "checkers", "outer", "nseg", "inner")}
     return dict(ints, src_ptr=f"*{data}", base_ptr=f"*{data}", out_ptr=f"*{data}",
-                carry_ptr=f"*{acc}", order_ptr="*i64", bounds_ptr="*i64",
+                carry_ptr=f"*{acc}", order_ptr="*i64", bounds_ptr="*i64", keys_ptr="*i64",
                 work_ptr=f"*{acc}", alpha_ptr=f"*{acc}", flag_ptr=f"*{acc}",
                 counters_ptr="*i64")
 
@@ -50,7 +50,7 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
                 SPLIT=rule in kernels.SPLIT_RULES,
                 CHUNKS_FIRST=rule in kernels.SPLIT_RULES and chunks.CHUNKS_FIRST,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
-                CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
+                CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value, GUIDED=False,
                 CHECK=segment._CHECK_NOTHING.value, BLOCK=block, SEGS=1)
 
 
@@ -268,9 +268,10 @@ def main() -> dict:
     found["fp32 sum kahan keyed"] = _count(_ptx(
         segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
         config, fp_fusion=False))
-    # A sort's values as offsets, their two ends checked on the device (a launch without a
-    # plan).
-    config = dict(config, BOUNDS=segment._OFFSETS.value, CHECK=segment._CHECK_ENDS.value)
+    # A sort's values as offsets, their two ends checked on the device, the chunk programs
+    # guided by the sorted keys (a launch without a plan).
+    config = dict(config, BOUNDS=segment._OFFSETS.value, GUIDED=True,
+                  CHECK=segment._CHECK_ENDS.value)
     found["fp32 sum kahan sort's offsets"] = _count(_ptx(
         segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
     # An unsorted index of at most CHUNK_TERMS values, scanned by every program (no order, no

@@ -615,6 +615,47 @@ def test_chunk_programs_first_or_last_give_the_same_bits(monkeypatch, mode, redu
     assert_same_bits(outs[0], expected)
 
 
+@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_chunk_programs_guided_by_a_sorts_keys(monkeypatch, mode, keys_dtype):
+    """Without a plan the chunk programs find each chunk's segment from the sort's keys (one
+    load, checked against the offsets; ``GUIDED``) instead of a binary search of the offsets:
+    the same bits as the launch given the same offsets alone, for long segments at the
+    start, in the middle and at the end, short and empty ones, and keys outside the segments
+    at both ends (an unchecked index: their positions lie in no segment). Launched
+    GUIDED exactly where it splits and has a sort's keys."""
+    from detsum.kernels.triton import segment
+
+    g = torch.Generator().manual_seed(seed_of("guided chunks", mode, keys_dtype))
+    nseg = 7
+    counts = torch.randint(0, 4, (nseg,), generator=g)
+    counts[[0, 3, 6]] = torch.tensor([2 * CHUNK + 1, CHUNK + 3, 3 * CHUNK])
+    counts[4] = 0
+    keys = torch.cat([torch.full((CHUNK + 9,), -2), torch.arange(nseg).repeat_interleave(counts),
+                      torch.full((5,), nseg)]).to(keys_dtype)
+    positions = keys.numel()
+    offsets = torch.searchsorted(keys, torch.arange(nseg + 1, dtype=keys_dtype))
+    src = make_data((2, positions, 6), torch.float32, seed=seed_of("guided chunks src"))
+    base = make_data((2, nseg, 6), torch.float32, seed=seed_of("guided chunks base"))
+    order = torch.randperm(positions, generator=g)
+    rule = {"fp32": kernels.WIDE, "kahan": kernels.KAHAN}[mode]
+    guided, launch = [], segment._launch_segment
+
+    def recorded(grid, args, constexprs, *, num_warps):
+        guided.append(constexprs["GUIDED"])
+        return launch(grid, args, constexprs, num_warps=num_warps)
+
+    monkeypatch.setattr(segment, "_launch_segment", recorded)
+    outs = []
+    for bounds in (kernels.SortedKeys(on_device(keys), nseg), on_device(offsets)):
+        out = on_device(torch.full((2, nseg, 6), float("nan")))
+        segment.segment_reduce(on_device(src), on_device(order), bounds, on_device(base), out,
+                               reduce=kernels.SUM, rule=rule, alpha=1.0, include_base=True)
+        outs.append(out.cpu())
+    assert guided == [True, False]
+    assert_same_bits(*outs)
+
+
 def _no_failure():
     raise AssertionError("valid offsets reported bad")
 

@@ -5,7 +5,8 @@ does not matter) give a segment longer than a chunk of ``CHUNK`` positions to ch
 one per ``CHUNK`` positions of the launch: program ``e`` owns the chunk starts of the long
 segments that fall in positions ``[e * CHUNK, (e + 1) * CHUNK)``, at most two
 (``_chunk_owned``; ``segment.py`` launches the two as two programs), found by binary searches
-of the segments' bounds, and writes each chunk's part to its workspace slot (``_chunk_slot``,
+of the segments' bounds (or, where the launch has the sorted keys the bounds come from, by the
+key at a position, checked against its bounds: ``_segment_at``), and writes each chunk's part to its workspace slot (``_chunk_slot``,
 found from the segment's start alone). It then takes a ticket of its segment
 (``_last_chunk_done``); the program that takes the segment's last ticket folds the parts and
 writes the segment's row. Nothing is counted before the launch and the fold is part of it: one
@@ -80,14 +81,21 @@ def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
 
 
 @triton.jit
-def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
+def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr, keys_ptr,
+                GUIDED: tl.constexpr):
     """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
-    when no segment does."""
+    when no segment does. GUIDED: ``keys_ptr`` holds the sorted keys whose offsets are the
+    bounds (a sort's values), each the segment of its position."""
     found = tl.zeros([], tl.int64) - 2  # -2: not known yet
-    if BOUNDS == _KEYS:
+    if (BOUNDS == _KEYS) | GUIDED:
         # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
-        # are not sorted may fail the check, and take the search below).
-        guess = tl.minimum(tl.maximum(tl.load(bounds_ptr + p).to(tl.int64), -1), nseg)
+        # are not sorted may fail the check, and take the search below). A sort's values
+        # always pass it: one load and the two bounds', where the search takes a dependent
+        # load for each halving of the segments.
+        at = bounds_ptr
+        if GUIDED:
+            at = keys_ptr
+        guess = tl.minimum(tl.maximum(tl.load(at + p).to(tl.int64), -1), nseg)
         start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, BOUNDS)
         end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, BOUNDS)
         holds = tl.where(guess < 0, p < start,
@@ -110,7 +118,7 @@ def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr):
 
 @triton.jit
 def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
-                 BOUNDS: tl.constexpr):
+                 BOUNDS: tl.constexpr, keys_ptr, GUIDED: tl.constexpr):
     """(segment, chunk number, whether there is one) of chunk program ``e``'s ``side``.
 
     Chunk program ``e`` owns the chunk starts of the long segments (more than CHUNK terms)
@@ -121,11 +129,11 @@ def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
     last position. The fold finds chunk ``k`` of a segment from its start alone
     (``_chunk_slot``), so no running count of chunks is needed."""
     low = e * CHUNK
-    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS)
+    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS, keys_ptr, GUIDED)
     seg = first_seg
     if side == 1:
         seg = _segment_at(bounds_ptr, nseg, tl.minimum(low + CHUNK, positions) - 1, positions,
-                          BOUNDS)
+                          BOUNDS, keys_ptr, GUIDED)
     real = seg >= 0
     seg_at = tl.maximum(seg, 0)
     p0 = _segment_start(bounds_ptr, seg_at, positions, BOUNDS)

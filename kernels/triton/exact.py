@@ -767,7 +767,7 @@ def _exact_kernel(
         work_rows = 2 * n_parts
         for side in range(2):
             seg, j, owned, p0, n = _chunk_owned(offsets_ptr, nseg, positions, e, side, CHUNK,
-                                                _OFFSETS)
+                                                _OFFSETS, offsets_ptr, False)
             if owned:
                 p_begin = p0 + j * CHUNK
                 _exact_chunk(src_ptr, ss0, ss1, ss2, order_ptr, work_ptr, work_rows, alpha,

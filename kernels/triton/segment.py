@@ -53,7 +53,9 @@ IMPLEMENTATION NOTES (this backend):
   ``every_key``), in which each program finds its segment's start and end by
   torch.searchsorted's binary search (``_segment_start``). A sort's values (a launch without a
   plan) become offsets first, by one small launch (``chunks.sort_offsets``): searched in every
-  program, they cost the kernel registers (see the launcher). Offsets not known to be valid
+  program, they cost the kernel registers (see the launcher). The chunk programs still take
+  the values (GUIDED): the key at a position names its segment, where a search of the
+  offsets takes a dependent load for each halving. Offsets not known to be valid
   (``kernels.UncheckedOffsets``) are clamped into ``[0, M]`` as each is read, and a segment
   whose end is below its start is empty: every read and write stays inside the tensors
   whatever they hold. Unchecked ("off"), they are first made nondecreasing (their running
@@ -465,15 +467,15 @@ def _scanned_keys(keys_ptr, positions, absent, CHUNK: tl.constexpr):
 
 @triton.jit
 def _segment_kernel(
-    src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, positions, n_parts,
+    src_ptr, ss0, ss1, ss2, order_ptr, bounds_ptr, keys_ptr, positions, n_parts,
     base_ptr, bs0, bs1, bs2, out_ptr, os0, os1, os2, carry_ptr, cs0, cs1, cs2,
     work_ptr, alpha_ptr, flag_ptr, counters_ptr, checkers, outer, nseg, inner,
     REDUCE: tl.constexpr, RULE: tl.constexpr, DATA: tl.constexpr, ACC: tl.constexpr,
     HAS_ORDER: tl.constexpr, HAS_BASE: tl.constexpr, USE_BASE: tl.constexpr,
     HAS_CARRY: tl.constexpr, SCALED: tl.constexpr, SPLIT: tl.constexpr,
     CHUNKS_FIRST: tl.constexpr, FIRST_TERM_START: tl.constexpr, NCOMP: tl.constexpr,
-    CHUNK: tl.constexpr, BOUNDS: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
-    SEGS: tl.constexpr,
+    CHUNK: tl.constexpr, BOUNDS: tl.constexpr, GUIDED: tl.constexpr, CHECK: tl.constexpr,
+    BLOCK: tl.constexpr, SEGS: tl.constexpr,
 ):
     """Whole segments (one a program; with SEGS > 1, ``SEGS`` consecutive ones as a tile,
     ``_reduce_segments``, in ``cdiv(nseg, SEGS)`` programs) and, under SPLIT, the chunks of
@@ -481,7 +483,8 @@ def _segment_kernel(
     CHUNKS_FIRST, before them: side ``e % 2`` of chunk program ``e // 2`` of ``n_parts``
     (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
-    (``_segment_start``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
+    (``_segment_start``); under GUIDED, offsets whose sorted keys are at ``keys_ptr``, which
+    name the segment of a chunk program's position (``chunks._segment_at``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
     keys lie in ``[0, nseg)`` (the scanned keys all; a sort's offsets, whether they run from
     0 to ``positions``), and under CHECK_BEFORE_WRITING, where one does not, no program
     writes anything; CHECK_EVERY: the first ``checkers`` programs check every bound
@@ -544,7 +547,7 @@ def _segment_kernel(
         work_rows = 2 * n_parts
         if is_chunk:
             seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, work_slot // 2,
-                                                work_slot % 2, CHUNK, BOUNDS)
+                                                work_slot % 2, CHUNK, BOUNDS, keys_ptr, GUIDED)
             p_begin = p0 + j * CHUNK
             p_end = tl.minimum(p0 + n, p_begin + CHUNK)
         else:
@@ -631,6 +634,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         return
     outer, num_rows, inner = src.shape
     failure, check = None, _CHECK_NOTHING.value
+    guide = None  # the sorted keys whose offsets are the bounds (GUIDED)
     if isinstance(offsets, SortedKeys) and offsets.every_key:
         # A promised-sorted index, searched as torch.searchsorted does (its answers on keys
         # that break the promise are the contract's), every key checked.
@@ -644,7 +648,8 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         # the H200, 64 held half the warp slots and 64% of DRAM's bandwidth; the plan's
         # kernel reached 91%). The offsets' two ends are the keys' check (CHECK_ENDS).
         bounds_kind, nseg, failure = _OFFSETS.value, offsets.num_segments, offsets.failure
-        bounds = sort_offsets(offsets.keys, nseg)
+        guide = offsets.keys.contiguous()
+        bounds = sort_offsets(guide, nseg)
         check = _CHECK_ENDS.value
     elif isinstance(offsets, UnsortedKeys):
         # Checked by the first program, every key (CHECK_ENDS's flag, of all of them here);
@@ -714,18 +719,21 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # Counter 0: the checkers' ticket; then the chunk programs' (_segment_kernel).
     counters = (ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
                 if split or check == _CHECK_EVERY.value else None)
+    # The chunk programs find their segments by the sorted keys where they have them (GUIDED:
+    # a load and its check, where the search of the bounds takes a load for each halving).
+    guided = split and guide is not None
     _launch_segment(
         (programs, *grid_yz),
-        (src_s, *src_s.stride(), order, bounds, positions, n_parts, base_s, *base_s.stride(),
-         out_s, *out_s.stride(), carry_s, *carry_s.stride(), work, alpha_t, flag,
-         out if counters is None else counters, checkers, outer, nseg, inner),
+        (src_s, *src_s.stride(), order, bounds, guide if guided else bounds, positions, n_parts,
+         base_s, *base_s.stride(), out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
+         alpha_t, flag, out if counters is None else counters, checkers, outer, nseg, inner),
         {"REDUCE": int(reduce), "RULE": int(rule), "DATA": data, "ACC": acc_tl,
          "HAS_ORDER": has_order, "HAS_BASE": has_base, "USE_BASE": use_base,
          "HAS_CARRY": has_carry, "SCALED": scaled, "SPLIT": split,
          "CHUNKS_FIRST": split and _chunks.CHUNKS_FIRST,
          "FIRST_TERM_START": not use_base and reduce in (AMAX, AMIN), "NCOMP": ncomp,
-         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "CHECK": check, "BLOCK": block,
-         "SEGS": segs},
+         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "GUIDED": guided, "CHECK": check,
+         "BLOCK": block, "SEGS": segs},
         num_warps=num_warps,
     )
     if checked:

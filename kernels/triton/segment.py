@@ -484,11 +484,11 @@ def _segment_kernel(
     (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
     (``_segment_start``); under GUIDED, offsets whose sorted keys are at ``keys_ptr``, which
-    name the segment of a chunk program's position (``chunks._segment_at``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether the
-    keys lie in ``[0, nseg)`` (the scanned keys all; a sort's offsets, whether they run from
-    0 to ``positions``), and under CHECK_BEFORE_WRITING, where one does not, no program
-    writes anything; CHECK_EVERY: the first ``checkers`` programs check every bound
-    (``_check_every_bound``)."""
+    name the segment of a chunk program's position (``chunks._segment_at``). CHECK_ENDS: the
+    first program writes to ``flag_ptr`` whether the keys lie in ``[0, nseg)`` (the scanned
+    keys all; a sort's offsets, whether they run from 0 to ``positions``), and under
+    CHECK_BEFORE_WRITING, where one does not, no program writes anything; CHECK_EVERY: the
+    first ``checkers`` programs check every bound (``_check_every_bound``)."""
     slot = tl.program_id(0).to(tl.int64)
     first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
     if (CHECK == _CHECK_ENDS) | (CHECK == _CHECK_BEFORE_WRITING):

@@ -16,9 +16,21 @@ autograd's own backward formulas reach too (``x[idx]`` -> ``_index_put_impl_``, 
 registered (``torch.library.get_kernel``, taken just before registering) and calls it for
 every input detsum does not take: integer or complex dtypes, an ``out=`` that torch would
 resize, memory that overlaps, an index form detsum has no primitive for, and so on; those
-give torch's own result, or torch's own error. Switching off destroys the library, which puts
-torch's kernels back in the dispatcher's table: then no detsum code runs at all, as before
-the first ``enable`` (importing detsum registers nothing).
+give torch's own result, or torch's own error. Importing detsum registers nothing.
+
+Off. When the last ``deterministic`` block closes (and ``enable`` holds no mode), the kernels
+stay registered and hand every call to torch's kernel, unchanged: torch's result, for a few
+microseconds more a call (about 5 us on a small CPU ``index_add_``). Only ``disable`` removes
+them (destroying the library puts torch's kernels back in the dispatcher's table: then no
+detsum code runs at all). Two reasons. Registering and removing cost 0.34 ms a toggle, which
+blocks opened and closed around every layer of every step (``detsum.pyg.make_deterministic``)
+paid each time. And removing a kernel while another thread dispatches that operator is
+unsafe: torch's dispatcher reads its table without a lock, and a thread that has just read
+the kernel being removed may call it after it is freed. Two threads toggling blocks did call
+a freed kernel (its memory by then another switched operator's: a ``TypeError``, once in a
+run of the test suite). So toggling never removes, and what ``disable`` removes is kept
+alive until the next removal (``_removed``): a thread caught in the middle still calls a
+live kernel, which hands the call to torch.
 
 Under ``torch.compile``, detsum/_switch_compile.py keeps Inductor from compiling these ops
 into code of its own while the switch is on (the first ``enable`` imports it, and Dynamo).
@@ -73,6 +85,9 @@ _base_mode: str | None = None
 _blocks: list[tuple[object, str]] = []
 _mode: str | None = None
 _library: torch.library.Library | None = None
+#: The kernels of the library that ``disable`` last removed, kept alive (each a copy of the
+#: dispatcher's entry, ``torch.library.get_kernel``, holding the kernel): see "Off" above.
+_removed: list = []
 _inside = threading.local()
 
 #: How many calls each switched operator sent to detsum and how many to torch's own kernel,
@@ -121,11 +136,13 @@ def enable(mode: str | Mode = "fp32") -> None:
 
 def disable() -> None:
     """Give torch's accumulating ops back their own kernels (outside any open
-    :func:`deterministic` block). Does nothing when the switch is off."""
+    :func:`deterministic` block): the switch goes off, and its kernels are removed from
+    torch's dispatcher, which a block's end does not do (it leaves them handing every call to
+    torch). Does nothing more when the switch is off and removed already."""
     global _base_mode
     with _lock:
         _base_mode = None
-        _apply()
+        _apply(remove=True)
 
 
 @contextlib.contextmanager
@@ -162,16 +179,21 @@ def current_mode() -> str | None:
     return _mode
 
 
-def _apply() -> None:
-    """Register or destroy the kernels so that the dispatcher matches the state (lock held)."""
-    global _mode, _library
+def _apply(remove: bool = False) -> None:
+    """Set the mode the state defines, registering the kernels if it is on; ``remove`` (from
+    ``disable``): remove them too if it is off (lock held)."""
+    global _mode, _library, _removed
     wanted = _blocks[-1][1] if _blocks else _base_mode
     if wanted is not None and _library is None:
         _library = _register()
     _mode = wanted
-    if wanted is None and _library is not None:
+    if wanted is None and remove and _library is not None:
+        keys = ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
+        removed = [torch.library.get_kernel(f"aten::{name}", key)
+                   for name in _BODIES for key in keys]
         _library._destroy()
         _library = None
+        _removed = removed  # the ones removed before are freed now
     if wanted is not None or "detsum._switch_compile" in sys.modules:
         from detsum import _switch_compile  # imports Dynamo and Inductor: only once used
 

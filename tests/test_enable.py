@@ -547,7 +547,33 @@ def test_blocks_nest_and_restore():
     with detsum.deterministic():
         assert switch.current_mode() == "fp32"
     assert switch.current_mode() is None
+    # A block's end leaves the kernels registered, handing every call to torch's kernel;
+    # disable removes them.
+    assert "switch.py" in cpu_kernel_file("index_add")
+    x, index, source = torch.zeros(3), torch.tensor([0, 0]), torch.ones(2)
+    on_detsum, on_torch = ran_on_detsum("index_add"), switch.counts[("index_add", "torch")]
+    assert torch.equal(x.index_add(0, index, source), torch.tensor([2.0, 0.0, 0.0]))
+    assert ran_on_detsum("index_add") == on_detsum
+    assert switch.counts[("index_add", "torch")] == on_torch + 1
+    detsum.disable()
     assert "switch.py" not in cpu_kernel_file("index_add")
+
+
+def test_disable_keeps_the_removed_kernels_alive():
+    """What disable removes stays alive until the next removal: a thread that read the
+    dispatcher's entry just before still calls a live kernel (which hands the call to torch).
+    The kernels removed before are let go."""
+    with detsum.deterministic("fp32"):
+        pass
+    detsum.disable()
+    first = list(switch._removed)
+    assert len(first) >= len(SWITCHED)
+    with detsum.deterministic("kahan"):
+        pass
+    detsum.disable()
+    assert switch._removed and not any(a is b for a in switch._removed for b in first)
+    detsum.disable()  # nothing registered: nothing removed, the last removal's kept
+    assert len(switch._removed) == len(first)
 
 
 def test_blocks_closed_out_of_order_remove_their_own_layer():
@@ -606,6 +632,7 @@ def test_two_threads_toggling():
         w.join()
     assert failures == []
     assert switch.current_mode() is None
+    detsum.disable()  # no thread toggles any more: the kernels can go
     assert "switch.py" not in cpu_kernel_file("index_add")
 
 

@@ -115,7 +115,9 @@ ROUTED = {
 def test_switch_routes_mixtrals_accumulating_ops_to_detsum(experts):
     model = tiny_mixtral(experts)
     ids = token_ids()[0]
-    assert not gradients(model, ids)[2]
+    # Switch off: nothing on detsum (its kernels, registered by an earlier block, hand each
+    # call to torch's).
+    assert not any(ran == "detsum" for _, ran in gradients(model, ids)[2])
     with detsum.deterministic("fp32"):
         assert gradients(model, ids)[2] == ROUTED[experts]
 

@@ -147,7 +147,7 @@ def _launch_alone(t: dict) -> dict:
                       HAS_ORDER=True, HAS_BASE=True, USE_BASE=True, HAS_CARRY=False,
                       SCALED=False, SPLIT=False, CHUNKS_FIRST=False, FIRST_TERM_START=False,
                       NCOMP=1, CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
-                      GUIDED=False, CHECK=segment._CHECK_NOTHING.value, BLOCK=16, SEGS=1)
+                      GUIDED=0, CHECK=segment._CHECK_NOTHING.value, BLOCK=16, SEGS=1)
     grid = (SEGMENTS, 1, 1)
     jitted = segment._segment_kernel
     kernel = launch.Kernel(jitted)

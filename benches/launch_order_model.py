@@ -17,15 +17,15 @@ Assumptions (each one a simplification, stated so that a GPU run can correct it)
   A whole segment of ``n <= CHUNK`` terms: its bounds, ``ceil(n / K)`` steps of the term
   loop (K rows in flight), its base row and its store: ``3 + ceil(n / K)`` trips; one whose
   chunk programs own it: 2. A chunk program: two binary searches of the segments' starts
-  (``SEARCH_STEPS`` trips each; guided by a sort's keys, a launch without a plan, a load of
-  the key and one of its bounds instead), its bounds, up to CHUNK terms, and 8 trips for the
+  (``SEARCH_STEPS`` trips each; guided by the keys, a load of the key and one of its bounds
+  instead, a second for a plan's index), its bounds, up to CHUNK terms, and 8 trips for the
   ticket and the fold when it owns a chunk.
 
     python benches/launch_order_model.py [--latency-us 1.0]
 
 Prints, for bf16 (one column block of 1024 features) and fp32 (two), the modelled time of the
 launch with the chunk programs last (the order before), first, and first with their segments
-found from the sort's keys (``GUIDED``: a launch without a plan).
+found from the keys (``GUIDED``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ SMS, RESIDENT = 132, 16
 K = 4  # rows in flight in the term loop (segment._TERM_STAGES - 1)
 CHUNK = 256  # detsum.kernels.CHUNK_TERMS
 SEARCH_STEPS = 16  # a binary search of 32768 + 1 segment starts
-GUIDED_STEPS = 1  # the sort's key at the position, then its two bounds at once (no plan)
+GUIDED_STEPS = 1  # the key of the position, then its two bounds at once
 
 
 def makespan(durations: list[float]) -> float:

@@ -328,9 +328,12 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
            offsets: torch.Tensor, base3: torch.Tensor | None, out3: torch.Tensor, *,
            reduce: str, rule: int, alpha: float, include_base: bool,
            carry3: torch.Tensor | None = None,
-           chunks: tuple[torch.Tensor, int] | None = None) -> None:
+           chunks: tuple[torch.Tensor, int] | None = None,
+           keys: torch.Tensor | None = None) -> None:
     """Run the segmented reduction on ``backend_name``'s kernel, writing ``out3`` (and
-    ``carry3``, the Kahan compensation of a running sum: see the kernels' contract)."""
+    ``carry3``, the Kahan compensation of a running sum: see the kernels' contract).
+    ``keys``: the index ``order`` and ``offsets`` were planned from (a plan's), which the
+    triton backend's long segments find their chunks by; no result depends on it."""
     check_backend_runs(backend_name, src3.device.type, "detsum")
     segment_reduce = _LAUNCHERS.get(backend_name) or _launcher(backend_name)
     if src3.shape[2] == 1 and src3.shape[0] > 1 and rule != kernels.CUDA_STRIDE_1:
@@ -340,9 +343,14 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
         src3, out3 = src3.permute(2, 1, 0), out3.permute(2, 1, 0)
         base3 = None if base3 is None else base3.permute(2, 1, 0)
         carry3 = None if carry3 is None else carry3.permute(2, 1, 0)
-    segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
-                   rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
-                   chunks=chunks)
+    if keys is None or backend_name != "triton":
+        segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
+                       rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
+                       chunks=chunks)
+    else:
+        segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
+                       rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
+                       chunks=chunks, keys=keys)
 
 
 #: Each backend's ``segment_reduce``, imported at its first launch (an import statement costs

@@ -50,7 +50,8 @@ def _segment_config(reduce, rule, data_code, acc, scaled, block, *, carry=False)
                 SPLIT=rule in kernels.SPLIT_RULES,
                 CHUNKS_FIRST=rule in kernels.SPLIT_RULES and chunks.CHUNKS_FIRST,
                 FIRST_TERM_START=False, NCOMP=2 if rule == kernels.KAHAN else 1,
-                CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value, GUIDED=False,
+                CHUNK=kernels.CHUNK_TERMS, BOUNDS=segment._OFFSETS.value,
+                GUIDED=chunks._UNGUIDED.value,
                 CHECK=segment._CHECK_NOTHING.value, BLOCK=block, SEGS=1)
 
 
@@ -270,9 +271,13 @@ def main() -> dict:
         config, fp_fusion=False))
     # A sort's values as offsets, their two ends checked on the device, the chunk programs
     # guided by the sorted keys (a launch without a plan).
-    config = dict(config, BOUNDS=segment._OFFSETS.value, GUIDED=True,
+    config = dict(config, BOUNDS=segment._OFFSETS.value, GUIDED=chunks._KEY_A_POSITION.value,
                   CHECK=segment._CHECK_ENDS.value)
     found["fp32 sum kahan sort's offsets"] = _count(_ptx(
+        segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
+    # A plan's offsets, the chunk programs guided by its index through the order.
+    config = dict(config, GUIDED=chunks._KEY_A_ROW.value, CHECK=segment._CHECK_NOTHING.value)
+    found["fp32 sum kahan plan's index"] = _count(_ptx(
         segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
     # An unsorted index of at most CHUNK_TERMS values, scanned by every program (no order, no
     # chunks), every key checked by the first program: int64 and int32 keys.

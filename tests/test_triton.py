@@ -617,14 +617,17 @@ def test_chunk_programs_first_or_last_give_the_same_bits(monkeypatch, mode, redu
 
 @pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
-def test_chunk_programs_guided_by_a_sorts_keys(monkeypatch, mode, keys_dtype):
-    """Without a plan the chunk programs find each chunk's segment from the sort's keys (one
-    load, checked against the offsets; ``GUIDED``) instead of a binary search of the offsets:
-    the same bits as the launch given the same offsets alone, for long segments at the
-    start, in the middle and at the end, short and empty ones, and keys outside the segments
-    at both ends (an unchecked index: their positions lie in no segment). Launched
-    GUIDED exactly where it splits and has a sort's keys."""
-    from detsum.kernels.triton import segment
+@pytest.mark.parametrize("given", ["a sort's keys", "a plan's index"])
+def test_chunk_programs_guided_by_the_keys(monkeypatch, given, mode, keys_dtype):
+    """The chunk programs find each chunk's segment from the key of its position (checked
+    against the offsets; ``GUIDED``) instead of a binary search of the offsets: a sort's
+    keys (a launch without a plan: the key at a position) or a plan's index (the key of the
+    position's row, through the order). The same bits as the launch given the same order and
+    offsets alone, for long segments at the start, in the middle and at the end, short and
+    empty ones, and keys outside the segments at both ends (an unchecked index: their
+    positions lie in no segment). Launched GUIDED, and as which, exactly where it splits and
+    has keys."""
+    from detsum.kernels.triton import chunks, segment
 
     g = torch.Generator().manual_seed(seed_of("guided chunks", mode, keys_dtype))
     nseg = 7
@@ -647,12 +650,22 @@ def test_chunk_programs_guided_by_a_sorts_keys(monkeypatch, mode, keys_dtype):
 
     monkeypatch.setattr(segment, "_launch_segment", recorded)
     outs = []
-    for bounds in (kernels.SortedKeys(on_device(keys), nseg), on_device(offsets)):
+    if given == "a sort's keys":
+        launches = [(kernels.SortedKeys(on_device(keys), nseg), None), (on_device(offsets), None)]
+        expected = [chunks._KEY_A_POSITION.value, chunks._UNGUIDED.value]
+    else:
+        # The index a plan sorted: row order[p] holds the key of position p.
+        index = torch.empty_like(keys)
+        index[order] = keys
+        launches = [(on_device(offsets), on_device(index)), (on_device(offsets), None)]
+        expected = [chunks._KEY_A_ROW.value, chunks._UNGUIDED.value]
+    for bounds, index_keys in launches:
         out = on_device(torch.full((2, nseg, 6), float("nan")))
         segment.segment_reduce(on_device(src), on_device(order), bounds, on_device(base), out,
-                               reduce=kernels.SUM, rule=rule, alpha=1.0, include_base=True)
+                               reduce=kernels.SUM, rule=rule, alpha=1.0, include_base=True,
+                               keys=index_keys)
         outs.append(out.cpu())
-    assert guided == [True, False]
+    assert guided == expected
     assert_same_bits(*outs)
 
 
@@ -995,7 +1008,7 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     # The chunk programs' tickets (SPLIT): an acq_rel atomic at GPU scope after a barrier that
     # follows the program's stores of its part, and the folder's loads of the parts from L2.
     for name in ("bf16 sum wide alpha", "bf16 sum kahan alpha", "fp16 mean kahan",
-                 "fp32 sum kahan carry"):
+                 "fp32 sum kahan carry", "fp32 sum kahan plan's index"):
         assert found[name]["atomics"] == ["atom.global.gpu.acq_rel.add.u64"], name
         assert found[name]["barrier_before_each_atomic"], name
         assert found[name]["cg_loads"] > 0, name

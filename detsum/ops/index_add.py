@@ -43,7 +43,8 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
             return small
     if planned is None:
         planned = (*_plan(input, dim, index, backend_name, check), None)
-    return _launch(backend_name, input, dim, source, alpha, mode, planned, out3)
+    # The index goes along for the chunks of long segments to find their segments by.
+    return _launch(backend_name, input, dim, source, alpha, mode, planned, out3, keys=index)
 
 
 def _plan(input: torch.Tensor, dim: int, index: torch.Tensor, backend_name: str,
@@ -94,9 +95,10 @@ def _run_small(input, dim, index, source, alpha, mode, out3):
         rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
 
 
-def _launch(backend_name, input, dim, source, alpha, mode, planned, out3):
+def _launch(backend_name, input, dim, source, alpha, mode, planned, out3, keys=None):
     """``input`` plus ``alpha * source``'s rows in ``planned``'s order, by ``backend_name``'s
-    kernel, into ``out3`` (a new output when None)."""
+    kernel, into ``out3`` (a new output when None). ``keys``: the index ``planned`` was made
+    from (``_segments.launch``)."""
     order, offsets, chunks = planned
     input3 = _segments.rows_view(input, dim)
     if out3 is None:
@@ -104,7 +106,7 @@ def _launch(backend_name, input, dim, source, alpha, mode, planned, out3):
     _segments.launch(backend_name, _segments.rows_view(source, dim), order, offsets, input3, out3,
                      reduce="sum",
                      rule=rule_for(MODE_BY_NAME[mode], "sum", input.device.type, input3.shape[2]),
-                     alpha=alpha, include_base=True, chunks=chunks)
+                     alpha=alpha, include_base=True, chunks=chunks, keys=keys)
     return out3
 
 

@@ -181,8 +181,9 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         return _run_reference(input, dim, index, src, reduce, include_self, acc_mode, sorted,
                               check, planned)
     if planned is not None:
+        # The plan's index goes along for the chunks of long segments to find their segments.
         return _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode,
-                            planned).view(*input.shape)
+                            planned, keys=index).view(*input.shape)
     return _run_index(backend_name, input, dim, index, src, reduce, include_self, acc_mode,
                       sorted, check)
 
@@ -295,22 +296,24 @@ def _run_small(input, dim, index, src, acc_mode):
     return None if small is None else small.view(*input.shape)
 
 
-def _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode, planned):
+def _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode, planned,
+                 keys=None):
     """``_launch`` of ``src``'s rows into ``input``'s, as rows views (``_segments.rows_view``)."""
     return _launch(backend_name, _segments.rows_view(src, dim), _segments.rows_view(input, dim),
-                   reduce, include_self, acc_mode, planned)
+                   reduce, include_self, acc_mode, planned, keys)
 
 
-def _launch(backend_name, src3, base3, reduce, include_self, acc_mode, planned):
+def _launch(backend_name, src3, base3, reduce, include_self, acc_mode, planned, keys=None):
     """A new output of ``base3``'s shape: each of its rows reduces ``base3``'s (when
     ``include_self``), then ``src3``'s rows of its segment in ``planned``'s order, by
-    ``backend_name``'s kernel."""
+    ``backend_name``'s kernel. ``keys``: the index ``planned`` was made from
+    (``_segments.launch``)."""
     order, offsets, chunks = planned
     out3 = _segments.new_output_like(base3)
     _segments.launch(backend_name, src3, order, offsets, base3, out3, reduce=reduce,
                      rule=rule_for(MODE_BY_NAME[acc_mode], reduce, base3.device.type,
                                    base3.shape[2]),
-                     alpha=1.0, include_base=include_self, chunks=chunks)
+                     alpha=1.0, include_base=include_self, chunks=chunks, keys=keys)
     return out3
 
 

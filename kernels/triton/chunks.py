@@ -80,22 +80,32 @@ def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
     return start
 
 
+# What ``keys_ptr`` holds for a launch's chunk programs (GUIDED), which name the segment of a
+# position by its key: nothing (they search the bounds); the key of each position (a sort's
+# values, whose offsets are the bounds); the key of each row (a plan's index: position p's is
+# ``keys[order[p]]``).
+_UNGUIDED = tl.constexpr(0)
+_KEY_A_POSITION = tl.constexpr(1)
+_KEY_A_ROW = tl.constexpr(2)
+
+
 @triton.jit
-def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr, keys_ptr,
+def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr, keys_ptr, order_ptr,
                 GUIDED: tl.constexpr):
     """The segment holding position ``p < positions`` (its start ``<= p <`` its end), or -1
-    when no segment does. GUIDED: ``keys_ptr`` holds the sorted keys whose offsets are the
-    bounds (a sort's values), each the segment of its position."""
+    when no segment does. GUIDED: the key of ``p`` (``keys_ptr``, as GUIDED says) names it."""
     found = tl.zeros([], tl.int64) - 2  # -2: not known yet
-    if (BOUNDS == _KEYS) | GUIDED:
-        # Sorted keys name it themselves: the key at p, checked against its bounds (keys that
-        # are not sorted may fail the check, and take the search below). A sort's values
-        # always pass it: one load and the two bounds', where the search takes a dependent
-        # load for each halving of the segments.
-        at = bounds_ptr
-        if GUIDED:
-            at = keys_ptr
-        guess = tl.minimum(tl.maximum(tl.load(at + p).to(tl.int64), -1), nseg)
+    if (BOUNDS == _KEYS) | (GUIDED != _UNGUIDED):
+        # The key at p names it, checked against its bounds (keys that are not sorted, or do
+        # not match the bounds, may fail the check, and take the search below). The keys the
+        # bounds were made from always pass it: a load or two and the two bounds', where the
+        # search takes a dependent load for each halving of the segments.
+        at = bounds_ptr + p
+        if GUIDED == _KEY_A_POSITION:
+            at = keys_ptr + p
+        if GUIDED == _KEY_A_ROW:
+            at = keys_ptr + tl.load(order_ptr + p)
+        guess = tl.minimum(tl.maximum(tl.load(at).to(tl.int64), -1), nseg)
         start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, BOUNDS)
         end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, BOUNDS)
         holds = tl.where(guess < 0, p < start,
@@ -118,7 +128,7 @@ def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr, keys_ptr,
 
 @triton.jit
 def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
-                 BOUNDS: tl.constexpr, keys_ptr, GUIDED: tl.constexpr):
+                 BOUNDS: tl.constexpr, keys_ptr, order_ptr, GUIDED: tl.constexpr):
     """(segment, chunk number, whether there is one) of chunk program ``e``'s ``side``.
 
     Chunk program ``e`` owns the chunk starts of the long segments (more than CHUNK terms)
@@ -129,11 +139,12 @@ def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
     last position. The fold finds chunk ``k`` of a segment from its start alone
     (``_chunk_slot``), so no running count of chunks is needed."""
     low = e * CHUNK
-    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS, keys_ptr, GUIDED)
+    first_seg = _segment_at(bounds_ptr, nseg, low, positions, BOUNDS, keys_ptr, order_ptr,
+                            GUIDED)
     seg = first_seg
     if side == 1:
         seg = _segment_at(bounds_ptr, nseg, tl.minimum(low + CHUNK, positions) - 1, positions,
-                          BOUNDS, keys_ptr, GUIDED)
+                          BOUNDS, keys_ptr, order_ptr, GUIDED)
     real = seg >= 0
     seg_at = tl.maximum(seg, 0)
     p0 = _segment_start(bounds_ptr, seg_at, positions, BOUNDS)

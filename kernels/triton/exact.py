@@ -61,7 +61,14 @@ from .common import (
     _to_data,
 )
 from . import chunks as _chunks
-from .chunks import _OFFSETS, _chunk_owned, _chunk_slot, _last_chunk_done, ticket_counters
+from .chunks import (
+    _OFFSETS,
+    _UNGUIDED,
+    _chunk_owned,
+    _chunk_slot,
+    _last_chunk_done,
+    ticket_counters,
+)
 from .launch import Kernel
 
 __all__ = ["segment_reduce_exact"]
@@ -767,7 +774,7 @@ def _exact_kernel(
         work_rows = 2 * n_parts
         for side in range(2):
             seg, j, owned, p0, n = _chunk_owned(offsets_ptr, nseg, positions, e, side, CHUNK,
-                                                _OFFSETS, offsets_ptr, False)
+                                                _OFFSETS, offsets_ptr, order_ptr, _UNGUIDED)
             if owned:
                 p_begin = p0 + j * CHUNK
                 _exact_chunk(src_ptr, ss0, ss1, ss2, order_ptr, work_ptr, work_rows, alpha,

@@ -133,8 +133,11 @@ from .common import (
 from . import chunks as _chunks
 from .chunks import (
     _ANY_OFFSETS,
+    _KEY_A_POSITION,
+    _KEY_A_ROW,
     _KEYS,
     _OFFSETS,
+    _UNGUIDED,
     _UNSORTED_KEYS,
     _chunk_owned,
     _chunk_slot,
@@ -547,7 +550,8 @@ def _segment_kernel(
         work_rows = 2 * n_parts
         if is_chunk:
             seg, j, owned, p0, n = _chunk_owned(bounds_ptr, nseg, positions, work_slot // 2,
-                                                work_slot % 2, CHUNK, BOUNDS, keys_ptr, GUIDED)
+                                                work_slot % 2, CHUNK, BOUNDS, keys_ptr,
+                                                order_ptr, GUIDED)
             p_begin = p0 + j * CHUNK
             p_end = tl.minimum(p0 + n, p_begin + CHUNK)
         else:
@@ -602,13 +606,15 @@ _launch_segment = Kernel(_segment_kernel)
 
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
-                   carry=None, chunks=None):
+                   carry=None, chunks=None, keys=None):
     """See the contract in ``detsum.kernels.numba.segment`` and this module's notes; here
     ``offsets`` may also be ``kernels.SortedKeys``, ``kernels.UncheckedOffsets`` or
     ``kernels.UnsortedKeys``, bounds that the fp32 / Kahan / torch-order kernels read and
     check themselves (the others are given offsets, checked by torch ops). Unsorted keys
     (with no ``order``) are scanned by every program where there are at most CHUNK_TERMS of
-    them, and sorted first otherwise."""
+    them, and sorted first otherwise. ``keys``: the segment of each row of ``src`` (the index
+    that ``order`` and ``offsets`` were planned from: a plan's), by which the chunk programs
+    find their segments instead of searching the offsets (GUIDED); it changes no result."""
     if isinstance(offsets, UnsortedKeys):
         if order is not None:
             raise ValueError("segment_reduce: unsorted keys take no order (the rows are the "
@@ -634,7 +640,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         return
     outer, num_rows, inner = src.shape
     failure, check = None, _CHECK_NOTHING.value
-    guide = None  # the sorted keys whose offsets are the bounds (GUIDED)
+    guide, guide_kind = None, _UNGUIDED.value  # the chunk programs' keys (GUIDED)
     if isinstance(offsets, SortedKeys) and offsets.every_key:
         # A promised-sorted index, searched as torch.searchsorted does (its answers on keys
         # that break the promise are the contract's), every key checked.
@@ -648,7 +654,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         # the H200, 64 held half the warp slots and 64% of DRAM's bandwidth; the plan's
         # kernel reached 91%). The offsets' two ends are the keys' check (CHECK_ENDS).
         bounds_kind, nseg, failure = _OFFSETS.value, offsets.num_segments, offsets.failure
-        guide = offsets.keys.contiguous()
+        guide, guide_kind = offsets.keys.contiguous(), _KEY_A_POSITION.value
         bounds = sort_offsets(guide, nseg)
         check = _CHECK_ENDS.value
     elif isinstance(offsets, UnsortedKeys):
@@ -719,20 +725,27 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # Counter 0: the checkers' ticket; then the chunk programs' (_segment_kernel).
     counters = (ticket_counters(src.device, 1 + 2 * n_parts * grid_yz[0] * grid_yz[1])
                 if split or check == _CHECK_EVERY.value else None)
-    # The chunk programs find their segments by the sorted keys where they have them (GUIDED:
-    # a load and its check, where the search of the bounds takes a load for each halving).
-    guided = split and guide is not None
+    # The chunk programs find their segments by the keys where they have them (GUIDED: a load
+    # or two and its check, where the search of the bounds takes a load for each halving): a
+    # sort's values, or a plan's index (a row's key; a promised-sorted one's rows are the
+    # positions).
+    if not split:
+        guide, guide_kind = None, _UNGUIDED.value
+    elif guide is None and keys is not None and bounds_kind == _OFFSETS.value:
+        guide = keys.contiguous()
+        guide_kind = (_KEY_A_ROW if has_order else _KEY_A_POSITION).value
     _launch_segment(
         (programs, *grid_yz),
-        (src_s, *src_s.stride(), order, bounds, guide if guided else bounds, positions, n_parts,
-         base_s, *base_s.stride(), out_s, *out_s.stride(), carry_s, *carry_s.stride(), work,
-         alpha_t, flag, out if counters is None else counters, checkers, outer, nseg, inner),
+        (src_s, *src_s.stride(), order, bounds, bounds if guide is None else guide, positions,
+         n_parts, base_s, *base_s.stride(), out_s, *out_s.stride(), carry_s, *carry_s.stride(),
+         work, alpha_t, flag, out if counters is None else counters, checkers, outer, nseg,
+         inner),
         {"REDUCE": int(reduce), "RULE": int(rule), "DATA": data, "ACC": acc_tl,
          "HAS_ORDER": has_order, "HAS_BASE": has_base, "USE_BASE": use_base,
          "HAS_CARRY": has_carry, "SCALED": scaled, "SPLIT": split,
          "CHUNKS_FIRST": split and _chunks.CHUNKS_FIRST,
          "FIRST_TERM_START": not use_base and reduce in (AMAX, AMIN), "NCOMP": ncomp,
-         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "GUIDED": guided, "CHECK": check,
+         "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "GUIDED": guide_kind, "CHECK": check,
          "BLOCK": block, "SEGS": segs},
         num_warps=num_warps,
     )

@@ -5,12 +5,12 @@ does not matter) give a segment longer than a chunk of ``CHUNK`` positions to ch
 one per ``CHUNK`` positions of the launch: program ``e`` owns the chunk starts of the long
 segments that fall in positions ``[e * CHUNK, (e + 1) * CHUNK)``, at most two
 (``_chunk_owned``; ``segment.py`` launches the two as two programs), found by binary searches
-of the segments' bounds (or, where the launch has the sorted keys the bounds come from, by the
-key at a position, checked against its bounds: ``_segment_at``), and writes each chunk's part
-to its workspace slot (``_chunk_slot``, found from the segment's start alone). It then takes a
-ticket of its segment (``_last_chunk_done``); the program that takes the segment's last ticket
-folds the parts and writes the segment's row. Nothing is counted before the launch and the fold
-is part of it: one launch, no other device op, no host read.
+of the segments' bounds (or, where the launch has the keys the bounds come from, a sort's or a
+plan's index, by a position's key, checked against its bounds: ``_segment_at``), and writes
+each chunk's part to its workspace slot (``_chunk_slot``, found from the segment's start
+alone). It then takes a ticket of its segment (``_last_chunk_done``); the program that takes
+the segment's last ticket folds the parts and writes the segment's row. Nothing is counted
+before the launch and the fold is part of it: one launch, no other device op, no host read.
 
 Tickets: a chunk program's stores of its part, by all its threads, come before its ticket
 (``tl.debug_barrier``, then the atomic with release semantics at GPU scope, ``acq_rel``), and

@@ -55,7 +55,8 @@ IMPLEMENTATION NOTES (this backend):
   plan) become offsets first, by one small launch (``chunks.sort_offsets``): searched in every
   program, they cost the kernel registers (see the launcher). The chunk programs still take
   the values (GUIDED): the key at a position names its segment, where a search of the
-  offsets takes a dependent load for each halving. Offsets not known to be valid
+  offsets takes a dependent load for each halving; with a plan, its index does (``keys``:
+  the key of the position's row). Offsets not known to be valid
   (``kernels.UncheckedOffsets``) are clamped into ``[0, M]`` as each is read, and a segment
   whose end is below its start is empty: every read and write stays inside the tensors
   whatever they hold. Unchecked ("off"), they are first made nondecreasing (their running
@@ -486,8 +487,9 @@ def _segment_kernel(
     CHUNKS_FIRST, before them: side ``e % 2`` of chunk program ``e // 2`` of ``n_parts``
     (``_chunk_owned``), the last of a segment's to finish folding them (a ticket in
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
-    (``_segment_start``); under GUIDED, offsets whose sorted keys are at ``keys_ptr``, which
-    name the segment of a chunk program's position (``chunks._segment_at``). CHECK_ENDS: the
+    (``_segment_start``); under GUIDED, offsets made from the keys at ``keys_ptr`` (as GUIDED
+    says, ``chunks.py``), which name the segment of a chunk program's position
+    (``chunks._segment_at``). CHECK_ENDS: the
     first program writes to ``flag_ptr`` whether the keys lie in ``[0, nseg)`` (the scanned
     keys all; a sort's offsets, whether they run from 0 to ``positions``), and under
     CHECK_BEFORE_WRITING, where one does not, no program writes anything; CHECK_EVERY: the

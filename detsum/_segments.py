@@ -343,14 +343,10 @@ def launch(backend_name: str, src3: torch.Tensor, order: torch.Tensor | None,
         src3, out3 = src3.permute(2, 1, 0), out3.permute(2, 1, 0)
         base3 = None if base3 is None else base3.permute(2, 1, 0)
         carry3 = None if carry3 is None else carry3.permute(2, 1, 0)
-    if keys is None or backend_name != "triton":
-        segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
-                       rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
-                       chunks=chunks)
-    else:
-        segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
-                       rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
-                       chunks=chunks, keys=keys)
+    guide = {} if keys is None or backend_name != "triton" else {"keys": keys}
+    segment_reduce(src3, order, offsets, base3, out3, reduce=kernels.REDUCE_CODES[reduce],
+                   rule=rule, alpha=alpha, include_base=include_base, carry=carry3,
+                   chunks=chunks, **guide)
 
 
 #: Each backend's ``segment_reduce``, imported at its first launch (an import statement costs

@@ -188,9 +188,8 @@ def _apply(remove: bool = False) -> None:
         _library = _register()
     _mode = wanted
     if wanted is None and remove and _library is not None:
-        keys = ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
         removed = [torch.library.get_kernel(f"aten::{name}", key)
-                   for name in _BODIES for key in keys]
+                   for name in _BODIES for key in _dispatch_keys()]
         _library._destroy()
         _library = None
         _removed = removed  # the ones removed before are freed now
@@ -200,8 +199,13 @@ def _apply(remove: bool = False) -> None:
         _switch_compile.follow(wanted is not None)
 
 
+def _dispatch_keys() -> tuple[str, ...]:
+    """The dispatch keys the switch registers its kernels at."""
+    return ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
+
+
 def _register() -> torch.library.Library:
-    keys = ("CPU", "CUDA") if torch.cuda.is_available() else ("CPU",)
+    keys = _dispatch_keys()
     library = torch.library.Library("aten", "IMPL")
     # torch warns, once per process, that a kernel is overridden: that is the point here.
     with warnings.catch_warnings():

@@ -489,11 +489,11 @@ def _segment_kernel(
     ``counters_ptr[1 + ...]``). The segments' bounds are at ``bounds_ptr``, as BOUNDS says
     (``_segment_start``); under GUIDED, offsets made from the keys at ``keys_ptr`` (as GUIDED
     says, ``chunks.py``), which name the segment of a chunk program's position
-    (``chunks._segment_at``). CHECK_ENDS: the
-    first program writes to ``flag_ptr`` whether the keys lie in ``[0, nseg)`` (the scanned
-    keys all; a sort's offsets, whether they run from 0 to ``positions``), and under
-    CHECK_BEFORE_WRITING, where one does not, no program writes anything; CHECK_EVERY: the
-    first ``checkers`` programs check every bound (``_check_every_bound``)."""
+    (``chunks._segment_at``). CHECK_ENDS: the first program writes to ``flag_ptr`` whether
+    the keys lie in ``[0, nseg)`` (the scanned keys all; a sort's offsets, whether they run
+    from 0 to ``positions``), and under CHECK_BEFORE_WRITING, where one does not, no program
+    writes anything; CHECK_EVERY: the first ``checkers`` programs check every bound
+    (``_check_every_bound``)."""
     slot = tl.program_id(0).to(tl.int64)
     first_of_slot = (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
     if (CHECK == _CHECK_ENDS) | (CHECK == _CHECK_BEFORE_WRITING):
@@ -730,11 +730,12 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # The chunk programs find their segments by the keys where they have them (GUIDED: a load
     # or two and its check, where the search of the bounds takes a load for each halving): a
     # sort's values, or a plan's index (a row's key; a promised-sorted one's rows are the
-    # positions).
+    # positions; one of other strides searches, rather than be copied on every call).
     if not split:
         guide, guide_kind = None, _UNGUIDED.value
-    elif guide is None and keys is not None and bounds_kind == _OFFSETS.value:
-        guide = keys.contiguous()
+    elif (guide is None and keys is not None and bounds_kind == _OFFSETS.value
+          and keys.is_contiguous()):
+        guide = keys
         guide_kind = (_KEY_A_ROW if has_order else _KEY_A_POSITION).value
     _launch_segment(
         (programs, *grid_yz),

@@ -10,8 +10,8 @@ issue's targets.
 
     python benches/count_calls.py [--detail] [ROW-SUBSTRING ...]
 
-``--detail`` lists, under each row, the aten ops by name, the launches with their grids and
-where each host read happens.
+``--detail`` lists, under each row, the aten ops by name, the launches with their grids,
+where each host read happens and the dtype of each sort's keys.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ def main() -> None:
             print(f"    launches: {counts.launches}")
             print(f"    host reads: {counts.host_reads}")
             print(f"    allocations: {dict(counts.allocations)}")
+            print(f"    sorts' keys: {[str(dtype) for dtype in counts.sort_keys]}")
 
 
 if __name__ == "__main__":

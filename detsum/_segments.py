@@ -259,10 +259,12 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     """The plan from torch ops on the index's device, with one host read (the validation) under
     check="host" and none otherwise.
 
-    ``torch.sort(stable=True)`` gives the canonical order (positions in order of appearance
-    within a value), and the sorted values give the offsets by a binary search per segment
-    boundary: neither needs the host. The sort already yields the smallest and largest
-    value, so validating costs no extra pass over the index, just the one read of those two
+    A stable sort (``kernels.sort_by_segment``: of keys narrowed to the segments' range, as
+    torch's sort of the index would order them) gives the canonical order (positions in
+    order of appearance within a value), and the sorted values give the offsets by a binary
+    search per segment boundary: neither needs the host. The sort already yields the smallest
+    and largest value (clamped into ``[-1, num_segments]``: out of range exactly when the
+    index's are), so validating costs no extra pass over the index, just the one read of those two
     numbers; a promised-sorted index is checked by one pass for its order and a read of that
     with its two ends, or, given as keys to a launch, by that launch (no op here; at "host" a
     read of its verdict). Bad values are located (a slower, second look) only to write the
@@ -290,7 +292,7 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
         elif check == "host":
             host_check()
         return None, offsets
-    values, order = torch.sort(index, stable=True)
+    values, order = kernels.sort_by_segment(index, num_segments)
     if check == "device" and as_keys:
         # The launch checks the sorted values' two ends itself, on the device.
         return order, kernels.SortedKeys(values, num_segments,
@@ -314,7 +316,7 @@ def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str, *,
     if as_keys and scans_index(backend_name, keys, False):
         return None, kernels.UnsortedKeys(keys, num_segments)
     if backend_name != "numba" or keys.device.type != "cpu":
-        values, order = torch.sort(keys, stable=True)
+        values, order = kernels.sort_by_segment(keys, num_segments)
         sorted_keys = kernels.SortedKeys(values, num_segments)
         return order, (sorted_keys if as_keys and backend_name == "triton"
                        else sorted_keys.offsets())

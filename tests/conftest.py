@@ -88,6 +88,17 @@ def poison_outputs():
     _segments.POISON_OUTPUTS = False
 
 
+@pytest.fixture(params=["torch's keys", "narrowed keys"])
+def sort_width(request, monkeypatch):
+    """Each sort of an index by segment (``kernels.sort_by_segment``) of the keys as they are,
+    as torch sorts them, and of keys narrowed to the segments' range (clamped, int16 or
+    int32), which a GPU sorts above ``NARROW_SORT_ABOVE`` keys: here at any size, so that the
+    tests' small indices take that path too."""
+    if request.param == "narrowed keys":
+        monkeypatch.setattr(detsum.kernels, "NARROW_SORT_ABOVE", 0)
+    return request.param
+
+
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA device")
     skip_interpreter = pytest.mark.skip(

@@ -52,6 +52,9 @@ class Counts:
     allocations: Counter = dataclasses.field(default_factory=Counter)
     host_reads: list[str] = dataclasses.field(default_factory=list)
     operators: Counter = dataclasses.field(default_factory=Counter)
+    #: The dtype of the keys of each sort, in order: on a GPU a radix sort's passes, and so
+    #: its launches, grow with their width (``kernels.NARROW_SORT_ABOVE``).
+    sort_keys: list[torch.dtype] = dataclasses.field(default_factory=list)
     #: What the call returned.
     result: object = None
 
@@ -144,6 +147,8 @@ class _Recorder(TorchDispatchMode):
             self.counts.ops[name] += 1
         elif not _no_kernel(func, args, kwargs, result):
             self.counts.ops[name] += 1
+            if name == "sort":
+                self.counts.sort_keys.append(args[0].dtype)
         return result
 
     def _counted_already(self) -> bool:
@@ -265,6 +270,9 @@ _ROWS, _SEGMENTS, _FEATURES = 512, 16, 4
 #: The small calls' source rows: at most kernels.CHUNK_TERMS, so the launch scans the
 #: unsorted index itself (kernels.UnsortedKeys), with no sort.
 _SMALL_ROWS = 200
+#: The long calls' source rows: more than kernels.NARROW_SORT_ABOVE, so the index is sorted
+#: as the int16 keys its segments need (two ops more, on a GPU a shorter radix sort).
+_LONG_ROWS = detsum.kernels.NARROW_SORT_ABOVE + 1
 _TOKENS, _TOPK, _EXPERTS = 64, 2, 4
 
 
@@ -289,6 +297,8 @@ def inputs(backward: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     t["gather_indices"] = torch.sort(t["selected"].view(-1), stable=True).indices
     # Made once, outside the counted calls (its positions are the same on every backend).
     t["plan"] = detsum.plan(index, _SEGMENTS)
+    t["long_index"] = torch.randint(0, _SEGMENTS, (_LONG_ROWS,), generator=gen)
+    t["long_src"] = torch.randn(_LONG_ROWS, _FEATURES, generator=gen)
     if backward:
         for name in ("src", "x", "weights"):
             t[name].requires_grad_(True)
@@ -317,6 +327,14 @@ def _small(t, name, mode, check):
     if name == "index_add_":
         return detsum.index_add_(t["work"], 0, index, src, mode=mode, check=check)
     return detsum.scatter_reduce(t["init"], 0, index, src, "sum", mode=mode, check=check)
+
+
+def _long(t, name, check):
+    """A call without a plan of _LONG_ROWS rows."""
+    if name == "index_add":
+        return detsum.index_add(t["init"], 0, t["long_index"], t["long_src"], check=check)
+    return detsum.scatter_reduce(t["init"], 0, t["long_index"], t["long_src"], "sum",
+                                 check=check)
 
 
 def _with_plan(t, name, mode):
@@ -367,6 +385,10 @@ def _rows() -> dict[str, Row]:
         for check in CHECKS:
             rows[f"{name} fp32 {check} small"] = Row(
                 functools.partial(_small, name=name, mode="fp32", check=check), check)
+    for name in ("index_add", "scatter_reduce"):
+        for check in CHECKS:
+            rows[f"{name} fp32 {check} long"] = Row(
+                functools.partial(_long, name=name, check=check), check)
     for check in CHECKS:
         rows[f"scatter_reduce sorted fp32 {check}"] = Row(
             functools.partial(_scatter_reduce, mode="fp32", check=check, sorted=True), check)

@@ -190,14 +190,15 @@ def _launched_gather() -> dict:
 def _launched_moe_backward() -> dict:
     """The registers of ``_segment_kernel`` as ``index_add_`` launches it for an MoE backward
     (bf16 rows of 4096, 8 rows into each token, sorted by expert), with a plan and without
-    one (the sort's offsets, chunk programs included), and for fp32 rows of 256 without one,
-    through Triton's launch with the driver stubbed."""
+    one (the sort's offsets, chunk programs included, guided by the sort's int16 values: more
+    keys than ``kernels.NARROW_SORT_ABOVE``, as in a real MoE), and for fp32 rows of 256
+    without one, through Triton's launch with the driver stubbed."""
     import triton_stub
 
     import detsum
 
     triton_stub.install(record=False)
-    tokens, topk = 512, 8
+    tokens, topk = 1024, 8
     experts = torch.randint(0, 64, (tokens * topk,), generator=torch.Generator().manual_seed(0))
     index = experts.argsort(stable=True) // topk
     found = {}
@@ -275,6 +276,10 @@ def main() -> dict:
                   CHECK=segment._CHECK_ENDS.value)
     found["fp32 sum kahan sort's offsets"] = _count(_ptx(
         segment._segment_kernel, _segment_types("fp32", "fp32"), config, fp_fusion=False))
+    # The same, guided by the values of a narrowed sort (kernels.sort_by_segment: int16).
+    found["fp32 sum kahan sort's int16 offsets"] = _count(_ptx(
+        segment._segment_kernel, dict(_segment_types("fp32", "fp32"), keys_ptr="*i16"),
+        config, fp_fusion=False))
     # A plan's offsets, the chunk programs guided by its index through the order.
     config = dict(config, GUIDED=chunks._KEY_A_ROW.value, CHECK=segment._CHECK_NOTHING.value)
     found["fp32 sum kahan plan's index"] = _count(_ptx(

@@ -59,7 +59,7 @@ CALLS = list(_calls("host", *_inputs()))
 @pytest.mark.interpreter
 @pytest.mark.parametrize("call", CALLS)
 @pytest.mark.parametrize("check", ["device", "off"])
-def test_no_host_read_in_the_gpu_launch_path(check, call):
+def test_no_host_read_in_the_gpu_launch_path(check, call, sort_width):
     """Forward and backward, with the plan of a GPU: not one value read into Python."""
     init, index, src, offsets, perm = _inputs()
     src.requires_grad_(True)
@@ -330,7 +330,7 @@ BAD_VALUE_CASES = [pytest.param(call, mistake, id=f"{call}-{mistake}")
 
 @pytest.mark.parametrize("call,mistake", BAD_VALUE_CASES)
 @pytest.mark.parametrize("backend", ["numba", "reference", TRITON_ON_CPU])
-def test_cpu_checks_every_level_on_every_backend(backend, call, mistake):
+def test_cpu_checks_every_level_on_every_backend(backend, call, mistake, sort_width):
     """On CPU tensors every level checks, on every backend: the error of the default level
     (its type and words, naming the first bad position), before anything is written."""
     argument, run = _BAD_VALUE_CALLS[call]
@@ -437,7 +437,7 @@ def _on(device, t):
 
 @pytest.mark.parametrize("call,mistake", BAD_VALUE_CASES)
 @pytest.mark.parametrize("device,backend", _GPU_PATHS)
-def test_off_level_gives_what_the_docstrings_say(device, backend, call, mistake):
+def test_off_level_gives_what_the_docstrings_say(device, backend, call, mistake, sort_width):
     """A GPU's "off" reads and writes inside every tensor, whatever the values: an index value
     outside [0, size) leaves its row (element) out, a broken sorted=True promise splits the
     rows by a binary search, offsets are clamped into [0, N] and made nondecreasing, perm
@@ -455,7 +455,7 @@ def test_off_level_gives_what_the_docstrings_say(device, backend, call, mistake)
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("promised_sorted", [False, True], ids=["unsorted", "broken-sorted"])
-def test_off_level_chunks_long_segments_of_bad_values(promised_sorted):
+def test_off_level_chunks_long_segments_of_bad_values(promised_sorted, sort_width):
     """More than CHUNK_TERMS positions: the chunk programs find the segments of unchecked
     values themselves (in the sorted keys, no offsets), values out of range in no segment and
     a broken sorted=True promise split as torch.searchsorted splits it, also where the key at
@@ -490,7 +490,8 @@ def test_off_level_chunks_long_segments_of_bad_values(promised_sorted):
 @pytest.mark.parametrize("call,mistake", [
     case for case in BAD_VALUE_CASES if case.values[1] in ("several", "everything", "decreasing")])
 @pytest.mark.parametrize("backend", [TRITON_ON_CPU, "reference"])
-def test_device_level_launches_what_off_gives(backend, call, mistake, monkeypatch):
+def test_device_level_launches_what_off_gives(backend, call, mistake, monkeypatch,
+                                              sort_width):
     """On a GPU a failed "device" check is reported at the next synchronisation, after the
     launch: that launch is the one of "off", inside every tensor. Here the check never fails
     (as if not reported yet). segment_sum's offsets on the triton backend are the exception:

@@ -161,6 +161,15 @@ MEASURED = {
     "scatter_reduce fp32 host small": (1, 1, 2, 0),
     "scatter_reduce fp32 device small": (2, 0, 2, 0),
     "scatter_reduce fp32 off small": (1, 0, 1, 0),
+    # Past kernels.NARROW_SORT_ABOVE rows: the keys clamped and cast to int16 before the sort,
+    # two ops more than at 512 rows, for a sort whose CUB launches on a GPU go from 20 (int64
+    # keys) to 8 (test_a_long_index_sorts_the_keys_its_segments_need).
+    "index_add fp32 host long": (6, 1, 3, 1),
+    "index_add fp32 device long": (6, 0, 3, 1),
+    "index_add fp32 off long": (5, 0, 3, 1),
+    "scatter_reduce fp32 host long": (6, 1, 3, 1),
+    "scatter_reduce fp32 device long": (6, 0, 3, 1),
+    "scatter_reduce fp32 off long": (5, 0, 3, 1),
     "scatter_reduce sorted fp32 host": (1, 1, 2, 0),
     "scatter_reduce sorted fp32 device": (2, 0, 2, 0),
     "scatter_reduce sorted fp32 off": (1, 0, 2, 0),
@@ -213,6 +222,16 @@ def test_no_count_grows(row):
     grown = {field: f"{got[field]} > {limit}"
              for field, limit in zip(_FIELDS, MEASURED[row], strict=True) if got[field] > limit}
     assert not grown, f"{row}: {grown}"
+
+
+@pytest.mark.parametrize("row,keys", [
+    ("index_add fp32 off", torch.int64), ("index_add fp32 off long", torch.int16),
+    ("scatter_reduce fp32 host long", torch.int16), ("index_add fp32 device long", torch.int16)])
+def test_a_long_index_sorts_the_keys_its_segments_need(row, keys):
+    """An index of at most kernels.NARROW_SORT_ABOVE values is sorted as it is (int64: torch
+    sorts that many in one kernel of its own, whatever their width); a longer one as the int16
+    keys that its 16 segments need (kernels.sort_by_segment), one sort either way."""
+    assert count_row(row).sort_keys == [keys]
 
 
 # ---- the issue's targets -------------------------------------------------------------------------

@@ -418,7 +418,7 @@ def _scan_allowed(reduce_rule, dtype, n_terms, alpha, include_base, keys_dtype):
     [SCAN_RULES, DTYPES, [1, 37, CHUNK], [1.0, 0.3], [True, False],
      [torch.int64, torch.int32]], allowed=_scan_allowed, everything=HAS_CUDA))
 def test_unsorted_keys_give_the_bits_of_the_sorted_keys(reduce_rule, dtype, n_terms, alpha,
-                                                        include_base, keys_dtype):
+                                                        include_base, keys_dtype, sort_width):
     """The launch given ``kernels.UnsortedKeys`` (each program scans every key: no sort)
     against the same keys sorted first (``UnsortedKeys.sorted()``, the launch a longer index
     takes): the same bits for every reduction and rule, with keys outside ``[0, nseg)`` (in
@@ -615,7 +615,7 @@ def test_chunk_programs_first_or_last_give_the_same_bits(monkeypatch, mode, redu
     assert_same_bits(outs[0], expected)
 
 
-@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32, torch.int16])
 @pytest.mark.parametrize("mode", ["fp32", "kahan"])
 @pytest.mark.parametrize("given", ["a sort's keys", "a plan's index"])
 def test_chunk_programs_guided_by_the_keys(monkeypatch, given, mode, keys_dtype):
@@ -717,7 +717,8 @@ def test_sort_offsets_are_searchsorteds_answers():
     """``chunks.sort_offsets`` (a sort's values to the launch's offsets, one kernel) against
     ``torch.searchsorted`` for every ``s`` in ``[0, nseg]``: even segments, random ones, one
     hot segment among empty ones, every key below or above the segments, one key, and more
-    segments than one program searches; int64 and int32 keys. The output is NaN-poisoned
+    segments than one program searches; int64, int32 and int16 keys (a narrowed sort's:
+    ``kernels.sort_by_segment``). The output is NaN-poisoned
     first (as int64: -1), so an offset no program writes fails."""
     from detsum.kernels.triton import chunks
 
@@ -738,11 +739,55 @@ def test_sort_offsets_are_searchsorteds_answers():
         return empty(*args, **kwargs).fill_(-1)
 
     for name, (keys, nseg) in cases.items():
-        for dtype in (torch.int64, torch.int32):
+        for dtype in (torch.int64, torch.int32, torch.int16):
             with unittest.mock.patch.object(chunks.torch, "empty", poisoned):
                 got = chunks.sort_offsets(on_device(keys.to(dtype)), nseg)
             expected = torch.searchsorted(keys, torch.arange(nseg + 1))
             assert torch.equal(got.cpu(), expected), (name, dtype)
+
+
+@pytest.mark.parametrize("num_segments,narrowed", [
+    (1, torch.int16), (300, torch.int16), (2**15 - 1, torch.int16), (2**15, torch.int32),
+    (2**31 - 1, torch.int32), (2**31, torch.int64)])
+@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32])
+def test_a_narrowed_sort_orders_every_segment_as_torch_sorts_it(num_segments, narrowed,
+                                                                keys_dtype):
+    """``kernels.sort_by_segment`` against ``torch.sort(keys, stable=True)``: more than
+    ``NARROW_SORT_ABOVE`` keys narrowed to the type the segments need (int64 or int32 keys
+    that are no wider kept as they are), at most that many sorted as given; the same offsets
+    for every segment boundary a key meets (``searchsorted``), the same order within the
+    segments, and the values' first below 0 or last at or past the segments exactly when
+    torch's are. Keys out of range both ways, far out (int64 past 2**31) and just out,
+    and one hot key among rare ones."""
+    g = torch.Generator().manual_seed(seed_of("narrowed sort", num_segments, keys_dtype))
+    top = min(num_segments, torch.iinfo(keys_dtype).max)
+    for n in (kernels.NARROW_SORT_ABOVE, kernels.NARROW_SORT_ABOVE + 1):
+        for out_of_range in ("none", "below", "past", "both"):
+            keys = torch.randint(0, top, (n,), generator=g, dtype=torch.int64)
+            keys[torch.rand(n, generator=g) < 0.5] = top // 2  # the hot key
+            far = [-2**40, 2**40] if keys_dtype == torch.int64 else [-2**31, 2**31 - 1]
+            if out_of_range in ("below", "both"):
+                keys[[3, 77, n - 1]] = torch.tensor([-1, far[0], -2])
+            if out_of_range in ("past", "both") and num_segments <= torch.iinfo(keys_dtype).max:
+                keys[[5, 90, n - 2]] = torch.tensor([num_segments, far[1], num_segments + 1]
+                                                    ).clamp(max=torch.iinfo(keys_dtype).max)
+            keys = on_device(keys.to(keys_dtype))
+            values, order = kernels.sort_by_segment(keys, num_segments)
+            torch_values, torch_order = torch.sort(keys, stable=True)
+            wide = n <= kernels.NARROW_SORT_ABOVE or narrowed.itemsize >= keys.element_size()
+            assert values.dtype == (keys_dtype if wide else narrowed)
+            bounds = torch.cat([torch.tensor([0, num_segments]),
+                                torch.unique(keys.cpu().clamp(0, num_segments - 1)) + 1,
+                                torch.unique(keys.cpu().clamp(0, num_segments - 1))])
+            bounds = bounds.unique()
+            bounds = on_device(bounds[bounds <= torch.iinfo(keys_dtype).max])
+            start = torch.searchsorted(values, bounds.to(values.dtype))
+            torch_start = torch.searchsorted(torch_values, bounds.to(keys_dtype))
+            assert torch.equal(start, torch_start), out_of_range
+            first, last = int(start.min()), int(start.max())
+            assert torch.equal(order[first:last], torch_order[first:last]), out_of_range
+            assert bool(values[0] < 0) == bool(torch_values[0] < 0)
+            assert bool(values[-1] >= num_segments) == bool(torch_values[-1] >= num_segments)
 
 
 @pytest.mark.parametrize("check", ["host", "device", "off"])

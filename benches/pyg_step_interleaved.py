@@ -1,0 +1,108 @@
+"""A PyG layer's training step under ``detsum.pyg.make_deterministic`` against PyG's own, the
+two taking turns step by step: for a layer whose step times scatter widely from one step to
+the next (GATConv on a 2-core VM: a tenth of its steps take half the median, another tenth
+one and a half times it), where ``bench_pyg.py``'s blocks of 15 rounds a case give ratios
+that move by 0.3 from one run to the next.
+
+The graphs, layers and step are ``bench_pyg.py``'s (a layer of 64 features in and out on 10k
+nodes and 100k random edges; ``layer(x, edge_index)``, then ``backward`` of a fixed
+gradient). Each round runs one step of each, in an order that alternates, on one thread,
+timed as the process's CPU time (what a core spent on it, not the wall clock that another
+process's work stretches). Reported: each side's median, the ratio of the medians and the
+median of the per-round ratios with its 10th-90th percentile.
+
+    python benches/pyg_step_interleaved.py [--rounds 200] [--layers GATConv ...]
+                                           [--mode fp32] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+import detsum
+import detsum.pyg
+
+NODES, EDGES, FEATURES = 10_000, 100_000, 64
+
+
+def _step_times(layer_name: str, mode: str, rounds: int) -> dict[str, list[float]]:
+    from torch_geometric import nn
+
+    gen = torch.Generator().manual_seed(5)
+    edge_index = torch.randint(0, NODES, (2, EDGES), generator=gen)
+    x0 = torch.randn(NODES, FEATURES, generator=gen)
+    upstream = torch.randn(NODES, FEATURES, generator=gen)
+    torch.manual_seed(0)
+    pyg_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
+    switched_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
+    switched_layer.load_state_dict(pyg_layer.state_dict())
+    switch = detsum.pyg.make_deterministic(switched_layer, mode=mode)
+    layers = {"pyg": pyg_layer, "switched": switched_layer}
+
+    def step(layer):
+        x = x0.detach().requires_grad_()
+        layer(x, edge_index).backward(upstream)
+
+    times = {name: [] for name in layers}
+    try:
+        for _ in range(3):  # warm-up: Numba's kernels loaded, the allocator's pools filled
+            for layer in layers.values():
+                step(layer)
+        for r in range(rounds):
+            for name in (("pyg", "switched") if r % 2 else ("switched", "pyg")):
+                start = time.process_time()
+                step(layers[name])
+                times[name].append((time.process_time() - start) * 1e3)
+    finally:
+        switch.undo()
+        detsum.disable()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--layers", nargs="+", default=["GCNConv", "SAGEConv", "GATConv"])
+    parser.add_argument("--mode", default="fp32")
+    parser.add_argument("--json", help="write the figures and each round's times here")
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    found = {}
+    try:
+        for layer_name in args.layers:
+            times = _step_times(layer_name, args.mode, args.rounds)
+            ratios = [s / p for p, s in zip(times["pyg"], times["switched"], strict=True)]
+            deciles = statistics.quantiles(ratios, n=10)
+            pyg, switched = statistics.median(times["pyg"]), statistics.median(times["switched"])
+            found[layer_name] = {
+                "pyg_ms": pyg, "switched_ms": switched, "ratio_of_medians": switched / pyg,
+                "round_ratio_median": statistics.median(ratios),
+                "round_ratio_p10": deciles[0], "round_ratio_p90": deciles[-1], "times": times}
+            print(f"{layer_name:9s} pyg {pyg:6.2f} ms  switched ({args.mode}) {switched:6.2f} ms"
+                  f"  ratio of medians {switched / pyg:.2f}"
+                  f"  per round {statistics.median(ratios):.2f}"
+                  f" (p10 {deciles[0]:.2f}, p90 {deciles[-1]:.2f})")
+    finally:
+        torch.set_num_threads(threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                       "machine": platform.processor() or platform.machine(),
+                       "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                       "rounds": args.rounds, "mode": args.mode,
+                       "graph": {"nodes": NODES, "edges": EDGES, "features": FEATURES},
+                       "layers": found}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,15 +1,19 @@
-"""A PyG layer's training step under ``detsum.pyg.make_deterministic`` against PyG's own, the
-two taking turns step by step: for a layer whose step times scatter widely from one step to
+"""A PyG layer's training step marked by ``detsum.pyg.make_deterministic``, and run inside
+``detsum.deterministic`` (the switch on for the whole step), against PyG's own, the three
+taking turns step by step: for a layer whose step times scatter widely from one step to
 the next (GATConv on a 2-core VM: a tenth of its steps take half the median, another tenth
 one and a half times it), where ``bench_pyg.py``'s blocks of 15 rounds a case give ratios
 that move by 0.3 from one run to the next.
 
 The graphs, layers and step are ``bench_pyg.py``'s (a layer of 64 features in and out on 10k
 nodes and 100k random edges; ``layer(x, edge_index)``, then ``backward`` of a fixed
-gradient). Each round runs one step of each, in an order that alternates, on one thread,
+gradient). Each round runs one step of each, in an order that rotates, on one thread,
 timed as the process's CPU time (what a core spent on it, not the wall clock that another
-process's work stretches). Reported: each side's median, the ratio of the medians and the
-median of the per-round ratios with its 10th-90th percentile.
+process's work stretches). PyG's own step runs with detsum's kernels registered (the
+marked layer's and the switch's; off, each hands its call to torch's kernel, about 5 us more
+a call: well under 1% of these steps). Reported: each one's median, and for the two of detsum the ratio
+of the medians to PyG's and the median of the per-round ratios with its 10th-90th
+percentile.
 
     python benches/pyg_step_interleaved.py [--rounds 200] [--layers GATConv ...]
                                            [--mode fp32] [--json PATH]
@@ -42,24 +46,30 @@ def _step_times(layer_name: str, mode: str, rounds: int) -> dict[str, list[float
     upstream = torch.randn(NODES, FEATURES, generator=gen)
     torch.manual_seed(0)
     pyg_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
-    switched_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
-    switched_layer.load_state_dict(pyg_layer.state_dict())
-    switch = detsum.pyg.make_deterministic(switched_layer, mode=mode)
-    layers = {"pyg": pyg_layer, "switched": switched_layer}
+    marked_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
+    marked_layer.load_state_dict(pyg_layer.state_dict())
+    switch = detsum.pyg.make_deterministic(marked_layer, mode=mode)
 
     def step(layer):
         x = x0.detach().requires_grad_()
         layer(x, edge_index).backward(upstream)
 
-    times = {name: [] for name in layers}
+    def enabled_step():
+        with detsum.deterministic(mode):
+            step(pyg_layer)
+
+    steps = {"pyg": lambda: step(pyg_layer), "marked": lambda: step(marked_layer),
+             "enabled": enabled_step}
+    names = list(steps)
+    times = {name: [] for name in steps}
     try:
         for _ in range(3):  # warm-up: Numba's kernels loaded, the allocator's pools filled
-            for layer in layers.values():
-                step(layer)
+            for run in steps.values():
+                run()
         for r in range(rounds):
-            for name in (("pyg", "switched") if r % 2 else ("switched", "pyg")):
+            for name in names[r % 3:] + names[:r % 3]:
                 start = time.process_time()
-                step(layers[name])
+                steps[name]()
                 times[name].append((time.process_time() - start) * 1e3)
     finally:
         switch.undo()
@@ -80,17 +90,21 @@ def main() -> None:
     try:
         for layer_name in args.layers:
             times = _step_times(layer_name, args.mode, args.rounds)
-            ratios = [s / p for p, s in zip(times["pyg"], times["switched"], strict=True)]
-            deciles = statistics.quantiles(ratios, n=10)
-            pyg, switched = statistics.median(times["pyg"]), statistics.median(times["switched"])
-            found[layer_name] = {
-                "pyg_ms": pyg, "switched_ms": switched, "ratio_of_medians": switched / pyg,
-                "round_ratio_median": statistics.median(ratios),
-                "round_ratio_p10": deciles[0], "round_ratio_p90": deciles[-1], "times": times}
-            print(f"{layer_name:9s} pyg {pyg:6.2f} ms  switched ({args.mode}) {switched:6.2f} ms"
-                  f"  ratio of medians {switched / pyg:.2f}"
-                  f"  per round {statistics.median(ratios):.2f}"
-                  f" (p10 {deciles[0]:.2f}, p90 {deciles[-1]:.2f})")
+            pyg = statistics.median(times["pyg"])
+            found[layer_name] = {"pyg_ms": pyg, "times": times}
+            print(f"{layer_name:9s} pyg {pyg:6.2f} ms")
+            for form in ("marked", "enabled"):
+                ratios = [s / p for p, s in zip(times["pyg"], times[form], strict=True)]
+                deciles = statistics.quantiles(ratios, n=10)
+                median = statistics.median(times[form])
+                found[layer_name][form] = {
+                    "ms": median, "ratio_of_medians": median / pyg,
+                    "round_ratio_median": statistics.median(ratios),
+                    "round_ratio_p10": deciles[0], "round_ratio_p90": deciles[-1]}
+                print(f"          {form} ({args.mode}) {median:6.2f} ms"
+                      f"  ratio of medians {median / pyg:.2f}"
+                      f"  per round {statistics.median(ratios):.2f}"
+                      f" (p10 {deciles[0]:.2f}, p90 {deciles[-1]:.2f})")
     finally:
         torch.set_num_threads(threads)
     if args.json:

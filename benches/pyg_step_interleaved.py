@@ -11,9 +11,9 @@ gradient). Each round runs one step of each, in an order that rotates, on one th
 timed as the process's CPU time (what a core spent on it, not the wall clock that another
 process's work stretches). PyG's own step runs with detsum's kernels registered (the
 marked layer's and the switch's; off, each hands its call to torch's kernel, about 5 us more
-a call: well under 1% of these steps). Reported: each one's median, and for the two of detsum the ratio
-of the medians to PyG's and the median of the per-round ratios with its 10th-90th
-percentile.
+a call: well under 1% of these steps). Reported: each one's median, and for the two of
+detsum the ratio of the medians to PyG's and the median of the per-round ratios with its
+10th-90th percentile.
 
     python benches/pyg_step_interleaved.py [--rounds 200] [--layers GATConv ...]
                                            [--mode fp32] [--json PATH]

@@ -1,9 +1,9 @@
 """A PyG layer's training step marked by ``detsum.pyg.make_deterministic``, and run inside
 ``detsum.deterministic`` (the switch on for the whole step), against PyG's own, the three
 taking turns step by step: for a layer whose step times scatter widely from one step to
-the next (GATConv on a 2-core VM: a tenth of its steps take half the median, another tenth
-one and a half times it), where ``bench_pyg.py``'s blocks of 15 rounds a case give ratios
-that move by 0.3 from one run to the next.
+the next (GATConv on a 2-core VM: the ratio of two neighbouring steps' times ranged from
+about 0.5 to 1.5), where ``bench_pyg.py``'s blocks of 15 rounds a case gave ratios from 0.70
+to 1.35 over three runs of one tree.
 
 The graphs, layers and step are ``bench_pyg.py``'s (a layer of 64 features in and out on 10k
 nodes and 100k random edges; ``layer(x, edge_index)``, then ``backward`` of a fixed

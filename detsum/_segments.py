@@ -264,11 +264,11 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
     order of appearance within a value), and the sorted values give the offsets by a binary
     search per segment boundary: neither needs the host. The sort already yields the smallest
     and largest value (clamped into ``[-1, num_segments]``: out of range exactly when the
-    index's are), so validating costs no extra pass over the index, just the one read of those two
-    numbers; a promised-sorted index is checked by one pass for its order and a read of that
-    with its two ends, or, given as keys to a launch, by that launch (no op here; at "host" a
-    read of its verdict). Bad values are located (a slower, second look) only to write the
-    error message.
+    index's are), so validating costs no extra pass over the index, just the one read of
+    those two numbers; a promised-sorted index is checked by one pass for its order and a
+    read of that with its two ends, or, given as keys to a launch, by that launch (no op
+    here; at "host" a read of its verdict). Bad values are located (a slower, second look)
+    only to write the error message.
     """
     if index.numel() == 0:
         return (None if promised_sorted else index.new_empty(0, dtype=torch.int64),

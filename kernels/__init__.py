@@ -164,14 +164,13 @@ def sort_by_segment(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor
     (positions in order of appearance within a key), and the same offsets by any search of the
     values for ``s`` in ``[0, num_segments]``.
 
-    Where more than ``NARROW_SORT_ABOVE`` keys are wider than the segments need, they are
-    clamped into ``[-1, num_segments]`` and sorted as int16 (at most 32767 segments) or int32:
-    from int64 keys, 10 or 6 launches fewer on a GPU, the clamp and the cast counted (above;
-    from int32 keys to int16, 2 fewer). The values are then those
-    clamped keys, in that type: a key below 0 sorts first and one at or above
-    ``num_segments`` last, as before, so the values' two ends still show whether every key is
-    in range, and the keys out of range, which no segment holds, may change places only among
-    themselves. Two ops (the clamp, the cast) before the sort."""
+    Where more than ``NARROW_SORT_ABOVE`` keys are wider than the segments need, two ops (a
+    clamp into ``[-1, num_segments]``, a cast) make them int16 (at most 32767 segments) or
+    int32 before the sort: from int64 keys, 10 or 6 launches fewer on a GPU, those two
+    counted (see above; from int32 keys to int16, 2 fewer). The values are then those clamped
+    keys, in that type. A key below 0 still sorts first and one at or above ``num_segments``
+    last, so the values' two ends show whether every key is in range, and the keys out of
+    range, which no segment holds, change places only among themselves."""
     narrow = (torch.int16 if num_segments <= torch.iinfo(torch.int16).max
               else torch.int32 if num_segments <= torch.iinfo(torch.int32).max
               else torch.int64)

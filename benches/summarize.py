@@ -268,6 +268,8 @@ def targets(data: dict) -> list[str]:
         return first_call_targets(data)
     if is_pyg_tests(data):
         return pyg_tests_targets(data)
+    if is_pyg_interleaved(data):
+        return pyg_interleaved_targets(data)
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -422,7 +424,55 @@ def pyg_tests_table(data: dict) -> str:
     return "\n".join(out)
 
 
+#: A PyG training step with the switch on against PyG's own, on CPU (issue "One line for any
+#: PyTorch program").
+PYG_STEP_TARGET = 1.1
+
+
+def is_pyg_interleaved(data: dict) -> bool:
+    """Whether ``data`` is a ``benches/pyg_step_interleaved.py`` report."""
+    return "benchmarks" not in data and "layers" in data and "graph" in data
+
+
+def pyg_interleaved_targets(data: dict) -> list[str]:
+    """Each layer's step, marked and inside ``detsum.deterministic``: the ratio of its median
+    to PyG's (target: at most PYG_STEP_TARGET)."""
+    lines = []
+    for layer, found in data["layers"].items():
+        for form in ("marked", "enabled"):
+            if form in found:
+                r = found[form]["ratio_of_medians"]
+                lines.append(f"cpu PyG {layer} step, {form} ({data.get('mode', '?')}) / PyG: "
+                             f"{r:.2f} (target <= {PYG_STEP_TARGET:g}) "
+                             f"{'met' if r <= PYG_STEP_TARGET else 'MISSED'}")
+    return lines
+
+
+def pyg_interleaved_table(data: dict) -> str:
+    graph = data.get("graph", {})
+    load = " ".join(f"{x:.2f}" for x in data.get("load_average", []))
+    out = [f"{data.get('date', '?')}  {data.get('machine', '?')}  {data.get('cpus', '?')} cpus  "
+           f"torch {data.get('torch', '?')}  load average {load or '?'}",
+           f"{graph.get('nodes', '?')} nodes, {graph.get('edges', '?')} edges, "
+           f"{graph.get('features', '?')} features; {data.get('rounds', '?')} rounds in turns, "
+           "CPU time, one thread", "",
+           f"{'layer':<10}{'form':<10}{'median ms':>10}{'ratio':>7}{'per round':>10}"
+           f"{'p10':>6}{'p90':>6}"]
+    for layer, found in data["layers"].items():
+        out.append(f"{layer:<10}{'pyg':<10}{found['pyg_ms']:>10.2f}")
+        for form in ("marked", "enabled"):
+            if form in found:
+                f = found[form]
+                out.append(f"{'':<10}{form:<10}{f['ms']:>10.2f}{f['ratio_of_medians']:>7.2f}"
+                           f"{f['round_ratio_median']:>10.2f}{f['round_ratio_p10']:>6.2f}"
+                           f"{f['round_ratio_p90']:>6.2f}")
+    out += ["", "Targets:"] + ["  " + x for x in pyg_interleaved_targets(data)]
+    return "\n".join(out)
+
+
 def table(data: dict) -> str:
+    if is_pyg_interleaved(data):
+        return pyg_interleaved_table(data)
     if is_host_time(data):
         return host_time_table(data)
     if is_first_call(data):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from detsum import _limbs, _segments, _wire, reference
+from detsum import _limbs, _segments, _wire, kernels, reference
 from detsum.backend import current_backend
 from detsum.kernels import CHUNK_TERMS, EXACT_TARGETS, KAHAN, WIDE
 from detsum.modes import Mode, acc_dtype
@@ -343,6 +343,23 @@ def weighted_gradients_in_one_launch(grad: torch.Tensor, y: torch.Tensor,
 def triton_runs(tensor: torch.Tensor, caller: str) -> bool:
     """Whether the triton backend runs ``tensor``'s device now."""
     return current_backend(tensor.device.type, caller) == "triton"
+
+
+def sort_expert_ids(flat: torch.Tensor, num_experts: int, check: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sorted ids, gather_indices): the stable sort of ``moe.route``'s flat expert ids.
+
+    Under the triton backend at check "host" and "device", the ids are sorted as the narrow
+    keys their experts need (``kernels.sort_by_segment``: on a GPU, from int64 ids 10 of
+    CUB's launches fewer, past 4096 ids): ids in ``[0, E)`` take exactly the places torch's
+    sort gives them, and a bad id fails the check, so where it sorts is never returned (the
+    route kernel ranks a token's ids as they were sorted: ``route_tables``). At "off", whose
+    bad ids keep their places in ``gather_indices`` (the stable argsort of the ids), and under
+    the other backends (on the CPU, torch's sort of int16 ids is the slower one): torch's
+    sort of the ids as they are."""
+    if check != "off" and triton_runs(flat, "detsum.moe.route"):
+        return kernels.sort_by_segment(flat, num_experts)
+    return torch.sort(flat, stable=True)
 
 
 def route_tables(experts: torch.Tensor, gather_indices: torch.Tensor,

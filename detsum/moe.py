@@ -96,7 +96,7 @@ def _route(selected_experts: torch.Tensor, num_experts: int, check: str
     elsewhere; see ``Routing``)."""
     caller = "detsum.moe.route"
     flat = selected_experts.reshape(-1)
-    experts, gather_indices = torch.sort(flat, stable=True)
+    experts, gather_indices = _kernel_ops.sort_expert_ids(flat, num_experts, check)
     topk = selected_experts.shape[1] if selected_experts.dim() == 2 else 1
     n = flat.numel()
     tables = _kernel_ops.route_tables(experts, gather_indices, flat, topk, num_experts) if n \

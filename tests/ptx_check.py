@@ -349,7 +349,14 @@ def main() -> dict:
         dict(experts_ptr="*i64", gather_ptr="*i64", selected_ptr="*i64", positions_ptr="*i64",
              counts_ptr="*i64", table_ptr="*i64", n="i64", num_tokens="i64",
              num_experts="i64", topk="i64", steps="i64"),
-        dict(TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
+        dict(CLAMPED=False, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
+    # The ids sorted as int16 (kernels.sort_by_segment), a token's ids clamped to match.
+    found["moe route narrowed ids"] = _count(_ptx(
+        moe._route_kernel,
+        dict(experts_ptr="*i16", gather_ptr="*i64", selected_ptr="*i64", positions_ptr="*i64",
+             counts_ptr="*i64", table_ptr="*i64", n="i64", num_tokens="i64",
+             num_experts="i64", topk="i64", steps="i64"),
+        dict(CLAMPED=True, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
     found["bf16 sum wide h4096 launched"] = _launched_gather()
     found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
     for dtype, counts in _launched_narrow().items():

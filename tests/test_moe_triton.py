@@ -40,14 +40,17 @@ def _selections():
         "top-2 int32": torch.randint(0, E, (8, 2), generator=g, dtype=torch.int32),
         "top-1, 1-D": torch.randint(0, E, (6,), generator=g),
         "one expert for all": torch.full((4, 4), 2),
+        # More ids than kernels.NARROW_SORT_ABOVE: sorted as int16 at "host" and "device".
+        "top-8 of 600 tokens": torch.randint(0, E, (600, 8), generator=g),
     }
 
 
 @pytest.mark.parametrize("name", list(_selections()))
-def test_route_tables_are_what_torch_derives(name):
+def test_route_tables_are_what_torch_derives(name, sort_width):
     """route's one launch gives the sort's inverse, the tokens per expert, each row's token,
     each token's rows in increasing position and the token offsets: the values the torch
-    operations of the other backends derive."""
+    operations of the other backends derive, from the ids as they are and narrowed
+    (``kernels.sort_by_segment``, which "device" sorts past 4096 ids)."""
     selected = _selections()[name]
     topk = selected.shape[1] if selected.dim() == 2 else 1
     with detsum.backend("numba"):
@@ -66,7 +69,7 @@ def test_route_tables_are_what_torch_derives(name):
     assert torch.equal(table[2 * n + 1:], torch.arange(selected.shape[0] + 1) * topk)
 
 
-def test_route_tables_count_unchecked_ids_as_searchsorted_does():
+def test_route_tables_count_unchecked_ids_as_searchsorted_does(sort_width):
     selected = torch.tensor([[0, 7], [-1, 1], [1, 0], [4, 4]])
     with detsum.backend("numba"):
         expected = moe.route(selected, 3, check="off")
@@ -80,6 +83,58 @@ def test_route_tables_count_unchecked_ids_as_searchsorted_does():
     if not HAS_CUDA:  # on a GPU the assert stops the stream: tests/test_moe_check.py, cuda marks
         with detsum.backend("triton"), pytest.raises(RuntimeError, match="has a value outside"):
             moe.route(selected, 3, check="device")
+
+
+@pytest.mark.parametrize("check", ["host", "device", "off"])
+def test_route_narrows_the_ids_only_where_a_bad_id_fails(check, monkeypatch):
+    """Past ``kernels.NARROW_SORT_ABOVE`` ids, route's launch is given them sorted as int16 at
+    "host" and "device", where a bad id fails the check; at "off", whose bad ids keep their
+    places in ``gather_indices`` (the stable argsort of the ids), as they are. Two bad ids
+    on each side, some in one token: at "off" every table is still the torch operations'
+    (the numba backend's), and at "device" on the CPU the check fails."""
+    from detsum import _kernel_ops
+
+    g = torch.Generator().manual_seed(17)
+    selected = torch.randint(0, E, (700, 6), generator=g)
+    selected[3, [1, 4]] = torch.tensor([-7, -1])
+    selected[9, [0, 2]] = torch.tensor([E + 3, E])
+    sorted_as, route_tables = [], _kernel_ops.route_tables
+
+    def recorded(experts, *args):
+        sorted_as.append(experts.dtype)
+        return route_tables(experts, *args)
+
+    monkeypatch.setattr(_kernel_ops, "route_tables", recorded)
+    good = selected.clamp(0, E - 1)
+    with detsum.backend("triton"):
+        moe.route(*_on_triton(good), E, check=check)
+    assert sorted_as == [torch.int64 if check == "off" else torch.int16]
+    if check == "off":
+        with detsum.backend("numba"):
+            expected = moe.route(selected, E, check="off")
+        with detsum.backend("triton"):
+            routing = moe.route(*_on_triton(selected), E, check="off")
+        for got, want in zip((*routing, routing.positions), (*expected, expected.positions)):
+            assert torch.equal(got.cpu(), want)
+    elif check == "host":
+        with detsum.backend("triton"), pytest.raises(IndexError,
+                                                     match=r"selected_experts\[3, 1\]"):
+            moe.route(*_on_triton(selected), E)
+        # What the launch makes of the narrowed sort before the check reads its verdict: each
+        # token's rows in increasing position still, bad ids ranked as they were sorted.
+        from detsum.kernels import sort_by_segment
+        from detsum.kernels.triton.moe import route_tables as launch
+
+        flat = selected.view(-1)
+        experts, gather = sort_by_segment(*_on_triton(flat), E)
+        positions, _, table = launch(experts, gather, *_on_triton(flat), 6, E)
+        n = flat.numel()
+        assert table[0] == 0
+        assert torch.equal(table[n + 1:2 * n + 1].cpu(),
+                           positions.cpu().view(-1, 6).sort(dim=1).values.view(-1))
+    elif not HAS_CUDA:  # on a GPU the assert stops the stream
+        with detsum.backend("triton"), pytest.raises(RuntimeError, match="has a value outside"):
+            moe.route(selected, E, check="device")
 
 
 # (rows, weights): the pairs whose acc type is the rows' own take the fused kernels; fp32 rows

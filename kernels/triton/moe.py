@@ -79,9 +79,11 @@ def _ids_below(experts_ptr, n, value, steps, mask):
 
 @triton.jit
 def _route_kernel(experts_ptr, gather_ptr, selected_ptr, positions_ptr, counts_ptr, table_ptr,
-                  n, num_tokens, num_experts, topk, steps, TOPK_BLOCK: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """Lane ``i`` fills entry ``i`` of each table that has one (see ``route_tables``)."""
+                  n, num_tokens, num_experts, topk, steps, CLAMPED: tl.constexpr,
+                  TOPK_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """Lane ``i`` fills entry ``i`` of each table that has one (see ``route_tables``).
+    CLAMPED: the sorted ids are the ids clamped into ``[-1, num_experts]``
+    (``kernels.sort_by_segment``), and a token's ids are compared with them clamped too."""
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     ok_ptr = table_ptr
     tokens_ptr = ok_ptr + 1
@@ -101,6 +103,8 @@ def _route_kernel(experts_ptr, gather_ptr, selected_ptr, positions_ptr, counts_p
     in_token = is_row[:, None] & (others[None, :] < topk)
     other_e = tl.load(selected_ptr + t[:, None] * topk + others[None, :], mask=in_token,
                       other=0).to(tl.int64)
+    if CLAMPED:
+        other_e = tl.minimum(tl.maximum(other_e, -1), num_experts)
     before = (other_e < e[:, None]) | ((other_e == e[:, None]) & (others[None, :] < k[:, None]))
     rank = tl.sum((before & in_token).to(tl.int64), axis=1)
     tl.store(token_rows_ptr + t * topk + rank, i, mask=is_row)
@@ -129,7 +133,9 @@ def route_tables(experts: torch.Tensor, gather: torch.Tensor, selected: torch.Te
     """``(positions, tokens_per_expert, table)``, int64, for the ``n = T * topk`` ids
     ``selected`` (contiguous, flat, slot order), sorted stably into ``experts`` with indices
     ``gather``; ``table`` is ``[ok (1) | tokens (n) | token_rows (n) | token_offsets
-    (T + 1)]``."""
+    (T + 1)]``. ``experts`` of a narrower dtype than ``selected`` are the ids clamped into
+    ``[-1, E]`` before their sort (``kernels.sort_by_segment``): a token's slots are then
+    ranked by their clamped ids, in the order that sort gave them."""
     n = gather.numel()
     num_tokens = n // topk
     positions = torch.empty(n, dtype=torch.int64, device=gather.device)
@@ -139,7 +145,8 @@ def route_tables(experts: torch.Tensor, gather: torch.Tensor, selected: torch.Te
     _launch_route((_cdiv(lanes, _BLOCK),),
                   (experts, gather, selected, positions, counts, table, n, num_tokens,
                    num_experts, topk, n.bit_length() + 1),
-                  {"TOPK_BLOCK": _next_power_of_2(topk), "BLOCK": _BLOCK}, num_warps=4)
+                  {"CLAMPED": experts.dtype != selected.dtype,
+                   "TOPK_BLOCK": _next_power_of_2(topk), "BLOCK": _BLOCK}, num_warps=4)
     return positions, counts, table
 
 

@@ -344,19 +344,16 @@ def main() -> dict:
         dict(RULE=kernels.KAHAN, DATA=1, G_DATA=0, W_DATA=0, ACC=tl.float32, BY_SLOT=True,
              CHUNK=kernels.CHUNK_TERMS, BLOCK=128),
         fp_fusion=False))
-    found["moe route"] = _count(_ptx(
-        moe._route_kernel,
-        dict(experts_ptr="*i64", gather_ptr="*i64", selected_ptr="*i64", positions_ptr="*i64",
-             counts_ptr="*i64", table_ptr="*i64", n="i64", num_tokens="i64",
-             num_experts="i64", topk="i64", steps="i64"),
-        dict(CLAMPED=False, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
-    # The ids sorted as int16 (kernels.sort_by_segment), a token's ids clamped to match.
-    found["moe route narrowed ids"] = _count(_ptx(
-        moe._route_kernel,
-        dict(experts_ptr="*i16", gather_ptr="*i64", selected_ptr="*i64", positions_ptr="*i64",
-             counts_ptr="*i64", table_ptr="*i64", n="i64", num_tokens="i64",
-             num_experts="i64", topk="i64", steps="i64"),
-        dict(CLAMPED=True, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
+    # The route kernel given the ids sorted as they are, and sorted as int16
+    # (kernels.sort_by_segment), a token's ids clamped to match.
+    for name, experts, clamped in (("moe route", "*i64", False),
+                                   ("moe route narrowed ids", "*i16", True)):
+        found[name] = _count(_ptx(
+            moe._route_kernel,
+            dict(experts_ptr=experts, gather_ptr="*i64", selected_ptr="*i64",
+                 positions_ptr="*i64", counts_ptr="*i64", table_ptr="*i64", n="i64",
+                 num_tokens="i64", num_experts="i64", topk="i64", steps="i64"),
+            dict(CLAMPED=clamped, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
     found["bf16 sum wide h4096 launched"] = _launched_gather()
     found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
     for dtype, counts in _launched_narrow().items():

@@ -18,6 +18,10 @@ and replayed, timed by CUDA events (a node of a graph adds about a microsecond);
 that synchronises, which no graph can hold. Latency minus device time is what the host adds: the
 part a plan, fewer checks or a leaner launch path can remove, as against the kernels' own.
 
+The row "index_add off, torch's keys" is the call without a plan with its index sorted as it
+is (int64), as before ``kernels.sort_by_segment`` narrowed the keys of a sort past 4096 of
+them: at ``mid`` the kernels and time that narrowing saves.
+
 ``--tile-bytes 0`` launches narrow rows one segment a program (the layout before the tiles of
 segments, ``detsum.kernels.triton.segment.TILE_BYTES``), to compare the two; ``--sizes``
 narrows the run (``mid`` and ``gnn`` hold the narrow rows: at ``mid`` the kernel with a plan
@@ -36,6 +40,7 @@ import time
 import torch
 
 import detsum
+from gpu_moe_profile import torch_keys
 
 CALLS = 50
 ROUNDS = 15
@@ -65,6 +70,9 @@ def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
         "index_add": lambda: detsum.index_add(init, 0, index, src),
         "index_add device": lambda: detsum.index_add(init, 0, index, src, check="device"),
         "index_add off": lambda: detsum.index_add(init, 0, index, src, check="off"),
+        # The index sorted as it is, as before the narrow keys (kernels.sort_by_segment).
+        "index_add off, torch's keys": torch_keys(
+            lambda: detsum.index_add(init, 0, index, src, check="off")),
         "index_add plan": lambda: detsum.index_add(init, 0, index, src, plan=plan),
         "torch.scatter_reduce": lambda: torch.scatter_reduce(init, 0, expanded, src, "sum"),
         "scatter_reduce torch form": lambda: detsum.scatter_reduce(init, 0, expanded, src,

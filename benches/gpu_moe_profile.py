@@ -14,7 +14,10 @@ on ``bench_skew.py``'s index instead (50k rows of 1024 into 32k, Zipf-skewed: a 
 rows on the hottest one), the shape where the call without a plan is furthest from torch's
 atomics. The rows "chunks last" launch the chunk programs of long segments after the whole
 segments' (``chunks.CHUNKS_FIRST`` off, the order before): on the Zipf index, what starting
-them first gains.
+them first gains. The row "sort by segment" is the sort the call without a plan makes
+(``kernels.sort_by_segment``: the index clamped and cast to int16 here, int32 for the Zipf
+table, then sorted), and "detsum off, torch's keys" the call with the index sorted as it is
+(the sort before): what the narrow keys gain.
 
     python3 benches/gpu_moe_profile.py [--json PATH] [--reps 30] [--only plan|off]
                                        [--shape moe|zipf]
@@ -29,6 +32,7 @@ import statistics
 import torch
 
 import detsum
+from detsum import kernels
 from detsum.kernels.triton import chunks
 
 TOKENS, TOPK, HIDDEN = 16384, 8, 4096
@@ -62,6 +66,19 @@ def _chunks_last(call):
     return called
 
 
+def torch_keys(call):
+    """``call`` with its index sorted as it is, not narrowed (``kernels.NARROW_SORT_ABOVE``
+    past any index): the same bits, a sort of wider keys."""
+    def called():
+        above = kernels.NARROW_SORT_ABOVE
+        kernels.NARROW_SORT_ABOVE = 2**62
+        try:
+            return call()
+        finally:
+            kernels.NARROW_SORT_ABOVE = above
+    return called
+
+
 def _calls(d: dict, out: torch.Tensor) -> dict:
     index, source, plan = d["index"], d["source"], d["plan"]
     copy_target = torch.empty_like(source)
@@ -73,12 +90,14 @@ def _calls(d: dict, out: torch.Tensor) -> dict:
         "sort of the index": lambda: torch.sort(index, stable=True),
         "sort, int32 keys": lambda: torch.sort(index32, stable=True),
         "sort, int16 keys": lambda: torch.sort(index16, stable=True),
+        "sort by segment": lambda: kernels.sort_by_segment(index, out.shape[0]),
         "detsum host": lambda: detsum.index_add_(out, 0, index, source),
         "detsum off": lambda: detsum.index_add_(out, 0, index, source, check="off"),
         "detsum plan": lambda: detsum.index_add_(out, 0, index, source, plan=plan),
     }
     calls["detsum off, chunks last"] = _chunks_last(calls["detsum off"])
     calls["detsum plan, chunks last"] = _chunks_last(calls["detsum plan"])
+    calls["detsum off, torch's keys"] = torch_keys(calls["detsum off"])
     return calls
 
 
@@ -136,9 +155,9 @@ def main(argv=None) -> int:
         return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape}; "
           f"median of {args.reps}")
-    print(f"{'dtype':15} {'call':18} {'ms':>8} {'GB/s':>8} {'of copy':>8} same bits")
+    print(f"{'dtype':15} {'call':26} {'ms':>8} {'GB/s':>8} {'of copy':>8} same bits")
     for r in rows:
-        print(f"{r['dtype']:15} {r['call']:18} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
+        print(f"{r['dtype']:15} {r['call']:26} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
               f"{r['of_copy']:8.2f} {r['same_bits']}")
     if args.json:
         with open(args.json, "w") as f:

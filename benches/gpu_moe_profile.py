@@ -53,30 +53,28 @@ def _data(dtype: torch.dtype, shape: str) -> dict:
             .to("cuda", dtype), "plan": detsum.plan(index, table)}
 
 
-def _chunks_last(call):
-    """``call`` with the launch's chunk programs after the whole segments' (the order before
-    ``chunks.CHUNKS_FIRST``): the same bits, another order of the programs."""
+def _with_setting(module, name: str, value, call):
+    """``call`` with ``module.name`` set to ``value`` while it runs, then set back."""
     def called():
-        first = chunks.CHUNKS_FIRST
-        chunks.CHUNKS_FIRST = False
+        before = getattr(module, name)
+        setattr(module, name, value)
         try:
             return call()
         finally:
-            chunks.CHUNKS_FIRST = first
+            setattr(module, name, before)
     return called
+
+
+def _chunks_last(call):
+    """``call`` with the launch's chunk programs after the whole segments' (the order before
+    ``chunks.CHUNKS_FIRST``): the same bits, another order of the programs."""
+    return _with_setting(chunks, "CHUNKS_FIRST", False, call)
 
 
 def torch_keys(call):
     """``call`` with its index sorted as it is, not narrowed (``kernels.NARROW_SORT_ABOVE``
     past any index): the same bits, a sort of wider keys."""
-    def called():
-        above = kernels.NARROW_SORT_ABOVE
-        kernels.NARROW_SORT_ABOVE = 2**62
-        try:
-            return call()
-        finally:
-            kernels.NARROW_SORT_ABOVE = above
-    return called
+    return _with_setting(kernels, "NARROW_SORT_ABOVE", 2**62, call)
 
 
 def _calls(d: dict, out: torch.Tensor) -> dict:

@@ -9,14 +9,18 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 ``torch.Tensor.index_add_`` on CPU tensors of the same size, in the same rounds.
 
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
-directly after a specialisation's first launch, handed data pointers), "direct, tensors"
+directly after a specialisation's first launch, handed data pointers; ``index_add`` and
+``index_add_`` with a plan make their last launch again, ``detsum.plans.launch_again``),
+"whole path" (that off: ``plans.LAUNCH_AGAIN``, every call from its public function down to
+the direct launch), "direct, tensors"
 (``POINTERS_AS_INTS`` off: handed the tensors, whose pointers Triton's launcher then reads and
 has the driver check, one call each; the same here, where the launcher is stubbed) and
 "JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every time, the path before).
 Calls (256 rows of 4 fp32 features into 16 rows;
 MoE: 64 tokens, top-2 of 4 experts):
 
-- ``index_add`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32" and "kahan";
+- ``index_add`` / ``index_add_`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32"
+  and "kahan";
 - ``index_add`` and a ``scatter_reduce`` max without a plan at check="off";
 - ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing``, and the whole layer
   with ``moe.route`` (forward only);
@@ -107,6 +111,8 @@ def _detsum_calls(t: dict) -> dict:
     for mode in ("fp32", "kahan"):
         calls[f"index_add {mode} plan"] = lambda mode=mode: detsum.index_add(
             t["init"], 0, t["index"], t["src"], mode=mode, plan=t["plan"])
+        calls[f"index_add_ {mode} plan"] = lambda mode=mode: detsum.index_add_(
+            t["work"], 0, t["index"], t["src"], mode=mode, plan=t["plan"])
         calls[f"segment_sum {mode} plan"] = lambda mode=mode: detsum.segment_sum(
             t["src"], mode=mode, plan=t["plan"])
         calls[f"scatter_reduce {mode} plan"] = lambda mode=mode: detsum.scatter_reduce(
@@ -175,6 +181,7 @@ def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str,
     runs after each case's calls, untimed: a GPU's queue starts each case empty."""
     times = {name: [] for name in cases}
     direct_launch, pointers_as_ints = launch.DIRECT_LAUNCH, launch.POINTERS_AS_INTS
+    launch_again = detsum.plans.LAUNCH_AGAIN
     order = list(cases)
     shuffle = random.Random(0).shuffle
     try:
@@ -184,6 +191,7 @@ def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str,
                 fn, path = cases[name]
                 launch.DIRECT_LAUNCH = path != "JITFunction.run"
                 launch.POINTERS_AS_INTS = path != "direct, tensors"
+                detsum.plans.LAUNCH_AGAIN = path != "whole path"
                 start = time.perf_counter()
                 for _ in range(calls):
                     fn()
@@ -191,6 +199,7 @@ def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str,
                 synchronize()
     finally:
         launch.DIRECT_LAUNCH, launch.POINTERS_AS_INTS = direct_launch, pointers_as_ints
+        detsum.plans.LAUNCH_AGAIN = launch_again
     return {name: spent[1:] for name, spent in times.items()}
 
 
@@ -255,6 +264,8 @@ def main() -> None:
         calls = _detsum_calls(t)
         cases["index_add fp32 plan | direct, tensors"] = \
             calls["index_add fp32 plan"], "direct, tensors"
+        for name in ("index_add fp32 plan", "index_add kahan plan", "index_add_ fp32 plan"):
+            cases[f"{name} | whole path"] = calls[name], "whole path"
         alone = _launch_alone(t)
         cases["_segment_kernel launch alone | direct"] = alone["kernel"], "direct"
         cases["_segment_kernel launch alone | direct, tensors"] = \

@@ -15,7 +15,7 @@ import torch
 from detsum import kernels
 from detsum._validation import (assert_on_device, device_check_message,
                                 raise_first_out_of_range, raise_index_out_of_range)
-from detsum.backend import check_backend_runs
+from detsum.backend import _forced_backend, check_backend_runs
 
 #: Tests set this to True: every output is NaN-filled before a kernel writes it, so an element
 #: a kernel forgets to write fails the bitwise comparison instead of passing by luck.
@@ -36,6 +36,18 @@ def check_that_runs(check: str, device_type: str, backend_name: str) -> str:
     if device_type == "cpu" and (backend_name == "numba" or not GPU_CHECKS_ON_CPU):
         return "host"
     return check
+
+
+def launches_on_triton(device_type: str) -> bool:
+    """Whether a primitive's call on ``device_type`` tensors runs the triton backend now."""
+    forced = _forced_backend.get()
+    return forced == "triton" or (forced is None and device_type == "cuda")
+
+
+def launch_settings() -> tuple:
+    """The settings that choose a primitive's path besides its arguments: the backend in force
+    (``detsum.backend``) and ``GPU_CHECKS_ON_CPU``."""
+    return _forced_backend.get(), GPU_CHECKS_ON_CPU
 
 
 def backward_check(check: str, device_type: str) -> str:

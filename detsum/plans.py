@@ -68,6 +68,10 @@ class Plan:
     #: those checks read of them, what they returned). See :func:`run_checks_with`.
     _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
+    #: Each primitive's last launch with the plan, by the signature of its call: see
+    #: :func:`launch_again`.
+    _launched: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                        compare=False)
 
     def __repr__(self) -> str:
         return (f"detsum.Plan(num_rows={self.num_rows}, length={self.index.shape[0]}, "
@@ -108,6 +112,73 @@ def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *
     if remembered:
         plan._checked[caller] = (arguments, answer)
     return answer
+
+
+#: Whether a call with a plan makes its last launch again when its signature is that of the
+#: last call (``launch_again``). False: every call takes the whole path (to compare the two).
+LAUNCH_AGAIN = True
+
+#: A signature whose call's launch cannot be made again (more than one launch, a check read
+#: back after it, another backend's kernel): ``launch_again``'s answer for it.
+_NOT_AGAIN = object()
+
+
+def call_signature(arguments: tuple, *tensors: torch.Tensor) -> tuple:
+    """What decides the launch of an eager call with a plan, for ``launch_again``: the
+    checks' ``arguments`` (``run_checks_with``), the strides of the call's data ``tensors``
+    (their dtypes, shapes and devices are in ``arguments``), and the settings that choose the
+    kernel (the backend in force, ``_segments.GPU_CHECKS_ON_CPU``)."""
+    return (arguments, *[t.stride() for t in tensors], _segments.launch_settings())
+
+
+def launch_again(plan: Plan, caller: str, signature: tuple):
+    """The launch of ``caller``'s last call with ``plan``, to be made again, when
+    ``signature`` (``call_signature``) is that call's; else None, for the whole path to run
+    (``record_launch``). Called with the data pointers of the new call's tensors (its inputs
+    and output, in the order its record named them), it launches with them in the place of
+    that call's and returns True; or returns False, having launched nothing.
+
+    Such a call's launch on the triton backend is the whole call (a plan's call checks
+    nothing), so launched again it gives the bits the whole path gives: the same compiled
+    kernel, with the same arguments but for the new tensors' data pointers (see
+    ``detsum.kernels.triton.launch``, RECORDED LAUNCHES, for what it checks first). A small
+    call then costs a quarter of its host time (benches/host_launch.py)."""
+    last = plan._launched.get(caller)
+    if not LAUNCH_AGAIN or last is None or last[0] != signature or last[1] is _NOT_AGAIN:
+        return None
+    return last[1]
+
+
+def record_launch(plan: Plan, caller: str, signature: tuple, call, inputs: tuple,
+                  new_output: bool):
+    """``call()``'s result, ``call`` being the whole path of a call with ``plan`` on the
+    triton backend, whose launch is recorded for ``launch_again`` under ``signature``:
+    ``inputs`` and, when ``new_output``, the result are the tensors a later call replaces,
+    in that order. Where the call's launches cannot be made again (more than one, or one
+    that is not the whole call), the signature is remembered as such and not recorded again;
+    where the launch went through Triton's own path (a kernel's first launch, a hook
+    installed), nothing is remembered: the next call tries again."""
+    last = plan._launched.get(caller)
+    if (not LAUNCH_AGAIN or (last is not None and last[0] == signature
+                             and last[1] is _NOT_AGAIN)
+            # A launch captured into a CUDA graph may hold memory of the graph's own pool,
+            # which the graph, not the eager stream, sets up.
+            or (plan.index.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return call()
+    from detsum.kernels.triton import launch
+
+    with launch.recording() as made:
+        result = call()
+    if made == [None]:
+        return result  # Triton's own launch path: nothing to record this time
+    again = _NOT_AGAIN
+    if len(made) == 1:
+        tensors = (*inputs, result) if new_output else inputs
+        kept = tuple(t for t in (plan.order, plan.offsets, plan.index, plan.chunk_ends)
+                     if t is not None)
+        again = made[0].with_slots(tensors, kept) or _NOT_AGAIN
+    plan._launched[caller] = (signature, again)
+    return result
 
 
 def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,

@@ -79,9 +79,9 @@ def recorded_launches() -> list[tuple]:
     launches = []
     call = launch.Kernel.__call__
 
-    def record(self, grid, args, constexprs, *, num_warps):
+    def record(self, grid, args, constexprs, *, num_warps, **options):
         launches.append((self, grid, args, num_warps, constexprs))
-        return call(self, grid, args, constexprs, num_warps=num_warps)
+        return call(self, grid, args, constexprs, num_warps=num_warps, **options)
 
     with triton_stub.cpu_tensors_as_cuda(), \
             unittest.mock.patch.object(launch.Kernel, "__call__", record):
@@ -357,13 +357,200 @@ def check_order_error(launches) -> str:
     return ""
 
 
+# ---- a plan's call, launched again ----------------------------------------------------------
+
+def _plan_calls():
+    """(name, call, make) of calls with a plan: ``call(tensors)`` makes the call on the
+    tensors that ``make(seed)`` returns, new ones of the same layout for each seed. Each
+    crosses a feature that shapes the launch: long segments (a workspace and ticket counters
+    held), alpha (its tensor held), in place, outer rows, one feature, a strided source, each
+    mode, a sorted plan, and calls whose launch is not the whole call (in place into a
+    strided input, "exact")."""
+    segments = 7
+    index = torch.randint(0, segments, (600,), generator=torch.Generator().manual_seed(1))
+    short = index[:200].clone()
+    plans = {"long": detsum.plan(index, segments), "short": detsum.plan(short, segments),
+             "sorted": detsum.plan(short.sort().values, segments, sorted=True)}
+
+    def data(seed, *shapes, dtype=torch.float32):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(*shape, generator=gen).to(dtype) for shape in shapes]
+
+    def index_add(plan, shapes, dim=0, dtype=torch.float32, **options):
+        def call(t):
+            return detsum.index_add(t[0], dim, plan.index, t[1], plan=plan, **options)
+        return call, lambda seed: data(seed, *shapes, dtype=dtype)
+
+    long, short_plan, sorted_plan = plans["long"], plans["short"], plans["sorted"]
+    cases = {
+        "fp32, long segments": index_add(long, [(segments, 5), (600, 5)]),
+        "fp32, short segments": index_add(short_plan, [(segments, 5), (200, 5)]),
+        "kahan bf16, alpha": index_add(long, [(segments, 5), (600, 5)], dtype=torch.bfloat16,
+                                       mode="kahan", alpha=0.5),
+        "autograd fp16": index_add(short_plan, [(segments, 5), (200, 5)],
+                                   dtype=torch.float16, mode="autograd"),
+        "fp32, outer rows (dim=1)": index_add(short_plan, [(3, segments, 4), (3, 200, 4)],
+                                              dim=1),
+        "fp32, one feature": index_add(short_plan, [(segments, 1), (200, 1)]),
+        "fp64, sorted plan": index_add(sorted_plan, [(segments, 5), (200, 5)],
+                                       dtype=torch.float64),
+        "exact": index_add(short_plan, [(segments, 5), (200, 5)], mode="exact"),
+    }
+
+    def strided(seed):
+        init, src = data(seed, (segments, 5), (200, 10))
+        return [init, src[:, ::2]]
+
+    cases["fp32, strided source"] = (cases["fp32, short segments"][0], strided)
+
+    def in_place(plan):
+        return lambda t: detsum.index_add_(t[0], 0, plan.index, t[1], plan=plan)
+
+    cases["in place"] = (in_place(long), cases["fp32, long segments"][1])
+
+    def strided_input(seed):
+        init, src = data(seed, (5, segments), (600, 5))
+        return [init.t(), src]
+
+    cases["in place, strided input"] = (in_place(long), strided_input)
+    return [(name, call, make) for name, (call, make) in cases.items()]
+
+
+def _driver_calls_of(call, tensors) -> dict:
+    """What ``call(tensors)`` did: the driver's launches, its result (the input of a call in
+    place), how many launches reached ``Kernel``, the ``Relaunch`` that launched again (None
+    where none did), and the record of each direct launch (``launch.recording``)."""
+    kernel_calls, relaunches = [], []
+    direct, again = launch.Kernel.__call__, launch.Relaunch.__call__
+
+    def counted(self, *args, **options):
+        kernel_calls.append(self)
+        return direct(self, *args, **options)
+
+    def relaunched(self, pointers):
+        launched = again(self, pointers)
+        relaunches.extend([self] if launched else [])
+        return launched
+
+    triton_stub.LAUNCHES.clear()
+    with unittest.mock.patch.object(launch.Kernel, "__call__", counted), \
+            unittest.mock.patch.object(launch.Relaunch, "__call__", relaunched), \
+            launch.recording() as made:
+        result = call(tensors)
+    return {"driver": list(triton_stub.LAUNCHES),
+            "output": tensors[0] if result is None else result,
+            "kernel_calls": len(kernel_calls), "relaunch": relaunches[0] if relaunches else None,
+            "records": made}
+
+
+def _as_compared(driver_calls: list, output) -> list:
+    """Driver calls as what the kernel receives: the launcher (the compiled kernel), grid,
+    stream, function and packed metadata, then each argument, a tensor as its data pointer
+    (what the launcher takes of it), the output's named, not given (each call allocates its
+    own); not the launch metadata and hooks (JITFunction.run's, on a kernel's first launch
+    or with a hook installed, are new objects at each call)."""
+    out = output.data_ptr()
+    compared = []
+    for launcher, args in driver_calls:
+        pointers = [arg.data_ptr() if isinstance(arg, torch.Tensor) else arg
+                    for arg in args[_HEAD + 3:]]
+        compared.append((launcher, args[:_HEAD],
+                         tuple("the output" if type(arg) is int and arg == out else arg
+                               for arg in pointers)))
+    return compared
+
+
+def _same_but_held(again: dict, whole: dict) -> bool:
+    """Whether a relaunch handed the driver what the whole path did for the same tensors,
+    but for the tensors it holds where the whole path made new ones: each of the same dtype
+    and shape, and the same values but for a workspace (alpha, the ticket counters)."""
+    relaunch, (record,) = again["relaunch"], whole["records"]
+    (launcher, head, ours), (their_launcher, their_head, theirs) = (
+        _as_compared(again["driver"], again["output"])
+        + _as_compared(whole["driver"], whole["output"]))
+    if (launcher, head, len(ours)) != (their_launcher, their_head, len(theirs)):
+        return False
+    held = {t.data_ptr(): t for t in relaunch.holds}
+    for ours_i, theirs_i, made in zip(ours, theirs, record.args):
+        if ours_i == theirs_i:
+            continue
+        mine = held.get(ours_i)
+        if (mine is None or not isinstance(made, torch.Tensor)
+                or (mine.dtype, mine.shape) != (made.dtype, made.shape)):
+            return False
+        workspace = mine.is_floating_point() and mine.numel() > 1
+        if not workspace and not torch.equal(mine, made):
+            return False
+    return True
+
+
+def _launch_again_and_whole(call, tensors) -> dict:
+    """One call launched again where it can be (its record made by the calls before) beside
+    the same call on the whole path (``plans.LAUNCH_AGAIN`` off)."""
+    again = _driver_calls_of(call, tensors)
+    with unittest.mock.patch.object(detsum.plans, "LAUNCH_AGAIN", False):
+        whole = _driver_calls_of(call, tensors)
+    launched_again = again["kernel_calls"] == 0 and again["relaunch"] is not None
+    outputs = again["output"], whole["output"]
+    return {"launched_again": launched_again and len(again["driver"]) == 1,
+            "same_driver_calls": (_same_but_held(again, whole) if launched_again
+                                  else _as_compared(again["driver"], outputs[0])
+                                  == _as_compared(whole["driver"], outputs[1])),
+            "same_output_layout": len({(t.shape, t.stride(), t.dtype) for t in outputs}) == 1}
+
+
+@contextlib.contextmanager
+def _stream(number: int):
+    with unittest.mock.patch.object(triton_stub.StubDriver, "get_current_stream",
+                                    lambda self, device=None: number):
+        yield
+
+
+def check_launches_again() -> dict:
+    """Each of ``_plan_calls`` made on new tensors three times (a kernel's first launch goes
+    through JITFunction.run, the second is recorded), the third beside the whole path; then,
+    after records, the calls that a relaunch must refuse: a source aligned otherwise than
+    the record's, another stream, a launch hook, another TILE_BYTES."""
+    cases = {}
+    with triton_stub.cpu_tensors_as_cuda():
+        for name, call, make in _plan_calls():
+            call(make(0))
+            call(make(1))
+            cases[name] = _launch_again_and_whole(call, make(2))
+        name, call, make = _plan_calls()[1]  # fp32, short segments
+        call(make(0))
+        call(make(1))
+        refused = {}
+        init, src = make(3)
+        refused["source aligned otherwise"] = _launch_again_and_whole(
+            call, [init, _misaligned(src)])
+        call(make(4))  # recorded again, with an aligned source
+        with _stream(7):
+            refused["another stream"] = _launch_again_and_whole(call, make(5))
+        call(make(6))
+        knobs.runtime.launch_enter_hook.add(_no_hook)
+        try:
+            refused["a launch hook"] = _launch_again_and_whole(call, make(7))
+        finally:
+            knobs.runtime.launch_enter_hook.remove(_no_hook)
+        call(make(8))
+        with unittest.mock.patch.object(segment, "TILE_BYTES", 0):
+            refused["TILE_BYTES 0"] = _launch_again_and_whole(call, make(9))
+    return {"cases": cases, "refused": refused}
+
+
+def _no_hook(metadata):
+    pass
+
+
 def main() -> dict:
     triton_stub.install()
     launches = recorded_launches()
     return {"triton": triton.__version__, "direct_launch": launch.DIRECT_LAUNCH,
             "keys": check_keys(launches), "replays": check_replays(launches),
             "fallback": check_fallback(launches), "order_error": check_order_error(launches),
-            "tensors_when_pointers_off": check_pointers_off(launches)}
+            "tensors_when_pointers_off": check_pointers_off(launches),
+            "launches_again": check_launches_again()}
 
 
 if __name__ == "__main__":

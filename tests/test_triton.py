@@ -644,9 +644,9 @@ def test_chunk_programs_guided_by_the_keys(monkeypatch, given, mode, keys_dtype)
     rule = {"fp32": kernels.WIDE, "kahan": kernels.KAHAN}[mode]
     guided, launch = [], segment._launch_segment
 
-    def recorded(grid, args, constexprs, *, num_warps):
+    def recorded(grid, args, constexprs, **options):
         guided.append(constexprs["GUIDED"])
-        return launch(grid, args, constexprs, num_warps=num_warps)
+        return launch(grid, args, constexprs, **options)
 
     monkeypatch.setattr(segment, "_launch_segment", recorded)
     outs = []

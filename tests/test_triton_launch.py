@@ -200,6 +200,37 @@ def test_fallback_launches_through_jitfunction_run(launch_check):
     assert fallback["hook_calls"] == 2 * fallback["launches"]
 
 
+def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
+    """A call with a plan whose signature is its last call's makes that call's launch again
+    (no launch reaches Kernel), and hands the driver what the whole path hands it for the
+    same tensors: the same compiled kernel, grid, stream and arguments, the new tensors'
+    pointers in their places, and where the whole path makes a workspace, ticket counters or
+    alpha, one of the same dtype and shape held since the record (alpha's and the counters'
+    values too). Across long segments, alpha, in place, outer rows, one feature, a strided
+    source, each mode and a sorted plan; "exact" (not one launch) and in place into a
+    strided input (a copy after the launch) are never launched again."""
+    cases = launch_check["launches_again"]["cases"]
+    not_again = {"exact", "in place, strided input"}
+    assert len(cases) == 11
+    for name, case in cases.items():
+        assert case["launched_again"] == (name not in not_again), name
+        assert case["same_output_layout"], name
+        if name != "in place, strided input":  # its launch writes a new tensor, then a copy
+            assert case["same_driver_calls"], name
+
+
+def test_a_relaunch_refuses_what_would_launch_otherwise(launch_check):
+    """After a record: a source aligned otherwise (another compiled kernel), another stream
+    (the held workspace belongs to the record's), a launch hook (to be called), another
+    TILE_BYTES (another launch): the call takes its whole path and launches what it does."""
+    refused = launch_check["launches_again"]["refused"]
+    assert set(refused) == {"source aligned otherwise", "another stream", "a launch hook",
+                            "TILE_BYTES 0"}
+    for name, case in refused.items():
+        assert not case["launched_again"], name
+        assert case["same_driver_calls"] and case["same_output_layout"], name
+
+
 def test_constexprs_out_of_order_are_refused(launch_check):
     assert launch_check["order_error"].startswith("_segment_kernel: constexprs ('SEGS', 'BLOCK',")
     assert "expected ('REDUCE', 'RULE'," in launch_check["order_error"]
@@ -236,3 +267,45 @@ def test_direct_launch_gives_jitfunction_run_bits(mode):
             expected = call()
         for _ in range(2):  # the first launch may compile; the second is direct
             assert_same_bits(call(), expected)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
+def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
+    """``index_add`` and ``index_add_`` with a plan, on new tensors at each call (new
+    pointers; misaligned from the fourth call, which the record's kernel does not take): a
+    call that makes its last launch again gives the bits of the same call on its whole path
+    (``plans.LAUNCH_AGAIN`` off); long segments (a held workspace) and short ones, bf16
+    with alpha (a held alpha)."""
+    gen = torch.Generator().manual_seed(6)
+    segments, features = 9, 33
+    relaunched = []
+    again = launch.Relaunch.__call__
+
+    def counted(self, pointers):
+        launched = again(self, pointers)
+        relaunched.append(launched)
+        return launched
+
+    for rows, dtype, alpha in ((3000, torch.float32, 1.0), (200, torch.float32, 1.0),
+                               (3000, torch.bfloat16, 0.5)):
+        index = torch.randint(0, segments, (rows,), generator=gen).cuda()
+        plan = detsum.plan(index, segments)
+        relaunched.clear()
+        for call in range(6):
+            src = torch.randn(rows * features + 1, generator=gen).to(dtype).cuda()
+            src = src[int(call >= 3):][:rows * features].view(rows, features)
+            init = torch.randn(segments, features, generator=gen).to(dtype).cuda()
+            in_place = init.clone()
+            with unittest.mock.patch.object(launch.Relaunch, "__call__", counted):
+                out = detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode, plan=plan)
+                detsum.index_add_(in_place, 0, index, src, alpha=alpha, mode=mode, plan=plan)
+            with unittest.mock.patch.object(detsum.plans, "LAUNCH_AGAIN", False):
+                expected = detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode,
+                                            plan=plan)
+            assert_same_bits(out, expected)
+            assert_same_bits(in_place, expected)
+        # Each of the two calls: recorded at its second call, launched again at its third,
+        # refused at the fourth (misaligned), recorded again, launched again at its sixth.
+        assert relaunched.count(True) >= 4, (rows, dtype, relaunched)
+        assert False in relaunched, (rows, dtype, relaunched)

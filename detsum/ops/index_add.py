@@ -7,8 +7,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import (Plan, Planned, check_plan, operator_arguments, run_checks_with,
-                          unpack)
+from detsum.plans import (Plan, Planned, call_signature, check_plan, launch_again,
+                          operator_arguments, record_launch, run_checks_with, unpack)
 
 _CALLER = "detsum.index_add"
 
@@ -232,19 +232,24 @@ def _check(input, dim, index, source, alpha, mode, check, caller, plan=None):
 _PLAIN = (int, float, str, Mode)
 
 
-def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
-    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.run_checks_with``)."""
-    arguments = None
+def _arguments(input, dim, index, source, alpha, mode, check, plan) -> tuple | None:
+    """What ``_check`` reads of a call with ``plan`` (``plans.run_checks_with``), or None
+    where that cannot be said cheaply: no plan, a traced call, arguments of other types."""
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
             and type(input) is torch.Tensor and type(source) is torch.Tensor
             and type(dim) is int and type(alpha) in _PLAIN
             and type(mode) in _PLAIN and type(check) is str
             and not torch.compiler.is_compiling()):
-        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
-                     index.device, source.dtype, source.shape, source.device, dim,
-                     type(alpha), alpha, type(mode), mode, check)
+        return (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                index.device, source.dtype, source.shape, source.device, dim,
+                type(alpha), alpha, type(mode), mode, check)
+    return None
+
+
+def _checked(input, dim, index, source, alpha, mode, check, caller, plan, arguments):
+    """``_check``'s answer; with a plan, the one it remembers when the call's ``arguments``
+    (``_arguments``) are those of its last call (``plans.run_checks_with``)."""
     return run_checks_with(plan, caller, arguments, _check, input, dim, index, source, alpha,
                            mode, check, caller, plan)
 
@@ -284,10 +289,23 @@ _ORDER_DOC = """
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
               plan: Plan | None = None) -> torch.Tensor:
-    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, _CALLER, plan)
+    arguments = _arguments(input, dim, index, source, alpha, mode, check, plan)
+    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, _CALLER, plan,
+                                arguments)
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
-        return _index_add(input, dim, index, source, alpha, mode.value, *planning)
+        if arguments is None or not _segments.launches_on_triton(input.device.type):
+            return _index_add(input, dim, index, source, alpha, mode.value, *planning)
+        # A call with a plan: its last launch made again where the signature allows.
+        signature = call_signature(arguments, input, source)
+        again = launch_again(plan, _CALLER, signature)
+        if again is not None:
+            out = _segments.new_output_like(input)
+            if again((source.data_ptr(), input.data_ptr(), out.data_ptr())):
+                return out
+        return record_launch(plan, _CALLER, signature,
+                             lambda: _index_add(input, dim, index, source, alpha, mode.value,
+                                                *planning), (source, input), new_output=True)
     return call_index_add(input, dim, index, source, alpha, mode.value, *planning)
 
 
@@ -295,7 +313,9 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
                plan: Plan | None = None) -> torch.Tensor:
     caller = "detsum.index_add_"
-    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, caller, plan)
+    arguments = _arguments(input, dim, index, source, alpha, mode, check, plan)
+    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, caller, plan,
+                                arguments)
     planning = operator_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad
@@ -312,7 +332,16 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
         return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value,
                                           *planning, caller=caller))
     if _dispatch.direct_call_ok(input, index, source):
-        _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
+        if arguments is None or not _segments.launches_on_triton(input.device.type):
+            _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
+        else:  # a call with a plan: its last launch made again where the signature allows
+            signature = call_signature(arguments, input, source)
+            again = launch_again(plan, caller, signature)
+            if again is None or not again((source.data_ptr(), input.data_ptr())):
+                record_launch(plan, caller, signature,
+                              lambda: _index_add_inplace(input, dim, index, source, alpha,
+                                                         mode.value, *planning),
+                              (source, input), new_output=False)
         # What the operator's mutates_args does: a saved copy of input is now stale, and
         # autograd must say so if a backward reads it.
         torch.autograd.graph.increment_version(input)

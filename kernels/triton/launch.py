@@ -45,6 +45,22 @@ Passing them to the kernels as constexpr parameters instead would spare ``JITFun
 the check too, but it runs only where the direct launch cannot (below), so they stay module
 constants.
 
+RECORDED LAUNCHES (``recording``, ``RecordedLaunch``, ``Relaunch``). Inside ``with
+recording() as made:`` each launch on this thread is appended to ``made``: a
+``RecordedLaunch`` for a direct launch handed data pointers, None for any other. A call
+whose one launch was recorded, and whose launcher said what the launch made for itself
+(``holds``: a workspace, ticket counters, alpha; None where the launch is not the whole
+call), can be made again by a ``Relaunch`` (``RecordedLaunch.with_slots``) with other data
+pointers in the slots of the call's own tensors, skipping everything between the call and
+the driver: the caller's Python and this module's key. detsum's plans use it
+(``detsum.plans.launch_again``): a call with a plan repeats its arguments' layout step after
+step. A relaunch hands the driver what the direct launch would hand it for the new
+pointers, under conditions it checks at each call: each new pointer's 16-byte alignment as
+recorded (the same compiled kernel), the same device, launch options and ``SETTINGS``, no
+hook installed, and the same stream (what the launch made and the record holds, such as a
+workspace, is reused in that stream's order, as the caching allocator would reuse its
+memory). tests/launch_check.py compares the two.
+
 FALLBACK: ``JITFunction.run`` on every launch where the direct call cannot be shown to do
 what it would:
 
@@ -60,7 +76,10 @@ what it would:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Callable, Iterator
 
 import triton
 from triton import knobs
@@ -73,8 +92,8 @@ try:
 except ImportError:  # a Triton outside DIRECT_LAUNCH's releases
     HookChain = None
 
-__all__ = ["DIRECT_LAUNCH", "POINTERS_AS_INTS", "Kernel", "key_for_layout",
-           "specialisation_key"]
+__all__ = ["DIRECT_LAUNCH", "POINTERS_AS_INTS", "SETTINGS", "Kernel", "RecordedLaunch",
+           "Relaunch", "key_for_layout", "launch_settings", "recording", "specialisation_key"]
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -210,10 +229,16 @@ class Kernel:
                                      f"come after all the others")
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constexprs: dict, *,
-                 num_warps: int):
+                 num_warps: int, holds: tuple | None = None):
+        """Launch; ``holds``: for a launch that ``recording`` may record, the tensors among
+        ``args`` that the caller made for this launch alone and that a relaunch may use
+        again (a workspace, a constant), or None where the call does more than this launch
+        (a check read back after it, say), so that repeating the launch alone would not
+        repeat the call."""
         jitted = self.jitted
         if not (self._jit and DIRECT_LAUNCH) or _hooks_installed(jitted):
             jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)
+            _record(None)
             return
         if tuple(constexprs) != self._constexpr_names:
             raise TypeError(f"{jitted.fn.__name__}: constexprs {tuple(constexprs)}; expected "
@@ -234,12 +259,151 @@ class Kernel:
                 # The kernel is kept too: its module is unloaded when it is collected.
                 self._compiled[key] = (compiled.run, compiled.function,
                                        compiled.packed_metadata, compiled)
+            _record(None)
             return
         run, function, packed_metadata, _ = found
         grid_x, grid_y, grid_z = grid if len(grid) == 3 else (*grid, 1, 1)[:3]
         # What JITFunction.run hands the compiled kernel after its own lookup: every
         # parameter's value (the launcher skips the constexprs; a tensor as its address, see
         # POINTERS), and no launch metadata or hooks, since none would run.
-        run(grid_x, grid_y, grid_z, active.get_current_stream(device), function,
-            packed_metadata, None, None, None, *(pointers if POINTERS_AS_INTS else args),
-            *values)
+        stream = active.get_current_stream(device)
+        run(grid_x, grid_y, grid_z, stream, function, packed_metadata, None, None, None,
+            *(pointers if POINTERS_AS_INTS else args), *values)
+        if _RECORDING.made is not None:
+            _record(None if not POINTERS_AS_INTS else RecordedLaunch(
+                self, run, function, packed_metadata, (grid_x, grid_y, grid_z), device, stream,
+                key[2], launch_settings(), args, pointers, tuple(values), holds))
+
+
+class _Recording(threading.local):
+    made: list | None = None
+
+
+_RECORDING = _Recording()
+
+
+def _record(launch: RecordedLaunch | None) -> None:
+    made = _RECORDING.made
+    if made is not None:
+        made.append(launch)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list]:
+    """The launches made on this thread inside the block, in order (see RECORDED LAUNCHES):
+    a ``RecordedLaunch`` for each direct launch handed data pointers, None for every other
+    launch. Blocks nest; each sees its own launches only."""
+    outer = _RECORDING.made
+    _RECORDING.made = made = []
+    try:
+        yield made
+    finally:
+        _RECORDING.made = outer
+
+
+#: What else decides the launch a call makes, read by a relaunch at each call: functions of
+#: no arguments that return the current value of a module setting (``segment.TILE_BYTES``,
+#: say); the modules that hold such settings add theirs when imported.
+SETTINGS: list[Callable[[], object]] = []
+
+
+def launch_settings() -> tuple:
+    """The current values of ``SETTINGS``, with this module's own."""
+    return (DIRECT_LAUNCH, POINTERS_AS_INTS, *[setting() for setting in SETTINGS])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecordedLaunch:
+    """One direct launch, as ``Kernel`` handed it to the driver (see RECORDED LAUNCHES)."""
+
+    kernel: Kernel
+    run: Callable
+    function: object
+    packed_metadata: object
+    grid: tuple[int, int, int]
+    device: int
+    stream: int
+    options: tuple
+    settings: tuple
+    #: The launch's arguments (tensors and ints) and each one's value as handed over (a
+    #: tensor's data pointer), then the constexprs' values.
+    args: tuple
+    pointers: tuple
+    values: tuple
+    #: The tensors the caller made for the launch alone, or None where the launch is not
+    #: the whole of its call (``Kernel``'s ``holds``).
+    holds: tuple | None
+
+    def with_slots(self, tensors: tuple, kept: tuple) -> Relaunch | None:
+        """This launch, to be made again with other tensors in the place of ``tensors`` (the
+        call's own: its inputs and output): the positions of the arguments that are each
+        (its data pointer), without the record's references to them. None where that would
+        not repeat the call: two of ``tensors`` share a pointer, one is no argument, or an
+        argument is none of them, nor one of ``kept`` (tensors that outlive the relaunch
+        unchanged, a plan's), nor one the launch's caller let it hold (``holds``)."""
+        pointers = [t.data_ptr() for t in tensors]
+        if self.holds is None or len(set(pointers)) < len(pointers):
+            return None
+        kept_pointers = {t.data_ptr() for t in kept}
+        held = {id(t) for t in self.holds}
+        for arg, pointer in zip(self.args, self.pointers):
+            if (type(arg) is not int and pointer not in pointers
+                    and pointer not in kept_pointers and id(arg) not in held):
+                return None
+        slots = tuple(tuple(i for i, arg in enumerate(self.args)
+                            if type(arg) is not int and self.pointers[i] == pointer)
+                      for pointer in pointers)
+        if not all(slots):
+            return None
+        return Relaunch(self.kernel, self.run, self.function, self.packed_metadata, self.grid,
+                        self.device, self.stream, self.options, self.settings, self.pointers,
+                        self.values, self.holds, slots,
+                        tuple(not pointer & 15 for pointer in pointers))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Relaunch:
+    """A ``RecordedLaunch`` to be made again with other tensors in some argument slots
+    (``RecordedLaunch.with_slots``). It holds no tensor of the recorded call but those its
+    caller let it hold."""
+
+    kernel: Kernel
+    run: Callable
+    function: object
+    packed_metadata: object
+    grid: tuple[int, int, int]
+    device: int
+    stream: int
+    options: tuple
+    settings: tuple
+    pointers: tuple
+    values: tuple
+    holds: tuple
+    #: For each slot, the positions of its arguments, and whether its recorded pointer was
+    #: 16-byte aligned (the compiled kernel assumes it where it was).
+    slots: tuple[tuple[int, ...], ...]
+    aligned: tuple[bool, ...]
+
+    def __call__(self, pointers: tuple[int, ...]) -> bool:
+        """Launch with ``pointers[k]`` (the data pointer of a tensor of the recorded one's
+        dtype, shape and strides) in slot ``k``; False, having launched nothing, where the
+        direct launch would not hand the driver this kernel and these arguments: a pointer
+        aligned otherwise, another device, stream, launch option or setting, or a hook
+        installed."""
+        if _hooks_installed(self.kernel.jitted) or launch_settings() != self.settings:
+            return False
+        active = driver.active
+        device = active.get_current_device()
+        if (device != self.device or active.get_current_stream(device) != self.stream
+                or _launch_options() != self.options):
+            return False
+        handed = list(self.pointers)
+        for positions, aligned, pointer in zip(self.slots, self.aligned, pointers):
+            if (not pointer & 15) != aligned:
+                return False
+            for i in positions:
+                handed[i] = pointer
+        grid_x, grid_y, grid_z = self.grid
+        self.run(grid_x, grid_y, grid_z, self.stream, self.function, self.packed_metadata,
+                 None, None, None, *handed, *self.values)
+        return True

@@ -132,6 +132,7 @@ from .common import (
     _to_data,
 )
 from . import chunks as _chunks
+from . import launch
 from .chunks import (
     _ANY_OFFSETS,
     _KEY_A_POSITION,
@@ -605,6 +606,9 @@ def _segment_kernel(
 
 # Each launch after a specialisation's first calls its compiled kernel directly (see launch.py).
 _launch_segment = Kernel(_segment_kernel)
+# The module settings that shape segment_reduce's launch (read at each call), which a
+# relaunch must find as its record did.
+launch.SETTINGS.append(lambda: (TILE_BYTES, _chunks.CHUNKS_FIRST, _ROW_BYTES, _MAX_GRID_YZ))
 
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
@@ -750,10 +754,22 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
          "FIRST_TERM_START": not use_base and reduce in (AMAX, AMIN), "NCOMP": ncomp,
          "CHUNK": CHUNK_TERMS, "BOUNDS": bounds_kind, "GUIDED": guide_kind, "CHECK": check,
          "BLOCK": block, "SEGS": segs},
-        num_warps=num_warps,
+        num_warps=num_warps, holds=_holds(offsets, failure, split, work, counters, scaled,
+                                          alpha_t),
     )
     if checked:
         _report(flag, failure, counters)
+
+
+def _holds(offsets, failure, split, work, counters, scaled, alpha_t) -> tuple | None:
+    """What ``segment_reduce``'s launch may hold for a relaunch (``Kernel``'s ``holds``, see
+    launch.py's RECORDED LAUNCHES): the workspace, ticket counters and alpha it made for the
+    launch, when the launch is the whole call (offsets as given, so no search or running
+    maximum made them; no check, whose flag is read after it); else None."""
+    if type(offsets) is not torch.Tensor or failure is not None:
+        return None
+    made = (work, counters) if split else ()
+    return (*made, alpha_t) if scaled else made
 
 
 #: A narrow row: under 512 bytes a program and step (``_blocking`` gives it one warp, and most

@@ -9,10 +9,10 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 ``torch.Tensor.index_add_`` on CPU tensors of the same size, in the same rounds.
 
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
-directly after a specialisation's first launch, handed data pointers; ``index_add`` and
-``index_add_`` with a plan make their last launch again, ``detsum.plans.launch_again``),
-"whole path" (that off: ``plans.LAUNCH_AGAIN``, every call from its public function down to
-the direct launch), "direct, tensors"
+directly after a specialisation's first launch, handed data pointers; a call with a plan
+makes its last launch again, ``detsum.plans.launch_again``), "whole path" (that off:
+``plans.LAUNCH_AGAIN``, every call from its public function down to the direct launch),
+"direct, tensors"
 (``POINTERS_AS_INTS`` off: handed the tensors, whose pointers Triton's launcher then reads and
 has the driver check, one call each; the same here, where the launcher is stubbed) and
 "JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every time, the path before).
@@ -264,8 +264,9 @@ def main() -> None:
         calls = _detsum_calls(t)
         cases["index_add fp32 plan | direct, tensors"] = \
             calls["index_add fp32 plan"], "direct, tensors"
-        for name in ("index_add fp32 plan", "index_add kahan plan", "index_add_ fp32 plan"):
-            cases[f"{name} | whole path"] = calls[name], "whole path"
+        for name in calls:
+            if " plan" in name and "no plan" not in name:
+                cases[f"{name} | whole path"] = calls[name], "whole path"
         alone = _launch_alone(t)
         cases["_segment_kernel launch alone | direct"] = alone["kernel"], "direct"
         cases["_segment_kernel launch alone | direct, tensors"] = \

@@ -126,6 +126,15 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     return out3
 
 
+def new_output_shaped(like: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    """A new contiguous output of ``shape`` with ``like``'s dtype and device, as
+    ``new_output`` makes one (poisoned under ``POISON_OUTPUTS``)."""
+    out = torch.empty(shape, dtype=like.dtype, device=like.device)
+    if POISON_OUTPUTS:
+        out.fill_(float("nan"))
+    return out
+
+
 def new_output(like3: torch.Tensor, num_segments: int) -> torch.Tensor:
     # Sizes one by one: torch parses them faster than a tuple.
     out = torch.empty(like3.shape[0], num_segments, like3.shape[2], dtype=like3.dtype,

@@ -18,6 +18,7 @@ import dataclasses
 import numbers
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from detsum import _dispatch, _segments, _transforms, _validation, kernels
 from detsum.backend import current_backend
@@ -68,7 +69,7 @@ class Plan:
     #: those checks read of them, what they returned). See :func:`run_checks_with`.
     _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
-    #: Each primitive's last launch with the plan, by the signature of its call: see
+    #: The launches of the plan's last calls, by primitive and signature: see
     #: :func:`launch_again`.
     _launched: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                         compare=False)
@@ -131,9 +132,31 @@ def call_signature(arguments: tuple, *tensors: torch.Tensor) -> tuple:
     return (arguments, *[t.stride() for t in tensors], _segments.launch_settings())
 
 
+def call_with_plan(plan: Plan, caller: str, arguments: tuple, inputs: tuple, new_output,
+                   call):
+    """``call()``, the whole path of an eager call with ``plan`` on the triton backend whose
+    checks read ``arguments`` (``run_checks_with``), or the same call made as its last launch
+    again (``launch_again``, else ``record_launch``): ``inputs`` are the call's data tensors
+    (their strides join its signature), ``new_output`` a function that makes an output as
+    the whole path would (a new contiguous tensor of the result's shape, poisoned under
+    ``_segments.POISON_OUTPUTS``), or None for a call in place into the last of ``inputs``.
+    Returns the call's result (what ``call`` returns; None in place)."""
+    signature = call_signature(arguments, *inputs)
+    again = launch_again(plan, caller, signature)
+    if again is not None:
+        if new_output is None:
+            if again(tuple(t.data_ptr() for t in inputs)):
+                return None
+        else:
+            out = new_output()
+            if again((*[t.data_ptr() for t in inputs], out.data_ptr())):
+                return out
+    return record_launch(plan, caller, signature, call, inputs, new_output is not None)
+
+
 def launch_again(plan: Plan, caller: str, signature: tuple):
-    """The launch of ``caller``'s last call with ``plan``, to be made again, when
-    ``signature`` (``call_signature``) is that call's; else None, for the whole path to run
+    """The launch of ``caller``'s last call with ``plan`` and ``signature``
+    (``call_signature``), to be made again; else None, for the whole path to run
     (``record_launch``). Called with the data pointers of the new call's tensors (its inputs
     and output, in the order its record named them), it launches with them in the place of
     that call's and returns True; or returns False, having launched nothing.
@@ -142,11 +165,9 @@ def launch_again(plan: Plan, caller: str, signature: tuple):
     nothing), so launched again it gives the bits the whole path gives: the same compiled
     kernel, with the same arguments but for the new tensors' data pointers (see
     ``detsum.kernels.triton.launch``, RECORDED LAUNCHES, for what it checks first). A small
-    call then costs a quarter of its host time (benches/host_launch.py)."""
-    last = plan._launched.get(caller)
-    if not LAUNCH_AGAIN or last is None or last[0] != signature or last[1] is _NOT_AGAIN:
-        return None
-    return last[1]
+    call's host time falls to about a third (benches/host_launch.py)."""
+    again = plan._launched.get((caller, signature)) if LAUNCH_AGAIN else None
+    return None if again is _NOT_AGAIN else again
 
 
 def record_launch(plan: Plan, caller: str, signature: tuple, call, inputs: tuple,
@@ -158,27 +179,67 @@ def record_launch(plan: Plan, caller: str, signature: tuple, call, inputs: tuple
     that is not the whole call), the signature is remembered as such and not recorded again;
     where the launch went through Triton's own path (a kernel's first launch, a hook
     installed), nothing is remembered: the next call tries again."""
-    last = plan._launched.get(caller)
-    if (not LAUNCH_AGAIN or (last is not None and last[0] == signature
-                             and last[1] is _NOT_AGAIN)
+    launched = plan._launched
+    if (not LAUNCH_AGAIN or launched.get((caller, signature)) is _NOT_AGAIN
             # A launch captured into a CUDA graph may hold memory of the graph's own pool,
             # which the graph, not the eager stream, sets up.
             or (plan.index.is_cuda and torch.cuda.is_current_stream_capturing())):
         return call()
     from detsum.kernels.triton import launch
 
-    with launch.recording() as made:
+    if not launch.records_now():
+        return call()  # Triton's own launch path (a hook installed, say): nothing to record
+    with launch.recording() as made, _AtenOpsOfACall() as ops:
         result = call()
     if made == [None]:
-        return result  # Triton's own launch path: nothing to record this time
+        return result  # a kernel's first launch, through Triton's own path: not this time
     again = _NOT_AGAIN
-    if len(made) == 1:
+    if len(made) == 1 and ops.only_allocations_and_views(result if new_output else None):
         tensors = (*inputs, result) if new_output else inputs
         kept = tuple(t for t in (plan.order, plan.offsets, plan.index, plan.chunk_ends)
                      if t is not None)
         again = made[0].with_slots(tensors, kept) or _NOT_AGAIN
-    plan._launched[caller] = (signature, again)
+    launched.pop((caller, signature), None)  # kept last: the first out is the oldest
+    launched[caller, signature] = again
+    while len(launched) > _LAUNCHES_KEPT:
+        del launched[next(iter(launched))]
     return result
+
+
+#: How many signatures' launches a plan keeps (all primitives together): one per layer that
+#: shares it, with a width of its own, and each primitive that calls with it.
+_LAUNCHES_KEPT = 16
+
+
+class _AtenOpsOfACall(TorchDispatchMode):
+    """The aten ops that a call runs while on (besides its Triton launches, which torch does
+    not see), for ``record_launch``: a launch made again repeats the call only where they
+    make no values that the launch reads, which holds for allocations and views alone (and
+    the NaN poison of a new output, ``_segments.POISON_OUTPUTS``, which a relaunched call's
+    own output gets too). Anything else (a copy, a division, a search) and the call is more
+    than its launch."""
+
+    def __init__(self):
+        super().__init__()
+        self.others: list[str] = []
+        self.filled: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.fill_:
+            self.filled.append(args[0].data_ptr())
+        elif not func.is_view and func.overloadpacket not in _ALLOCATIONS:
+            self.others.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def only_allocations_and_views(self, output: torch.Tensor | None) -> bool:
+        """Whether the call ran no op but allocations, views and the poison of ``output``."""
+        poisoned = [] if output is None or not _segments.POISON_OUTPUTS else [output.data_ptr()]
+        return not self.others and self.filled == poisoned
+
+
+_ALLOCATIONS = frozenset({torch.ops.aten.empty, torch.ops.aten.empty_like,
+                          torch.ops.aten.empty_strided, torch.ops.aten.full,
+                          torch.ops.aten.zeros})
 
 
 def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,

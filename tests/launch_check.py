@@ -42,6 +42,7 @@ import triton_stub
 import detsum
 from detsum import kernels
 from detsum.kernels.triton import launch, segment
+from detsum.ops import index_add as index_add_module
 
 # ---- the launches of some detsum calls ------------------------------------------------------
 
@@ -364,11 +365,13 @@ def _plan_calls():
     tensors that ``make(seed)`` returns, new ones of the same layout for each seed. Each
     crosses a feature that shapes the launch: long segments (a workspace and ticket counters
     held), alpha (its tensor held), in place, outer rows, one feature, a strided source, each
-    mode, a sorted plan, and calls whose launch is not the whole call (in place into a
-    strided input, "exact")."""
+    mode, a sorted plan, ``segment_sum`` and ``scatter_reduce`` (a mean, a maximum, without
+    the input), and calls whose launch is not the whole call (in place into a strided input,
+    "exact", an op after the launch)."""
     segments = 7
     index = torch.randint(0, segments, (600,), generator=torch.Generator().manual_seed(1))
     short = index[:200].clone()
+    index[::2] = 0  # segment 0 longer than a chunk: chunk programs, a workspace, counters
     plans = {"long": detsum.plan(index, segments), "short": detsum.plan(short, segments),
              "sorted": detsum.plan(short.sort().values, segments, sorted=True)}
 
@@ -413,6 +416,31 @@ def _plan_calls():
         return [init.t(), src]
 
     cases["in place, strided input"] = (in_place(long), strided_input)
+
+    # A plan of its own: its calls never find the other plans' records.
+    op_after_plan = detsum.plan(short, segments)
+
+    def an_op_after_the_launch(t):
+        body = index_add_module._index_add
+
+        def body_then_an_op(*args):
+            return body(*args).add_(0)
+
+        with unittest.mock.patch.object(index_add_module, "_index_add", body_then_an_op):
+            return detsum.index_add(t[0], 0, short, t[1], plan=op_after_plan)
+
+    cases["an op after the launch"] = (an_op_after_the_launch,
+                                       cases["fp32, short segments"][1])
+    two = cases["fp32, long segments"][1]
+    cases["segment_sum, long segments"] = (
+        lambda t: detsum.segment_sum(t[1], plan=long), two)
+    cases["segment_sum kahan, outer rows"] = (
+        lambda t: detsum.segment_sum(t[1], dim=1, mode="kahan", plan=short_plan),
+        cases["fp32, outer rows (dim=1)"][1])
+    for reduce, include_self in (("sum", True), ("mean", False), ("amax", True)):
+        cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
+            lambda t, reduce=reduce, include_self=include_self: detsum.scatter_reduce(
+                t[0], 0, long.index, t[1], reduce, include_self=include_self, plan=long), two)
     return [(name, call, make) for name, (call, make) in cases.items()]
 
 
@@ -496,7 +524,9 @@ def _launch_again_and_whole(call, tensors) -> dict:
             "same_driver_calls": (_same_but_held(again, whole) if launched_again
                                   else _as_compared(again["driver"], outputs[0])
                                   == _as_compared(whole["driver"], outputs[1])),
-            "same_output_layout": len({(t.shape, t.stride(), t.dtype) for t in outputs}) == 1}
+            "same_output_layout": len({(t.shape, t.stride(), t.dtype) for t in outputs}) == 1,
+            "held": ([str(t.dtype) for t in again["relaunch"].holds] if launched_again
+                     else None)}
 
 
 @contextlib.contextmanager
@@ -536,7 +566,23 @@ def check_launches_again() -> dict:
         call(make(8))
         with unittest.mock.patch.object(segment, "TILE_BYTES", 0):
             refused["TILE_BYTES 0"] = _launch_again_and_whole(call, make(9))
-    return {"cases": cases, "refused": refused}
+        in_turn = _widths_in_turn()
+    return {"cases": cases, "refused": refused, "widths_in_turn": in_turn}
+
+
+def _widths_in_turn() -> list[bool]:
+    """Whether each call launched again, of two layers' calls in turn on one plan, rows of 5
+    and of 9 features (two signatures), four rounds."""
+    index = torch.randint(0, 7, (200,), generator=torch.Generator().manual_seed(2))
+    plan = detsum.plan(index, 7)
+    launched_again = []
+    for _ in range(4):
+        for features in (5, 9):
+            src, init = torch.randn(200, features), torch.randn(7, features)
+            found = _driver_calls_of(
+                lambda t: detsum.index_add(t[0], 0, index, t[1], plan=plan), [init, src])
+            launched_again.append(found["relaunch"] is not None)
+    return launched_again
 
 
 def _no_hook(metadata):

@@ -207,16 +207,31 @@ def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
     pointers in their places, and where the whole path makes a workspace, ticket counters or
     alpha, one of the same dtype and shape held since the record (alpha's and the counters'
     values too). Across long segments, alpha, in place, outer rows, one feature, a strided
-    source, each mode and a sorted plan; "exact" (not one launch) and in place into a
-    strided input (a copy after the launch) are never launched again."""
+    source, each mode, a sorted plan, segment_sum, scatter_reduce's sum, mean (without the
+    input) and maximum; "exact" (not one launch), in place into a strided
+    input and a call with an op after its launch (a copy, an add: torch ops the launch does
+    not repeat) are never launched again."""
     cases = launch_check["launches_again"]["cases"]
-    not_again = {"exact", "in place, strided input"}
-    assert len(cases) == 11
+    not_again = {"exact", "in place, strided input", "an op after the launch"}
+    assert len(cases) == 17
     for name, case in cases.items():
         assert case["launched_again"] == (name not in not_again), name
         assert case["same_output_layout"], name
-        if name != "in place, strided input":  # its launch writes a new tensor, then a copy
+        if name not in not_again:
             assert case["same_driver_calls"], name
+    # The workspace (fp32 for bf16 data) and ticket counters of long segments, alpha.
+    assert cases["fp32, long segments"]["held"] == ["torch.float32", "torch.int64"]
+    assert cases["kahan bf16, alpha"]["held"] == ["torch.float32", "torch.int64",
+                                                  "torch.float32"]
+    assert cases["fp32, short segments"]["held"] == []
+
+
+def test_a_plan_keeps_the_launches_of_several_signatures(launch_check):
+    """Two layers sharing a plan with rows of different widths, called in turn: each one's
+    first call is recorded (or compiles its kernel, then is recorded at its second), and
+    from the third round on every call is launched again."""
+    in_turn = launch_check["launches_again"]["widths_in_turn"]
+    assert in_turn[:2] == [False, False] and in_turn[4:] == [True] * 4, in_turn
 
 
 def test_a_relaunch_refuses_what_would_launch_otherwise(launch_check):
@@ -272,11 +287,11 @@ def test_direct_launch_gives_jitfunction_run_bits(mode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
-    """``index_add`` and ``index_add_`` with a plan, on new tensors at each call (new
-    pointers; misaligned from the fourth call, which the record's kernel does not take): a
-    call that makes its last launch again gives the bits of the same call on its whole path
-    (``plans.LAUNCH_AGAIN`` off); long segments (a held workspace) and short ones, bf16
-    with alpha (a held alpha)."""
+    """``index_add``, ``index_add_``, ``segment_sum`` and ``scatter_reduce`` (a mean without
+    the input) with a plan, on new tensors at each call (new pointers; misaligned from the
+    fourth call, which the record's kernel does not take): a call that makes its last launch
+    again gives the bits of the same call on its whole path (``plans.LAUNCH_AGAIN`` off);
+    long segments (a held workspace) and short ones, bf16 with alpha (a held alpha)."""
     gen = torch.Generator().manual_seed(6)
     segments, features = 9, 33
     relaunched = []
@@ -297,15 +312,22 @@ def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
             src = src[int(call >= 3):][:rows * features].view(rows, features)
             init = torch.randn(segments, features, generator=gen).to(dtype).cuda()
             in_place = init.clone()
+            calls = [
+                lambda: detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode, plan=plan),
+                lambda: detsum.segment_sum(src, mode=mode, plan=plan),
+                lambda: detsum.scatter_reduce(init, 0, index, src, "mean", include_self=False,
+                                              mode=mode, plan=plan),
+            ]
             with unittest.mock.patch.object(launch.Relaunch, "__call__", counted):
-                out = detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode, plan=plan)
+                outs = [call() for call in calls]
                 detsum.index_add_(in_place, 0, index, src, alpha=alpha, mode=mode, plan=plan)
             with unittest.mock.patch.object(detsum.plans, "LAUNCH_AGAIN", False):
-                expected = detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode,
-                                            plan=plan)
-            assert_same_bits(out, expected)
-            assert_same_bits(in_place, expected)
-        # Each of the two calls: recorded at its second call, launched again at its third,
-        # refused at the fourth (misaligned), recorded again, launched again at its sixth.
-        assert relaunched.count(True) >= 4, (rows, dtype, relaunched)
+                expected = [call() for call in calls]
+            for out, whole in zip(outs, expected):
+                assert_same_bits(out, whole)
+            assert_same_bits(in_place, expected[0])
+        # Each of the four calls: recorded at its second call, launched again at its third,
+        # refused at the fourth (misaligned), recorded again, launched again at its sixth
+        # (but for a call that is not one launch: the mean in "autograd" on CUDA).
+        assert relaunched.count(True) >= 6, (rows, dtype, relaunched)
         assert False in relaunched, (rows, dtype, relaunched)

@@ -7,8 +7,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import (Plan, Planned, call_signature, check_plan, launch_again,
-                          operator_arguments, record_launch, run_checks_with, unpack)
+from detsum.plans import (Plan, Planned, call_with_plan, check_plan, operator_arguments,
+                          run_checks_with, unpack)
 
 _CALLER = "detsum.index_add"
 
@@ -247,13 +247,6 @@ def _arguments(input, dim, index, source, alpha, mode, check, plan) -> tuple | N
     return None
 
 
-def _checked(input, dim, index, source, alpha, mode, check, caller, plan, arguments):
-    """``_check``'s answer; with a plan, the one it remembers when the call's ``arguments``
-    (``_arguments``) are those of its last call (``plans.run_checks_with``)."""
-    return run_checks_with(plan, caller, arguments, _check, input, dim, index, source, alpha,
-                           mode, check, caller, plan)
-
-
 _ORDER_DOC = """
     Summation order and rounding. Output row ``i`` starts from ``input[i]`` and adds the rows
     ``source[k]`` with ``index[k] == i`` in increasing ``k`` (order of appearance; the order a
@@ -290,22 +283,17 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
               plan: Plan | None = None) -> torch.Tensor:
     arguments = _arguments(input, dim, index, source, alpha, mode, check, plan)
-    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, _CALLER, plan,
-                                arguments)
+    dim, alpha, mode = run_checks_with(plan, _CALLER, arguments, _check, input, dim, index,
+                                       source, alpha, mode, check, _CALLER, plan)
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
         if arguments is None or not _segments.launches_on_triton(input.device.type):
             return _index_add(input, dim, index, source, alpha, mode.value, *planning)
-        # A call with a plan: its last launch made again where the signature allows.
-        signature = call_signature(arguments, input, source)
-        again = launch_again(plan, _CALLER, signature)
-        if again is not None:
-            out = _segments.new_output_like(input)
-            if again((source.data_ptr(), input.data_ptr(), out.data_ptr())):
-                return out
-        return record_launch(plan, _CALLER, signature,
-                             lambda: _index_add(input, dim, index, source, alpha, mode.value,
-                                                *planning), (source, input), new_output=True)
+        # A call with a plan: its last launch made again where its signature allows.
+        return call_with_plan(plan, _CALLER, arguments, (source, input),
+                              lambda: _segments.new_output_like(input),
+                              lambda: _index_add(input, dim, index, source, alpha, mode.value,
+                                                 *planning))
     return call_index_add(input, dim, index, source, alpha, mode.value, *planning)
 
 
@@ -314,8 +302,8 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                plan: Plan | None = None) -> torch.Tensor:
     caller = "detsum.index_add_"
     arguments = _arguments(input, dim, index, source, alpha, mode, check, plan)
-    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, caller, plan,
-                                arguments)
+    dim, alpha, mode = run_checks_with(plan, caller, arguments, _check, input, dim, index,
+                                       source, alpha, mode, check, caller, plan)
     planning = operator_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad
@@ -334,14 +322,10 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
     if _dispatch.direct_call_ok(input, index, source):
         if arguments is None or not _segments.launches_on_triton(input.device.type):
             _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
-        else:  # a call with a plan: its last launch made again where the signature allows
-            signature = call_signature(arguments, input, source)
-            again = launch_again(plan, caller, signature)
-            if again is None or not again((source.data_ptr(), input.data_ptr())):
-                record_launch(plan, caller, signature,
-                              lambda: _index_add_inplace(input, dim, index, source, alpha,
-                                                         mode.value, *planning),
-                              (source, input), new_output=False)
+        else:  # a call with a plan: its last launch made again where its signature allows
+            call_with_plan(plan, caller, arguments, (source, input), None,
+                           lambda: _index_add_inplace(input, dim, index, source, alpha,
+                                                      mode.value, *planning))
         # What the operator's mutates_args does: a saved copy of input is now stale, and
         # autograd must say so if a backward reads it.
         torch.autograd.graph.increment_version(input)

@@ -18,7 +18,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import Plan, check_plan, operator_arguments, run_checks_with, unpack
+from detsum.plans import (Plan, call_with_plan, check_plan, operator_arguments,
+                          run_checks_with, unpack)
 from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
@@ -552,7 +553,10 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         >>> detsum.scatter_reduce(torch.zeros(2), 0, index, src, "amax", include_self=False)
         tensor([3., 4.])
     """
-    dim, mode = _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan)
+    arguments = _arguments(input, dim, index, src, reduce, include_self, mode, sorted, check,
+                           plan)
+    dim, mode = run_checks_with(plan, _CALLER, arguments, _check, input, dim, index, src,
+                                reduce, include_self, mode, sorted, check, plan)
     if (plan is None and reduce == "prod" and index.dim() == 1 and torch.is_grad_enabled()
             and (input.requires_grad or src.requires_grad)):
         # The product's backward reduces by the index again: one plan for both.
@@ -561,16 +565,23 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         sorted = plan.sorted
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, src):
-        return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                    check=planning[0], planned=unpack(*planning[1:]))
+        def whole_path():
+            return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
+                        check=planning[0], planned=unpack(*planning[1:]))
+
+        if arguments is None or not _segments.launches_on_triton(input.device.type):
+            return whole_path()
+        # A call with a plan: its last launch made again where its signature allows.
+        return call_with_plan(plan, _CALLER, arguments, (src, input),
+                              lambda: _segments.new_output_like(input), whole_path)
     return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
                                *planning)
 
 
-def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan):
-    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.run_checks_with``)."""
-    arguments = None
+def _arguments(input, dim, index, src, reduce, include_self, mode, sorted, check, plan
+               ) -> tuple | None:
+    """What ``_check`` reads of a call with ``plan`` (``plans.run_checks_with``), or None
+    where that cannot be said cheaply: no plan, a traced call, arguments of other types."""
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
             and type(input) is torch.Tensor and type(src) is torch.Tensor
@@ -578,11 +589,10 @@ def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, 
             and type(include_self) is bool and type(sorted) is bool
             and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):
-        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
-                     index.device, src.dtype, src.shape, src.device, dim, reduce,
-                     include_self, sorted, type(mode), mode, check)
-    return run_checks_with(plan, _CALLER, arguments, _check, input, dim, index, src, reduce,
-                           include_self, mode, sorted, check, plan)
+        return (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                index.device, src.dtype, src.shape, src.device, dim, reduce,
+                include_self, sorted, type(mode), mode, check)
+    return None
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):

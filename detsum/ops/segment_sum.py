@@ -9,7 +9,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import Plan, check_plan, run_checks_with
+from detsum.plans import Plan, call_with_plan, check_plan, run_checks_with
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
@@ -337,27 +337,33 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
         tensor([[5., 6.],
                 [4., 6.]])
     """
-    dim, mode = _checked(src, offsets, dim, perm, mode, check, plan)
+    arguments = _arguments(src, offsets, dim, perm, mode, check, plan)
+    dim, mode = run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
+                                check, plan)
     planning = (check,)
     if plan is not None:
         offsets, perm = plan.offsets, plan.order
         planning = (plan.check, plan.index, plan.chunk_ends, plan.chunk_slots)
     if _dispatch.direct_call_ok(src, offsets, perm):
-        return _segment_sum(src, offsets, dim, perm, mode.value, *planning)
+        if arguments is None or not _segments.launches_on_triton(src.device.type):
+            return _segment_sum(src, offsets, dim, perm, mode.value, *planning)
+        # A call with a plan: its last launch made again where its signature allows.
+        return call_with_plan(
+            plan, _CALLER, arguments, (src,),
+            lambda: _segments.new_output_shaped(src, _out_shape(src, dim, offsets)),
+            lambda: _segment_sum(src, offsets, dim, perm, mode.value, *planning))
     return call_segment_sum(src, offsets, dim, perm, mode.value, *planning)
 
 
-def _checked(src, offsets, dim, perm, mode, check, plan):
-    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.run_checks_with``)."""
-    arguments = None
+def _arguments(src, offsets, dim, perm, mode, check, plan) -> tuple | None:
+    """What ``_check`` reads of a call with ``plan`` (``plans.run_checks_with``), or None
+    where that cannot be said cheaply: no plan, a traced call, arguments of other types."""
     if (type(plan) is Plan and offsets is None and perm is None and type(src) is torch.Tensor
             and type(dim) is int and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):
-        arguments = (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
-                     dim, type(mode), mode, check)
-    return run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
-                           check, plan)
+        return (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
+                dim, type(mode), mode, check)
+    return None
 
 
 def _check(src, offsets, dim, perm, mode, check, plan):

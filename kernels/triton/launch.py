@@ -93,7 +93,8 @@ except ImportError:  # a Triton outside DIRECT_LAUNCH's releases
     HookChain = None
 
 __all__ = ["DIRECT_LAUNCH", "POINTERS_AS_INTS", "SETTINGS", "Kernel", "RecordedLaunch",
-           "Relaunch", "key_for_layout", "launch_settings", "recording", "specialisation_key"]
+           "Relaunch", "key_for_layout", "launch_settings", "recording", "records_now",
+           "specialisation_key"]
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -198,12 +199,21 @@ def key_for_layout(args: tuple) -> Callable[[int, int, object, tuple], tuple[tup
 def _hooks_installed(jitted: JITFunction) -> bool:
     """Whether ``JITFunction.run`` would call a hook at this launch (an empty HookChain, the
     knobs' default, calls nothing)."""
+    return bool(jitted.pre_run_hooks) or _global_hooks_installed()
+
+
+def _global_hooks_installed() -> bool:
     runtime = knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     return bool((enter is not None and (type(enter) is not HookChain or enter.calls))
                 or (leave is not None and (type(leave) is not HookChain or leave.calls))
-                or jitted.pre_run_hooks
                 or getattr(runtime, "add_stages_inspection_hook", None) is not None)
+
+
+def records_now() -> bool:
+    """Whether a launch now would be direct and handed data pointers, as a record needs (see
+    RECORDED LAUNCHES): else a call need not be made under ``recording``."""
+    return DIRECT_LAUNCH and POINTERS_AS_INTS and not _global_hooks_installed()
 
 
 class Kernel:

@@ -20,7 +20,9 @@ part a plan, fewer checks or a leaner launch path can remove, as against the ker
 
 The row "index_add off, torch's keys" is the call without a plan with its index sorted as it
 is (int64), as before ``kernels.sort_by_segment`` narrowed the keys of a sort past 4096 of
-them: at ``mid`` the kernels and time that narrowing saves.
+them: at ``mid`` the kernels and time that narrowing saves. The row "index_add plan, whole
+path" is the call with a plan with ``plans.LAUNCH_AGAIN`` off: every call from its public
+function down to its launch, where "index_add plan" makes its last launch again.
 
 ``--tile-bytes 0`` launches narrow rows one segment a program (the layout before the tiles of
 segments, ``detsum.kernels.triton.segment.TILE_BYTES``), to compare the two; ``--sizes``
@@ -40,7 +42,7 @@ import time
 import torch
 
 import detsum
-from gpu_moe_profile import torch_keys
+from gpu_moe_profile import torch_keys, whole_path
 
 CALLS = 50
 ROUNDS = 15
@@ -74,6 +76,9 @@ def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
         "index_add off, torch's keys": torch_keys(
             lambda: detsum.index_add(init, 0, index, src, check="off")),
         "index_add plan": lambda: detsum.index_add(init, 0, index, src, plan=plan),
+        # The call with a plan on its whole path, not its last launch made again.
+        "index_add plan, whole path": whole_path(
+            lambda: detsum.index_add(init, 0, index, src, plan=plan)),
         "torch.scatter_reduce": lambda: torch.scatter_reduce(init, 0, expanded, src, "sum"),
         "scatter_reduce torch form": lambda: detsum.scatter_reduce(init, 0, expanded, src,
                                                                    "sum"),

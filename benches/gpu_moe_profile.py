@@ -77,6 +77,12 @@ def torch_keys(call):
     return _with_setting(kernels, "NARROW_SORT_ABOVE", 2**62, call)
 
 
+def whole_path(call):
+    """``call`` with ``detsum.plans.LAUNCH_AGAIN`` off: a call with a plan takes its whole
+    path rather than make its last launch again (the same bits, more host time)."""
+    return _with_setting(detsum.plans, "LAUNCH_AGAIN", False, call)
+
+
 def _calls(d: dict, out: torch.Tensor) -> dict:
     index, source, plan = d["index"], d["source"], d["plan"]
     copy_target = torch.empty_like(source)

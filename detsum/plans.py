@@ -202,7 +202,10 @@ def record_launch(plan: Plan, caller: str, signature: tuple, call, inputs: tuple
     launched.pop((caller, signature), None)  # kept last: the first out is the oldest
     launched[caller, signature] = again
     while len(launched) > _LAUNCHES_KEPT:
-        del launched[next(iter(launched))]
+        try:
+            del launched[next(iter(launched))]
+        except (KeyError, RuntimeError, StopIteration):
+            break  # another thread's call changed them in between: its own turn evicts
     return result
 
 

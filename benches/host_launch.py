@@ -10,17 +10,17 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
 directly after a specialisation's first launch, handed data pointers; a call with a plan
-makes its last launch again, ``detsum.plans.launch_again``), "whole path" (that off:
-``plans.LAUNCH_AGAIN``, every call from its public function down to the direct launch),
-"direct, tensors"
-(``POINTERS_AS_INTS`` off: handed the tensors, whose pointers Triton's launcher then reads and
-has the driver check, one call each; the same here, where the launcher is stubbed) and
-"JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every time, the path before).
+makes an earlier call's launch again, ``detsum.plans.call_with_plan``), "whole path" (that
+off: ``plans.LAUNCH_AGAIN``, every call from its public function down to the direct
+launch), "direct, tensors" (``POINTERS_AS_INTS`` off: handed the tensors, whose pointers
+Triton's launcher then reads and has the driver check, one call each; the same here, where
+the launcher is stubbed) and "JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every time, the path before).
 Calls (256 rows of 4 fp32 features into 16 rows;
 MoE: 64 tokens, top-2 of 4 experts):
 
 - ``index_add`` / ``index_add_`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32"
-  and "kahan";
+  and "kahan", and ``index_add`` with a source that requires grad (through torch's
+  dispatcher, autograd recording the call);
 - ``index_add`` and a ``scatter_reduce`` max without a plan at check="off";
 - ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing``, and the whole layer
   with ``moe.route`` (forward only);
@@ -95,6 +95,7 @@ def _inputs(device: str = "cpu") -> dict:
         "weights": torch.softmax(torch.randn(TOKENS, TOPK, generator=gen), -1),
     }
     t = {name: tensor.to(device) for name, tensor in t.items()}
+    t["src_requiring_grad"] = t["src"].clone().requires_grad_()
     with _as_cuda(device):
         t["plan"] = detsum.plan(index, SEGMENTS)
         t["routing"] = moe.route(t["selected"], EXPERTS)
@@ -117,6 +118,9 @@ def _detsum_calls(t: dict) -> dict:
             t["src"], mode=mode, plan=t["plan"])
         calls[f"scatter_reduce {mode} plan"] = lambda mode=mode: detsum.scatter_reduce(
             t["init"], 0, t["index"], t["src"], "sum", mode=mode, plan=t["plan"])
+    # Through torch's dispatcher, autograd recording the call (as in a training step).
+    calls["index_add fp32 plan, source requiring grad"] = lambda: detsum.index_add(
+        t["init"], 0, t["index"], t["src_requiring_grad"], plan=t["plan"])
 
     # Without a plan, check="off" (the others read or assert a flag that the stubbed launch
     # never writes): an unsorted index of at most CHUNK_TERMS values, scanned by the launch.

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,10 +70,6 @@ class Plan:
     #: those checks read of them, what they returned). See :func:`run_checks_with`.
     _checked: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
                                        compare=False)
-    #: The launches of the plan's last calls, by primitive and signature: see
-    #: :func:`launch_again`.
-    _launched: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
-                                        compare=False)
 
     def __repr__(self) -> str:
         return (f"detsum.Plan(num_rows={self.num_rows}, length={self.index.shape[0]}, "
@@ -115,34 +112,59 @@ def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *
     return answer
 
 
-#: Whether a call with a plan makes its last launch again when its signature is that of the
-#: last call (``launch_again``). False: every call takes the whole path (to compare the two).
+#: Whether a call with a plan makes its last launch again when its signature is that of an
+#: earlier call (``call_with_plan``). False: every call takes the whole path (to compare).
 LAUNCH_AGAIN = True
 
-#: A signature whose call's launch cannot be made again (more than one launch, a check read
-#: back after it, another backend's kernel): ``launch_again``'s answer for it.
+#: A signature whose call's launch cannot be made again (more than one launch, an op after
+#: it): ``call_with_plan`` takes the whole path for it without trying to record it again.
 _NOT_AGAIN = object()
 
+#: The launches of calls with each plan, by the plan's offsets tensor (which no call but the
+#: plan's passes, and which a primitive's body receives even through torch's dispatcher,
+#: where autograd records the call and no Plan object reaches the body): ``id(offsets)`` ->
+#: (a weak reference to it, {(caller, signature): its Relaunch, or _NOT_AGAIN}).
+_LAUNCHES: dict[int, tuple[weakref.ref, dict]] = {}
 
-def call_signature(arguments: tuple, *tensors: torch.Tensor) -> tuple:
-    """What decides the launch of an eager call with a plan, for ``launch_again``: the
-    checks' ``arguments`` (``run_checks_with``), the strides of the call's data ``tensors``
-    (their dtypes, shapes and devices are in ``arguments``), and the settings that choose the
-    kernel (the backend in force, ``_segments.GPU_CHECKS_ON_CPU``)."""
-    return (arguments, *[t.stride() for t in tensors], _segments.launch_settings())
+#: How many signatures' launches a plan keeps (all primitives together): one per layer that
+#: shares it with a width of its own, and per primitive that calls with it.
+_LAUNCHES_KEPT = 16
 
 
-def call_with_plan(plan: Plan, caller: str, arguments: tuple, inputs: tuple, new_output,
-                   call):
-    """``call()``, the whole path of an eager call with ``plan`` on the triton backend whose
-    checks read ``arguments`` (``run_checks_with``), or the same call made as its last launch
-    again (``launch_again``, else ``record_launch``): ``inputs`` are the call's data tensors
-    (their strides join its signature), ``new_output`` a function that makes an output as
-    the whole path would (a new contiguous tensor of the result's shape, poisoned under
-    ``_segments.POISON_OUTPUTS``), or None for a call in place into the last of ``inputs``.
-    Returns the call's result (what ``call`` returns; None in place)."""
-    signature = call_signature(arguments, *inputs)
-    again = launch_again(plan, caller, signature)
+def launches_again(t: torch.Tensor) -> bool:
+    """Whether a primitive's body, called with a plan and ``t`` as its data, may make its
+    last launch again (``call_with_plan``): on the triton backend, eager, on plain tensors
+    (no fake or traced tensor, no dispatch mode in force)."""
+    return (LAUNCH_AGAIN and type(t) is torch.Tensor
+            and _segments.launches_on_triton(t.device.type)
+            and not torch._C._len_torch_dispatch_stack()
+            and not torch.compiler.is_compiling())
+
+
+def call_with_plan(caller: str, offsets: torch.Tensor, kept: tuple, signature: tuple,
+                   inputs: tuple, new_output, call):
+    """``call()``, the whole path of a primitive's body with a plan (``launches_again``), or
+    the same call made as an earlier call's launch again: the call's one launch is recorded
+    under ``signature`` (what decides the launch besides the plan: each data tensor's dtype,
+    shape, strides and device, the other arguments, ``_segments.launch_settings()``), and a
+    later call with that signature hands the driver the same launch with its own tensors'
+    addresses in their places (``detsum.kernels.triton.launch``, RECORDED LAUNCHES, says what
+    the relaunch checks first). ``offsets``: the plan's, by which it keeps its launches;
+    ``kept``: its other tensors (order, index, chunk split; None where it has none), which
+    outlive the records unchanged; ``inputs``: the call's data tensors; ``new_output``: a
+    function that makes an output as the whole path would (a new contiguous tensor of the
+    result's shape, poisoned under ``_segments.POISON_OUTPUTS``), or None for a call in place
+    into the last of ``inputs``. Returns what ``call`` returns (None in place).
+
+    A call with a plan on the triton backend checks nothing; where it is one launch and no
+    torch op but allocations and views (``record_launch``), launched again it gives the bits
+    of its whole path: the same compiled kernel, with the same arguments but for the new
+    tensors' data pointers. A small call's host time falls to about a third
+    (benches/host_launch.py)."""
+    launches = _launches_of(offsets)
+    again = None if launches is None else launches.get((caller, signature))
+    if again is _NOT_AGAIN:
+        return call()
     if again is not None:
         if new_output is None:
             if again(tuple(t.data_ptr() for t in inputs)):
@@ -151,67 +173,62 @@ def call_with_plan(plan: Plan, caller: str, arguments: tuple, inputs: tuple, new
             out = new_output()
             if again((*[t.data_ptr() for t in inputs], out.data_ptr())):
                 return out
-    return record_launch(plan, caller, signature, call, inputs, new_output is not None)
+    return record_launch(caller, offsets, kept, signature, inputs, new_output is not None,
+                         call)
 
 
-def launch_again(plan: Plan, caller: str, signature: tuple):
-    """The launch of ``caller``'s last call with ``plan`` and ``signature``
-    (``call_signature``), to be made again; else None, for the whole path to run
-    (``record_launch``). Called with the data pointers of the new call's tensors (its inputs
-    and output, in the order its record named them), it launches with them in the place of
-    that call's and returns True; or returns False, having launched nothing.
+def _launches_of(offsets: torch.Tensor, make: bool = False) -> dict | None:
+    """The launches kept for the plan whose offsets are ``offsets`` (a new, empty dict when
+    there are none and ``make``; else None). An entry goes when its offsets are collected,
+    before their id can be another tensor's."""
+    key = id(offsets)
+    entry = _LAUNCHES.get(key)
+    if entry is not None and entry[0]() is offsets:
+        return entry[1]
+    if not make:
+        return None
+    launches: dict = {}
+    _LAUNCHES[key] = (weakref.ref(offsets, lambda _, key=key: _LAUNCHES.pop(key, None)),
+                      launches)
+    return launches
 
-    Such a call's launch on the triton backend is the whole call (a plan's call checks
-    nothing), so launched again it gives the bits the whole path gives: the same compiled
-    kernel, with the same arguments but for the new tensors' data pointers (see
-    ``detsum.kernels.triton.launch``, RECORDED LAUNCHES, for what it checks first). A small
-    call's host time falls to about a third (benches/host_launch.py)."""
-    again = plan._launched.get((caller, signature)) if LAUNCH_AGAIN else None
-    return None if again is _NOT_AGAIN else again
 
-
-def record_launch(plan: Plan, caller: str, signature: tuple, call, inputs: tuple,
-                  new_output: bool):
-    """``call()``'s result, ``call`` being the whole path of a call with ``plan`` on the
-    triton backend, whose launch is recorded for ``launch_again`` under ``signature``:
-    ``inputs`` and, when ``new_output``, the result are the tensors a later call replaces,
-    in that order. Where the call's launches cannot be made again (more than one, or one
-    that is not the whole call), the signature is remembered as such and not recorded again;
-    where the launch went through Triton's own path (a kernel's first launch, a hook
-    installed), nothing is remembered: the next call tries again."""
-    launched = plan._launched
-    if (not LAUNCH_AGAIN or launched.get((caller, signature)) is _NOT_AGAIN
-            # A launch captured into a CUDA graph may hold memory of the graph's own pool,
-            # which the graph, not the eager stream, sets up.
-            or (plan.index.is_cuda and torch.cuda.is_current_stream_capturing())):
+def record_launch(caller: str, offsets: torch.Tensor, kept: tuple, signature: tuple,
+                  inputs: tuple, new_output: bool, call):
+    """``call()``'s result, ``call`` being the whole path of a call with the plan of
+    ``offsets`` (``call_with_plan``), whose launch is recorded under ``signature``: ``inputs``
+    and, when ``new_output``, the result are the tensors a later call replaces, in that
+    order. A call that is more than one launch, or runs a torch op other than allocations and
+    views (whose values its launch alone would not make again), is remembered as such
+    (``_NOT_AGAIN``) and not recorded again; a launch that went through Triton's own path (a
+    kernel's first launch) leaves nothing: the next call tries again. Nothing is recorded
+    while a launch could not be direct (a hook installed), nor while a CUDA graph is
+    captured (a launch there may hold memory of the graph's own pool, which the graph, not
+    the eager stream, sets up)."""
+    if offsets.is_cuda and torch.cuda.is_current_stream_capturing():
         return call()
     from detsum.kernels.triton import launch
 
     if not launch.records_now():
-        return call()  # Triton's own launch path (a hook installed, say): nothing to record
+        return call()
     with launch.recording() as made, _AtenOpsOfACall() as ops:
         result = call()
     if made == [None]:
-        return result  # a kernel's first launch, through Triton's own path: not this time
+        return result
     again = _NOT_AGAIN
     if len(made) == 1 and ops.only_allocations_and_views(result if new_output else None):
         tensors = (*inputs, result) if new_output else inputs
-        kept = tuple(t for t in (plan.order, plan.offsets, plan.index, plan.chunk_ends)
-                     if t is not None)
-        again = made[0].with_slots(tensors, kept) or _NOT_AGAIN
-    launched.pop((caller, signature), None)  # kept last: the first out is the oldest
-    launched[caller, signature] = again
-    while len(launched) > _LAUNCHES_KEPT:
+        again = made[0].with_slots(tensors, tuple(t for t in (offsets, *kept)
+                                                  if t is not None)) or _NOT_AGAIN
+    launches = _launches_of(offsets, make=True)
+    launches.pop((caller, signature), None)  # kept last: the first out is the oldest
+    launches[caller, signature] = again
+    while len(launches) > _LAUNCHES_KEPT:
         try:
-            del launched[next(iter(launched))]
+            del launches[next(iter(launches))]
         except (KeyError, RuntimeError, StopIteration):
             break  # another thread's call changed them in between: its own turn evicts
     return result
-
-
-#: How many signatures' launches a plan keeps (all primitives together): one per layer that
-#: shares it, with a width of its own, and each primitive that calls with it.
-_LAUNCHES_KEPT = 16
 
 
 class _AtenOpsOfACall(TorchDispatchMode):

@@ -366,8 +366,9 @@ def _plan_calls():
     crosses a feature that shapes the launch: long segments (a workspace and ticket counters
     held), alpha (its tensor held), in place, outer rows, one feature, a strided source, each
     mode, a sorted plan, ``segment_sum`` and ``scatter_reduce`` (a mean, a maximum, without
-    the input), and calls whose launch is not the whole call (in place into a strided input,
-    "exact", an op after the launch)."""
+    the input), a source that requires grad (the call through torch's dispatcher, autograd
+    recording it), and calls whose launch is not the whole call (in place into a strided
+    input, "exact", an op after the launch)."""
     segments = 7
     index = torch.randint(0, segments, (600,), generator=torch.Generator().manual_seed(1))
     short = index[:200].clone()
@@ -421,17 +422,29 @@ def _plan_calls():
     op_after_plan = detsum.plan(short, segments)
 
     def an_op_after_the_launch(t):
-        body = index_add_module._index_add
+        body = index_add_module._run
 
-        def body_then_an_op(*args):
-            return body(*args).add_(0)
+        def body_then_an_op(*args, **options):
+            return body(*args, **options).add_(0)
 
-        with unittest.mock.patch.object(index_add_module, "_index_add", body_then_an_op):
+        with unittest.mock.patch.object(index_add_module, "_run", body_then_an_op):
             return detsum.index_add(t[0], 0, short, t[1], plan=op_after_plan)
 
     cases["an op after the launch"] = (an_op_after_the_launch,
                                        cases["fp32, short segments"][1])
     two = cases["fp32, long segments"][1]
+
+    def requiring_grad(seed):
+        init, src = two(seed)
+        return [init, src.requires_grad_()]
+
+    # Recorded by autograd: through torch's dispatcher to the primitive's body.
+    cases["fp32, source requiring grad"] = (cases["fp32, long segments"][0], requiring_grad)
+    cases["segment_sum, source requiring grad"] = (
+        lambda t: detsum.segment_sum(t[1], plan=long), requiring_grad)
+    cases["scatter_reduce amin, source requiring grad"] = (
+        lambda t: detsum.scatter_reduce(t[0], 0, long.index, t[1], "amin", plan=long),
+        requiring_grad)
     cases["segment_sum, long segments"] = (
         lambda t: detsum.segment_sum(t[1], plan=long), two)
     cases["segment_sum kahan, outer rows"] = (

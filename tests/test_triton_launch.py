@@ -208,12 +208,13 @@ def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
     alpha, one of the same dtype and shape held since the record (alpha's and the counters'
     values too). Across long segments, alpha, in place, outer rows, one feature, a strided
     source, each mode, a sorted plan, segment_sum, scatter_reduce's sum, mean (without the
-    input) and maximum; "exact" (not one launch), in place into a strided
+    input), maximum and minimum, a source requiring grad (the call through torch's
+    dispatcher, recorded by autograd); "exact" (not one launch), in place into a strided
     input and a call with an op after its launch (a copy, an add: torch ops the launch does
     not repeat) are never launched again."""
     cases = launch_check["launches_again"]["cases"]
     not_again = {"exact", "in place, strided input", "an op after the launch"}
-    assert len(cases) == 17
+    assert len(cases) == 20
     for name, case in cases.items():
         assert case["launched_again"] == (name not in not_again), name
         assert case["same_output_layout"], name
@@ -287,11 +288,12 @@ def test_direct_launch_gives_jitfunction_run_bits(mode):
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
-    """``index_add``, ``index_add_``, ``segment_sum`` and ``scatter_reduce`` (a mean without
-    the input) with a plan, on new tensors at each call (new pointers; misaligned from the
-    fourth call, which the record's kernel does not take): a call that makes its last launch
-    again gives the bits of the same call on its whole path (``plans.LAUNCH_AGAIN`` off);
-    long segments (a held workspace) and short ones, bf16 with alpha (a held alpha)."""
+    """``index_add`` (also with a source requiring grad), ``index_add_``, ``segment_sum`` and
+    ``scatter_reduce`` (a mean without the input) with a plan, on new tensors at each call
+    (new pointers; misaligned from the fourth call, which the record's kernel does not
+    take): a call that makes its last launch again gives the bits of the same call on its
+    whole path (``plans.LAUNCH_AGAIN`` off); long segments (a held workspace) and short
+    ones, bf16 with alpha (a held alpha)."""
     gen = torch.Generator().manual_seed(6)
     segments, features = 9, 33
     relaunched = []
@@ -312,8 +314,11 @@ def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
             src = src[int(call >= 3):][:rows * features].view(rows, features)
             init = torch.randn(segments, features, generator=gen).to(dtype).cuda()
             in_place = init.clone()
+            src_g = src.detach().requires_grad_()  # through torch's dispatcher and autograd
             calls = [
                 lambda: detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode, plan=plan),
+                lambda: detsum.index_add(init, 0, index, src_g, alpha=alpha, mode=mode,
+                                         plan=plan).detach(),
                 lambda: detsum.segment_sum(src, mode=mode, plan=plan),
                 lambda: detsum.scatter_reduce(init, 0, index, src, "mean", include_self=False,
                                               mode=mode, plan=plan),
@@ -326,8 +331,9 @@ def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
             for out, whole in zip(outs, expected):
                 assert_same_bits(out, whole)
             assert_same_bits(in_place, expected[0])
-        # Each of the four calls: recorded at its second call, launched again at its third,
-        # refused at the fourth (misaligned), recorded again, launched again at its sixth
-        # (but for a call that is not one launch: the mean in "autograd" on CUDA).
+        # Each signature (the call requiring grad shares index_add's): recorded at its
+        # second call, launched again at its third, refused at the fourth (misaligned),
+        # recorded again, launched again at its sixth (but for a call that is not one
+        # launch: the mean in "autograd" on CUDA).
         assert relaunched.count(True) >= 6, (rows, dtype, relaunched)
         assert False in relaunched, (rows, dtype, relaunched)

@@ -7,8 +7,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import (Plan, Planned, call_with_plan, check_plan, operator_arguments,
-                          run_checks_with, unpack)
+from detsum.plans import (Plan, Planned, call_with_plan, check_plan, launches_again,
+                          operator_arguments, run_checks_with, unpack)
 
 _CALLER = "detsum.index_add"
 
@@ -112,10 +112,27 @@ def _launch(backend_name, input, dim, source, alpha, mode, planned, out3, keys=N
 
 def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=None,
                offsets=None, chunk_ends=None, chunk_slots=-1):
-    """The out-of-place operator's body (also called directly, see ``_dispatch``)."""
-    # view(*sizes): torch parses sizes one by one in half the time it takes a torch.Size.
-    return _run(input, dim, index, source, alpha, acc_mode, check=check,
-                planned=unpack(order, offsets, chunk_ends, chunk_slots)).view(*input.shape)
+    """The out-of-place operator's body (also called directly, see ``_dispatch``). With a
+    plan, a call of an earlier call's signature makes that call's launch again
+    (``plans.call_with_plan``)."""
+    def whole_path():
+        # view(*sizes): torch parses sizes one by one in half the time it takes a torch.Size.
+        return _run(input, dim, index, source, alpha, acc_mode, check=check,
+                    planned=unpack(order, offsets, chunk_ends, chunk_slots)).view(*input.shape)
+
+    if offsets is None or not launches_again(input):
+        return whole_path()
+    return call_with_plan(_CALLER, offsets, (order, index, chunk_ends),
+                          _signature(input, dim, source, alpha, acc_mode, check, chunk_slots),
+                          (source, input), lambda: _segments.new_output_like(input),
+                          whole_path)
+
+
+def _signature(input, dim, source, alpha, acc_mode, check, chunk_slots) -> tuple:
+    """What decides a call's launch besides its plan (``plans.call_with_plan``)."""
+    return (input.dtype, input.shape, input.stride(), input.device, source.dtype,
+            source.shape, source.stride(), source.device, dim, alpha, acc_mode, check,
+            chunk_slots, _segments.launch_settings())
 
 
 @torch.library.custom_op("detsum::index_add", mutates_args=())
@@ -144,8 +161,16 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the
         # result can go straight into input's storage.
-        _run(input, dim, index, source, alpha, acc_mode, in_place=True, check=check,
-             planned=planned)
+        def whole_path():
+            _run(input, dim, index, source, alpha, acc_mode, in_place=True, check=check,
+                 planned=planned)
+
+        if offsets is None or not launches_again(input):
+            whole_path()
+        else:  # an earlier call's launch made again where the signature allows
+            call_with_plan("detsum.index_add_", offsets, (order, index, chunk_ends),
+                           _signature(input, dim, source, alpha, acc_mode, check,
+                                      chunk_slots), (source, input), None, whole_path)
     else:
         input.copy_(_run(input, dim, index, source, alpha, acc_mode, check=check,
                          planned=planned).view(input.shape))
@@ -287,13 +312,7 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
                                        source, alpha, mode, check, _CALLER, plan)
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
-        if arguments is None or not _segments.launches_on_triton(input.device.type):
-            return _index_add(input, dim, index, source, alpha, mode.value, *planning)
-        # A call with a plan: its last launch made again where its signature allows.
-        return call_with_plan(plan, _CALLER, arguments, (source, input),
-                              lambda: _segments.new_output_like(input),
-                              lambda: _index_add(input, dim, index, source, alpha, mode.value,
-                                                 *planning))
+        return _index_add(input, dim, index, source, alpha, mode.value, *planning)
     return call_index_add(input, dim, index, source, alpha, mode.value, *planning)
 
 
@@ -320,12 +339,7 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
         return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value,
                                           *planning, caller=caller))
     if _dispatch.direct_call_ok(input, index, source):
-        if arguments is None or not _segments.launches_on_triton(input.device.type):
-            _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
-        else:  # a call with a plan: its last launch made again where its signature allows
-            call_with_plan(plan, caller, arguments, (source, input), None,
-                           lambda: _index_add_inplace(input, dim, index, source, alpha,
-                                                      mode.value, *planning))
+        _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
         # What the operator's mutates_args does: a saved copy of input is now stale, and
         # autograd must say so if a backward reads it.
         torch.autograd.graph.increment_version(input)

@@ -18,8 +18,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import (Plan, call_with_plan, check_plan, operator_arguments,
-                          run_checks_with, unpack)
+from detsum.plans import (Plan, call_with_plan, check_plan, launches_again,
+                          operator_arguments, run_checks_with, unpack)
 from detsum.plans import plan as make_plan
 
 _CALLER = "detsum.scatter_reduce"
@@ -159,7 +159,26 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
          planned=None):
     """The operator's body: validate index values (as ``check`` says), plan, launch.
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
-    made: nothing to check or plan here."""
+    made: nothing to check or plan here; a call of an earlier call's signature makes that
+    call's launch again (``plans.call_with_plan``)."""
+    if planned is None or not launches_again(input):
+        return _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted,
+                           check, planned)
+    order, offsets, chunks = planned
+    chunk_ends, chunk_slots = (None, -1) if chunks is None else chunks
+    return call_with_plan(
+        _CALLER, offsets, (order, index, chunk_ends),
+        (input.dtype, input.shape, input.stride(), input.device, src.dtype, src.shape,
+         src.stride(), src.device, dim, reduce, include_self, acc_mode, sorted, check,
+         chunk_slots, _segments.launch_settings()),
+        (src, input), lambda: _segments.new_output_like(input),
+        lambda: _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted,
+                            check, planned))
+
+
+def _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted, check,
+                planned):
+    """``_run``'s checks, plan and launch."""
     device_type = input.device.type
     if reduce == "mean" and acc_mode == "autograd" and device_type == "cuda":
         return _torch_cuda_mean(input, dim, index, src, include_self, sorted, check, planned)
@@ -565,15 +584,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         sorted = plan.sorted
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, src):
-        def whole_path():
-            return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
-                        check=planning[0], planned=unpack(*planning[1:]))
-
-        if arguments is None or not _segments.launches_on_triton(input.device.type):
-            return whole_path()
-        # A call with a plan: its last launch made again where its signature allows.
-        return call_with_plan(plan, _CALLER, arguments, (src, input),
-                              lambda: _segments.new_output_like(input), whole_path)
+        return _run(input, dim, index, src, reduce, include_self, mode.value, sorted,
+                    check=planning[0], planned=unpack(*planning[1:]))
     return call_scatter_reduce(input, dim, index, src, reduce, include_self, mode.value, sorted,
                                *planning)
 

@@ -9,7 +9,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import Plan, call_with_plan, check_plan, run_checks_with
+from detsum.plans import Plan, call_with_plan, check_plan, launches_again, run_checks_with
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
@@ -99,7 +99,23 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     decreasing, and ``perm`` is None. ``chunk_ends``
     and ``chunk_slots``: the chunk split of the segments (``kernels.chunk_ends`` and the number
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
-    ``kernels.CHUNK_TERMS``; -1: the launch counts them."""
+    ``kernels.CHUNK_TERMS``; -1: the launch counts them. With a plan, a call of an earlier
+    call's signature makes that call's launch again (``plans.call_with_plan``)."""
+    if rows is None or not launches_again(src):
+        return _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends,
+                           chunk_slots, offsets_checked)
+    return call_with_plan(
+        _CALLER, offsets, (perm, rows, chunk_ends),
+        (src.dtype, src.shape, src.stride(), src.device, dim, acc_mode, check, chunk_slots,
+         _segments.launch_settings()),
+        (src,), lambda: _segments.new_output_shaped(src, _out_shape(src, dim, offsets)),
+        lambda: _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends,
+                            chunk_slots, offsets_checked))
+
+
+def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chunk_slots,
+                offsets_checked):
+    """``_segment_sum``'s checks, bounds and launch."""
     num_rows = src.shape[dim]
     device_type = src.device.type
     backend_name = current_backend(device_type, _CALLER)
@@ -345,13 +361,7 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
         offsets, perm = plan.offsets, plan.order
         planning = (plan.check, plan.index, plan.chunk_ends, plan.chunk_slots)
     if _dispatch.direct_call_ok(src, offsets, perm):
-        if arguments is None or not _segments.launches_on_triton(src.device.type):
-            return _segment_sum(src, offsets, dim, perm, mode.value, *planning)
-        # A call with a plan: its last launch made again where its signature allows.
-        return call_with_plan(
-            plan, _CALLER, arguments, (src,),
-            lambda: _segments.new_output_shaped(src, _out_shape(src, dim, offsets)),
-            lambda: _segment_sum(src, offsets, dim, perm, mode.value, *planning))
+        return _segment_sum(src, offsets, dim, perm, mode.value, *planning)
     return call_segment_sum(src, offsets, dim, perm, mode.value, *planning)
 
 

@@ -53,8 +53,8 @@ whose one launch was recorded, and whose launcher said what the launch made for 
 call), can be made again by a ``Relaunch`` (``RecordedLaunch.with_slots``) with other data
 pointers in the slots of the call's own tensors, skipping everything between the call and
 the driver: the caller's Python and this module's key. detsum's plans use it
-(``detsum.plans.launch_again``): a call with a plan repeats its arguments' layout step after
-step. A relaunch hands the driver what the direct launch would hand it for the new
+(``detsum.plans.call_with_plan``): a call with a plan repeats its arguments' layout step
+after step. A relaunch hands the driver what the direct launch would hand it for the new
 pointers, under conditions it checks at each call: each new pointer's 16-byte alignment as
 recorded (the same compiled kernel), the same device, launch options and ``SETTINGS``, no
 hook installed, and the same stream (what the launch made and the record holds, such as a

@@ -112,8 +112,8 @@ def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *
     return answer
 
 
-#: Whether a call with a plan makes its last launch again when its signature is that of an
-#: earlier call (``call_with_plan``). False: every call takes the whole path (to compare).
+#: Whether a call with a plan makes an earlier call's launch again where its signature is
+#: that call's (``call_with_plan``). False: every call takes the whole path (to compare).
 LAUNCH_AGAIN = True
 
 #: A signature whose call's launch cannot be made again (more than one launch, an op after
@@ -132,9 +132,9 @@ _LAUNCHES_KEPT = 16
 
 
 def launches_again(t: torch.Tensor) -> bool:
-    """Whether a primitive's body, called with a plan and ``t`` as its data, may make its
-    last launch again (``call_with_plan``): on the triton backend, eager, on plain tensors
-    (no fake or traced tensor, no dispatch mode in force)."""
+    """Whether a primitive's body, called with a plan and ``t`` as its data, may make an
+    earlier call's launch again (``call_with_plan``): on the triton backend, eager, on plain
+    tensors (no fake or traced tensor, no dispatch mode in force)."""
     return (LAUNCH_AGAIN and type(t) is torch.Tensor
             and _segments.launches_on_triton(t.device.type)
             and not torch._C._len_torch_dispatch_stack()

@@ -434,6 +434,13 @@ def _plan_calls():
                                        cases["fp32, short segments"][1])
     two = cases["fp32, long segments"][1]
 
+    def workspace_over_the_held_bytes(t):
+        with unittest.mock.patch.object(segment, "HELD_WORKSPACE_BYTES", 64):
+            return detsum.index_add(t[0], 0, index, t[1], plan=plans["long, its own"])
+
+    plans["long, its own"] = detsum.plan(index, segments)  # no other case's records
+    cases["workspace over HELD_WORKSPACE_BYTES"] = (workspace_over_the_held_bytes, two)
+
     def requiring_grad(seed):
         init, src = two(seed)
         return [init, src.requires_grad_()]

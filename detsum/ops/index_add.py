@@ -257,19 +257,21 @@ def _check(input, dim, index, source, alpha, mode, check, caller, plan=None):
 _PLAIN = (int, float, str, Mode)
 
 
-def _arguments(input, dim, index, source, alpha, mode, check, plan) -> tuple | None:
-    """What ``_check`` reads of a call with ``plan`` (``plans.run_checks_with``), or None
-    where that cannot be said cheaply: no plan, a traced call, arguments of other types."""
+def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.run_checks_with``)."""
+    arguments = None
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
             and type(input) is torch.Tensor and type(source) is torch.Tensor
             and type(dim) is int and type(alpha) in _PLAIN
             and type(mode) in _PLAIN and type(check) is str
             and not torch.compiler.is_compiling()):
-        return (input.dtype, input.shape, input.device, index.dtype, index.shape,
-                index.device, source.dtype, source.shape, source.device, dim,
-                type(alpha), alpha, type(mode), mode, check)
-    return None
+        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                     index.device, source.dtype, source.shape, source.device, dim,
+                     type(alpha), alpha, type(mode), mode, check)
+    return run_checks_with(plan, caller, arguments, _check, input, dim, index, source, alpha,
+                           mode, check, caller, plan)
 
 
 _ORDER_DOC = """
@@ -307,9 +309,7 @@ _ORDER_DOC = """
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
               alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
               plan: Plan | None = None) -> torch.Tensor:
-    arguments = _arguments(input, dim, index, source, alpha, mode, check, plan)
-    dim, alpha, mode = run_checks_with(plan, _CALLER, arguments, _check, input, dim, index,
-                                       source, alpha, mode, check, _CALLER, plan)
+    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, _CALLER, plan)
     planning = operator_arguments(plan, check)
     if _dispatch.direct_call_ok(input, index, source):
         return _index_add(input, dim, index, source, alpha, mode.value, *planning)
@@ -320,9 +320,7 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
                plan: Plan | None = None) -> torch.Tensor:
     caller = "detsum.index_add_"
-    arguments = _arguments(input, dim, index, source, alpha, mode, check, plan)
-    dim, alpha, mode = run_checks_with(plan, caller, arguments, _check, input, dim, index,
-                                       source, alpha, mode, check, caller, plan)
+    dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, caller, plan)
     planning = operator_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
     if _transforms.active() or (torch.is_grad_enabled() and (input.requires_grad

@@ -572,10 +572,7 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         >>> detsum.scatter_reduce(torch.zeros(2), 0, index, src, "amax", include_self=False)
         tensor([3., 4.])
     """
-    arguments = _arguments(input, dim, index, src, reduce, include_self, mode, sorted, check,
-                           plan)
-    dim, mode = run_checks_with(plan, _CALLER, arguments, _check, input, dim, index, src,
-                                reduce, include_self, mode, sorted, check, plan)
+    dim, mode = _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan)
     if (plan is None and reduce == "prod" and index.dim() == 1 and torch.is_grad_enabled()
             and (input.requires_grad or src.requires_grad)):
         # The product's backward reduces by the index again: one plan for both.
@@ -590,10 +587,10 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
                                *planning)
 
 
-def _arguments(input, dim, index, src, reduce, include_self, mode, sorted, check, plan
-               ) -> tuple | None:
-    """What ``_check`` reads of a call with ``plan`` (``plans.run_checks_with``), or None
-    where that cannot be said cheaply: no plan, a traced call, arguments of other types."""
+def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.run_checks_with``)."""
+    arguments = None
     # The plan's own index only: another view of its memory is compared with it every time.
     if (type(plan) is Plan and index is plan.index
             and type(input) is torch.Tensor and type(src) is torch.Tensor
@@ -601,10 +598,11 @@ def _arguments(input, dim, index, src, reduce, include_self, mode, sorted, check
             and type(include_self) is bool and type(sorted) is bool
             and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):
-        return (input.dtype, input.shape, input.device, index.dtype, index.shape,
-                index.device, src.dtype, src.shape, src.device, dim, reduce,
-                include_self, sorted, type(mode), mode, check)
-    return None
+        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
+                     index.device, src.dtype, src.shape, src.device, dim, reduce,
+                     include_self, sorted, type(mode), mode, check)
+    return run_checks_with(plan, _CALLER, arguments, _check, input, dim, index, src, reduce,
+                           include_self, mode, sorted, check, plan)
 
 
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):

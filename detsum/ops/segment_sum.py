@@ -353,9 +353,7 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
         tensor([[5., 6.],
                 [4., 6.]])
     """
-    arguments = _arguments(src, offsets, dim, perm, mode, check, plan)
-    dim, mode = run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
-                                check, plan)
+    dim, mode = _checked(src, offsets, dim, perm, mode, check, plan)
     planning = (check,)
     if plan is not None:
         offsets, perm = plan.offsets, plan.order
@@ -365,15 +363,17 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
     return call_segment_sum(src, offsets, dim, perm, mode.value, *planning)
 
 
-def _arguments(src, offsets, dim, perm, mode, check, plan) -> tuple | None:
-    """What ``_check`` reads of a call with ``plan`` (``plans.run_checks_with``), or None
-    where that cannot be said cheaply: no plan, a traced call, arguments of other types."""
+def _checked(src, offsets, dim, perm, mode, check, plan):
+    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
+    those of its last call (``plans.run_checks_with``)."""
+    arguments = None
     if (type(plan) is Plan and offsets is None and perm is None and type(src) is torch.Tensor
             and type(dim) is int and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):
-        return (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
-                dim, type(mode), mode, check)
-    return None
+        arguments = (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
+                     dim, type(mode), mode, check)
+    return run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
+                           check, plan)
 
 
 def _check(src, offsets, dim, perm, mode, check, plan):

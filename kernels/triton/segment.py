@@ -765,11 +765,20 @@ def _holds(offsets, failure, split, work, counters, scaled, alpha_t) -> tuple | 
     """What ``segment_reduce``'s launch may hold for a relaunch (``Kernel``'s ``holds``, see
     launch.py's RECORDED LAUNCHES): the workspace, ticket counters and alpha it made for the
     launch, when the launch is the whole call (offsets as given, so no search or running
-    maximum made them; no check, whose flag is read after it); else None."""
+    maximum made them; no check, whose flag is read after it) and its workspace is at most
+    ``HELD_WORKSPACE_BYTES``; else None."""
     if type(offsets) is not torch.Tensor or failure is not None:
+        return None
+    if split and work.numel() * work.element_size() > HELD_WORKSPACE_BYTES:
         return None
     made = (work, counters) if split else ()
     return (*made, alpha_t) if scaled else made
+
+
+#: The largest chunk workspace a relaunch may hold (a record keeps it for as long as its plan
+#: lives). A launch with more has long segments of wide rows: it moves hundreds of times
+#: more, and its GPU time hides the host time a relaunch would spare.
+HELD_WORKSPACE_BYTES = 1 << 20
 
 
 #: A narrow row: under 512 bytes a program and step (``_blocking`` gives it one warp, and most

@@ -367,7 +367,8 @@ def _plan_calls():
     held), alpha (its tensor held), in place, outer rows, one feature, a strided source, each
     mode, a sorted plan, ``segment_sum`` and ``scatter_reduce`` (a mean, a maximum, without
     the input), a source that requires grad (the call through torch's dispatcher, autograd
-    recording it), and calls whose launch is not the whole call (in place into a strided
+    recording it), outputs NaN-filled before the launch (``_segments.POISON_OUTPUTS``), and
+    calls whose launch is not the whole call (in place into a strided
     input, "exact", an op after the launch)."""
     segments = 7
     index = torch.randint(0, segments, (600,), generator=torch.Generator().manual_seed(1))
@@ -439,6 +440,20 @@ def _plan_calls():
             return detsum.index_add(t[0], 0, index, t[1], plan=plans["long, its own"])
 
     plans["long, its own"] = detsum.plan(index, segments)  # no other case's records
+
+    def poisoned(call):
+        def called(t):
+            with unittest.mock.patch.object(detsum._segments, "POISON_OUTPUTS", True):
+                return call(t)
+        return called
+
+    # Outputs NaN-filled before the launch (as the test suite's are): the whole path's fill
+    # and the relaunched call's own.
+    cases["fp32, outputs poisoned"] = (poisoned(cases["fp32, short segments"][0]),
+                                       cases["fp32, short segments"][1])
+    cases["segment_sum, outputs poisoned"] = (
+        poisoned(lambda t: detsum.segment_sum(t[1], plan=short_plan)),
+        cases["fp32, short segments"][1])
     cases["workspace over HELD_WORKSPACE_BYTES"] = (workspace_over_the_held_bytes, two)
 
     def requiring_grad(seed):

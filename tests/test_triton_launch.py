@@ -209,14 +209,15 @@ def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
     values too). Across long segments, alpha, in place, outer rows, one feature, a strided
     source, each mode, a sorted plan, segment_sum, scatter_reduce's sum, mean (without the
     input), maximum and minimum, a source requiring grad (the call through torch's
-    dispatcher, recorded by autograd); "exact" (not one launch), in place into a strided
+    dispatcher, recorded by autograd), outputs NaN-filled first (recorded so, and launched
+    again into a filled output); "exact" (not one launch), in place into a strided
     input, a call with an op after its launch (a copy, an add: torch ops the launch does
     not repeat) and one whose workspace is over HELD_WORKSPACE_BYTES are never launched
     again."""
     cases = launch_check["launches_again"]["cases"]
     not_again = {"exact", "in place, strided input", "an op after the launch",
                  "workspace over HELD_WORKSPACE_BYTES"}
-    assert len(cases) == 21
+    assert len(cases) == 23
     for name, case in cases.items():
         assert case["launched_again"] == (name not in not_again), name
         assert case["same_output_layout"], name

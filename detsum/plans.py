@@ -131,11 +131,13 @@ _LAUNCHES: dict[int, tuple[weakref.ref, dict]] = {}
 _LAUNCHES_KEPT = 16
 
 
-def launches_again(t: torch.Tensor) -> bool:
-    """Whether a primitive's body, called with a plan and ``t`` as its data, may make an
-    earlier call's launch again (``call_with_plan``): on the triton backend, eager, on plain
-    tensors (no fake or traced tensor, no dispatch mode in force)."""
-    return (LAUNCH_AGAIN and type(t) is torch.Tensor
+def launches_again(t: torch.Tensor, offsets: torch.Tensor) -> bool:
+    """Whether a primitive's body, called with ``t`` as its data and ``offsets`` as its
+    segments' bounds, may make an earlier call's launch again (``call_with_plan``): the
+    offsets of a :class:`Plan` (not those a consumer builds for one call, an MoE backward's
+    say), on the triton backend, eager, on plain tensors (no fake or traced tensor, no
+    dispatch mode in force)."""
+    return (LAUNCH_AGAIN and _launches_of(offsets) is not None and type(t) is torch.Tensor
             and _segments.launches_on_triton(t.device.type)
             and not torch._C._len_torch_dispatch_stack()
             and not torch.compiler.is_compiling())
@@ -161,8 +163,7 @@ def call_with_plan(caller: str, offsets: torch.Tensor, kept: tuple, signature: t
     of its whole path: the same compiled kernel, with the same arguments but for the new
     tensors' data pointers. A small call's host time falls to about a third
     (benches/host_launch.py)."""
-    launches = _launches_of(offsets)
-    again = None if launches is None else launches.get((caller, signature))
+    again = _launches_of(offsets).get((caller, signature))
     if again is _NOT_AGAIN:
         return call()
     if again is not None:
@@ -178,9 +179,9 @@ def call_with_plan(caller: str, offsets: torch.Tensor, kept: tuple, signature: t
 
 
 def _launches_of(offsets: torch.Tensor, make: bool = False) -> dict | None:
-    """The launches kept for the plan whose offsets are ``offsets`` (a new, empty dict when
-    there are none and ``make``; else None). An entry goes when its offsets are collected,
-    before their id can be another tensor's."""
+    """The launches kept for the plan whose offsets are ``offsets``: None for offsets that
+    are no plan's (``make``: a plan's, new; ``plan`` registers its own so). An entry goes
+    when its offsets are collected, before their id can be another tensor's."""
     key = id(offsets)
     entry = _LAUNCHES.get(key)
     if entry is not None and entry[0]() is offsets:
@@ -220,7 +221,7 @@ def record_launch(caller: str, offsets: torch.Tensor, kept: tuple, signature: tu
         tensors = (*inputs, result) if new_output else inputs
         again = made[0].with_slots(tensors, tuple(t for t in (offsets, *kept)
                                                   if t is not None)) or _NOT_AGAIN
-    launches = _launches_of(offsets, make=True)
+    launches = _launches_of(offsets)
     launches.pop((caller, signature), None)  # kept last: the first out is the oldest
     launches[caller, signature] = again
     while len(launches) > _LAUNCHES_KEPT:
@@ -356,6 +357,8 @@ def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
         chunk_slots = int(chunk_ends[-1]) if num_rows else 0
     else:
         chunk_slots = kernels.chunk_slots_bound(index.shape[0])
+    if _can_call_directly(index):
+        _launches_of(offsets, make=True)  # its calls' launches are kept (call_with_plan)
     return Plan(index=index, num_rows=num_rows, order=None if sorted else order,
                 offsets=offsets, check=check, sorted=sorted, index_version=_version(index),
                 chunk_ends=chunk_ends, chunk_slots=chunk_slots)

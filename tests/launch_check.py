@@ -43,6 +43,7 @@ import detsum
 from detsum import kernels
 from detsum.kernels.triton import launch, segment
 from detsum.ops import index_add as index_add_module
+from detsum.ops import segment_sum as segment_sum_module
 
 # ---- the launches of some detsum calls ------------------------------------------------------
 
@@ -451,6 +452,15 @@ def _plan_calls():
     # and the relaunched call's own.
     cases["fp32, outputs poisoned"] = (poisoned(cases["fp32, short segments"][0]),
                                        cases["fp32, short segments"][1])
+    def offsets_a_consumer_built(t):
+        # As an MoE backward sums a token's rows: a plan's tensors, but offsets built for the
+        # one call (a new tensor each time), which keep no launches.
+        offsets = short_plan.offsets.clone()
+        return segment_sum_module.call_segment_sum(t[1], offsets, 0, short_plan.order, "fp32",
+                                                   "off", short_plan.index, None, 0)
+
+    cases["offsets a consumer built"] = (offsets_a_consumer_built,
+                                         cases["fp32, short segments"][1])
     cases["segment_sum, outputs poisoned"] = (
         poisoned(lambda t: detsum.segment_sum(t[1], plan=short_plan)),
         cases["fp32, short segments"][1])
@@ -482,9 +492,15 @@ def _plan_calls():
 def _driver_calls_of(call, tensors) -> dict:
     """What ``call(tensors)`` did: the driver's launches, its result (the input of a call in
     place), how many launches reached ``Kernel``, the ``Relaunch`` that launched again (None
-    where none did), and the record of each direct launch (``launch.recording``)."""
-    kernel_calls, relaunches = [], []
+    where none did), the record of each direct launch (``launch.recording``), and how many
+    times the call tried to record its launch for later (``plans.record_launch``)."""
+    kernel_calls, relaunches, records = [], [], []
     direct, again = launch.Kernel.__call__, launch.Relaunch.__call__
+    record = detsum.plans.record_launch
+
+    def recorded(*args):
+        records.append(args[0])
+        return record(*args)
 
     def counted(self, *args, **options):
         kernel_calls.append(self)
@@ -498,12 +514,13 @@ def _driver_calls_of(call, tensors) -> dict:
     triton_stub.LAUNCHES.clear()
     with unittest.mock.patch.object(launch.Kernel, "__call__", counted), \
             unittest.mock.patch.object(launch.Relaunch, "__call__", relaunched), \
+            unittest.mock.patch.object(detsum.plans, "record_launch", recorded), \
             launch.recording() as made:
         result = call(tensors)
     return {"driver": list(triton_stub.LAUNCHES),
             "output": tensors[0] if result is None else result,
             "kernel_calls": len(kernel_calls), "relaunch": relaunches[0] if relaunches else None,
-            "records": made}
+            "records": made, "recorded": len(records)}
 
 
 def _as_compared(driver_calls: list, output) -> list:
@@ -561,7 +578,8 @@ def _launch_again_and_whole(call, tensors) -> dict:
                                   == _as_compared(whole["driver"], outputs[1])),
             "same_output_layout": len({(t.shape, t.stride(), t.dtype) for t in outputs}) == 1,
             "held": ([str(t.dtype) for t in again["relaunch"].holds] if launched_again
-                     else None)}
+                     else None),
+            "tried_to_record": again["recorded"] > 0}
 
 
 @contextlib.contextmanager

@@ -212,12 +212,12 @@ def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
     dispatcher, recorded by autograd), outputs NaN-filled first (recorded so, and launched
     again into a filled output); "exact" (not one launch), in place into a strided
     input, a call with an op after its launch (a copy, an add: torch ops the launch does
-    not repeat) and one whose workspace is over HELD_WORKSPACE_BYTES are never launched
-    again."""
+    not repeat), one whose workspace is over HELD_WORKSPACE_BYTES, and one whose offsets a
+    consumer built for it (an MoE backward's, no plan's) are never launched again."""
     cases = launch_check["launches_again"]["cases"]
     not_again = {"exact", "in place, strided input", "an op after the launch",
-                 "workspace over HELD_WORKSPACE_BYTES"}
-    assert len(cases) == 23
+                 "workspace over HELD_WORKSPACE_BYTES", "offsets a consumer built"}
+    assert len(cases) == 24
     for name, case in cases.items():
         assert case["launched_again"] == (name not in not_again), name
         assert case["same_output_layout"], name
@@ -228,6 +228,9 @@ def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
     assert cases["kahan bf16, alpha"]["held"] == ["torch.float32", "torch.int64",
                                                   "torch.float32"]
     assert cases["fp32, short segments"]["held"] == []
+    # Offsets that are no plan's are not even recorded (an MoE backward's, every step).
+    assert not cases["offsets a consumer built"]["tried_to_record"]
+    assert cases["in place, strided input"]["tried_to_record"] is False  # its whole path only
 
 
 def test_a_plan_keeps_the_launches_of_several_signatures(launch_check):

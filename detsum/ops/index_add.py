@@ -120,7 +120,7 @@ def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=N
         return _run(input, dim, index, source, alpha, acc_mode, check=check,
                     planned=unpack(order, offsets, chunk_ends, chunk_slots)).view(*input.shape)
 
-    if offsets is None or not launches_again(input):
+    if offsets is None or not launches_again(input, offsets):
         return whole_path()
     return call_with_plan(_CALLER, offsets, (order, index, chunk_ends),
                           _signature(input, dim, source, alpha, acc_mode, check, chunk_slots),
@@ -165,7 +165,7 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
             _run(input, dim, index, source, alpha, acc_mode, in_place=True, check=check,
                  planned=planned)
 
-        if offsets is None or not launches_again(input):
+        if offsets is None or not launches_again(input, offsets):
             whole_path()
         else:  # an earlier call's launch made again where the signature allows
             call_with_plan("detsum.index_add_", offsets, (order, index, chunk_ends),

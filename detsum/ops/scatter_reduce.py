@@ -161,7 +161,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here; a call of an earlier call's signature makes that
     call's launch again (``plans.call_with_plan``)."""
-    if planned is None or not launches_again(input):
+    if planned is None or not launches_again(input, planned[1]):
         return _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted,
                            check, planned)
     order, offsets, chunks = planned

@@ -101,7 +101,7 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
     ``kernels.CHUNK_TERMS``; -1: the launch counts them. With a plan, a call of an earlier
     call's signature makes that call's launch again (``plans.call_with_plan``)."""
-    if rows is None or not launches_again(src):
+    if rows is None or not launches_again(src, offsets):
         return _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends,
                            chunk_slots, offsets_checked)
     return call_with_plan(

@@ -282,7 +282,7 @@ class Kernel:
         if _RECORDING.made is not None:
             _record(None if not POINTERS_AS_INTS else RecordedLaunch(
                 self, run, function, packed_metadata, (grid_x, grid_y, grid_z), device, stream,
-                key[2], launch_settings(), args, pointers, tuple(values), holds))
+                key[2], launch_settings(), pointers, tuple(values), holds, args=args))
 
 
 class _Recording(threading.local):
@@ -323,8 +323,8 @@ def launch_settings() -> tuple:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RecordedLaunch:
-    """One direct launch, as ``Kernel`` handed it to the driver (see RECORDED LAUNCHES)."""
+class _Launch:
+    """What a direct launch hands the driver, and what decided it."""
 
     kernel: Kernel
     run: Callable
@@ -335,14 +335,20 @@ class RecordedLaunch:
     stream: int
     options: tuple
     settings: tuple
-    #: The launch's arguments (tensors and ints) and each one's value as handed over (a
-    #: tensor's data pointer), then the constexprs' values.
-    args: tuple
+    #: Each argument's value as handed over (a tensor's data pointer); the constexprs' values.
     pointers: tuple
     values: tuple
     #: The tensors the caller made for the launch alone, or None where the launch is not
     #: the whole of its call (``Kernel``'s ``holds``).
     holds: tuple | None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RecordedLaunch(_Launch):
+    """One direct launch, as ``Kernel`` handed it to the driver (see RECORDED LAUNCHES)."""
+
+    #: The launch's arguments themselves (tensors and ints).
+    args: tuple = ()
 
     def with_slots(self, tensors: tuple, kept: tuple) -> Relaunch | None:
         """This launch, to be made again with other tensors in the place of ``tensors`` (the
@@ -365,34 +371,22 @@ class RecordedLaunch:
                       for pointer in pointers)
         if not all(slots):
             return None
-        return Relaunch(self.kernel, self.run, self.function, self.packed_metadata, self.grid,
-                        self.device, self.stream, self.options, self.settings, self.pointers,
-                        self.values, self.holds, slots,
-                        tuple(not pointer & 15 for pointer in pointers))
+        launch = {field.name: getattr(self, field.name)
+                  for field in dataclasses.fields(_Launch)}
+        return Relaunch(**launch, slots=slots,
+                        aligned=tuple(not pointer & 15 for pointer in pointers))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Relaunch:
+class Relaunch(_Launch):
     """A ``RecordedLaunch`` to be made again with other tensors in some argument slots
     (``RecordedLaunch.with_slots``). It holds no tensor of the recorded call but those its
     caller let it hold."""
 
-    kernel: Kernel
-    run: Callable
-    function: object
-    packed_metadata: object
-    grid: tuple[int, int, int]
-    device: int
-    stream: int
-    options: tuple
-    settings: tuple
-    pointers: tuple
-    values: tuple
-    holds: tuple
     #: For each slot, the positions of its arguments, and whether its recorded pointer was
     #: 16-byte aligned (the compiled kernel assumes it where it was).
-    slots: tuple[tuple[int, ...], ...]
-    aligned: tuple[bool, ...]
+    slots: tuple[tuple[int, ...], ...] = ()
+    aligned: tuple[bool, ...] = ()
 
     def __call__(self, pointers: tuple[int, ...]) -> bool:
         """Launch with ``pointers[k]`` (the data pointer of a tensor of the recorded one's

@@ -366,31 +366,81 @@ def _plan_calls():
     tensors that ``make(seed)`` returns, new ones of the same layout for each seed. Each
     crosses a feature that shapes the launch: long segments (a workspace and ticket counters
     held), alpha (its tensor held), in place, outer rows, one feature, a strided source, each
-    mode, a sorted plan, ``segment_sum`` and ``scatter_reduce`` (a mean, a maximum, without
-    the input), a source that requires grad (the call through torch's dispatcher, autograd
-    recording it), outputs NaN-filled before the launch (``_segments.POISON_OUTPUTS``), and
-    calls whose launch is not the whole call (in place into a strided
-    input, "exact", an op after the launch)."""
+    mode, a sorted plan, ``segment_sum`` and ``scatter_reduce`` (a mean, a maximum, a
+    minimum, without the input), a source that requires grad (the call through torch's
+    dispatcher, autograd recording it), outputs NaN-filled before the launch
+    (``_segments.POISON_OUTPUTS``); and calls not to be launched again: "exact", in place
+    into a strided input, an op after the launch, a workspace over ``HELD_WORKSPACE_BYTES``,
+    offsets a consumer built for one call."""
     segments = 7
     index = torch.randint(0, segments, (600,), generator=torch.Generator().manual_seed(1))
     short = index[:200].clone()
     index[::2] = 0  # segment 0 longer than a chunk: chunk programs, a workspace, counters
-    plans = {"long": detsum.plan(index, segments), "short": detsum.plan(short, segments),
-             "sorted": detsum.plan(short.sort().values, segments, sorted=True)}
+    long, short_plan = detsum.plan(index, segments), detsum.plan(short, segments)
+    sorted_plan = detsum.plan(short.sort().values, segments, sorted=True)
+    # Plans of their own: their calls never find the other cases' records.
+    long_apart, short_apart = detsum.plan(index, segments), detsum.plan(short, segments)
 
     def data(seed, *shapes, dtype=torch.float32):
         gen = torch.Generator().manual_seed(seed)
         return [torch.randn(*shape, generator=gen).to(dtype) for shape in shapes]
+
+    def two(seed):  # input and source of the long index
+        return data(seed, (segments, 5), (600, 5))
+
+    def one(seed):  # input and source of the short index
+        return data(seed, (segments, 5), (200, 5))
 
     def index_add(plan, shapes, dim=0, dtype=torch.float32, **options):
         def call(t):
             return detsum.index_add(t[0], dim, plan.index, t[1], plan=plan, **options)
         return call, lambda seed: data(seed, *shapes, dtype=dtype)
 
-    long, short_plan, sorted_plan = plans["long"], plans["short"], plans["sorted"]
+    def strided(seed):
+        init, src = data(seed, (segments, 5), (200, 10))
+        return [init, src[:, ::2]]
+
+    def strided_input(seed):
+        init, src = two(seed)
+        return [init.t().contiguous().t(), src]
+
+    def requiring_grad(seed):
+        init, src = two(seed)
+        return [init, src.requires_grad_()]
+
+    def in_place(t):
+        return detsum.index_add_(t[0], 0, index, t[1], plan=long)
+
+    def poisoned(call):
+        def called(t):
+            with unittest.mock.patch.object(detsum._segments, "POISON_OUTPUTS", True):
+                return call(t)
+        return called
+
+    def an_op_after_the_launch(t):
+        body = index_add_module._run
+
+        def body_then_an_op(*args, **options):
+            return body(*args, **options).add_(0)
+
+        with unittest.mock.patch.object(index_add_module, "_run", body_then_an_op):
+            return detsum.index_add(t[0], 0, short, t[1], plan=short_apart)
+
+    def workspace_over_the_held_bytes(t):
+        with unittest.mock.patch.object(segment, "HELD_WORKSPACE_BYTES", 64):
+            return detsum.index_add(t[0], 0, index, t[1], plan=long_apart)
+
+    def offsets_a_consumer_built(t):
+        # As an MoE backward sums a token's rows: a plan's tensors, but offsets built for the
+        # one call (a new tensor each time), which keep no launches.
+        offsets = short_plan.offsets.clone()
+        return segment_sum_module.call_segment_sum(t[1], offsets, 0, short_plan.order, "fp32",
+                                                   "off", short_plan.index, None, 0)
+
+    fp32_short = index_add(short_plan, [(segments, 5), (200, 5)])[0]
     cases = {
         "fp32, long segments": index_add(long, [(segments, 5), (600, 5)]),
-        "fp32, short segments": index_add(short_plan, [(segments, 5), (200, 5)]),
+        "fp32, short segments": (fp32_short, one),
         "kahan bf16, alpha": index_add(long, [(segments, 5), (600, 5)], dtype=torch.bfloat16,
                                        mode="kahan", alpha=0.5),
         "autograd fp16": index_add(short_plan, [(segments, 5), (200, 5)],
@@ -400,92 +450,33 @@ def _plan_calls():
         "fp32, one feature": index_add(short_plan, [(segments, 1), (200, 1)]),
         "fp64, sorted plan": index_add(sorted_plan, [(segments, 5), (200, 5)],
                                        dtype=torch.float64),
+        "fp32, strided source": (fp32_short, strided),
+        "in place": (in_place, two),
+        "fp32, outputs poisoned": (poisoned(fp32_short), one),
+        "segment_sum, outputs poisoned": (
+            poisoned(lambda t: detsum.segment_sum(t[1], plan=short_plan)), one),
+        # Recorded by autograd: through torch's dispatcher to the primitive's body.
+        "fp32, source requiring grad": (index_add(long, [])[0], requiring_grad),
+        "segment_sum, source requiring grad": (
+            lambda t: detsum.segment_sum(t[1], plan=long), requiring_grad),
+        "scatter_reduce amin, source requiring grad": (
+            lambda t: detsum.scatter_reduce(t[0], 0, index, t[1], "amin", plan=long),
+            requiring_grad),
+        "segment_sum, long segments": (lambda t: detsum.segment_sum(t[1], plan=long), two),
+        "segment_sum kahan, outer rows": (
+            lambda t: detsum.segment_sum(t[1], dim=1, mode="kahan", plan=short_plan),
+            lambda seed: data(seed, (3, segments, 4), (3, 200, 4))),
+        # Not to be launched again.
         "exact": index_add(short_plan, [(segments, 5), (200, 5)], mode="exact"),
+        "in place, strided input": (in_place, strided_input),
+        "an op after the launch": (an_op_after_the_launch, one),
+        "workspace over HELD_WORKSPACE_BYTES": (workspace_over_the_held_bytes, two),
+        "offsets a consumer built": (offsets_a_consumer_built, one),
     }
-
-    def strided(seed):
-        init, src = data(seed, (segments, 5), (200, 10))
-        return [init, src[:, ::2]]
-
-    cases["fp32, strided source"] = (cases["fp32, short segments"][0], strided)
-
-    def in_place(plan):
-        return lambda t: detsum.index_add_(t[0], 0, plan.index, t[1], plan=plan)
-
-    cases["in place"] = (in_place(long), cases["fp32, long segments"][1])
-
-    def strided_input(seed):
-        init, src = data(seed, (5, segments), (600, 5))
-        return [init.t(), src]
-
-    cases["in place, strided input"] = (in_place(long), strided_input)
-
-    # A plan of its own: its calls never find the other plans' records.
-    op_after_plan = detsum.plan(short, segments)
-
-    def an_op_after_the_launch(t):
-        body = index_add_module._run
-
-        def body_then_an_op(*args, **options):
-            return body(*args, **options).add_(0)
-
-        with unittest.mock.patch.object(index_add_module, "_run", body_then_an_op):
-            return detsum.index_add(t[0], 0, short, t[1], plan=op_after_plan)
-
-    cases["an op after the launch"] = (an_op_after_the_launch,
-                                       cases["fp32, short segments"][1])
-    two = cases["fp32, long segments"][1]
-
-    def workspace_over_the_held_bytes(t):
-        with unittest.mock.patch.object(segment, "HELD_WORKSPACE_BYTES", 64):
-            return detsum.index_add(t[0], 0, index, t[1], plan=plans["long, its own"])
-
-    plans["long, its own"] = detsum.plan(index, segments)  # no other case's records
-
-    def poisoned(call):
-        def called(t):
-            with unittest.mock.patch.object(detsum._segments, "POISON_OUTPUTS", True):
-                return call(t)
-        return called
-
-    # Outputs NaN-filled before the launch (as the test suite's are): the whole path's fill
-    # and the relaunched call's own.
-    cases["fp32, outputs poisoned"] = (poisoned(cases["fp32, short segments"][0]),
-                                       cases["fp32, short segments"][1])
-    def offsets_a_consumer_built(t):
-        # As an MoE backward sums a token's rows: a plan's tensors, but offsets built for the
-        # one call (a new tensor each time), which keep no launches.
-        offsets = short_plan.offsets.clone()
-        return segment_sum_module.call_segment_sum(t[1], offsets, 0, short_plan.order, "fp32",
-                                                   "off", short_plan.index, None, 0)
-
-    cases["offsets a consumer built"] = (offsets_a_consumer_built,
-                                         cases["fp32, short segments"][1])
-    cases["segment_sum, outputs poisoned"] = (
-        poisoned(lambda t: detsum.segment_sum(t[1], plan=short_plan)),
-        cases["fp32, short segments"][1])
-    cases["workspace over HELD_WORKSPACE_BYTES"] = (workspace_over_the_held_bytes, two)
-
-    def requiring_grad(seed):
-        init, src = two(seed)
-        return [init, src.requires_grad_()]
-
-    # Recorded by autograd: through torch's dispatcher to the primitive's body.
-    cases["fp32, source requiring grad"] = (cases["fp32, long segments"][0], requiring_grad)
-    cases["segment_sum, source requiring grad"] = (
-        lambda t: detsum.segment_sum(t[1], plan=long), requiring_grad)
-    cases["scatter_reduce amin, source requiring grad"] = (
-        lambda t: detsum.scatter_reduce(t[0], 0, long.index, t[1], "amin", plan=long),
-        requiring_grad)
-    cases["segment_sum, long segments"] = (
-        lambda t: detsum.segment_sum(t[1], plan=long), two)
-    cases["segment_sum kahan, outer rows"] = (
-        lambda t: detsum.segment_sum(t[1], dim=1, mode="kahan", plan=short_plan),
-        cases["fp32, outer rows (dim=1)"][1])
     for reduce, include_self in (("sum", True), ("mean", False), ("amax", True)):
         cases[f"scatter_reduce {reduce}, include_self={include_self}"] = (
             lambda t, reduce=reduce, include_self=include_self: detsum.scatter_reduce(
-                t[0], 0, long.index, t[1], reduce, include_self=include_self, plan=long), two)
+                t[0], 0, index, t[1], reduce, include_self=include_self, plan=long), two)
     return [(name, call, make) for name, (call, make) in cases.items()]
 
 

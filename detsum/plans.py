@@ -143,12 +143,20 @@ def launches_again(t: torch.Tensor, offsets: torch.Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
+def aligned(t: torch.Tensor) -> bool:
+    """Whether ``t``'s data pointer is 16-byte aligned, as a compiled kernel may assume: in a
+    call's signature (``call_with_plan``), so that calls aligned otherwise in turn each keep
+    a launch of their own rather than record again at every call."""
+    return not t.data_ptr() & 15
+
+
 def call_with_plan(caller: str, offsets: torch.Tensor, kept: tuple, signature: tuple,
                    inputs: tuple, new_output, call):
     """``call()``, the whole path of a primitive's body with a plan (``launches_again``), or
     the same call made as an earlier call's launch again: the call's one launch is recorded
     under ``signature`` (what decides the launch besides the plan: each data tensor's dtype,
-    shape, strides and device, the other arguments, ``_segments.launch_settings()``), and a
+    shape, strides, device and ``aligned``, the other arguments,
+    ``_segments.launch_settings()``), and a
     later call with that signature hands the driver the same launch with its own tensors'
     addresses in their places (``detsum.kernels.triton.launch``, RECORDED LAUNCHES, says what
     the relaunch checks first). ``offsets``: the plan's, by which it keeps its launches;

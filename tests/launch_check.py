@@ -611,7 +611,26 @@ def check_launches_again() -> dict:
         with unittest.mock.patch.object(segment, "TILE_BYTES", 0):
             refused["TILE_BYTES 0"] = _launch_again_and_whole(call, make(9))
         in_turn = _widths_in_turn()
-    return {"cases": cases, "refused": refused, "widths_in_turn": in_turn}
+        alignments = _alignments_in_turn()
+    return {"cases": cases, "refused": refused, "widths_in_turn": in_turn,
+            "alignments_in_turn": alignments}
+
+
+def _alignments_in_turn() -> list[dict]:
+    """Whether each call launched again, and tried to record, of calls on one plan whose
+    source is 16-byte aligned and one element off in turn, four rounds."""
+    index = torch.randint(0, 7, (200,), generator=torch.Generator().manual_seed(3))
+    plan = detsum.plan(index, 7)
+    found = []
+    for _ in range(4):
+        for misaligned in (False, True):
+            src, init = torch.randn(200, 5), torch.randn(7, 5)
+            call = _driver_calls_of(
+                lambda t: detsum.index_add(t[0], 0, index, t[1], plan=plan),
+                [init, _misaligned(src) if misaligned else src])
+            found.append({"launched_again": call["relaunch"] is not None,
+                          "tried_to_record": call["recorded"] > 0})
+    return found
 
 
 def _widths_in_turn() -> list[bool]:

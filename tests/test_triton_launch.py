@@ -241,6 +241,15 @@ def test_a_plan_keeps_the_launches_of_several_signatures(launch_check):
     assert in_turn[:2] == [False, False] and in_turn[4:] == [True] * 4, in_turn
 
 
+def test_sources_aligned_otherwise_in_turn_each_keep_a_launch(launch_check):
+    """A source 16-byte aligned and one misaligned, in turn on one plan (two compiled
+    kernels): each keeps a launch of its own (alignment is in the signature), so from the
+    third round on every call is launched again and none tries to record."""
+    in_turn = launch_check["launches_again"]["alignments_in_turn"]
+    assert [call["launched_again"] for call in in_turn[4:]] == [True] * 4, in_turn
+    assert not any(call["tried_to_record"] for call in in_turn[4:]), in_turn
+
+
 def test_a_relaunch_refuses_what_would_launch_otherwise(launch_check):
     """After a record: a source aligned otherwise (another compiled kernel), another stream
     (the held workspace belongs to the record's), a launch hook (to be called), another

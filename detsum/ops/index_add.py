@@ -7,7 +7,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import (Plan, Planned, call_with_plan, check_plan, launches_again,
+from detsum.plans import (Plan, Planned, aligned, call_with_plan, check_plan, launches_again,
                           operator_arguments, run_checks_with, unpack)
 
 _CALLER = "detsum.index_add"
@@ -132,7 +132,7 @@ def _signature(input, dim, source, alpha, acc_mode, check, chunk_slots) -> tuple
     """What decides a call's launch besides its plan (``plans.call_with_plan``)."""
     return (input.dtype, input.shape, input.stride(), input.device, source.dtype,
             source.shape, source.stride(), source.device, dim, alpha, acc_mode, check,
-            chunk_slots, _segments.launch_settings())
+            chunk_slots, aligned(input), aligned(source), _segments.launch_settings())
 
 
 @torch.library.custom_op("detsum::index_add", mutates_args=())

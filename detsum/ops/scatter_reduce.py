@@ -18,7 +18,7 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
-from detsum.plans import (Plan, call_with_plan, check_plan, launches_again,
+from detsum.plans import (Plan, aligned, call_with_plan, check_plan, launches_again,
                           operator_arguments, run_checks_with, unpack)
 from detsum.plans import plan as make_plan
 
@@ -170,7 +170,7 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
         _CALLER, offsets, (order, index, chunk_ends),
         (input.dtype, input.shape, input.stride(), input.device, src.dtype, src.shape,
          src.stride(), src.device, dim, reduce, include_self, acc_mode, sorted, check,
-         chunk_slots, _segments.launch_settings()),
+         chunk_slots, aligned(input), aligned(src), _segments.launch_settings()),
         (src, input), lambda: _segments.new_output_like(input),
         lambda: _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted,
                             check, planned))

@@ -9,7 +9,8 @@ import torch
 from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
-from detsum.plans import Plan, call_with_plan, check_plan, launches_again, run_checks_with
+from detsum.plans import (Plan, aligned, call_with_plan, check_plan, launches_again,
+                          run_checks_with)
 from detsum.ops.index_add import call_index_add
 
 _CALLER = "detsum.segment_sum"
@@ -107,7 +108,7 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     return call_with_plan(
         _CALLER, offsets, (perm, rows, chunk_ends),
         (src.dtype, src.shape, src.stride(), src.device, dim, acc_mode, check, chunk_slots,
-         _segments.launch_settings()),
+         aligned(src), _segments.launch_settings()),
         (src,), lambda: _segments.new_output_shaped(src, _out_shape(src, dim, offsets)),
         lambda: _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends,
                             chunk_slots, offsets_checked))

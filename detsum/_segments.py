@@ -15,7 +15,7 @@ import torch
 from detsum import kernels
 from detsum._validation import (assert_on_device, device_check_message,
                                 raise_first_out_of_range, raise_index_out_of_range)
-from detsum.backend import _forced_backend, check_backend_runs
+from detsum.backend import _DEFAULT_BY_DEVICE, _forced_backend, check_backend_runs
 
 #: Tests set this to True: every output is NaN-filled before a kernel writes it, so an element
 #: a kernel forgets to write fails the bitwise comparison instead of passing by luck.
@@ -39,9 +39,10 @@ def check_that_runs(check: str, device_type: str, backend_name: str) -> str:
 
 
 def launches_on_triton(device_type: str) -> bool:
-    """Whether a primitive's call on ``device_type`` tensors runs the triton backend now."""
-    forced = _forced_backend.get()
-    return forced == "triton" or (forced is None and device_type == "cuda")
+    """Whether a primitive's call on ``device_type`` tensors runs the triton backend now
+    (``detsum.backend.current_backend``'s choice, without its check that the backend runs
+    them: the call makes that check itself)."""
+    return (_forced_backend.get() or _DEFAULT_BY_DEVICE.get(device_type)) == "triton"
 
 
 def launch_settings() -> tuple:

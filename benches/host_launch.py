@@ -97,7 +97,7 @@ def _inputs(device: str = "cpu") -> dict:
     t = {name: tensor.to(device) for name, tensor in t.items()}
     t["src_requiring_grad"] = t["src"].clone().requires_grad_()
     with _as_cuda(device):
-        t["plan"] = detsum.plan(index, SEGMENTS)
+        t["plan"] = detsum.plan(t["index"], SEGMENTS)
         t["routing"] = moe.route(t["selected"], EXPERTS)
     return t
 

@@ -14,7 +14,8 @@ on ``bench_skew.py``'s index instead (50k rows of 1024 into 32k, Zipf-skewed: a 
 rows on the hottest one), the shape where the call without a plan is furthest from torch's
 atomics. The rows "chunks last" launch the chunk programs of long segments after the whole
 segments' (``chunks.CHUNKS_FIRST`` off, the order before): on the Zipf index, what starting
-them first gains. The row "sort by segment" is the sort the call without a plan makes
+them first gains; the rows "unguided" have the chunk programs search the segments' bounds
+rather than read their keys (``chunks.GUIDED_CHUNKS`` off). The row "sort by segment" is the sort the call without a plan makes
 (``kernels.sort_by_segment``: the index clamped and cast to int16 here, int32 for the Zipf
 table, then sorted), and "detsum off, torch's keys" the call with the index sorted as it is
 (the sort before): what the narrow keys gain.
@@ -71,6 +72,12 @@ def _chunks_last(call):
     return _with_setting(chunks, "CHUNKS_FIRST", False, call)
 
 
+def _unguided(call):
+    """``call`` with the chunk programs searching the segments' bounds rather than reading
+    their keys (``chunks.GUIDED_CHUNKS`` off): the same bits, other loads."""
+    return _with_setting(chunks, "GUIDED_CHUNKS", False, call)
+
+
 def torch_keys(call):
     """``call`` with its index sorted as it is, not narrowed (``kernels.NARROW_SORT_ABOVE``
     past any index): the same bits, a sort of wider keys."""
@@ -101,6 +108,8 @@ def _calls(d: dict, out: torch.Tensor) -> dict:
     }
     calls["detsum off, chunks last"] = _chunks_last(calls["detsum off"])
     calls["detsum plan, chunks last"] = _chunks_last(calls["detsum plan"])
+    calls["detsum off, unguided"] = _unguided(calls["detsum off"])
+    calls["detsum plan, unguided"] = _unguided(calls["detsum plan"])
     calls["detsum off, torch's keys"] = torch_keys(calls["detsum off"])
     return calls
 

@@ -41,7 +41,7 @@ import triton_stub
 
 import detsum
 from detsum import kernels
-from detsum.kernels.triton import launch, segment
+from detsum.kernels.triton import chunks, launch, segment
 from detsum.ops import index_add as index_add_module
 from detsum.ops import segment_sum as segment_sum_module
 
@@ -584,7 +584,7 @@ def check_launches_again() -> dict:
     """Each of ``_plan_calls`` made on new tensors three times (a kernel's first launch goes
     through JITFunction.run, the second is recorded), the third beside the whole path; then,
     after records, the calls that a relaunch must refuse: a source aligned otherwise than
-    the record's, another stream, a launch hook, another TILE_BYTES."""
+    the record's, another stream, a launch hook, another TILE_BYTES or GUIDED_CHUNKS."""
     cases = {}
     with triton_stub.cpu_tensors_as_cuda():
         for name, call, make in _plan_calls():
@@ -610,6 +610,9 @@ def check_launches_again() -> dict:
         call(make(8))
         with unittest.mock.patch.object(segment, "TILE_BYTES", 0):
             refused["TILE_BYTES 0"] = _launch_again_and_whole(call, make(9))
+        call(make(10))
+        with unittest.mock.patch.object(chunks, "GUIDED_CHUNKS", False):
+            refused["GUIDED_CHUNKS off"] = _launch_again_and_whole(call, make(11))
         in_turn = _widths_in_turn()
         alignments = _alignments_in_turn()
     return {"cases": cases, "refused": refused, "widths_in_turn": in_turn,

@@ -626,7 +626,7 @@ def test_chunk_programs_guided_by_the_keys(monkeypatch, given, mode, keys_dtype)
     offsets alone, for long segments at the start, in the middle and at the end, short and
     empty ones, and keys outside the segments at both ends (an unchecked index: their
     positions lie in no segment). Launched GUIDED, and as which, exactly where it splits and
-    has keys."""
+    has keys, unless ``chunks.GUIDED_CHUNKS`` is off."""
     from detsum.kernels.triton import chunks, segment
 
     g = torch.Generator().manual_seed(seed_of("guided chunks", mode, keys_dtype))
@@ -659,14 +659,18 @@ def test_chunk_programs_guided_by_the_keys(monkeypatch, given, mode, keys_dtype)
         index[order] = keys
         launches = [(on_device(offsets), on_device(index)), (on_device(offsets), None)]
         expected = [chunks._KEY_A_ROW.value, chunks._UNGUIDED.value]
-    for bounds, index_keys in launches:
+    launches.append(launches[0])  # again with GUIDED_CHUNKS off: searched
+    expected.append(chunks._UNGUIDED.value)
+    for i, (bounds, index_keys) in enumerate(launches):
+        monkeypatch.setattr(chunks, "GUIDED_CHUNKS", i < 2)
         out = on_device(torch.full((2, nseg, 6), float("nan")))
         segment.segment_reduce(on_device(src), on_device(order), bounds, on_device(base), out,
                                reduce=kernels.SUM, rule=rule, alpha=1.0, include_base=True,
                                keys=index_keys)
         outs.append(out.cpu())
     assert guided == expected
-    assert_same_bits(*outs)
+    for out in outs[1:]:
+        assert_same_bits(out, outs[0])
 
 
 def _no_failure():

@@ -253,10 +253,11 @@ def test_sources_aligned_otherwise_in_turn_each_keep_a_launch(launch_check):
 def test_a_relaunch_refuses_what_would_launch_otherwise(launch_check):
     """After a record: a source aligned otherwise (another compiled kernel), another stream
     (the held workspace belongs to the record's), a launch hook (to be called), another
-    TILE_BYTES (another launch): the call takes its whole path and launches what it does."""
+    TILE_BYTES or GUIDED_CHUNKS (another launch): the call takes its whole path and launches
+    what it does."""
     refused = launch_check["launches_again"]["refused"]
     assert set(refused) == {"source aligned otherwise", "another stream", "a launch hook",
-                            "TILE_BYTES 0"}
+                            "TILE_BYTES 0", "GUIDED_CHUNKS off"}
     for name, case in refused.items():
         assert not case["launched_again"], name
         assert case["same_driver_calls"] and case["same_output_layout"], name

@@ -30,7 +30,7 @@ from triton.runtime import driver
 
 from .launch import Kernel
 
-__all__ = ["CHUNKS_FIRST", "sort_offsets", "ticket_counters"]
+__all__ = ["CHUNKS_FIRST", "GUIDED_CHUNKS", "sort_offsets", "ticket_counters"]
 
 #: Whether a launch's chunk programs take its first slots, ahead of the whole segments'. A
 #: GPU starts a launch's programs in about the order of their slots, and a chunk program is
@@ -41,6 +41,11 @@ __all__ = ["CHUNKS_FIRST", "sort_offsets", "ticket_counters"]
 #: order of the slots takes no part in any element's arithmetic: the same bits either way.
 #: False: the chunk programs last, the order before, kept to compare the two on a GPU.
 CHUNKS_FIRST = True
+
+#: Whether a launch's chunk programs find their segments by the keys where the launch has
+#: them (GUIDED, segment.py), rather than by searching the segments' bounds. The same bits
+#: either way; False is kept to compare the two on a GPU.
+GUIDED_CHUNKS = True
 
 # What ``bounds_ptr`` holds (BOUNDS): offsets known to be valid; offsets of any values, each
 # read clamped into [0, positions] (``kernels.UncheckedOffsets``); sorted keys

@@ -608,7 +608,8 @@ def _segment_kernel(
 _launch_segment = Kernel(_segment_kernel)
 # The module settings that shape segment_reduce's launch (read at each call), which a
 # relaunch must find as its record did.
-launch.SETTINGS.append(lambda: (TILE_BYTES, _chunks.CHUNKS_FIRST, _ROW_BYTES, _MAX_GRID_YZ))
+launch.SETTINGS.append(lambda: (TILE_BYTES, _chunks.CHUNKS_FIRST, _chunks.GUIDED_CHUNKS,
+                                _ROW_BYTES, _MAX_GRID_YZ))
 
 
 def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, include_base,
@@ -735,7 +736,7 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
     # or two and its check, where the search of the bounds takes a load for each halving): a
     # sort's values, or a plan's index (a row's key; a promised-sorted one's rows are the
     # positions; one of other strides searches, rather than be copied on every call).
-    if not split:
+    if not split or not _chunks.GUIDED_CHUNKS:
         guide, guide_kind = None, _UNGUIDED.value
     elif (guide is None and keys is not None and bounds_kind == _OFFSETS.value
           and keys.is_contiguous()):

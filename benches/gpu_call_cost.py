@@ -3,7 +3,9 @@ a plan, and torch's op beside it, at a tiny size (all overhead), a mid size, a G
 of 64 into 100k, with a plan) and, for ``index_add``, the MoE backward's (131072 rows of 4096
 into 16384: the kernel's bandwidth with and without the plan's sort in the call).
 
-Two times per row, both medians over rounds of back-to-back calls on one stream:
+Two times per row, both medians over rounds of back-to-back calls on one stream (the rows of
+a size, both dtypes, take turns round by round in a shuffled order; the JSON holds each
+time's p10-p90 spread too):
 
 - ``latency``: a call and a ``torch.cuda.synchronize()``, timed on the host clock: what a
   caller waiting for the result sees, host reads included;
@@ -30,12 +32,14 @@ narrows the run (``mid`` and ``gnn`` hold the narrow rows: at ``mid`` the kernel
 sits at the launch's floor, about 5 us, either way).
 
     python benches/gpu_call_cost.py [--json PATH] [--sizes tiny mid gnn moe] [--tile-bytes N]
+                                    [--dtypes float32 bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -46,6 +50,7 @@ from gpu_moe_profile import torch_keys, whole_path
 
 CALLS = 50
 ROUNDS = 15
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048), "gnn": (1_000_000, 64, 100_000),
          "moe": (131072, 4096, 16384)}
 #: The calls timed at the large sizes, by size (the others at every size): at the MoE size
@@ -91,18 +96,40 @@ def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
     }
 
 
-def _median_us(fn, *, sync_each: bool) -> float:
-    times = []
+def _us_per_call(fn, *, sync_each: bool) -> float:
+    """One round: ``CALLS`` calls of ``fn`` from an idle GPU, host time per call."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+        if sync_each:
+            torch.cuda.synchronize()
+    spent = (time.perf_counter() - start) / CALLS * 1e6
+    torch.cuda.synchronize()
+    return spent
+
+
+def _host_times(cases: dict) -> dict[str, dict[str, float]]:
+    """Each case's median latency and issue time, and their p10-p90 spread, over ``ROUNDS``
+    rounds in which the cases take turns in an order shuffled each round, so that a drift of
+    the host (its clocks, another process) falls on every case alike rather than on the
+    cases timed first."""
+    times = {name: {"latency": [], "issue": []} for name in cases}
+    order = list(cases)
+    shuffle = random.Random(0).shuffle
     for _ in range(ROUNDS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            fn()
-            if sync_each:
-                torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / CALLS * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(times)
+        shuffle(order)
+        for name in order:
+            times[name]["latency"].append(_us_per_call(cases[name], sync_each=True))
+            times[name]["issue"].append(_us_per_call(cases[name], sync_each=False))
+    found = {}
+    for name, kinds in times.items():
+        found[name] = {}
+        for kind, spent in kinds.items():
+            deciles = statistics.quantiles(spent, n=10)
+            found[name].update({f"{kind}_us": statistics.median(spent),
+                                f"{kind}_p10_us": deciles[0], f"{kind}_p90_us": deciles[-1]})
+    return found
 
 
 def _kernels(fn) -> int:
@@ -155,6 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--tile-bytes", type=int, default=None)
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
     args = parser.parse_args(argv)
     if args.tile_bytes is not None:
         from detsum.kernels.triton import segment
@@ -163,29 +191,32 @@ def main(argv=None) -> int:
     rows_out = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; "
           f"{CALLS} calls x {ROUNDS} rounds")
-    print(f"{'size':5} {'dtype':5} {'call':26} {'latency us':>10} {'issue us':>9} "
+    print(f"{'size':5} {'dtype':8} {'call':26} {'latency us':>10} {'issue us':>9} "
           f"{'device us':>9} {'kernels':>7} {'syncs':>5}")
     for size in args.sizes:
         rows, width, out_rows = SIZES[size]
-        for dtype in (torch.float32, torch.bfloat16):
-            for name, fn in _cases(rows, width, out_rows, dtype).items():
-                if name not in LARGE_CALLS.get(size, (name,)):
-                    continue
-                for _ in range(3):
-                    fn()  # compile, fill caches
-                torch.cuda.synchronize()
-                row = {"size": size, "shape": [rows, width, out_rows], "dtype": str(dtype),
-                       "call": name, "latency_us": _median_us(fn, sync_each=True),
-                       "issue_us": _median_us(fn, sync_each=False),
-                       "kernels": _kernels(fn), "syncs": _syncs(fn)}
-                # A graph holds every call's allocations: few of the large sizes' outputs.
-                row["device_us"] = (None if row["syncs"]
-                                    else _device_us(fn, 5 if size in LARGE_CALLS else CALLS))
-                rows_out.append(row)
-                device = "-" if row["device_us"] is None else f"{row['device_us']:.1f}"
-                print(f"{size:5} {str(dtype)[6:]:5} {name:26} {row['latency_us']:10.1f} "
-                      f"{row['issue_us']:9.1f} {device:>9} {row['kernels']:7d} "
-                      f"{str(row['syncs']):>5}", flush=True)
+        cases = {}
+        for dtype_name in args.dtypes:
+            for name, fn in _cases(rows, width, out_rows, DTYPES[dtype_name]).items():
+                if name in LARGE_CALLS.get(size, (name,)):
+                    cases[dtype_name, name] = fn
+        for fn in cases.values():
+            for _ in range(3):
+                fn()  # compile, fill caches
+        torch.cuda.synchronize()
+        host_times = _host_times(cases)
+        for (dtype_name, name), fn in cases.items():
+            row = {"size": size, "shape": [rows, width, out_rows],
+                   "dtype": str(DTYPES[dtype_name]), "call": name,
+                   **host_times[dtype_name, name], "kernels": _kernels(fn), "syncs": _syncs(fn)}
+            # A graph holds every call's allocations: few of the large sizes' outputs.
+            row["device_us"] = (None if row["syncs"]
+                                else _device_us(fn, 5 if size in LARGE_CALLS else CALLS))
+            rows_out.append(row)
+            device = "-" if row["device_us"] is None else f"{row['device_us']:.1f}"
+            print(f"{size:5} {dtype_name:8} {name:26} {row['latency_us']:10.1f} "
+                  f"{row['issue_us']:9.1f} {device:>9} {row['kernels']:7d} "
+                  f"{str(row['syncs']):>5}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -26,7 +26,8 @@ MoE: 64 tokens, top-2 of 4 experts):
   with ``moe.route`` (forward only);
 - one launch of ``_segment_kernel`` alone (detsum's ``Kernel``, or ``JITFunction.run``, and
   ``JITFunction.run`` with its check of module globals emptied: what passing them as
-  constexprs would save it).
+  constexprs would save it), and of a kernel of one argument (the launch's floor: against
+  ``_segment_kernel``'s 29 arguments, what the launcher's handling of each costs).
 
 With ``--cuda`` (on a GPU machine) the same cases run on CUDA tensors with the real driver:
 each call's host time to issue it, the GPU running behind (its work, a few microseconds a
@@ -71,10 +72,11 @@ def _import_compiled() -> None:
     """Import triton, detsum and the stub with the kernels compiled, not interpreted (the stub
     compiles them for sm_90): TRITON_INTERPRET off before triton is first imported. Here, not
     at the top, so that importing this file (pytest's doctest collection) changes nothing."""
-    global triton, triton_stub, detsum, kernels, moe, launch, segment
+    global triton, tl, triton_stub, detsum, kernels, moe, launch, segment
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, str(ROOT / "tests"))
     import triton
+    import triton.language as tl
     import triton_stub
 
     import detsum
@@ -173,7 +175,15 @@ def _launch_alone(t: dict) -> dict:
         finally:
             jitted.used_global_vals = used_globals
 
+    @triton.jit
+    def write_one(out_ptr):
+        tl.store(out_ptr, 1.0)
+
+    # The launch's floor: a kernel of one argument, launched the same way (what the 29
+    # arguments of _segment_kernel's launch add to it, on a GPU, is the launcher's work).
+    one_argument = launch.Kernel(write_one)
     return {"kernel": lambda: kernel(grid, args, constexprs, num_warps=1),
+            "one argument": lambda: one_argument((1,), (out,), {}, num_warps=1),
             "jitfunction_run": jitfunction_run,
             "jitfunction_run_no_global_check": jitfunction_run_no_global_check}
 
@@ -273,6 +283,8 @@ def main() -> None:
                 cases[f"{name} | whole path"] = calls[name], "whole path"
         alone = _launch_alone(t)
         cases["_segment_kernel launch alone | direct"] = alone["kernel"], "direct"
+        cases["a kernel of one argument, launch alone | direct"] = \
+            alone["one argument"], "direct"
         cases["_segment_kernel launch alone | direct, tensors"] = \
             alone["kernel"], "direct, tensors"
         cases["_segment_kernel launch alone | JITFunction.run"] = \

@@ -22,9 +22,11 @@ part a plan, fewer checks or a leaner launch path can remove, as against the ker
 
 The row "index_add off, torch's keys" is the call without a plan with its index sorted as it
 is (int64), as before ``kernels.sort_by_segment`` narrowed the keys of a sort past 4096 of
-them: at ``mid`` the kernels and time that narrowing saves. The row "index_add plan, whole
-path" is the call with a plan with ``plans.LAUNCH_AGAIN`` off: every call from its public
-function down to its launch, where "index_add plan" makes its last launch again.
+them, and "index_add off, torch's sort" with torch's sort of the narrowed keys, as before the
+counting sort (``triton.counting_sort``): at ``mid`` the kernels and time each saves. The
+row "index_add plan, whole path" is the call with a plan with ``plans.LAUNCH_AGAIN`` off:
+every call from its public function down to its launch, where "index_add plan" makes its
+last launch again.
 
 ``--tile-bytes 0`` launches narrow rows one segment a program (the layout before the tiles of
 segments, ``detsum.kernels.triton.segment.TILE_BYTES``), to compare the two; ``--sizes``
@@ -46,7 +48,7 @@ import time
 import torch
 
 import detsum
-from gpu_moe_profile import torch_keys, whole_path
+from gpu_moe_profile import narrowed_torch_sort, torch_keys, whole_path
 
 CALLS = 50
 ROUNDS = 15
@@ -77,6 +79,9 @@ def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
         "index_add": lambda: detsum.index_add(init, 0, index, src),
         "index_add device": lambda: detsum.index_add(init, 0, index, src, check="device"),
         "index_add off": lambda: detsum.index_add(init, 0, index, src, check="off"),
+        # The index sorted by torch's sort of narrow keys, as before the counting sort.
+        "index_add off, torch's sort": narrowed_torch_sort(
+            lambda: detsum.index_add(init, 0, index, src, check="off")),
         # The index sorted as it is, as before the narrow keys (kernels.sort_by_segment).
         "index_add off, torch's keys": torch_keys(
             lambda: detsum.index_add(init, 0, index, src, check="off")),

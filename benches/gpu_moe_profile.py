@@ -15,10 +15,12 @@ rows on the hottest one), the shape where the call without a plan is furthest fr
 atomics. The rows "chunks last" launch the chunk programs of long segments after the whole
 segments' (``chunks.CHUNKS_FIRST`` off, the order before): on the Zipf index, what starting
 them first gains; the rows "unguided" have the chunk programs search the segments' bounds
-rather than read their keys (``chunks.GUIDED_CHUNKS`` off). The row "sort by segment" is the sort the call without a plan makes
-(``kernels.sort_by_segment``: the index clamped and cast to int16 here, int32 for the Zipf
-table, then sorted), and "detsum off, torch's keys" the call with the index sorted as it is
-(the sort before): what the narrow keys gain.
+rather than read their keys (``chunks.GUIDED_CHUNKS`` off). The row "sort by segment" is
+the sort the call without a plan makes (``kernels.sort_by_segment``: by counting,
+``triton.counting_sort``), "sort by segment, torch's" the sort before it (the index clamped
+and cast to int16 here, int32 for the Zipf table, then sorted by torch), and the rows
+"detsum off, torch's sort" and "detsum off, torch's keys" the call with the index sorted
+those ways and as it is (int64): what the counting and the narrow keys gain.
 
     python3 benches/gpu_moe_profile.py [--json PATH] [--reps 30] [--only plan|off]
                                        [--shape moe|zipf]
@@ -78,6 +80,14 @@ def _unguided(call):
     return _with_setting(chunks, "GUIDED_CHUNKS", False, call)
 
 
+def narrowed_torch_sort(call):
+    """``call`` with its index sorted by torch's sort of the narrowed keys, not by counting
+    (``triton.counting_sort.MAX_TABLE_CELLS`` 0: no table is small enough): the same bits."""
+    from detsum.kernels.triton import counting_sort
+
+    return _with_setting(counting_sort, "MAX_TABLE_CELLS", 0, call)
+
+
 def torch_keys(call):
     """``call`` with its index sorted as it is, not narrowed (``kernels.NARROW_SORT_ABOVE``
     past any index): the same bits, a sort of wider keys."""
@@ -102,6 +112,8 @@ def _calls(d: dict, out: torch.Tensor) -> dict:
         "sort, int32 keys": lambda: torch.sort(index32, stable=True),
         "sort, int16 keys": lambda: torch.sort(index16, stable=True),
         "sort by segment": lambda: kernels.sort_by_segment(index, out.shape[0]),
+        "sort by segment, torch's": narrowed_torch_sort(
+            lambda: kernels.sort_by_segment(index, out.shape[0])),
         "detsum host": lambda: detsum.index_add_(out, 0, index, source),
         "detsum off": lambda: detsum.index_add_(out, 0, index, source, check="off"),
         "detsum plan": lambda: detsum.index_add_(out, 0, index, source, plan=plan),
@@ -110,6 +122,7 @@ def _calls(d: dict, out: torch.Tensor) -> dict:
     calls["detsum plan, chunks last"] = _chunks_last(calls["detsum plan"])
     calls["detsum off, unguided"] = _unguided(calls["detsum off"])
     calls["detsum plan, unguided"] = _unguided(calls["detsum plan"])
+    calls["detsum off, torch's sort"] = narrowed_torch_sort(calls["detsum off"])
     calls["detsum off, torch's keys"] = torch_keys(calls["detsum off"])
     return calls
 

@@ -7,6 +7,7 @@
 #   bash benches/gpu_run.sh targets    # the GPU issue's targets alone, in about 8 minutes
 #   bash benches/gpu_run.sh switch     # the switch's CUDA tests against torch, about 2 minutes
 #   bash benches/gpu_run.sh profile    # the MoE backward's parts, and ncu on its launch
+#   bash benches/gpu_run.sh lease      # a 15-minute lease's first command, about 5 minutes
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
@@ -67,6 +68,30 @@ for stage in $STAGES; do
     report)
         python3 -m detsum report --json "$OUT/report-gpu.json" | tee "$OUT/report-gpu.txt" \
             || status=1 ;;
+    lease)
+        # What a 15-minute lease measures first, each part cut at its own limit so that the
+        # rest still runs (on an H200, 2026-11-27: tests 80 s cold, call cost 80 s, the
+        # benchmarks' targets 165 s, the Zipf parts 25 s): the CUDA tests of the kernels,
+        # plans, relaunches and the counting sort; what a call costs by how it is called; the
+        # Zipf call's parts; the benchmarks of the GPU issues' targets; where host time goes.
+        # It writes 11 files: where fewer come back from a machine, point OUT at a folder and
+        # pack it afterwards (OUT=$DIR/r bash benches/gpu_run.sh lease; tar czf r.tgz -C $DIR r).
+        timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
+            tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
+            tests/test_counting_sort.py tests/test_moe_check.py tests/test_loss.py 2>&1 \
+            | tee "$OUT/tests-cuda.txt" | tail -n 25 || status=1
+        timeout 200 python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
+            | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" \
+            || status=1
+        timeout 60 python3 benches/gpu_moe_profile.py --shape zipf --reps 100 \
+            --json "$OUT/zipf-profile.json" | tee "$OUT/zipf-profile.txt" || status=1
+        timeout 200 python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
+            -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda" \
+            --benchmark-json="$OUT/bench-targets.json" 2>&1 | tail -n 5 || status=1
+        python3 benches/summarize.py "$OUT/bench-targets.json" | tee "$OUT/bench-targets.txt"
+        timeout 60 python3 benches/host_launch.py --cuda --rounds 100 \
+            --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
+        head -n 50 "$OUT/host-launch.txt" ;;
     targets)
         # What a call costs by how it is called (plan, check level, torch's form), the MoE
         # backward against a copy, the Zipf-skewed index, the small call, then the report

@@ -157,6 +157,10 @@ def _check_by_torch_ops(failure: Failure | None, good: Callable[[], torch.Tensor
 #: Above this many keys, ``sort_by_segment`` sorts the narrowest keys that keep the order.
 NARROW_SORT_ABOVE = 4096
 
+#: Whether ``sort_by_segment`` sorts CPU keys as CUDA ones, by ``triton.counting_sort`` (in
+#: Triton's interpreter): the tests' way onto a GPU's path.
+COUNTING_SORT_ON_CPU = False
+
 
 def sort_by_segment(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, order) of a stable sort of 1-D integer ``keys`` by the segment each names: for
@@ -164,17 +168,28 @@ def sort_by_segment(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor
     (positions in order of appearance within a key), and the same offsets by any search of the
     values for ``s`` in ``[0, num_segments]``.
 
-    Where more than ``NARROW_SORT_ABOVE`` keys are wider than the segments need, two ops (a
-    clamp into ``[-1, num_segments]``, a cast) make them int16 (at most 32767 segments) or
-    int32 before the sort: from int64 keys, 10 or 6 launches fewer on a GPU, those two
-    counted (see above; from int32 keys to int16, 2 fewer). The values are then those clamped
-    keys, in that type. A key below 0 still sorts first and one at or above ``num_segments``
-    last, so the values' two ends show whether every key is in range, and the keys out of
-    range, which no segment holds, change places only among themselves."""
+    Past ``NARROW_SORT_ABOVE`` keys on a GPU, where its table is small enough
+    (``triton.counting_sort.takes``), a counting sort (``triton.counting_sort``: two
+    launches, a fill and a running sum, against CUB's 8 to 20) gives what torch's sort of the
+    keys clamped into ``[-1, num_segments]`` gives, in the narrowest type that holds them, or
+    the keys' own if narrower. Elsewhere, where more than ``NARROW_SORT_ABOVE`` keys are wider
+    than the segments need, two ops (that clamp, a cast) make them int16 (at most 32767
+    segments) or int32 before torch's sort: from int64 keys, 10 or 6 launches fewer on a GPU,
+    those two counted (see above; from int32 keys to int16, 2 fewer). The values are then
+    those clamped keys, in that type. A key below 0 still sorts first and one at or above
+    ``num_segments`` last, so the values' two ends show whether every key is in range, and
+    the keys out of range, which no segment holds, change places only among themselves."""
     narrow = (torch.int16 if num_segments <= torch.iinfo(torch.int16).max
               else torch.int32 if num_segments <= torch.iinfo(torch.int32).max
               else torch.int64)
-    if keys.shape[0] > NARROW_SORT_ABOVE and keys.element_size() > narrow.itemsize:
+    positions = keys.shape[0]
+    if positions > NARROW_SORT_ABOVE and (keys.is_cuda or COUNTING_SORT_ON_CPU):
+        from .triton import counting_sort
+
+        if counting_sort.takes(positions, num_segments):
+            values_dtype = narrow if keys.element_size() > narrow.itemsize else keys.dtype
+            return counting_sort.sort_by_segment(keys, num_segments, values_dtype)
+    if positions > NARROW_SORT_ABOVE and keys.element_size() > narrow.itemsize:
         keys = keys.clamp(-1, num_segments).to(narrow)
     return torch.sort(keys, stable=True)
 

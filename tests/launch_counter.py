@@ -39,6 +39,7 @@ from conftest import _OWN_CODE, host_reads
 from detsum import _segments, moe
 
 # Triton is imported here, after conftest has set TRITON_INTERPRET: the kernels are interpreted.
+from detsum.kernels.triton import counting_sort as _triton_counting_sort  # noqa: F401
 from detsum.kernels.triton import segment as _triton_segment  # noqa: F401
 from detsum.kernels.triton import moe as _triton_moe  # noqa: F401
 from triton.runtime.interpreter import InterpretedFunction
@@ -216,12 +217,13 @@ def _launches_counted(counts: Counts, recorder: _Recorder):
 @contextlib.contextmanager
 def gpu_path():
     """CPU tensors on the path CUDA tensors take: the triton backend, values checked as a
-    GPU's, and the weighted ``moe.unpermute`` in one pass as on a GPU (on the CPU it runs by
-    blocks of tokens, for the cache). The other choices by device (``rule_for``) differ only
-    in "autograd" mode, which no row runs."""
+    GPU's, a long index sorted by counting, and the weighted ``moe.unpermute`` in one pass as
+    on a GPU (on the CPU it runs by blocks of tokens, for the cache). The other choices by
+    device (``rule_for``) differ only in "autograd" mode, which no row runs."""
     runs_in_token_blocks = moe._runs_in_token_blocks
     with detsum.backend("triton"), \
             unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU", True), \
+            unittest.mock.patch.object(detsum.kernels, "COUNTING_SORT_ON_CPU", True), \
             unittest.mock.patch.object(
                 moe, "_runs_in_token_blocks",
                 lambda device, acc_mode: runs_in_token_blocks(torch.device("cuda"), acc_mode)):

@@ -22,7 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from detsum import kernels
-from detsum.kernels.triton import chunks, common, exact, moe, segment, stride1
+from detsum.kernels.triton import chunks, common, counting_sort, exact, moe, segment, stride1
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -354,6 +354,19 @@ def main() -> dict:
                  positions_ptr="*i64", counts_ptr="*i64", table_ptr="*i64", n="i64",
                  num_tokens="i64", num_experts="i64", topk="i64", steps="i64"),
             dict(CLAMPED=clamped, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
+    # The counting sort of a long index (int64 keys; the values it places as int16), at the
+    # block and warps it launches with.
+    sort_types = dict(keys_ptr="*i64", ranks_ptr="*i32", table_ptr="*i32", positions="i64",
+                      num_segments="i64", blocks="i64")
+    ptx = _ptx(counting_sort._rank_kernel, sort_types,
+               dict(BLOCK=counting_sort.BLOCK, CHUNK=counting_sort.CHUNK), fp_fusion=False,
+               num_warps=counting_sort.NUM_WARPS)
+    found["counting sort ranks"] = {**_count(ptx), **_resources(ptx)}
+    ptx = _ptx(counting_sort._place_kernel,
+               dict(sort_types, ends_ptr="*i32", values_ptr="*i16", order_ptr="*i64"),
+               dict(BLOCK=counting_sort.BLOCK), fp_fusion=False,
+               num_warps=counting_sort.NUM_WARPS)
+    found["counting sort places"] = {**_count(ptx), **_resources(ptx)}
     found["bf16 sum wide h4096 launched"] = _launched_gather()
     found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
     for dtype, counts in _launched_narrow().items():

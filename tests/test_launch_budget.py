@@ -161,15 +161,19 @@ MEASURED = {
     "scatter_reduce fp32 host small": (1, 1, 2, 0),
     "scatter_reduce fp32 device small": (2, 0, 2, 0),
     "scatter_reduce fp32 off small": (1, 0, 1, 0),
-    # Past kernels.NARROW_SORT_ABOVE rows: the keys clamped and cast to int16 before the sort,
-    # two ops more than at 512 rows, for a sort whose CUB launches on a GPU go from 20 (int64
-    # keys) to 8 (test_a_long_index_sorts_the_keys_its_segments_need).
-    "index_add fp32 host long": (6, 1, 3, 1),
-    "index_add fp32 device long": (6, 0, 3, 1),
-    "index_add fp32 off long": (5, 0, 3, 1),
-    "scatter_reduce fp32 host long": (6, 1, 3, 1),
-    "scatter_reduce fp32 device long": (6, 0, 3, 1),
-    "scatter_reduce fp32 off long": (5, 0, 3, 1),
+    # Past kernels.NARROW_SORT_ABOVE rows: the index sorted by counting
+    # (kernels/triton/counting_sort.py: the table's fill, two launches, a running sum), no
+    # torch sort. Torch's sort counts one op here where on a GPU it is CUB's radix sort, 8
+    # launches and a fill for the int16 keys that a clamp and a cast made (two ops more),
+    # 20 for int64 keys: these rows' GPU kernels went from 13-14 to 7-8 (1-2 of them the
+    # running sum's), its allocations from 3 to 7 (the table, the ranks, the sort's two
+    # outputs; torch's sort allocates its own unseen).
+    "index_add fp32 host long": (7, 1, 7, 0),
+    "index_add fp32 device long": (7, 0, 7, 0),
+    "index_add fp32 off long": (6, 0, 7, 0),
+    "scatter_reduce fp32 host long": (7, 1, 7, 0),
+    "scatter_reduce fp32 device long": (7, 0, 7, 0),
+    "scatter_reduce fp32 off long": (6, 0, 7, 0),
     "scatter_reduce sorted fp32 host": (1, 1, 2, 0),
     "scatter_reduce sorted fp32 device": (2, 0, 2, 0),
     "scatter_reduce sorted fp32 off": (1, 0, 2, 0),
@@ -227,11 +231,34 @@ def test_no_count_grows(row):
 @pytest.mark.parametrize("row,keys", [
     ("index_add fp32 off", torch.int64), ("index_add fp32 off long", torch.int16),
     ("scatter_reduce fp32 host long", torch.int16), ("index_add fp32 device long", torch.int16)])
-def test_a_long_index_sorts_the_keys_its_segments_need(row, keys):
+def test_a_long_index_sorts_the_keys_its_segments_need(monkeypatch, row, keys):
     """An index of at most kernels.NARROW_SORT_ABOVE values is sorted as it is (int64: torch
-    sorts that many in one kernel of its own, whatever their width); a longer one as the int16
-    keys that its 16 segments need (kernels.sort_by_segment), one sort either way."""
+    sorts that many in one kernel of its own, whatever their width); a longer one, where the
+    counting sort's table would be too large, as the int16 keys that its 16 segments need
+    (kernels.sort_by_segment), one sort either way."""
+    from detsum.kernels.triton import counting_sort
+
+    monkeypatch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
     assert count_row(row).sort_keys == [keys]
+
+
+@pytest.mark.parametrize("row", ["index_add fp32 off long", "scatter_reduce fp32 host long",
+                                 "index_add fp32 device long"])
+def test_a_long_index_is_sorted_by_counting_on_a_gpu(row):
+    """Past kernels.NARROW_SORT_ABOVE values, on a GPU's path, the index is sorted by counting
+    (two launches, a fill and a running sum, no torch sort) where its table is small, and the
+    call gives the bits of the same call sorting with torch."""
+    from detsum.kernels.triton import counting_sort
+
+    counted = count_row(row)
+    assert counted.sort_keys == []
+    assert [name for name, _ in counted.launches][:2] == ["_rank_kernel", "_place_kernel"]
+    assert counted.ops["zeros"] == 1 and counted.ops["cumsum"] == 1
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
+        sorted_by_torch = count_row(row)
+    assert sorted_by_torch.sort_keys == [torch.int16]
+    assert_same_bits(counted.result, sorted_by_torch.result)
 
 
 # ---- the issue's targets -------------------------------------------------------------------------

@@ -754,15 +754,27 @@ def test_sort_offsets_are_searchsorteds_answers():
     (1, torch.int16), (300, torch.int16), (2**15 - 1, torch.int16), (2**15, torch.int32),
     (2**31 - 1, torch.int32), (2**31, torch.int64)])
 @pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("counting", [False, True], ids=["torch's sort", "counting"])
 def test_a_narrowed_sort_orders_every_segment_as_torch_sorts_it(num_segments, narrowed,
-                                                                keys_dtype):
+                                                                keys_dtype, counting,
+                                                                monkeypatch):
     """``kernels.sort_by_segment`` against ``torch.sort(keys, stable=True)``: more than
     ``NARROW_SORT_ABOVE`` keys narrowed to the type the segments need (int64 or int32 keys
-    that are no wider kept as they are), at most that many sorted as given; the same offsets
+    that are no wider kept as they are), sorted by torch or, where its table is small, by
+    counting (``triton.counting_sort``, as on a GPU; on a GPU always where it is small), at
+    most that many sorted as given; the same offsets
     for every segment boundary a key meets (``searchsorted``), the same order within the
     segments, and the values' first below 0 or last at or past the segments exactly when
     torch's are. Keys out of range both ways, far out (int64 past 2**31) and just out,
     and one hot key among rare ones."""
+    from detsum.kernels.triton import counting_sort
+
+    if counting:
+        if not counting_sort.takes(kernels.NARROW_SORT_ABOVE + 1, num_segments):
+            pytest.skip("the counting sort's table would be too large: torch's sort")
+        monkeypatch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+    else:
+        monkeypatch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
     g = torch.Generator().manual_seed(seed_of("narrowed sort", num_segments, keys_dtype))
     top = min(num_segments, torch.iinfo(keys_dtype).max)
     for n in (kernels.NARROW_SORT_ABOVE, kernels.NARROW_SORT_ABOVE + 1):
@@ -795,15 +807,22 @@ def test_a_narrowed_sort_orders_every_segment_as_torch_sorts_it(num_segments, na
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("counting", [True, False], ids=["counting", "torch's sort"])
 @pytest.mark.parametrize("num_segments", [2048, 100_000], ids=["int16", "int32"])
-def test_a_narrowed_sort_launches_fewer_kernels_on_a_gpu(num_segments):
+def test_a_narrowed_sort_launches_fewer_kernels_on_a_gpu(num_segments, counting, monkeypatch):
     """On a GPU, ``kernels.sort_by_segment`` of 16384 int64 keys (a call without a plan at
-    ``gpu_call_cost.py``'s mid size) launches fewer kernels than torch's sort of them, the
-    clamp and the cast counted: CUB's radix sort makes a pass of two launches for each 8 bits
-    of the keys (``NARROW_SORT_ABOVE``'s comment), so, read in its code, 12 fewer with int16
-    keys and 8 fewer with int32 ones, 2 of each given back to the clamp and the cast. Counted
-    by torch's profiler, every kernel and memset on the GPU; held to fewer, not to the
-    count read (``gpu_call_cost.py`` records each call's)."""
+    ``gpu_call_cost.py``'s mid size) launches fewer kernels than torch's sort of them. By
+    counting (``triton.counting_sort``): a fill, two launches and a running sum. By torch's
+    sort of narrowed keys (the counting sort's table refused), the clamp and the cast
+    counted: CUB's radix sort makes a pass of two launches for each 8 bits of the keys
+    (``NARROW_SORT_ABOVE``'s comment), so, read in its code, 12 fewer with int16 keys and 8
+    fewer with int32 ones, 2 of each given back to the clamp and the cast. Counted by torch's
+    profiler, every kernel and memset on the GPU; held to fewer, not to the count read
+    (``gpu_call_cost.py`` records each call's)."""
+    from detsum.kernels.triton import counting_sort
+
+    if not counting:
+        monkeypatch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
     keys = torch.randint(0, num_segments, (16384,), device="cuda",
                          generator=torch.Generator("cuda").manual_seed(3))
 
@@ -1108,6 +1127,11 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
     assert gather["rows_in_flight"] >= 4, gather
     if "spill_stores" in gather:  # Triton shipped a ptxas for sm_90
         assert gather["spill_stores"] == gather["spill_loads"] == 0, gather
+    # The counting sort of a long index: integer counts alone, no atomic, nothing spilled.
+    for name in ("counting sort ranks", "counting sort places"):
+        assert found[name]["atomics"] == [], found[name]
+        if "spill_stores" in found[name]:  # Triton shipped a ptxas for sm_90
+            assert found[name]["spill_stores"] == found[name]["spill_loads"] == 0, found[name]
     # The MoE backward's launch: with a plan 32 registers a thread (every warp slot of an
     # SM filled); without one, the sort's offsets and the chunk programs, at most 40 (three
     # quarters of them; 64 and half when each program searched the sort's values itself).

@@ -1,0 +1,195 @@
+"""The counting sort of a long index (kernels/triton/counting_sort.py): torch's stable sort of
+the clamped keys, bit for bit (values and order), on every block layout, key range and key
+dtype; whole calls that sort by it give the bits of the same calls sorting with torch.
+
+Runs the Triton kernels on a GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
+set by conftest where no GPU is present)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import detsum
+from conftest import HAS_CUDA, assert_same_bits, seed_of
+from detsum import _segments, kernels
+
+try:
+    from detsum.kernels.triton import counting_sort
+except ImportError:
+    counting_sort = None
+
+pytestmark = pytest.mark.skipif(
+    counting_sort is None or not (HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1"),
+    reason="needs triton, and a GPU or TRITON_INTERPRET=1")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every ``torch.empty`` of the sort filled with -7 (no value, rank or position it
+    writes), so that an element no launch wrote fails the comparison."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(-7)
+
+    monkeypatch.setattr(counting_sort.torch, "empty", poisoned)
+
+
+def _torch_sort(keys: torch.Tensor, num_segments: int, values_dtype: torch.dtype):
+    return torch.sort(keys.clamp(-1, num_segments).to(values_dtype), stable=True)
+
+
+def _assert_sorts_as_torch(keys, num_segments, values_dtype):
+    values, order = counting_sort.sort_by_segment(keys.to(DEVICE), num_segments, values_dtype)
+    expected = _torch_sort(keys, num_segments, values_dtype)
+    assert values.dtype == values_dtype and order.dtype == torch.int64
+    assert_same_bits(values.cpu(), expected.values)
+    assert_same_bits(order.cpu(), expected.indices)
+
+
+BLOCK = counting_sort.BLOCK if counting_sort is not None else 512
+
+
+@pytest.mark.parametrize("positions", [1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 5])
+@pytest.mark.parametrize("num_segments,values_dtype", [
+    (1, torch.int16), (16, torch.int16), (32767, torch.int16), (32768, torch.int32),
+    (70000, torch.int64)])
+def test_sorts_as_torch_sorts_the_clamped_keys(poisoned_outputs, positions, num_segments,
+                                               values_dtype):
+    """Keys in range and out of it at both ends, few blocks and several, a last block whole
+    and cut short, tables from 3 values to 70002: torch's stable sort's values and order."""
+    gen = torch.Generator().manual_seed(seed_of("counting sort", positions, num_segments))
+    keys = torch.randint(-3, num_segments + 3, (positions,), generator=gen)
+    _assert_sorts_as_torch(keys, num_segments, values_dtype)
+
+
+@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32, torch.int16])
+def test_sorts_every_key_dtype(poisoned_outputs, keys_dtype):
+    """int64, int32 and int16 keys, far out of range too (clamped in their own width)."""
+    gen = torch.Generator().manual_seed(seed_of("counting sort dtypes", keys_dtype))
+    keys = torch.randint(-40, 60, (2 * BLOCK + 3,), generator=gen)
+    keys[::97] = torch.iinfo(keys_dtype).max
+    keys[::89] = torch.iinfo(keys_dtype).min
+    _assert_sorts_as_torch(keys.to(keys_dtype), 50, torch.int16)
+
+
+@pytest.mark.parametrize("shape", ["one value", "two values by halves", "descending",
+                                   "hot value"])
+def test_equal_keys_keep_their_positions_order(poisoned_outputs, shape):
+    """Runs of equal keys across blocks (one value everywhere, a Zipf-like hot value, keys in
+    descending order): each value's positions stay in their order."""
+    positions, num_segments = 3 * BLOCK + 7, 40
+    gen = torch.Generator().manual_seed(seed_of("counting sort runs", shape))
+    keys = {
+        "one value": torch.full((positions,), 3),
+        "two values by halves": (torch.arange(positions) >= positions // 2).long() * 39,
+        "descending": torch.arange(positions).flip(0) // 40,
+        "hot value": torch.where(torch.rand(positions, generator=gen) < 0.6, 7,
+                                 torch.randint(0, num_segments, (positions,), generator=gen)),
+    }[shape]
+    _assert_sorts_as_torch(keys, num_segments, torch.int16)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True, database=None)
+@given(positions=st.integers(1, 700), num_segments=st.integers(1, 300),
+       spread=st.integers(0, 5), block=st.sampled_from([16, 32, 64]), data=st.data())
+def test_sorts_generated_keys_as_torch(positions, num_segments, spread, block, data):
+    """Generated keys (some out of range by up to ``spread``), on small blocks (many of them:
+    the table's value-major running sum across blocks), against torch's stable sort."""
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randint(-spread, num_segments + spread + 1, (positions,), generator=gen)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(counting_sort, "BLOCK", block)
+        _assert_sorts_as_torch(keys, num_segments, torch.int32)
+
+
+def test_takes_what_its_table_and_int32_hold():
+    """The table's cells within MAX_TABLE_CELLS, every count within int32."""
+    cap = counting_sort.MAX_TABLE_CELLS
+    assert counting_sort.takes(BLOCK, cap - 2)
+    assert not counting_sort.takes(BLOCK, cap - 1)
+    assert counting_sort.takes(2 * BLOCK, cap // 2 - 2)
+    assert not counting_sort.takes(2 * BLOCK + 1, cap // 2 - 2)
+    assert not counting_sort.takes(0, 16)
+    assert not counting_sort.takes(2**31, 1)
+
+
+def test_sort_by_segment_counts_on_a_gpu_past_the_narrow_size(monkeypatch):
+    """kernels.sort_by_segment sorts by counting past NARROW_SORT_ABOVE keys on a GPU (here
+    CPU keys taken as a GPU's), with torch's sort at or below it and where the table would be
+    too large: the same values and order in every case, the keys narrowed alike."""
+    monkeypatch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+    counted = []
+    sort = counting_sort.sort_by_segment
+
+    def recorded(*args):
+        counted.append(args[1])
+        return sort(*args)
+
+    monkeypatch.setattr(counting_sort, "sort_by_segment", recorded)
+    gen = torch.Generator().manual_seed(seed_of("sort_by_segment counts"))
+    for positions, counts in ((kernels.NARROW_SORT_ABOVE, False),
+                              (kernels.NARROW_SORT_ABOVE + 1, True)):
+        keys = torch.randint(-2, 20, (positions,), generator=gen)
+        counted.clear()
+        values, order = kernels.sort_by_segment(keys.to(DEVICE), 18)
+        assert counted == ([18] if counts else [])
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(kernels, "COUNTING_SORT_ON_CPU", False)
+            patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
+            expected = kernels.sort_by_segment(keys.to(DEVICE), 18)
+        assert_same_bits(values.cpu(), expected[0].cpu())
+        assert_same_bits(order.cpu(), expected[1].cpu())
+
+
+@pytest.mark.parametrize("call", ["index_add host", "index_add_ off", "scatter_reduce mean",
+                                  "index_add exact", "moe route"])
+def test_calls_sorting_by_counting_give_torch_sorts_bits(call):
+    """Whole calls past NARROW_SORT_ABOVE rows on a GPU's path (the triton backend, a GPU's
+    check levels), the index sorted by counting, against the same calls sorting with torch
+    (the table too large for counting): the same bits; a bad value still raises."""
+    rows, segments, features = kernels.NARROW_SORT_ABOVE + 37, 23, 3
+    gen = torch.Generator().manual_seed(seed_of("counting sort calls", call))
+    index = torch.randint(0, segments, (rows,), generator=gen).to(DEVICE)
+    src = torch.randn(rows, features, generator=gen).to(DEVICE)
+    init = torch.randn(segments, features, generator=gen).to(DEVICE)
+    selected = torch.randint(0, 8, (rows // 2, 2), generator=gen).to(DEVICE)
+    calls = {
+        "index_add host": lambda: detsum.index_add(init, 0, index, src),
+        "index_add_ off": lambda: detsum.index_add_(init.clone(), 0, index, src, check="off"),
+        "scatter_reduce mean": lambda: detsum.scatter_reduce(
+            init, 0, index, src, "mean", include_self=False, mode="kahan"),
+        "index_add exact": lambda: detsum.index_add(
+            torch.zeros_like(init), 0, index, src, mode="exact"),
+        "moe route": lambda: detsum.moe.route(selected, 8).gather_indices,
+    }
+    sorted_with = []
+    sort = counting_sort.sort_by_segment
+
+    def recorded(*args):
+        sorted_with.append("counting")
+        return sort(*args)
+
+    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
+        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+        patch.setattr(counting_sort, "sort_by_segment", recorded)
+        got = calls[call]()
+        assert sorted_with, "the index was not sorted by counting"
+        patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
+        expected = calls[call]()
+        assert_same_bits(got, expected)
+        if call == "index_add host":
+            patch.setattr(counting_sort, "MAX_TABLE_CELLS", 1 << 23)
+            bad = index.clone()
+            bad[rows // 3] = segments
+            with pytest.raises(detsum.IndexOutOfRangeError, match=rf"index\[{rows // 3}\]"):
+                detsum.index_add(init, 0, bad, src)

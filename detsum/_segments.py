@@ -314,18 +314,19 @@ def _device_plan(caller: str, index: torch.Tensor, num_segments: int, *, index_n
         elif check == "host":
             host_check()
         return None, offsets
-    values, order = kernels.sort_by_segment(index, num_segments)
+    values, order, made_offsets = kernels.sort_by_segment_with_offsets(index, num_segments)
     if check == "device" and as_keys:
         # The launch checks the sorted values' two ends itself, on the device.
         return order, kernels.SortedKeys(values, num_segments,
-                                         device_check_message(caller, in_range))
+                                         device_check_message(caller, in_range),
+                                         known_offsets=made_offsets)
     if check == "device":
         assert_on_device((values[0] >= 0) & (values[-1] < num_segments), caller, in_range)
     elif check == "host":
         low, high = values[[0, -1]].tolist()
         if low < 0 or high >= num_segments:
             raise_first_out_of_range(caller, index_name, index, num_segments, size_name)
-    keys = kernels.SortedKeys(values, num_segments)
+    keys = kernels.SortedKeys(values, num_segments, known_offsets=made_offsets)
     return order, keys if as_keys else keys.offsets()
 
 
@@ -338,8 +339,7 @@ def plan_from_keys(keys: torch.Tensor, num_segments: int, backend_name: str, *,
     if as_keys and scans_index(backend_name, keys, False):
         return None, kernels.UnsortedKeys(keys, num_segments)
     if backend_name != "numba" or keys.device.type != "cpu":
-        values, order = kernels.sort_by_segment(keys, num_segments)
-        sorted_keys = kernels.SortedKeys(values, num_segments)
+        order, sorted_keys = kernels.sorted_keys(keys, num_segments)
         return order, (sorted_keys if as_keys and backend_name == "triton"
                        else sorted_keys.offsets())
     from detsum.kernels.numba import plan

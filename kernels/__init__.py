@@ -179,6 +179,14 @@ def sort_by_segment(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor
     those clamped keys, in that type. A key below 0 still sorts first and one at or above
     ``num_segments`` last, so the values' two ends show whether every key is in range, and
     the keys out of range, which no segment holds, change places only among themselves."""
+    values, order, _ = sort_by_segment_with_offsets(keys, num_segments)
+    return values, order
+
+
+def sort_by_segment_with_offsets(keys: torch.Tensor, num_segments: int
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``sort_by_segment``'s (values, order), and the offsets of the values where the sort
+    made them along (a counting sort's: int64, ``num_segments + 1``), else None."""
     narrow = (torch.int16 if num_segments <= torch.iinfo(torch.int16).max
               else torch.int32 if num_segments <= torch.iinfo(torch.int32).max
               else torch.int64)
@@ -191,7 +199,16 @@ def sort_by_segment(keys: torch.Tensor, num_segments: int) -> tuple[torch.Tensor
             return counting_sort.sort_by_segment(keys, num_segments, values_dtype)
     if positions > NARROW_SORT_ABOVE and keys.element_size() > narrow.itemsize:
         keys = keys.clamp(-1, num_segments).to(narrow)
-    return torch.sort(keys, stable=True)
+    values, order = torch.sort(keys, stable=True)
+    return values, order, None
+
+
+def sorted_keys(keys: torch.Tensor, num_segments: int, failure: Failure | None = None
+                ) -> tuple[torch.Tensor, "SortedKeys"]:
+    """(order, the sorted keys) of ``sort_by_segment``, with their offsets where the sort
+    made them, the keys' check reported by ``failure`` (``SortedKeys``)."""
+    values, order, offsets = sort_by_segment_with_offsets(keys, num_segments)
+    return order, SortedKeys(values, num_segments, failure, known_offsets=offsets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +217,10 @@ class SortedKeys:
     a backend that takes them: the Triton one): segment ``s`` starts at
     ``torch.searchsorted(keys, s)`` (the first key ``>= s``) and ends where ``s + 1`` starts,
     for ``s`` in ``[0, num_segments)``. The launch finds those bounds itself (a promised-sorted
-    index by searches in its kernel, a sort's values by a search kernel before it), so the
-    caller runs no ``searchsorted``; keys that are not sorted give the segments those searches
-    give. A key outside ``[0, num_segments)`` is in no segment."""
+    index by searches in its kernel, a sort's values by a search kernel before it, unless the
+    sort made them along: ``known_offsets``), so the caller runs no ``searchsorted``; keys
+    that are not sorted give the segments those searches give. A key outside
+    ``[0, num_segments)`` is in no segment."""
 
     #: 1-D on the data's device: a stable sort's values (int16, int32 or int64:
     #: ``sort_by_segment``), or an index promised sorted (int32 or int64).
@@ -215,6 +233,9 @@ class SortedKeys:
     #: none below the one before), or only the two ends (a sort's values, which are sorted:
     #: the launch may then take the offsets the keys stand for, by any search).
     every_key: bool = False
+    #: For a sort's values: the offsets they stand for where the sort made them along (a
+    #: counting sort's, ``sorted_keys``), taken rather than searched for; None: searched.
+    known_offsets: torch.Tensor | None = None
 
     def check(self) -> None:
         """The check by torch ops, for a launch that does not make it in its kernel."""
@@ -226,8 +247,11 @@ class SortedKeys:
             _check_by_torch_ops(self.failure, lambda: (keys[0] >= 0) & (keys[-1] < size))
 
     def offsets(self) -> torch.Tensor:
-        """The offsets these keys stand for (two device ops), after the check."""
+        """The offsets these keys stand for (two device ops, none where they are known),
+        after the check."""
         self.check()
+        if self.known_offsets is not None:
+            return self.known_offsets
         boundaries = torch.arange(self.num_segments + 1, dtype=self.keys.dtype,
                                   device=self.keys.device)
         return torch.searchsorted(self.keys.contiguous(), boundaries)
@@ -296,8 +320,7 @@ class UnsortedKeys:
     def sorted(self) -> tuple[torch.Tensor, SortedKeys]:
         """(order, the sorted keys) of a stable sort, with the check: a sort's values lie in
         range exactly when their two ends do."""
-        values, order = sort_by_segment(self.keys, self.num_segments)
-        return order, SortedKeys(values, self.num_segments, self.failure)
+        return sorted_keys(self.keys, self.num_segments, self.failure)
 
 
 #: ``chunks=`` of a launch whose caller knows that no segment is longer than CHUNK_TERMS.

@@ -363,7 +363,8 @@ def main() -> dict:
                num_warps=counting_sort.NUM_WARPS)
     found["counting sort ranks"] = {**_count(ptx), **_resources(ptx)}
     ptx = _ptx(counting_sort._place_kernel,
-               dict(sort_types, ends_ptr="*i32", values_ptr="*i16", order_ptr="*i64"),
+               dict(sort_types, ends_ptr="*i32", values_ptr="*i16", order_ptr="*i64",
+                    offsets_ptr="*i64"),
                dict(BLOCK=counting_sort.BLOCK), fp_fusion=False,
                num_warps=counting_sort.NUM_WARPS)
     found["counting sort places"] = {**_count(ptx), **_resources(ptx)}

@@ -1,6 +1,7 @@
 """The counting sort of a long index (kernels/triton/counting_sort.py): torch's stable sort of
-the clamped keys, bit for bit (values and order), on every block layout, key range and key
-dtype; whole calls that sort by it give the bits of the same calls sorting with torch.
+the clamped keys, bit for bit (values and order), and the offsets a search of the values
+finds, on every block layout, key range and key dtype; whole calls that sort by it give the
+bits of the same calls sorting with torch.
 
 Runs the Triton kernels on a GPU, or in Triton's interpreter on CPU tensors (TRITON_INTERPRET=1,
 set by conftest where no GPU is present)."""
@@ -47,11 +48,14 @@ def _torch_sort(keys: torch.Tensor, num_segments: int, values_dtype: torch.dtype
 
 
 def _assert_sorts_as_torch(keys, num_segments, values_dtype):
-    values, order = counting_sort.sort_by_segment(keys.to(DEVICE), num_segments, values_dtype)
+    values, order, offsets = counting_sort.sort_by_segment(keys.to(DEVICE), num_segments,
+                                                           values_dtype)
     expected = _torch_sort(keys, num_segments, values_dtype)
-    assert values.dtype == values_dtype and order.dtype == torch.int64
+    assert values.dtype == values_dtype and order.dtype == offsets.dtype == torch.int64
     assert_same_bits(values.cpu(), expected.values)
     assert_same_bits(order.cpu(), expected.indices)
+    boundaries = torch.arange(num_segments + 1, dtype=values_dtype)
+    assert_same_bits(offsets.cpu(), torch.searchsorted(expected.values, boundaries))
 
 
 BLOCK = counting_sort.BLOCK if counting_sort is not None else 512
@@ -193,3 +197,34 @@ def test_calls_sorting_by_counting_give_torch_sorts_bits(call):
             bad[rows // 3] = segments
             with pytest.raises(detsum.IndexOutOfRangeError, match=rf"index\[{rows // 3}\]"):
                 detsum.index_add(init, 0, bad, src)
+
+
+@pytest.mark.parametrize("check", ["host", "device", "off"])
+@pytest.mark.parametrize("bad_key", [-1, 23, 10**12], ids=["below", "past", "far past"])
+def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(check, bad_key):
+    """A long index with a key out of range, sorted by counting, its offsets made along: the
+    caller's error at "host", the launch's assert of the offsets' two ends at "device", and
+    at "off" the position in no segment (the call with that row's source zeroed)."""
+    rows, segments = kernels.NARROW_SORT_ABOVE + 9, 23
+    gen = torch.Generator().manual_seed(seed_of("counting sort bad key", check, bad_key))
+    good = torch.randint(0, segments, (rows,), generator=gen)
+    src = torch.randn(rows, 2, generator=gen)
+    init = torch.randn(segments, 2, generator=gen)
+    bad = good.clone()
+    bad[rows // 2] = bad_key
+    kept = bad.clamp(0, segments - 1)
+    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
+        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+        bad, kept, src, init = (t.to(DEVICE) for t in (bad, kept, src, init))
+        if check == "off":
+            out = detsum.index_add(init, 0, bad, src, check=check)
+            zeroed = src * (kept == bad).view(-1, 1)
+            assert_same_bits(out, detsum.index_add(init, 0, kept, zeroed, check=check))
+            return
+        error = IndexError if check == "host" else RuntimeError
+        with pytest.raises(error, match=rf"index\[{rows // 2}\] = {bad_key} is out of range"
+                           if check == "host" else "index has a value outside"):
+            detsum.index_add(init, 0, bad, src, check=check)
+            if HAS_CUDA:
+                torch.cuda.synchronize()

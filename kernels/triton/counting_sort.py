@@ -1,4 +1,5 @@
-"""A stable sort of segment keys by counting, in two launches and two torch ops, for a GPU.
+"""A stable sort of segment keys by counting, in two launches and two torch ops, for a GPU,
+and the offsets of the sorted keys with it.
 
 ``kernels.sort_by_segment`` sorts an index by the segment each key names, keys clamped into
 ``[-1, num_segments]``: there are at most ``num_segments + 2`` distinct values, so the sort is
@@ -83,11 +84,13 @@ def _rank_kernel(keys_ptr, ranks_ptr, table_ptr, positions, num_segments, blocks
 
 
 @triton.jit
-def _place_kernel(keys_ptr, ranks_ptr, table_ptr, ends_ptr, values_ptr, order_ptr, positions,
-                  num_segments, blocks, BLOCK: tl.constexpr):
+def _place_kernel(keys_ptr, ranks_ptr, table_ptr, ends_ptr, values_ptr, order_ptr, offsets_ptr,
+                  positions, num_segments, blocks, BLOCK: tl.constexpr):
     """Block ``b``: each key's place, its cell's start (the running sum's ``ends`` less the
     cell's count) plus its rank; there the key's position (``order``) and its clamped value
-    (``values``)."""
+    (``values``). And, the programs taking turns, the offsets those values stand for:
+    ``offsets[s]``, the number of keys below ``s``, is the running sum's end of the last
+    block's cell of value ``s`` (that of the key ``s - 1``)."""
     b = tl.program_id(0)
     at = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = at < positions
@@ -98,6 +101,10 @@ def _place_kernel(keys_ptr, ranks_ptr, table_ptr, ends_ptr, values_ptr, order_pt
     place = start + tl.load(ranks_ptr + at, mask=valid, other=0)
     tl.store(order_ptr + place, at, mask=valid)
     tl.store(values_ptr + place, (value - 1).to(values_ptr.dtype.element_ty), mask=valid)
+    for first in range(b.to(tl.int64) * BLOCK, num_segments + 1, blocks * BLOCK):
+        s = first + tl.arange(0, BLOCK)
+        ends = tl.load(ends_ptr + (s + 1) * blocks - 1, mask=s <= num_segments, other=0)
+        tl.store(offsets_ptr + s, ends.to(tl.int64), mask=s <= num_segments)
 
 
 _launch_rank = Kernel(_rank_kernel)
@@ -105,10 +112,12 @@ _launch_place = Kernel(_place_kernel)
 
 
 def sort_by_segment(keys: torch.Tensor, num_segments: int, values_dtype: torch.dtype
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values, order) of ``torch.sort(keys.clamp(-1, num_segments).to(values_dtype),
     stable=True)`` for 1-D integer ``keys`` where ``takes(len(keys), num_segments)``: the
-    same bits, by counting (see above). ``values_dtype`` must hold ``[-1, num_segments]``."""
+    same bits, by counting (see above); and the int64 offsets of the values,
+    ``torch.searchsorted(values, torch.arange(num_segments + 1))``, made along with them.
+    ``values_dtype`` must hold ``[-1, num_segments]``."""
     positions = keys.shape[0]
     keys = keys.contiguous()
     blocks = triton.cdiv(positions, BLOCK)
@@ -119,6 +128,7 @@ def sort_by_segment(keys: torch.Tensor, num_segments: int, values_dtype: torch.d
     ends = torch.cumsum(table, 0, dtype=torch.int32)
     values = torch.empty(positions, dtype=values_dtype, device=keys.device)
     order = torch.empty(positions, dtype=torch.int64, device=keys.device)
-    _launch_place((blocks,), (keys, ranks, table, ends, values, order, positions, num_segments,
-                              blocks), {"BLOCK": BLOCK}, num_warps=NUM_WARPS)
-    return values, order
+    offsets = torch.empty(num_segments + 1, dtype=torch.int64, device=keys.device)
+    _launch_place((blocks,), (keys, ranks, table, ends, values, order, offsets, positions,
+                              num_segments, blocks), {"BLOCK": BLOCK}, num_warps=NUM_WARPS)
+    return values, order, offsets

@@ -662,7 +662,9 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         # kernel reached 91%). The offsets' two ends are the keys' check (CHECK_ENDS).
         bounds_kind, nseg, failure = _OFFSETS.value, offsets.num_segments, offsets.failure
         guide, guide_kind = offsets.keys.contiguous(), _KEY_A_POSITION.value
-        bounds = sort_offsets(guide, nseg)
+        # A counting sort made them along with the values (kernels.sorted_keys).
+        bounds = (offsets.known_offsets if offsets.known_offsets is not None
+                  else sort_offsets(guide, nseg))
         check = _CHECK_ENDS.value
     elif isinstance(offsets, UnsortedKeys):
         # Checked by the first program, every key (CHECK_ENDS's flag, of all of them here);

@@ -12,10 +12,13 @@ Equal keys so keep the order of their positions: the order and values are those 
 ``torch.sort(clamped_keys, stable=True)``, bit for bit (the stable order is unique), by
 integer counts alone.
 
-On a GPU that is the table's fill, the ranking launch, the running sum (one or two CUB
-launches) and the placing launch, where torch's radix sort of the same keys (CUB's onesweep
-sort) makes 8 launches for int16 keys and 12 for int32, after the clamp and the cast to them
-that this sort does not need. A block's ranks come from comparing each key with the block's
+The placing launch also writes the offsets of the sorted keys (``offsets[s]``, the keys
+below ``s``: the running sum's end of value ``s``'s last block), which the reduction then
+takes rather than search the values for them. On a GPU that is the table's fill, the ranking
+launch, the running sum (one or two CUB launches) and the placing launch, where torch's
+radix sort of the same keys (CUB's onesweep sort) makes 8 launches for int16 keys and 12 for
+int32, after the clamp and the cast to them that this sort does not need, and a search
+launch after it. A block's ranks come from comparing each key with the block's
 keys, ``CHUNK`` of them at a time (``BLOCK * BLOCK`` comparisons a block, no sort inside the
 block, no atomics): the table has ``(num_segments + 2) * ceil(n / BLOCK)`` cells, so larger
 blocks mean a smaller table and more comparisons. ``takes`` says where the table stays

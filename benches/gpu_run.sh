@@ -72,14 +72,17 @@ for stage in $STAGES; do
         # What a 15-minute lease measures first, each part cut at its own limit so that the
         # rest still runs (on an H200, 2026-11-27: tests 80 s cold, call cost 80 s, the
         # benchmarks' targets 165 s, the Zipf parts 25 s): the CUDA tests of the kernels,
-        # plans, relaunches and the counting sort; what a call costs by how it is called; the
+        # plans and relaunches, the counting sort's; what a call costs by how it is called; the
         # Zipf call's parts; the benchmarks of the GPU issues' targets; where host time goes.
         # It writes 11 files: where fewer come back from a machine, point OUT at a folder and
         # pack it afterwards (OUT=$DIR/r bash benches/gpu_run.sh lease; tar czf r.tgz -C $DIR r).
         timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
             tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
-            tests/test_counting_sort.py tests/test_moe_check.py tests/test_loss.py 2>&1 \
+            tests/test_moe_check.py tests/test_loss.py 2>&1 \
             | tee "$OUT/tests-cuda.txt" | tail -n 25 || status=1
+        # The counting sort's tests run on CUDA tensors where a GPU is: every one of them.
+        timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_counting_sort.py \
+            2>&1 | tee "$OUT/tests-counting-sort.txt" | tail -n 15 || status=1
         timeout 200 python3 benches/gpu_call_cost.py --json "$OUT/call-cost.json" 2>&1 \
             | grep -v "Warning\|_warn_once\|sync_debug_mode" | tee "$OUT/call-cost.txt" \
             || status=1

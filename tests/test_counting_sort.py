@@ -205,6 +205,8 @@ def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(check, bad_k
     """A long index with a key out of range, sorted by counting, its offsets made along: the
     caller's error at "host", the launch's assert of the offsets' two ends at "device", and
     at "off" the position in no segment (the call with that row's source zeroed)."""
+    if check == "device" and HAS_CUDA:
+        pytest.skip("a failed assert on a GPU ends the process's CUDA context")
     rows, segments = kernels.NARROW_SORT_ABOVE + 9, 23
     gen = torch.Generator().manual_seed(seed_of("counting sort bad key", check, bad_key))
     good = torch.randint(0, segments, (rows,), generator=gen)
@@ -226,5 +228,3 @@ def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(check, bad_k
         with pytest.raises(error, match=rf"index\[{rows // 2}\] = {bad_key} is out of range"
                            if check == "host" else "index has a value outside"):
             detsum.index_add(init, 0, bad, src, check=check)
-            if HAS_CUDA:
-                torch.cuda.synchronize()

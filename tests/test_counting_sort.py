@@ -228,3 +228,33 @@ def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(check, bad_k
         with pytest.raises(error, match=rf"index\[{rows // 2}\] = {bad_key} is out of range"
                            if check == "host" else "index has a value outside"):
             detsum.index_add(init, 0, bad, src, check=check)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd", "exact"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_mode_and_dtype_sorting_by_counting_gives_torch_sorts_bits(mode, dtype):
+    """``index_add`` with alpha past NARROW_SORT_ABOVE rows, a segment long enough for
+    chunks, in every mode and a float and a bfloat16 dtype, on a GPU's path: the index sorted
+    by counting gives the bits of the same call sorting with torch."""
+    rows, segments, features = kernels.NARROW_SORT_ABOVE + 301, 40, 2
+    gen = torch.Generator().manual_seed(seed_of("counting sort modes", mode, dtype))
+    index = torch.randint(0, segments, (rows,), generator=gen)
+    index[torch.rand(rows, generator=gen) < 0.3] = 11  # a hot segment: chunks
+    src = torch.randn(rows, features, generator=gen).to(dtype)
+    init = torch.randn(segments, features, generator=gen).to(dtype)
+    index, src, init = index.to(DEVICE), src.to(DEVICE), init.to(DEVICE)
+    sorted_with = []
+    sort = counting_sort.sort_by_segment
+
+    def recorded(*args):
+        sorted_with.append("counting")
+        return sort(*args)
+
+    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
+        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+        patch.setattr(counting_sort, "sort_by_segment", recorded)
+        got = detsum.index_add(init, 0, index, src, alpha=0.75, mode=mode)
+        assert sorted_with == ["counting"]
+        patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
+        assert_same_bits(got, detsum.index_add(init, 0, index, src, alpha=0.75, mode=mode))

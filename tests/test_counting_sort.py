@@ -8,6 +8,7 @@ set by conftest where no GPU is present)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -56,6 +57,31 @@ def _assert_sorts_as_torch(keys, num_segments, values_dtype):
     assert_same_bits(order.cpu(), expected.indices)
     boundaries = torch.arange(num_segments + 1, dtype=values_dtype)
     assert_same_bits(offsets.cpu(), torch.searchsorted(expected.values, boundaries))
+
+
+@contextlib.contextmanager
+def _on_a_gpus_path():
+    """The triton backend, a GPU's check levels and its sort (CPU keys sorted by counting as
+    CUDA ones); yields the list of the counting sorts made, by their number of segments."""
+    counted = []
+    sort = counting_sort.sort_by_segment
+
+    def recorded(*args):
+        counted.append(args[1])
+        return sort(*args)
+
+    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
+        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+        patch.setattr(counting_sort, "sort_by_segment", recorded)
+        yield counted
+
+
+def _sorted_by_torch(call):
+    """``call()`` with no counting sort's table small enough: torch sorts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
+        return call()
 
 
 BLOCK = counting_sort.BLOCK if counting_sort is not None else 512
@@ -126,30 +152,18 @@ def test_takes_what_its_table_and_int32_hold():
     assert not counting_sort.takes(2**31, 1)
 
 
-def test_sort_by_segment_counts_on_a_gpu_past_the_narrow_size(monkeypatch):
+def test_sort_by_segment_counts_on_a_gpu_past_the_narrow_size():
     """kernels.sort_by_segment sorts by counting past NARROW_SORT_ABOVE keys on a GPU (here
     CPU keys taken as a GPU's), with torch's sort at or below it and where the table would be
     too large: the same values and order in every case, the keys narrowed alike."""
-    monkeypatch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
-    counted = []
-    sort = counting_sort.sort_by_segment
-
-    def recorded(*args):
-        counted.append(args[1])
-        return sort(*args)
-
-    monkeypatch.setattr(counting_sort, "sort_by_segment", recorded)
     gen = torch.Generator().manual_seed(seed_of("sort_by_segment counts"))
     for positions, counts in ((kernels.NARROW_SORT_ABOVE, False),
                               (kernels.NARROW_SORT_ABOVE + 1, True)):
-        keys = torch.randint(-2, 20, (positions,), generator=gen)
-        counted.clear()
-        values, order = kernels.sort_by_segment(keys.to(DEVICE), 18)
-        assert counted == ([18] if counts else [])
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(kernels, "COUNTING_SORT_ON_CPU", False)
-            patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
-            expected = kernels.sort_by_segment(keys.to(DEVICE), 18)
+        keys = torch.randint(-2, 20, (positions,), generator=gen).to(DEVICE)
+        with _on_a_gpus_path() as counted:
+            values, order = kernels.sort_by_segment(keys, 18)
+            assert counted == ([18] if counts else [])
+            expected = _sorted_by_torch(lambda: kernels.sort_by_segment(keys, 18))
         assert_same_bits(values.cpu(), expected[0].cpu())
         assert_same_bits(order.cpu(), expected[1].cpu())
 
@@ -175,24 +189,11 @@ def test_calls_sorting_by_counting_give_torch_sorts_bits(call):
             torch.zeros_like(init), 0, index, src, mode="exact"),
         "moe route": lambda: detsum.moe.route(selected, 8).gather_indices,
     }
-    sorted_with = []
-    sort = counting_sort.sort_by_segment
-
-    def recorded(*args):
-        sorted_with.append("counting")
-        return sort(*args)
-
-    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
-        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
-        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
-        patch.setattr(counting_sort, "sort_by_segment", recorded)
+    with _on_a_gpus_path() as counted:
         got = calls[call]()
-        assert sorted_with, "the index was not sorted by counting"
-        patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
-        expected = calls[call]()
-        assert_same_bits(got, expected)
+        assert counted, "the index was not sorted by counting"
+        assert_same_bits(got, _sorted_by_torch(calls[call]))
         if call == "index_add host":
-            patch.setattr(counting_sort, "MAX_TABLE_CELLS", 1 << 23)
             bad = index.clone()
             bad[rows // 3] = segments
             with pytest.raises(detsum.IndexOutOfRangeError, match=rf"index\[{rows // 3}\]"):
@@ -215,10 +216,8 @@ def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(check, bad_k
     bad = good.clone()
     bad[rows // 2] = bad_key
     kept = bad.clamp(0, segments - 1)
-    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
-        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
-        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
-        bad, kept, src, init = (t.to(DEVICE) for t in (bad, kept, src, init))
+    bad, kept, src, init = (t.to(DEVICE) for t in (bad, kept, src, init))
+    with _on_a_gpus_path():
         if check == "off":
             out = detsum.index_add(init, 0, bad, src, check=check)
             zeroed = src * (kept == bad).view(-1, 1)
@@ -243,18 +242,11 @@ def test_every_mode_and_dtype_sorting_by_counting_gives_torch_sorts_bits(mode, d
     src = torch.randn(rows, features, generator=gen).to(dtype)
     init = torch.randn(segments, features, generator=gen).to(dtype)
     index, src, init = index.to(DEVICE), src.to(DEVICE), init.to(DEVICE)
-    sorted_with = []
-    sort = counting_sort.sort_by_segment
 
-    def recorded(*args):
-        sorted_with.append("counting")
-        return sort(*args)
+    def call():
+        return detsum.index_add(init, 0, index, src, alpha=0.75, mode=mode)
 
-    with pytest.MonkeyPatch.context() as patch, detsum.backend("triton"):
-        patch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
-        patch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
-        patch.setattr(counting_sort, "sort_by_segment", recorded)
-        got = detsum.index_add(init, 0, index, src, alpha=0.75, mode=mode)
-        assert sorted_with == ["counting"]
-        patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
-        assert_same_bits(got, detsum.index_add(init, 0, index, src, alpha=0.75, mode=mode))
+    with _on_a_gpus_path() as counted:
+        got = call()
+        assert counted == [segments]
+        assert_same_bits(got, _sorted_by_torch(call))

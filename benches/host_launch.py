@@ -22,8 +22,9 @@ MoE: 64 tokens, top-2 of 4 experts):
   and "kahan", and ``index_add`` with a source that requires grad (through torch's
   dispatcher, autograd recording the call);
 - ``index_add`` and a ``scatter_reduce`` max without a plan at check="off";
-- ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing``, and the whole layer
-  with ``moe.route`` (forward only);
+- ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing`` (and with ``x`` and the
+  weights requiring grad: autograd recording both calls), and the whole layer with
+  ``moe.route`` (forward only);
 - one launch of ``_segment_kernel`` alone (detsum's ``Kernel``, or ``JITFunction.run``, and
   ``JITFunction.run`` with its check of module globals emptied: what passing them as
   constexprs would save it), and of a kernel of one argument (the launch's floor: against
@@ -97,7 +98,8 @@ def _inputs(device: str = "cpu") -> dict:
         "weights": torch.softmax(torch.randn(TOKENS, TOPK, generator=gen), -1),
     }
     t = {name: tensor.to(device) for name, tensor in t.items()}
-    t["src_requiring_grad"] = t["src"].clone().requires_grad_()
+    for name in ("src", "x", "weights"):
+        t[f"{name}_requiring_grad"] = t[name].clone().requires_grad_()
     with _as_cuda(device):
         t["plan"] = detsum.plan(t["index"], SEGMENTS)
         t["routing"] = moe.route(t["selected"], EXPERTS)
@@ -140,7 +142,12 @@ def _detsum_calls(t: dict) -> dict:
         rows = moe.permute(t["x"], routing, TOPK)
         return moe.unpermute(rows, routing, TOPK, weights=t["weights"])
 
+    def permute_unpermute_recorded():
+        rows = moe.permute(t["x_requiring_grad"], t["routing"], TOPK)
+        return moe.unpermute(rows, t["routing"], TOPK, weights=t["weights_requiring_grad"])
+
     calls["moe permute + unpermute, Routing given"] = permute_unpermute
+    calls["moe permute + unpermute, x and weights requiring grad"] = permute_unpermute_recorded
     calls["moe layer: route + permute + unpermute"] = moe_layer
     return calls
 

@@ -9,8 +9,12 @@ functions call each operator through an ``autograd.Function`` of detsum's own, w
 torch.func supports ("Extending torch.func with autograd.Function"): forward runs the same
 operator, ``setup_context`` and ``backward`` are the formula registered for it (so a gradient
 has the bits that ``torch.autograd.grad`` gives through the operator), vmap runs the operator
-under vmap as before, and forward mode is refused in detsum's words. Elsewhere (plain eager
-code, autograd, ``torch.compile``) they call the operator itself.
+under vmap as before, and forward mode is refused in detsum's words. In plain eager code
+(``_dispatch.eager_route``) they call the operator's body: directly where nothing is to be
+recorded, and where autograd records the call, through another ``autograd.Function`` of
+detsum's own, the same formula around the body, without the dispatcher's two passes (see
+``_dispatch``). Elsewhere (``torch.compile``, ``torch.jit.trace``, fake tensors, modes,
+subclasses) they call the operator itself.
 
 detsum's own autograd Functions (``detsum.loss``, ``detsum.scatter_compat``) follow the same
 rules. The ``jvp`` that refuses forward mode belongs to a subclass used only inside a
@@ -26,7 +30,7 @@ from typing import Any
 import torch
 from torch.autograd import forward_ad
 
-from detsum import _validation
+from detsum import _dispatch, _validation
 
 #: The transforms, named where a call inside one is refused.
 TRANSFORMS = "torch.func.grad, vjp, jacrev, jvp, jacfwd or vmap"
@@ -57,11 +61,36 @@ def _refuse_compiled(caller: str) -> None:
 _refusing: dict[tuple[type[torch.autograd.Function], str], type[torch.autograd.Function]] = {}
 
 
+_older_forms: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {}
+
+
+def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """``function`` (a forward without ``ctx``, and a ``setup_context``) as a Function of the
+    older form, whose forward takes ``ctx`` and does ``setup_context``'s work, with the same
+    backward: the newer form's ``apply`` binds its arguments through ``inspect.signature`` at
+    every call (11 of the 16 us of a small one, benches/NOTES.md), the older one's does not.
+    Eager code only: torch.func needs the newer form."""
+    form = _older_forms.get(function)
+    if form is None:
+        def forward(ctx, *args):
+            output = function.forward(*args)
+            function.setup_context(ctx, args, output)
+            return output
+
+        form = _older_forms[function] = type(function.__name__, (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(function.backward)})
+    return form
+
+
 def apply(function: type[torch.autograd.Function], caller: str, *args: Any) -> Any:
-    """``function.apply(*args)``; inside a transform or a forward-mode level, through a
-    subclass whose ``jvp`` refuses forward mode in ``caller``'s name (and under
-    ``torch.compile`` there, a refusal in detsum's words)."""
+    """``function.apply(*args)`` (``args``: every argument of its forward, none left to its
+    default); in plain eager code (``_dispatch.eager_route``) through its older form (the
+    same forward, formula and bits; ``_older_form``); inside a transform or a forward-mode
+    level, through a subclass whose ``jvp`` refuses forward mode in ``caller``'s name (and
+    under ``torch.compile`` there, a refusal in detsum's words)."""
     if not active():
+        if _dispatch.eager_route(args) is not _dispatch.THROUGH_OPERATOR:
+            return _older_form(function).apply(*args)
         return function.apply(*args)
     if torch.compiler.is_compiling():
         _validation.run_check(_refuse_compiled, caller)
@@ -83,18 +112,39 @@ def register_autograd(op, backward: Callable[..., Any], *,
                       caller: str) -> Callable[..., Any]:
     """Register ``backward`` and ``setup_context`` as ``op``'s autograd formula, and return
     the function that calls ``op`` with it from anywhere: ``call(*args, caller=caller)``
-    takes ``op``'s arguments, every one given, and calls ``op`` itself or, inside a transform
-    (or a forward-mode level), the same formula through an ``autograd.Function`` that
-    torch.func accepts. ``caller`` names the public function where forward mode is refused
-    (by default the one given here)."""
+    takes ``op``'s arguments, every one given, and calls ``op`` itself, ``op``'s body (the
+    function it was made from, in plain eager code with nothing to record), or the same
+    formula through an ``autograd.Function`` of detsum's: inside a transform (or a
+    forward-mode level) one that torch.func accepts, and in plain eager code that autograd
+    records one around the body. Each gives the operator's bits and gradients. ``caller``
+    names the public function where forward mode is refused (by default the one given
+    here)."""
     op.register_autograd(backward, setup_context=setup_context)
+    save = setup_context or _nothing_to_save
+    # The function the operator was made from, which its backend kernel calls. The direct
+    # routes skip what the dispatcher does for an operator that changes its arguments (their
+    # version counters): none of detsum's registered with a formula does. A torch that keeps
+    # either elsewhere calls the operator every time.
+    body = getattr(op, "_init_fn", None)
+    schema = getattr(getattr(op, "_opoverload", None), "_schema", None)
+    direct = body is not None and schema is not None and not schema.is_mutable
+
+    def recorded_forward(ctx, *args):
+        output = body(*args)
+        save(ctx, args, output)
+        return output
+
+    # The old form of Function (forward takes ctx, no setup_context): its apply binds no
+    # default arguments, which costs a call through inspect.signature.
+    recorded = type(caller, (torch.autograd.Function,), {
+        "forward": staticmethod(recorded_forward), "backward": staticmethod(backward)})
 
     def forward(*args):
         return op(*args)
 
     function = type(caller, (torch.autograd.Function,), {
         "forward": staticmethod(forward),
-        "setup_context": staticmethod(setup_context or _nothing_to_save),
+        "setup_context": staticmethod(save),
         "backward": staticmethod(backward),
         # vmap over forward runs the operator under vmap (torch's per-sample fallback: the
         # bits of the eager operator), and vmap over backward runs the formula under vmap.
@@ -104,6 +154,11 @@ def register_autograd(op, backward: Callable[..., Any], *,
     def call(*args, caller: str = caller):
         if active():
             return apply(function, caller, *args)
+        route = _dispatch.eager_route(args) if direct else _dispatch.THROUGH_OPERATOR
+        if route is _dispatch.BODY:
+            return body(*args)
+        if route is _dispatch.RECORDED_BODY:
+            return recorded.apply(*args)
         return op(*args)
 
     return call

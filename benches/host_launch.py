@@ -14,7 +14,8 @@ makes an earlier call's launch again, ``detsum.plans.call_with_plan``), "whole p
 off: ``plans.LAUNCH_AGAIN``, every call from its public function down to the direct
 launch), "direct, tensors" (``POINTERS_AS_INTS`` off: handed the tensors, whose pointers
 Triton's launcher then reads and has the driver check, one call each; the same here, where
-the launcher is stubbed) and "JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every time, the path before).
+the launcher is stubbed) and "JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every
+time, the path before).
 Calls (256 rows of 4 fp32 features into 16 rows;
 MoE: 64 tokens, top-2 of 4 experts):
 

@@ -388,3 +388,25 @@ def test_detsums_functions_give_the_same_bits_in_their_older_form(case):
     assert not mode_forms & set(_transforms._older_forms.values()), mode_forms
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_recorded_calls_under_activation_checkpointing(use_reentrant):
+    """torch.utils.checkpoint runs the forward again in the backward (under saved-tensor hooks
+    without reentry): the same loss and gradients, bit for bit, as without it."""
+    init, index, src = _inputs()
+    weight = torch.randn(3, 3, generator=torch.Generator().manual_seed(8))
+
+    def loss_of(source, w):
+        added = detsum.index_add(init, 0, index, source @ w, mode="kahan")
+        return detsum.segment_sum(added, torch.tensor([0, 2, 5])).pow(2).sum()
+
+    def run(checkpointed):
+        leaves = src.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = (torch.utils.checkpoint.checkpoint(loss_of, *leaves, use_reentrant=use_reentrant)
+                if checkpointed else loss_of(*leaves))
+        loss.backward()
+        return loss, *[leaf.grad for leaf in leaves]
+
+    for got, expected in zip(run(True), run(False), strict=True):
+        assert torch.equal(got, expected)

@@ -75,3 +75,32 @@ def test_small_index_add_(benchmark, device, impl):
     run_case(benchmark, fn, device, rounds=ROUNDS, warmup_rounds=5, info=info,
              iterations=ITERATIONS, baseline="torch.index_add_",
              baseline_case=f"test_small_index_add_[{device}-torch.index_add_]")
+
+
+#: A training step's call: forward and backward, the source requiring grad (autograd records
+#: the call), with and without a plan, against torch's own ``index_add`` the same way.
+TRAINING_IMPLS = ["detsum.index_add", "detsum.index_add plan", "torch.index_add"]
+
+
+@pytest.mark.parametrize("impl", TRAINING_IMPLS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_call(benchmark, device, impl):
+    gen = torch.Generator().manual_seed(5)
+    index = torch.randint(0, SMALL_OUT, (SMALL_SRC,), generator=gen).to(device)
+    src = torch.randn(SMALL_SRC, SMALL_H, generator=gen).to(device).requires_grad_()
+    init = torch.randn(SMALL_OUT, SMALL_H, generator=gen).to(device)
+    grad = torch.randn(SMALL_OUT, SMALL_H, generator=gen).to(device)
+    plan = detsum.plan(index, SMALL_OUT) if impl.endswith("plan") else None
+    if impl.startswith("detsum"):
+        def fn():
+            detsum.index_add(init, 0, index, src, plan=plan).backward(grad)
+    else:
+        def fn():
+            torch.index_add(init, 0, index, src).backward(grad)
+    benchmark.group = f"training call {device}"
+    info = {"primitive": "training call",
+            "case": f"{SMALL_SRC}x{SMALL_H} -> {SMALL_OUT}x{SMALL_H} fp32, forward and backward",
+            "device": device, "dtype": "fp32", "impl": impl, "max_ulps": None}
+    run_case(benchmark, fn, device, rounds=ROUNDS, warmup_rounds=5, info=info,
+             iterations=ITERATIONS, baseline="torch.index_add",
+             baseline_case=f"test_training_call[{device}-torch.index_add]")

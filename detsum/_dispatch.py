@@ -12,7 +12,9 @@ would run its registered formula through an ``autograd.Function`` that torch bui
 forward re-reads the operator's schema at every call (``torch._library.utils.fill_defaults``:
 29 of the 47 us of a small ``index_add`` with a plan, stubbed device, benches/NOTES.md), and
 then call the implementation through the dispatcher again. ``_transforms.register_autograd``
-records such a call itself instead: the same formula, around the operator's body.
+records such a call itself instead: the same formula, around the operator's body. Its call
+function takes the direct path too where nothing is to be recorded, for the callers that
+always call it (``moe.permute`` and ``unpermute``, the backward formulas).
 """
 
 from __future__ import annotations

@@ -134,8 +134,7 @@ def register_autograd(op, backward: Callable[..., Any], *,
         save(ctx, args, output)
         return output
 
-    # The old form of Function (forward takes ctx, no setup_context): its apply binds no
-    # default arguments, which costs a call through inspect.signature.
+    # The older form of Function (forward takes ctx, no setup_context), as ``_older_form``.
     recorded = type(caller, (torch.autograd.Function,), {
         "forward": staticmethod(recorded_forward), "backward": staticmethod(backward)})
 

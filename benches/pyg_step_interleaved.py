@@ -16,7 +16,8 @@ detsum the ratio of the medians to PyG's and the median of the per-round ratios 
 10th-90th percentile.
 
     python benches/pyg_step_interleaved.py [--rounds 200] [--layers GATConv ...]
-                                           [--mode fp32] [--json PATH]
+                                           [--mode fp32] [--graph NODES EDGES FEATURES]
+                                           [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,16 +38,18 @@ import detsum.pyg
 NODES, EDGES, FEATURES = 10_000, 100_000, 64
 
 
-def _step_times(layer_name: str, mode: str, rounds: int) -> dict[str, list[float]]:
+def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, int]
+                ) -> dict[str, list[float]]:
     from torch_geometric import nn
 
+    nodes, edges, features = graph
     gen = torch.Generator().manual_seed(5)
-    edge_index = torch.randint(0, NODES, (2, EDGES), generator=gen)
-    x0 = torch.randn(NODES, FEATURES, generator=gen)
-    upstream = torch.randn(NODES, FEATURES, generator=gen)
+    edge_index = torch.randint(0, nodes, (2, edges), generator=gen)
+    x0 = torch.randn(nodes, features, generator=gen)
+    upstream = torch.randn(nodes, features, generator=gen)
     torch.manual_seed(0)
-    pyg_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
-    marked_layer = getattr(nn, layer_name)(FEATURES, FEATURES)
+    pyg_layer = getattr(nn, layer_name)(features, features)
+    marked_layer = getattr(nn, layer_name)(features, features)
     marked_layer.load_state_dict(pyg_layer.state_dict())
     switch = detsum.pyg.make_deterministic(marked_layer, mode=mode)
 
@@ -82,6 +85,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--layers", nargs="+", default=["GCNConv", "SAGEConv", "GATConv"])
     parser.add_argument("--mode", default="fp32")
+    parser.add_argument("--graph", nargs=3, type=int, default=[NODES, EDGES, FEATURES],
+                        metavar=("NODES", "EDGES", "FEATURES"),
+                        help="a random graph of this size (default: bench_pyg.py's)")
     parser.add_argument("--json", help="write the figures and each round's times here")
     args = parser.parse_args()
     threads = torch.get_num_threads()
@@ -89,7 +95,7 @@ def main() -> None:
     found = {}
     try:
         for layer_name in args.layers:
-            times = _step_times(layer_name, args.mode, args.rounds)
+            times = _step_times(layer_name, args.mode, args.rounds, tuple(args.graph))
             pyg = statistics.median(times["pyg"])
             found[layer_name] = {"pyg_ms": pyg, "times": times}
             print(f"{layer_name:9s} pyg {pyg:6.2f} ms")
@@ -113,7 +119,7 @@ def main() -> None:
                        "machine": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "load_average": os.getloadavg(),
                        "rounds": args.rounds, "mode": args.mode,
-                       "graph": {"nodes": NODES, "edges": EDGES, "features": FEATURES},
+                       "graph": dict(zip(("nodes", "edges", "features"), args.graph)),
                        "layers": found}, f, indent=1)
         print(f"wrote {args.json}")
 

@@ -111,20 +111,21 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
                     size_name: str) -> torch.Tensor | None:
     """``out3`` (a new output when None; it may be ``input3`` itself) holding ``input3`` with
     ``alpha * source3``'s rows added at ``index``, in one Numba call without a plan
-    (``kernels/numba/small.py``: the general path's bits), or None where that call does not
-    fit. A value of ``index`` outside ``input3``'s rows raises in ``caller``'s words, nothing
-    written."""
+    (``kernels/numba/small.py``: the general path's bits), or None, nothing written, where
+    that call does not fit (an output row of more than CHUNK_TERMS terms among them). A value
+    of ``index`` outside ``input3``'s rows raises in ``caller``'s words, nothing written."""
     from detsum.kernels.numba import small
 
     # A new output is contiguous, of input3's shape: input3 answers for it.
     if not small.fits(source3, input3, input3 if out3 is None else out3, rule):
         return None
-    if out3 is None:
-        out3 = new_output_like(input3)
-    first_bad = small.index_add_small(source3, index, input3, out3, alpha, rule)
-    if first_bad >= 0:
-        raise_index_out_of_range(caller, "index", index, first_bad, input3.shape[1], size_name)
-    return out3
+    written = new_output_like(input3) if out3 is None else out3
+    answer = small.index_add_small(source3, index, input3, written, alpha, rule)
+    if answer == small.TOO_MANY_TERMS:
+        return None
+    if answer >= 0:
+        raise_index_out_of_range(caller, "index", index, answer, input3.shape[1], size_name)
+    return written
 
 
 def new_output_shaped(like: torch.Tensor, shape: list[int]) -> torch.Tensor:

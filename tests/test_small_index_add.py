@@ -101,12 +101,59 @@ def test_a_bad_index_is_named_and_nothing_is_written():
         assert torch.equal(target, input)
 
 
+def _answers(monkeypatch) -> list[int]:
+    """What each call of ``small.index_add_small`` answers, from now on."""
+    answers, original = [], small.index_add_small
+
+    def answering(*args):
+        answers.append(original(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(small, "index_add_small", answering)
+    return answers
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", MODES)
+def test_many_terms_in_rows_of_few_take_the_small_path(mode, dtype, monkeypatch):
+    """Past CHUNK_TERMS terms in all the kernel counts each row's: with none past
+    CHUNK_TERMS (one at exactly CHUNK_TERMS) it adds them, with the general path's bits; with
+    one row past it (where the general path cuts chunks) it answers TOO_MANY_TERMS having
+    written nothing, and the call takes the general path."""
+    answers = _answers(monkeypatch)
+    input, _, source = problem((None, 5), 0, 3 * CHUNK_TERMS, 16, dtype, seed=11)
+    others = torch.tensor([row for row in range(16) if row != 3])
+    index = torch.cat([torch.full((CHUNK_TERMS,), 3),
+                       others[torch.arange(2 * CHUNK_TERMS) % len(others)]])
+    index = index[torch.randperm(len(index), generator=torch.Generator().manual_seed(2))]
+    # "autograd" (ROUND_EACH) adds every term in turn: it never splits, nor refuses.
+    too_many = -1 if mode == "autograd" else small.TOO_MANY_TERMS
+    for hot_row_terms, answer in ((CHUNK_TERMS, -1), (CHUNK_TERMS + 5, too_many)):
+        if hot_row_terms > CHUNK_TERMS:  # a second chunk of 5 terms, added apart
+            index[(index != 3).nonzero()[:5]] = 3
+        assert int((index == 3).sum()) == hot_row_terms
+        call = lambda: detsum.index_add(input, 0, index, source, alpha=0.5, mode=mode)  # noqa: E731
+        answers.clear()
+        got = call()
+        assert answers == [answer]
+        assert_same_bits(got, general(monkeypatch, call))
+        for rule in (small.WIDE, small.KAHAN, small.ROUND_EACH):
+            poisoned = torch.full_like(input, float("nan"))
+            expected = -1 if rule == small.ROUND_EACH or hot_row_terms <= CHUNK_TERMS \
+                else small.TOO_MANY_TERMS
+            assert small.index_add_small(source.view(1, *source.shape), index,
+                                         input.view(1, *input.shape),
+                                         poisoned.view(1, *input.shape), 1.0, rule) == expected
+            assert poisoned.isnan().all() == (expected == small.TOO_MANY_TERMS)
+
+
 def test_large_launches_take_the_general_path(monkeypatch):
     """The small path is a shortcut, never the only way: a launch over its limits is planned."""
     calls, original = [], small.index_add_small
     monkeypatch.setattr(small, "index_add_small",
                         lambda *args: calls.append(args) or original(*args))
-    input, index, source = problem((None, 8), 0, CHUNK_TERMS + 1, 4, torch.float32, seed=1)
+    rows = small.MAX_ELEMENTS // 8 + 1
+    input, index, source = problem((None, 8), 0, rows, 4, torch.float32, seed=1)
     detsum.index_add(input, 0, index, source)
     assert not calls
     detsum.index_add(input, 0, index[:10], source[:10])

@@ -3,9 +3,12 @@ row in order of appearance, without a plan.
 
 ``index_add_small(src, index, base, out, alpha, rule)`` computes what ``segment.segment_reduce``
 computes for ``index_add`` (reduce SUM, the base included, one segment per output row, the
-segments' rows in order of appearance) when no segment can be cut into chunks: at most
-``CHUNK_TERMS`` terms in all. Walking the terms in their own order visits each output row's
-terms in the canonical order, so no order and no offsets are needed. The arithmetic is the
+segments' rows in order of appearance) when no segment is cut into chunks: under the rules
+that split (WIDE, KAHAN), no output row has more than ``CHUNK_TERMS`` terms (past
+``CHUNK_TERMS`` terms in all the kernel counts each row's, and answers ``TOO_MANY_TERMS``,
+having written nothing, for a row of more). Walking the
+terms in their own order visits each output row's terms in the canonical order, so no order
+and no offsets are needed. The arithmetic is the
 segment kernel's, element by element, for rules WIDE, KAHAN and ROUND_EACH (see its module
 docstring): ``acc = A(base)``; per term ``t = A(x) * A(alpha)`` (ROUND_EACH: ``RN_D`` of it
 unless ``alpha == 1``) added as the rule says; KAHAN's final ``s + c``; then rounded to the
@@ -38,7 +41,11 @@ from .rounding import (
 from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
-__all__ = ["index_add_small", "fits"]
+__all__ = ["index_add_small", "fits", "TOO_MANY_TERMS"]
+
+#: ``index_add_small``'s answer for an output row of more than CHUNK_TERMS terms, which the
+#: general path cuts into chunks (another arithmetic): nothing written, the general path's call.
+TOO_MANY_TERMS = -2
 
 #: Largest launch (elements of the source and the output) taken here; larger ones pay for a
 #: plan and threads (see common._MIN_BLOCK_ELEMENTS).
@@ -56,7 +63,9 @@ def _at(typingctx, address):
 
 def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha, in_place):
     """Returns -1 having written ``out`` (``[outer, rows, inner]``; it may be ``base`` itself),
-    or the first position of ``index`` outside ``[0, rows)`` having written nothing.
+    or, having written nothing, the first position of ``index`` outside ``[0, rows)``, else
+    TOO_MANY_TERMS where an output row has more than CHUNK_TERMS terms under a rule that
+    splits.
 
     The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``,
     the format's ``dec``, ``rnd``, ``enc`` and ``cvt`` (see ``segment._make_rows``), its
@@ -72,6 +81,15 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
     for i in range(n):
         if index[i] < 0 or index[i] >= rows:
             return i
+    # The rules that split (SPLIT_RULES: WIDE and KAHAN) cut a row of more than CHUNK_TERMS
+    # terms into chunks; ROUND_EACH adds every term in turn whatever their number.
+    if rule != ROUND_EACH and n > CHUNK_TERMS:
+        counts = np.zeros(rows, dtype=np.int64)
+        for i in range(n):
+            v = index[i]
+            counts[v] += 1
+            if counts[v] > CHUNK_TERMS:
+                return TOO_MANY_TERMS
     a = cvt(alpha)
     if rule != KAHAN and acc_is_data:
         # fp32 and fp64 data outside KAHAN: the acc type is the data type and every rounding
@@ -154,20 +172,20 @@ def _kernel_for(dtype, rule):
 
 
 def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
-    """Whether ``index_add_small`` computes this launch: few terms (no segment reaches a chunk
-    boundary), a small launch, a rule it has, contiguous rows. (Contiguous only: each layout
-    is a compiled specialisation of its own, compiled on first use, and a small call of an
-    unusual layout is better served by the general kernel than by a compile.)"""
-    return (src3.shape[1] <= CHUNK_TERMS and rule in (WIDE, KAHAN, ROUND_EACH)
-            and src3.numel() + out3.numel() <= MAX_ELEMENTS and src3.is_contiguous()
-            and base3.is_contiguous() and out3.is_contiguous())
+    """Whether ``index_add_small`` may compute this launch: a small launch, a rule it has,
+    contiguous rows (the kernel itself finds a row of too many terms). (Contiguous only: each
+    layout is a compiled specialisation of its own, compiled on first use, and a small call
+    of an unusual layout is better served by the general kernel than by a compile.)"""
+    return (rule in (WIDE, KAHAN, ROUND_EACH) and src3.numel() + out3.numel() <= MAX_ELEMENTS
+            and src3.is_contiguous() and base3.is_contiguous() and out3.is_contiguous())
 
 
 def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor,
                     out3: torch.Tensor, alpha: float, rule: int) -> int:
-    """Write ``out3`` (``[outer, S, inner]``; it may be ``base3`` itself) and return -1, or
-    return the first position of ``index`` outside ``[0, S)`` having written nothing. The
-    three tensors must be contiguous (:func:`fits`)."""
+    """Write ``out3`` (``[outer, S, inner]``; it may be ``base3`` itself) and return -1, or,
+    having written nothing, return the first position of ``index`` outside ``[0, S)``, else
+    TOO_MANY_TERMS where an output row has more than CHUNK_TERMS terms under a rule that
+    splits (WIDE, KAHAN). The three tensors must be contiguous (:func:`fits`)."""
     # The kernel reads int64 elements one after another from the index's address. (``to``
     # with a memory format returns a strided 1-D tensor unchanged: ``contiguous`` copies it.)
     index = index.to(torch.int64).contiguous()

@@ -199,3 +199,17 @@ def test_a_small_scatter_sums_bad_index_is_named_and_nothing_is_written():
                                          r"range"):
         detsum.scatter_reduce(input, 0, torch.tensor([0, 1, 4, 2]), torch.ones(4, 3), "sum")
     assert torch.equal(input, torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan"])
+def test_a_bad_index_past_a_row_of_too_many_terms_is_named_by_the_general_path(mode):
+    """The kernel's pass stops at a row's CHUNK_TERMS + 1st term (TOO_MANY_TERMS), before a
+    bad value further on: the general path then names it, nothing written."""
+    index = torch.cat([torch.full((CHUNK_TERMS + 1,), 3), torch.tensor([1, 16, 2])])
+    source = torch.ones(len(index), 3)
+    target = torch.zeros(16, 3)
+    with pytest.raises(IndexError, match=rf"index\[{CHUNK_TERMS + 2}\] = 16 is out of range"):
+        detsum.index_add_(target, 0, index, source, mode=mode)
+    assert torch.equal(target, torch.zeros(16, 3))
+    assert small.index_add_small(source.view(1, -1, 3), index, target.view(1, 16, 3),
+                                 target.view(1, 16, 3), 1.0, small.WIDE) == small.TOO_MANY_TERMS

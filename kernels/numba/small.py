@@ -63,9 +63,9 @@ def _at(typingctx, address):
 
 def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha, in_place):
     """Returns -1 having written ``out`` (``[outer, rows, inner]``; it may be ``base`` itself),
-    or, having written nothing, the first position of ``index`` outside ``[0, rows)``, else
-    TOO_MANY_TERMS where an output row has more than CHUNK_TERMS terms under a rule that
-    splits.
+    or, having written nothing, TOO_MANY_TERMS where an output row has more than CHUNK_TERMS
+    terms under a rule that splits, or the first position of ``index`` outside ``[0, rows)``
+    (before the row's CHUNK_TERMS + 1st term, if any).
 
     The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``,
     the format's ``dec``, ``rnd``, ``enc`` and ``cvt`` (see ``segment._make_rows``), its
@@ -77,19 +77,24 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
     index = carray(_at(index_at), (n,), np.int64)
     base = carray(_at(base_at), (outer, rows, inner), data_dtype)
     out = carray(_at(out_at), (outer, rows, inner), data_dtype)
-    # Every index value is checked before anything is written (out may be base itself).
-    for i in range(n):
-        if index[i] < 0 or index[i] >= rows:
-            return i
-    # The rules that split (SPLIT_RULES: WIDE and KAHAN) cut a row of more than CHUNK_TERMS
-    # terms into chunks; ROUND_EACH adds every term in turn whatever their number.
+    # Every index value is checked before anything is written (out may be base itself). The
+    # rules that split (SPLIT_RULES: WIDE and KAHAN) cut a row of more than CHUNK_TERMS terms
+    # into chunks: past CHUNK_TERMS terms, each row's are counted in the same pass, which
+    # stops at the first row of too many (the general path then checks the rest itself).
+    # ROUND_EACH adds every term in turn, whatever their number.
     if rule != ROUND_EACH and n > CHUNK_TERMS:
         counts = np.zeros(rows, dtype=np.int64)
         for i in range(n):
             v = index[i]
+            if v < 0 or v >= rows:
+                return i
             counts[v] += 1
             if counts[v] > CHUNK_TERMS:
                 return TOO_MANY_TERMS
+    else:
+        for i in range(n):
+            if index[i] < 0 or index[i] >= rows:
+                return i
     a = cvt(alpha)
     if rule != KAHAN and acc_is_data:
         # fp32 and fp64 data outside KAHAN: the acc type is the data type and every rounding
@@ -183,9 +188,10 @@ def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int)
 def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor,
                     out3: torch.Tensor, alpha: float, rule: int) -> int:
     """Write ``out3`` (``[outer, S, inner]``; it may be ``base3`` itself) and return -1, or,
-    having written nothing, return the first position of ``index`` outside ``[0, S)``, else
-    TOO_MANY_TERMS where an output row has more than CHUNK_TERMS terms under a rule that
-    splits (WIDE, KAHAN). The three tensors must be contiguous (:func:`fits`)."""
+    having written nothing, return TOO_MANY_TERMS where an output row has more than
+    CHUNK_TERMS terms under a rule that splits (WIDE, KAHAN), or the first position of
+    ``index`` outside ``[0, S)`` (found before such a row's CHUNK_TERMS + 1st term). The three
+    tensors must be contiguous (:func:`fits`)."""
     # The kernel reads int64 elements one after another from the index's address. (``to``
     # with a memory format returns a strided 1-D tensor unchanged: ``contiguous`` copies it.)
     index = index.to(torch.int64).contiguous()

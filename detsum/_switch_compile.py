@@ -20,9 +20,11 @@ aten ops (``index_put`` into ``index_put_`` and others) but never a custom op.
 
 What keeps compiled code in step with the switch:
 
-- the table: while the switch is on, Inductor's decomposition table maps each op of
-  ``_TAKEN`` to its ``switched_`` op (for the float dtypes the switch takes); when it is off,
-  Inductor's own entries are back;
+- the table: from the switch's first use on, Inductor's decomposition table maps each op of
+  ``_TAKEN`` to an entry that reads the switch when a graph is traced: while it is on, the
+  op's ``switched_`` op (for the float dtypes the switch takes), while it is off, Inductor's
+  own entry (or none). Installed once, it costs turning the switch on and off nothing (it
+  rewrote both tables at every turn, 5 of the 12 us of an on and off, benches/NOTES.md);
 - Dynamo's cache: every frame compiled once this module is in use carries a guard on whether
   the switch was on when it was compiled, so code compiled with the switch off (Inductor's
   loops) is never run with it on, nor the reverse; the first call after the switch changes
@@ -117,18 +119,18 @@ def _decomposition(op: torch._ops.OpOverload, takes):
 _DECOMPOSITIONS = {op: _decomposition(op, takes) for op, takes in _TAKEN.items()}
 
 _installed = False
-# Inductor's own entries, per table, for the ops _DECOMPOSITIONS replaced (None: no entry).
-_inductor_entries: dict[int, dict] = {}
 
 
 def follow(on: bool) -> None:
-    """Set Inductor's decomposition table and the cache tag for the switch being ``on`` or
-    off (called by ``detsum.switch`` with its lock held, whenever its state is applied)."""
+    """Keep compiled code in step with the switch being ``on`` or off: its entries in
+    Inductor's decomposition tables and its guard installed at the first call, the cache tag
+    set at every one (called by ``detsum.switch`` with its lock held, whenever its state is
+    applied)."""
     global _installed
     if not _installed:
         _install()
+        _install_tables()
         _installed = True
-    _set_tables(on)
     _set_cache_tag(on)
 
 
@@ -163,19 +165,24 @@ def _tables() -> tuple[dict, ...]:
     return decomposition.decompositions, decomposition.fast_random_decomps()
 
 
-def _set_tables(on: bool) -> None:
+def _following_the_switch(switched, own):
+    """An entry of Inductor's decomposition table: ``switched`` while the switch is on when a
+    graph is traced, else Inductor's own entry ``own`` (None: no decomposition)."""
+    def entry(*args, **kwargs):
+        if switch.current_mode() is not None:
+            return switched(*args, **kwargs)
+        return NotImplemented if own is None else own(*args, **kwargs)
+
+    entry.__name__ = switched.__name__
+    return entry
+
+
+def _install_tables() -> None:
+    """Put an entry following the switch (``_following_the_switch``) in each of Inductor's
+    tables for each op of ``_DECOMPOSITIONS``, in place of Inductor's own."""
     for table in _tables():
-        own = _inductor_entries.get(id(table))
-        if on and own is None:
-            _inductor_entries[id(table)] = {op: table.get(op) for op in _DECOMPOSITIONS}
-            table.update(_DECOMPOSITIONS)
-        elif not on and own is not None:
-            for op, entry in own.items():
-                if entry is None:
-                    table.pop(op, None)
-                else:
-                    table[op] = entry
-            del _inductor_entries[id(table)]
+        for op, switched in _DECOMPOSITIONS.items():
+            table[op] = _following_the_switch(switched, table.get(op))
 
 
 def _set_cache_tag(on: bool) -> None:

@@ -234,3 +234,30 @@ def test_importing_detsum_loads_no_compiler():
             "assert 'torch._dynamo' not in sys.modules\n"
             "assert 'detsum._switch_compile' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("op", ["index_add", "scatter_add"])
+def test_inductors_table_follows_the_switch_when_a_graph_is_traced(op):
+    """After the switch's first use Inductor's decomposition table holds, for each switched
+    op, an entry that reads the switch when a graph is traced: on, the ``switched_`` op; off,
+    Inductor's own (``index_add`` decomposes into ``index_put``; ``scatter_add`` has no
+    entry of Inductor's and stays), nothing of detsum's. Turning the switch on and off
+    changes no table."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, index, rows_index, terms = terms_case(n=8)
+    call = {"index_add": lambda x, terms: x.index_add(0, index, terms),
+            "scatter_add": lambda x, terms: x.scatter_add(0, rows_index, terms)}[op]
+    own = {"index_add": "aten.index_put.default", "scatter_add": "aten.scatter_add.default"}[op]
+
+    def traced():
+        graph = make_fx(call, decomposition_table=select_decomp_table())(x, terms).graph
+        return {str(node.target) for node in graph.nodes if node.op == "call_function"}
+
+    with detsum.deterministic("fp32"):
+        table = dict(select_decomp_table())
+        assert f"detsum.switched_{op}.default" in traced()
+    assert dict(select_decomp_table()) == table
+    off = traced()
+    assert own in off and not any(target.startswith("detsum.") for target in off), off

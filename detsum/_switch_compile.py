@@ -23,8 +23,7 @@ What keeps compiled code in step with the switch:
 - the table: from the switch's first use on, Inductor's decomposition table maps each op of
   ``_TAKEN`` to an entry that reads the switch when a graph is traced: while it is on, the
   op's ``switched_`` op (for the float dtypes the switch takes), while it is off, Inductor's
-  own entry (or none). Installed once, it costs turning the switch on and off nothing (it
-  rewrote both tables at every turn, 5 of the 12 us of an on and off, benches/NOTES.md);
+  own entry (or none). Installed once, it costs turning the switch on and off nothing;
 - Dynamo's cache: every frame compiled once this module is in use carries a guard on whether
   the switch was on when it was compiled, so code compiled with the switch off (Inductor's
   loops) is never run with it on, nor the reverse; the first call after the switch changes

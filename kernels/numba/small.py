@@ -1,19 +1,18 @@
 """A small index_add in one serial call: the index checked, then every term added to its output
 row in order of appearance, without a plan.
 
-``index_add_small(src, index, base, out, alpha, rule)`` computes what ``segment.segment_reduce``
-computes for ``index_add`` (reduce SUM, the base included, one segment per output row, the
-segments' rows in order of appearance) when no segment is cut into chunks: under the rules
-that split (WIDE, KAHAN), no output row has more than ``CHUNK_TERMS`` terms (past
-``CHUNK_TERMS`` terms in all the kernel counts each row's, and answers ``TOO_MANY_TERMS``,
-having written nothing, for a row of more). Walking the
-terms in their own order visits each output row's terms in the canonical order, so no order
-and no offsets are needed. The arithmetic is the
-segment kernel's, element by element, for rules WIDE, KAHAN and ROUND_EACH (see its module
-docstring): ``acc = A(base)``; per term ``t = A(x) * A(alpha)`` (ROUND_EACH: ``RN_D`` of it
-unless ``alpha == 1``) added as the rule says; KAHAN's final ``s + c``; then rounded to the
-dtype. Every output row is written, those without terms too (their base through the acc
-type, as the segment kernel writes them).
+``index_add_small(src, index, base, out, alpha, rule)`` computes what
+``segment.segment_reduce`` computes for ``index_add`` (reduce SUM, the base included, one
+segment per output row, the segments' rows in order of appearance) when no segment is cut into
+chunks: under the rules that split (WIDE, KAHAN), no output row has more than ``CHUNK_TERMS``
+terms (past ``CHUNK_TERMS`` terms in all the kernel counts each row's, and answers
+``TOO_MANY_TERMS``, having written nothing, for a row of more). Walking the terms in their own
+order visits each output row's terms in the canonical order, so no order and no offsets are
+needed. The arithmetic is the segment kernel's, element by element, for rules WIDE, KAHAN and
+ROUND_EACH (see its module docstring): ``acc = A(base)``; per term ``t = A(x) * A(alpha)``
+(ROUND_EACH: ``RN_D`` of it unless ``alpha == 1``) added as the rule says; KAHAN's final
+``s + c``; then rounded to the dtype. Every output row is written, those without terms too
+(their base through the acc type, as the segment kernel writes them).
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
 the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks

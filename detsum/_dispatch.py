@@ -46,18 +46,9 @@ _Parameter = torch.nn.Parameter
 
 
 def direct_call_ok(*tensors: torch.Tensor | None) -> bool:
-    """True when the operator would do nothing but call its implementation on ``tensors``:
-    eager mode (``_eager``), plain tensors only (``_plain``) and none that autograd must
-    record."""
-    if not _eager():
-        return False
-    grad_enabled = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if not _plain(t) or (grad_enabled and t.requires_grad):
-            return False
-    return True
+    """True when the operator would do nothing but call its implementation on ``tensors``
+    (None for an absent one): ``eager_route`` says ``BODY``."""
+    return eager_route(tensors) is BODY
 
 
 #: How ``eager_route`` says an operator's call is to be made.

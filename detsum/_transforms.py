@@ -61,24 +61,32 @@ def _refuse_compiled(caller: str) -> None:
 _refusing: dict[tuple[type[torch.autograd.Function], str], type[torch.autograd.Function]] = {}
 
 
+def _function_of_older_form(name: str, forward, setup_context, backward
+                            ) -> type[torch.autograd.Function]:
+    """An ``autograd.Function`` named ``name`` of the older form, whose forward takes ``ctx``
+    and does ``setup_context``'s work after ``forward``'s (a forward without ``ctx``), with
+    ``backward``: the newer form's ``apply`` binds its arguments through
+    ``inspect.signature`` at every call (11 of the 16 us of a small one, benches/NOTES.md),
+    the older one's does not. Eager code only: torch.func needs the newer form."""
+    def older_forward(ctx, *args):
+        output = forward(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(older_forward), "backward": staticmethod(backward)})
+
+
 _older_forms: dict[type[torch.autograd.Function], type[torch.autograd.Function]] = {}
 
 
 def _older_form(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
-    """``function`` (a forward without ``ctx``, and a ``setup_context``) as a Function of the
-    older form, whose forward takes ``ctx`` and does ``setup_context``'s work, with the same
-    backward: the newer form's ``apply`` binds its arguments through ``inspect.signature`` at
-    every call (11 of the 16 us of a small one, benches/NOTES.md), the older one's does not.
-    Eager code only: torch.func needs the newer form."""
+    """``function`` (a Function of the newer form) in the older form
+    (``_function_of_older_form``): the same forward, ``setup_context`` and backward."""
     form = _older_forms.get(function)
     if form is None:
-        def forward(ctx, *args):
-            output = function.forward(*args)
-            function.setup_context(ctx, args, output)
-            return output
-
-        form = _older_forms[function] = type(function.__name__, (torch.autograd.Function,), {
-            "forward": staticmethod(forward), "backward": staticmethod(function.backward)})
+        form = _older_forms[function] = _function_of_older_form(
+            function.__name__, function.forward, function.setup_context, function.backward)
     return form
 
 
@@ -129,14 +137,7 @@ def register_autograd(op, backward: Callable[..., Any], *,
     schema = getattr(getattr(op, "_opoverload", None), "_schema", None)
     direct = body is not None and schema is not None and not schema.is_mutable
 
-    def recorded_forward(ctx, *args):
-        output = body(*args)
-        save(ctx, args, output)
-        return output
-
-    # The older form of Function (forward takes ctx, no setup_context), as ``_older_form``.
-    recorded = type(caller, (torch.autograd.Function,), {
-        "forward": staticmethod(recorded_forward), "backward": staticmethod(backward)})
+    recorded = _function_of_older_form(caller, body, save, backward)
 
     def forward(*args):
         return op(*args)

@@ -133,18 +133,23 @@ class _ChangesNothing(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _nodes(outputs) -> list[str]:
-    """The type names of the autograd nodes behind ``outputs``."""
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
-    seen, names = set(), []
+def _graph(outputs) -> list:
+    """The autograd nodes behind ``outputs``."""
+    stack = [t.grad_fn for t in outputs]
+    seen, nodes = set(), []
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        names.append(type(node).__name__)
+        nodes.append(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
+    return nodes
+
+
+def _nodes(outputs) -> list[str]:
+    """The type names of the autograd nodes behind ``outputs``."""
+    return [type(node).__name__ for node in _graph(outputs)]
 
 
 def _moe_inputs():
@@ -353,17 +358,7 @@ def _function_calls():
 
 def _function_classes(outputs) -> set:
     """The autograd Functions whose nodes are behind ``outputs``."""
-    stack = [t.grad_fn for t in outputs]
-    seen, found = set(), set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "_forward_cls"):
-            found.add(node._forward_cls)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
+    return {node._forward_cls for node in _graph(outputs) if hasattr(node, "_forward_cls")}
 
 
 @pytest.mark.parametrize("case", list(_function_calls()))

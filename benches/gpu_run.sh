@@ -8,6 +8,7 @@
 #   bash benches/gpu_run.sh switch     # the switch's CUDA tests against torch, about 2 minutes
 #   bash benches/gpu_run.sh profile    # the MoE backward's parts, and ncu on its launch
 #   bash benches/gpu_run.sh lease      # a 15-minute lease's first command, about 5 minutes
+#   bash benches/gpu_run.sh rest       # what no lease has measured yet, at most 8.5 minutes
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
@@ -95,6 +96,27 @@ for stage in $STAGES; do
         timeout 60 python3 benches/host_launch.py --cuda --rounds 100 \
             --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
         head -n 50 "$OUT/host-launch.txt" ;;
+    rest)
+        # A lease's command when the lease stage's benchmarks are fresh (no kernel changed since):
+        # what the GPU issues name that no run has yet measured, each part cut at its own limit.
+        # Host time by call (the recorded rows among them), the CUDA tests of the kernels, plans,
+        # checks (CUDA graph, no host sync) and losses, the counting sort's, the sum over ranks on
+        # NCCL, then the report ("exact" against "fp32"; its kernels compile first).
+        timeout 60 python3 benches/host_launch.py --cuda --rounds 100 \
+            --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
+        head -n 40 "$OUT/host-launch.txt"
+        timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
+            tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
+            tests/test_moe_check.py tests/test_loss.py tests/test_check.py 2>&1 \
+            | tee "$OUT/tests-cuda.txt" | tail -n 25 || status=1
+        timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_counting_sort.py \
+            2>&1 | tee "$OUT/tests-counting-sort.txt" | tail -n 15 || status=1
+        timeout 60 python3 benches/distributed_nccl.py > "$OUT/distributed-nccl.txt" 2>&1 \
+            || status=1
+        tail -n 20 "$OUT/distributed-nccl.txt"
+        timeout 170 python3 -m detsum report --json "$OUT/report-gpu.json" \
+            > "$OUT/report-gpu.txt" 2>&1 || status=1
+        tail -n 40 "$OUT/report-gpu.txt" ;;
     targets)
         # What a call costs by how it is called (plan, check level, torch's form), the MoE
         # backward against a copy, the Zipf-skewed index, the small call, then the report
@@ -170,8 +192,8 @@ for stage in $STAGES; do
         # sum over ranks timed against an fp32 all_reduce of the same gradients.
         python3 benches/distributed_nccl.py 2>&1 | tee "$OUT/distributed-nccl.txt" || status=1 ;;
     *)
-        echo "unknown stage $stage (expected tests, benches, report, distributed, targets, switch" \
-             "or profile)"
+        echo "unknown stage $stage (expected tests, benches, report, distributed, targets, switch," \
+             "profile, lease or rest)"
         exit 2 ;;
     esac
 done

@@ -26,7 +26,9 @@ them, and "index_add off, torch's sort" with torch's sort of the narrowed keys, 
 counting sort (``triton.counting_sort``): at ``mid`` the kernels and time each saves. The
 row "index_add plan, whole path" is the call with a plan with ``plans.LAUNCH_AGAIN`` off:
 every call from its public function down to its launch, where "index_add plan" makes its
-last launch again.
+last launch again. The "exact" rows are ``mode="exact"`` beside the "fp32" ones: in the
+report's form (``segment_sum exact``: default check, no plan) and with a plan, whose device
+time is the exact kernel's alone.
 
 ``--tile-bytes 0`` launches narrow rows one segment a program (the layout before the tiles of
 segments, ``detsum.kernels.triton.segment.TILE_BYTES``), to compare the two; ``--sizes``
@@ -61,7 +63,7 @@ SIZES = {"tiny": (16, 8, 4), "mid": (16384, 64, 2048), "gnn": (1_000_000, 64, 10
 LARGE_CALLS = {
     "moe": ("torch.index_add", "index_add", "index_add device", "index_add plan"),
     "gnn": ("torch.index_add", "index_add plan", "torch.scatter_reduce", "scatter_reduce plan",
-            "torch.segment_reduce", "segment_sum plan"),
+            "torch.segment_reduce", "segment_sum plan", "segment_sum exact plan"),
 }
 
 
@@ -98,6 +100,12 @@ def _cases(rows: int, width: int, out_rows: int, dtype: torch.dtype) -> dict:
         "segment_sum": lambda: detsum.segment_sum(src, offsets),
         "segment_sum device": lambda: detsum.segment_sum(src, offsets, check="device"),
         "segment_sum plan": lambda: detsum.segment_sum(src, plan=plan),
+        # "exact" against "fp32" (the rows above): the report's form (default check, no plan),
+        # and with a plan, where the device time is the exact kernel's alone.
+        "segment_sum exact": lambda: detsum.segment_sum(src, offsets, mode="exact"),
+        "segment_sum exact plan": lambda: detsum.segment_sum(src, plan=plan, mode="exact"),
+        "index_add exact plan": lambda: detsum.index_add(init, 0, index, src, plan=plan,
+                                                         mode="exact"),
     }
 
 

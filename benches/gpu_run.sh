@@ -8,7 +8,7 @@
 #   bash benches/gpu_run.sh switch     # the switch's CUDA tests against torch, about 2 minutes
 #   bash benches/gpu_run.sh profile    # the MoE backward's parts, and ncu on its launch
 #   bash benches/gpu_run.sh lease      # a 15-minute lease's first command, about 5 minutes
-#   bash benches/gpu_run.sh rest       # what no lease has measured yet, at most 8.5 minutes
+#   bash benches/gpu_run.sh rest       # the checks that lease leaves out, 5.5 minutes
 #
 # A short lease narrows the two long stages: TEST_ARGS replaces the tests stage's selection (the
 # whole suite by default), BENCH_ARGS the benches stage's (default "-k cuda"), for example
@@ -74,8 +74,8 @@ for stage in $STAGES; do
         # rest still runs (on an H200, 2026-11-27: tests 80 s cold, call cost 80 s, the
         # benchmarks' targets 165 s, the Zipf parts 25 s): the CUDA tests of the kernels,
         # plans and relaunches, the counting sort's; what a call costs by how it is called; the
-        # Zipf call's parts; the benchmarks of the GPU issues' targets; where host time goes.
-        # It writes 11 files: where fewer come back from a machine, point OUT at a folder and
+        # Zipf call's parts; the benchmarks of the GPU issues' targets; where host time goes,
+        # with a plan and without. It writes 12 files: where fewer come back from a machine, point OUT at a folder and
         # pack it afterwards (OUT=$DIR/r bash benches/gpu_run.sh lease; tar czf r.tgz -C $DIR r).
         timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
             tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
@@ -95,13 +95,18 @@ for stage in $STAGES; do
         python3 benches/summarize.py "$OUT/bench-targets.json" | tee "$OUT/bench-targets.txt"
         timeout 60 python3 benches/host_launch.py --cuda --rounds 100 \
             --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
-        head -n 50 "$OUT/host-launch.txt" ;;
+        head -n 50 "$OUT/host-launch.txt"
+        # Where a call without a plan spends its host time, op by op (about 30 s).
+        (cd benches && timeout 60 python3 gpu_no_plan_profile.py) > "$OUT/no-plan-profile.txt" \
+            2>&1 || status=1
+        head -n 4 "$OUT/no-plan-profile.txt" ;;
     rest)
         # A lease's command when the lease stage's benchmarks are fresh (no kernel changed since):
-        # what the GPU issues name that no run has yet measured, each part cut at its own limit.
-        # Host time by call (the recorded rows among them), the CUDA tests of the kernels, plans,
-        # checks (CUDA graph, no host sync) and losses, the counting sort's, the sum over ranks on
-        # NCCL, then the report ("exact" against "fp32"; its kernels compile first).
+        # the GPU issues' checks that the lease stage leaves out, each part cut at its own limit
+        # (on an H200, 2026-11-27: 5.5 minutes with Triton's cache cold). Host time by call,
+        # the CUDA tests of the kernels, plans, checks (CUDA graph, no host sync) and losses,
+        # the counting sort's, the sum over ranks on NCCL, then the report ("exact" against
+        # "fp32"; its kernels compile first, 80 s).
         timeout 60 python3 benches/host_launch.py --cuda --rounds 100 \
             --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
         head -n 40 "$OUT/host-launch.txt"

@@ -75,8 +75,9 @@ for stage in $STAGES; do
         # benchmarks' targets 165 s, the Zipf parts 25 s): the CUDA tests of the kernels,
         # plans and relaunches, the counting sort's; what a call costs by how it is called; the
         # Zipf call's parts; the benchmarks of the GPU issues' targets; where host time goes,
-        # with a plan and without. It writes 12 files: where fewer come back from a machine, point OUT at a folder and
-        # pack it afterwards (OUT=$DIR/r bash benches/gpu_run.sh lease; tar czf r.tgz -C $DIR r).
+        # with a plan and without. It writes 12 files: where fewer come back from a machine,
+        # point OUT at a folder and pack it afterwards (OUT=$DIR/r bash benches/gpu_run.sh
+        # lease; tar czf r.tgz -C $DIR r).
         timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
             tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
             tests/test_moe_check.py tests/test_loss.py 2>&1 \
@@ -97,8 +98,8 @@ for stage in $STAGES; do
             --json "$OUT/host-launch.json" > "$OUT/host-launch.txt" 2>&1 || status=1
         head -n 50 "$OUT/host-launch.txt"
         # Where a call without a plan spends its host time, op by op (about 30 s).
-        (cd benches && timeout 60 python3 gpu_no_plan_profile.py) > "$OUT/no-plan-profile.txt" \
-            2>&1 || status=1
+        timeout 60 python3 benches/gpu_no_plan_profile.py > "$OUT/no-plan-profile.txt" 2>&1 \
+            || status=1
         head -n 4 "$OUT/no-plan-profile.txt" ;;
     rest)
         # A lease's command when the lease stage's benchmarks are fresh (no kernel changed since):
@@ -197,8 +198,8 @@ for stage in $STAGES; do
         # sum over ranks timed against an fp32 all_reduce of the same gradients.
         python3 benches/distributed_nccl.py 2>&1 | tee "$OUT/distributed-nccl.txt" || status=1 ;;
     *)
-        echo "unknown stage $stage (expected tests, benches, report, distributed, targets, switch," \
-             "profile, lease or rest)"
+        echo "unknown stage $stage (expected tests, benches, report, distributed, targets," \
+             "switch, profile, lease or rest)"
         exit 2 ;;
     esac
 done

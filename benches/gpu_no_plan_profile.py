@@ -7,7 +7,8 @@ out takes about 55 us on a 2-core CPU. This script says where the difference goe
 times each case in turn, round by round (the cases in a shuffled order each round: that
 host's times moved by 2x between runs), then prints for each case the functions taking the
 most of its own host time (cProfile, by time spent in each) and torch's profiler's table of
-the ops it ran (self CPU time, the CUDA kernels beside them). Cases: that call at "off" and
+the ops it ran (self CPU time, the CUDA kernels beside them; its row "Activity Buffer
+Request" is the profiler's own start, counted in the first op's CPU total too). Cases: that call at "off" and
 at "device", and the switch's Zipf-skewed ``index_add_`` (50000 rows x 256 into 32768, as
 ``bench_enable.test_enable_cuda`` times it: the switch on around the call).
 
@@ -35,14 +36,13 @@ from bench_skew import ZIPF_EXPONENT, zipf_index
 
 def _cases(device: str) -> dict:
     gen = torch.Generator().manual_seed(0)
-    mid_index = torch.randint(0, 2048, (16384,), generator=gen)
-    mid_src = torch.randn(16384, 64, generator=gen)
-    mid_init = torch.randn(2048, 64, generator=gen)
-    zipf = zipf_index(50_000, 32_768, ZIPF_EXPONENT, gen)
-    zipf_src = torch.randn(50_000, 256, generator=gen)
-    zipf_work = torch.zeros(32_768, 256)
-    t = {name: tensor.to(device) for name, tensor in locals().items()
-         if isinstance(tensor, torch.Tensor)}
+    t = {"mid_index": torch.randint(0, 2048, (16384,), generator=gen),
+         "mid_src": torch.randn(16384, 64, generator=gen),
+         "mid_init": torch.randn(2048, 64, generator=gen),
+         "zipf": zipf_index(50_000, 32_768, ZIPF_EXPONENT, gen),
+         "zipf_src": torch.randn(50_000, 256, generator=gen),
+         "zipf_work": torch.zeros(32_768, 256)}
+    t = {name: tensor.to(device) for name, tensor in t.items()}
     return {
         "index_add 16384x64 -> 2048, off": lambda: detsum.index_add(
             t["mid_init"], 0, t["mid_index"], t["mid_src"], check="off"),

@@ -1095,34 +1095,43 @@ def _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe, ini
     either end (torch reads nothing of them): the segments run between two more, of the rows
     before the first offset and from the last one on, which tile the rows wherever torch takes
     the bounds (nondecreasing, inside ``[0, data.size(0)]``), and the result leaves the two
-    out. Each segment sums its own rows: the host path's bits, which reads the bounds and
-    leaves the rows outside out."""
-    pad = torch.nn.functional.pad
+    out. The launch takes those bounds as the caller's between a 0 and ``data.size(0)``
+    (``segment_sum``'s inner offsets), with no padded copy. Each segment sums its own rows:
+    the host path's bits, which reads the bounds and leaves the rows outside out."""
+    if offsets is None and not unsafe:
+        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        return _segment_sum_from_zero(mode, data, reduce, offsets, initial, data.dtype,
+                                      check=_CHECK)
     if offsets is None:
-        offsets = pad(lengths.cumsum(0), (1, 0))
-        if not unsafe:
-            return _segment_sum_from_zero(mode, data, reduce, offsets, initial, data.dtype,
-                                          check=_CHECK)
-    tiled = pad(offsets, (1, 1), value=data.shape[0])
-    tiled[:1].zero_()
-    return _segment_sum_from_zero(mode, data, reduce, tiled, initial, data.dtype,
-                                  check=_CHECK)[1:-1]
+        # From 0 to the running sum of the lengths: the rows past it are the last segment.
+        return _segment_sum_from_zero(mode, data, reduce, lengths.cumsum(0), initial,
+                                      data.dtype, check=_CHECK,
+                                      inner=(slice(None, -1), lambda: lengths))
+    return _segment_sum_from_zero(mode, data, reduce, offsets, initial, data.dtype,
+                                  check=_CHECK, inner=(slice(1, -1), offsets.diff))
 
 
-def _segment_sum_from_zero(mode, rows, reduce, offsets, initial, dtype, check=None):
+def _segment_sum_from_zero(mode, rows, reduce, offsets, initial, dtype, check=None,
+                           inner=None):
     """A sum or mean of segments started from +0.0, as ``segment_sum`` over the CSR
     ``offsets``: no sort, the rows added in order, the bits of ``index_add`` into zeros in
     every mode. In "exact" mode a segment whose terms sum to -0.0 (all of them -0.0) gives
     +0.0 there, as +0.0 + -0.0 does: adding +0.0 turns -0.0 into +0.0 and leaves every other
-    value as it is. ``check``: the primitive's check level for offsets not yet checked."""
+    value as it is. ``check``: the primitive's check level for offsets not yet checked.
+    ``inner``: ``offsets`` are the inner bounds of segments from 0 to the rows' end
+    (``segment_sum``'s inner offsets), of whose results those at ``inner[0]`` are kept, their
+    lengths ``inner[1]()`` (for a mean)."""
     work = dtype if reduce == "sum" or mode == "autograd" else acc_dtype(dtype)
     # Else _segment_reduce has checked the offsets (or made them): the primitive need not.
     checked = {"offsets_checked": True} if check is None else {"check": check}
     total = _segment_sum_op._segment_sum(rows if work == dtype else rows.to(work), offsets, 0,
-                                         None, mode, **checked)
+                                         None, mode, **checked, inner_offsets=inner is not None)
+    lengths_of_kept = offsets.diff
+    if inner is not None:
+        total, lengths_of_kept = total[inner[0]], inner[1]
     if mode == "exact":
         total = total + 0.0
-    return total if reduce == "sum" else _segment_mean(total, offsets.diff(), initial, dtype)
+    return total if reduce == "sum" else _segment_mean(total, lengths_of_kept(), initial, dtype)
 
 
 def _segment_mean(total, lengths, initial, dtype):

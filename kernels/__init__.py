@@ -268,27 +268,50 @@ class UncheckedOffsets:
     as they are and checks in its kernel that they run from 0 to ``positions`` without
     decreasing; a segment whose end is below its start is then empty, so the launch stays
     inside every tensor, but what it writes for offsets that fail is unspecified (a failure
-    is reported, and on a GPU a failed assert ends the CUDA context)."""
+    is reported, and on a GPU a failed assert ends the CUDA context).
 
-    #: 1-D int32/int64 on the data's device, ``[num_segments + 1]``.
+    ``padded``: the values are the inner bounds only, the offsets being 0, the values, then
+    ``positions`` (torch's ``segment_reduce`` offsets, which may leave rows out at either end:
+    the first and last segments hold those rows, and the caller drops their results). The
+    launch reads them so, with no padded copy; checked, that padded sequence must not
+    decrease: the values none less than the one before, in ``[0, positions]``."""
+
+    #: 1-D int32/int64 on the data's device, ``[num_segments + 1]`` (``padded``:
+    #: ``[num_segments - 1]``).
     values: torch.Tensor
     #: The number of positions (source rows, or entries of the order): the last offset.
     positions: int
     #: How the launch's check reports a failure (``Failure``); None: no check.
     failure: Failure | None = None
+    #: Whether the values are the inner offsets, between a 0 and ``positions`` (see above).
+    padded: bool = False
+
+    @property
+    def num_segments(self) -> int:
+        return self.values.shape[0] + (1 if self.padded else -1)
 
     def check(self) -> None:
         """The check by torch ops, for a launch that does not make it in its kernel."""
         values = self.values
-        _check_by_torch_ops(self.failure, lambda: (values[0] == 0)
-                            & (values[-1] == self.positions) & ~(values[1:] < values[:-1]).any())
+        if not self.padded:
+            _check_by_torch_ops(self.failure, lambda: (values[0] == 0)
+                                & (values[-1] == self.positions)
+                                & ~(values[1:] < values[:-1]).any())
+        elif values.numel():
+            _check_by_torch_ops(self.failure, lambda: (values[0] >= 0)
+                                & (values[-1] <= self.positions)
+                                & ~(values[1:] < values[:-1]).any())
 
     def offsets(self) -> torch.Tensor:
-        """Int64 offsets for a launch that reads them as they are, after the check: checked on
-        the host, the values themselves; otherwise clamped into ``[0, positions]`` and made
-        nondecreasing (the segments of check="off"; a failed "device" check is reported)."""
+        """Int64 offsets for a launch that reads them as they are, after the check (padded
+        first where ``padded``): checked on the host, the values themselves; otherwise
+        clamped into ``[0, positions]`` and made nondecreasing (the segments of check="off";
+        a failed "device" check is reported)."""
         self.check()
         values = self.values.to(torch.int64)
+        if self.padded:
+            values = torch.nn.functional.pad(values, (1, 1), value=self.positions)
+            values[0] = 0
         if callable(self.failure):
             return values
         return torch.cummax(values.clamp(0, self.positions), 0).values
@@ -353,7 +376,7 @@ def has_work(src, order, offsets, supported_dtypes) -> bool:
         nseg = offsets.num_segments
     elif isinstance(offsets, UncheckedOffsets):
         bounds_ok = offsets.values.dtype in (torch.int32, torch.int64)
-        nseg = offsets.values.shape[0] - 1
+        nseg = offsets.num_segments
     else:
         bounds_ok, nseg = offsets.dtype == torch.int64, offsets.shape[0] - 1
     if not bounds_ok or (order is not None and order.dtype != torch.int64):

@@ -304,6 +304,12 @@ def main() -> dict:
     found["fp32 sum wide offsets checked"] = _count(_ptx(
         segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i32"),
         config, fp_fusion=False))
+    # The same offsets as the inner bounds, a 0 before them and the positions after them
+    # (the switch's segment_reduce: no padded copy), in tiles of narrow rows.
+    config = dict(config, BOUNDS=chunks._PADDED_OFFSETS.value, SEGS=4)
+    found["fp32 sum wide inner offsets checked, tiles"] = _count(_ptx(
+        segment._segment_kernel, dict(_segment_types("fp32", "fp32"), bounds_ptr="*i64"),
+        config, fp_fusion=False))
     # fp16 data: the chunks' fold divides the mean (in the launch, by the last chunk program).
     config = _segment_config(kernels.MEAN, kernels.KAHAN, 2, tl.float32, False, 512)
     found["fp16 mean kahan"] = _count(_ptx(segment._segment_kernel,

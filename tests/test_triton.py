@@ -717,6 +717,77 @@ def test_tiles_of_many_segments_checked_by_the_launch(monkeypatch):
                 alpha=1.0, include_base=False)
 
 
+@pytest.mark.parametrize("rule", ["WIDE", "KAHAN", "EXACT"])
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 4), (torch.bfloat16, 33)], ids=str)
+@pytest.mark.parametrize("check", ["unchecked", "checked by the launch"])
+def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, dtype, width,
+                                                             check):
+    """``UncheckedOffsets`` with ``padded`` (the inner bounds, the launch reading a 0 before
+    them and ``positions`` after them) against the same offsets padded by torch ops: the same
+    bits, in tiles of narrow rows and one segment a program, with long segments in chunks,
+    rows left out at both ends, an order and a base row. Unchecked, values past either end
+    and a decrease are clamped and made nondecreasing as the padded sequence's would be.
+    Outputs are NaN before the launch, so a segment that no program writes fails."""
+    from detsum.kernels.triton import segment
+
+    g = torch.Generator().manual_seed(seed_of("inner offsets", rule, dtype, width, check))
+    counts = torch.randint(0, 4, (7,), generator=g)
+    counts[[2, 5]] = torch.tensor([2 * CHUNK + 3, CHUNK + 1])  # chunk programs
+    counts[4] = 0
+    inner = 5 + counts.cumsum(0)[:-1]  # 5 rows before the first bound, counts[-1] after
+    positions = int(5 + counts.sum())
+    if check == "unchecked":
+        inner[0], inner[3], inner[-1] = -4, inner[2] - 2, positions + 6
+    nseg = inner.numel() + 1
+    src = make_data((2, positions + 3, width), dtype, seed=seed_of("inner offsets src", width))
+    base = make_data((2, nseg, width), dtype, seed=seed_of("inner offsets base", width))
+    order = torch.randperm(positions + 3, generator=g)[:positions]
+    # Checked as on a GPU at check="device": an assert of the launch's flag (here, on CPU
+    # tensors, at once), or of torch ops where the launch takes offsets as they are (EXACT).
+    failure = None if check == "unchecked" else "inner offsets reported bad"
+    padded = torch.nn.functional.pad(inner, (1, 1), value=positions)
+    padded[0] = 0
+    outs = []
+    for tile_bytes in (segment.TILE_BYTES, 0):
+        monkeypatch.setattr(segment, "TILE_BYTES", tile_bytes)
+        for given in (kernels.UncheckedOffsets(on_device(inner), positions, failure,
+                                               padded=True),
+                      kernels.UncheckedOffsets(on_device(padded), positions, failure)):
+            out = on_device(torch.full((2, nseg, width), float("nan"), dtype=dtype))
+            segment.segment_reduce(on_device(src), on_device(order), given, on_device(base),
+                                   out, reduce=kernels.SUM, rule=getattr(kernels, rule),
+                                   alpha=1.0, include_base=True)
+            outs.append(out.cpu())
+    for out in outs[1:]:
+        assert_same_bits(out, outs[0])
+
+
+@pytest.mark.parametrize("rule", ["WIDE", "EXACT"])
+@pytest.mark.parametrize("bad", ["first below 0", "a decrease", "last past the positions"])
+def test_inner_offsets_that_fail_are_reported(rule, bad):
+    """Inner offsets checked (``padded``): the padded sequence 0, the values, ``positions``
+    must not decrease, so a first value below 0, a decrease among them or a last value past
+    ``positions`` is reported, by the launch (WIDE) or by torch ops before it (EXACT, which
+    takes offsets as they are); their edges (a first of 0, a last of ``positions``, equal
+    neighbours) are not."""
+    from detsum.kernels.triton import segment
+
+    positions = 12
+    src = on_device(make_data((1, positions, 3), torch.float32, seed=23))
+
+    def launch(inner):
+        segment.segment_reduce(src, None, kernels.UncheckedOffsets(
+            on_device(torch.tensor(inner)), positions, "inner offsets reported bad",
+            padded=True), None, on_device(torch.empty(1, len(inner) + 1, 3)),
+            reduce=kernels.SUM, rule=getattr(kernels, rule), alpha=1.0, include_base=False)
+
+    launch([0, 4, 4, positions])
+    inner = {"first below 0": [-1, 4, 9], "a decrease": [2, 7, 6, 9],
+             "last past the positions": [2, 7, positions + 1]}[bad]
+    with pytest.raises(RuntimeError, match="inner offsets reported bad"):
+        launch(inner)
+
+
 def test_sort_offsets_are_searchsorteds_answers():
     """``chunks.sort_offsets`` (a sort's values to the launch's offsets, one kernel) against
     ``torch.searchsorted`` for every ``s`` in ``[0, nseg]``: even segments, random ones, one
@@ -1116,8 +1187,9 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
         if "spill_stores" in found[name]:  # Triton shipped a ptxas for sm_90
             assert found[name]["spill_stores"] == found[name]["spill_loads"] == 0, found[name]
     # The checkers' ticket carries what they found in its value: relaxed is enough.
-    assert found["fp32 sum wide offsets checked"]["atomics"] == [
-        "atom.global.gpu.acq_rel.add.u64", "atom.global.gpu.relaxed.add.u64"]
+    for name in ("fp32 sum wide offsets checked", "fp32 sum wide inner offsets checked, tiles"):
+        assert found[name]["atomics"] == [
+            "atom.global.gpu.acq_rel.add.u64", "atom.global.gpu.relaxed.add.u64"], name
     # A gather of bf16 rows of 4096 as segment_reduce launches it: one term loop, which
     # whole segments and chunks share, pipelined, its rows copied asynchronously, 4 in
     # flight, and nothing spilled.

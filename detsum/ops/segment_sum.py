@@ -16,6 +16,7 @@ from detsum.ops.index_add import call_index_add
 _CALLER = "detsum.segment_sum"
 # The failures of check="device", by the number of rows.
 _OFFSETS_BAD = "offsets do not run from 0 to src.size(dim) = {} without decreasing"
+_INNER_OFFSETS_BAD = "offsets decrease, or leave [0, src.size(dim) = {}]"
 _PERM_OUT_OF_RANGE = "perm has a value outside [0, src.size(dim) = {})"
 
 
@@ -91,20 +92,24 @@ def _as_launched(offsets: torch.Tensor, perm: torch.Tensor | None, num_rows: int
 
 
 def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chunk_ends=None,
-                 chunk_slots=-1, offsets_checked=False):
+                 chunk_slots=-1, offsets_checked=False, inner_offsets=False):
     """The operator's body (also called directly, see ``_dispatch``). ``rows``: the output
     row of each source row, given with the positions of a ``detsum.Plan`` (checked when it was
     made, and inside every tensor whatever its level): nothing to check here. Nor with
     ``offsets_checked``, which says the caller (in detsum, not an operator's argument) has
     checked what "host" would: ``offsets`` run from 0 to ``src.size(dim)`` without
-    decreasing, and ``perm`` is None. ``chunk_ends``
+    decreasing, and ``perm`` is None. ``inner_offsets`` (in detsum too, with no plan and no
+    ``perm``): ``offsets`` are the inner bounds of segments that run from 0 to
+    ``src.size(dim)``, one segment more than the offsets, and are checked as that padded
+    sequence (the Triton launch reads them so, with no padded copy:
+    ``kernels.UncheckedOffsets``' ``padded``). ``chunk_ends``
     and ``chunk_slots``: the chunk split of the segments (``kernels.chunk_ends`` and the number
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
     ``kernels.CHUNK_TERMS``; -1: the launch counts them. With a plan, a call of an earlier
     call's signature makes that call's launch again (``plans.call_with_plan``)."""
     if rows is None or not launches_again(src, offsets):
         return _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends,
-                           chunk_slots, offsets_checked)
+                           chunk_slots, offsets_checked, inner_offsets)
     return call_with_plan(
         _CALLER, offsets, (perm, rows, chunk_ends),
         (src.dtype, src.shape, src.stride(), src.device, dim, acc_mode, check, chunk_slots,
@@ -115,19 +120,24 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
 
 
 def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chunk_slots,
-                offsets_checked):
+                offsets_checked, inner_offsets=False):
     """``_segment_sum``'s checks, bounds and launch."""
     num_rows = src.shape[dim]
     device_type = src.device.type
     backend_name = current_backend(device_type, _CALLER)
     check = _segments.check_that_runs(check, device_type, backend_name)
+    if inner_offsets and not (backend_name == "triton" and check != "host"):
+        # Only the Triton launch reads inner offsets, and checks them in its kernel.
+        offsets, inner_offsets = _padded(offsets, num_rows), False
     bounds, perm_in_range = offsets, None
     if rows is not None:
         pass  # a plan's: checked when it was made
     elif offsets_checked:
         bounds = _int64(offsets)
     elif backend_name == "triton" and (check != "host" or perm is None):
-        bounds = kernels.UncheckedOffsets(offsets, num_rows, _failure(offsets, num_rows, check))
+        bounds = kernels.UncheckedOffsets(
+            offsets, num_rows, _failure(offsets, num_rows, check, inner_offsets),
+            padded=inner_offsets)
         if perm is not None:
             # perm's check, asserted after the launch's own (the order of the reports is
             # the order of the checks); the launch reads perm clamped.
@@ -142,8 +152,9 @@ def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chun
         bounds = _int64(offsets)
     if backend_name == "reference":
         return reference.segment_sum(src, offsets, dim=dim, perm=perm, mode=acc_mode)
+    segments = offsets.numel() + 1 if inner_offsets else offsets.numel() - 1
     src3 = _segments.rows_view(src, dim)
-    out3 = _segments.new_output(src3, offsets.numel() - 1)
+    out3 = _segments.new_output(src3, segments)
     order = None if perm is None else _int64(perm)
     _segments.launch(backend_name, src3, order, bounds, None, out3,
                      reduce="sum",
@@ -152,16 +163,25 @@ def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chun
                      chunks=None if chunk_slots < 0 else (chunk_ends, chunk_slots))
     if perm_in_range is not None:
         _validation.assert_on_device(perm_in_range, _CALLER, _PERM_OUT_OF_RANGE.format(num_rows))
-    return out3.view(*_out_shape(src, dim, offsets))  # sizes one by one: parsed faster
+    return out3.view(*_out_shape(src, dim, segments))  # sizes one by one: parsed faster
 
 
-def _failure(offsets: torch.Tensor, num_rows: int, check: str) -> kernels.Failure | None:
+def _padded(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inner offsets with a 0 before them and ``num_rows`` after them."""
+    padded = torch.nn.functional.pad(offsets, (1, 1), value=num_rows)
+    padded[0] = 0
+    return padded
+
+
+def _failure(offsets: torch.Tensor, num_rows: int, check: str, inner_offsets: bool = False
+             ) -> kernels.Failure | None:
     """How the launch that checks ``offsets`` itself reports bad ones, as ``check`` says: on
     the host with the errors of ``_check_values``, or by an assert on the device."""
     if check == "host":
         return functools.partial(_check_values, offsets, None, num_rows, "host")
     if check == "device":
-        return _validation.device_check_message(_CALLER, _OFFSETS_BAD.format(num_rows))
+        return _validation.device_check_message(
+            _CALLER, (_INNER_OFFSETS_BAD if inner_offsets else _OFFSETS_BAD).format(num_rows))
     return None
 
 
@@ -179,9 +199,10 @@ def segment_sum_op(src: torch.Tensor, offsets: torch.Tensor, dim: int,
     return _segment_sum(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chunk_slots)
 
 
-def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor) -> list[int]:
+def _out_shape(src: torch.Tensor, dim: int, offsets: torch.Tensor | int) -> list[int]:
+    """``src``'s shape with ``dim`` the number of segments: of ``offsets``, or given."""
     shape = list(src.shape)
-    shape[dim] = offsets.shape[0] - 1
+    shape[dim] = offsets if isinstance(offsets, int) else offsets.shape[0] - 1
     return shape
 
 

@@ -52,23 +52,32 @@ GUIDED_CHUNKS = True
 # (``kernels.SortedKeys``: a promised-sorted index, searched by torch.searchsorted's steps; a
 # sort's values reach the launch as offsets, segment.py); the keys as they are, at most
 # CHUNK_TERMS of them (``kernels.UnsortedKeys``: segment.py's programs each scan them all; no
-# chunks).
+# chunks); the inner offsets of any values (``UncheckedOffsets`` with ``padded``): the
+# segments' bounds are a 0, then those values read as ANY_OFFSETS reads them, then
+# ``positions``, so the caller makes no padded copy.
 _OFFSETS = tl.constexpr(0)
 _ANY_OFFSETS = tl.constexpr(1)
 _KEYS = tl.constexpr(2)
 _UNSORTED_KEYS = tl.constexpr(3)
+_PADDED_OFFSETS = tl.constexpr(4)
 
 
 # ---- the segments' bounds, the chunks --------------------------------------------------------
 
 @triton.jit
-def _segment_start(bounds_ptr, s, positions, BOUNDS: tl.constexpr):
+def _segment_start(bounds_ptr, s, nseg, positions, BOUNDS: tl.constexpr):
     """Where segment ``s`` starts (``s`` in ``[0, nseg]``; the start of ``nseg`` is the last
-    segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``), or
-    under KEYS the first of the ``positions`` sorted keys that is ``>= s``,
+    segment's end): ``offsets[s]`` (under ANY_OFFSETS clamped into ``[0, positions]``; under
+    PADDED_OFFSETS 0 for ``s = 0``, ``positions`` for ``s = nseg``, else ``offsets[s - 1]``
+    clamped so), or under KEYS the first of the ``positions`` sorted keys that is ``>= s``,
     found by the steps of ``torch.searchsorted`` (so the same answer, also for keys that are
-    not sorted)."""
-    if BOUNDS == _KEYS:
+    not sorted). ``s`` may be a tensor of segments (PADDED_OFFSETS)."""
+    if BOUNDS == _PADDED_OFFSETS:
+        inner = (s > 0) & (s < nseg)
+        start = tl.load(bounds_ptr + tl.where(inner, s - 1, 0), mask=inner, other=0)
+        start = tl.where(s >= nseg, positions, start.to(tl.int64))
+        start = tl.minimum(tl.maximum(start, 0), positions)
+    elif BOUNDS == _KEYS:
         lo = tl.zeros([], tl.int64)
         hi = lo + positions
         while lo < hi:
@@ -111,8 +120,9 @@ def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr, keys_ptr, 
         if GUIDED == _KEY_A_ROW:
             at = keys_ptr + tl.load(order_ptr + p)
         guess = tl.minimum(tl.maximum(tl.load(at).to(tl.int64), -1), nseg)
-        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), positions, BOUNDS)
-        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), positions, BOUNDS)
+        start = _segment_start(bounds_ptr, tl.maximum(guess, 0), nseg, positions, BOUNDS)
+        end = _segment_start(bounds_ptr, tl.minimum(guess + 1, nseg), nseg, positions,
+                             BOUNDS)
         holds = tl.where(guess < 0, p < start,
                          tl.where(guess >= nseg, p >= start, (start <= p) & (p < end)))
         found = tl.where(holds, tl.where(guess >= nseg, -1, guess), -2)
@@ -122,7 +132,7 @@ def _segment_at(bounds_ptr, nseg, p, positions, BOUNDS: tl.constexpr, keys_ptr, 
         hi = lo + nseg + 1
         while lo < hi:
             mid = lo + (hi - lo) // 2
-            if _segment_start(bounds_ptr, mid, positions, BOUNDS) > p:
+            if _segment_start(bounds_ptr, mid, nseg, positions, BOUNDS) > p:
                 hi = mid
             else:
                 lo = mid + 1
@@ -152,8 +162,8 @@ def _chunk_owned(bounds_ptr, nseg, positions, e, side, CHUNK: tl.constexpr,
                           BOUNDS, keys_ptr, order_ptr, GUIDED)
     real = seg >= 0
     seg_at = tl.maximum(seg, 0)
-    p0 = _segment_start(bounds_ptr, seg_at, positions, BOUNDS)
-    n = _segment_start(bounds_ptr, seg_at + 1, positions, BOUNDS) - p0
+    p0 = _segment_start(bounds_ptr, seg_at, nseg, positions, BOUNDS)
+    n = _segment_start(bounds_ptr, seg_at + 1, nseg, positions, BOUNDS) - p0
     j = tl.zeros([], tl.int64)
     if side == 0:
         j = (tl.maximum(low - p0, 0) + CHUNK - 1) // CHUNK

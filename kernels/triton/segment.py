@@ -139,6 +139,7 @@ from .chunks import (
     _KEY_A_ROW,
     _KEYS,
     _OFFSETS,
+    _PADDED_OFFSETS,
     _UNGUIDED,
     _UNSORTED_KEYS,
     _chunk_owned,
@@ -308,13 +309,17 @@ def _reduce_segments(
     segment ``first_seg + i``: its terms are combined in position order, from the same
     start, by the same steps as ``_reduce_part``'s, so each output element gets the same
     bits; the term loop runs to the longest segment's count, a shorter segment's row left as
-    it is past its own (masked loads, and ``where``). Bounds: offsets (OFFSETS, ANY_OFFSETS);
-    no carry, no scan."""
+    it is past its own (masked loads, and ``where``). Bounds: offsets (OFFSETS, ANY_OFFSETS,
+    PADDED_OFFSETS); no carry, no scan."""
     at = tl.arange(0, SEGS).to(tl.int64)
     segs = first_seg + at
     in_range = segs < nseg
-    p0 = tl.load(bounds_ptr + segs, mask=in_range, other=0).to(tl.int64)
-    p_end = tl.load(bounds_ptr + segs + 1, mask=in_range, other=0).to(tl.int64)
+    if BOUNDS == _PADDED_OFFSETS:
+        p0 = _segment_start(bounds_ptr, segs, nseg, positions, BOUNDS)
+        p_end = tl.maximum(_segment_start(bounds_ptr, segs + 1, nseg, positions, BOUNDS), p0)
+    else:
+        p0 = tl.load(bounds_ptr + segs, mask=in_range, other=0).to(tl.int64)
+        p_end = tl.load(bounds_ptr + segs + 1, mask=in_range, other=0).to(tl.int64)
     if BOUNDS == _ANY_OFFSETS:
         p0 = tl.minimum(tl.maximum(p0, 0), positions)
         p_end = tl.maximum(tl.minimum(tl.maximum(p_end, 0), positions), p0)  # decreasing: empty
@@ -375,6 +380,15 @@ def _reduce_segments(
 # ---- checks of the bounds, in the launch -------------------------------------------------------
 
 @triton.jit
+def _padded_bound(bounds_ptr, i, nseg, positions, here):
+    """Bound ``i`` of the sequence 0, the values at ``bounds_ptr``, ``positions`` (i in
+    ``[0, nseg]``) as it is, not clamped: what the check of PADDED_OFFSETS reads."""
+    inner = here & (i > 0) & (i < nseg)
+    value = tl.load(bounds_ptr + tl.where(inner, i - 1, 0), mask=inner, other=0).to(tl.int64)
+    return tl.where(i >= nseg, positions, value)
+
+
+@triton.jit
 def _check_every_bound(bounds_ptr, nseg, positions, checkers, counters_ptr, flag_ptr,
                        BOUNDS: tl.constexpr):
     """Checker ``c = program_id(0) < checkers`` of a launch under CHECK_EVERY: checks the
@@ -382,9 +396,11 @@ def _check_every_bound(bounds_ptr, nseg, positions, checkers, counters_ptr, flag
     ticket; the last checker to take one writes the launch's flag (1: every bound checked
     good, 0: not).
 
-    Offsets: the first is 0, the last ``positions``, none less than the one before. Keys (a
-    promised-sorted index): none less than the one before, the first ``>= 0`` and the last
-    ``< nseg`` (so all of them in range).
+    Offsets: the first is 0, the last ``positions``, none less than the one before (under
+    PADDED_OFFSETS those of the padded sequence: the values none less than the one before, the
+    first ``>= 0`` and the last ``<= positions``). Keys (a promised-sorted index): none less
+    than the one before, the first ``>= 0`` and the last ``< nseg`` (so all of them in
+    range).
 
     The ticket carries what its checker found (a count of checkers in the low 32 bits, of
     those that found a bad bound above them), so the last one knows everything from the
@@ -399,8 +415,12 @@ def _check_every_bound(bounds_ptr, nseg, positions, checkers, counters_ptr, flag
         i = begin + tl.arange(0, _CHECK_BLOCK).to(tl.int64)
         here = i < count
         has_next = i + 1 < count
-        value = tl.load(bounds_ptr + i, mask=here, other=0).to(tl.int64)
-        after = tl.load(bounds_ptr + i + 1, mask=has_next, other=0).to(tl.int64)
+        if BOUNDS == _PADDED_OFFSETS:
+            value = _padded_bound(bounds_ptr, i, nseg, positions, here)
+            after = _padded_bound(bounds_ptr, i + 1, nseg, positions, has_next)
+        else:
+            value = tl.load(bounds_ptr + i, mask=here, other=0).to(tl.int64)
+            after = tl.load(bounds_ptr + i + 1, mask=has_next, other=0).to(tl.int64)
         if BOUNDS == _KEYS:
             ends_bad = ((i == 0) & (value < 0)) | ((i == count - 1) & (value >= nseg))
         else:
@@ -568,9 +588,9 @@ def _segment_kernel(
                 p0 = tl.min(tl.where(hits, at, CHUNK), 0).to(tl.int64)
                 p_end = tl.zeros([], tl.int64) + positions
             else:
-                p0 = _segment_start(bounds_ptr, whole_slot, positions, BOUNDS)
-                p_end = _segment_start(bounds_ptr, whole_slot + 1, positions, BOUNDS)
-                if BOUNDS == _ANY_OFFSETS:
+                p0 = _segment_start(bounds_ptr, whole_slot, nseg, positions, BOUNDS)
+                p_end = _segment_start(bounds_ptr, whole_slot + 1, nseg, positions, BOUNDS)
+                if (BOUNDS == _ANY_OFFSETS) | (BOUNDS == _PADDED_OFFSETS):
                     p_end = tl.maximum(p_end, p0)  # offsets that decrease: an empty segment
                 n = p_end - p0
             seg = whole_slot
@@ -673,7 +693,8 @@ def segment_reduce(src, order, offsets, base, out, *, reduce, rule, alpha, inclu
         nseg, failure = offsets.num_segments, offsets.failure
         check = (_CHECK_BEFORE_WRITING if callable(failure) else _CHECK_ENDS).value
     elif isinstance(offsets, UncheckedOffsets):
-        bounds_kind, nseg = _ANY_OFFSETS.value, offsets.values.shape[0] - 1
+        bounds_kind = (_PADDED_OFFSETS if offsets.padded else _ANY_OFFSETS).value
+        nseg = offsets.num_segments
         failure, check = offsets.failure, _CHECK_EVERY.value
         # Unchecked, their running maximum: nondecreasing bounds, which the chunk programs'
         # searches and tickets need, and the segments that check="off" promises.
@@ -800,7 +821,7 @@ def _segments_per_program(row_bytes: int, nseg: int, has_carry: bool, bounds_kin
     narrow rows with no carry, bounded by offsets (a segment too long for a whole one is the
     chunk programs' all the same); else 1."""
     if (row_bytes >= _NARROW_ROW_BYTES or has_carry or nseg < 2
-            or bounds_kind not in (_OFFSETS.value, _ANY_OFFSETS.value)):
+            or bounds_kind not in (_OFFSETS.value, _ANY_OFFSETS.value, _PADDED_OFFSETS.value)):
         return 1
     return max(1, min(TILE_BYTES // row_bytes, _next_power_of_2(nseg)))
 

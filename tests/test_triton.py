@@ -717,7 +717,7 @@ def test_tiles_of_many_segments_checked_by_the_launch(monkeypatch):
                 alpha=1.0, include_base=False)
 
 
-@pytest.mark.parametrize("rule", ["WIDE", "KAHAN", "EXACT"])
+@pytest.mark.parametrize("rule", ["WIDE", "EXACT"])
 @pytest.mark.parametrize("dtype,width", [(torch.float32, 4), (torch.bfloat16, 33)], ids=str)
 @pytest.mark.parametrize("check", ["unchecked", "checked by the launch"])
 def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, dtype, width,
@@ -727,7 +727,9 @@ def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, 
     bits, in tiles of narrow rows and one segment a program, with long segments in chunks,
     rows left out at both ends, an order and a base row. Unchecked, values past either end
     and a decrease are clamped and made nondecreasing as the padded sequence's would be.
-    Outputs are NaN before the launch, so a segment that no program writes fails."""
+    Outputs are NaN before the launch, so a segment that no program writes fails. (KAHAN
+    reads its bounds as WIDE does; EXACT takes the offsets padded, by ``offsets()``, and has
+    no tiles.)"""
     from detsum.kernels.triton import segment
 
     g = torch.Generator().manual_seed(seed_of("inner offsets", rule, dtype, width, check))
@@ -748,7 +750,7 @@ def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, 
     padded = torch.nn.functional.pad(inner, (1, 1), value=positions)
     padded[0] = 0
     outs = []
-    for tile_bytes in (segment.TILE_BYTES, 0):
+    for tile_bytes in (segment.TILE_BYTES, 0) if rule != "EXACT" else (segment.TILE_BYTES,):
         monkeypatch.setattr(segment, "TILE_BYTES", tile_bytes)
         for given in (kernels.UncheckedOffsets(on_device(inner), positions, failure,
                                                padded=True),

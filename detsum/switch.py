@@ -1099,7 +1099,9 @@ def _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe, ini
     (``segment_sum``'s inner offsets), with no padded copy. Each segment sums its own rows:
     the host path's bits, which reads the bounds and leaves the rows outside out."""
     if offsets is None and not unsafe:
-        offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+        # 0, then the lengths' running sum written after it (two ops; a pad of the sum, three).
+        offsets = lengths.new_zeros(lengths.shape[0] + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=offsets[1:])
         return _segment_sum_from_zero(mode, data, reduce, offsets, initial, data.dtype,
                                       check=_CHECK)
     if offsets is None:

@@ -24,6 +24,7 @@ from torch.autograd import forward_ad
 
 
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_Parameter = torch.nn.Parameter
 
 
 def _eager() -> bool:
@@ -40,9 +41,6 @@ def _plain(t: torch.Tensor) -> bool:
     an ``nn.Parameter`` (whose ``__torch_function__`` is off), not another subclass or a
     functorch wrapper from ``vmap`` or ``grad``."""
     return (type(t) is torch.Tensor or type(t) is _Parameter) and not _is_functorch_wrapped(t)
-
-
-_Parameter = torch.nn.Parameter
 
 
 def direct_call_ok(*tensors: torch.Tensor | None) -> bool:

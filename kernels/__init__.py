@@ -257,6 +257,14 @@ class SortedKeys:
         return torch.searchsorted(self.keys.contiguous(), boundaries)
 
 
+def padded_offsets(inner: torch.Tensor, positions: int) -> torch.Tensor:
+    """The offsets of inner bounds: a 0, ``inner``, then ``positions`` (``UncheckedOffsets``'
+    ``padded``, made by torch ops for a launch that takes offsets as they are)."""
+    padded = torch.nn.functional.pad(inner, (1, 1), value=positions)
+    padded[0] = 0
+    return padded
+
+
 @dataclasses.dataclass(frozen=True)
 class UncheckedOffsets:
     """CSR offsets not known to be valid (``offsets=`` of a launch on the Triton backend), which
@@ -310,8 +318,7 @@ class UncheckedOffsets:
         self.check()
         values = self.values.to(torch.int64)
         if self.padded:
-            values = torch.nn.functional.pad(values, (1, 1), value=self.positions)
-            values[0] = 0
+            values = padded_offsets(values, self.positions)
         if callable(self.failure):
             return values
         return torch.cummax(values.clamp(0, self.positions), 0).values

@@ -128,7 +128,7 @@ def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chun
     check = _segments.check_that_runs(check, device_type, backend_name)
     if inner_offsets and not (backend_name == "triton" and check != "host"):
         # Only the Triton launch reads inner offsets, and checks them in its kernel.
-        offsets, inner_offsets = _padded(offsets, num_rows), False
+        offsets, inner_offsets = kernels.padded_offsets(offsets, num_rows), False
     bounds, perm_in_range = offsets, None
     if rows is not None:
         pass  # a plan's: checked when it was made
@@ -164,13 +164,6 @@ def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chun
     if perm_in_range is not None:
         _validation.assert_on_device(perm_in_range, _CALLER, _PERM_OUT_OF_RANGE.format(num_rows))
     return out3.view(*_out_shape(src, dim, segments))  # sizes one by one: parsed faster
-
-
-def _padded(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Inner offsets with a 0 before them and ``num_rows`` after them."""
-    padded = torch.nn.functional.pad(offsets, (1, 1), value=num_rows)
-    padded[0] = 0
-    return padded
 
 
 def _failure(offsets: torch.Tensor, num_rows: int, check: str, inner_offsets: bool = False

@@ -1,5 +1,5 @@
-"""A PyG layer's training step marked by ``detsum.pyg.make_deterministic``, and run inside
-``detsum.deterministic`` (the switch on for the whole step), against PyG's own, the three
+"""A PyG layer's training step marked by ``detsum.pyg.make_deterministic``, and run with the
+switch on (``detsum.enable``), against PyG's own, the three
 taking turns step by step: for a layer whose step times scatter widely from one step to
 the next (GATConv on a 2-core VM: the ratio of two neighbouring steps' times ranged from
 about 0.5 to 1.5), where ``bench_pyg.py``'s blocks of 15 rounds a case gave ratios from 0.70
@@ -9,11 +9,14 @@ The graphs, layers and step are ``bench_pyg.py``'s (a layer of 64 features in an
 nodes and 100k random edges; ``layer(x, edge_index)``, then ``backward`` of a fixed
 gradient). Each round runs one step of each, in an order that rotates, on one thread,
 timed as the process's CPU time (what a core spent on it, not the wall clock that another
-process's work stretches). PyG's own step runs with detsum's kernels registered (the
-marked layer's and the switch's; off, each hands its call to torch's kernel, about 5 us more
-a call: well under 1% of these steps). Reported: each one's median, and for the two of
-detsum the ratio of the medians to PyG's and the median of the per-round ratios with its
-10th-90th percentile.
+process's work stretches). Between the steps, untimed, the switch's kernels are put in place
+or removed so that each step runs as its user would have it: PyG's own step with none of
+detsum's kernels registered (a registered kernel that hands its call to torch costs 3-8 us a
+call, a tenth of a step on a small graph); the marked layer's with them registered, its
+hooks opening and closing the switch's blocks inside the timed step; and the step with the
+switch on under ``detsum.enable`` (a program that turns it on once). Reported: each one's
+median, and for the two of detsum the ratio of the medians to PyG's and the median of the
+per-round ratios with its 10th-90th percentile.
 
     python benches/pyg_step_interleaved.py [--rounds 200] [--layers GATConv ...]
                                            [--mode fp32] [--graph NODES EDGES FEATURES]
@@ -57,23 +60,44 @@ def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, 
         x = x0.detach().requires_grad_()
         layer(x, edge_index).backward(upstream)
 
-    def enabled_step():
-        with detsum.deterministic(mode):
-            step(pyg_layer)
+    def pyg_step():
+        step(pyg_layer)
 
-    steps = {"pyg": lambda: step(pyg_layer), "marked": lambda: step(marked_layer),
-             "enabled": enabled_step}
+    def marked_step():
+        step(marked_layer)
+
+    # Each step's setting, made before its timing starts; the enabled step's undone after.
+    def nothing_registered():
+        detsum.disable()
+
+    def registered_off():
+        with detsum.deterministic(mode):
+            pass
+
+    def switched_on():
+        detsum.enable(mode)
+
+    steps = {"pyg": (nothing_registered, pyg_step, None),
+             "marked": (registered_off, marked_step, None),
+             "enabled": (switched_on, pyg_step, detsum.disable)}
     names = list(steps)
     times = {name: [] for name in steps}
     try:
         for _ in range(3):  # warm-up: Numba's kernels loaded, the allocator's pools filled
-            for run in steps.values():
+            for before, run, after in steps.values():
+                before()
                 run()
+                if after is not None:
+                    after()
         for r in range(rounds):
             for name in names[r % 3:] + names[:r % 3]:
+                before, run, after = steps[name]
+                before()
                 start = time.process_time()
-                steps[name]()
+                run()
                 times[name].append((time.process_time() - start) * 1e3)
+                if after is not None:
+                    after()
     finally:
         switch.undo()
         detsum.disable()

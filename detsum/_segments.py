@@ -128,6 +128,33 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     return written
 
 
+def small_sum_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
+                       source: torch.Tensor, alpha: float, rule: int) -> bool:
+    """Whether ``target`` (a CPU tensor) received, in place, ``alpha * source``'s rows along
+    ``dim`` at the 1-D ``index`` in one Numba call (``small_index_add``), where the
+    primitives' own paths give that call the same launch: the Numba backend runs CPU tensors
+    now, ``index`` is not one for the rows-with-terms path (``rows_with_terms``), and the call
+    fits (contiguous, small, no output row of more terms than one chunk under a rule that
+    splits). False, nothing written, otherwise, and where a value of ``index`` is out of
+    range: the caller's own path then finds it and names it as its caller passed it.
+
+    For callers that have checked everything else already (the switch: the shapes, dtypes and
+    devices torch would check, and that ``target`` is writable and shares no memory with the
+    others), skipping the layers the general entry points pass through on every call."""
+    from detsum.kernels.numba import small
+
+    if (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) != "numba" or (
+            target.shape[dim] > SPARSE_ROWS_PER_SOURCE_ROW * index.numel()) or not (
+            rule in small.RULES and source.numel() + target.numel() <= small.MAX_ELEMENTS
+            and source.is_contiguous() and target.is_contiguous()):
+        return False
+    shape = target.shape
+    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    # -1: written; TOO_MANY_TERMS or a bad value's position: nothing written.
+    return small.index_add_small_in_place(source, index, target, outer, inner, alpha,
+                                          rule) == -1
+
+
 def new_output_shaped(like: torch.Tensor, shape: list[int]) -> torch.Tensor:
     """A new contiguous output of ``shape`` with ``like``'s dtype and device, as
     ``new_output`` makes one (poisoned under ``POISON_OUTPUTS``)."""

@@ -276,7 +276,7 @@ def _element_byte_starts(t: torch.Tensor) -> torch.Tensor:
 def _extent_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first element to one past its last (t nonempty, strides nonnegative)."""
     if t.is_contiguous():
-        return t.numel() * t.element_size()
+        return t.nbytes
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
@@ -314,8 +314,8 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     # Address ranges first: apart, they share nothing (the common case, decided without the
     # device and storage objects, which cost more than the rest of a small call's checks).
-    if (a.data_ptr() + _extent_bytes(a) <= b.data_ptr()
-            or b.data_ptr() + _extent_bytes(b) <= a.data_ptr()):
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    if a_start + _extent_bytes(a) <= b_start or b_start + _extent_bytes(b) <= a_start:
         return False
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False

@@ -72,7 +72,8 @@ import torch
 from detsum import _segments, _validation
 from detsum._validation import IndexOutOfRangeError
 from detsum.backend import current_backend
-from detsum.modes import FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, Mode, parse_mode
+from detsum.modes import (FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, MODE_BY_NAME, Mode,
+                          parse_mode, rule_for)
 from detsum.modes import acc_dtype
 from detsum.ops import index_add as _index_add_op
 from detsum.ops import scatter_reduce as _scatter_reduce_op
@@ -378,8 +379,22 @@ def _dim(dim: int, ndim: int) -> int | None:
 def _writable(target: torch.Tensor, *read: torch.Tensor) -> bool:
     """``target`` may be written in place while ``read`` are read: distinct elements, no
     memory shared (torch refuses both, and its error is the one to give)."""
-    return not _validation.has_internal_overlap(target) and not any(
-        _validation.shares_memory(target, t) for t in read)
+    if _validation.has_internal_overlap(target):
+        return False
+    for t in read:  # a loop: a generator's setup is a third of a small call's checks
+        if _validation.shares_memory(target, t):
+            return False
+    return True
+
+
+def _small_sum_in_place(mode: str, target: torch.Tensor, dim: int, index: torch.Tensor,
+                        source: torch.Tensor, alpha: float) -> bool:
+    """Whether an in-place sum into ``target`` from a 1-D row ``index`` ran, as
+    ``index_add_`` in ``mode``, in the one Numba call the primitive's path would give it
+    (``_segments.small_sum_in_place``: the same bits, the layers between skipped). False,
+    nothing written, for a call that path does not take."""
+    return target.is_cpu and _segments.small_sum_in_place(
+        target, dim, index, source, alpha, rule_for(MODE_BY_NAME[mode], "sum", "cpu", 1))
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
@@ -443,7 +458,9 @@ def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
 
     def run():
         _check_changeable("index_add_", self)
-        _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode, _CHECK)
+        if not _small_sum_in_place(mode, self, dim, index, source, float(alpha)):
+            _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode,
+                                             _CHECK)
         return self
     return run
 
@@ -480,14 +497,22 @@ def _scatter_terms(mode, self, dim, index, src, reduce, include_self):
     if mode == "autograd" and reduce in ("sum", "mean") and self.dtype in _HALF_DTYPES:
         return None
     dim = _dim(dim, self.dim())
-    if dim is None or any(index.shape[d] > src.shape[d] for d in range(src.dim())) or any(
-            index.shape[d] != self.shape[d] for d in range(self.dim()) if d != dim):
+    if dim is None:
+        return None
+    # The shapes one by one only where they differ: a list comparison costs a small call's
+    # microsecond (the common call has src of index's shape, and self's but along dim).
+    index_shape, src_shape, self_shape = index.shape, src.shape, self.shape
+    if index_shape != src_shape and any(
+            n > m for n, m in zip(index_shape, src_shape)):
+        return None
+    if index_shape != self_shape and any(
+            index_shape[d] != self_shape[d] for d in range(len(self_shape)) if d != dim):
         return None
     if reduce == "mean" and mode == "exact" and (
             index.shape[dim] + bool(include_self) > MAX_TERMS_PER_STATE):
         return None
-    if src.shape != index.shape:
-        src = src[tuple(slice(0, n) for n in index.shape)]
+    if src_shape != index_shape:
+        src = src[tuple(slice(0, n) for n in index_shape)]
     return dim, src
 
 
@@ -512,6 +537,11 @@ def _scatter_inplace(name, mode, self, dim, index, src, reduce, include_self):
 
     def run():
         _check_changeable(name, self)
+        if reduce == "sum" and include_self:
+            rows = index if index.dim() == 1 else \
+                _scatter_reduce_op._broadcast_rows(index, dim, _CHECK)
+            if rows is not None and _small_sum_in_place(mode, self, dim, rows, src, 1.0):
+                return self
         return self.copy_(_scatter_run(self, dim, index, src, reduce, include_self, mode))
     return run
 

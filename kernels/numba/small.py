@@ -40,11 +40,14 @@ from .rounding import (
 from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
-__all__ = ["index_add_small", "fits", "TOO_MANY_TERMS"]
+__all__ = ["index_add_small", "index_add_small_in_place", "fits", "TOO_MANY_TERMS"]
 
 #: ``index_add_small``'s answer for an output row of more than CHUNK_TERMS terms, which the
 #: general path cuts into chunks (another arithmetic): nothing written, the general path's call.
 TOO_MANY_TERMS = -2
+
+#: The rules computed here: those of index_add's sum but EXACT.
+RULES = (WIDE, KAHAN, ROUND_EACH)
 
 #: Largest launch (elements of the source and the output) taken here; larger ones pay for a
 #: plan and threads (see common._MIN_BLOCK_ELEMENTS).
@@ -180,7 +183,7 @@ def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int)
     contiguous rows (the kernel itself finds a row of too many terms). (Contiguous only: each
     layout is a compiled specialisation of its own, compiled on first use, and a small call
     of an unusual layout is better served by the general kernel than by a compile.)"""
-    return (rule in (WIDE, KAHAN, ROUND_EACH) and src3.numel() + out3.numel() <= MAX_ELEMENTS
+    return (rule in RULES and src3.numel() + out3.numel() <= MAX_ELEMENTS
             and src3.is_contiguous() and base3.is_contiguous() and out3.is_contiguous())
 
 
@@ -198,3 +201,18 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
     kernel = _kernel_for(src3.dtype, rule)
     return kernel(src3.data_ptr(), index.data_ptr(), base3.data_ptr(), out3.data_ptr(), outer, n,
                   inner, out3.shape[1], float(alpha), out3 is base3)
+
+
+def index_add_small_in_place(src: torch.Tensor, index: torch.Tensor, target: torch.Tensor,
+                             outer: int, inner: int, alpha: float, rule: int) -> int:
+    """``index_add_small`` into ``target`` itself, for ``src`` and ``target`` read as
+    ``[outer, len(index), inner]`` and ``[outer, S, inner]`` without views of that shape (a
+    view costs about as much as the kernel's own call on a small launch): the same answer.
+    Both must be contiguous, nonempty, and within :func:`fits`'s size limit; ``rule`` one
+    that ``fits`` takes."""
+    if index.dtype is not torch.int64 or not index.is_contiguous():
+        index = index.to(torch.int64).contiguous()
+    n = index.shape[0]
+    kernel = _kernel_for(src.dtype, rule)
+    return kernel(src.data_ptr(), index.data_ptr(), target.data_ptr(), target.data_ptr(), outer,
+                  n, inner, target.numel() // (outer * inner), float(alpha), True)

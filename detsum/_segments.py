@@ -128,14 +128,17 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     return written
 
 
-def small_sum_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
-                       source: torch.Tensor, alpha: float, rule: int) -> bool:
-    """Whether ``target`` (a CPU tensor) received, in place, ``alpha * source``'s rows along
-    ``dim`` at the 1-D ``index`` in one Numba call (``small_index_add``), where the
-    primitives' own paths give that call the same launch: the Numba backend runs CPU tensors
-    now, ``index`` is not one for the rows-with-terms path (``rows_with_terms``), and the call
-    fits (contiguous, small, no output row of more terms than one chunk under a rule that
-    splits). False, nothing written, otherwise, and where a value of ``index`` is out of
+def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
+                          source: torch.Tensor, reduce: str, include_base: bool, alpha: float,
+                          rule: int) -> bool:
+    """Whether ``target`` (a CPU tensor) was reduced in place with ``source``'s rows along
+    ``dim`` at the 1-D ``index`` in one Numba call: ``reduce`` "sum" (from ``target``,
+    ``include_base`` True, the terms scaled by ``alpha`` under ``rule``: ``small_index_add``),
+    "amax" or "amin" (``kernels.numba.small.extreme_small_in_place``). That is where the
+    primitives' own paths give the call the same bits: the Numba backend runs CPU tensors now,
+    ``index`` is not one for the rows-with-terms path (``rows_with_terms``), and the call fits
+    (contiguous, small, and for a sum no output row of more terms than one chunk under a rule
+    that splits). False, nothing written, otherwise, and where a value of ``index`` is out of
     range: the caller's own path then finds it and names it as its caller passed it.
 
     For callers that have checked everything else already (the switch: the shapes, dtypes and
@@ -145,14 +148,19 @@ def small_sum_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
 
     if (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) != "numba" or (
             target.shape[dim] > SPARSE_ROWS_PER_SOURCE_ROW * index.numel()) or not (
-            rule in small.RULES and source.numel() + target.numel() <= small.MAX_ELEMENTS
+            source.numel() + target.numel() <= small.MAX_ELEMENTS
             and source.is_contiguous() and target.is_contiguous()):
         return False
     shape = target.shape
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
-    # -1: written; TOO_MANY_TERMS or a bad value's position: nothing written.
-    return small.index_add_small_in_place(source, index, target, outer, inner, alpha,
-                                          rule) == -1
+    # -1: written; a bad value's position, or for a sum TOO_MANY_TERMS: nothing written.
+    if reduce == "sum" and include_base and rule in small.RULES:
+        return small.index_add_small_in_place(source, index, target, outer, inner, alpha,
+                                              rule) == -1
+    if reduce in ("amax", "amin"):
+        return small.extreme_small_in_place(source, index, target, outer, inner,
+                                            reduce == "amax", include_base) == -1
+    return False
 
 
 def new_output_shaped(like: torch.Tensor, shape: list[int]) -> torch.Tensor:

@@ -387,14 +387,16 @@ def _writable(target: torch.Tensor, *read: torch.Tensor) -> bool:
     return True
 
 
-def _small_sum_in_place(mode: str, target: torch.Tensor, dim: int, index: torch.Tensor,
-                        source: torch.Tensor, alpha: float) -> bool:
-    """Whether an in-place sum into ``target`` from a 1-D row ``index`` ran, as
-    ``index_add_`` in ``mode``, in the one Numba call the primitive's path would give it
-    (``_segments.small_sum_in_place``: the same bits, the layers between skipped). False,
-    nothing written, for a call that path does not take."""
-    return target.is_cpu and _segments.small_sum_in_place(
-        target, dim, index, source, alpha, rule_for(MODE_BY_NAME[mode], "sum", "cpu", 1))
+def _small_in_place(mode: str, target: torch.Tensor, dim: int, index: torch.Tensor,
+                    source: torch.Tensor, reduce: str, include_self: bool = True,
+                    alpha: float = 1.0) -> bool:
+    """Whether an in-place reduction into ``target`` from a 1-D row ``index`` ran, in ``mode``,
+    as the one Numba call the primitive's path would give it (``_segments.small_reduce_in_place``:
+    the same bits, the layers between skipped). False, nothing written, for a call that path
+    does not take."""
+    return target.is_cpu and _segments.small_reduce_in_place(
+        target, dim, index, source, reduce, include_self, alpha,
+        rule_for(MODE_BY_NAME[mode], reduce, "cpu", 1))
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
@@ -458,7 +460,7 @@ def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
 
     def run():
         _check_changeable("index_add_", self)
-        if not _small_sum_in_place(mode, self, dim, index, source, float(alpha)):
+        if not _small_in_place(mode, self, dim, index, source, "sum", alpha=float(alpha)):
             _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode,
                                              _CHECK)
         return self
@@ -537,13 +539,18 @@ def _scatter_inplace(name, mode, self, dim, index, src, reduce, include_self):
 
     def run():
         _check_changeable(name, self)
-        if reduce == "sum" and include_self:
+        if reduce in _SMALL_IN_PLACE:
             rows = index if index.dim() == 1 else \
                 _scatter_reduce_op._broadcast_rows(index, dim, _CHECK)
-            if rows is not None and _small_sum_in_place(mode, self, dim, rows, src, 1.0):
+            if rows is not None and _small_in_place(mode, self, dim, rows, src, reduce,
+                                                    include_self):
                 return self
         return self.copy_(_scatter_run(self, dim, index, src, reduce, include_self, mode))
     return run
+
+
+#: The reductions ``_small_in_place`` may take from a scatter (its sum only from self).
+_SMALL_IN_PLACE = ("sum", "amax", "amin")
 
 
 def _scatter_out(name, mode, self, dim, index, src, reduce, include_self, out):

@@ -451,75 +451,100 @@ def test_other_modes_give_the_primitives_bits(mode, dtype):
             assert_same_bits(switched(), actual)  # and again: the same bits every run
 
 
-def small_sum_forms(dtype, mode, index):
-    """(name, the switched in-place call on a fresh target, the primitive's result for it):
-    the small in-place sums the switch gives one Numba call (``_segments.small_sum_in_place``),
-    each against detsum's primitive called out of place through its general entry. ``index``
-    holds 600 values in [0, 7)."""
+def small_in_place_forms(dtype, mode, index):
+    """(name, reduction, the switched in-place call on a fresh target, the primitive's result
+    for it): the small in-place reductions the switch gives one Numba call
+    (``_segments.small_reduce_in_place``), each against detsum's primitive called out of place
+    through its general entry. ``index`` holds 600 values in [0, 7)."""
     n = index.numel()
     src2, src3 = data((n, 5), dtype, 1), data((2, n, 3), dtype, 2)
     x2, x3 = data((7, 5), dtype, 3), data((2, 7, 3), dtype, 4)
+    # For amax and amin: column 0 all zeros, of both signs (the earlier of two stays), in
+    # the targets too; NaNs in columns 1 and 2.
+    signed = src2.clone()
+    signed[::2, 0] = 0.0
+    signed[1::2, 0] = -0.0
+    signed[[40, 41], [1, 2]] = math.nan
+    x2[:4, 0] = -0.0
+    x2[4:, 0] = 0.0
     alpha = -1 if mode == "autograd" else 0.3
     rows2 = index.view(-1, 1).expand(n, 5)
     rows3 = index.view(1, -1, 1).expand(2, n, 3)
     ones = torch.ones(n, dtype=dtype)
     return [
-        ("index_add_", lambda: x2.clone().index_add_(0, index, src2),
+        ("index_add_", "sum", lambda: x2.clone().index_add_(0, index, src2),
          detsum.index_add(x2, 0, index, src2, mode=mode)),
-        ("index_add_ alpha", lambda: x2.clone().index_add_(0, index, src2, alpha=alpha),
+        ("index_add_ alpha", "sum", lambda: x2.clone().index_add_(0, index, src2, alpha=alpha),
          detsum.index_add(x2, 0, index, src2, alpha=alpha, mode=mode)),
-        ("index_add_ dim 1", lambda: x3.clone().index_add_(1, index, src3),
+        ("index_add_ dim 1", "sum", lambda: x3.clone().index_add_(1, index, src3),
          detsum.index_add(x3, 1, index, src3, mode=mode)),
-        ("scatter_add_ 1-D", lambda: x2[:, 0].contiguous().scatter_add_(0, index, ones),
+        ("scatter_add_ 1-D", "sum", lambda: x2[:, 0].contiguous().scatter_add_(0, index, ones),
          detsum.scatter_reduce(x2[:, 0].contiguous(), 0, index, ones, "sum", mode=mode)),
-        ("scatter_add_ expanded", lambda: x2.clone().scatter_add_(0, rows2, src2),
+        ("scatter_add_ expanded", "sum", lambda: x2.clone().scatter_add_(0, rows2, src2),
          detsum.scatter_reduce(x2, 0, rows2, src2, "sum", mode=mode)),
-        ("scatter_add_ expanded dim 1", lambda: x3.clone().scatter_add_(1, rows3, src3),
+        ("scatter_add_ expanded dim 1", "sum", lambda: x3.clone().scatter_add_(1, rows3, src3),
          detsum.scatter_reduce(x3, 1, rows3, src3, "sum", mode=mode)),
-        ("scatter_reduce_ sum", lambda: x2.clone().scatter_reduce_(0, rows2, src2, "sum"),
+        ("scatter_reduce_ sum", "sum",
+         lambda: x2.clone().scatter_reduce_(0, rows2, src2, "sum"),
          detsum.scatter_reduce(x2, 0, rows2, src2, "sum", mode=mode)),
+    ] + [
+        (f"scatter_reduce_ {reduce} include_self={include_self}", reduce,
+         lambda reduce=reduce, include_self=include_self: x2.clone().scatter_reduce_(
+             0, rows2, signed, reduce, include_self=include_self),
+         detsum.scatter_reduce(x2, 0, rows2, signed, reduce, include_self=include_self,
+                               mode=mode))
+        for reduce in ("amax", "amin") for include_self in (True, False)
+    ] + [
+        ("scatter_reduce_ amax 1-D dim 1", "amax", lambda: x3.clone().scatter_reduce_(
+            1, rows3, src3, "amax", include_self=False),
+         detsum.scatter_reduce(x3, 1, rows3, src3, "amax", include_self=False, mode=mode)),
     ]
 
 
 @pytest.fixture
-def small_sum_answers(monkeypatch):
-    """The answers of ``_segments.small_sum_in_place`` in the test, in turn."""
+def small_in_place_answers(monkeypatch):
+    """The answers of ``_segments.small_reduce_in_place`` in the test, in turn."""
     answers = []
-    lane = _segments.small_sum_in_place
+    lane = _segments.small_reduce_in_place
 
     def spy(*args):
         answers.append(lane(*args))
         return answers[-1]
 
-    monkeypatch.setattr(_segments, "small_sum_in_place", spy)
+    monkeypatch.setattr(_segments, "small_reduce_in_place", spy)
     return answers
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
-def test_small_in_place_sums_take_one_call_with_the_primitives_bits(small_sum_answers, mode,
-                                                                     dtype):
-    """The switch's short way for a small in-place sum (no plan, no new output, no copy) gives
-    the primitive's bits: 600 terms into 7 rows, at most 100 on a row; indices of every
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
+        small_in_place_answers, mode, dtype):
+    """The switch's short way for a small in-place reduction (no plan, no new output, no copy)
+    gives the primitive's bits: 600 terms into 7 rows, at most 100 on a row; indices of every
     layout it takes (1-D, expanded along dim 0 and dim 1 of 3-D tensors), alpha, both index
-    dtypes. "autograd" takes only what reproduces torch (no 16-bit float sums)."""
+    dtypes; amax and amin with and without the target's values, over NaNs and zeros of both
+    signs. It takes the sums of the rules it has (not "exact"'s); "autograd" gives it only
+    what reproduces torch (no 16-bit float sums)."""
     generator = torch.Generator().manual_seed(8)
     index = torch.randperm(600, generator=generator) % 7
-    taken = mode != "autograd" or dtype in (torch.float32, torch.float64)
+    torchs_sums = mode == "autograd" and dtype in (torch.bfloat16, torch.float16)
     for index_dtype in (torch.int64, torch.int32):
-        for name, switched, expected in small_sum_forms(dtype, mode, index.to(index_dtype)):
-            small_sum_answers.clear()
+        forms = small_in_place_forms(dtype, mode, index.to(index_dtype))
+        for name, reduce, switched, expected in forms:
+            small_in_place_answers.clear()
             with detsum.deterministic(mode):
                 actual = switched()
-            if taken:
-                assert small_sum_answers == [True], name
-                assert_same_bits(actual, expected)
-            else:
-                assert small_sum_answers == [], name
+            if reduce == "sum" and torchs_sums:
+                assert small_in_place_answers == [], name
+                assert_same_bits(actual, switched())  # torch's own, the switch off
+                continue
+            assert_same_bits(actual, expected)
+            taken = reduce != "sum" or mode != "exact"
+            assert small_in_place_answers == [taken], name
 
 
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
-def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small_sum_answers,
+def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small_in_place_answers,
                                                                            mode):
     """Where the one call does not fit, it writes nothing and the primitive's own path runs:
     a row of more than one chunk of terms (261 on row 0: two chunks under the rules that
@@ -532,31 +557,31 @@ def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small
     expected = detsum.index_add(x, 0, index, src, mode=mode)
     with detsum.deterministic(mode):
         actual = x.clone().index_add_(0, index, src)
-    assert small_sum_answers == [mode == "autograd"]
+    assert small_in_place_answers == [mode == "autograd"]
     assert_same_bits(actual, expected)
 
     columns = data((5, 7), torch.float32, 5)
-    small_sum_answers.clear()
+    small_in_place_answers.clear()
     with detsum.deterministic(mode):
         actual = columns.clone().t().index_add_(0, index % 7, src)  # a transposed target
-    assert small_sum_answers == [False]
+    assert small_in_place_answers == [False]
     assert_same_bits(actual, detsum.index_add(columns.t(), 0, index % 7, src, mode=mode))
 
     wide, few = data((1000, 5), torch.float32, 6), torch.tensor([3, 999, 3])
-    small_sum_answers.clear()
+    small_in_place_answers.clear()
     with detsum.deterministic(mode):
         actual = wide.clone().index_add_(0, few, src[:3])
-    assert small_sum_answers == [False]
+    assert small_in_place_answers == [False]
     assert_same_bits(actual, detsum.index_add(wide, 0, few, src[:3], mode=mode))
 
-    small_sum_answers.clear()
+    small_in_place_answers.clear()
     with detsum.backend("reference"), detsum.deterministic(mode):
         actual = x.clone().index_add_(0, index % 7, src)
-    assert small_sum_answers == [False]
+    assert small_in_place_answers == [False]
     assert_same_bits(actual, detsum.index_add(x, 0, index % 7, src, mode=mode))
 
 
-def test_small_in_place_sums_name_a_bad_value_where_the_caller_put_it(small_sum_answers):
+def test_small_in_place_sums_name_a_bad_value_where_the_caller_put_it(small_in_place_answers):
     """A value out of range makes the one call write nothing; the primitive's path then names
     its place in the index the caller passed (an expanded 3-D index here), the target
     untouched."""
@@ -569,7 +594,7 @@ def test_small_in_place_sums_name_a_bad_value_where_the_caller_put_it(small_sum_
         with pytest.raises(IndexError, match=re.escape(
                 "scatter_add_ (run by detsum.enable): index[0, 13, 0] = 7 is out of range")):
             x.scatter_add_(1, rows, data((2, 40, 3), torch.float32, 2))
-    assert small_sum_answers == [False]
+    assert small_in_place_answers == [False]
     assert_same_bits(x, before)
 
 

@@ -33,7 +33,9 @@ What keeps compiled code in step with the switch:
   module was first used carry no such guard: installing it resets Dynamo once
   (``torch._dynamo.reset()``), so they compile again at their next call;
 - the caches on disk (FX graph, AOTAutograd), whose keys do not see the table:
-  ``torch.compiler.config.cache_key_tag`` ends in ``_CACHE_TAG`` while the switch is on.
+  ``torch.compiler.config.cache_key_tag`` ends in ``_CACHE_TAG`` while the switch is on,
+  from the first frame Dynamo compiles on (set as each frame's compile begins, and at every
+  on and off after the first; a program that compiles nothing never pays for the write).
 
 The mode is read at run time, so changing it (``"fp32"`` to ``"exact"``) compiles nothing.
 This module imports Dynamo and Inductor: ``detsum.switch`` imports it at the first
@@ -119,18 +121,26 @@ _DECOMPOSITIONS = {op: _decomposition(op, takes) for op, takes in _TAKEN.items()
 
 _installed = False
 
+#: Whether Dynamo has begun to compile a frame since this module was installed. Until then
+#: the cache tag, which only a compile reads, is left as it is.
+_compiled = False
+
 
 def follow(on: bool) -> None:
     """Keep compiled code in step with the switch being ``on`` or off: its entries in
-    Inductor's decomposition tables and its guard installed at the first call, the cache tag
-    set at every one (called by ``detsum.switch`` with its lock held, whenever its state is
-    applied)."""
+    Inductor's decomposition tables and its guard installed at the first call, and once
+    anything has been compiled, the cache tag set at every one (called by ``detsum.switch``
+    with its lock held, whenever its state is applied). Before the first compile the tag is
+    set where each frame's compile begins (``_install``): setting it at every on and off cost
+    a model marked by ``detsum.pyg.make_deterministic`` (two blocks a step) about 38 us a
+    step on a small graph (benches/NOTES.md), more than its reads and writes take alone."""
     global _installed
     if not _installed:
         _install()
         _install_tables()
         _installed = True
-    _set_cache_tag(on)
+    if _compiled:
+        _set_cache_tag(on)
 
 
 def _install() -> None:
@@ -140,9 +150,15 @@ def _install() -> None:
     ambient = output_graph.OutputGraph.init_ambient_guards
 
     def init_ambient_guards(self) -> None:
+        global _compiled
         ambient(self)
         on = switch.current_mode() is not None
         self.guards.add(GlobalStateSource().make_guard(functools.partial(_guard, on)))
+        # The caches on disk are looked up after the frame is traced: the tag must say now
+        # what the trace sees (from here on, every on and off sets it too).
+        with switch._lock:
+            _compiled = True
+            _set_cache_tag(switch.current_mode() is not None)
 
     output_graph.OutputGraph.init_ambient_guards = init_ambient_guards
     reset()  # the frames compiled so far carry no guard on the switch

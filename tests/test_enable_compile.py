@@ -9,6 +9,7 @@ run to run, so what shows that compiled code ran on detsum is ``switch.counts``,
 from __future__ import annotations
 
 import collections
+import os
 import subprocess
 import sys
 
@@ -176,6 +177,29 @@ def test_code_compiled_before_the_first_enable_is_compiled_again():
             "    compiled(x, index, terms)\n"
             "assert switch.counts[('index_add', 'detsum')] == 1, switch.counts\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=600)
+
+
+def test_a_process_whose_first_compile_is_switched_on_misses_the_caches_of_code_compiled_off(
+        tmp_path):
+    """The cache tag is set where a frame's compile begins, not at each on and off before the
+    first compile: a process that switches on and off, then compiles with the switch on, must
+    not be handed the code that another process compiled with it off (the caches on disk,
+    shared here, hold it under the same graph)."""
+    code = ("import sys, torch, detsum\n"
+            "from detsum import switch\n"
+            "compiled = torch.compile(lambda x, i, t: x.index_add(0, i, t), fullgraph=True)\n"
+            "x, index, terms = torch.zeros(2), torch.tensor([0, 1, 0]), torch.ones(3)\n"
+            "if sys.argv[1] == 'on':\n"
+            "    with detsum.deterministic('fp32'):\n"
+            "        pass\n"
+            "    with detsum.deterministic('exact'):\n"
+            "        compiled(x, index, terms)\n"
+            "    assert switch.counts[('index_add', 'detsum')] == 1, switch.counts\n"
+            "else:\n"
+            "    compiled(x, index, terms)\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    for state in ("off", "on"):
+        subprocess.run([sys.executable, "-c", code, state], check=True, timeout=600, env=env)
 
 
 def test_a_graph_break_at_a_switched_op_runs_it_on_detsum():

@@ -10,7 +10,9 @@ most of the time, and a GNN-sized one (100k rows of 64 into 10k), where the kern
 
 Each op's primitive is what the switch calls (``detsum/switch.py``): ``index_add_`` and
 ``index_put_(accumulate=True)`` run ``detsum.index_add_``; ``scatter_add_`` and
-``scatter_reduce_`` run ``detsum.scatter_reduce`` copied into ``self``; the dense backward of
+``scatter_reduce_`` run ``detsum.scatter_reduce`` copied into ``self`` (on a CPU a small sum,
+amax or amin from a row index goes the shorter way of one Numba call into ``self``, below the
+primitive's cost); the dense backward of
 ``embedding`` and ``bincount`` with weights run ``detsum.index_add`` from zeros;
 ``segment_reduce`` sums and means from 0 run ``detsum.segment_sum`` over the CSR offsets of
 its segments (given as lengths, the switch makes the offsets: the primitive's call here is

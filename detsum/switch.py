@@ -629,6 +629,9 @@ def _index_reduce_inplace(mode, self, dim, index, source, reduce, *, include_sel
 
     def run():
         _check_changeable("index_reduce_", self)
+        if reduce in ("amax", "amin") and _small_in_place(mode, self, dim, index, source, reduce,
+                                                          include_self):
+            return self
         return self.copy_(_scatter_run(self, dim, index, source, reduce, include_self, mode))
     return run
 
@@ -694,6 +697,9 @@ def _add_at_python_indices(target, dim, index, terms, mode, out_of_range) -> Non
     if _checked_on_device(target):
         _index_add_op._index_add_inplace(target, dim, _negatives_from_the_end(index, size),
                                          terms, 1.0, mode, _CHECK)
+        return
+    # A negative value makes the one small call write nothing: the paths below take it.
+    if _small_in_place(mode, target, dim, index, terms, "sum"):
         return
     try:
         _index_add_op._index_add_inplace(target, dim, index, terms, 1.0, mode)

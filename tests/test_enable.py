@@ -452,8 +452,9 @@ def test_other_modes_give_the_primitives_bits(mode, dtype):
 
 
 def small_in_place_forms(dtype, mode, index):
-    """(name, reduction, the switched in-place call on a fresh target, the primitive's result
-    for it): the small in-place reductions the switch gives one Numba call
+    """(name, reduction ("put": index_put_'s and put_'s sums), the switched in-place call on a
+    fresh target, the primitive's result for it): the small in-place reductions the switch
+    gives one Numba call
     (``_segments.small_reduce_in_place``), each against detsum's primitive called out of place
     through its general entry. ``index`` holds 600 values in [0, 7)."""
     n = index.numel()
@@ -498,6 +499,13 @@ def small_in_place_forms(dtype, mode, index):
         ("scatter_reduce_ amax 1-D dim 1", "amax", lambda: x3.clone().scatter_reduce_(
             1, rows3, src3, "amax", include_self=False),
          detsum.scatter_reduce(x3, 1, rows3, src3, "amax", include_self=False, mode=mode)),
+        ("index_reduce_ amin", "amin", lambda: x3.clone().index_reduce_(1, index, src3, "amin"),
+         detsum.scatter_reduce(x3, 1, rows3, src3, "amin", mode=mode)),
+        # The index_put_ family's sums: torch's way to them passes through Python's indexing.
+        ("index_put_", "put", lambda: x2.clone().index_put_((index,), src2, accumulate=True),
+         detsum.index_add(x2, 0, index, src2, mode=mode)),
+        ("put_", "put", lambda: x2.clone().put_(index.long() * 5 + 2, ones, accumulate=True),
+         detsum.index_add(x2.reshape(-1), 0, index.long() * 5 + 2, ones, mode=mode).view(7, 5)),
     ]
 
 
@@ -523,8 +531,9 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
     gives the primitive's bits: 600 terms into 7 rows, at most 100 on a row; indices of every
     layout it takes (1-D, expanded along dim 0 and dim 1 of 3-D tensors), alpha, both index
     dtypes; amax and amin with and without the target's values, over NaNs and zeros of both
-    signs. It takes the sums of the rules it has (not "exact"'s); "autograd" gives it only
-    what reproduces torch (no 16-bit float sums)."""
+    signs; index_reduce_'s, index_put_'s and put_'s. It takes the sums of the rules it has
+    (not "exact"'s); "autograd" gives it only what reproduces torch (no 16-bit float sums but
+    index_put_'s and put_'s, which torch rounds in the dtype after every add)."""
     generator = torch.Generator().manual_seed(8)
     index = torch.randperm(600, generator=generator) % 7
     torchs_sums = mode == "autograd" and dtype in (torch.bfloat16, torch.float16)
@@ -539,7 +548,7 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
                 assert_same_bits(actual, switched())  # torch's own, the switch off
                 continue
             assert_same_bits(actual, expected)
-            taken = reduce != "sum" or mode != "exact"
+            taken = reduce not in ("sum", "put") or mode != "exact"
             assert small_in_place_answers == [taken], name
 
 

@@ -454,9 +454,9 @@ def test_other_modes_give_the_primitives_bits(mode, dtype):
 def small_in_place_forms(dtype, mode, index):
     """(name, reduction ("put": index_put_'s and put_'s sums), the switched in-place call on a
     fresh target, the primitive's result for it): the small in-place reductions the switch
-    gives one Numba call
-    (``_segments.small_reduce_in_place``), each against detsum's primitive called out of place
-    through its general entry. ``index`` holds 600 values in [0, 7)."""
+    gives one Numba call (``_segments.small_reduce_in_place``), each against detsum's
+    primitive called out of place through its general entry. ``index`` holds 600 values in
+    [0, 7)."""
     n = index.numel()
     src2, src3 = data((n, 5), dtype, 1), data((2, n, 3), dtype, 2)
     x2, x3 = data((7, 5), dtype, 3), data((2, 7, 3), dtype, 4)
@@ -496,12 +496,13 @@ def small_in_place_forms(dtype, mode, index):
                                mode=mode))
         for reduce in ("amax", "amin") for include_self in (True, False)
     ] + [
-        ("scatter_reduce_ amax 1-D dim 1", "amax", lambda: x3.clone().scatter_reduce_(
+        ("scatter_reduce_ amax expanded dim 1", "amax", lambda: x3.clone().scatter_reduce_(
             1, rows3, src3, "amax", include_self=False),
          detsum.scatter_reduce(x3, 1, rows3, src3, "amax", include_self=False, mode=mode)),
         ("index_reduce_ amin", "amin", lambda: x3.clone().index_reduce_(1, index, src3, "amin"),
          detsum.scatter_reduce(x3, 1, rows3, src3, "amin", mode=mode)),
-        # The index_put_ family's sums: torch's way to them passes through Python's indexing.
+        # index_put_ and put_ with accumulate=True: index_add_ along the indexed dim, which
+        # "autograd" takes in 16-bit floats too (torch rounds their sums after every add).
         ("index_put_", "put", lambda: x2.clone().index_put_((index,), src2, accumulate=True),
          detsum.index_add(x2, 0, index, src2, mode=mode)),
         ("put_", "put", lambda: x2.clone().put_(index.long() * 5 + 2, ones, accumulate=True),

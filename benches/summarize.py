@@ -270,6 +270,8 @@ def targets(data: dict) -> list[str]:
         return pyg_tests_targets(data)
     if is_pyg_interleaved(data):
         return pyg_interleaved_targets(data)
+    if is_switch_small_calls(data):
+        return []
     by = {}
     for b in data["benchmarks"]:
         e = b.get("extra_info", {})
@@ -435,8 +437,9 @@ def is_pyg_interleaved(data: dict) -> bool:
 
 
 def pyg_interleaved_targets(data: dict) -> list[str]:
-    """Each layer's step, marked and inside ``detsum.deterministic``: the ratio of its median
-    to PyG's (target: at most PYG_STEP_TARGET)."""
+    """Each layer's step, marked and with the switch on (inside ``detsum.deterministic`` in
+    reports before 2026-11-27's fifteenth session, under ``detsum.enable`` since): the ratio of
+    its median to PyG's (target: at most PYG_STEP_TARGET)."""
     lines = []
     for layer, found in data["layers"].items():
         for form in ("marked", "enabled"):
@@ -470,9 +473,31 @@ def pyg_interleaved_table(data: dict) -> str:
     return "\n".join(out)
 
 
+def is_switch_small_calls(data: dict) -> bool:
+    """Whether ``data`` is a ``benches/switch_small_calls.py`` report (no target of its own:
+    the PyG step's is the one it explains)."""
+    return "benchmarks" not in data and "calls" in data and "block_us" in data
+
+
+def switch_small_calls_table(data: dict) -> str:
+    load = " ".join(f"{x:.2f}" for x in data.get("load_average", []))
+    out = [f"{data.get('date', '?')}  {data.get('machine', '?')}  {data.get('cpus', '?')} cpus  "
+           f"torch {data.get('torch', '?')}  load average {load or '?'}",
+           f"a small PyG step's calls, \"{data.get('mode', '?')}\" mode, one thread, best of "
+           "7 x 3000, us", "",
+           f"{'call':<46}{'torch':>8}{'switched':>10}{'registered, off':>17}"]
+    for name, call in data["calls"].items():
+        out.append(f"{name:<46}{call['torch_us']:>8.2f}{call['switched_us']:>10.2f}"
+                   f"{call['registered_off_us']:>17.2f}")
+    out.append(f"{'a block opened and closed':<46}{data['block_us']:>8.2f}")
+    return "\n".join(out)
+
+
 def table(data: dict) -> str:
     if is_pyg_interleaved(data):
         return pyg_interleaved_table(data)
+    if is_switch_small_calls(data):
+        return switch_small_calls_table(data)
     if is_host_time(data):
         return host_time_table(data)
     if is_first_call(data):

@@ -615,9 +615,10 @@ def test_chunk_programs_first_or_last_give_the_same_bits(monkeypatch, mode, redu
     assert_same_bits(outs[0], expected)
 
 
-@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32, torch.int16])
-@pytest.mark.parametrize("mode", ["fp32", "kahan"])
-@pytest.mark.parametrize("given", ["a sort's keys", "a plan's index"])
+# Every pair of where the keys come from, the mode and the key dtype.
+@pytest.mark.parametrize("given,mode,keys_dtype", pairwise(
+    [["a sort's keys", "a plan's index"], ["fp32", "kahan"],
+     [torch.int64, torch.int32, torch.int16]], everything=HAS_CUDA))
 def test_chunk_programs_guided_by_the_keys(monkeypatch, given, mode, keys_dtype):
     """The chunk programs find each chunk's segment from the key of its position (checked
     against the offsets; ``GUIDED``) instead of a binary search of the offsets: a sort's
@@ -717,11 +718,11 @@ def test_tiles_of_many_segments_checked_by_the_launch(monkeypatch):
                 alpha=1.0, include_base=False)
 
 
-@pytest.mark.parametrize("rule", ["WIDE", "EXACT"])
-@pytest.mark.parametrize("dtype,width", [(torch.float32, 4), (torch.bfloat16, 33)], ids=str)
-@pytest.mark.parametrize("check", ["unchecked", "checked by the launch"])
-def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, dtype, width,
-                                                             check):
+# Every pair of the rule, the data (a dtype and its width) and the check.
+@pytest.mark.parametrize("rule,data,check", pairwise(
+    [["WIDE", "EXACT"], [(torch.float32, 4), (torch.bfloat16, 33)],
+     ["unchecked", "checked by the launch"]], everything=HAS_CUDA))
+def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, data, check):
     """``UncheckedOffsets`` with ``padded`` (the inner bounds, the launch reading a 0 before
     them and ``positions`` after them) against the same offsets padded by torch ops: the same
     bits, in tiles of narrow rows and one segment a program, with long segments in chunks,
@@ -732,6 +733,7 @@ def test_inner_offsets_give_the_bits_of_their_padded_offsets(monkeypatch, rule, 
     no tiles.)"""
     from detsum.kernels.triton import segment
 
+    dtype, width = data
     g = torch.Generator().manual_seed(seed_of("inner offsets", rule, dtype, width, check))
     counts = torch.randint(0, 4, (7,), generator=g)
     counts[[2, 5]] = torch.tensor([2 * CHUNK + 3, CHUNK + 1])  # chunk programs
@@ -823,13 +825,24 @@ def test_sort_offsets_are_searchsorteds_answers():
             assert torch.equal(got.cpu(), expected), (name, dtype)
 
 
-@pytest.mark.parametrize("num_segments,narrowed", [
-    (1, torch.int16), (300, torch.int16), (2**15 - 1, torch.int16), (2**15, torch.int32),
-    (2**31 - 1, torch.int32), (2**31, torch.int64)])
-@pytest.mark.parametrize("keys_dtype", [torch.int64, torch.int32])
-@pytest.mark.parametrize("counting", [False, True], ids=["torch's sort", "counting"])
-def test_a_narrowed_sort_orders_every_segment_as_torch_sorts_it(num_segments, narrowed,
-                                                                keys_dtype, counting,
+def _counting_sort_takes(segments, keys_dtype, counting) -> bool:
+    """Whether the narrowed-sort case can run: by counting only where its table fits (the
+    counting sort's ``takes``, for ``NARROW_SORT_ABOVE + 1`` keys; without triton every case
+    is skipped anyway)."""
+    if not counting or not HAS_TRITON:
+        return True
+    from detsum.kernels.triton import counting_sort
+
+    return counting_sort.takes(kernels.NARROW_SORT_ABOVE + 1, segments[0])
+
+
+# Every pair of the segments' number (with the type it narrows to), the key dtype and the
+# sort (False: torch's, True: by counting) that can run.
+@pytest.mark.parametrize("segments,keys_dtype,counting", pairwise(
+    [[(1, torch.int16), (300, torch.int16), (2**15 - 1, torch.int16), (2**15, torch.int32),
+      (2**31 - 1, torch.int32), (2**31, torch.int64)], [torch.int64, torch.int32],
+     [False, True]], allowed=_counting_sort_takes, everything=HAS_CUDA))
+def test_a_narrowed_sort_orders_every_segment_as_torch_sorts_it(segments, keys_dtype, counting,
                                                                 monkeypatch):
     """``kernels.sort_by_segment`` against ``torch.sort(keys, stable=True)``: more than
     ``NARROW_SORT_ABOVE`` keys narrowed to the type the segments need (int64 or int32 keys
@@ -842,9 +855,8 @@ def test_a_narrowed_sort_orders_every_segment_as_torch_sorts_it(num_segments, na
     and one hot key among rare ones."""
     from detsum.kernels.triton import counting_sort
 
+    num_segments, narrowed = segments
     if counting:
-        if not counting_sort.takes(kernels.NARROW_SORT_ABOVE + 1, num_segments):
-            pytest.skip("the counting sort's table would be too large: torch's sort")
         monkeypatch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
     else:
         monkeypatch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)

@@ -152,13 +152,13 @@ def _install() -> None:
     def init_ambient_guards(self) -> None:
         global _compiled
         ambient(self)
-        on = switch.current_mode() is not None
-        self.guards.add(GlobalStateSource().make_guard(functools.partial(_guard, on)))
         # The caches on disk are looked up after the frame is traced: the tag must say now
-        # what the trace sees (from here on, every on and off sets it too).
+        # what the trace sees (from here on, every on and off sets it too), as the guard does.
         with switch._lock:
+            on = switch.current_mode() is not None
             _compiled = True
-            _set_cache_tag(switch.current_mode() is not None)
+            _set_cache_tag(on)
+        self.guards.add(GlobalStateSource().make_guard(functools.partial(_guard, on)))
 
     output_graph.OutputGraph.init_ambient_guards = init_ambient_guards
     reset()  # the frames compiled so far carry no guard on the switch

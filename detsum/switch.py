@@ -549,7 +549,8 @@ def _scatter_inplace(name, mode, self, dim, index, src, reduce, include_self):
     return run
 
 
-#: The reductions ``_small_in_place`` may take from a scatter (its sum only from self).
+#: The reductions ``_small_in_place`` may take from a scatter or an index_reduce (a sum only
+#: from self).
 _SMALL_IN_PLACE = ("sum", "amax", "amin")
 
 
@@ -629,8 +630,8 @@ def _index_reduce_inplace(mode, self, dim, index, source, reduce, *, include_sel
 
     def run():
         _check_changeable("index_reduce_", self)
-        if reduce in ("amax", "amin") and _small_in_place(mode, self, dim, index, source, reduce,
-                                                          include_self):
+        if reduce in _SMALL_IN_PLACE and _small_in_place(mode, self, dim, index, source, reduce,
+                                                         include_self):
             return self
         return self.copy_(_scatter_run(self, dim, index, source, reduce, include_self, mode))
     return run

@@ -251,6 +251,16 @@ def _extreme_kernel_for(dtype, maximum):
     return kernel
 
 
+def _int64_elements(index: torch.Tensor) -> torch.Tensor:
+    """``index`` as the kernels read it: int64 elements one after another from its address.
+    (``to`` with a memory format returns a strided 1-D tensor unchanged: ``contiguous``
+    copies it.) The test first: the common index needs neither, and the two calls cost a
+    small launch about a microsecond."""
+    if index.dtype is torch.int64 and index.is_contiguous():
+        return index
+    return index.to(torch.int64).contiguous()
+
+
 def fits(src3: torch.Tensor, base3: torch.Tensor, out3: torch.Tensor, rule: int) -> bool:
     """Whether ``index_add_small`` may compute this launch: a small launch, a rule it has,
     contiguous rows (the kernel itself finds a row of too many terms). (Contiguous only: each
@@ -267,9 +277,7 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
     CHUNK_TERMS terms under a rule that splits (WIDE, KAHAN), or the first position of
     ``index`` outside ``[0, S)`` (found before such a row's CHUNK_TERMS + 1st term). The three
     tensors must be contiguous (:func:`fits`)."""
-    # The kernel reads int64 elements one after another from the index's address. (``to``
-    # with a memory format returns a strided 1-D tensor unchanged: ``contiguous`` copies it.)
-    index = index.to(torch.int64).contiguous()
+    index = _int64_elements(index)
     outer, n, inner = src3.shape
     kernel = _kernel_for(src3.dtype, rule)
     return kernel(src3.data_ptr(), index.data_ptr(), base3.data_ptr(), out3.data_ptr(), outer, n,
@@ -283,8 +291,7 @@ def index_add_small_in_place(src: torch.Tensor, index: torch.Tensor, target: tor
     view costs about as much as the kernel's own call on a small launch): the same answer.
     Both must be contiguous, nonempty, and within :func:`fits`'s size limit; ``rule`` one
     that ``fits`` takes."""
-    if index.dtype is not torch.int64 or not index.is_contiguous():
-        index = index.to(torch.int64).contiguous()
+    index = _int64_elements(index)
     n = index.shape[0]
     kernel = _kernel_for(src.dtype, rule)
     return kernel(src.data_ptr(), index.data_ptr(), target.data_ptr(), target.data_ptr(), outer,
@@ -300,8 +307,7 @@ def extreme_small_in_place(src: torch.Tensor, index: torch.Tensor, target: torch
     written ``target``, or, having written nothing, the first position of ``index`` outside
     ``[0, S)``. Both tensors contiguous, nonempty, within :func:`fits`'s size limit; no views
     of them made (as ``index_add_small_in_place``)."""
-    if index.dtype is not torch.int64 or not index.is_contiguous():
-        index = index.to(torch.int64).contiguous()
+    index = _int64_elements(index)
     kernel = _extreme_kernel_for(src.dtype, maximum)
     return kernel(src.data_ptr(), index.data_ptr(), target.data_ptr(), outer, index.shape[0],
                   inner, target.numel() // (outer * inner), include_base)

@@ -19,6 +19,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# torch's CPU exp, on several threads, can go wrong on its first call in a process: on a 2-core
+# Xeon (torch 2.13.0+cpu, MKL 2024.2), after a matrix product and a scatter_reduce_, the first
+# exp over 220k elements came out up to 1772 ulps off on the calling thread's half, and every
+# later call was right. A test that runs GATConv twice then saw two results. One exp or log call
+# before anything else stopped it in every process tried (docs/enable.md, "Not covered yet").
+torch.exp(torch.zeros(1 << 18))
+
 import detsum
 import detsum.kernels
 from detsum import _segments

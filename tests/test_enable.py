@@ -1608,9 +1608,9 @@ def test_new_ops_opinfo_samples_on_a_gpus_path_give_the_host_paths_bits(
     on CPU tensors in Triton's interpreter: every sample gives the bits of the host path (the
     Numba backend), and runs on detsum where the host path does. ("autograd" here is the
     CPU's: on CUDA, segment_reduce and embedding_bag's sum and mean go to torch's kernel.)
-    Each sample runs in one of the three (mode, dtype) cases in turn, so that every sample
-    and every case meet: the interpreter takes about 0.3 s a sample, 133 s of one worker's
-    time for every sample in every case."""
+    The samples are dealt to the three (mode, dtype) cases in turn: each sample runs once,
+    each case on a third of them (all of them in all three cases took 133 s of one worker's
+    time in the interpreter)."""
     op, cases = samples(name, variant, dtype, requires_grad=name != "histc")
     turn = GPU_PATH_MODES.index((mode, dtype))
     for seed, sample in enumerate(cases):

@@ -120,6 +120,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
 
 
+def record_answers(monkeypatch, owner, name: str) -> list:
+    """What each later call of ``owner.name`` returns, in turn (the function itself still
+    runs and answers its caller)."""
+    answers, original = [], getattr(owner, name)
+
+    def answering(*args):
+        answers.append(original(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(owner, name, answering)
+    return answers
+
+
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     """Bit equality, except that NaNs compare by position (torch paths differ in NaN payloads)."""
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)

@@ -22,7 +22,7 @@ import torch
 
 import detsum
 from detsum import _segments, measure, switch
-from tests.conftest import assert_same_bits
+from tests.conftest import assert_same_bits, record_answers
 
 # torch's own index_reduce says it is in beta, every time torch's kernel runs it.
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta:UserWarning")
@@ -513,15 +513,7 @@ def small_in_place_forms(dtype, mode, index):
 @pytest.fixture
 def small_in_place_answers(monkeypatch):
     """The answers of ``_segments.small_reduce_in_place`` in the test, in turn."""
-    answers = []
-    lane = _segments.small_reduce_in_place
-
-    def spy(*args):
-        answers.append(lane(*args))
-        return answers[-1]
-
-    monkeypatch.setattr(_segments, "small_reduce_in_place", spy)
-    return answers
+    return record_answers(monkeypatch, _segments, "small_reduce_in_place")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import detsum
-from conftest import (DTYPES, LAYOUTS, assert_same_bits, dtype_id, make_data, strided_copy,
-                      with_rows)
+from conftest import (DTYPES, LAYOUTS, assert_same_bits, dtype_id, make_data, record_answers,
+                      strided_copy, with_rows)
 from detsum.kernels import CHUNK_TERMS
 from detsum.kernels.numba import small
 
@@ -101,18 +101,6 @@ def test_a_bad_index_is_named_and_nothing_is_written():
         assert torch.equal(target, input)
 
 
-def _answers(monkeypatch) -> list[int]:
-    """What each call of ``small.index_add_small`` answers, from now on."""
-    answers, original = [], small.index_add_small
-
-    def answering(*args):
-        answers.append(original(*args))
-        return answers[-1]
-
-    monkeypatch.setattr(small, "index_add_small", answering)
-    return answers
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
 def test_many_terms_in_rows_of_few_take_the_small_path(mode, dtype, monkeypatch):
@@ -120,7 +108,7 @@ def test_many_terms_in_rows_of_few_take_the_small_path(mode, dtype, monkeypatch)
     CHUNK_TERMS (one at exactly CHUNK_TERMS) it adds them, with the general path's bits; with
     one row past it (where the general path cuts chunks) it answers TOO_MANY_TERMS having
     written nothing, and the call takes the general path."""
-    answers = _answers(monkeypatch)
+    answers = record_answers(monkeypatch, small, "index_add_small")
     input, _, source = problem((None, 5), 0, 3 * CHUNK_TERMS, 16, dtype, seed=11)
     others = torch.tensor([row for row in range(16) if row != 3])
     index = torch.cat([torch.full((CHUNK_TERMS,), 3),

@@ -193,16 +193,13 @@ def _extreme_at(src_at, index_at, target_at, outer, n, inner, rows, include_base
                 started[v] = True
                 for j in range(inner):
                     acc[v, j] = dec(src[o, i, j])
-            elif maximum:
-                for j in range(inner):
-                    x = dec(src[o, i, j])
-                    y = acc[v, j]
-                    acc[v, j] = x if (x != x or x > y) and y == y else y
             else:
                 for j in range(inner):
                     x = dec(src[o, i, j])
                     y = acc[v, j]
-                    acc[v, j] = x if (x != x or x < y) and y == y else y
+                    # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
+                    if (x != x or (x > y if maximum else x < y)) and y == y:
+                        acc[v, j] = x
         for s in range(rows):
             if started[s]:
                 for j in range(inner):

@@ -1,26 +1,37 @@
-"""A PyG layer's training step marked by ``detsum.pyg.make_deterministic``, and run with the
-switch on (``detsum.enable``), against PyG's own, the three
-taking turns step by step: for a layer whose step times scatter widely from one step to
-the next (GATConv on a 2-core VM: the ratio of two neighbouring steps' times ranged from
-about 0.5 to 1.5), where ``bench_pyg.py``'s blocks of 15 rounds a case gave ratios from 0.70
-to 1.35 over three runs of one tree.
+"""A PyG layer's training step marked by ``detsum.pyg.make_deterministic``, run with the
+switch on (``detsum.enable``), and run with the switch's kernels registered but off, against
+PyG's own, taking turns round by round: for a layer whose step times scatter widely from one
+step to the next (GATConv on a 2-core VM: the ratio of two neighbouring steps' times ranged
+from about 0.5 to 1.5), where ``bench_pyg.py``'s blocks of 15 rounds a case gave ratios from
+0.70 to 1.35 over three runs of one tree.
 
 The graphs, layers and step are ``bench_pyg.py``'s (a layer of 64 features in and out on 10k
 nodes and 100k random edges; ``layer(x, edge_index)``, then ``backward`` of a fixed
-gradient). Each round runs one step of each, in an order that rotates, on one thread,
-timed as the process's CPU time (what a core spent on it, not the wall clock that another
-process's work stretches). Between the steps, untimed, the switch's kernels are put in place
-or removed so that each step runs as its user would have it: PyG's own step with none of
-detsum's kernels registered (a registered kernel that hands its call to torch costs 3-8 us a
-call, a tenth of a step on a small graph); the marked layer's with them registered, its
-hooks opening and closing the switch's blocks inside the timed step; and the step with the
-switch on under ``detsum.enable`` (a program that turns it on once). Reported: each one's
-median, and for the two of detsum the ratio of the medians to PyG's and the median of the
-per-round ratios with its 10th-90th percentile.
+gradient). Each round runs each of the four in turn, in an order that rotates, on one
+thread, timed as the process's CPU time (what a core spent on it, not the wall clock that
+another process's work stretches). Before each one's turn, untimed, the switch's kernels are
+put in place or removed so that its steps run as its user would have them:
+
+- "pyg": PyG's own step with none of detsum's kernels registered;
+- "marked": the marked layer's, the kernels registered, its hooks opening and closing the
+  switch's blocks inside the timed step;
+- "enabled": PyG's step with the switch on under ``detsum.enable`` (a program that turns it
+  on once);
+- "registered_off": PyG's step with the kernels registered and the switch off, every
+  switched call handed to torch's kernel by a Python kernel: what the dispatcher's way into
+  Python costs before any work, the floor of a switch made of Python kernels (in a loop 2-3
+  us a call; in a step on a small graph several times that).
+
+Then ``--settle`` steps run untimed: the first steps after the kernels are registered or
+removed run slower, whichever the setting (on a graph of 200 nodes: the first 1.1-1.4x a
+settled one, the second 1.02-1.1x), and a program that turns the switch on once runs
+settled steps. Of the ``--timed`` steps that follow, the round keeps the median. Reported:
+each one's median over the rounds, and for the other three the ratio of the medians to
+PyG's and the median of the per-round ratios with its 10th-90th percentile.
 
     python benches/pyg_step_interleaved.py [--rounds 200] [--layers GATConv ...]
                                            [--mode fp32] [--graph NODES EDGES FEATURES]
-                                           [--json PATH]
+                                           [--settle 3] [--timed 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,8 +52,8 @@ import detsum.pyg
 NODES, EDGES, FEATURES = 10_000, 100_000, 64
 
 
-def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, int]
-                ) -> dict[str, list[float]]:
+def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, int],
+                settle: int, timed: int) -> dict[str, list[float]]:
     from torch_geometric import nn
 
     nodes, edges, features = graph
@@ -79,7 +90,8 @@ def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, 
 
     steps = {"pyg": (nothing_registered, pyg_step, None),
              "marked": (registered_off, marked_step, None),
-             "enabled": (switched_on, pyg_step, detsum.disable)}
+             "enabled": (switched_on, pyg_step, detsum.disable),
+             "registered_off": (registered_off, pyg_step, None)}
     names = list(steps)
     times = {name: [] for name in steps}
     try:
@@ -90,12 +102,17 @@ def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, 
                 if after is not None:
                     after()
         for r in range(rounds):
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in names[r % len(names):] + names[:r % len(names)]:
                 before, run, after = steps[name]
                 before()
-                start = time.process_time()
-                run()
-                times[name].append((time.process_time() - start) * 1e3)
+                for _ in range(settle):
+                    run()
+                round_times = []
+                for _ in range(timed):
+                    start = time.process_time()
+                    run()
+                    round_times.append((time.process_time() - start) * 1e3)
+                times[name].append(statistics.median(round_times))
                 if after is not None:
                     after()
     finally:
@@ -112,6 +129,10 @@ def main() -> None:
     parser.add_argument("--graph", nargs=3, type=int, default=[NODES, EDGES, FEATURES],
                         metavar=("NODES", "EDGES", "FEATURES"),
                         help="a random graph of this size (default: bench_pyg.py's)")
+    parser.add_argument("--settle", type=int, default=3,
+                        help="untimed steps after each change of setting")
+    parser.add_argument("--timed", type=int, default=3,
+                        help="timed steps a round, of which it keeps the median")
     parser.add_argument("--json", help="write the figures and each round's times here")
     args = parser.parse_args()
     threads = torch.get_num_threads()
@@ -119,11 +140,12 @@ def main() -> None:
     found = {}
     try:
         for layer_name in args.layers:
-            times = _step_times(layer_name, args.mode, args.rounds, tuple(args.graph))
+            times = _step_times(layer_name, args.mode, args.rounds, tuple(args.graph),
+                                args.settle, args.timed)
             pyg = statistics.median(times["pyg"])
             found[layer_name] = {"pyg_ms": pyg, "times": times}
             print(f"{layer_name:9s} pyg {pyg:6.2f} ms")
-            for form in ("marked", "enabled"):
+            for form in ("marked", "enabled", "registered_off"):
                 ratios = [s / p for p, s in zip(times["pyg"], times[form], strict=True)]
                 deciles = statistics.quantiles(ratios, n=10)
                 median = statistics.median(times[form])
@@ -142,7 +164,8 @@ def main() -> None:
             json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                        "machine": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-                       "rounds": args.rounds, "mode": args.mode,
+                       "rounds": args.rounds, "mode": args.mode, "settle": args.settle,
+                       "timed": args.timed,
                        "graph": dict(zip(("nodes", "edges", "features"), args.graph)),
                        "layers": found}, f, indent=1)
         print(f"wrote {args.json}")

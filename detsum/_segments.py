@@ -13,7 +13,7 @@ import math
 import torch
 
 from detsum import kernels
-from detsum._validation import (assert_on_device, device_check_message,
+from detsum._validation import (assert_on_device, device_check_message, extent_bytes,
                                 raise_first_out_of_range, raise_index_out_of_range)
 from detsum.backend import _DEFAULT_BY_DEVICE, _forced_backend, check_backend_runs
 
@@ -114,8 +114,7 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     (``kernels/numba/small.py``: the general path's bits), or None, nothing written, where
     that call does not fit (an output row of more than CHUNK_TERMS terms among them). A value
     of ``index`` outside ``input3``'s rows raises in ``caller``'s words, nothing written."""
-    from detsum.kernels.numba import small
-
+    small = _small_kernels()
     # A new output is contiguous, of input3's shape: input3 answers for it.
     if not small.fits(source3, input3, input3 if out3 is None else out3, rule):
         return None
@@ -138,21 +137,27 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     primitives' own paths give the call the same bits: the Numba backend runs CPU tensors now,
     ``index`` is not one for the rows-with-terms path (``rows_with_terms``), and the call fits
     (contiguous, small, and for a sum no output row of more terms than one chunk under a rule
-    that splits). False, nothing written, otherwise, and where a value of ``index`` is out of
-    range: the caller's own path then finds it and names it as its caller passed it.
+    that splits). False, nothing written, otherwise, where ``target`` may share memory with
+    ``index`` or ``source`` (their address ranges meet), and where a value of ``index`` is
+    out of range: the caller's own path then finds it and names it as its caller passed it.
 
     For callers that have checked everything else already (the switch: the shapes, dtypes and
-    devices torch would check, and that ``target`` is writable and shares no memory with the
-    others), skipping the layers the general entry points pass through on every call."""
-    from detsum.kernels.numba import small
-
+    devices torch would check, and that ``target`` may be changed), skipping the layers the
+    general entry points pass through on every call."""
+    small = _small_kernels()
+    rows = target.shape[dim]
     if (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) != "numba" or (
-            target.shape[dim] > SPARSE_ROWS_PER_SOURCE_ROW * index.numel()) or not (
+            rows > SPARSE_ROWS_PER_SOURCE_ROW * index.shape[0]) or not (
             source.numel() + target.numel() <= small.MAX_ELEMENTS
             and source.is_contiguous() and target.is_contiguous()):
         return False
-    shape = target.shape
-    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    # Contiguous: a target whose elements are distinct, and one address range a tensor.
+    start, end = target.data_ptr(), target.data_ptr() + target.nbytes
+    for t, extent in ((source, source.nbytes), (index, extent_bytes(index))):
+        if start < t.data_ptr() + extent and t.data_ptr() < end:
+            return False
+    outer = 1 if dim == 0 else math.prod(target.shape[:dim])
+    inner = target.numel() // (outer * rows)
     # -1: written; a bad value's position, or for a sum TOO_MANY_TERMS: nothing written.
     if reduce == "sum" and include_base and rule in small.RULES:
         return small.index_add_small_in_place(source, index, target, outer, inner, alpha,
@@ -161,6 +166,14 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
         return small.extreme_small_in_place(source, index, target, outer, inner,
                                             reduce == "amax", include_base) == -1
     return False
+
+
+@functools.cache
+def _small_kernels():
+    """``kernels.numba.small``, imported on the first small call (it imports Numba)."""
+    from detsum.kernels.numba import small
+
+    return small
 
 
 def new_output_shaped(like: torch.Tensor, shape: list[int]) -> torch.Tensor:

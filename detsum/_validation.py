@@ -273,7 +273,7 @@ def _element_byte_starts(t: torch.Tensor) -> torch.Tensor:
     return starts.reshape(-1) * t.element_size()
 
 
-def _extent_bytes(t: torch.Tensor) -> int:
+def extent_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first element to one past its last (t nonempty, strides nonnegative)."""
     if t.is_contiguous():
         return t.nbytes
@@ -315,7 +315,7 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     # Address ranges first: apart, they share nothing (the common case, decided without the
     # device and storage objects, which cost more than the rest of a small call's checks).
     a_start, b_start = a.data_ptr(), b.data_ptr()
-    if a_start + _extent_bytes(a) <= b_start or b_start + _extent_bytes(b) <= a_start:
+    if a_start + extent_bytes(a) <= b_start or b_start + extent_bytes(b) <= a_start:
         return False
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False

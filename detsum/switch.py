@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
 import sys
 import threading
@@ -227,15 +228,20 @@ def _switched(name, body, original):
     """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
     function that computes the result on detsum, or None to leave the call to torch; that
     function may still leave it to torch, by raising ``_LeaveToTorch`` before it writes
-    anything. A call left to torch whose terms torch may add in an order of its own
-    (``_torch_orders_terms``) runs under torch's deterministic mode (``_torch_deterministic``):
-    torch's default on CUDA is atomics, and "autograd" mode gives the deterministic mode's
-    bits. Not, but in "autograd" mode, a plain assignment (``x[idx] = v``: nothing added, and
-    torch's deterministic path sorts the index), nor detsum's own calls of switched ops inside
-    a run."""
+    anything; an operator with a short way (``_SHORT_WAYS``) tries that first. A call left
+    to torch whose terms torch may add in an order of its own (``_torch_orders_terms``) runs
+    under torch's deterministic mode (``_torch_deterministic``): torch's default on CUDA is
+    atomics, and "autograd" mode gives the deterministic mode's bits. Not, but in "autograd"
+    mode, a plain assignment (``x[idx] = v``: nothing added, and torch's deterministic path
+    sorts the index), nor detsum's own calls of switched ops inside a run."""
+    short_way = _SHORT_WAYS.get(name)
+
     def kernel(keyset, *args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
+            if short_way is not None and short_way(mode, *args, **kwargs):
+                counts[(name, "detsum")] += 1
+                return args[0]
             run = body(mode, *args, **kwargs)
             if run is not None:
                 _inside.running = True
@@ -395,8 +401,100 @@ def _small_in_place(mode: str, target: torch.Tensor, dim: int, index: torch.Tens
     the same bits, the layers between skipped). False, nothing written, for a call that path
     does not take."""
     return target.is_cpu and _segments.small_reduce_in_place(
-        target, dim, index, source, reduce, include_self, alpha,
-        rule_for(MODE_BY_NAME[mode], reduce, "cpu", 1))
+        target, dim, index, source, reduce, include_self, alpha, _cpu_rule(mode, reduce))
+
+
+@functools.cache
+def _cpu_rule(mode: str, reduce: str) -> int:
+    """The kernel rule of ``mode`` for ``reduce`` on the CPU (``rule_for``), looked up once."""
+    return rule_for(MODE_BY_NAME[mode], reduce, "cpu", 1)
+
+
+# The short way ---------------------------------------------------------------------------------
+# The calls a small model's step makes most (PyG's aggregations, its degree sums and softmax
+# maxima, index_select's backward) are in-place sums, maxima and minima of a few hundred rows
+# on the CPU. Through the bodies below, each paid about 9 us of checks and layers in Python
+# before its Numba call of 2-3 us in a loop, and two to three times that inside a step
+# (benches/NOTES.md). A short way makes, for the one form it takes, every check the body and
+# the primitive's path would make before that call, in one function tried before the body:
+# CPU tensors, strided, no lazy negation, one float dtype, an int32 or int64 index of the
+# row form (1-D; for a scatter, a stride-0 broadcast of one) and shapes torch accepts with
+# detsum's meaning, a mode with a rule the call has, a target that may be changed. Then
+# ``_segments.small_reduce_in_place`` (the backend, the size, contiguity, memory shared, the
+# index's values). False, nothing written, for anything else: the body then runs as before,
+# and gives torch's meaning, torch's error or detsum's.
+
+_STRIDED = torch.strided
+
+
+def _short_plain(target: torch.Tensor, index: torch.Tensor, source: torch.Tensor) -> bool:
+    """``_plain`` and ``_values`` for three CPU tensors, with an index of ``INDEX_DTYPES``."""
+    dtype = target.dtype
+    return (target.is_cpu and index.is_cpu and source.is_cpu and source.dtype is dtype
+            and dtype in FLOAT_DTYPES and index.dtype in INDEX_DTYPES
+            and target.layout is _STRIDED and index.layout is _STRIDED
+            and source.layout is _STRIDED and not (
+                target.is_neg() or index.is_neg() or source.is_neg()))
+
+
+def _changeable(target: torch.Tensor) -> bool:
+    """What ``_check_changeable`` refuses, as a test."""
+    return not target.is_inference() or torch.is_inference_mode_enabled()
+
+
+def _index_add_short(mode, self, dim, index, source, *, alpha=1) -> bool:
+    """``self.index_add_(dim, index, source, alpha=alpha)`` the short way: the checks of
+    ``_index_add_inplace``, then ``_small_in_place``."""
+    if not _short_plain(self, index, source) or index.dim() != 1 or (
+            type(alpha) is not int and type(alpha) is not float):
+        return False
+    if mode == "autograd" and (alpha not in (1, -1) or self.dtype in _HALF_DTYPES):
+        return False
+    shape, source_shape = self.shape, source.shape
+    ndim = len(shape)
+    if len(source_shape) != ndim or not -ndim <= dim < ndim:
+        return False
+    dim %= ndim
+    if source_shape[dim] != index.shape[0] or self.numel() == 0 or source.numel() == 0 or (
+            source_shape[:dim] != shape[:dim] or source_shape[dim + 1:] != shape[dim + 1:]):
+        return False
+    return _changeable(self) and _small_in_place(mode, self, dim, index, source, "sum",
+                                                 alpha=float(alpha))
+
+
+def _index_add_out_short(mode, self, dim, index, source, *, alpha=1, out) -> bool:
+    """``torch.index_add(self, ..., out=self)``: ``self.index_add_`` (``_into_out``'s in-place
+    call, for the same tensor object)."""
+    return out is self and _index_add_short(mode, self, dim, index, source, alpha=alpha)
+
+
+def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True) -> bool:
+    """``self.scatter_reduce_(dim, index, src, reduce, include_self=include_self)`` (and
+    ``scatter_add_``, a sum from self) the short way: the checks of ``_scatter_inplace``
+    for an index of ``src``'s shape, then ``_small_in_place`` on its row index."""
+    if not _short_plain(self, index, src):
+        return False
+    if reduce == "sum":
+        if not include_self or (mode == "autograd" and self.dtype in _HALF_DTYPES):
+            return False
+    elif reduce != "amax" and reduce != "amin":
+        return False
+    shape, index_shape = self.shape, index.shape
+    ndim = len(shape)
+    if ndim == 0 or index_shape != src.shape or len(index_shape) != ndim or not (
+            -ndim <= dim < ndim):
+        return False
+    dim %= ndim
+    if index.numel() == 0 or self.numel() == 0 or (index_shape != shape and (
+            index_shape[:dim] != shape[:dim] or index_shape[dim + 1:] != shape[dim + 1:])):
+        return False
+    rows = _scatter_reduce_op.stride_zero_rows(index, dim)
+    return rows is not None and _changeable(self) and _small_in_place(
+        mode, self, dim, rows, src, reduce, include_self)
+
+
+def _scatter_add_short(mode, self, dim, index, src) -> bool:
+    return _scatter_short(mode, self, dim, index, src)
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
@@ -460,9 +558,7 @@ def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
 
     def run():
         _check_changeable("index_add_", self)
-        if not _small_in_place(mode, self, dim, index, source, "sum", alpha=float(alpha)):
-            _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode,
-                                             _CHECK)
+        _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode, _CHECK)
         return self
     return run
 
@@ -539,19 +635,12 @@ def _scatter_inplace(name, mode, self, dim, index, src, reduce, include_self):
 
     def run():
         _check_changeable(name, self)
-        if reduce in _SMALL_IN_PLACE:
-            rows = index if index.dim() == 1 else \
-                _scatter_reduce_op._broadcast_rows(index, dim, _CHECK)
-            if rows is not None and _small_in_place(mode, self, dim, rows, src, reduce,
-                                                    include_self):
-                return self
         return self.copy_(_scatter_run(self, dim, index, src, reduce, include_self, mode))
     return run
 
 
-#: The reductions ``_small_in_place`` may take from a scatter or an index_reduce (a sum only
-#: from self).
-_SMALL_IN_PLACE = ("sum", "amax", "amin")
+#: The reductions ``_small_in_place`` may take from an index_reduce.
+_SMALL_IN_PLACE = ("amax", "amin")
 
 
 def _scatter_out(name, mode, self, dim, index, src, reduce, include_self, out):
@@ -1289,6 +1378,15 @@ def _histc_out(mode, self, bins=100, min=0, max=0, *, out):
         return out.copy_(_histc_counts(mode, self, bins, position))
     return run
 
+
+#: The switched operators with a short way (a test: True having run the call), tried before
+#: their body.
+_SHORT_WAYS = {
+    "index_add_": _index_add_short,
+    "index_add.out": _index_add_out_short,
+    "scatter_add_": _scatter_add_short,
+    "scatter_reduce_.two": _scatter_short,
+}
 
 _BODIES = {
     "index_add": _index_add,

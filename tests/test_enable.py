@@ -479,11 +479,19 @@ def small_in_place_forms(dtype, mode, index):
          detsum.index_add(x2, 0, index, src2, alpha=alpha, mode=mode)),
         ("index_add_ dim 1", "sum", lambda: x3.clone().index_add_(1, index, src3),
          detsum.index_add(x3, 1, index, src3, mode=mode)),
+        ("index_add_ dim -2", "sum", lambda: x3.clone().index_add_(-2, index, src3),
+         detsum.index_add(x3, 1, index, src3, mode=mode)),
+        ("index_add out=self", "sum",
+         lambda: (lambda x: torch.index_add(x, 0, index, src2, out=x))(x2.clone()),
+         detsum.index_add(x2, 0, index, src2, mode=mode)),
         ("scatter_add_ 1-D", "sum", lambda: x2[:, 0].contiguous().scatter_add_(0, index, ones),
          detsum.scatter_reduce(x2[:, 0].contiguous(), 0, index, ones, "sum", mode=mode)),
         ("scatter_add_ expanded", "sum", lambda: x2.clone().scatter_add_(0, rows2, src2),
          detsum.scatter_reduce(x2, 0, rows2, src2, "sum", mode=mode)),
         ("scatter_add_ expanded dim 1", "sum", lambda: x3.clone().scatter_add_(1, rows3, src3),
+         detsum.scatter_reduce(x3, 1, rows3, src3, "sum", mode=mode)),
+        ("scatter_add_ expanded dim -2", "sum",
+         lambda: x3.clone().scatter_add_(-2, rows3, src3),
          detsum.scatter_reduce(x3, 1, rows3, src3, "sum", mode=mode)),
         ("scatter_reduce_ sum", "sum",
          lambda: x2.clone().scatter_reduce_(0, rows2, src2, "sum"),
@@ -598,6 +606,93 @@ def test_small_in_place_sums_name_a_bad_value_where_the_caller_put_it(small_in_p
             x.scatter_add_(1, rows, data((2, 40, 3), torch.float32, 2))
     assert small_in_place_answers == [False]
     assert_same_bits(x, before)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+def test_small_in_place_calls_the_short_way_leaves_give_the_bodys_answer(small_in_place_answers,
+                                                                          mode):
+    """What the switch's short way must not take, left to the path behind it, which decides
+    as it did without one: an inference tensor changed outside inference mode (detsum's
+    error, nothing written), a target that is the source itself, and one that shares memory
+    with the index through a view of another dtype (torch's error, nothing written: the
+    short way's one call sees address ranges that meet and writes nothing)."""
+    index = torch.tensor([0, 2, 2, 1])
+    with torch.inference_mode():
+        frozen = torch.zeros(3, 4)
+    with detsum.deterministic(mode):
+        with pytest.raises(RuntimeError, match=re.escape(
+                "index_add_ (run by detsum.enable): self is an inference tensor")):
+            frozen.index_add_(0, index, torch.ones(4, 4))
+        with pytest.raises(RuntimeError, match=re.escape(
+                "scatter_add_ (run by detsum.enable): self is an inference tensor")):
+            frozen.scatter_add_(0, index.view(-1, 1).expand(4, 4), torch.ones(4, 4))
+    assert torch.equal(frozen, torch.zeros(3, 4)) and small_in_place_answers == []
+
+    def own_source():
+        x = torch.arange(16.0).view(4, 4)
+        return x, lambda: x.index_add_(0, torch.tensor([0, 1, 2, 3]), x)
+
+    def index_in_target():
+        storage = torch.zeros(12, dtype=torch.int64)
+        x = storage[:8].view(torch.float64)
+        return x, lambda: x.scatter_add_(0, storage[4:], torch.ones(8, dtype=torch.float64))
+
+    for form in (own_source, index_in_target):
+        x, call = form()
+        before = x.clone()
+        with pytest.raises(RuntimeError) as torchs:
+            call()
+        x, call = form()
+        small_in_place_answers.clear()
+        with detsum.deterministic(mode), pytest.raises(RuntimeError) as switched:
+            call()
+        assert str(switched.value) == str(torchs.value), form.__name__
+        assert_same_bits(x, before)
+        assert small_in_place_answers == [False], form.__name__
+
+
+@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+def test_small_in_place_calls_of_other_shapes_give_torchs_answer(mode):
+    """Small in-place calls whose shapes differ from the row form's: torch's error where it
+    refuses them (nothing written), torch's bits where it takes them (a scatter index
+    narrower than the target writes only its own columns), never the short way's kernel
+    reading the source by the target's shape."""
+    rows = torch.tensor([0, 2, 2, 1])
+
+    def expanded(width):
+        return rows.view(-1, 1).expand(4, width)
+
+    forms = {
+        "index_add_ wider source": lambda x: x.index_add_(0, rows, data((4, 6), x.dtype, 1)),
+        "index_add_ narrower source": lambda x: x.index_add_(0, rows, data((4, 4), x.dtype, 1)),
+        "index_add_ dim 1, other outer size": lambda x: x.view(1, 3, 5).index_add_(
+            1, rows, data((2, 4, 5), x.dtype, 1)),
+        "scatter_add_ wider index": lambda x: x.scatter_add_(0, expanded(6),
+                                                             data((4, 6), x.dtype, 1)),
+        "scatter_add_ narrower index": lambda x: x.scatter_add_(0, expanded(4),
+                                                                data((4, 4), x.dtype, 1)),
+        "scatter_add_ wider source": lambda x: x.scatter_add_(0, expanded(5),
+                                                              data((4, 6), x.dtype, 1)),
+        "scatter_reduce_ amax narrower index": lambda x: x.scatter_reduce_(
+            0, expanded(4), data((4, 4), x.dtype, 1), "amax", include_self=False),
+        "scatter_add_ 1-D index into 2-D": lambda x: x.scatter_add_(0, rows,
+                                                                    data((4,), x.dtype, 1)),
+    }
+    for name, form in forms.items():
+        expected, error = data((3, 5), torch.float32, 2), None
+        try:
+            form(expected)
+        except RuntimeError as refused:
+            error = str(refused)
+        actual = data((3, 5), torch.float32, 2)
+        with detsum.deterministic(mode):
+            if error is None:
+                form(actual)
+            else:
+                with pytest.raises(RuntimeError) as switched:
+                    form(actual)
+                assert str(switched.value) == error, name
+        assert_same_bits(actual, expected)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "exact"])

@@ -56,25 +56,41 @@ def _elementwise_plan(input3: torch.Tensor, index: torch.Tensor, dim: int, backe
     return _segments.plan_from_keys(keys, outer * num_segments * inner, backend_name)
 
 
-def _broadcast_rows(index: torch.Tensor, dim: int, check: str) -> torch.Tensor | None:
-    """The 1-D row index that ``index`` (of ``src``'s shape) broadcasts over every dim but
-    ``dim``, or None when it holds other values or the answer would cost a host read.
-
-    A view, found without reading values, when those dims have stride 0 or size 1
-    (``index.view(-1, 1).expand_as(src)``, as torch and PyG users write it). Otherwise, under
-    ``check="host"`` only, one comparison of ``index`` with its first slice across ``dim``
-    (on a GPU a host read, so never under "device" or "off"). Each output element then
-    reduces, in the same order, exactly the terms the row path gives its row: same bits."""
-    if index.dim() < 2 or index.numel() == 0:
-        return None
+def _first_slice(index: torch.Tensor, dim: int) -> torch.Tensor:
+    """``index``'s elements at position 0 of every dim but ``dim``: 1-D, a view."""
     rows = index
     for d in reversed(range(index.dim())):
         if d != dim:
             rows = rows.select(d, 0)
-    if all(index.stride(d) == 0 or index.shape[d] == 1 for d in range(index.dim()) if d != dim):
-        return rows
-    if check != "host":
+    return rows
+
+
+def stride_zero_rows(index: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """The 1-D row index that ``index`` broadcasts along every dim but ``dim`` by its layout
+    alone (stride 0 or size 1 there: ``index.view(-1, 1).expand_as(src)``, as torch and PyG
+    users write it), as a view, no value read; None for any other layout. A 1-D ``index`` is
+    its own."""
+    for d in range(index.dim()):
+        if d != dim and index.stride(d) != 0 and index.shape[d] != 1:
+            return None
+    return _first_slice(index, dim)
+
+
+def _broadcast_rows(index: torch.Tensor, dim: int, check: str) -> torch.Tensor | None:
+    """The 1-D row index that ``index`` (of ``src``'s shape) broadcasts over every dim but
+    ``dim``, or None when it holds other values or the answer would cost a host read.
+
+    A view, found without reading values, for the layouts of :func:`stride_zero_rows`.
+    Otherwise, under ``check="host"`` only, one comparison of ``index`` with its first slice
+    across ``dim`` (on a GPU a host read, so never under "device" or "off"). Each output
+    element then reduces, in the same order, exactly the terms the row path gives its row:
+    same bits."""
+    if index.dim() < 2 or index.numel() == 0:
         return None
+    rows = stride_zero_rows(index, dim)
+    if rows is not None or check != "host":
+        return rows
+    rows = _first_slice(index, dim)
     shape = [1] * index.dim()
     shape[dim] = -1
     return rows if torch.equal(index, rows.view(shape).expand(index.shape)) else None

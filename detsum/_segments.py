@@ -133,13 +133,14 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     """Whether ``target`` (a CPU tensor) was reduced in place with ``source``'s rows along
     ``dim`` at the 1-D ``index`` in one Numba call: ``reduce`` "sum" (from ``target``,
     ``include_base`` True, the terms scaled by ``alpha`` under ``rule``: ``small_index_add``),
-    "amax" or "amin" (``kernels.numba.small.extreme_small_in_place``). That is where the
-    primitives' own paths give the call the same bits: the Numba backend runs CPU tensors now,
-    ``index`` is not one for the rows-with-terms path (``rows_with_terms``), and the call fits
-    (contiguous, small, and for a sum no output row of more terms than one chunk under a rule
-    that splits). False, nothing written, otherwise, where ``target`` may share memory with
-    ``index`` or ``source`` (their address ranges meet), and where a value of ``index`` is
-    out of range: the caller's own path then finds it and names it as its caller passed it.
+    "mean" under ``rule`` (``kernels.numba.small.mean_small_in_place``), "amax" or "amin"
+    (``extreme_small_in_place``). That is where the primitives' own paths give the call the
+    same bits: the Numba backend runs CPU tensors now, ``index`` is not one for the
+    rows-with-terms path (``rows_with_terms``), and the call fits (contiguous, small, and for
+    a sum or a mean no output row of more terms than one chunk under a rule that splits).
+    False, nothing written, otherwise, where ``target`` may share memory with ``index`` or
+    ``source`` (their address ranges meet), and where a value of ``index`` is out of range:
+    the caller's own path then finds it and names it as its caller passed it.
 
     For callers that have checked everything else already (the switch: the shapes, dtypes and
     devices torch would check, and that ``target`` may be changed), skipping the layers the
@@ -165,6 +166,9 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     if reduce in ("amax", "amin"):
         return small.extreme_small_in_place(source, index, target, outer, inner,
                                             reduce == "amax", include_base) == -1
+    if reduce == "mean" and rule in small.RULES:
+        return small.mean_small_in_place(source, index, target, outer, inner, include_base,
+                                         rule) == -1
     return False
 
 

@@ -413,16 +413,17 @@ def _cpu_rule(mode: str, reduce: str) -> int:
 # The short way ---------------------------------------------------------------------------------
 # The calls a small model's step makes most (PyG's aggregations, its degree sums and softmax
 # maxima, index_select's backward) are in-place sums, maxima and minima of a few hundred rows
-# on the CPU. Through the bodies below, each paid about 9 us of checks and layers in Python
-# before its Numba call of 2-3 us in a loop, and two to three times that inside a step
-# (benches/NOTES.md). A short way makes, for the one form it takes, every check the body and
-# the primitive's path would make before that call, in one function tried before the body:
-# CPU tensors, strided, no lazy negation, one float dtype, an int32 or int64 index of the
-# row form (1-D; for a scatter, a stride-0 broadcast of one) and shapes torch accepts with
-# detsum's meaning, a mode with a rule the call has, a target that may be changed. Then
-# ``_segments.small_reduce_in_place`` (the backend, the size, contiguity, memory shared, the
-# index's values). False, nothing written, for anything else: the body then runs as before,
-# and gives torch's meaning, torch's error or detsum's.
+# on the CPU (and a scatter's mean, for code that asks torch for one). Through the bodies
+# below, each paid about 9 us of checks and layers in Python before its Numba call of 2-3 us
+# in a loop, and several times that inside a step (benches/NOTES.md). A short way makes, for
+# the one form it takes, every check the body and the primitive's path would make before that
+# call, in one function tried before the body: CPU tensors, strided, no lazy negation, one
+# float dtype, an int32 or int64 index of the row form (1-D; for a scatter, a stride-0
+# broadcast of one) and shapes torch accepts with detsum's meaning, a mode with a rule the
+# call has, a target that may be changed. Then ``_segments.small_reduce_in_place`` (the
+# backend, the size, contiguity, memory shared, the index's values). False, nothing written,
+# for anything else: the body then runs as before, and gives torch's meaning, torch's error
+# or detsum's.
 
 _STRIDED = torch.strided
 
@@ -470,12 +471,15 @@ def _index_add_out_short(mode, self, dim, index, source, *, alpha=1, out) -> boo
 
 def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True) -> bool:
     """``self.scatter_reduce_(dim, index, src, reduce, include_self=include_self)`` (and
-    ``scatter_add_``, a sum from self) the short way: the checks of ``_scatter_inplace``
-    for an index of ``src``'s shape, then ``_small_in_place`` on its row index."""
+    ``scatter_add_``, a sum from self) the short way, for a sum from self, a mean, amax or
+    amin: the checks of ``_scatter_inplace`` for an index of ``src``'s shape, then
+    ``_small_in_place`` on its row index."""
     if not _short_plain(self, index, src):
         return False
-    if reduce == "sum":
-        if not include_self or (mode == "autograd" and self.dtype in _HALF_DTYPES):
+    if reduce == "sum" and not include_self:
+        return False
+    if reduce == "sum" or reduce == "mean":
+        if mode == "autograd" and self.dtype in _HALF_DTYPES:
             return False
     elif reduce != "amax" and reduce != "amin":
         return False
@@ -640,7 +644,7 @@ def _scatter_inplace(name, mode, self, dim, index, src, reduce, include_self):
 
 
 #: The reductions ``_small_in_place`` may take from an index_reduce.
-_SMALL_IN_PLACE = ("amax", "amin")
+_SMALL_IN_PLACE = ("mean", "amax", "amin")
 
 
 def _scatter_out(name, mode, self, dim, index, src, reduce, include_self, out):

@@ -504,6 +504,21 @@ def small_in_place_forms(dtype, mode, index):
                                mode=mode))
         for reduce in ("amax", "amin") for include_self in (True, False)
     ] + [
+        (f"scatter_reduce_ mean include_self={include_self}", "mean",
+         lambda include_self=include_self: x2.clone().scatter_reduce_(
+             0, rows2, src2, "mean", include_self=include_self),
+         detsum.scatter_reduce(x2, 0, rows2, src2, "mean", include_self=include_self,
+                               mode=mode))
+        for include_self in (True, False)
+    ] + [
+        ("scatter_reduce_ mean 1-D, some rows without terms", "mean",
+         lambda: x2[:, 1].contiguous().scatter_reduce_(0, index % 5, ones, "mean",
+                                                        include_self=False),
+         detsum.scatter_reduce(x2[:, 1].contiguous(), 0, index % 5, ones, "mean",
+                               include_self=False, mode=mode)),
+        ("index_reduce_ mean dim 1", "mean",
+         lambda: x3.clone().index_reduce_(1, index, src3, "mean"),
+         detsum.scatter_reduce(x3, 1, rows3, src3, "mean", mode=mode)),
         ("scatter_reduce_ amax expanded dim 1", "amax", lambda: x3.clone().scatter_reduce_(
             1, rows3, src3, "amax", include_self=False),
          detsum.scatter_reduce(x3, 1, rows3, src3, "amax", include_self=False, mode=mode)),
@@ -532,8 +547,9 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
     gives the primitive's bits: 600 terms into 7 rows, at most 100 on a row; indices of every
     layout it takes (1-D, expanded along dim 0 and dim 1 of 3-D tensors), alpha, both index
     dtypes; amax and amin with and without the target's values, over NaNs and zeros of both
-    signs; index_reduce_'s, index_put_'s and put_'s. It takes the sums of the rules it has
-    (not "exact"'s); "autograd" gives it only what reproduces torch (no 16-bit float sums but
+    signs; means with and without them, rows without terms among them; index_reduce_'s,
+    index_put_'s and put_'s. It takes the sums and means of the rules it has (not "exact"'s);
+    "autograd" gives it only what reproduces torch (no 16-bit float sums or means but
     index_put_'s and put_'s, which torch rounds in the dtype after every add)."""
     generator = torch.Generator().manual_seed(8)
     index = torch.randperm(600, generator=generator) % 7
@@ -544,12 +560,12 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
             small_in_place_answers.clear()
             with detsum.deterministic(mode):
                 actual = switched()
-            if reduce == "sum" and torchs_sums:
+            if reduce in ("sum", "mean") and torchs_sums:
                 assert small_in_place_answers == [], name
                 assert_same_bits(actual, switched())  # torch's own, the switch off
                 continue
             assert_same_bits(actual, expected)
-            taken = reduce not in ("sum", "put") or mode != "exact"
+            taken = reduce not in ("sum", "put", "mean") or mode != "exact"
             assert small_in_place_answers == [taken], name
 
 

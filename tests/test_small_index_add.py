@@ -10,7 +10,7 @@ import torch
 import detsum
 from conftest import (DTYPES, LAYOUTS, assert_same_bits, dtype_id, make_data, record_answers,
                       strided_copy, with_rows)
-from detsum.kernels import CHUNK_TERMS
+from detsum.kernels import CHUNK_TERMS, RULE_NAMES, SPLIT_RULES
 from detsum.kernels.numba import small
 
 MODES = ("fp32", "kahan", "autograd")
@@ -201,3 +201,59 @@ def test_a_bad_index_past_a_row_of_too_many_terms_is_named_by_the_general_path(m
     assert torch.equal(target, torch.zeros(16, 3))
     assert small.index_add_small(source.view(1, -1, 3), index, target.view(1, 16, 3),
                                  target.view(1, 16, 3), 1.0, small.WIDE) == small.TOO_MANY_TERMS
+
+
+def segment_kernels_mean(target, index, source, include_base, rule):
+    """The segment kernel's MEAN of ``source``'s rows ([outer, n, inner]) at ``index`` into a
+    copy of ``target`` ([outer, S, inner]): its plan made here (a stable sort of the index)."""
+    from detsum.kernels import MEAN
+    from detsum.kernels.numba import segment
+
+    order = torch.sort(index, stable=True).indices
+    offsets = torch.zeros(target.shape[1] + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(index, minlength=target.shape[1]).cumsum(0)
+    out = torch.full_like(target, float("nan"))
+    segment.segment_reduce(source, order, offsets, target, out, reduce=MEAN, rule=rule, alpha=1.0,
+                           include_base=include_base)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("rule", small.RULES, ids=lambda rule: RULE_NAMES[rule])
+def test_small_means_in_place_give_the_segment_kernels_bits(rule, dtype):
+    """``mean_small_in_place`` against the segment kernel's MEAN under each rule it takes,
+    with and without the target's values: data over many binades, infinities, NaNs and zeros
+    of both signs, rows without terms (left untouched without the target's values), a row at
+    exactly CHUNK_TERMS terms. One more term on it: the rules that split answer
+    TOO_MANY_TERMS having written nothing; ROUND_EACH (torch's unsplit serial sum) takes it."""
+    big = torch.finfo(dtype).max
+    for terms_on_row_2 in (CHUNK_TERMS, CHUNK_TERMS + 1):
+        n = terms_on_row_2 + 40
+        index = torch.randint(0, 5, (n,), generator=torch.Generator().manual_seed(n))
+        index[index == 2] = 0
+        index[torch.randperm(n, generator=torch.Generator().manual_seed(1))[:terms_on_row_2]] = 2
+        source = make_data((2, n, 3), dtype, seed=n, spread=True)
+        source[0, :4, 0] = torch.tensor([-0.0, float("inf"), float("nan"), big], dtype=dtype)
+        target = make_data((2, 7, 3), dtype, seed=n + 1, spread=True)
+        target[1, :3, 1] = torch.tensor([-0.0, float("nan"), -big], dtype=dtype)
+        for include_base in (True, False):
+            written = target.clone()
+            answer = small.mean_small_in_place(source, index, written, 2, 3, include_base,
+                                               rule)
+            if rule in SPLIT_RULES and terms_on_row_2 > CHUNK_TERMS:
+                assert answer == small.TOO_MANY_TERMS
+                assert_same_bits(written, target)
+                continue
+            assert answer == -1
+            # Rows 5 and 6 get no terms: the segment kernel writes them as they were.
+            assert_same_bits(written, segment_kernels_mean(target, index, source, include_base,
+                                                           rule))
+
+
+def test_a_small_means_bad_index_writes_nothing():
+    target = make_data((1, 4, 2), torch.float32, seed=3)
+    for bad, position in ((torch.tensor([0, 1, 4, 2]), 2), (torch.tensor([0, -1, 0, 0]), 1)):
+        written = target.clone()
+        assert small.mean_small_in_place(torch.ones(1, 4, 2), bad, written, 1, 2, True,
+                                         small.RULES[0]) == position
+        assert_same_bits(written, target)

@@ -17,7 +17,9 @@ ROUND_EACH (see its module docstring): ``acc = A(base)``; per term ``t = A(x) * 
 ``extreme_small_in_place`` does the same for the segment kernel's AMAX and AMIN, which no
 rule splits into chunks, into its target itself (the switch's in-place ``scatter_reduce_``):
 each row the first of its values (its base row, or else its first term) compared with every
-later term in turn.
+later term in turn. ``mean_small_in_place`` does it for the segment kernel's MEAN: each row's
+sum, from its base row or from +0.0, divided by its count (``_mean_at``), under the rules
+above, split as the sums are.
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
 the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks
@@ -42,11 +44,12 @@ from .rounding import (
     round_f32_to_bf16,
     round_f32_to_f16,
 )
+from . import njit
 from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
-__all__ = ["index_add_small", "index_add_small_in_place", "extreme_small_in_place", "fits",
-           "TOO_MANY_TERMS"]
+__all__ = ["index_add_small", "index_add_small_in_place", "extreme_small_in_place",
+           "mean_small_in_place", "fits", "TOO_MANY_TERMS"]
 
 #: ``index_add_small``'s answer for an output row of more than CHUNK_TERMS terms, which the
 #: general path cuts into chunks (another arithmetic): nothing written, the general path's call.
@@ -67,6 +70,21 @@ def _at(typingctx, address):
         return builder.inttoptr(args[0], cgutils.voidptr_t)
 
     return types.voidptr(address), codegen
+
+
+@njit(inline="always")
+def _counted(index, n, rows, counts, limit):
+    """Each of the ``n`` values of ``index`` checked against ``[0, rows)`` and counted into
+    its row's ``counts``, in order: the first position of a bad value, or TOO_MANY_TERMS at
+    the first row past ``limit`` terms (the values after it unchecked), or -1."""
+    for i in range(n):
+        v = index[i]
+        if v < 0 or v >= rows:
+            return i
+        counts[v] += 1
+        if counts[v] > limit:
+            return TOO_MANY_TERMS
+    return -1
 
 
 def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha, in_place):
@@ -91,14 +109,9 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
     # stops at the first row of too many (the general path then checks the rest itself).
     # ROUND_EACH adds every term in turn, whatever their number.
     if rule != ROUND_EACH and n > CHUNK_TERMS:
-        counts = np.zeros(rows, dtype=np.int64)
-        for i in range(n):
-            v = index[i]
-            if v < 0 or v >= rows:
-                return i
-            counts[v] += 1
-            if counts[v] > CHUNK_TERMS:
-                return TOO_MANY_TERMS
+        answer = _counted(index, n, rows, np.zeros(rows, dtype=np.int64), CHUNK_TERMS)
+        if answer != -1:
+            return answer
     else:
         for i in range(n):
             if index[i] < 0 or index[i] >= rows:
@@ -207,6 +220,60 @@ def _extreme_at(src_at, index_at, target_at, outer, n, inner, rows, include_base
     return -1
 
 
+def _mean_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
+    """Returns -1 having written ``target`` (``[outer, rows, inner]``) in place, or, having
+    written nothing, TOO_MANY_TERMS where a row has more than CHUNK_TERMS terms under a rule
+    that splits (WIDE, KAHAN), or the first position of ``index`` outside ``[0, rows)``
+    (before such a row's CHUNK_TERMS + 1st term, if any).
+
+    Each target row becomes the mean of its terms, the rows of ``src`` at ``index``, and of
+    its own values first under ``include_base``, computed as the segment kernel's MEAN: the
+    sum in the acc type from the row's own values (under ``include_base``) or from +0.0, the
+    terms added in order of appearance (its canonical order), WIDE or KAHAN (Neumaier, then
+    ``s + c``); ROUND_EACH sums WIDE and rounds the total to the dtype (torch's CPU
+    ``scatter_reduce`` mean); then divided by the count (the terms, and the row itself under
+    ``include_base``) in the acc type, and written through ``enc``. A row without terms:
+    ``enc`` of its own values under ``include_base`` (its mean of one), else untouched.
+
+    The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``
+    and the format's ``dec``, ``rnd``, ``enc``, ``cvt``, ``data_dtype`` and ``acc_dtype``
+    (see ``_index_add_at``)."""
+    src = carray(_at(src_at), (outer, n, inner), data_dtype)
+    index = carray(_at(index_at), (n,), np.int64)
+    target = carray(_at(target_at), (outer, rows, inner), data_dtype)
+    counts = np.zeros(rows, dtype=np.int64)
+    answer = _counted(index, n, rows, counts, CHUNK_TERMS if rule != ROUND_EACH else n)
+    if answer != -1:
+        return answer
+    acc = np.empty((rows, inner), dtype=acc_dtype)
+    comp = np.zeros((rows, inner), dtype=acc_dtype)
+    zero = cvt(0.0)
+    for o in range(outer):
+        for s in range(rows):
+            for j in range(inner):
+                acc[s, j] = dec(target[o, s, j]) if include_base else zero
+                comp[s, j] = zero
+        for i in range(n):
+            v = index[i]
+            for j in range(inner):
+                if rule == KAHAN:
+                    acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j], dec(src[o, i, j]))
+                else:
+                    acc[v, j] = acc[v, j] + dec(src[o, i, j])
+        for s in range(rows):
+            if counts[s] == 0 and not include_base:
+                continue
+            count = cvt(counts[s] + (1 if include_base else 0))
+            for j in range(inner):
+                total = acc[s, j]
+                if rule == KAHAN:
+                    total = kahan_result(total, comp[s, j])
+                elif rule == ROUND_EACH:
+                    total = rnd(total)
+                target[o, s, j] = enc(total / count)
+    return -1
+
+
 #: Per data format: its name, its conversions, its data and acc dtypes, and whether they are one.
 _FORMATS = {
     torch.float32: ("f32", _f32, _f32, _f32, _f32, np.float32, np.float32, True),
@@ -245,6 +312,20 @@ def _extreme_kernel_for(dtype, maximum):
                           maximum=maximum, dec=dec, enc=enc, data_dtype=data_dtype,
                           acc_dtype=acc_dtype)
         _EXTREME_KERNELS[(dtype, maximum)] = kernel
+    return kernel
+
+
+#: (dtype, rule) -> the mean kernel, made on the first call that needs it.
+_MEAN_KERNELS = {}
+
+
+def _mean_kernel_for(dtype, rule):
+    kernel = _MEAN_KERNELS.get((dtype, rule))
+    if kernel is None:
+        fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, _ = _FORMATS[dtype]
+        kernel = instance(_mean_at, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec, rnd=rnd,
+                          enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype)
+        _MEAN_KERNELS[(dtype, rule)] = kernel
     return kernel
 
 
@@ -304,7 +385,26 @@ def extreme_small_in_place(src: torch.Tensor, index: torch.Tensor, target: torch
     written ``target``, or, having written nothing, the first position of ``index`` outside
     ``[0, S)``. Both tensors contiguous, nonempty, within :func:`fits`'s size limit; no views
     of them made (as ``index_add_small_in_place``)."""
+    return _into_target(_extreme_kernel_for(src.dtype, maximum), src, index, target, outer,
+                        inner, include_base)
+
+
+def mean_small_in_place(src: torch.Tensor, index: torch.Tensor, target: torch.Tensor,
+                        outer: int, inner: int, include_base: bool, rule: int) -> int:
+    """Into ``target`` itself, each of its rows along the middle of ``[outer, S, inner]`` the
+    mean of its terms, the rows of ``src`` (``[outer, len(index), inner]``) at ``index``, and
+    of itself first under ``include_base`` (``_mean_at``: the segment kernel's MEAN under
+    ``rule``, one of ``RULES``, the same bits). Returns -1 having written ``target``, or,
+    having written nothing, TOO_MANY_TERMS or the first position of ``index`` outside
+    ``[0, S)``. Both tensors contiguous, nonempty, within :func:`fits`'s size limit; no views
+    of them made (as ``index_add_small_in_place``)."""
+    return _into_target(_mean_kernel_for(src.dtype, rule), src, index, target, outer, inner,
+                        include_base)
+
+
+def _into_target(kernel, src, index, target, outer, inner, include_base) -> int:
+    """``kernel`` (an ``_extreme_at`` or ``_mean_at`` instance) called on the tensors'
+    addresses and sizes."""
     index = _int64_elements(index)
-    kernel = _extreme_kernel_for(src.dtype, maximum)
     return kernel(src.data_ptr(), index.data_ptr(), target.data_ptr(), outer, index.shape[0],
                   inner, target.numel() // (outer * inner), include_base)

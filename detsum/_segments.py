@@ -13,7 +13,7 @@ import math
 import torch
 
 from detsum import kernels
-from detsum._validation import (assert_on_device, device_check_message, extent_bytes,
+from detsum._validation import (address_ranges_meet, assert_on_device, device_check_message,
                                 raise_first_out_of_range, raise_index_out_of_range)
 from detsum.backend import _DEFAULT_BY_DEVICE, _forced_backend, check_backend_runs
 
@@ -152,11 +152,9 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
             source.numel() + target.numel() <= small.MAX_ELEMENTS
             and source.is_contiguous() and target.is_contiguous()):
         return False
-    # Contiguous: a target whose elements are distinct, and one address range a tensor.
-    start, end = target.data_ptr(), target.data_ptr() + target.nbytes
-    for t, extent in ((source, source.nbytes), (index, extent_bytes(index))):
-        if start < t.data_ptr() + extent and t.data_ptr() < end:
-            return False
+    # A contiguous target's elements are distinct; the others' may not share its memory.
+    if address_ranges_meet(target, source) or address_ranges_meet(target, index):
+        return False
     outer = 1 if dim == 0 else math.prod(target.shape[:dim])
     inner = target.numel() // (outer * rows)
     # -1: written; a bad value's position, or for a sum TOO_MANY_TERMS: nothing written.

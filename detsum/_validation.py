@@ -273,7 +273,7 @@ def _element_byte_starts(t: torch.Tensor) -> torch.Tensor:
     return starts.reshape(-1) * t.element_size()
 
 
-def extent_bytes(t: torch.Tensor) -> int:
+def _extent_bytes(t: torch.Tensor) -> int:
     """Bytes from t's first element to one past its last (t nonempty, strides nonnegative)."""
     if t.is_contiguous():
         return t.nbytes
@@ -307,6 +307,13 @@ def has_internal_overlap(t: torch.Tensor) -> bool:
     return starts.unique().numel() < starts.numel()
 
 
+def address_ranges_meet(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The bytes from ``a``'s first element to its last and ``b``'s overlap (both nonempty):
+    without it they share no memory; with it they may (``shares_memory`` decides)."""
+    a_start, b_start = a.data_ptr(), b.data_ptr()
+    return a_start < b_start + _extent_bytes(b) and b_start < a_start + _extent_bytes(a)
+
+
 def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Some element of ``a`` and some element of ``b`` overlap in memory (exact: interleaved
     views such as ``x[::2]`` and ``x[1::2]`` do not)."""
@@ -314,8 +321,7 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     # Address ranges first: apart, they share nothing (the common case, decided without the
     # device and storage objects, which cost more than the rest of a small call's checks).
-    a_start, b_start = a.data_ptr(), b.data_ptr()
-    if a_start + extent_bytes(a) <= b_start or b_start + extent_bytes(b) <= a_start:
+    if not address_ranges_meet(a, b):
         return False
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False

@@ -285,18 +285,20 @@ _FORMATS = {
                     np.float32, False),
 }
 
-#: (dtype, rule) -> the kernel, made on the first call that needs it.
+#: (template, dtype, rule) -> the kernel, made on the first call that needs it.
 _KERNELS = {}
 
 
-def _kernel_for(dtype, rule):
-    kernel = _KERNELS.get((dtype, rule))
+def _kernel_for(dtype, rule, template=_index_add_at):
+    """The sum's (``_index_add_at``) or the mean's (``_mean_at``) kernel of ``dtype`` under
+    ``rule``."""
+    kernel = _KERNELS.get((template, dtype, rule))
     if kernel is None:
         fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data = _FORMATS[dtype]
-        kernel = instance(_index_add_at, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec,
+        kernel = instance(template, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec,
                           rnd=rnd, enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype,
                           acc_is_data=acc_is_data)
-        _KERNELS[(dtype, rule)] = kernel
+        _KERNELS[(template, dtype, rule)] = kernel
     return kernel
 
 
@@ -312,20 +314,6 @@ def _extreme_kernel_for(dtype, maximum):
                           maximum=maximum, dec=dec, enc=enc, data_dtype=data_dtype,
                           acc_dtype=acc_dtype)
         _EXTREME_KERNELS[(dtype, maximum)] = kernel
-    return kernel
-
-
-#: (dtype, rule) -> the mean kernel, made on the first call that needs it.
-_MEAN_KERNELS = {}
-
-
-def _mean_kernel_for(dtype, rule):
-    kernel = _MEAN_KERNELS.get((dtype, rule))
-    if kernel is None:
-        fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, _ = _FORMATS[dtype]
-        kernel = instance(_mean_at, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec, rnd=rnd,
-                          enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype)
-        _MEAN_KERNELS[(dtype, rule)] = kernel
     return kernel
 
 
@@ -398,8 +386,8 @@ def mean_small_in_place(src: torch.Tensor, index: torch.Tensor, target: torch.Te
     having written nothing, TOO_MANY_TERMS or the first position of ``index`` outside
     ``[0, S)``. Both tensors contiguous, nonempty, within :func:`fits`'s size limit; no views
     of them made (as ``index_add_small_in_place``)."""
-    return _into_target(_mean_kernel_for(src.dtype, rule), src, index, target, outer, inner,
-                        include_base)
+    return _into_target(_kernel_for(src.dtype, rule, _mean_at), src, index, target, outer,
+                        inner, include_base)
 
 
 def _into_target(kernel, src, index, target, outer, inner, include_base) -> int:

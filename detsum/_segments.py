@@ -127,6 +127,32 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     return written
 
 
+def numba_runs_cpu_tensors() -> bool:
+    """Whether the Numba backend runs CPU tensors now (the default, or forced)."""
+    return (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) == "numba"
+
+
+def small_segment_sum(source3: torch.Tensor, bounds: torch.Tensor, rule: int,
+                      lengths: bool = False) -> torch.Tensor | None:
+    """A new ``[outer, S, inner]`` output holding the sums of ``source3``'s segments of rows,
+    in one Numba call (``kernels.numba.small.segment_sum_small``: the segment kernel's bits),
+    or None where that call does not fit (a launch too large, a layout or rule it has not, a
+    segment of more than CHUNK_TERMS rows under a rule that splits) or the bounds do not
+    tile ``source3``'s rows: the caller's general path then names them. ``bounds``: 1-D, the
+    ``S + 1`` CSR offsets, or with ``lengths`` the ``S`` lengths of the segments."""
+    small = _small_kernels()
+    segments = bounds.shape[0] if lengths else bounds.shape[0] - 1
+    outer, _, inner = source3.shape
+    if not (rule in small.RULES and source3.is_contiguous() and source3.numel() > 0
+            and segments > 0
+            and source3.numel() + outer * segments * inner <= small.MAX_ELEMENTS):
+        return None
+    out3 = new_output(source3, segments)
+    if small.segment_sum_small(source3, bounds, out3, rule, lengths) == -1:
+        return out3
+    return None
+
+
 def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
                           source: torch.Tensor, reduce: str, include_base: bool, alpha: float,
                           rule: int) -> bool:
@@ -147,7 +173,7 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     general entry points pass through on every call."""
     small = _small_kernels()
     rows = target.shape[dim]
-    if (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) != "numba" or (
+    if not numba_runs_cpu_tensors() or (
             rows > SPARSE_ROWS_PER_SOURCE_ROW * index.shape[0]) or not (
             source.numel() + target.numel() <= small.MAX_ELEMENTS
             and source.is_contiguous() and target.is_contiguous()):

@@ -1081,7 +1081,9 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     reproduces torch's CPU arithmetic; on CUDA it goes to torch's kernel (no atomics, an
     order of its own). The lengths or offsets are read back once (on a GPU a
     synchronisation; torch's own reads lengths twice when ``unsafe=False``), but on a GPU's
-    path a sum's or mean's from +0.0 over 1-D bounds (``_segment_sum_unread_bounds``)."""
+    path a sum's or mean's from +0.0 over 1-D bounds (``_segment_sum_unread_bounds``), and on
+    the CPU a small sum's from +0.0 over 1-D bounds that tile the rows, which the primitive's
+    one small Numba call reads and checks (``_segments.small_segment_sum``)."""
     bounds = offsets if offsets is not None else lengths
     if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
             or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0
@@ -1101,6 +1103,15 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
                              and data.dtype in _HALF_DTYPES):
         return None
     size = data.shape[axis]
+    if (reduce == "sum" and bounds.dim() == 1 and axis == 0 and data.dim() == 2
+            and data.is_cpu and _from_zero(reduce, initial) and _segments.numba_runs_cpu_tensors()):
+        # A small sum over bounds that tile the rows: one Numba call that checks them too
+        # (the primitive's small path), nothing read here; else nothing written, and the
+        # paths below take the call.
+        summed = _segments.small_segment_sum(data[None], bounds, _cpu_rule(mode, "sum"),
+                                             lengths=offsets is None)
+        if summed is not None:
+            return lambda: summed[0]
     if (bounds.dim() == 1 and axis == 0 and data.dim() == 2 and _from_zero(reduce, initial)
             and _checked_on_device(data)):
         return lambda: _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe,

@@ -22,7 +22,7 @@ import torch
 import detsum
 from conftest import detsum_threads
 from detsum.kernels import numba as numba_kernels
-from detsum.kernels.numba import segment
+from detsum.kernels.numba import segment, small
 from detsum.kernels.numba.instances import Blocks
 from kernel_instances import every_kernel
 
@@ -30,7 +30,9 @@ from kernel_instances import every_kernel
 @pytest.fixture
 def threads_used(monkeypatch):
     """The threads each fp32 kernel launch could run on: Numba's count for a launch of
-    several blocks, one for a launch of one block (run on the calling thread, ``Blocks``)."""
+    several blocks, one for a launch of one block (run on the calling thread, ``Blocks``).
+    Small calls too take the segment kernel, not their one serial call (``small``)."""
+    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
     seen = []
     kernel_for = segment.kernel_for
 

@@ -129,6 +129,15 @@ def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chun
     if inner_offsets and not (backend_name == "triton" and check != "host"):
         # Only the Triton launch reads inner offsets, and checks them in its kernel.
         offsets, inner_offsets = kernels.padded_offsets(offsets, num_rows), False
+    if backend_name == "numba" and rows is None and perm is None:
+        # A small call in one Numba call that checks the offsets too (their check, the views
+        # and the general launch cost it three times its arithmetic); bad offsets are named
+        # by the general path's check below.
+        src3 = _segments.rows_view(src, dim)
+        out3 = _segments.small_segment_sum(
+            src3, offsets, rule_for(MODE_BY_NAME[acc_mode], "sum", device_type, src3.shape[2]))
+        if out3 is not None:
+            return out3.view(*_out_shape(src, dim, out3.shape[1]))
     bounds, perm_in_range = offsets, None
     if rows is not None:
         pass  # a plan's: checked when it was made

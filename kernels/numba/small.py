@@ -19,7 +19,9 @@ rule splits into chunks, into its target itself (the switch's in-place ``scatter
 each row the first of its values (its base row, or else its first term) compared with every
 later term in turn. ``mean_small_in_place`` does it for the segment kernel's MEAN: each row's
 sum, from its base row or from +0.0, divided by its count (``_mean_at``), under the rules
-above, split as the sums are.
+above, split as the sums are. ``segment_sum_small`` does it for ``segment_sum`` (reduce SUM
+over CSR offsets, no order, no base: each segment from +0.0, its rows in order), the offsets
+checked first.
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
 the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks
@@ -49,11 +51,16 @@ from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
 __all__ = ["index_add_small", "index_add_small_in_place", "extreme_small_in_place",
-           "mean_small_in_place", "fits", "TOO_MANY_TERMS"]
+           "mean_small_in_place", "segment_sum_small", "fits", "TOO_MANY_TERMS", "BAD_OFFSETS"]
 
 #: ``index_add_small``'s answer for an output row of more than CHUNK_TERMS terms, which the
 #: general path cuts into chunks (another arithmetic): nothing written, the general path's call.
 TOO_MANY_TERMS = -2
+
+#: ``segment_sum_small``'s answer for offsets that are not CSR offsets of the source's rows (a
+#: first offset other than 0, a last other than the rows' count, a decrease): nothing written,
+#: the general path's call, whose check names the problem.
+BAD_OFFSETS = -3
 
 #: The rules computed here: those of index_add's sum but EXACT.
 RULES = (WIDE, KAHAN, ROUND_EACH)
@@ -274,6 +281,64 @@ def _mean_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
     return -1
 
 
+def _segment_sum_at(src_at, bounds_at, out_at, outer, n, inner, segments, lengths):
+    """Returns -1 having written ``out`` (``[outer, segments, inner]``), or, having written
+    nothing, BAD_OFFSETS where the bounds do not tile the ``n`` rows, or TOO_MANY_TERMS where a
+    segment has more than CHUNK_TERMS rows under a rule that splits (WIDE, KAHAN). The bounds
+    (int64) are ``segments + 1`` offsets that run from 0 to ``n`` without decreasing, or with
+    ``lengths`` the ``segments`` lengths (none negative, summing to ``n``) whose running sum
+    from 0 are those offsets.
+
+    Segment ``s`` of each outer index sums the rows ``offsets[s]`` to ``offsets[s + 1] - 1`` of
+    ``src`` (``[outer, n, inner]``) in order, as the segment kernel's SUM without a base: from
+    +0.0 in the acc type, WIDE, KAHAN (Neumaier, then ``s + c``) or ROUND_EACH (rounded to the
+    dtype after every term), written through ``enc``; an empty segment writes 0.
+
+    The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``
+    and the format's ``dec``, ``rnd``, ``enc``, ``cvt``, ``data_dtype`` and ``acc_dtype``
+    (see ``_index_add_at``)."""
+    src = carray(_at(src_at), (outer, n, inner), data_dtype)
+    bounds = carray(_at(bounds_at), (segments if lengths else segments + 1,), np.int64)
+    out = carray(_at(out_at), (outer, segments, inner), data_dtype)
+    start = 0 if lengths else bounds[0]
+    if start != 0:
+        return BAD_OFFSETS
+    for s in range(segments):
+        length = bounds[s] if lengths else bounds[s + 1] - bounds[s]
+        if length < 0:
+            return BAD_OFFSETS
+        if rule != ROUND_EACH and length > CHUNK_TERMS:
+            return TOO_MANY_TERMS
+        start += length
+    if start != n:
+        return BAD_OFFSETS
+    acc = np.empty(inner, dtype=acc_dtype)
+    comp = np.empty(inner, dtype=acc_dtype)
+    zero = cvt(0.0)
+    for o in range(outer):
+        end = 0
+        for s in range(segments):
+            start = end
+            end = start + bounds[s] if lengths else bounds[s + 1]
+            for j in range(inner):
+                acc[j] = zero
+                comp[j] = zero
+            for p in range(start, end):
+                for j in range(inner):
+                    if rule == KAHAN:
+                        acc[j], comp[j] = neumaier(acc[j], comp[j], dec(src[o, p, j]))
+                    elif rule == ROUND_EACH:
+                        acc[j] = rnd(acc[j] + dec(src[o, p, j]))
+                    else:
+                        acc[j] = acc[j] + dec(src[o, p, j])
+            for j in range(inner):
+                if rule == KAHAN:
+                    out[o, s, j] = enc(kahan_result(acc[j], comp[j]))
+                else:
+                    out[o, s, j] = enc(acc[j])
+    return -1
+
+
 #: Per data format: its name, its conversions, its data and acc dtypes, and whether they are one.
 _FORMATS = {
     torch.float32: ("f32", _f32, _f32, _f32, _f32, np.float32, np.float32, True),
@@ -290,8 +355,8 @@ _KERNELS = {}
 
 
 def _kernel_for(dtype, rule, template=_index_add_at):
-    """The sum's (``_index_add_at``) or the mean's (``_mean_at``) kernel of ``dtype`` under
-    ``rule``."""
+    """The sum's (``_index_add_at``), the mean's (``_mean_at``) or the segments' sum's
+    (``_segment_sum_at``) kernel of ``dtype`` under ``rule``."""
     kernel = _KERNELS.get((template, dtype, rule))
     if kernel is None:
         fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data = _FORMATS[dtype]
@@ -396,3 +461,21 @@ def _into_target(kernel, src, index, target, outer, inner, include_base) -> int:
     index = _int64_elements(index)
     return kernel(src.data_ptr(), index.data_ptr(), target.data_ptr(), outer, index.shape[0],
                   inner, target.numel() // (outer * inner), include_base)
+
+
+def segment_sum_small(src3: torch.Tensor, bounds: torch.Tensor, out3: torch.Tensor,
+                      rule: int, lengths: bool = False) -> int:
+    """Write ``out3`` (``[outer, S, inner]``) with the sums of ``src3``'s segments of rows
+    (``[outer, N, inner]``) between consecutive offsets and return -1, or, having written
+    nothing, return BAD_OFFSETS where the bounds do not tile the N rows, or TOO_MANY_TERMS
+    where a segment has more than CHUNK_TERMS rows under a rule that splits
+    (``_segment_sum_at``: the segment kernel's SUM without an order or a base, the same
+    bits). ``bounds`` (any integer dtype and strides): the ``S + 1`` offsets, from 0 to N
+    without decreasing, or with ``lengths`` the ``S`` lengths of the segments, none negative,
+    summing to N. Both tensors contiguous, nonempty, within :func:`fits`'s size limit;
+    ``rule`` one of ``RULES``."""
+    bounds = _int64_elements(bounds)
+    outer, n, inner = src3.shape
+    kernel = _kernel_for(src3.dtype, rule, _segment_sum_at)
+    return kernel(src3.data_ptr(), bounds.data_ptr(), out3.data_ptr(), outer, n, inner,
+                  out3.shape[1], lengths)

@@ -132,23 +132,28 @@ def numba_runs_cpu_tensors() -> bool:
     return (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) == "numba"
 
 
-def small_segment_sum(source3: torch.Tensor, bounds: torch.Tensor, rule: int,
-                      lengths: bool = False) -> torch.Tensor | None:
-    """A new ``[outer, S, inner]`` output holding the sums of ``source3``'s segments of rows,
-    in one Numba call (``kernels.numba.small.segment_sum_small``: the segment kernel's bits),
-    or None where that call does not fit (a launch too large, a layout or rule it has not, a
-    segment of more than CHUNK_TERMS rows under a rule that splits) or the bounds do not
-    tile ``source3``'s rows: the caller's general path then names them. ``bounds``: 1-D, the
+def small_segment_reduce(source3: torch.Tensor, bounds: torch.Tensor, reduce: str, rule: int,
+                         lengths: bool = False, empty_nan: bool = False
+                         ) -> torch.Tensor | None:
+    """A new ``[outer, S, inner]`` output holding ``source3``'s segments of rows reduced
+    (``reduce`` "sum", "mean", "amax" or "amin"; from +0.0, -inf or +inf; an empty segment's
+    mean NaN with ``empty_nan``, else 0), in one Numba call
+    (``kernels.numba.small.segment_reduce_small``: the segment kernel's bits), or None where
+    that call does not fit (a launch too large, a layout or rule it has not, a segment of
+    more than CHUNK_TERMS rows where a rule splits it) or the bounds do not tile
+    ``source3``'s rows: the caller's general path then names them. ``bounds``: 1-D, the
     ``S + 1`` CSR offsets, or with ``lengths`` the ``S`` lengths of the segments."""
     small = _small_kernels()
+    code = kernels.REDUCE_CODES[reduce]
     segments = bounds.shape[0] if lengths else bounds.shape[0] - 1
     outer, _, inner = source3.shape
-    if not (rule in small.RULES and source3.is_contiguous() and source3.numel() > 0
-            and segments > 0
+    if not ((rule in small.RULES or code in (kernels.AMAX, kernels.AMIN))
+            and code in small.SEGMENT_REDUCTIONS and source3.is_contiguous()
+            and source3.numel() > 0 and segments > 0
             and source3.numel() + outer * segments * inner <= small.MAX_ELEMENTS):
         return None
     out3 = new_output(source3, segments)
-    if small.segment_sum_small(source3, bounds, out3, rule, lengths) == -1:
+    if small.segment_reduce_small(source3, bounds, out3, code, rule, lengths, empty_nan) == -1:
         return out3
     return None
 

@@ -1082,8 +1082,8 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     order of its own). The lengths or offsets are read back once (on a GPU a
     synchronisation; torch's own reads lengths twice when ``unsafe=False``), but on a GPU's
     path a sum's or mean's from +0.0 over 1-D bounds (``_segment_sum_unread_bounds``), and on
-    the CPU a small sum's from +0.0 over 1-D bounds that tile the rows, which the primitive's
-    one small Numba call reads and checks (``_segments.small_segment_sum``)."""
+    the CPU a small one's over 1-D bounds that tile the rows, which one Numba call reads and
+    checks (``_small_segment_reduce``)."""
     bounds = offsets if offsets is not None else lengths
     if (indices is not None or reduce not in _SEGMENT_REDUCTIONS or bounds is None
             or data.dtype not in FLOAT_DTYPES or data.numel() == 0 or data.dim() == 0
@@ -1103,15 +1103,9 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
                              and data.dtype in _HALF_DTYPES):
         return None
     size = data.shape[axis]
-    if (reduce == "sum" and bounds.dim() == 1 and axis == 0 and data.dim() == 2
-            and data.is_cpu and _from_zero(reduce, initial) and _segments.numba_runs_cpu_tensors()):
-        # A small sum over bounds that tile the rows: one Numba call that checks them too
-        # (the primitive's small path), nothing read here; else nothing written, and the
-        # paths below take the call.
-        summed = _segments.small_segment_sum(data[None], bounds, _cpu_rule(mode, "sum"),
-                                             lengths=offsets is None)
-        if summed is not None:
-            return lambda: summed[0]
+    reduced = _small_segment_reduce(mode, data, reduce, bounds, offsets is None, axis, initial)
+    if reduced is not None:
+        return lambda: reduced
     if (bounds.dim() == 1 and axis == 0 and data.dim() == 2 and _from_zero(reduce, initial)
             and _checked_on_device(data)):
         return lambda: _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe,
@@ -1172,6 +1166,23 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
     picked = np.repeat(firsts - flat[:-1], lengths.reshape(-1)) + np.arange(flat[-1])
     return lambda: _segment_run(mode, data, reduce, axis, _on_device_of(data, flat),
                                 _on_device_of(data, picked), initial)
+
+
+def _small_segment_reduce(mode, data, reduce, bounds, lengths, axis, initial):
+    """A small ``segment_reduce`` of 2-D CPU ``data`` over 1-D ``bounds`` (``lengths``, or
+    offsets) that tile its rows, in one Numba call that reads and checks them too
+    (``_segments.small_segment_reduce``, the primitive's small call for a sum): a sum or mean
+    from +0.0, or a max or min with no ``initial``; the bits of the paths after it. None,
+    nothing written, for a call it does not take, or bounds it refuses."""
+    reduce = _SEGMENT_REDUCTIONS[reduce]
+    if not (axis == 0 and bounds.dim() == 1 and data.dim() == 2 and data.is_cpu
+            and (_from_zero(reduce, initial) if reduce in ("sum", "mean")
+                 else initial is None and reduce != "prod")
+            and _segments.numba_runs_cpu_tensors()):
+        return None
+    reduced = _segments.small_segment_reduce(data[None], bounds, reduce, _cpu_rule(mode, reduce),
+                                             lengths=lengths, empty_nan=initial is None)
+    return None if reduced is None else reduced[0]
 
 
 def _on_device_of(data: torch.Tensor, values: np.ndarray) -> torch.Tensor:

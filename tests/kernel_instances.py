@@ -26,8 +26,10 @@ def every_kernel():
         yield from (exact.kernel_for(dtype, is_mean, first_stage)
                     for is_mean in (False, True) for first_stage in (False, True))
         yield from (small._kernel_for(dtype, rule, template)
-                    for template in (small._index_add_at, small._mean_at, small._segment_sum_at)
-                    for rule in RULES)
+                    for template in (small._index_add_at, small._mean_at) for rule in RULES)
+        yield from (small._segment_kernel_for(dtype, reduce, rule)
+                    for reduce in small.SEGMENT_REDUCTIONS
+                    for rule in (RULES if reduce in (K.SUM, K.MEAN) else (K.WIDE,)))
         yield from (small._extreme_kernel_for(dtype, maximum) for maximum in (False, True))
         yield from (weighted._kernel_for(template, dtype, kahan)
                     for template in (weighted._forward, weighted._dots) for kahan in (False, True))

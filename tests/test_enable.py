@@ -1428,58 +1428,62 @@ def test_segment_reduce_sum_and_mean_are_index_add_from_the_start_value(mode, dt
     assert (negative_zeros == 0).all() and not torch.signbit(negative_zeros).any()
 
 
+@pytest.mark.parametrize("reduce", ["sum", "mean", "amax", "min"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("mode", detsum.MODES)
-def test_a_small_segment_reduce_sum_is_one_numba_call(monkeypatch, mode, dtype):
-    """A sum from +0.0 of 2-D data over 1-D lengths or offsets (int64 or int32) that tile its
-    rows goes to the primitive's small call (one Numba call that checks the bounds too,
-    nothing read before it): the bits of the same call with that call off, of index_add from
-    +0.0, and, in "autograd" mode, of torch. Bounds it refuses, nothing written, take the
-    paths after it: offsets that leave rows out, unsafe lengths that stop short, a segment
-    longer than a chunk (but in "autograd" mode, whose sum is unsplit); and bad ones keep
-    torch's errors. "exact" mode has no small call."""
-    answers = record_answers(monkeypatch, small_kernels, "segment_sum_small")
+def test_a_small_segment_reduce_is_one_numba_call(monkeypatch, mode, dtype, reduce):
+    """A sum or mean from +0.0, or a max or min with no ``initial``, of 2-D data over 1-D
+    lengths or offsets (int64 or int32) that tile its rows goes to one Numba call that checks
+    the bounds too, nothing read before it (for a sum, the primitive's small call): the bits
+    of the same call with that call off, and, in "autograd" mode, of torch (an empty
+    segment's mean NaN, or 0 from ``initial=0``; its max -inf, its min +inf). Calls it
+    refuses, nothing written, take the paths after it: offsets that leave rows out, unsafe
+    lengths that stop short, a sum's or mean's segment longer than a chunk (but in
+    "autograd" mode, whose sum is unsplit); and bad bounds keep torch's errors. "exact" mode
+    has no small sum or mean."""
+    answers = record_answers(monkeypatch, small_kernels, "segment_reduce_small")
     values = data((40, 5), torch.float32, 3).to(dtype)
     values[7:9] = -0.0
+    values[9, 2] = math.nan
     long_values = data((CHUNK_TERMS + 9, 2), torch.float32, 4).to(dtype)
     tiling = torch.tensor([0, 7, 9, 9, 40])
+    takes_it = mode != "exact" or reduce in ("amax", "min")
+    splits = mode != "autograd" and reduce in ("sum", "mean")
     calls = [(values, "offsets", tiling, {}), (values, "offsets", tiling.int(), {}),
              (values, "lengths", tiling.diff(), {}), (values, "lengths", tiling.diff().int(), {}),
              (values, "offsets", torch.tensor([2, 9, 40]), {}),
              (values, "lengths", torch.tensor([7, 30]), {"unsafe": True}),
              (long_values, "lengths", torch.tensor([CHUNK_TERMS + 1, 8]), {})]
+    if reduce == "mean":  # from initial=0: an empty segment's mean 0, not NaN
+        calls.append((values, "offsets", tiling, {"initial": 0}))
     for rows, name, bounds, options in calls:
         def call():
             with detsum.deterministic(mode):
-                return torch.segment_reduce(rows, "sum", **{name: bounds}, **options)
+                return torch.segment_reduce(rows, reduce, **{name: bounds}, **options)
         answers.clear()
         got = call()
-        if bounds.shape[0] > 3 and mode != "exact":  # the four calls of tiling bounds
-            assert answers == [-1], (name, bounds)
-            assert not torch.signbit(got[1]).any()  # -0.0 alone: +0.0 + -0.0
         # (Refused, the call's rows can reach the primitive's own small call after.)
-        elif rows is long_values and mode != "exact":
-            assert answers[0] == (-1 if mode == "autograd" else small_kernels.TOO_MANY_TERMS)
-        elif mode != "exact":
+        if bounds.shape[0] > 3 and takes_it:  # the calls of tiling bounds
+            assert answers == [-1], (name, bounds)
+        elif rows is long_values and takes_it:
+            assert answers[0] == (small_kernels.TOO_MANY_TERMS if splits else -1)
+        elif takes_it:
             assert answers[0] == small_kernels.BAD_OFFSETS, (name, bounds)
         else:
             assert answers == []
         with monkeypatch.context() as patch:
             patch.setattr(small_kernels, "MAX_ELEMENTS", -1)
             assert_same_bits(got, call())
-        offsets = bounds.cumsum(0) if name == "lengths" else bounds
-        if name == "lengths":
-            offsets = torch.cat([offsets.new_zeros(1), offsets])
-        assert_same_bits(got, _segment_reduce_as_index_add(rows, "sum", mode, offsets, 0, None))
         if mode == "autograd":
-            assert_same_bits(got, torch.segment_reduce(rows, "sum", **{name: bounds}, **options))
+            assert_same_bits(got, torch.segment_reduce(rows, reduce, **{name: bounds},
+                                                       **options))
     for name, bounds in (("lengths", torch.tensor([7, -1, 34])),
                          ("lengths", torch.tensor([7, 30])),
                          ("offsets", torch.tensor([0, 9, 7, 40]))):
         with pytest.raises(RuntimeError) as torchs:
-            torch.segment_reduce(values, "sum", **{name: bounds})
+            torch.segment_reduce(values, reduce, **{name: bounds})
         with detsum.deterministic(mode), pytest.raises(RuntimeError) as switched:
-            torch.segment_reduce(values, "sum", **{name: bounds})
+            torch.segment_reduce(values, reduce, **{name: bounds})
         assert str(switched.value) == str(torchs.value)
 
 

@@ -134,8 +134,9 @@ def _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends, chun
         # and the general launch cost it three times its arithmetic); bad offsets are named
         # by the general path's check below.
         src3 = _segments.rows_view(src, dim)
-        out3 = _segments.small_segment_sum(
-            src3, offsets, rule_for(MODE_BY_NAME[acc_mode], "sum", device_type, src3.shape[2]))
+        out3 = _segments.small_segment_reduce(
+            src3, offsets, "sum",
+            rule_for(MODE_BY_NAME[acc_mode], "sum", device_type, src3.shape[2]))
         if out3 is not None:
             return out3.view(*_out_shape(src, dim, out3.shape[1]))
     bounds, perm_in_range = offsets, None

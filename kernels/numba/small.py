@@ -19,9 +19,9 @@ rule splits into chunks, into its target itself (the switch's in-place ``scatter
 each row the first of its values (its base row, or else its first term) compared with every
 later term in turn. ``mean_small_in_place`` does it for the segment kernel's MEAN: each row's
 sum, from its base row or from +0.0, divided by its count (``_mean_at``), under the rules
-above, split as the sums are. ``segment_sum_small`` does it for ``segment_sum`` (reduce SUM
-over CSR offsets, no order, no base: each segment from +0.0, its rows in order), the offsets
-checked first.
+above, split as the sums are. ``segment_reduce_small`` does it for the segment kernel's SUM,
+MEAN, AMAX and AMIN over CSR offsets or lengths with no order and no base (``segment_sum``,
+and the switch's ``segment_reduce``), each segment's rows in order, the bounds checked first.
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
 the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks
@@ -37,7 +37,8 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import CHUNK_TERMS, KAHAN, ROUND_EACH, RULE_NAMES, WIDE
+from .. import (AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, REDUCE_CODES, ROUND_EACH, RULE_NAMES, SUM,
+                WIDE)
 from .rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -51,13 +52,14 @@ from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
 __all__ = ["index_add_small", "index_add_small_in_place", "extreme_small_in_place",
-           "mean_small_in_place", "segment_sum_small", "fits", "TOO_MANY_TERMS", "BAD_OFFSETS"]
+           "mean_small_in_place", "segment_reduce_small", "fits", "TOO_MANY_TERMS",
+           "BAD_OFFSETS"]
 
 #: ``index_add_small``'s answer for an output row of more than CHUNK_TERMS terms, which the
 #: general path cuts into chunks (another arithmetic): nothing written, the general path's call.
 TOO_MANY_TERMS = -2
 
-#: ``segment_sum_small``'s answer for offsets that are not CSR offsets of the source's rows (a
+#: ``segment_reduce_small``'s answer for offsets that are not CSR offsets of the source's rows (a
 #: first offset other than 0, a last other than the rows' count, a decrease): nothing written,
 #: the general path's call, whose check names the problem.
 BAD_OFFSETS = -3
@@ -281,61 +283,86 @@ def _mean_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
     return -1
 
 
-def _segment_sum_at(src_at, bounds_at, out_at, outer, n, inner, segments, lengths):
+def _segment_at(src_at, bounds_at, out_at, outer, n, inner, segments, lengths, empty_nan):
     """Returns -1 having written ``out`` (``[outer, segments, inner]``), or, having written
     nothing, BAD_OFFSETS where the bounds do not tile the ``n`` rows, or TOO_MANY_TERMS where a
-    segment has more than CHUNK_TERMS rows under a rule that splits (WIDE, KAHAN). The bounds
-    (int64) are ``segments + 1`` offsets that run from 0 to ``n`` without decreasing, or with
-    ``lengths`` the ``segments`` lengths (none negative, summing to ``n``) whose running sum
-    from 0 are those offsets.
+    segment has more than CHUNK_TERMS rows under a rule that splits (WIDE, KAHAN) a sum or a
+    mean. The bounds (int64) are ``segments + 1`` offsets that run from 0 to ``n`` without
+    decreasing, or with ``lengths`` the ``segments`` lengths (none negative, summing to ``n``)
+    whose running sum from 0 are those offsets.
 
-    Segment ``s`` of each outer index sums the rows ``offsets[s]`` to ``offsets[s + 1] - 1`` of
-    ``src`` (``[outer, n, inner]``) in order, as the segment kernel's SUM without a base: from
-    +0.0 in the acc type, WIDE, KAHAN (Neumaier, then ``s + c``) or ROUND_EACH (rounded to the
-    dtype after every term), written through ``enc``; an empty segment writes 0.
+    Segment ``s`` of each outer index reduces the rows ``offsets[s]`` to ``offsets[s + 1] - 1``
+    of ``src`` (``[outer, n, inner]``) in order, as the segment kernel does without a base:
+    ``reduce`` SUM from +0.0 in the acc type, WIDE, KAHAN (Neumaier, then ``s + c``) or
+    ROUND_EACH (rounded to the dtype after every term), written through ``enc``, an empty
+    segment 0; MEAN that sum divided by the segment's length in the acc type, an empty
+    segment NaN with ``empty_nan``, else 0 (under WIDE and KAHAN the segment kernel's MEAN;
+    under ROUND_EACH torch's CPU ``segment_reduce`` mean: the sum rounded after every term
+    divided by the length rounded to the dtype, as torch divides in the dtype, where the
+    segment kernel's ROUND_EACH mean is ``scatter_reduce``'s); AMAX and AMIN the segment
+    kernel's pick (NaN propagates, the earlier of +0.0 and -0.0 stays) from -inf and +inf,
+    an empty segment those.
 
-    The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``
-    and the format's ``dec``, ``rnd``, ``enc``, ``cvt``, ``data_dtype`` and ``acc_dtype``
-    (see ``_index_add_at``)."""
+    The template of every format's, reduction's and rule's kernel: ``instances.instance``
+    binds ``reduce``, ``rule`` and the format's ``dec``, ``rnd``, ``enc``, ``cvt``,
+    ``data_dtype`` and ``acc_dtype`` (see ``_index_add_at``)."""
     src = carray(_at(src_at), (outer, n, inner), data_dtype)
     bounds = carray(_at(bounds_at), (segments if lengths else segments + 1,), np.int64)
     out = carray(_at(out_at), (outer, segments, inner), data_dtype)
     start = 0 if lengths else bounds[0]
     if start != 0:
         return BAD_OFFSETS
+    splits = rule != ROUND_EACH and (reduce == SUM or reduce == MEAN)
     for s in range(segments):
         length = bounds[s] if lengths else bounds[s + 1] - bounds[s]
         if length < 0:
             return BAD_OFFSETS
-        if rule != ROUND_EACH and length > CHUNK_TERMS:
+        if splits and length > CHUNK_TERMS:
             return TOO_MANY_TERMS
         start += length
     if start != n:
         return BAD_OFFSETS
     acc = np.empty(inner, dtype=acc_dtype)
     comp = np.empty(inner, dtype=acc_dtype)
-    zero = cvt(0.0)
+    if reduce == AMAX:
+        first = cvt(-np.inf)
+    elif reduce == AMIN:
+        first = cvt(np.inf)
+    else:
+        first = cvt(0.0)
     for o in range(outer):
         end = 0
         for s in range(segments):
             start = end
             end = start + bounds[s] if lengths else bounds[s + 1]
             for j in range(inner):
-                acc[j] = zero
-                comp[j] = zero
+                acc[j] = first
+                comp[j] = first
             for p in range(start, end):
                 for j in range(inner):
-                    if rule == KAHAN:
-                        acc[j], comp[j] = neumaier(acc[j], comp[j], dec(src[o, p, j]))
+                    x = dec(src[o, p, j])
+                    if reduce == AMAX or reduce == AMIN:
+                        y = acc[j]
+                        # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
+                        if (x != x or (x > y if reduce == AMAX else x < y)) and y == y:
+                            acc[j] = x
+                    elif rule == KAHAN:
+                        acc[j], comp[j] = neumaier(acc[j], comp[j], x)
                     elif rule == ROUND_EACH:
-                        acc[j] = rnd(acc[j] + dec(src[o, p, j]))
+                        acc[j] = rnd(acc[j] + x)
                     else:
-                        acc[j] = acc[j] + dec(src[o, p, j])
+                        acc[j] = acc[j] + x
+            count = end - start
             for j in range(inner):
-                if rule == KAHAN:
-                    out[o, s, j] = enc(kahan_result(acc[j], comp[j]))
-                else:
-                    out[o, s, j] = enc(acc[j])
+                total = kahan_result(acc[j], comp[j]) if rule == KAHAN else acc[j]
+                if reduce == MEAN:
+                    if count == 0:
+                        total = cvt(np.nan) if empty_nan else total
+                    elif rule == ROUND_EACH:
+                        total = total / rnd(cvt(count))
+                    else:
+                        total = total / cvt(count)
+                out[o, s, j] = enc(total)
     return -1
 
 
@@ -355,8 +382,8 @@ _KERNELS = {}
 
 
 def _kernel_for(dtype, rule, template=_index_add_at):
-    """The sum's (``_index_add_at``), the mean's (``_mean_at``) or the segments' sum's
-    (``_segment_sum_at``) kernel of ``dtype`` under ``rule``."""
+    """The sum's (``_index_add_at``) or the mean's (``_mean_at``) kernel of ``dtype`` under
+    ``rule``."""
     kernel = _KERNELS.get((template, dtype, rule))
     if kernel is None:
         fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data = _FORMATS[dtype]
@@ -364,6 +391,29 @@ def _kernel_for(dtype, rule, template=_index_add_at):
                           rnd=rnd, enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype,
                           acc_is_data=acc_is_data)
         _KERNELS[(template, dtype, rule)] = kernel
+    return kernel
+
+
+#: (dtype, reduction, rule) -> ``_segment_at``'s kernel, made on the first call that needs it.
+_SEGMENT_KERNELS = {}
+
+#: The reductions ``_segment_at`` computes.
+SEGMENT_REDUCTIONS = (SUM, MEAN, AMAX, AMIN)
+_REDUCE_NAMES = {code: name for name, code in REDUCE_CODES.items()}
+
+
+def _segment_kernel_for(dtype, reduce, rule):
+    """``_segment_at``'s kernel of ``dtype`` for ``reduce`` under ``rule`` (WIDE for AMAX and
+    AMIN, whose pick no rule changes: one kernel for them all)."""
+    if reduce in (AMAX, AMIN):
+        rule = WIDE
+    kernel = _SEGMENT_KERNELS.get((dtype, reduce, rule))
+    if kernel is None:
+        fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, _ = _FORMATS[dtype]
+        kernel = instance(_segment_at, f"{fmt}_{_REDUCE_NAMES[reduce]}_{RULE_NAMES[rule]}",
+                          reduce=reduce, rule=rule, dec=dec, rnd=rnd, enc=enc, cvt=cvt,
+                          data_dtype=data_dtype, acc_dtype=acc_dtype)
+        _SEGMENT_KERNELS[(dtype, reduce, rule)] = kernel
     return kernel
 
 
@@ -463,19 +513,22 @@ def _into_target(kernel, src, index, target, outer, inner, include_base) -> int:
                   inner, target.numel() // (outer * inner), include_base)
 
 
-def segment_sum_small(src3: torch.Tensor, bounds: torch.Tensor, out3: torch.Tensor,
-                      rule: int, lengths: bool = False) -> int:
-    """Write ``out3`` (``[outer, S, inner]``) with the sums of ``src3``'s segments of rows
-    (``[outer, N, inner]``) between consecutive offsets and return -1, or, having written
+def segment_reduce_small(src3: torch.Tensor, bounds: torch.Tensor, out3: torch.Tensor,
+                         reduce: int, rule: int, lengths: bool = False,
+                         empty_nan: bool = False) -> int:
+    """Write ``out3`` (``[outer, S, inner]``) with ``src3``'s segments of rows (``[outer, N,
+    inner]``) between consecutive offsets reduced, and return -1, or, having written
     nothing, return BAD_OFFSETS where the bounds do not tile the N rows, or TOO_MANY_TERMS
-    where a segment has more than CHUNK_TERMS rows under a rule that splits
-    (``_segment_sum_at``: the segment kernel's SUM without an order or a base, the same
-    bits). ``bounds`` (any integer dtype and strides): the ``S + 1`` offsets, from 0 to N
-    without decreasing, or with ``lengths`` the ``S`` lengths of the segments, none negative,
-    summing to N. Both tensors contiguous, nonempty, within :func:`fits`'s size limit;
-    ``rule`` one of ``RULES``."""
+    where a sum's or a mean's segment has more than CHUNK_TERMS rows under a rule that splits
+    (``_segment_at``: the segment kernel's SUM, MEAN, AMAX or AMIN without an order or a
+    base, the same bits, but a mean under ROUND_EACH, which is torch's ``segment_reduce``
+    mean). ``bounds`` (any integer dtype and strides): the ``S + 1`` offsets,
+    from 0 to N without decreasing, or with ``lengths`` the ``S`` lengths of the segments,
+    none negative, summing to N. ``empty_nan``: an empty segment's mean is NaN, not 0. Both
+    tensors contiguous, nonempty, within :func:`fits`'s size limit; ``rule`` one of
+    ``RULES`` (any for AMAX and AMIN, whose pick no rule changes)."""
     bounds = _int64_elements(bounds)
     outer, n, inner = src3.shape
-    kernel = _kernel_for(src3.dtype, rule, _segment_sum_at)
+    kernel = _segment_kernel_for(src3.dtype, reduce, rule)
     return kernel(src3.data_ptr(), bounds.data_ptr(), out3.data_ptr(), outer, n, inner,
-                  out3.shape[1], lengths)
+                  out3.shape[1], lengths, empty_nan)

@@ -218,12 +218,14 @@ def _launches_counted(counts: Counts, recorder: _Recorder):
 def gpu_path():
     """CPU tensors on the path CUDA tensors take: the triton backend, values checked as a
     GPU's, a long index sorted by counting, and the weighted ``moe.unpermute`` in one pass as
-    on a GPU (on the CPU it runs by blocks of tokens, for the cache). The other choices by
-    device (``rule_for``) differ only in "autograd" mode, which no row runs."""
+    on a GPU (on the CPU it runs by blocks of tokens, for the cache), past a quarter of the
+    keys a GPU sorts as they are (``_NARROW_SORT_ABOVE``). The other choices by device
+    (``rule_for``) differ only in "autograd" mode, which no row runs."""
     runs_in_token_blocks = moe._runs_in_token_blocks
     with detsum.backend("triton"), \
             unittest.mock.patch.object(_segments, "GPU_CHECKS_ON_CPU", True), \
             unittest.mock.patch.object(detsum.kernels, "COUNTING_SORT_ON_CPU", True), \
+            unittest.mock.patch.object(detsum.kernels, "NARROW_SORT_ABOVE", _NARROW_SORT_ABOVE), \
             unittest.mock.patch.object(
                 moe, "_runs_in_token_blocks",
                 lambda device, acc_mode: runs_in_token_blocks(torch.device("cuda"), acc_mode)):
@@ -272,9 +274,13 @@ _ROWS, _SEGMENTS, _FEATURES = 512, 16, 4
 #: The small calls' source rows: at most kernels.CHUNK_TERMS, so the launch scans the
 #: unsorted index itself (kernels.UnsortedKeys), with no sort.
 _SMALL_ROWS = 200
-#: The long calls' source rows: more than kernels.NARROW_SORT_ABOVE, so the index is sorted
-#: as the int16 keys its segments need (two ops more, on a GPU a shorter radix sort).
-_LONG_ROWS = detsum.kernels.NARROW_SORT_ABOVE + 1
+#: ``kernels.NARROW_SORT_ABOVE`` on the counted calls' path (``gpu_path``): a quarter of it,
+#: so that a long call runs the same path in about a quarter of the interpreter's time (the
+#: other calls have fewer rows than either).
+_NARROW_SORT_ABOVE = detsum.kernels.NARROW_SORT_ABOVE // 4
+#: The long calls' source rows: more than that, so the index is sorted as the int16 keys its
+#: segments need (two ops more, on a GPU a shorter radix sort).
+_LONG_ROWS = _NARROW_SORT_ABOVE + 1
 _TOKENS, _TOPK, _EXPERTS = 64, 2, 4
 
 

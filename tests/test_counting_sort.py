@@ -168,12 +168,19 @@ def test_sort_by_segment_counts_on_a_gpu_past_the_narrow_size():
         assert_same_bits(order.cpu(), expected[1].cpu())
 
 
+#: NARROW_SORT_ABOVE lowered for the whole calls below: a quarter of the rows for the
+#: interpreter to run, on the same path.
+LOWERED_NARROW_SORT_ABOVE = 1024
+
+
 @pytest.mark.parametrize("call", ["index_add host", "index_add_ off", "scatter_reduce mean",
                                   "index_add exact", "moe route"])
-def test_calls_sorting_by_counting_give_torch_sorts_bits(call):
+def test_calls_sorting_by_counting_give_torch_sorts_bits(monkeypatch, call):
     """Whole calls past NARROW_SORT_ABOVE rows on a GPU's path (the triton backend, a GPU's
     check levels), the index sorted by counting, against the same calls sorting with torch
-    (the table too large for counting): the same bits; a bad value still raises."""
+    (the table too large for counting): the same bits; a bad value still raises. The bound
+    is lowered (``LOWERED_NARROW_SORT_ABOVE``)."""
+    monkeypatch.setattr(kernels, "NARROW_SORT_ABOVE", LOWERED_NARROW_SORT_ABOVE)
     rows, segments, features = kernels.NARROW_SORT_ABOVE + 37, 23, 3
     gen = torch.Generator().manual_seed(seed_of("counting sort calls", call))
     index = torch.randint(0, segments, (rows,), generator=gen).to(DEVICE)
@@ -202,12 +209,15 @@ def test_calls_sorting_by_counting_give_torch_sorts_bits(call):
 
 @pytest.mark.parametrize("check", ["host", "device", "off"])
 @pytest.mark.parametrize("bad_key", [-1, 23, 10**12], ids=["below", "past", "far past"])
-def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(check, bad_key):
+def test_a_bad_key_sorted_by_counting_is_caught_by_the_offsets_ends(monkeypatch, check,
+                                                                     bad_key):
     """A long index with a key out of range, sorted by counting, its offsets made along: the
     caller's error at "host", the launch's assert of the offsets' two ends at "device", and
-    at "off" the position in no segment (the call with that row's source zeroed)."""
+    at "off" the position in no segment (the call with that row's source zeroed). The bound
+    is lowered (``LOWERED_NARROW_SORT_ABOVE``)."""
     if check == "device" and HAS_CUDA:
         pytest.skip("a failed assert on a GPU ends the process's CUDA context")
+    monkeypatch.setattr(kernels, "NARROW_SORT_ABOVE", LOWERED_NARROW_SORT_ABOVE)
     rows, segments = kernels.NARROW_SORT_ABOVE + 9, 23
     gen = torch.Generator().manual_seed(seed_of("counting sort bad key", check, bad_key))
     good = torch.randint(0, segments, (rows,), generator=gen)
@@ -235,10 +245,10 @@ def test_every_mode_and_dtype_sorting_by_counting_gives_torch_sorts_bits(monkeyp
                                                                           dtype):
     """``index_add`` with alpha past NARROW_SORT_ABOVE rows, a segment long enough for
     chunks, in every mode and a float and a bfloat16 dtype, on a GPU's path: the index sorted
-    by counting gives the bits of the same call sorting with torch. The bound is lowered to
-    1024 here (1325 rows for the interpreter to run, not 4397); the hot segment keeps about
-    400 terms, past a chunk."""
-    monkeypatch.setattr(kernels, "NARROW_SORT_ABOVE", 1024)
+    by counting gives the bits of the same call sorting with torch. The bound is lowered
+    (``LOWERED_NARROW_SORT_ABOVE``: 1325 rows for the interpreter to run, not 4397); the hot
+    segment keeps about 400 terms, past a chunk."""
+    monkeypatch.setattr(kernels, "NARROW_SORT_ABOVE", LOWERED_NARROW_SORT_ABOVE)
     rows, segments, features = kernels.NARROW_SORT_ABOVE + 301, 40, 2
     gen = torch.Generator().manual_seed(seed_of("counting sort modes", mode, dtype))
     index = torch.randint(0, segments, (rows,), generator=gen)

@@ -127,6 +127,36 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     return written
 
 
+def small_scatter_reduce(caller: str, source3: torch.Tensor, index: torch.Tensor,
+                         input3: torch.Tensor, reduce: str, include_base: bool, rule: int,
+                         size_name: str) -> torch.Tensor | None:
+    """A new output holding ``input3`` with each row that ``index`` names reduced with
+    ``source3``'s rows there ("mean" under ``rule``, "amax" or "amin"; from its own values
+    first under ``include_base``), the others as they were, in one Numba call
+    (``kernels.numba.small``'s ``mean_small_in_place`` and ``extreme_small_in_place`` into a
+    copy of ``input3``: the general path's bits), or None where that call does not fit (a
+    mean's row of more than CHUNK_TERMS terms under a rule that splits among them). A value
+    of ``index`` outside ``input3``'s rows raises in ``caller``'s words."""
+    small = _small_kernels()
+    if not (small.fits(source3, input3, input3, rule) and source3.numel() > 0
+            and input3.numel() > 0):
+        return None
+    out3 = new_output_like(input3)
+    out3.copy_(input3)
+    outer, rows, inner = out3.shape
+    if reduce == "mean":
+        answer = small.mean_small_in_place(source3, index, out3, outer, inner, include_base,
+                                           rule)
+    else:
+        answer = small.extreme_small_in_place(source3, index, out3, outer, inner,
+                                              reduce == "amax", include_base)
+    if answer == small.TOO_MANY_TERMS:
+        return None
+    if answer >= 0:
+        raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
+    return out3
+
+
 def numba_runs_cpu_tensors() -> bool:
     """Whether the Numba backend runs CPU tensors now (the default, or forced)."""
     return (_forced_backend.get() or _DEFAULT_BY_DEVICE["cpu"]) == "numba"

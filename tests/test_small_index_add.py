@@ -181,6 +181,64 @@ def test_small_scatter_sums_give_the_bits_of_the_general_path(mode, dtype, templ
     assert len(calls) == 2  # a sorted=True promise is checked on the general path
 
 
+@pytest.mark.parametrize("reduce", ["mean", "amax", "amin"])
+@pytest.mark.parametrize(("template", "dim"), LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", (*MODES, "exact"))
+def test_small_scatter_means_and_extremes_give_the_bits_of_the_general_path(
+        mode, dtype, template, dim, reduce, monkeypatch):
+    """scatter_reduce's mean, amax and amin, with and without include_self, by a row index or
+    torch's own index of src's shape, take one small call into a copy of the input (rows
+    without terms keep the input's values); promised sorted, or a mean in "exact" mode, they
+    do not. Special values included (-0.0 terms and inits, infinities, NaN)."""
+    name = "mean_small_in_place" if reduce == "mean" else "extreme_small_in_place"
+    answers = record_answers(monkeypatch, small, name)
+    input, index, source = problem(template, dim, 23, 6, dtype, seed=len(mode) + 13)
+    source.select(dim, 0).fill_(-0.0)
+    source.select(dim, 1).fill_(float("inf"))
+    input.select(dim, int(index[0])).fill_(-0.0)
+    input.select(dim, int(index[2])).fill_(float("nan"))
+    shape = [1] * source.dim()
+    shape[dim] = -1
+    takes_it = reduce != "mean" or mode != "exact"
+    for form in (index, index.view(shape).expand(source.shape)):
+        for include_self in (True, False):
+            call = lambda: detsum.scatter_reduce(input, dim, form, source, reduce,  # noqa: E731
+                                                 include_self=include_self, mode=mode)
+            answers.clear()
+            assert_same_bits(call(), general(monkeypatch, call))
+            assert answers == ([-1] if takes_it else [])
+    answers.clear()
+    detsum.scatter_reduce(input, dim, index.sort().values, source, reduce, sorted=True,
+                          mode=mode)
+    assert answers == []  # a sorted=True promise is checked on the general path
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_small_scatter_mean_of_too_many_terms_takes_the_general_path(mode, monkeypatch):
+    """A mean's row of more than CHUNK_TERMS terms: under the rules that split (fp32, kahan)
+    the small call answers TOO_MANY_TERMS having written nothing, and the general path gives
+    the call its bits; "autograd" (unsplit) takes it."""
+    answers = record_answers(monkeypatch, small, "mean_small_in_place")
+    index = torch.cat([torch.full((CHUNK_TERMS + 3,), 2), torch.tensor([0, 5, 2])])
+    source = make_data((len(index), 3), torch.float32, seed=5, spread=True)
+    input = make_data((6, 3), torch.float32, seed=6)
+    call = lambda: detsum.scatter_reduce(input, 0, index, source, "mean", mode=mode)  # noqa: E731
+    got = call()
+    assert answers == [-1 if mode == "autograd" else small.TOO_MANY_TERMS]
+    assert_same_bits(got, general(monkeypatch, call))
+
+
+@pytest.mark.parametrize("reduce", ["mean", "amax", "amin"])
+def test_a_small_scatter_means_or_extremes_bad_index_is_named_and_nothing_is_written(reduce):
+    input = torch.zeros(4, 3)
+    for bad, position in ((torch.tensor([0, 1, 4, 2]), 2), (torch.tensor([0, -1, 0, 0]), 1)):
+        with pytest.raises(IndexError, match=rf"detsum.scatter_reduce: index\[{position}\] = "
+                                             rf"{int(bad[position])} is out of range"):
+            detsum.scatter_reduce(input, 0, bad, torch.ones(4, 3), reduce)
+        assert torch.equal(input, torch.zeros(4, 3))
+
+
 def test_a_small_scatter_sums_bad_index_is_named_and_nothing_is_written():
     input = torch.zeros(4, 3)
     with pytest.raises(IndexError, match=r"detsum.scatter_reduce: index\[2\] = 4 is out of "

@@ -238,8 +238,9 @@ def _run_index(backend_name, input, dim, index, src, reduce, include_self, acc_m
     if sparse is not None:
         return _run_on_rows_with_terms(backend_name, input, dim, index, *sparse, src, reduce,
                                        include_self, acc_mode, sorted)
-    if backend_name == "numba" and reduce == "sum" and include_self and not sorted:
-        small = _run_small(input, dim, index, src, acc_mode)
+    if backend_name == "numba" and not sorted and (reduce in ("mean", "amax", "amin")
+                                                   or reduce == "sum" and include_self):
+        small = _run_small(input, dim, index, src, reduce, include_self, acc_mode)
         if small is not None:
             return small
     planned = (*_plan(input, dim, index, sorted, backend_name, check), None)
@@ -321,14 +322,19 @@ def _run_on_rows_with_terms(backend_name, input, dim, index, targets, positions,
     return out3.view(*input.shape)
 
 
-def _run_small(input, dim, index, src, acc_mode):
-    """``_run`` of a sum from ``input`` as one Numba call without a plan
-    (``_segments.small_index_add``: a sum from input is index_add's arithmetic, rule for rule,
-    alpha 1), or None where that call does not fit."""
+def _run_small(input, dim, index, src, reduce, include_self, acc_mode):
+    """``_run`` as one Numba call without a plan, or None where that call does not fit: a sum
+    from ``input`` (``_segments.small_index_add``: index_add's arithmetic, rule for rule,
+    alpha 1), a mean, a max or a min (``_segments.small_scatter_reduce``)."""
     input3 = _segments.rows_view(input, dim)
-    small = _segments.small_index_add(
-        _CALLER, _segments.rows_view(src, dim), index, input3, None, 1.0,
-        rule_for(MODE_BY_NAME[acc_mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
+    rule = rule_for(MODE_BY_NAME[acc_mode], reduce, "cpu", input3.shape[2])
+    src3, size_name = _segments.rows_view(src, dim), f"input.size({dim})"
+    if reduce == "sum":
+        small = _segments.small_index_add(_CALLER, src3, index, input3, None, 1.0, rule,
+                                          size_name)
+    else:
+        small = _segments.small_scatter_reduce(_CALLER, src3, index, input3, reduce,
+                                               include_self, rule, size_name)
     return None if small is None else small.view(*input.shape)
 
 

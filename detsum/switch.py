@@ -501,6 +501,24 @@ def _scatter_add_short(mode, self, dim, index, src) -> bool:
     return _scatter_short(mode, self, dim, index, src)
 
 
+def _index_put_short(mode, self, indices, values, accumulate=False, unsafe=False) -> bool:
+    """``self.index_put_((index,), values, accumulate=True)`` the short way, for the backward
+    of ``x[index]`` (one 1-D index along the first dim, values of the indexed shape): the
+    checks of ``_index_put``, then ``_small_in_place`` (a negative value, which Python's
+    meaning counts from the end, makes it write nothing: the body then takes the call). Not
+    in "exact" mode, whose sums have no small call: the body's path, tried once."""
+    if not accumulate or len(indices) != 1 or mode == "exact":
+        return False
+    index = indices[0]
+    if index is None or not _short_plain(self, index, values) or index.dim() != 1:
+        return False
+    shape, values_shape = self.shape, values.shape
+    if (len(shape) == 0 or len(values_shape) != len(shape) or values_shape[0] != index.shape[0]
+            or values_shape[1:] != shape[1:] or self.numel() == 0 or values.numel() == 0):
+        return False
+    return _changeable(self) and _small_in_place(mode, self, 0, index, values, "sum")
+
+
 def _check_changeable(name: str, target: torch.Tensor) -> None:
     _validation.check_changeable(f"{name} (run by detsum.enable)", "self", target)
 
@@ -1412,6 +1430,7 @@ _SHORT_WAYS = {
     "index_add.out": _index_add_out_short,
     "scatter_add_": _scatter_add_short,
     "scatter_reduce_.two": _scatter_short,
+    "_index_put_impl_": _index_put_short,
 }
 
 _BODIES = {

@@ -631,9 +631,10 @@ def test_small_in_place_calls_the_short_way_leaves_give_the_bodys_answer(small_i
                                                                           mode):
     """What the switch's short way must not take, left to the path behind it, which decides
     as it did without one: an inference tensor changed outside inference mode (detsum's
-    error, nothing written), a target that is the source itself, and one that shares memory
-    with the index through a view of another dtype (torch's error, nothing written: the
-    short way's one call sees address ranges that meet and writes nothing)."""
+    error, nothing written), a target that is the source (or index_put_'s values) itself,
+    and one that shares memory with the index through a view of another dtype (torch's
+    error, nothing written: the short way's one call sees address ranges that meet and
+    writes nothing)."""
     index = torch.tensor([0, 2, 2, 1])
     with torch.inference_mode():
         frozen = torch.zeros(3, 4)
@@ -644,18 +645,25 @@ def test_small_in_place_calls_the_short_way_leaves_give_the_bodys_answer(small_i
         with pytest.raises(RuntimeError, match=re.escape(
                 "scatter_add_ (run by detsum.enable): self is an inference tensor")):
             frozen.scatter_add_(0, index.view(-1, 1).expand(4, 4), torch.ones(4, 4))
+        with pytest.raises(RuntimeError, match=re.escape(
+                "index_put_ (run by detsum.enable): self is an inference tensor")):
+            frozen.index_put_((index,), torch.ones(4, 4), accumulate=True)
     assert torch.equal(frozen, torch.zeros(3, 4)) and small_in_place_answers == []
 
     def own_source():
         x = torch.arange(16.0).view(4, 4)
         return x, lambda: x.index_add_(0, torch.tensor([0, 1, 2, 3]), x)
 
+    def own_values():
+        x = torch.arange(16.0).view(4, 4)
+        return x, lambda: x.index_put_((torch.tensor([0, 1, 2, 3]),), x, accumulate=True)
+
     def index_in_target():
         storage = torch.zeros(12, dtype=torch.int64)
         x = storage[:8].view(torch.float64)
         return x, lambda: x.scatter_add_(0, storage[4:], torch.ones(8, dtype=torch.float64))
 
-    for form in (own_source, index_in_target):
+    for form in (own_source, own_values, index_in_target):
         x, call = form()
         before = x.clone()
         with pytest.raises(RuntimeError) as torchs:
@@ -695,6 +703,16 @@ def test_small_in_place_calls_of_other_shapes_give_torchs_answer(mode):
             0, expanded(4), data((4, 4), x.dtype, 1), "amax", include_self=False),
         "scatter_add_ 1-D index into 2-D": lambda x: x.scatter_add_(0, rows,
                                                                     data((4,), x.dtype, 1)),
+        "index_put_ wider values": lambda x: x.index_put_((rows,), data((4, 6), x.dtype, 1),
+                                                          accumulate=True),
+        "index_put_ narrower values": lambda x: x.index_put_((rows,), data((4, 4), x.dtype, 1),
+                                                             accumulate=True),
+        "index_put_ more rows of values": lambda x: x.index_put_(
+            (rows,), data((5, 5), x.dtype, 1), accumulate=True),
+        "index_put_ values of one row, broadcast": lambda x: x.index_put_(
+            (rows,), data((5,), x.dtype, 1), accumulate=True),
+        "index_put_ 3-D values into 2-D": lambda x: x.index_put_(
+            (rows,), data((4, 5, 1), x.dtype, 1), accumulate=True),
     }
     for name, form in forms.items():
         expected, error = data((3, 5), torch.float32, 2), None

@@ -151,6 +151,19 @@ def test_large_launches_take_the_general_path(monkeypatch):
     assert len(calls) == 1  # strided: the general kernel, not a compile of another layout
 
 
+def scatter_problem(template, dim, dtype, seed):
+    """``problem``'s tensors with special values (-0.0 terms and inits, infinities, NaN),
+    and the index in its two forms: a row index, and torch's own of src's shape."""
+    input, index, source = problem(template, dim, 23, 6, dtype, seed=seed)
+    source.select(dim, 0).fill_(-0.0)
+    source.select(dim, 1).fill_(float("inf"))
+    input.select(dim, int(index[0])).fill_(-0.0)
+    input.select(dim, int(index[2])).fill_(float("nan"))
+    shape = [1] * source.dim()
+    shape[dim] = -1
+    return input, index, source, (index, index.view(shape).expand(source.shape))
+
+
 @pytest.mark.parametrize(("template", "dim"), LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", MODES)
@@ -162,14 +175,8 @@ def test_small_scatter_sums_give_the_bits_of_the_general_path(mode, dtype, templ
     calls, original = [], small.index_add_small
     monkeypatch.setattr(small, "index_add_small",
                         lambda *args: calls.append(args) or original(*args))
-    input, index, source = problem(template, dim, 23, 6, dtype, seed=len(mode) + 11)
-    source.select(dim, 0).fill_(-0.0)
-    source.select(dim, 1).fill_(float("inf"))
-    input.select(dim, int(index[0])).fill_(-0.0)
-    input.select(dim, int(index[2])).fill_(float("nan"))
-    shape = [1] * source.dim()
-    shape[dim] = -1
-    for form in (index, index.view(shape).expand(source.shape)):
+    input, index, source, forms = scatter_problem(template, dim, dtype, seed=len(mode) + 11)
+    for form in forms:
         for include_self in (True, False):
             call = lambda: detsum.scatter_reduce(input, dim, form, source, "sum",  # noqa: E731
                                                  include_self=include_self, mode=mode)
@@ -193,15 +200,9 @@ def test_small_scatter_means_and_extremes_give_the_bits_of_the_general_path(
     do not. Special values included (-0.0 terms and inits, infinities, NaN)."""
     name = "mean_small_in_place" if reduce == "mean" else "extreme_small_in_place"
     answers = record_answers(monkeypatch, small, name)
-    input, index, source = problem(template, dim, 23, 6, dtype, seed=len(mode) + 13)
-    source.select(dim, 0).fill_(-0.0)
-    source.select(dim, 1).fill_(float("inf"))
-    input.select(dim, int(index[0])).fill_(-0.0)
-    input.select(dim, int(index[2])).fill_(float("nan"))
-    shape = [1] * source.dim()
-    shape[dim] = -1
+    input, index, source, forms = scatter_problem(template, dim, dtype, seed=len(mode) + 13)
     takes_it = reduce != "mean" or mode != "exact"
-    for form in (index, index.view(shape).expand(source.shape)):
+    for form in forms:
         for include_self in (True, False):
             call = lambda: detsum.scatter_reduce(input, dim, form, source, reduce,  # noqa: E731
                                                  include_self=include_self, mode=mode)

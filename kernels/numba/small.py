@@ -24,8 +24,8 @@ MEAN, AMAX and AMIN over CSR offsets or lengths with no order and no base (``seg
 and the switch's ``segment_reduce``), each segment's rows in order, the bounds checked first.
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
-the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` checks
-the bits against the general path. The tensors reach the kernel as addresses and sizes, not as
+the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` and
+``tests/test_small_segments.py`` check the bits against the general path. The tensors reach the kernel as addresses and sizes, not as
 NumPy arrays, which cost more to make than the arithmetic (benches/NOTES.md).
 """
 

@@ -25,8 +25,9 @@ and the switch's ``segment_reduce``), each segment's rows in order, the bounds c
 
 Why: a call of a few hundred rows cost about 55 µs in the general path (plan, views, launch,
 the thread setting) against a few µs of arithmetic; ``tests/test_small_index_add.py`` and
-``tests/test_small_segments.py`` check the bits against the general path. The tensors reach the kernel as addresses and sizes, not as
-NumPy arrays, which cost more to make than the arithmetic (benches/NOTES.md).
+``tests/test_small_segments.py`` check the bits against the general path. The tensors reach
+the kernel as addresses and sizes, not as NumPy arrays, which cost more to make than the
+arithmetic (benches/NOTES.md).
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ def _counted(index, n, rows, counts, limit):
         if counts[v] > limit:
             return TOO_MANY_TERMS
     return -1
+
+
+@njit(inline="always")
+def _picked(x, y, maximum):
+    """Whether term ``x`` replaces the pick ``y`` of the segment kernel's AMAX (``maximum``)
+    or AMIN: NaN propagates; of equal values (+0.0, -0.0) the earlier stays."""
+    return (x != x or (x > y if maximum else x < y)) and y == y
 
 
 def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha, in_place):
@@ -218,9 +226,7 @@ def _extreme_at(src_at, index_at, target_at, outer, n, inner, rows, include_base
             else:
                 for j in range(inner):
                     x = dec(src[o, i, j])
-                    y = acc[v, j]
-                    # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
-                    if (x != x or (x > y if maximum else x < y)) and y == y:
+                    if _picked(x, acc[v, j], maximum):
                         acc[v, j] = x
         for s in range(rows):
             if started[s]:
@@ -324,12 +330,13 @@ def _segment_at(src_at, bounds_at, out_at, outer, n, inner, segments, lengths, e
         return BAD_OFFSETS
     acc = np.empty(inner, dtype=acc_dtype)
     comp = np.empty(inner, dtype=acc_dtype)
+    zero = cvt(0.0)
     if reduce == AMAX:
         first = cvt(-np.inf)
     elif reduce == AMIN:
         first = cvt(np.inf)
     else:
-        first = cvt(0.0)
+        first = zero
     for o in range(outer):
         end = 0
         for s in range(segments):
@@ -337,14 +344,12 @@ def _segment_at(src_at, bounds_at, out_at, outer, n, inner, segments, lengths, e
             end = start + bounds[s] if lengths else bounds[s + 1]
             for j in range(inner):
                 acc[j] = first
-                comp[j] = first
+                comp[j] = zero
             for p in range(start, end):
                 for j in range(inner):
                     x = dec(src[o, p, j])
                     if reduce == AMAX or reduce == AMIN:
-                        y = acc[j]
-                        # NaN propagates; of equal values (+0.0, -0.0) the earlier stays.
-                        if (x != x or (x > y if reduce == AMAX else x < y)) and y == y:
+                        if _picked(x, acc[j], reduce == AMAX):
                             acc[j] = x
                     elif rule == KAHAN:
                         acc[j], comp[j] = neumaier(acc[j], comp[j], x)

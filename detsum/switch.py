@@ -216,15 +216,25 @@ def _register() -> torch.library.Library:
             for key in keys:
                 # Taken here, while no detsum kernel is registered: torch's own.
                 original = torch.library.get_kernel(f"aten::{name}", key)
-                # Where a compiled function breaks its graph at a switched op (bincount's
-                # shape depends on its data), the op runs with Dynamo's frame hook still set:
-                # like torch.library.register_kernel's kernels, these run as plain Python.
-                kernel = torch.compiler.disable(_switched(name, body, original))
-                library.impl(name, kernel, key, with_keyset=True)
+                library.impl(name, _switched(name, body, original, key), key)
     return library
 
 
-def _switched(name, body, original):
+@functools.cache
+def _frame_hook_lookup():
+    """Called at the first registration (it imports Dynamo, as torch.compiler.disable does):
+    a function returning Dynamo's frame hook (None while no compiled code runs), with the
+    kernel's code marked for Dynamo to run without looking into (``_switched``); None where
+    this torch has neither (then every call goes through ``torch.compiler.disable``)."""
+    try:
+        from torch._C._dynamo.eval_frame import get_eval_frame_callback
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return None
+    return get_eval_frame_callback, skip_code
+
+
+def _switched(name, body, original, key):
     """The kernel registered for operator ``name``: ``body(mode, *args, **kwargs)`` returns a
     function that computes the result on detsum, or None to leave the call to torch; that
     function may still leave it to torch, by raising ``_LeaveToTorch`` before it writes
@@ -235,8 +245,11 @@ def _switched(name, body, original):
     mode, a plain assignment (``x[idx] = v``: nothing added, and torch's deterministic path
     sorts the index), nor detsum's own calls of switched ops inside a run."""
     short_way = _SHORT_WAYS.get(name)
+    # A backend's own kernel ignores the key set it is handed past its own key; registering
+    # without one spares the dispatcher a Python object a call.
+    keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
-    def kernel(keyset, *args, **kwargs):
+    def call(*args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
             if short_way is not None and short_way(mode, *args, **kwargs):
@@ -267,6 +280,26 @@ def _switched(name, body, original):
         counts[(name, "torch")] += 1
         return original.call_boxed(keyset, *args, **kwargs)
 
+    # Where a compiled function breaks its graph at a switched op (bincount's shape depends
+    # on its data), the op runs with Dynamo's frame hook still set: like
+    # torch.library.register_kernel's kernels, these then run as plain Python, through
+    # torch.compiler.disable. Its wrapper costs a small PyG step (200 nodes, four switched
+    # calls) about 4% in eager code, where no hook is set: there the kernel runs directly.
+    in_compiled_code = torch.compiler.disable(call)
+    hook = _frame_hook_lookup()
+    if hook is None:
+        kernel = in_compiled_code
+    else:
+        frame_hook = hook[0]
+
+        def kernel(*args, **kwargs):
+            if frame_hook() is None:
+                return call(*args, **kwargs)
+            return in_compiled_code(*args, **kwargs)
+
+        # Dynamo, its hook set, runs this frame untraced (the frames it calls as usual:
+        # through the wrapper above, none).
+        hook[1](kernel.__code__)
     kernel.__name__ = f"detsum_switched_{name.replace('.', '_')}"
     return kernel
 

@@ -18,7 +18,7 @@ from detsum.scatter_compat import (  # torch_scatter's API, deterministic
 )
 from detsum.explain import Explanation, Explanations, explain
 from detsum import pyg  # noqa: E402  (PyG adapter: imports torch_geometric on first use only)
-from detsum.switch import deterministic, disable, enable
+from detsum.switch import current_mode, deterministic, disable, enable
 
 __all__ = [
     "Explanation",
@@ -29,6 +29,7 @@ __all__ = [
     "Plan",
     "RunningSum",
     "backend",
+    "current_mode",
     "deterministic",
     "disable",
     "distributed",

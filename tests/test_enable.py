@@ -811,23 +811,23 @@ def test_disable_gives_torch_its_kernels_back():
 
 
 def test_blocks_nest_and_restore():
-    assert switch.current_mode() is None
+    assert detsum.current_mode() is None
     detsum.enable("kahan")
     with detsum.deterministic("exact"):
-        assert switch.current_mode() == "exact"
+        assert detsum.current_mode() == "exact"
         with detsum.deterministic("autograd"):
-            assert switch.current_mode() == "autograd"
-        assert switch.current_mode() == "exact"
+            assert detsum.current_mode() == "autograd"
+        assert detsum.current_mode() == "exact"
         with pytest.raises(ZeroDivisionError):
             with detsum.deterministic("fp32"):
                 1 / 0
-        assert switch.current_mode() == "exact"
-    assert switch.current_mode() == "kahan"
+        assert detsum.current_mode() == "exact"
+    assert detsum.current_mode() == "kahan"
     detsum.disable()
-    assert switch.current_mode() is None
+    assert detsum.current_mode() is None
     with detsum.deterministic():
-        assert switch.current_mode() == "fp32"
-    assert switch.current_mode() is None
+        assert detsum.current_mode() == "fp32"
+    assert detsum.current_mode() is None
     # A block's end leaves the kernels registered, handing every call to torch's kernel;
     # disable removes them.
     assert "switch.py" in cpu_kernel_file("index_add")

@@ -43,6 +43,13 @@ def _bad_calls():
          ValueError, ["device", "meta"]),
         ("reduce_unknown", lambda: detsum.scatter_reduce(x, 0, idx, src, "median"),
          ValueError, ["'median'", "amax"]),
+        # torch_scatter's and PyG's names: the error names torch.scatter_reduce's for them.
+        ("reduce_max", lambda: detsum.scatter_reduce(x, 0, idx, src, "max"),
+         ValueError, ["reduce='max' is not supported", "('amax' for 'max')"]),
+        ("reduce_add", lambda: detsum.scatter_reduce(x, 0, idx, src, "add"),
+         ValueError, ["('sum' for 'add')"]),
+        ("reduce_mul", lambda: detsum.scatter_reduce(x, 0, idx, src, "mul"),
+         ValueError, ["('prod' for 'mul')"]),
         ("scatter_index_shape", lambda: detsum.scatter_reduce(x, 0, idx.view(3, 1), src, "sum"),
          ValueError, ["(3, 1)", "(3, 3)"]),
         ("scatter_out_of_range_elementwise",

@@ -627,13 +627,22 @@ def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, 
                            include_self, mode, sorted, check, plan)
 
 
+#: The names torch_scatter, PyG and torch.Tensor.scatter_ give the reductions that
+#: torch.scatter_reduce (and detsum) names otherwise: named in the error for them.
+_REDUCTIONS_NAMED_ELSEWHERE = {"add": "sum", "max": "amax", "min": "amin", "mul": "prod",
+                               "multiply": "prod"}
+
+
 def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, plan=None):
     mode = parse_mode(mode, caller=_CALLER)
     _validation.check_level(_CALLER, check)
     _validation.check_flag(_CALLER, "include_self", include_self)
     _validation.check_flag(_CALLER, "sorted", sorted)
     if reduce not in REDUCTIONS:
-        raise ValueError(f"{_CALLER}: reduce={reduce!r} is not supported; expected one of {REDUCTIONS}")
+        named = _REDUCTIONS_NAMED_ELSEWHERE.get(reduce)
+        hint = f", torch.scatter_reduce's names ({named!r} for {reduce!r})" if named else ""
+        raise ValueError(f"{_CALLER}: reduce={reduce!r} is not supported; expected one of "
+                         f"{REDUCTIONS}{hint}")
     if reduce == "prod" and mode is Mode.EXACT:
         raise ValueError(f"{_CALLER}: reduce='prod' has no mode='exact': an exact product needs "
                          f"the bits of every factor (each multiply adds a significand's worth), "

@@ -377,3 +377,78 @@ def test_triton_on_cpu_without_the_interpreter_names_the_function(call, monkeypa
         call()
     message = str(raised.value)
     assert message.startswith("detsum.") and "TRITON_INTERPRET=1" in message, message
+
+
+# ---- checks remembered for calls without a plan ---------------------------------------------------
+
+def _counting_checks(monkeypatch, module):
+    """Every run of ``module._check`` appended to the returned list, with ``plans``' memory of
+    the checks of calls without a plan emptied first (other tests fill it)."""
+    from detsum import plans
+
+    monkeypatch.setattr(plans, "_CHECKED", {})
+    runs = []
+    real = module._check
+
+    def counted(*args, **kwargs):
+        runs.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_check", counted)
+    return runs
+
+
+def test_checks_of_a_call_without_a_plan_are_remembered_by_its_arguments(monkeypatch):
+    """A call whose checks passed, made again with equal arguments (each tensor's dtype, shape
+    and device, the other arguments), takes their answer without checking again; a call with
+    any of them changed checks, and a call whose checks fail raises every time."""
+    from detsum import plans
+    from detsum.ops import index_add as module
+
+    runs = _counting_checks(monkeypatch, module)
+    x, index, source = torch.zeros(4, 3), torch.tensor([0, 3, 1]), torch.ones(3, 3)
+    first = detsum.index_add(x, 0, index, source)
+    assert len(runs) == 1
+    # Other tensors, other values, equal arguments: the same answer, the right result.
+    again = detsum.index_add(x + 1, 0, torch.tensor([2, 2, 0]), source * 2)
+    assert len(runs) == 1
+    assert torch.equal(again, torch.tensor([[3.0] * 3, [1.0] * 3, [5.0] * 3, [1.0] * 3]))
+    assert torch.equal(first, torch.tensor([[1.0] * 3, [1.0] * 3, [0.0] * 3, [1.0] * 3]))
+    for changed in (dict(alpha=2), dict(mode="kahan"), dict(check="off")):
+        detsum.index_add(x, 0, index, source, **changed)
+    detsum.index_add(x, -2, index, source)
+    detsum.index_add(x.double(), 0, index, source.double())
+    detsum.index_add(x, 0, index.int(), source)
+    assert len(runs) == 7
+    # Refused every time, and nothing remembered of it.
+    for _ in range(2):
+        with pytest.raises(ValueError, match="source has dtype torch.float64"):
+            detsum.index_add(x, 0, index, source.double())
+        with pytest.raises(ValueError, match="index has length 2"):
+            detsum.index_add(x, 0, index[:2], source)
+        with pytest.raises(IndexError, match="dim=2"):
+            detsum.index_add(x, 2, index, source)
+    assert len(runs) == 13
+    # The oldest go first past _CHECKED_KEPT.
+    monkeypatch.setattr(plans, "_CHECKED_KEPT", 2)
+    detsum.index_add(torch.zeros(5, 3), 0, index, source)
+    detsum.index_add(torch.zeros(6, 3), 0, index, source)
+    detsum.index_add(x, 0, index, source)
+    assert len(runs) == 16
+
+
+def test_a_scatter_mean_is_checked_at_every_call(monkeypatch):
+    """The exact mean's bound is a setting the checks read: changed between two equal calls,
+    the second sees it."""
+    from detsum import _validation
+    from detsum.ops import scatter_reduce as module
+
+    runs = _counting_checks(monkeypatch, module)
+    x, index, src = torch.zeros(2, 3), torch.tensor([0, 1, 0]), torch.ones(3, 3)
+    detsum.scatter_reduce(x, 0, index, src, "mean", mode="exact")
+    monkeypatch.setattr(_validation, "MAX_TERMS_PER_STATE", 3)
+    with pytest.raises(ValueError, match="sums at most 3 terms per output element"):
+        detsum.scatter_reduce(x, 0, index, src, "mean", mode="exact")
+    detsum.scatter_reduce(x, 0, index, src, "amax")
+    detsum.scatter_reduce(x, 0, index, src, "amax")
+    assert len(runs) == 3

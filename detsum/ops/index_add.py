@@ -258,11 +258,12 @@ _PLAIN = (int, float, str, Mode)
 
 
 def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
-    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.run_checks_with``)."""
+    """``_check``'s answer; the one remembered (``plans.run_checks_with``) for a call with
+    the arguments of its plan's last call, or without a plan of a recent call without one."""
     arguments = None
     # The plan's own index only: another view of its memory is compared with it every time.
-    if (type(plan) is Plan and index is plan.index
+    if ((plan is None and type(index) is torch.Tensor
+         or type(plan) is Plan and index is plan.index)
             and type(input) is torch.Tensor and type(source) is torch.Tensor
             and type(dim) is int and type(alpha) in _PLAIN
             and type(mode) in _PLAIN and type(check) is str

@@ -610,11 +610,14 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
 
 
 def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, plan):
-    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.run_checks_with``)."""
+    """``_check``'s answer; the one remembered (``plans.run_checks_with``) for a call with
+    the arguments of its plan's last call, or without a plan of a recent call without one.
+    Not a mean's: its check in "exact" mode reads a setting
+    (``_validation.check_exact_mean_terms``)."""
     arguments = None
     # The plan's own index only: another view of its memory is compared with it every time.
-    if (type(plan) is Plan and index is plan.index
+    if ((plan is None and type(index) is torch.Tensor and reduce != "mean"
+         or type(plan) is Plan and index is plan.index)
             and type(input) is torch.Tensor and type(src) is torch.Tensor
             and type(dim) is int and type(reduce) is str
             and type(include_self) is bool and type(sorted) is bool

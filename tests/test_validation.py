@@ -452,3 +452,26 @@ def test_a_scatter_mean_is_checked_at_every_call(monkeypatch):
     detsum.scatter_reduce(x, 0, index, src, "amax")
     detsum.scatter_reduce(x, 0, index, src, "amax")
     assert len(runs) == 3
+
+
+def test_segment_sum_checks_are_remembered_and_its_offsets_checked_every_time(monkeypatch):
+    """segment_sum's argument checks are remembered as index_add's; its offsets' values are
+    not among them, and bad ones are refused at every call."""
+    from detsum.ops import segment_sum as module
+
+    runs = _counting_checks(monkeypatch, module)
+    src = torch.ones(4, 3)
+    detsum.segment_sum(src, torch.tensor([0, 1, 2, 4]))
+    detsum.segment_sum(src * 2, torch.tensor([0, 3, 3, 4]))
+    assert len(runs) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="offsets decrease at position 2"):
+            detsum.segment_sum(src, torch.tensor([0, 3, 2, 4]))
+        with pytest.raises(ValueError, match=r"offsets\[-1\] = 3"):
+            detsum.segment_sum(src, torch.tensor([0, 2, 3, 3]))
+    assert len(runs) == 1
+    detsum.segment_sum(src, torch.tensor([0, 1, 4]), perm=torch.tensor([3, 2, 1, 0]))
+    detsum.segment_sum(src, torch.tensor([0, 1, 4]), perm=torch.tensor([3, 2, 1, 0]))
+    with pytest.raises(TypeError, match="offsets is missing"):
+        detsum.segment_sum(src, None)
+    assert len(runs) == 4

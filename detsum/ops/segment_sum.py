@@ -389,14 +389,18 @@ def segment_sum(src: torch.Tensor, offsets: torch.Tensor | None = None, *, dim: 
 
 
 def _checked(src, offsets, dim, perm, mode, check, plan):
-    """``_check``'s answer; with a plan, the one it remembers when the call's arguments are
-    those of its last call (``plans.run_checks_with``)."""
+    """``_check``'s answer; the one remembered (``plans.run_checks_with``) for a call with
+    the arguments of its plan's last call, or without a plan (nor ``perm``) of a recent call
+    without one. The offsets' values are checked where they are read, at every call."""
     arguments = None
-    if (type(plan) is Plan and offsets is None and perm is None and type(src) is torch.Tensor
-            and type(dim) is int and type(mode) in (str, Mode) and type(check) is str
-            and not torch.compiler.is_compiling()):
-        arguments = (src.dtype, src.shape, src.device, plan.index.shape, plan.offsets.device,
-                     dim, type(mode), mode, check)
+    if (type(src) is torch.Tensor and type(dim) is int and type(mode) in (str, Mode)
+            and type(check) is str and perm is None and not torch.compiler.is_compiling()):
+        if type(plan) is Plan and offsets is None:
+            arguments = (src.dtype, src.shape, src.device, plan.index.shape,
+                         plan.offsets.device, dim, type(mode), mode, check)
+        elif plan is None and type(offsets) is torch.Tensor:
+            arguments = (src.dtype, src.shape, src.device, offsets.dtype, offsets.shape,
+                         offsets.device, dim, type(mode), mode, check)
     return run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
                            check, plan)
 

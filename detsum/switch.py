@@ -245,8 +245,9 @@ def _switched(name, body, original, key):
     mode, a plain assignment (``x[idx] = v``: nothing added, and torch's deterministic path
     sorts the index), nor detsum's own calls of switched ops inside a run."""
     short_way = _SHORT_WAYS.get(name)
-    # A backend's own kernel ignores the key set it is handed past its own key; registering
-    # without one spares the dispatcher a Python object a call.
+    # torch's kernel at a backend key (CPU, CUDA) reads no key set: each is handed a fixed
+    # one of its own key, and the dispatcher makes none for this kernel (a Python object a
+    # call).
     keyset = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
 
     def call(*args, **kwargs):
@@ -297,8 +298,8 @@ def _switched(name, body, original, key):
                 return call(*args, **kwargs)
             return in_compiled_code(*args, **kwargs)
 
-        # Dynamo, its hook set, runs this frame untraced (the frames it calls as usual:
-        # through the wrapper above, none).
+        # Dynamo, its hook set, runs this frame without tracing it; the frames this one
+        # calls it would trace, hence the wrapper for that case.
         hook[1](kernel.__code__)
     kernel.__name__ = f"detsum_switched_{name.replace('.', '_')}"
     return kernel

@@ -253,9 +253,11 @@ def _switched(name, body, original, key):
     def call(*args, **kwargs):
         mode = _mode
         if mode is not None and not getattr(_inside, "running", False):
-            if short_way is not None and short_way(mode, *args, **kwargs):
-                counts[(name, "detsum")] += 1
-                return args[0]
+            if short_way is not None:
+                result = short_way(mode, *args, **kwargs)
+                if result is not None:
+                    counts[(name, "detsum")] += 1
+                    return result
             run = body(mode, *args, **kwargs)
             if run is not None:
                 _inside.running = True
@@ -455,9 +457,10 @@ def _cpu_rule(mode: str, reduce: str) -> int:
 # float dtype, an int32 or int64 index of the row form (1-D; for a scatter, a stride-0
 # broadcast of one) and shapes torch accepts with detsum's meaning, a mode with a rule the
 # call has, a target that may be changed. Then ``_segments.small_reduce_in_place`` (the
-# backend, the size, contiguity, memory shared, the index's values). False, nothing written,
-# for anything else: the body then runs as before, and gives torch's meaning, torch's error
-# or detsum's.
+# backend, the size, contiguity, memory shared, the index's values), and the call's result:
+# the target (or, for the dense backward of ``embedding``, the new gradient that the one call
+# summed into). None, nothing written, for anything else: the body then runs as before, and
+# gives torch's meaning, torch's error or detsum's.
 
 _STRIDED = torch.strided
 
@@ -477,80 +480,103 @@ def _changeable(target: torch.Tensor) -> bool:
     return not target.is_inference() or torch.is_inference_mode_enabled()
 
 
-def _index_add_short(mode, self, dim, index, source, *, alpha=1) -> bool:
+def _index_add_short(mode, self, dim, index, source, *, alpha=1) -> torch.Tensor | None:
     """``self.index_add_(dim, index, source, alpha=alpha)`` the short way: the checks of
     ``_index_add_inplace``, then ``_small_in_place``."""
     if not _short_plain(self, index, source) or index.dim() != 1 or (
             type(alpha) is not int and type(alpha) is not float):
-        return False
+        return None
     if mode == "autograd" and (alpha not in (1, -1) or self.dtype in _HALF_DTYPES):
-        return False
+        return None
     shape, source_shape = self.shape, source.shape
     ndim = len(shape)
     if len(source_shape) != ndim or not -ndim <= dim < ndim:
-        return False
+        return None
     dim %= ndim
     if source_shape[dim] != index.shape[0] or self.numel() == 0 or source.numel() == 0 or (
             source_shape[:dim] != shape[:dim] or source_shape[dim + 1:] != shape[dim + 1:]):
-        return False
-    return _changeable(self) and _small_in_place(mode, self, dim, index, source, "sum",
-                                                 alpha=float(alpha))
+        return None
+    return self if _changeable(self) and _small_in_place(mode, self, dim, index, source, "sum",
+                                                         alpha=float(alpha)) else None
 
 
-def _index_add_out_short(mode, self, dim, index, source, *, alpha=1, out) -> bool:
+def _index_add_out_short(mode, self, dim, index, source, *, alpha=1, out
+                         ) -> torch.Tensor | None:
     """``torch.index_add(self, ..., out=self)``: ``self.index_add_`` (``_into_out``'s in-place
     call, for the same tensor object)."""
-    return out is self and _index_add_short(mode, self, dim, index, source, alpha=alpha)
+    return (_index_add_short(mode, self, dim, index, source, alpha=alpha) if out is self
+            else None)
 
 
-def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True) -> bool:
+def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True
+                   ) -> torch.Tensor | None:
     """``self.scatter_reduce_(dim, index, src, reduce, include_self=include_self)`` (and
     ``scatter_add_``, a sum from self) the short way, for a sum from self, a mean, amax or
     amin: the checks of ``_scatter_inplace`` for an index of ``src``'s shape, then
     ``_small_in_place`` on its row index."""
     if not _short_plain(self, index, src):
-        return False
+        return None
     if reduce == "sum" and not include_self:
-        return False
+        return None
     if reduce == "sum" or reduce == "mean":
         if mode == "autograd" and self.dtype in _HALF_DTYPES:
-            return False
+            return None
     elif reduce != "amax" and reduce != "amin":
-        return False
+        return None
     shape, index_shape = self.shape, index.shape
     ndim = len(shape)
     if ndim == 0 or index_shape != src.shape or len(index_shape) != ndim or not (
             -ndim <= dim < ndim):
-        return False
+        return None
     dim %= ndim
     if index.numel() == 0 or self.numel() == 0 or (index_shape != shape and (
             index_shape[:dim] != shape[:dim] or index_shape[dim + 1:] != shape[dim + 1:])):
-        return False
+        return None
     rows = _scatter_reduce_op.stride_zero_rows(index, dim)
-    return rows is not None and _changeable(self) and _small_in_place(
-        mode, self, dim, rows, src, reduce, include_self)
+    return self if rows is not None and _changeable(self) and _small_in_place(
+        mode, self, dim, rows, src, reduce, include_self) else None
 
 
-def _scatter_add_short(mode, self, dim, index, src) -> bool:
+def _scatter_add_short(mode, self, dim, index, src) -> torch.Tensor | None:
     return _scatter_short(mode, self, dim, index, src)
 
 
-def _index_put_short(mode, self, indices, values, accumulate=False, unsafe=False) -> bool:
+def _index_put_short(mode, self, indices, values, accumulate=False, unsafe=False
+                     ) -> torch.Tensor | None:
     """``self.index_put_((index,), values, accumulate=True)`` the short way, for the backward
     of ``x[index]`` (one 1-D index along the first dim, values of the indexed shape): the
     checks of ``_index_put``, then ``_small_in_place`` (a negative value, which Python's
     meaning counts from the end, makes it write nothing: the body then takes the call). Not
     in "exact" mode, whose sums have no small call: the body's path, tried once."""
     if not accumulate or len(indices) != 1 or mode == "exact":
-        return False
+        return None
     index = indices[0]
     if index is None or not _short_plain(self, index, values) or index.dim() != 1:
-        return False
+        return None
     shape, values_shape = self.shape, values.shape
     if (len(shape) == 0 or len(values_shape) != len(shape) or values_shape[0] != index.shape[0]
             or values_shape[1:] != shape[1:] or self.numel() == 0 or values.numel() == 0):
-        return False
-    return _changeable(self) and _small_in_place(mode, self, 0, index, values, "sum")
+        return None
+    return self if _changeable(self) and _small_in_place(mode, self, 0, index, values,
+                                                         "sum") else None
+
+
+def _embedding_backward_short(mode, grad_output, indices, num_weights, padding_idx,
+                              scale_grad_by_freq) -> torch.Tensor | None:
+    """``embedding_dense_backward`` the short way, without ``padding_idx``: the checks of
+    ``_embedding_backward``, then ``_small_in_place`` into new zeros (an index value outside
+    the table makes it write nothing: the body then gives torch's answer). Not in "exact"
+    mode, whose sums have no small call."""
+    if (mode == "exact" or padding_idx >= 0 or scale_grad_by_freq or num_weights <= 0
+            or not _short_plain(grad_output, indices, grad_output) or grad_output.dim() == 0):
+        return None
+    width = grad_output.shape[-1]
+    if width == 0 or indices.numel() == 0 or grad_output.numel() != indices.numel() * width:
+        return None
+    sums = grad_output.new_zeros(num_weights, width)
+    rows = indices if indices.dim() == 1 else indices.reshape(-1)
+    grad = grad_output if grad_output.dim() == 2 else grad_output.reshape(-1, width)
+    return sums if _small_in_place(mode, sums, 0, rows, grad, "sum") else None
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
@@ -1457,14 +1483,15 @@ def _histc_out(mode, self, bins=100, min=0, max=0, *, out):
     return run
 
 
-#: The switched operators with a short way (a test: True having run the call), tried before
-#: their body.
+#: The switched operators with a short way (returning the call's result having run it, None
+#: having written nothing), tried before their body.
 _SHORT_WAYS = {
     "index_add_": _index_add_short,
     "index_add.out": _index_add_out_short,
     "scatter_add_": _scatter_add_short,
     "scatter_reduce_.two": _scatter_short,
     "_index_put_impl_": _index_put_short,
+    "embedding_dense_backward": _embedding_backward_short,
 }
 
 _BODIES = {

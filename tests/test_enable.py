@@ -571,6 +571,46 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
             assert small_in_place_answers == [taken], name
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_small_embedding_backward_takes_one_call_with_the_bodys_bits(small_in_place_answers,
+                                                                      mode, dtype):
+    """The dense backward of ``embedding`` without ``padding_idx`` the short way: one call into
+    new zeros (none in "exact" mode, whose sums have no small call) with the body's bits
+    (``detsum.index_add`` from zeros), for 2-D and 1-D indices of both dtypes. With
+    ``padding_idx`` the body's answer (its rows left out), and with a value outside the
+    table torch's (which leaves that term out), the short way writing nothing."""
+    indices = torch.randint(0, 9, (6, 50), generator=torch.Generator().manual_seed(11))
+    grad = data((6, 50, 5), dtype, 2)
+    for index_dtype in (torch.int64, torch.int32):
+        for rows, terms in ((indices, grad), (indices.reshape(-1), grad.reshape(-1, 5))):
+            rows = rows.to(index_dtype)
+            expected = detsum.index_add(torch.zeros(9, 5, dtype=dtype), 0, rows.reshape(-1),
+                                        terms.reshape(-1, 5), mode=mode)
+            small_in_place_answers.clear()
+            with detsum.deterministic(mode):
+                actual = torch.ops.aten.embedding_dense_backward(terms, rows, 9, -1, False)
+            assert_same_bits(actual, expected)
+            assert small_in_place_answers == ([] if mode == "exact" else [True])
+
+            small_in_place_answers.clear()
+            with detsum.deterministic(mode):
+                padded = torch.ops.aten.embedding_dense_backward(terms, rows, 9, 3, False)
+            expected[3] = 0
+            assert_same_bits(padded, expected)
+            assert small_in_place_answers == []
+
+    outside = indices.reshape(-1).clone()
+    outside[7] = 9
+    terms = grad.reshape(-1, 5)
+    small_in_place_answers.clear()
+    with detsum.deterministic(mode):
+        actual = torch.ops.aten.embedding_dense_backward(terms, outside, 9, -1, False)
+    assert_same_bits(actual, torch.ops.aten.embedding_dense_backward(terms, outside, 9, -1,
+                                                                     False))
+    assert small_in_place_answers == ([] if mode == "exact" else [False])
+
+
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small_in_place_answers,
                                                                            mode):

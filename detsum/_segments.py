@@ -196,26 +196,28 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     ``include_base`` True, the terms scaled by ``alpha`` under ``rule``: ``small_index_add``),
     "mean" under ``rule`` (``kernels.numba.small.mean_small_in_place``), "amax" or "amin"
     (``extreme_small_in_place``). That is where the primitives' own paths give the call the
-    same bits: the Numba backend runs CPU tensors now, ``index`` is not one for the
-    rows-with-terms path (``rows_with_terms``), and the call fits (contiguous, small, and for
-    a sum or a mean no output row of more terms than one chunk under a rule that splits).
-    False, nothing written, otherwise, where ``target`` may share memory with ``index`` or
-    ``source`` (their address ranges meet), and where a value of ``index`` is out of range:
-    the caller's own path then finds it and names it as its caller passed it.
+    same bits: the Numba backend runs CPU tensors now, and the call fits (a contiguous target,
+    small, and for a sum or a mean no output row of more terms than one chunk under a rule
+    that splits). A source of other strides (the expanded gradient of a sum, say) is read
+    from a contiguous copy; an index that feeds few of the target's rows, which the
+    primitive's path reduces on their own (``rows_with_terms``: the same bits), takes the
+    one call too. False, nothing written, otherwise, where ``target`` may share memory with
+    ``index`` or ``source`` (their address ranges meet), and where a value of ``index`` is
+    out of range: the caller's own path then finds it and names it as its caller passed it.
 
     For callers that have checked everything else already (the switch: the shapes, dtypes and
     devices torch would check, and that ``target`` may be changed), skipping the layers the
     general entry points pass through on every call."""
     small = _small_kernels()
-    rows = target.shape[dim]
-    if not numba_runs_cpu_tensors() or (
-            rows > SPARSE_ROWS_PER_SOURCE_ROW * index.shape[0]) or not (
-            source.numel() + target.numel() <= small.MAX_ELEMENTS
-            and source.is_contiguous() and target.is_contiguous()):
+    if not numba_runs_cpu_tensors() or not (
+            source.numel() + target.numel() <= small.MAX_ELEMENTS and target.is_contiguous()):
         return False
     # A contiguous target's elements are distinct; the others' may not share its memory.
     if address_ranges_meet(target, source) or address_ranges_meet(target, index):
         return False
+    if not source.is_contiguous():
+        source = source.contiguous()
+    rows = target.shape[dim]
     outer = 1 if dim == 0 else math.prod(target.shape[:dim])
     inner = target.numel() // (outer * rows)
     # -1: written; a bad value's position, or for a sum TOO_MANY_TERMS: nothing written.

@@ -617,8 +617,10 @@ def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small
     """Where the one call does not fit, it writes nothing and the primitive's own path runs:
     a row of more than one chunk of terms (261 on row 0: two chunks under the rules that
     split, so the short way's single pass would give other bits; "autograd" adds every term
-    in turn and takes it), a target not contiguous, an index that feeds few rows (the
-    rows-with-terms path), and another backend in force."""
+    in turn and takes it), a target not contiguous, and another backend in force. An index
+    that feeds few rows (the primitive's rows-with-terms path) and a source of other strides
+    (the expanded gradient of a sum; read from a contiguous copy) take the one call, with
+    the primitive's bits."""
     index = torch.arange(600) % 7
     index[:261] = 0  # 261 terms on row 0, the other rows 48 or 49
     x, src = data((7, 5), torch.float32, 3), data((600, 5), torch.float32, 1)
@@ -639,14 +641,50 @@ def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small
     small_in_place_answers.clear()
     with detsum.deterministic(mode):
         actual = wide.clone().index_add_(0, few, src[:3])
-    assert small_in_place_answers == [False]
+    assert small_in_place_answers == [True]
     assert_same_bits(actual, detsum.index_add(wide, 0, few, src[:3], mode=mode))
+
+    spread = torch.arange(600) % 7  # 85 or 86 terms a row
+    for strided in (src[:, :1].expand(600, 5), src.t().contiguous().t()):
+        small_in_place_answers.clear()
+        with detsum.deterministic(mode):
+            actual = x.clone().index_add_(0, spread, strided)
+        assert small_in_place_answers == [True]
+        assert_same_bits(actual, detsum.index_add(x, 0, spread, strided, mode=mode))
 
     small_in_place_answers.clear()
     with detsum.backend("reference"), detsum.deterministic(mode):
         actual = x.clone().index_add_(0, index % 7, src)
     assert small_in_place_answers == [False]
     assert_same_bits(actual, detsum.index_add(x, 0, index % 7, src, mode=mode))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
+def test_small_backward_of_a_sum_and_a_sparse_put_take_one_call(small_in_place_answers, mode):
+    """The backward of ``x[idx].sum()`` and of ``x.gather(...).sum()`` hands the switch an
+    expanded gradient (stride 0), and ``put_`` into a tensor of many more elements than
+    terms feeds few of its rows: each is the one small call, with the primitive's bits."""
+    weight = data((9, 4), torch.float32, 3).requires_grad_()
+    index = torch.tensor([4, 0, 4, 8, 1, 4])
+    with detsum.deterministic(mode):
+        (grad,) = torch.autograd.grad(weight[index].sum(), weight)
+    assert small_in_place_answers == [True]
+    assert_same_bits(grad, detsum.index_add(torch.zeros(9, 4), 0, index, torch.ones(6, 4),
+                                            mode=mode))
+    small_in_place_answers.clear()
+    rows = index.view(-1, 1).expand(6, 4)
+    with detsum.deterministic(mode):
+        (grad,) = torch.autograd.grad(weight.gather(0, rows).sum(), weight)
+    assert small_in_place_answers == [True]
+    assert_same_bits(grad, detsum.index_add(torch.zeros(9, 4), 0, index, torch.ones(6, 4),
+                                            mode=mode))
+    small_in_place_answers.clear()
+    flat, places = data((4096,), torch.float32, 5), torch.tensor([7, 4000, 7, 12])
+    terms = data((4,), torch.float32, 6)
+    with detsum.deterministic(mode):
+        actual = flat.clone().put_(places, terms, accumulate=True)
+    assert small_in_place_answers == [True]
+    assert_same_bits(actual, detsum.index_add(flat, 0, places, terms, mode=mode))
 
 
 def test_small_in_place_sums_name_a_bad_value_where_the_caller_put_it(small_in_place_answers):

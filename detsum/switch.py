@@ -458,9 +458,9 @@ def _cpu_rule(mode: str, reduce: str) -> int:
 # broadcast of one) and shapes torch accepts with detsum's meaning, a mode with a rule the
 # call has, a target that may be changed. Then ``_segments.small_reduce_in_place`` (the
 # backend, the size, contiguity, memory shared, the index's values), and the call's result:
-# the target (or, for the dense backward of ``embedding``, the new gradient that the one call
-# summed into). None, nothing written, for anything else: the body then runs as before, and
-# gives torch's meaning, torch's error or detsum's.
+# the target (or, for the dense backward of ``embedding`` and the out-of-place forms, the new
+# tensor that the one call wrote). None, nothing written, for anything else: the body then
+# runs as before, and gives torch's meaning, torch's error or detsum's.
 
 _STRIDED = torch.strided
 
@@ -559,6 +559,31 @@ def _index_put_short(mode, self, indices, values, accumulate=False, unsafe=False
         return None
     return self if _changeable(self) and _small_in_place(mode, self, 0, index, values,
                                                          "sum") else None
+
+
+def _out_of_place_short(in_place_short, sums_only: bool):
+    """The short way of an out-of-place form (``index_add``, ``scatter_add``,
+    ``scatter_reduce``) from its in-place form's: that one into a contiguous copy of
+    ``self``, as torch computes it (the primitive's result is contiguous too). Tried on a
+    small call of CPU tensors alone, so that a copy the in-place form then refuses is
+    small; not for a sum or a mean in "exact" mode (``sums_only``: the form has no other
+    reduction), which the in-place form never takes."""
+    def short_way(mode, self, dim, index, source, *args, **kwargs):
+        if mode == "exact" and (sums_only or (args[0] if args else kwargs.get("reduce"))
+                                in ("sum", "mean")):
+            return None
+        if not (_short_plain(self, index, source)
+                and self.numel() + source.numel() <= _small_elements()):
+            return None
+        return in_place_short(mode, self.clone(memory_format=torch.contiguous_format), dim,
+                              index, source, *args, **kwargs)
+    return short_way
+
+
+@functools.cache
+def _small_elements() -> int:
+    """The most elements (source and target) of a call that the one small call takes."""
+    return _segments._small_kernels().MAX_ELEMENTS
 
 
 def _embedding_backward_short(mode, grad_output, indices, num_weights, padding_idx,
@@ -1492,6 +1517,9 @@ _SHORT_WAYS = {
     "scatter_reduce_.two": _scatter_short,
     "_index_put_impl_": _index_put_short,
     "embedding_dense_backward": _embedding_backward_short,
+    "index_add": _out_of_place_short(_index_add_short, sums_only=True),
+    "scatter_add": _out_of_place_short(_scatter_add_short, sums_only=True),
+    "scatter_reduce.two": _out_of_place_short(_scatter_short, sums_only=False),
 }
 
 _BODIES = {

@@ -611,6 +611,54 @@ def test_small_embedding_backward_takes_one_call_with_the_bodys_bits(small_in_pl
     assert small_in_place_answers == ([] if mode == "exact" else [False])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_small_out_of_place_reductions_take_one_call_into_a_copy(small_in_place_answers, mode,
+                                                                  dtype):
+    """``index_add``, ``scatter_add`` and ``scatter_reduce`` out of place, small, on CPU: the
+    in-place form's one call into a contiguous copy of ``self`` (left as it was), with the
+    primitive's bits, where the in-place form takes it (not "exact"'s sums and means, nor
+    "autograd"'s in 16-bit floats), the body's path elsewhere; and a transposed ``self``."""
+    index = torch.randperm(600, generator=torch.Generator().manual_seed(9)) % 7
+    src2, src3 = data((600, 5), dtype, 1), data((2, 600, 3), dtype, 2)
+    x2, x3 = data((7, 5), dtype, 3), data((2, 7, 3), dtype, 4)
+    rows2, rows3 = index.view(-1, 1).expand(600, 5), index.view(1, -1, 1).expand(2, 600, 3)
+    forms = [
+        ("index_add", "sum", lambda: torch.index_add(x2, 0, index, src2),
+         detsum.index_add(x2, 0, index, src2, mode=mode)),
+        ("index_add dim 1", "sum", lambda: torch.index_add(x3, 1, index, src3),
+         detsum.index_add(x3, 1, index, src3, mode=mode)),
+        ("index_add of a transposed self", "sum",
+         lambda: torch.index_add(x2.t().contiguous().t(), 0, index, src2),
+         detsum.index_add(x2, 0, index, src2, mode=mode)),
+        ("scatter_add", "sum", lambda: torch.scatter_add(x2, 0, rows2, src2),
+         detsum.scatter_reduce(x2, 0, rows2, src2, "sum", mode=mode)),
+        ("scatter_add dim 1", "sum", lambda: torch.scatter_add(x3, 1, rows3, src3),
+         detsum.scatter_reduce(x3, 1, rows3, src3, "sum", mode=mode)),
+        ("scatter_reduce mean", "mean", lambda: torch.scatter_reduce(x2, 0, rows2, src2, "mean"),
+         detsum.scatter_reduce(x2, 0, rows2, src2, "mean", mode=mode)),
+        ("scatter_reduce amax", "amax", lambda: torch.scatter_reduce(
+            x2, 0, rows2, src2, "amax", include_self=False),
+         detsum.scatter_reduce(x2, 0, rows2, src2, "amax", include_self=False, mode=mode)),
+    ]
+    before = x2.clone(), x3.clone()
+    half = dtype in (torch.bfloat16, torch.float16)
+    for name, reduce, switched, expected in forms:
+        small_in_place_answers.clear()
+        with detsum.deterministic(mode):
+            actual = switched()
+        assert_same_bits(x2, before[0])
+        assert_same_bits(x3, before[1])
+        if reduce in ("sum", "mean") and mode == "autograd" and half:
+            assert small_in_place_answers == [], name  # torch's own, as in place
+            continue
+        assert_same_bits(actual, expected)
+        assert actual.is_contiguous(), name
+        # "exact" sums and means: no copy made, no call tried.
+        taken = [True] if reduce not in ("sum", "mean") or mode != "exact" else []
+        assert small_in_place_answers == taken, name
+
+
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small_in_place_answers,
                                                                            mode):

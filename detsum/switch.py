@@ -604,6 +604,42 @@ def _embedding_backward_short(mode, grad_output, indices, num_weights, padding_i
     return sums if _small_in_place(mode, sums, 0, rows, grad, "sum") else None
 
 
+def _embedding_bag_backward_short(mode, grad, indices, offset2bag, bag_size, maximum_indices,
+                                  num_weights, scale_grad_by_freq, bag_mode,
+                                  per_sample_weights=None, padding_idx=-1
+                                  ) -> torch.Tensor | None:
+    """The dense backward of ``embedding_bag`` the short way, for its sum (with
+    ``per_sample_weights`` too) and mean without ``padding_idx``, on CPU, but in "exact" and
+    "autograd" modes: the checks of ``_embedding_bag_backward``, torch's terms (each bag's
+    gradient times its scale, rounded to the dtype: per bag here, per term there, the same
+    products), then ``_small_in_place`` into new zeros. An index or a bag out of range makes
+    it write nothing: the body then names it."""
+    weights = per_sample_weights
+    if (mode == "exact" or mode == "autograd" or bag_mode not in (_BAG_SUM, _BAG_MEAN)
+            or scale_grad_by_freq or padding_idx >= 0 or num_weights <= 0 or grad.dim() != 2
+            or not _short_plain(grad, indices, grad) or not _short_plain(grad, offset2bag, grad)
+            or indices.dim() != 1 or offset2bag.shape != indices.shape
+            or bag_size.shape != grad.shape[:1] or not bag_size.is_cpu
+            or bag_size.layout is not _STRIDED or grad.numel() == 0 or indices.numel() == 0
+            or (indices.numel() + num_weights) * grad.shape[1] > _small_elements()):
+        return None
+    if weights is not None and (bag_mode != _BAG_SUM or not _short_plain(grad, indices, weights)
+                                or weights.shape != indices.shape):
+        return None
+    bag_grad = grad
+    if bag_mode == _BAG_MEAN:
+        scale = torch.where(bag_size != 0, 1.0 / bag_size.double(), 1.0).to(grad.dtype)
+        bag_grad = grad * scale.view(-1, 1)
+    try:
+        terms = bag_grad.index_select(0, offset2bag)
+    except (IndexError, RuntimeError):
+        return None  # a bag outside grad: the body's check names it
+    if weights is not None:
+        terms = terms * weights.view(-1, 1)
+    sums = grad.new_zeros(num_weights, grad.shape[1])
+    return sums if _small_in_place(mode, sums, 0, indices, terms, "sum") else None
+
+
 def _check_changeable(name: str, target: torch.Tensor) -> None:
     _validation.check_changeable(f"{name} (run by detsum.enable)", "self", target)
 
@@ -1517,6 +1553,7 @@ _SHORT_WAYS = {
     "scatter_reduce_.two": _scatter_short,
     "_index_put_impl_": _index_put_short,
     "embedding_dense_backward": _embedding_backward_short,
+    "_embedding_bag_dense_backward": _embedding_bag_backward_short,
     "index_add": _out_of_place_short(_index_add_short, sums_only=True),
     "scatter_add": _out_of_place_short(_scatter_add_short, sums_only=True),
     "scatter_reduce.two": _out_of_place_short(_scatter_short, sums_only=False),

@@ -659,6 +659,48 @@ def test_small_out_of_place_reductions_take_one_call_into_a_copy(small_in_place_
         assert small_in_place_answers == taken, name
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_small_embedding_bag_backward_takes_one_call_with_the_primitives_bits(
+        small_in_place_answers, mode, dtype):
+    """embedding_bag's dense backward, sum (with per-sample weights too) and mean without
+    ``padding_idx``, the short way: torch's terms summed by one call into new zeros, the
+    primitive's bits (none in "exact" mode, nor in "autograd", whose order is torch's sort of
+    the indices); with ``padding_idx`` the body's path; an index outside the table the
+    body's error, naming it."""
+    index = torch.randperm(600, generator=torch.Generator().manual_seed(12)) % 7
+    weight = data((7, 5), dtype, 3).requires_grad_()
+    bag = torch.searchsorted(BAG_OFFSETS, torch.arange(600), right=True) - 1
+    bag_grad = data((6, 5), dtype, 7)  # embedding_bag_grad's
+    bag_size = torch.bincount(bag, minlength=6)
+    scale = torch.where(bag_size != 0, 1.0 / bag_size.double(), 1.0).to(dtype)
+    per_sample = data((600,), dtype, 8)
+    zeros = torch.zeros(7, 5, dtype=dtype)
+    forms = [
+        ("sum", {}, bag_grad[bag]),
+        ("mean", {}, bag_grad[bag] * scale[bag].view(-1, 1)),
+        ("sum", {"per_sample_weights": per_sample}, bag_grad[bag] * per_sample.view(-1, 1)),
+    ]
+    taken = [] if mode in ("exact", "autograd") else [True]
+    for bag_mode, kwargs, terms in forms:
+        small_in_place_answers.clear()
+        with detsum.deterministic(mode):
+            actual = embedding_bag_grad(weight, index, bag_mode, **kwargs)
+        assert small_in_place_answers == taken, (bag_mode, kwargs)
+        if mode != "autograd":
+            assert_same_bits(actual, detsum.index_add(zeros, 0, index, terms, mode=mode))
+    small_in_place_answers.clear()
+    with detsum.deterministic(mode):
+        embedding_bag_grad(weight, index, "sum", padding_idx=3)
+    assert small_in_place_answers == []
+    outside = index.clone()
+    outside[9] = 7
+    with detsum.deterministic(mode), pytest.raises(IndexError, match=re.escape(
+            "_embedding_bag_dense_backward (run by detsum.enable): indices[9] = 7")):
+        torch.ops.aten._embedding_bag_dense_backward(
+            bag_grad, outside, bag, bag_size, bag_size, 7, False, 0, None)
+
+
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small_in_place_answers,
                                                                            mode):

@@ -572,7 +572,7 @@ def _out_of_place_short(in_place_short, sums_only: bool):
         if mode == "exact" and (sums_only or (args[0] if args else kwargs.get("reduce"))
                                 in ("sum", "mean")):
             return None
-        if not (_short_plain(self, index, source)
+        if not (_short_plain(self, index, source) and _segments.numba_runs_cpu_tensors()
                 and self.numel() + source.numel() <= _small_elements()):
             return None
         return in_place_short(mode, self.clone(memory_format=torch.contiguous_format), dim,
@@ -593,7 +593,8 @@ def _embedding_backward_short(mode, grad_output, indices, num_weights, padding_i
     the table makes it write nothing: the body then gives torch's answer). Not in "exact"
     mode, whose sums have no small call."""
     if (mode == "exact" or padding_idx >= 0 or scale_grad_by_freq or num_weights <= 0
-            or not _short_plain(grad_output, indices, grad_output) or grad_output.dim() == 0):
+            or not _short_plain(grad_output, indices, grad_output) or grad_output.dim() == 0
+            or not _segments.numba_runs_cpu_tensors()):
         return None
     width = grad_output.shape[-1]
     if width == 0 or indices.numel() == 0 or grad_output.numel() != indices.numel() * width:
@@ -621,7 +622,8 @@ def _embedding_bag_backward_short(mode, grad, indices, offset2bag, bag_size, max
             or indices.dim() != 1 or offset2bag.shape != indices.shape
             or bag_size.shape != grad.shape[:1] or not bag_size.is_cpu
             or bag_size.layout is not _STRIDED or grad.numel() == 0 or indices.numel() == 0
-            or (indices.numel() + num_weights) * grad.shape[1] > _small_elements()):
+            or (indices.numel() + num_weights) * grad.shape[1] > _small_elements()
+            or not _segments.numba_runs_cpu_tensors()):
         return None
     if weights is not None and (bag_mode != _BAG_SUM or not _short_plain(grad, indices, weights)
                                 or weights.shape != indices.shape):
@@ -638,6 +640,26 @@ def _embedding_bag_backward_short(mode, grad, indices, offset2bag, bag_size, max
         terms = terms * weights.view(-1, 1)
     sums = grad.new_zeros(num_weights, grad.shape[1])
     return sums if _small_in_place(mode, sums, 0, indices, terms, "sum") else None
+
+
+def _bincount_short(mode, self, weights=None, minlength=0) -> torch.Tensor | None:
+    """``bincount`` with weights the short way, on CPU, but in "exact" mode: the checks of
+    ``_bincount``, the bins as it makes them (one read, the largest value), then
+    ``_small_in_place`` into them (a negative value makes it write nothing: the body then
+    leaves the call to torch, which refuses it)."""
+    if (mode == "exact" or weights is None or not _short_plain(weights, self, weights)
+            or self.dim() != 1 or weights.dim() != 1 or weights.shape[0] != self.shape[0]
+            or self.numel() == 0 or type(minlength) is not int or minlength < 0
+            # Where the one call cannot run, no read for it.
+            or not _segments.numba_runs_cpu_tensors() or _checked_on_device(self)):
+        return None
+    bins = max(int(self.max()) + 1, minlength)
+    if bins + self.numel() > _small_elements():
+        return None
+    dtype = torch.float32 if weights.dtype == torch.float32 else torch.float64
+    sums = torch.zeros(bins, dtype=dtype)
+    terms = weights if weights.dtype == dtype else weights.to(dtype)
+    return sums if _small_in_place(mode, sums, 0, self, terms, "sum") else None
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
@@ -1554,6 +1576,7 @@ _SHORT_WAYS = {
     "_index_put_impl_": _index_put_short,
     "embedding_dense_backward": _embedding_backward_short,
     "_embedding_bag_dense_backward": _embedding_bag_backward_short,
+    "bincount": _bincount_short,
     "index_add": _out_of_place_short(_index_add_short, sums_only=True),
     "scatter_add": _out_of_place_short(_scatter_add_short, sums_only=True),
     "scatter_reduce.two": _out_of_place_short(_scatter_short, sums_only=False),

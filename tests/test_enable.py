@@ -701,6 +701,29 @@ def test_small_embedding_bag_backward_takes_one_call_with_the_primitives_bits(
             bag_grad, outside, bag, bag_size, bag_size, 7, False, 0, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_small_bincount_takes_one_call_with_the_primitives_bits(small_in_place_answers, mode,
+                                                                dtype):
+    """``bincount`` with weights the short way: bins of torch's dtype (float32 for float32
+    weights, else float64), as many as the largest value or ``minlength`` ask, summed by one
+    call (none in "exact" mode), the primitive's bits; a negative value torch's error."""
+    values = torch.randperm(600, generator=torch.Generator().manual_seed(13)) % 7
+    weights = data((600,), dtype, 5)
+    bins = torch.float32 if dtype == torch.float32 else torch.float64
+    for index_dtype, minlength in ((torch.int64, 0), (torch.int32, 11)):
+        small_in_place_answers.clear()
+        with detsum.deterministic(mode):
+            actual = torch.bincount(values.to(index_dtype), weights, minlength=minlength)
+        assert small_in_place_answers == ([] if mode == "exact" else [True])
+        assert_same_bits(actual, detsum.index_add(
+            torch.zeros(max(7, minlength), dtype=bins), 0, values, weights.to(bins), mode=mode))
+    negative = values.clone()
+    negative[5] = -1
+    with detsum.deterministic(mode), pytest.raises(RuntimeError, match="non-negative"):
+        torch.bincount(negative, weights)
+
+
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_small_in_place_sums_the_short_way_leaves_give_the_primitives_bits(small_in_place_answers,
                                                                            mode):

@@ -1031,9 +1031,11 @@ def _bincount(mode, self, weights=None, minlength=0):
         zeros = torch.zeros(max(int(self.max()) + 1, minlength), dtype=bins,
                             device=weights.device)
         try:
-            return _index_add_op._index_add(zeros, 0, self, terms, 1.0, mode)
+            # Into the new zeros themselves: a new output would be one more pass.
+            _index_add_op._index_add_inplace(zeros, 0, self, terms, 1.0, mode)
         except IndexOutOfRangeError:
             raise _LeaveToTorch from None  # a negative value: torch refuses it, in its words
+        return zeros
     return run
 
 
@@ -1080,9 +1082,11 @@ def _embedding_backward(mode, grad_output, indices, num_weights, padding_idx,
         if keep_rows.numel() == 0:
             return zeros
         try:
-            return _index_add_op._index_add(zeros, 0, keep_rows, keep_grad, 1.0, mode)
+            # Into the new zeros themselves: a new output would be one more pass.
+            _index_add_op._index_add_inplace(zeros, 0, keep_rows, keep_grad, 1.0, mode)
         except IndexOutOfRangeError:
             raise _LeaveToTorch from None  # torch leaves out rows outside [0, num_weights)
+        return zeros
     return run
 
 
@@ -1173,7 +1177,8 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
             rows, terms = rows[keep], terms[keep]
         if rows.numel() == 0:
             return zeros
-        return _index_add_op._index_add(zeros, 0, rows, terms, 1.0, mode)
+        _index_add_op._index_add_inplace(zeros, 0, rows, terms, 1.0, mode)
+        return zeros
     return run
 
 
@@ -1538,7 +1543,8 @@ def _histc_counts(mode, self, bins, position):
         if position.numel() == 0:
             return zeros
         ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
-        return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode)
+        _index_add_op._index_add_inplace(zeros, 0, position, ones, 1.0, mode)
+        return zeros
     zeros = torch.zeros(bins + 1, dtype=self.dtype, device=self.device)
     ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
     return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode, _CHECK)[:bins]

@@ -379,7 +379,7 @@ def test_triton_on_cpu_without_the_interpreter_names_the_function(call, monkeypa
     assert message.startswith("detsum.") and "TRITON_INTERPRET=1" in message, message
 
 
-# ---- checks remembered for calls without a plan ---------------------------------------------------
+# ---- checks remembered for calls without a plan --------------------------------------------------
 
 def _counting_checks(monkeypatch, module):
     """Every run of ``module._check`` appended to the returned list, with ``plans``' memory of

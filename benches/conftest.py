@@ -30,6 +30,11 @@ import torch
 
 import detsum
 from detsum import measure
+from detsum.kernels import native
+
+# The switch's C++ kernels, built before any case (else the first ``enable`` builds them in a
+# thread while cases run on its Python kernels, and the compiler shares the machine).
+NATIVE_BUILD = native.build() or "built"
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
@@ -176,7 +181,7 @@ def _environment() -> dict:
     return {
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-        "numba": numba.__version__,
+        "numba": numba.__version__, "switch_native_kernels": NATIVE_BUILD,
     }
 
 

@@ -7,7 +7,7 @@ from about 0.5 to 1.5), where ``bench_pyg.py``'s blocks of 15 rounds a case gave
 
 The graphs, layers and step are ``bench_pyg.py``'s (a layer of 64 features in and out on 10k
 nodes and 100k random edges; ``layer(x, edge_index)``, then ``backward`` of a fixed
-gradient). Each round runs each of the four in turn, in an order that rotates, on one
+gradient). Each round runs each of the five in turn, in an order that rotates, on one
 thread, timed as the process's CPU time (what a core spent on it, not the wall clock that
 another process's work stretches). Before each one's turn, untimed, the switch's kernels are
 put in place or removed so that its steps run as its user would have them:
@@ -17,10 +17,11 @@ put in place or removed so that its steps run as its user would have them:
   switch's blocks inside the timed step;
 - "enabled": PyG's step with the switch on under ``detsum.enable`` (a program that turns it
   on once);
+- "enabled_python_kernels": the same with the switch's C++ kernels removed
+  (``detsum.switch._use_native(False)``): every switched call through its Python kernels;
 - "registered_off": PyG's step with the kernels registered and the switch off, every
-  switched call handed to torch's kernel by a Python kernel: what the dispatcher's way into
-  Python costs before any work, the floor of a switch made of Python kernels (in a loop 2-3
-  us a call; in a step on a small graph several times that).
+  switched call handed to torch's kernel by the switch's kernels (the C++ ones, where built,
+  pass it to the Python ones, which pass it to torch).
 
 Then ``--settle`` steps run untimed: the first steps after the kernels are registered or
 removed run slower, whichever the setting (on a graph of 200 nodes: the first 1.1-1.4x a
@@ -48,6 +49,8 @@ import torch
 
 import detsum
 import detsum.pyg
+import detsum.switch
+from detsum.kernels import native
 
 NODES, EDGES, FEATURES = 10_000, 100_000, 64
 
@@ -88,9 +91,18 @@ def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, 
     def switched_on():
         detsum.enable(mode)
 
+    def python_kernels_on():
+        detsum.switch._use_native(False)
+        detsum.enable(mode)
+
+    def python_kernels_off():
+        detsum.disable()
+        detsum.switch._use_native(True)
+
     steps = {"pyg": (nothing_registered, pyg_step, None),
              "marked": (registered_off, marked_step, None),
              "enabled": (switched_on, pyg_step, detsum.disable),
+             "enabled_python_kernels": (python_kernels_on, pyg_step, python_kernels_off),
              "registered_off": (registered_off, pyg_step, None)}
     names = list(steps)
     times = {name: [] for name in steps}
@@ -118,6 +130,7 @@ def _step_times(layer_name: str, mode: str, rounds: int, graph: tuple[int, int, 
     finally:
         switch.undo()
         detsum.disable()
+        detsum.switch._use_native(True)
     return times
 
 
@@ -135,6 +148,9 @@ def main() -> None:
                         help="timed steps a round, of which it keeps the median")
     parser.add_argument("--json", help="write the figures and each round's times here")
     args = parser.parse_args()
+    # Built now, not in the switch's build thread while the first rounds run.
+    reason = native.build()
+    print(f"the switch's C++ kernels: {reason or 'built'}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     found = {}
@@ -145,7 +161,7 @@ def main() -> None:
             pyg = statistics.median(times["pyg"])
             found[layer_name] = {"pyg_ms": pyg, "times": times}
             print(f"{layer_name:9s} pyg {pyg:6.2f} ms")
-            for form in ("marked", "enabled", "registered_off"):
+            for form in ("marked", "enabled", "enabled_python_kernels", "registered_off"):
                 ratios = [s / p for p, s in zip(times["pyg"], times[form], strict=True)]
                 deciles = statistics.quantiles(ratios, n=10)
                 median = statistics.median(times[form])
@@ -164,7 +180,8 @@ def main() -> None:
             json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
                        "machine": platform.processor() or platform.machine(),
                        "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-                       "rounds": args.rounds, "mode": args.mode, "settle": args.settle,
+                       "native_build": reason or "built", "rounds": args.rounds,
+                       "mode": args.mode, "settle": args.settle,
                        "timed": args.timed,
                        "graph": dict(zip(("nodes", "edges", "features"), args.graph)),
                        "layers": found}, f, indent=1)

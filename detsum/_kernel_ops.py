@@ -20,6 +20,8 @@ run on a given number of threads (``cpu_threads``).
   (``detsum.moe.route``): ``route_tables``.
 - A state on the wire of a sum over ranks (``detsum.distributed``): ``outgoing_states``,
   ``decode_state``.
+- The switch's C++ kernels (``detsum.switch``, ``kernels/native``): ``switch_native_library``,
+  ``build_switch_native``, ``switch_native_sum_rule``.
 """
 
 from __future__ import annotations
@@ -425,3 +427,25 @@ def decode_state(part: torch.Tensor, bottom: int, rows: int, kinds: Sequence[int
         wire.decode(part.numpy(), bottom, rows, kinds, fields, bits, total, summed)
         return
     _wire.decode(part, bottom, rows, kinds, fields, bits, total, summed)
+
+
+def switch_native_library():
+    """The switch's C++ kernels' library (``kernels/native``), loaded with ctypes; None where
+    it is not built."""
+    from detsum.kernels import native
+
+    return native.library()
+
+
+def build_switch_native() -> str | None:
+    """Build the switch's C++ kernels unless built: None, or why they could not be."""
+    from detsum.kernels import native
+
+    return native.build()
+
+
+def switch_native_sum_rule(rule: int) -> int:
+    """The C++ kernels' code for the kernel rule of a sum (their ``SumRule``): 1 for WIDE
+    (split past CHUNK_TERMS terms a row: such a call is not theirs), 2 for ROUND_EACH, 0 for a
+    rule they have not."""
+    return {WIDE: 1, kernels.ROUND_EACH: 2}.get(rule, 0)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 BACKENDS: tuple[str, ...] = ("numba", "reference", "triton")
 
@@ -20,6 +21,32 @@ _DEFAULT_BY_DEVICE = {"cpu": "numba", "cuda": "triton"}
 _forced_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "detsum_forced_backend", default=None
 )
+
+# How many ``backend`` blocks, in any thread, force a backend other than Numba's now; and what
+# to call when that number changes. The switch's C++ kernels compute the Numba backend's bits
+# for CPU tensors and take no call while any block forces another (detsum/switch.py): the
+# forced backend then runs the call, as it was asked to.
+_forcing_lock = threading.Lock()
+_forcing_other_than_numba = 0
+_forcing_listeners: list[Callable[[], None]] = []
+
+
+def forcing_other_than_numba() -> int:
+    """How many open ``backend`` blocks force a backend other than Numba's, in any thread."""
+    return _forcing_other_than_numba
+
+
+def on_forcing_change(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` whenever :func:`forcing_other_than_numba` changes."""
+    _forcing_listeners.append(listener)
+
+
+def _count_forcing(step: int) -> None:
+    global _forcing_other_than_numba
+    with _forcing_lock:
+        _forcing_other_than_numba += step
+    for listener in _forcing_listeners:
+        listener()
 
 
 @contextlib.contextmanager
@@ -44,10 +71,15 @@ def backend(name: str) -> Iterator[None]:
     if name not in BACKENDS:
         raise ValueError(f"detsum.backend: name={name!r} is not a backend; expected one of {BACKENDS}")
     token = _forced_backend.set(name)
+    other = name != "numba"
+    if other:
+        _count_forcing(1)
     try:
         yield
     finally:
         _forced_backend.reset(token)
+        if other:
+            _count_forcing(-1)
 
 
 def current_backend(device_type: str, caller: str) -> str:

@@ -50,6 +50,21 @@ exactly its own layer, so blocks nested in one thread restore what was there bef
 blocks opened and closed by several threads in any interleaving leave the state that the
 remaining ones define. One lock guards the state and the registration.
 
+Native kernels. The dispatcher's way into a Python kernel costs more than a small call's
+work: with nothing done there but a pass back to torch, it made a 200-node PyG training step
+1.10-1.15x PyG's own (benches/NOTES.md). So the calls such a step makes most, small in-place
+sums, maxima and minima on float32 and float64 CPU tensors (``index_add_``, ``scatter_add_``,
+``scatter_reduce_`` summing from self or taking amax or amin, ``index_put_`` with
+``accumulate=True``), have C++ kernels too (kernels/native/switch_kernels.cpp), installed at
+the CPU key over the Python ones. Each computes what the Python kernel's short way computes
+for its one form, the Numba small kernel's arithmetic in the same order: the same bits by
+construction (tests/test_switch_native.py holds them to it on generated inputs). Any other
+call it hands, untouched, to the Python kernel below it. They are compiled once per machine
+and torch by the system's C++ compiler: at the first ``enable`` in a thread of its own,
+while the Python kernels take every call (or beforehand, ``python -m
+detsum.kernels.native``); without a compiler the Python kernels stay, and
+``native_state()`` says why. ``DETSUM_NATIVE_SWITCH=0`` keeps them out.
+
 Recursion. detsum's primitives call torch operators themselves (``index_select``, integer
 ``index_add_`` for counts, and the reference backend's loops). While a switched kernel runs
 detsum, a thread-local flag sends every switched operator that thread calls back to torch's
@@ -60,8 +75,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import functools
 import math
+import os
 import sys
 import threading
 import warnings
@@ -70,11 +87,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from detsum import _segments, _validation
+from detsum import _kernel_ops, _segments, _validation
 from detsum._validation import IndexOutOfRangeError
-from detsum.backend import current_backend
-from detsum.modes import (FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE, MODE_BY_NAME, Mode,
-                          parse_mode, rule_for)
+from detsum.backend import current_backend, forcing_other_than_numba, on_forcing_change
+from detsum.modes import (CHUNK_TERMS, FLOAT_DTYPES, INDEX_DTYPES, MAX_TERMS_PER_STATE,
+                          MODE_BY_NAME, Mode, parse_mode, rule_for)
 from detsum.modes import acc_dtype
 from detsum.ops import index_add as _index_add_op
 from detsum.ops import scatter_reduce as _scatter_reduce_op
@@ -92,10 +109,65 @@ _library: torch.library.Library | None = None
 _removed: list = []
 _inside = threading.local()
 
+#: Whether the switch's C++ kernels take the small calls they cover (see "Native kernels"
+#: above); ``DETSUM_NATIVE_SWITCH=0`` in the environment keeps every call on the Python kernels.
+NATIVE = os.environ.get("DETSUM_NATIVE_SWITCH", "1") != "0"
+#: The C++ kernels' library while they are installed (over the Python kernels); the library
+#: once loaded, installed or not (its counts); what became of them (``native_state``).
+_native = None
+_native_loaded = None
+_native_state = "not tried: the switch has not been on"
+_native_building = False
+
+
+class _Counts(collections.Counter):
+    """``counts``, with the calls the C++ kernels took added in whenever it is read."""
+
+
+def _reading(name: str):
+    method = getattr(collections.Counter, name)
+
+    def read(self, *args, **kwargs):
+        _take_native_counts(self)
+        return method(self, *args, **kwargs)
+
+    read.__name__ = name
+    return read
+
+
+for _name in ("__getitem__", "__iter__", "__len__", "__contains__", "__repr__", "__eq__",
+              "__ne__", "__le__", "__lt__", "__ge__", "__gt__", "__sub__", "__add__", "__or__",
+              "__and__", "__pos__", "__neg__", "__reduce__", "get", "items", "keys", "values",
+              "most_common", "elements", "total", "subtract", "update", "clear"):
+    setattr(_Counts, _name, _reading(_name))
+_Counts.copy = lambda self: collections.Counter(dict(self.items()))
+
+_count_get, _count_set = dict.get, dict.__setitem__
+
+
+def _count(key: tuple[str, str]) -> None:
+    """One call more under ``key`` (the dict's own methods: no C++ counts taken in)."""
+    _count_set(counts, key, _count_get(counts, key, 0) + 1)
+
+
+def _take_native_counts(into: dict) -> None:
+    """The calls the C++ kernels took since the last take, added into ``into``."""
+    lib = _native_loaded
+    if lib is None:
+        return
+    ops = lib.detsum_native_op_count()
+    taken = (ctypes.c_int64 * (2 * ops))()
+    lib.detsum_native_take_counts(taken)
+    for i, n in enumerate(taken):
+        if n:
+            key = (lib.detsum_native_op_name(i % ops).decode(), "torch" if i >= ops else "detsum")
+            _count_set(into, key, _count_get(into, key, 0) + n)
+
+
 #: How many calls each switched operator sent to detsum and how many to torch's own kernel,
 #: since the process started: ``counts[("index_add_", "detsum")]``. For seeing what the
 #: switch covers in a program; updated without a lock, so exact only for one thread.
-counts: collections.Counter = collections.Counter()
+counts: collections.Counter = _Counts()
 
 
 # ---- the public switch ------------------------------------------------------------------------
@@ -184,17 +256,22 @@ def current_mode() -> str | None:
 def _apply(remove: bool = False) -> None:
     """Set the mode the state defines, registering the kernels if it is on; ``remove`` (from
     ``disable``): remove them too if it is off (lock held)."""
-    global _mode, _library, _removed
+    global _mode, _library, _removed, _native
     wanted = _blocks[-1][1] if _blocks else _base_mode
     if wanted is not None and _library is None:
         _library = _register()
+        _install_native()
     _mode = wanted
     if wanted is None and remove and _library is not None:
+        if _native is not None:
+            _native.detsum_native_uninstall()
+            _native = None
         removed = [torch.library.get_kernel(f"aten::{name}", key)
                    for name in _BODIES for key in _dispatch_keys()]
         _library._destroy()
         _library = None
         _removed = removed  # the ones removed before are freed now
+    _configure_native()
     if wanted is not None or "detsum._switch_compile" in sys.modules:
         from detsum import _switch_compile  # imports Dynamo and Inductor: only once used
 
@@ -207,6 +284,11 @@ def _dispatch_keys() -> tuple[str, ...]:
 
 
 def _register() -> torch.library.Library:
+    if NATIVE:
+        # torch's kernels, for the C++ kernels to call directly while the switch is off.
+        lib = _kernel_ops.switch_native_library()
+        if lib is not None:
+            lib.detsum_native_capture_torch()
     keys = _dispatch_keys()
     library = torch.library.Library("aten", "IMPL")
     # torch warns, once per process, that a kernel is overridden: that is the point here.
@@ -218,6 +300,96 @@ def _register() -> torch.library.Library:
                 original = torch.library.get_kernel(f"aten::{name}", key)
                 library.impl(name, _switched(name, body, original, key), key)
     return library
+
+
+def native_state() -> str:
+    """What became of the switch's C++ kernels in this process: ``"installed"`` (they take
+    the small calls they cover), ``"building"`` (compiling in a thread; the Python kernels
+    take every call meanwhile), ``"off"`` (``DETSUM_NATIVE_SWITCH=0``), ``"not tried"`` (the
+    switch has not been on), or why they are not there (``"not built: ..."``, no compiler,
+    say). Either way every call gives the same bits (docs/enable.md, "Native kernels")."""
+    if not NATIVE:
+        return "off: DETSUM_NATIVE_SWITCH=0"
+    return _native_state
+
+
+def _install_native() -> None:
+    """(Lock held, the Python kernels just registered.) Install the C++ kernels over them
+    where they are built; else build them in a thread, which installs them when done if the
+    Python kernels are still registered then."""
+    global _native, _native_loaded, _native_state, _native_building
+    if not NATIVE or _native is not None:
+        return
+    lib = _kernel_ops.switch_native_library()
+    if lib is None:
+        if not _native_building:
+            _native_building = True
+            _native_state = "building"
+            threading.Thread(target=_build_native, name="detsum-native-build",
+                             daemon=True).start()
+        return
+    _native_loaded = lib
+    if lib.detsum_native_install() != 0:
+        _native_state = f"not installed: {lib.detsum_native_error().decode()}"
+        return
+    _native = lib
+    _native_state = "installed"
+
+
+def _use_native(on: bool) -> None:
+    """Set ``NATIVE`` and act on it now: install the C++ kernels (where built) or remove
+    them, leaving the Python kernels registered (tests and benchmarks, which compare them)."""
+    global NATIVE, _native
+    with _lock:
+        NATIVE = on
+        if on and _library is not None:
+            _install_native()
+        elif not on and _native is not None:
+            _native.detsum_native_uninstall()
+            _native = None
+        _configure_native()
+
+
+def _build_native() -> None:
+    """The build thread: compile the C++ kernels, then install them if the switch's Python
+    kernels are registered."""
+    global _native_state, _native_building
+    reason = _kernel_ops.build_switch_native()
+    with _lock:
+        _native_building = False
+        if reason is not None:
+            _native_state = f"not built: {reason}"
+            return
+        _native_state = "built"
+        if _library is not None:
+            _install_native()
+            _configure_native()
+
+
+def _configure_native() -> None:
+    """(Lock held.) Tell the C++ kernels the switch's state: whether they take calls (the
+    switch on, and Numba the CPU backend everywhere: no ``detsum.backend`` block forcing
+    another), the sums' rule, "autograd" mode, and the small calls' limits."""
+    lib = _native
+    if lib is None:
+        return
+    mode = _mode
+    active = (mode is not None and forcing_other_than_numba() == 0
+              and _segments.numba_runs_cpu_tensors())
+    if not active:
+        lib.detsum_native_configure(int(mode is not None), 0, 0, 0, 0, 0)
+        return
+    sum_rule = _kernel_ops.switch_native_sum_rule(_cpu_rule(mode, "sum"))
+    lib.detsum_native_configure(1, 1, sum_rule, int(mode == "autograd"), _small_elements(),
+                                CHUNK_TERMS)
+
+
+def _reconfigure_native() -> None:
+    with _lock:
+        _configure_native()
+
+
+on_forcing_change(_reconfigure_native)
 
 
 @functools.cache
@@ -256,11 +428,14 @@ def _switched(name, body, original, key):
             if short_way is not None:
                 result = short_way(mode, *args, **kwargs)
                 if result is not None:
-                    counts[(name, "detsum")] += 1
+                    _count((name, "detsum"))
                     return result
             run = body(mode, *args, **kwargs)
             if run is not None:
                 _inside.running = True
+                native = _native_loaded
+                if native is not None:
+                    native.detsum_native_set_inside(1)
                 try:
                     result = run()
                 except _LeaveToTorch:
@@ -271,16 +446,18 @@ def _switched(name, body, original, key):
                     raise IndexOutOfRangeError(f"{name} (run by detsum.enable): {detail}") \
                         from None
                 else:
-                    counts[(name, "detsum")] += 1
+                    _count((name, "detsum"))
                     return result
                 finally:
                     _inside.running = False
+                    if native is not None:
+                        native.detsum_native_set_inside(0)
             if _torch_orders_terms(args, kwargs) and (
                     mode == "autograd" or _accumulates(name, args, kwargs)):
-                counts[(name, "torch")] += 1
+                _count((name, "torch"))
                 with _torch_deterministic():
                     return original.call_boxed(keyset, *args, **kwargs)
-        counts[(name, "torch")] += 1
+        _count((name, "torch"))
         return original.call_boxed(keyset, *args, **kwargs)
 
     # Where a compiled function breaks its graph at a switched op (bincount's shape depends

@@ -28,10 +28,16 @@ torch.exp(torch.zeros(1 << 18))
 
 import detsum
 import detsum.kernels
-from detsum import _segments
+from detsum import _segments, switch
+from detsum.kernels import native as native_kernels
 # Re-exported for the tests: torch's CPU fp32/fp64 index_put_ uses atomics from 32768 elements
 # with more than one thread; deterministic algorithms make it the serial sum the contract names.
 from detsum.measure import torch_deterministic  # noqa: F401
+
+#: The switch's C++ kernels, built before any test runs (seconds, once per machine and
+#: torch), so that whether a switched call takes them never depends on when a build thread
+#: finishes: None, or why they could not be built (tests/test_switch_native.py then fails).
+NATIVE_BUILD_ERROR = None if not switch.NATIVE else native_kernels.build()
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = detsum.MODES
@@ -93,6 +99,16 @@ def poison_outputs():
     _segments.POISON_OUTPUTS = True
     yield
     _segments.POISON_OUTPUTS = False
+
+
+@pytest.fixture
+def python_kernels():
+    """The switch's Python kernels alone during the test, its C++ kernels removed: for tests
+    that watch the Python kernels' steps (which the C++ kernels skip, with the same bits)."""
+    was = switch.NATIVE
+    switch._use_native(False)
+    yield
+    switch._use_native(was)
 
 
 @pytest.fixture(params=["torch's keys", "narrowed keys"])

@@ -1,0 +1,516 @@
+// The switch's (detsum.enable's) CPU kernels for the small in-place sums, maxima and minima
+// that a small model's step makes most: index_add_, scatter_add_, scatter_reduce_ (a sum from
+// self, amax, amin) and index_put_ with accumulate=True (the backward of x[idx]).
+//
+// Why C++: the dispatcher's way into a Python kernel, with nothing done there but a pass back
+// to torch, costs a 200-node PyG training step 1.10-1.15x (benches/NOTES.md); a kernel here
+// costs what torch's own does. Each one computes, for the one form it takes, what
+// kernels/numba/small.py's kernels compute for it (index_add_small_in_place,
+// extreme_small_in_place: the segment kernel's rules WIDE and ROUND_EACH on float32 and
+// float64 data, whose acc type is the data type, and its AMAX and AMIN), term by term in the
+// index's order, element by element: the same additions, multiplications and comparisons in
+// the same order, so the same bits. Compiled without contraction (-ffp-contract=off): a fused
+// multiply-add would round once where the rule rounds twice. Vectorising the loop over a row's
+// elements changes nothing: each element's operations and their order stay.
+//
+// Every other call, and any call of those forms that does not fit (another dtype or layout,
+// a rule that is not WIDE or ROUND_EACH, a launch larger than small.MAX_ELEMENTS, a row of
+// more than CHUNK_TERMS terms under WIDE, an index value out of range, memory shared, an
+// inference tensor outside inference mode), goes unchanged to the kernel that was registered
+// before this one: the switch's Python kernel, which gives detsum's answer or torch's, its
+// error or detsum's. Nothing is written before that decision.
+//
+// The Python side (detsum/switch.py through detsum/kernels/native) loads this library with
+// ctypes, installs the kernels over its own Python ones, and tells it the switch's state
+// (detsum_native_configure) and when a switched call runs detsum's code, whose own calls of
+// these ops must go to torch (detsum_native_set_inside).
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+// The operators, in the order of detsum_native_take_counts's counts.
+enum Op { kIndexAdd = 0, kScatterAdd, kScatterReduce, kIndexPut, kOps };
+const char* const kOpNames[kOps] = {"index_add_", "scatter_add_", "scatter_reduce_.two",
+                                    "_index_put_impl_"};
+
+// How a sum is added (configure's sum_rule): not here, WIDE (fp32 mode: a row of more than
+// CHUNK_TERMS terms is split into chunks, another arithmetic, so such a call is not taken),
+// ROUND_EACH ("autograd" mode: never split). On float32 and float64 data both add term by
+// term in the data type.
+enum SumRule { kNoSum = 0, kWide = 1, kRoundEach = 2 };
+
+// The switch's state, set from Python. on: a mode is set (the switch is on). active: it is on
+// and every CPU primitive runs on Numba (no detsum.backend block forces another anywhere).
+// autograd: the mode is "autograd" (a sum scaled by an alpha other than 1 or -1 goes to the
+// Python kernel, as there).
+std::atomic<int> g_on{0};
+std::atomic<int> g_active{0};
+std::atomic<int> g_sum_rule{kNoSum};
+std::atomic<int> g_autograd{0};
+std::atomic<int64_t> g_max_elements{0};
+std::atomic<int64_t> g_chunk_terms{0};
+std::atomic<int64_t> g_counts[kOps];
+std::atomic<int64_t> g_torch_counts[kOps];
+thread_local bool t_inside = false;
+
+// The kernels registered before these (the switch's Python ones), called for every call not
+// taken here. Shared pointers, replaced atomically at each install, so that a call running in
+// another thread keeps the one it loaded.
+std::shared_ptr<const c10::SafeKernelFunction> g_fallback[kOps];
+// torch's own kernels, where detsum_native_capture_torch took them before the switch
+// registered its Python kernels: a call while the switch is off, or one of detsum's own calls
+// inside a switched call, goes straight to them, as the Python kernel would send it (that way
+// costs a small PyG step about a tenth: benches/NOTES.md). Else such calls take the fallback.
+std::shared_ptr<const c10::SafeKernelFunction> g_torch[kOps];
+std::unique_ptr<torch::Library> g_library;
+std::string g_error;
+
+void to_fallback(Op op, const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                 torch::jit::Stack* stack) {
+  if (t_inside || !g_on.load(std::memory_order_relaxed)) {
+    if (auto torch_kernel = std::atomic_load(&g_torch[op])) {
+      g_torch_counts[op].fetch_add(1, std::memory_order_relaxed);
+      // torch's CPU kernels read no key set; the Python kernel hands them this one too.
+      torch_kernel->callBoxed(handle, c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+      return;
+    }
+  }
+  auto fallback = std::atomic_load(&g_fallback[op]);
+  TORCH_CHECK(fallback, "detsum.enable: no kernel to hand ", kOpNames[op], " to");
+  fallback->callBoxed(handle, keys, stack);
+}
+
+bool fast_calls_on() {
+  return !t_inside && g_active.load(std::memory_order_relaxed);
+}
+
+// The bytes from a tensor's first element to its last: two tensors whose spans do not meet
+// share no memory (detsum/_validation.py's address_ranges_meet, the test the Python way
+// makes).
+bool spans_meet(const at::Tensor& a, const at::Tensor& b) {
+  auto span = [](const at::Tensor& t) {
+    int64_t last = 0;
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    return (last + 1) * static_cast<int64_t>(t.element_size());
+  };
+  auto a_start = reinterpret_cast<uintptr_t>(a.data_ptr());
+  auto b_start = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return a_start < b_start + span(b) && b_start < a_start + span(a);
+}
+
+// CPU, strided, no lazy negation: what _short_plain asks of each tensor.
+bool plain(const at::Tensor& t) {
+  return t.defined() && t.device().is_cpu() && t.layout() == c10::kStrided && !t.is_neg();
+}
+
+// A target the call may write: contiguous (so its elements are distinct), not an inference
+// tensor outside inference mode (torch refuses that, and its error is the one to give).
+bool writable_target(const at::Tensor& target) {
+  return target.is_contiguous() && (!target.is_inference() || c10::InferenceMode::is_enabled());
+}
+
+// Where a row index lies: n values of type I, stride apart (elements).
+template <typename I>
+struct Rows {
+  const I* values;
+  int64_t stride;
+  int64_t n;
+  int64_t at(int64_t i) const { return static_cast<int64_t>(values[i * stride]); }
+};
+
+// Every value in [0, rows), and under WIDE no row of more than chunk_terms terms (counted
+// only past chunk_terms terms in all, as small.py's _counted does).
+template <typename I>
+bool rows_fit(const Rows<I>& index, int64_t rows, bool wide, int64_t chunk_terms) {
+  if (wide && index.n > chunk_terms) {
+    std::vector<int64_t> counts(rows, 0);
+    for (int64_t i = 0; i < index.n; ++i) {
+      int64_t v = index.at(i);
+      if (v < 0 || v >= rows || ++counts[v] > chunk_terms) return false;
+    }
+    return true;
+  }
+  for (int64_t i = 0; i < index.n; ++i) {
+    int64_t v = index.at(i);
+    if (v < 0 || v >= rows) return false;
+  }
+  return true;
+}
+
+// target[o, index[i], j] += source[o, i, j] * alpha, i in order: small.py's _index_add_at
+// for data whose acc type is the data type (the alpha rounded to it first, as cvt does).
+template <typename T, typename I>
+void add_rows(T* target, const T* source, const Rows<I>& index, int64_t outer, int64_t rows,
+              int64_t inner, double alpha) {
+  const T a = static_cast<T>(alpha);
+  for (int64_t o = 0; o < outer; ++o) {
+    for (int64_t i = 0; i < index.n; ++i) {
+      T* out = target + (o * rows + index.at(i)) * inner;
+      const T* term = source + (o * index.n + i) * inner;
+      for (int64_t j = 0; j < inner; ++j) out[j] = out[j] + term[j] * a;
+    }
+  }
+}
+
+// Each target row the largest (maximum) or smallest of its terms, and of its own values first
+// under include_base: small.py's _extreme_at (NaN propagates; of equal values the earlier
+// stays). A row without terms keeps its values.
+// Each of out's elements y replaced by term's x where (x is NaN or beyond y) and y is not
+// NaN: a select, not a branch, in a function of its own, rows apart in memory (reduce_rows
+// checked): so the loop vectorises. With a branch, or inlined into pick_rows (where GCC 12
+// left the amax loop scalar), an amax of 256 rows of 64 took 15-21 us, torch's kernel 5.
+template <bool maximum, typename T>
+__attribute__((noinline)) void pick_row(T* __restrict out, const T* __restrict term,
+                                        int64_t inner) {
+  for (int64_t j = 0; j < inner; ++j) {
+    const T x = term[j], y = out[j];
+    const bool picked = ((x != x) | (maximum ? x > y : x < y)) & (y == y);
+    out[j] = picked ? x : y;
+  }
+}
+
+template <bool maximum, typename T, typename I>
+void pick_rows(T* target, const T* source, const Rows<I>& index, int64_t outer, int64_t rows,
+               int64_t inner, bool include_base) {
+  std::vector<char> started(rows);
+  for (int64_t o = 0; o < outer; ++o) {
+    std::fill(started.begin(), started.end(), include_base ? 1 : 0);
+    for (int64_t i = 0; i < index.n; ++i) {
+      int64_t v = index.at(i);
+      T* out = target + (o * rows + v) * inner;
+      const T* term = source + (o * index.n + i) * inner;
+      if (!started[v]) {
+        started[v] = 1;
+        std::memcpy(out, term, inner * sizeof(T));
+        continue;
+      }
+      pick_row<maximum>(out, term, inner);
+    }
+  }
+}
+
+enum class Reduce { kSum, kMax, kMin };
+
+// target reduced in place along dim with source's rows at the row index (values of `index`,
+// stride apart, n of them), as the Python way's _segments.small_reduce_in_place would:
+// whether it was (else nothing written). The shapes were checked by the caller: target and
+// source agree on every dim but dim, source has n rows along it.
+template <typename I>
+bool reduce_rows_as(const at::Tensor& target, int64_t dim, const I* index_values,
+                    int64_t index_stride, int64_t n, const at::Tensor& source, Reduce reduce,
+                    bool include_base, double alpha) {
+  const int sum_rule = g_sum_rule.load(std::memory_order_relaxed);
+  if (reduce == Reduce::kSum && sum_rule == kNoSum) return false;
+  const int64_t rows = target.size(dim);
+  int64_t outer = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= target.size(d);
+  const int64_t inner = target.numel() / (outer * rows);
+  Rows<I> index{index_values, index_stride, n};
+  if (!rows_fit(index, rows, reduce == Reduce::kSum && sum_rule == kWide,
+                g_chunk_terms.load(std::memory_order_relaxed)))
+    return false;
+  const bool is_float = target.scalar_type() == at::kFloat;
+  if (reduce == Reduce::kSum) {
+    if (is_float)
+      add_rows(target.mutable_data_ptr<float>(), source.const_data_ptr<float>(), index, outer,
+               rows, inner, alpha);
+    else
+      add_rows(target.mutable_data_ptr<double>(), source.const_data_ptr<double>(), index, outer,
+               rows, inner, alpha);
+  } else {
+    auto pick = [&](auto* out, const auto* in) {
+      if (reduce == Reduce::kMax)
+        pick_rows<true>(out, in, index, outer, rows, inner, include_base);
+      else
+        pick_rows<false>(out, in, index, outer, rows, inner, include_base);
+    };
+    if (is_float)
+      pick(target.mutable_data_ptr<float>(), source.const_data_ptr<float>());
+    else
+      pick(target.mutable_data_ptr<double>(), source.const_data_ptr<double>());
+  }
+  return true;
+}
+
+// The checks every form shares (_short_plain, _changeable and small_reduce_in_place's): CPU
+// strided tensors without lazy negation, target and source of one dtype, float32 or float64,
+// an int32 or int64 index, all nonempty, a contiguous writable target and source, small, no
+// memory shared; then the reduction.
+bool reduce_rows(const at::Tensor& target, int64_t dim, const at::Tensor& index,
+                 int64_t index_stride, int64_t n, const at::Tensor& source, Reduce reduce,
+                 bool include_base, double alpha) {
+  const auto dtype = target.scalar_type();
+  if (!plain(target) || !plain(index) || !plain(source) || source.scalar_type() != dtype ||
+      (dtype != at::kFloat && dtype != at::kDouble) || target.numel() == 0 ||
+      source.numel() == 0 || !writable_target(target) || !source.is_contiguous() ||
+      source.numel() + target.numel() > g_max_elements.load(std::memory_order_relaxed) ||
+      spans_meet(target, source) || spans_meet(target, index))
+    return false;
+  if (index.scalar_type() == at::kLong)
+    return reduce_rows_as(target, dim, index.const_data_ptr<int64_t>(), index_stride, n, source,
+                          reduce, include_base, alpha);
+  if (index.scalar_type() == at::kInt)
+    return reduce_rows_as(target, dim, index.const_data_ptr<int32_t>(), index_stride, n, source,
+                          reduce, include_base, alpha);
+  return false;
+}
+
+// dim in [-ndim, ndim) made non-negative, or -1.
+int64_t wrapped_dim(int64_t dim, int64_t ndim) {
+  if (dim < -ndim || dim >= ndim) return -1;
+  return dim < 0 ? dim + ndim : dim;
+}
+
+// target and source agree on every dim but dim.
+bool same_but(const at::Tensor& a, const at::Tensor& b, int64_t dim) {
+  if (a.dim() != b.dim()) return false;
+  for (int64_t d = 0; d < a.dim(); ++d)
+    if (d != dim && a.size(d) != b.size(d)) return false;
+  return true;
+}
+
+void replace_arguments(torch::jit::Stack* stack, size_t count, const at::Tensor& result) {
+  torch::jit::drop(*stack, count);
+  stack->emplace_back(result);
+}
+
+// index_add_(Tensor(a!) self, int dim, Tensor index, Tensor source, *, Scalar alpha=1)
+// (_index_add_short): a 1-D index; in "autograd" mode only an alpha of 1 or -1.
+void index_add_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                      torch::jit::Stack* stack) {
+  if (fast_calls_on()) {
+    const auto args = torch::jit::last(*stack, 5);
+    const at::Tensor& self = args[0].toTensor();
+    const at::Tensor& index = args[2].toTensor();
+    const at::Tensor& source = args[3].toTensor();
+    const c10::Scalar alpha = args[4].toScalar();
+    const bool real_alpha = alpha.isFloatingPoint() || alpha.isIntegral(false);
+    const double a = real_alpha ? alpha.toDouble() : 0.0;
+    const int64_t dim = wrapped_dim(args[1].toInt(), self.dim());
+    if (real_alpha && dim >= 0 && index.dim() == 1 &&
+        !(g_autograd.load(std::memory_order_relaxed) && a != 1.0 && a != -1.0) &&
+        same_but(self, source, dim) && source.size(dim) == index.size(0) &&
+        reduce_rows(self, dim, index, index.stride(0), index.size(0), source, Reduce::kSum,
+                    true, a)) {
+      g_counts[kIndexAdd].fetch_add(1, std::memory_order_relaxed);
+      at::Tensor result = self;
+      replace_arguments(stack, 5, result);
+      return;
+    }
+  }
+  to_fallback(kIndexAdd, handle, keys, stack);
+}
+
+// A scatter's index of src's shape that broadcasts one row index along every dim but dim by
+// its layout (stride 0 or size 1 there: scatter_reduce.stride_zero_rows); the caller then
+// reads it along dim with its stride.
+bool stride_zero_rows(const at::Tensor& index, int64_t dim) {
+  for (int64_t d = 0; d < index.dim(); ++d)
+    if (d != dim && index.stride(d) != 0 && index.size(d) != 1) return false;
+  return true;
+}
+
+// The scatter forms (_scatter_short): an index of src's shape whose rows broadcast, self of
+// that shape but along dim; a sum from self, amax or amin.
+bool scatter_rows(const at::Tensor& self, int64_t dim_arg, const at::Tensor& index,
+                  const at::Tensor& src, Reduce reduce, bool include_self) {
+  const int64_t ndim = self.dim();
+  const int64_t dim = wrapped_dim(dim_arg, ndim);
+  if (ndim == 0 || dim < 0 || index.dim() != ndim || index.sizes() != src.sizes() ||
+      index.numel() == 0 || !same_but(self, index, dim) || !stride_zero_rows(index, dim))
+    return false;
+  return reduce_rows(self, dim, index, index.stride(dim), index.size(dim), src, reduce,
+                     include_self, 1.0);
+}
+
+// scatter_add_(Tensor(a!) self, int dim, Tensor index, Tensor src)
+void scatter_add_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                        torch::jit::Stack* stack) {
+  if (fast_calls_on()) {
+    const auto args = torch::jit::last(*stack, 4);
+    const at::Tensor& self = args[0].toTensor();
+    if (scatter_rows(self, args[1].toInt(), args[2].toTensor(), args[3].toTensor(),
+                     Reduce::kSum, true)) {
+      g_counts[kScatterAdd].fetch_add(1, std::memory_order_relaxed);
+      at::Tensor result = self;
+      replace_arguments(stack, 4, result);
+      return;
+    }
+  }
+  to_fallback(kScatterAdd, handle, keys, stack);
+}
+
+// scatter_reduce_.two(Tensor(a!) self, int dim, Tensor index, Tensor src, str reduce, *,
+// bool include_self=True): a sum from self, amax, amin (a mean, a product and a sum from
+// zero go to the Python kernel).
+void scatter_reduce_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                           torch::jit::Stack* stack) {
+  if (fast_calls_on()) {
+    const auto args = torch::jit::last(*stack, 6);
+    const auto reduce_name = args[4].toStringView();
+    const bool include_self = args[5].toBool();
+    bool known = true;
+    Reduce reduce = Reduce::kSum;
+    if (reduce_name == "amax")
+      reduce = Reduce::kMax;
+    else if (reduce_name == "amin")
+      reduce = Reduce::kMin;
+    else if (reduce_name != "sum" || !include_self)
+      known = false;
+    const at::Tensor& self = args[0].toTensor();
+    if (known && scatter_rows(self, args[1].toInt(), args[2].toTensor(), args[3].toTensor(),
+                              reduce, include_self)) {
+      g_counts[kScatterReduce].fetch_add(1, std::memory_order_relaxed);
+      at::Tensor result = self;
+      replace_arguments(stack, 6, result);
+      return;
+    }
+  }
+  to_fallback(kScatterReduce, handle, keys, stack);
+}
+
+// _index_put_impl_(Tensor(a!) self, Tensor?[] indices, Tensor values, bool accumulate=False,
+// bool unsafe=False) with accumulate=True and one 1-D index along the first dim, values of
+// the indexed shape (_index_put_short). Not in "exact" mode: configure sets no sum rule then.
+void index_put_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                      torch::jit::Stack* stack) {
+  if (fast_calls_on()) {
+    const auto args = torch::jit::last(*stack, 5);
+    if (args[3].toBool()) {
+      const auto indices = args[1].toListRef();
+      if (indices.size() == 1 && indices[0].isTensor()) {
+        const at::Tensor& self = args[0].toTensor();
+        const at::Tensor& index = indices[0].toTensor();
+        const at::Tensor& values = args[2].toTensor();
+        if (self.dim() >= 1 && index.dim() == 1 && values.dim() == self.dim() &&
+            values.size(0) == index.size(0) && same_but(self, values, 0) &&
+            reduce_rows(self, 0, index, index.stride(0), index.size(0), values, Reduce::kSum,
+                        true, 1.0)) {
+          g_counts[kIndexPut].fetch_add(1, std::memory_order_relaxed);
+          at::Tensor result = self;
+          replace_arguments(stack, 5, result);
+          return;
+        }
+      }
+    }
+  }
+  to_fallback(kIndexPut, handle, keys, stack);
+}
+
+// Overriding a kernel is the point here: c10's warning that it happens is not printed.
+class QuietWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning&) override {}
+};
+
+const char* const kSchemas[kOps][2] = {{"aten::index_add_", ""},
+                                       {"aten::scatter_add_", ""},
+                                       {"aten::scatter_reduce_", "two"},
+                                       {"aten::_index_put_impl_", ""}};
+
+}  // namespace
+
+extern "C" {
+
+// Takes the kernels registered at the CPU key now as torch's own: call it before the switch
+// registers its Python kernels. 0, or -1 with detsum_native_error's message.
+int detsum_native_capture_torch() {
+  try {
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (int op = 0; op < kOps; ++op) {
+      auto handle = dispatcher.findSchemaOrThrow(kSchemas[op][0], kSchemas[op][1]);
+      std::atomic_store(&g_torch[op],
+                        std::shared_ptr<const c10::SafeKernelFunction>(
+                            std::make_shared<c10::SafeKernelFunction>(
+                                handle.getComputedKernelForDispatchKey(c10::DispatchKey::CPU))));
+    }
+    return 0;
+  } catch (const std::exception& error) {
+    g_error = error.what();
+    return -1;
+  }
+}
+
+// Installs the kernels at the CPU key over the ones registered there now (the switch's
+// Python kernels), which become their fallbacks: 0, or -1 with detsum_native_error's message.
+int detsum_native_install() {
+  try {
+    QuietWarnings quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    auto& dispatcher = c10::Dispatcher::singleton();
+    for (int op = 0; op < kOps; ++op) {
+      auto handle = dispatcher.findSchemaOrThrow(kSchemas[op][0], kSchemas[op][1]);
+      std::atomic_store(&g_fallback[op],
+                        std::shared_ptr<const c10::SafeKernelFunction>(
+                            std::make_shared<c10::SafeKernelFunction>(
+                                handle.getComputedKernelForDispatchKey(c10::DispatchKey::CPU))));
+    }
+    auto library = std::make_unique<torch::Library>(
+        torch::Library::IMPL, "aten", std::optional<c10::DispatchKey>(c10::DispatchKey::CPU),
+        __FILE__, __LINE__);
+    library->impl("index_add_", torch::CppFunction::makeFromBoxedFunction<&index_add_kernel>());
+    library->impl("scatter_add_",
+                  torch::CppFunction::makeFromBoxedFunction<&scatter_add_kernel>());
+    library->impl("scatter_reduce_.two",
+                  torch::CppFunction::makeFromBoxedFunction<&scatter_reduce_kernel>());
+    library->impl("_index_put_impl_",
+                  torch::CppFunction::makeFromBoxedFunction<&index_put_kernel>());
+    g_library = std::move(library);
+    return 0;
+  } catch (const std::exception& error) {
+    g_error = error.what();
+    return -1;
+  }
+}
+
+// Removes the kernels: the ones they were installed over run again.
+void detsum_native_uninstall() {
+  QuietWarnings quiet;
+  c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+  g_library.reset();
+}
+
+const char* detsum_native_error() { return g_error.c_str(); }
+
+// The switch's state: see g_active and the others above.
+void detsum_native_configure(int on, int active, int sum_rule, int autograd,
+                             int64_t max_elements, int64_t chunk_terms) {
+  g_on.store(on);
+  g_sum_rule.store(sum_rule);
+  g_autograd.store(autograd);
+  g_max_elements.store(max_elements);
+  g_chunk_terms.store(chunk_terms);
+  g_active.store(active);
+}
+
+// While set in a thread, its calls of these ops go to torch's kernel (detsum's own code inside
+// a switched call asks for it).
+void detsum_native_set_inside(int inside) { t_inside = inside != 0; }
+
+// The calls run here since the last take, per operator (kOpNames's order): into counts[op]
+// those run on detsum, into counts[kOps + op] those handed straight to torch's kernel; those
+// counts are zeroed.
+void detsum_native_take_counts(int64_t* counts) {
+  for (int op = 0; op < kOps; ++op) {
+    counts[op] = g_counts[op].exchange(0);
+    counts[kOps + op] = g_torch_counts[op].exchange(0);
+  }
+}
+
+const char* detsum_native_op_name(int op) { return op >= 0 && op < kOps ? kOpNames[op] : ""; }
+
+int detsum_native_op_count() { return kOps; }
+
+}  // extern "C"

@@ -20,7 +20,8 @@ give torch's own result, or torch's own error. Importing detsum registers nothin
 
 Off. When the last ``deterministic`` block closes (and ``enable`` holds no mode), the kernels
 stay registered and hand every call to torch's kernel, unchanged: torch's result, for a few
-microseconds more a call (about 5 us on a small CPU ``index_add_``). Only ``disable`` removes
+microseconds more a call (about 5 us on a small CPU ``index_add_``; the ops with C++ kernels,
+below, call torch's kernel from C++). Only ``disable`` removes
 them (destroying the library puts torch's kernels back in the dispatcher's table: then no
 detsum code runs at all). Two reasons. Registering and removing cost 0.34 ms a toggle, which
 blocks opened and closed around every layer of every step (``detsum.pyg.make_deterministic``)
@@ -125,6 +126,7 @@ class _Counts(collections.Counter):
 
 
 def _reading(name: str):
+    """Counter's method ``name``, the C++ kernels' calls taken in first."""
     method = getattr(collections.Counter, name)
 
     def read(self, *args, **kwargs):

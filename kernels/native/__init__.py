@@ -20,6 +20,7 @@ import os
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -82,6 +83,7 @@ def build() -> str | None:
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _remove_abandoned(path.parent)
         handle, partial = tempfile.mkstemp(suffix=".so.partial", dir=path.parent)
         os.close(handle)
     except OSError as error:
@@ -97,6 +99,18 @@ def build() -> str | None:
         return f"the compiler failed: {tail}"
     os.replace(partial, path)
     return None
+
+
+def _remove_abandoned(folder: Path) -> None:
+    """Partial builds older than ten minutes: a process that ended while its build thread ran
+    left them (a build takes seconds)."""
+    now = time.time()
+    for partial in folder.glob("*.so.partial"):
+        try:
+            if now - partial.stat().st_mtime > 600:
+                partial.unlink()
+        except OSError:  # another process removed it, or renamed it into place
+            pass
 
 
 def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -203,11 +203,12 @@ def enable(mode: str | Mode = "fp32") -> None:
         tensor([1.])
         >>> detsum.disable()
     """
+    _refuse_tracing("detsum.enable")
     mode = parse_mode(mode, caller="detsum.enable")
     global _base_mode
     with _lock:
         _base_mode = mode.value
-        _apply()
+        _apply_untraced()
 
 
 def disable() -> None:
@@ -215,10 +216,11 @@ def disable() -> None:
     :func:`deterministic` block): the switch goes off, and its kernels are removed from
     torch's dispatcher, which a block's end does not do (it leaves them handing every call to
     torch). Does nothing more when the switch is off and removed already."""
+    _refuse_tracing("detsum.disable")
     global _base_mode
     with _lock:
         _base_mode = None
-        _apply(remove=True)
+        _apply_untraced(remove=True)
 
 
 @contextlib.contextmanager
@@ -237,22 +239,54 @@ def deterministic(mode: str | Mode = "fp32") -> Iterator[None]:
         >>> x.grad
         tensor([2., 0., 1.])
     """
+    _refuse_tracing("detsum.deterministic")
     mode = parse_mode(mode, caller="detsum.deterministic")
     layer = object()
     with _lock:
         _blocks.append((layer, mode.value))
-        _apply()
+        _apply_untraced()
     try:
         yield
     finally:
         with _lock:
             _blocks[:] = [block for block in _blocks if block[0] is not layer]
-            _apply()
+            _apply_untraced()
+
+
+def _refuse_tracing(caller: str) -> None:
+    """Raise, in ``caller``'s words, inside a function that ``torch.compile`` traces: the
+    switch is the process's state, set when it runs, which a graph cannot hold. (Dynamo
+    reports the error with ``fullgraph=True``; otherwise it breaks the graph there and the
+    call runs as plain Python, which works.) Without this, Dynamo's own error named the
+    switch's lock."""
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{caller}: called inside a function that torch.compile traces; expected it "
+            f"outside: switch on before calling the compiled function (compiled code then "
+            f"runs the switched ops on detsum), or compile without fullgraph=True")
 
 
 def current_mode() -> str | None:
     """The mode the switched ops run in now (``"fp32"``, ...), or None when the switch is off."""
     return _mode
+
+
+def _apply_untraced(remove: bool = False) -> None:
+    """``_apply``, out of Dynamo's sight where its frame hook is set: a switch call in a
+    function compiled without ``fullgraph`` runs as plain Python after its graph break
+    (``_refuse_tracing``), with the hook still set, and Dynamo would compile the frames it
+    calls (the C++ kernels' loading among them, which it cannot trace)."""
+    if "torch._dynamo" in sys.modules:
+        lookup = _frame_hook_lookup()
+        if lookup is not None and lookup[0]() is not None:
+            _apply_without_dynamo()(remove)
+            return
+    _apply(remove)
+
+
+@functools.cache
+def _apply_without_dynamo():
+    return torch.compiler.disable(_apply)
 
 
 def _apply(remove: bool = False) -> None:

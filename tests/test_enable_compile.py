@@ -214,6 +214,34 @@ def test_a_graph_break_at_a_switched_op_runs_it_on_detsum():
     assert torch._dynamo.utils.counters["frames"]["total"] == frames + 1
 
 
+@pytest.mark.parametrize("switch_call", ["enable", "deterministic", "disable"])
+def test_switching_inside_a_traced_function_is_refused_in_detsums_words(switch_call):
+    """``detsum.enable``, ``disable`` or a ``deterministic`` block inside a function compiled
+    with ``fullgraph=True``: the error names the call and says where it belongs (Dynamo's
+    own named the switch's lock). Without ``fullgraph`` the graph breaks there and the call
+    runs as plain Python: switched, the exact sum."""
+    def program(x, index, source):
+        if switch_call == "enable":
+            detsum.enable("exact")
+            return x.index_add(0, index, source)
+        if switch_call == "disable":
+            detsum.disable()
+            return x.index_add(0, index, source)
+        with detsum.deterministic("exact"):
+            return x.index_add(0, index, source)
+
+    x, index, source = torch.zeros(1), torch.tensor([0, 0, 0]), torch.tensor([1e8, 1.0, -1e8])
+    try:
+        with pytest.raises(Exception) as refused:
+            torch.compile(program, fullgraph=True, backend="eager")(x, index, source)
+        assert f"detsum.{switch_call}: called inside a function that torch.compile traces" in (
+            str(refused.value))
+        if switch_call != "disable":
+            assert torch.compile(program, backend="eager")(x, index, source).item() == 1.0
+    finally:
+        detsum.disable()
+
+
 def test_switched_ops_pass_opcheck():
     """The opaque ops that compiled graphs call in place of torch's: schema, fake tensors and
     AOTAutograd with dynamic shapes agree with the op they call."""

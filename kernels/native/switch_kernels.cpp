@@ -281,9 +281,13 @@ bool same_but(const at::Tensor& a, const at::Tensor& b, int64_t dim) {
   return true;
 }
 
-void replace_arguments(torch::jit::Stack* stack, size_t count, const at::Tensor& result) {
-  torch::jit::drop(*stack, count);
-  stack->emplace_back(result);
+// A call taken here: counted, and its arguments on the stack replaced by its result, the
+// target (the first argument) itself.
+void answer_with_target(Op op, torch::jit::Stack* stack, size_t arguments) {
+  g_counts[op].fetch_add(1, std::memory_order_relaxed);
+  at::Tensor target = (*stack)[stack->size() - arguments].toTensor();
+  torch::jit::drop(*stack, arguments);
+  stack->emplace_back(std::move(target));
 }
 
 // index_add_(Tensor(a!) self, int dim, Tensor index, Tensor source, *, Scalar alpha=1)
@@ -304,9 +308,7 @@ void index_add_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet key
         same_but(self, source, dim) && source.size(dim) == index.size(0) &&
         reduce_rows(self, dim, index, index.stride(0), index.size(0), source, Reduce::kSum,
                     true, a)) {
-      g_counts[kIndexAdd].fetch_add(1, std::memory_order_relaxed);
-      at::Tensor result = self;
-      replace_arguments(stack, 5, result);
+      answer_with_target(kIndexAdd, stack, 5);
       return;
     }
   }
@@ -343,9 +345,7 @@ void scatter_add_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet k
     const at::Tensor& self = args[0].toTensor();
     if (scatter_rows(self, args[1].toInt(), args[2].toTensor(), args[3].toTensor(),
                      Reduce::kSum, true)) {
-      g_counts[kScatterAdd].fetch_add(1, std::memory_order_relaxed);
-      at::Tensor result = self;
-      replace_arguments(stack, 4, result);
+      answer_with_target(kScatterAdd, stack, 4);
       return;
     }
   }
@@ -372,9 +372,7 @@ void scatter_reduce_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySe
     const at::Tensor& self = args[0].toTensor();
     if (known && scatter_rows(self, args[1].toInt(), args[2].toTensor(), args[3].toTensor(),
                               reduce, include_self)) {
-      g_counts[kScatterReduce].fetch_add(1, std::memory_order_relaxed);
-      at::Tensor result = self;
-      replace_arguments(stack, 6, result);
+      answer_with_target(kScatterReduce, stack, 6);
       return;
     }
   }
@@ -398,9 +396,7 @@ void index_put_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet key
             values.size(0) == index.size(0) && same_but(self, values, 0) &&
             reduce_rows(self, 0, index, index.stride(0), index.size(0), values, Reduce::kSum,
                         true, 1.0)) {
-          g_counts[kIndexPut].fetch_add(1, std::memory_order_relaxed);
-          at::Tensor result = self;
-          replace_arguments(stack, 5, result);
+              answer_with_target(kIndexPut, stack, 5);
           return;
         }
       }

@@ -445,7 +445,7 @@ def build_switch_native() -> str | None:
 
 
 def switch_native_sum_rule(rule: int) -> int:
-    """The C++ kernels' code for the kernel rule of a sum (their ``SumRule``): 1 for WIDE
-    (split past CHUNK_TERMS terms a row: such a call is not theirs), 2 for ROUND_EACH, 0 for a
-    rule they have not."""
-    return {WIDE: 1, kernels.ROUND_EACH: 2}.get(rule, 0)
+    """The C++ kernels' code for the kernel rule of a sum (their ``SumRule``): 1 for WIDE, 3
+    for KAHAN (both split past CHUNK_TERMS terms a row: such a call is not theirs), 2 for
+    ROUND_EACH, 0 for a rule they have not."""
+    return {WIDE: 1, kernels.ROUND_EACH: 2, KAHAN: 3}.get(rule, 0)

@@ -123,8 +123,8 @@ def a_case(seed: int):
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_index_add_(mode, dtype):
     """Generated ``index_add_`` calls, each alpha torch takes: the same bits; the C++ kernels
-    take those of the rules they have (not "kahan"'s nor "exact"'s sums; in "autograd" only
-    an alpha of 1 or -1, as the Python way)."""
+    take those of the rules they have (not "exact"'s sums; in "autograd" only an alpha of 1
+    or -1, as the Python way)."""
     for seed in range(120):
         generator, shape, dim, index = a_case(seed)
         source_shape = list(shape)
@@ -135,7 +135,7 @@ def test_index_add_(mode, dtype):
         result, taken, expected = both_ways(
             mode, lambda: target.clone().index_add_(dim, index, source, alpha=alpha))
         assert_same_outcome(result, expected)
-        takes = mode == "fp32" or (mode == "autograd" and alpha in (1, -1))
+        takes = mode in ("fp32", "kahan") or (mode == "autograd" and alpha in (1, -1))
         assert taken == ({"index_add_": 1} if takes else {}), (seed, alpha)
 
 
@@ -154,7 +154,7 @@ def expanded(index: torch.Tensor, shape, dim: int) -> torch.Tensor:
 def test_scatter(mode, dtype, reduce, include_self):
     """Generated ``scatter_add_`` / ``scatter_reduce_`` calls with an expanded index, and with
     an index of the same values written out (a layout the C++ kernels leave to the Python
-    ones): the same bits; they take a sum from self ("fp32", "autograd"), amax and amin."""
+    ones): the same bits; they take a sum from self (not in "exact" mode), amax and amin."""
     if reduce == "add" and not include_self:
         pytest.skip("scatter_add_ always sums from self")
     for seed in range(60):
@@ -179,7 +179,7 @@ def test_scatter(mode, dtype, reduce, include_self):
         # those are all of size 1).
         layout_taken = all(index.stride(d) == 0 or index.shape[d] == 1
                            for d in range(index.dim()) if d != dim % index.dim())
-        sums = reduce in ("add", "sum") and include_self and mode in ("fp32", "autograd")
+        sums = reduce in ("add", "sum") and include_self and mode != "exact"
         takes = layout_taken and (sums or reduce in ("amax", "amin"))
         name = "scatter_add_" if reduce == "add" else "scatter_reduce_.two"
         assert taken == ({name: 1} if takes else {}), seed
@@ -203,15 +203,15 @@ def test_index_put_accumulate(mode, dtype):
         result, taken, expected = both_ways(
             mode, lambda: target.clone().index_put_((index,), source, accumulate=True))
         assert_same_outcome(result, expected)
-        takes = mode in ("fp32", "autograd") and (not broadcast or index.shape[0] == 1)
+        takes = mode != "exact" and (not broadcast or index.shape[0] == 1)
         assert taken == ({"_index_put_impl_": 1} if takes else {}), seed
 
 
-@pytest.mark.parametrize("mode", ["fp32", "autograd"])
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_rows_of_more_terms_than_a_chunk(mode):
-    """A row of more than CHUNK_TERMS terms: "fp32" sums it in chunks (another arithmetic),
-    which the C++ kernels leave to the Python ones; "autograd" never splits, and they take it.
-    Exactly CHUNK_TERMS terms they take in both."""
+    """A row of more than CHUNK_TERMS terms: "fp32" and "kahan" sum it in chunks (another
+    arithmetic), which the C++ kernels leave to the Python ones; "autograd" never splits, and
+    they take it. Exactly CHUNK_TERMS terms they take in all three."""
     for terms in (CHUNK_TERMS, CHUNK_TERMS + 1, 3 * CHUNK_TERMS):
         generator = torch.Generator().manual_seed(terms)
         index = torch.zeros(terms, dtype=torch.int64)
@@ -224,7 +224,8 @@ def test_rows_of_more_terms_than_a_chunk(mode):
             mode, lambda: target.clone().index_add_(0, index, source))
         assert_same_outcome(result, expected)
         over = terms - terms // 2 > CHUNK_TERMS
-        assert taken == ({} if over and mode == "fp32" else {"index_add_": 1}), terms
+        splits = over and mode != "autograd"
+        assert taken == ({} if splits else {"index_add_": 1}), terms
         if over and mode == "fp32":  # the chunks' arithmetic is not the serial one here
             serial = target.clone()
             for i, row in enumerate(index.tolist()):
@@ -456,3 +457,18 @@ def test_without_a_compiler_the_python_kernels_take_every_call(tmp_path):
     state, result = done.stdout.splitlines()[:2]
     assert state.startswith("not built: no C++ compiler"), state
     assert result == str([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [2.0, 2.0]])
+
+
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_sums_of_zeros_keep_their_sign(mode, dtype):
+    """A row of -0.0 with -0.0 terms sums to -0.0 in every mode (the "kahan" rule adds no zero
+    compensation, which would make it +0.0); with a +0.0 among them, to +0.0; the C++ kernels
+    take these and give the Python kernels' bits."""
+    target = torch.tensor([[-0.0, -0.0], [-0.0, 0.0]], dtype=dtype)
+    source = torch.tensor([[-0.0, -0.0], [-0.0, 0.0], [-0.0, -0.0]], dtype=dtype)
+    index = torch.tensor([0, 1, 0])
+    result, taken, expected = both_ways(mode, lambda: target.clone().index_add_(0, index, source))
+    assert_same_outcome(result, expected)
+    assert taken == {"index_add_": 1}
+    assert torch.signbit(result).tolist() == [[True, True], [True, False]]

@@ -28,8 +28,10 @@ import torch
 SOURCE = Path(__file__).with_name("switch_kernels.cpp")
 
 #: The flags that decide the bits: no contraction of a multiply and an add into one rounding,
-#: no fast-math reassociation (the default, stated).
-_NUMERIC_FLAGS = ("-ffp-contract=off", "-fno-fast-math")
+#: no fast-math reassociation (the default, stated). And no trapping math: floating-point
+#: operations raise no traps, so the compiler may compute both arms of a select (the KAHAN
+#: rule's two error terms) and vectorise the loop; every value is IEEE's all the same.
+_NUMERIC_FLAGS = ("-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math")
 
 _lock = threading.Lock()
 _loaded: ctypes.CDLL | None = None

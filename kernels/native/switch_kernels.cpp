@@ -6,16 +6,16 @@
 // to torch, costs a 200-node PyG training step 1.10-1.15x (benches/NOTES.md); a kernel here
 // costs what torch's own does. Each one computes, for the one form it takes, what
 // kernels/numba/small.py's kernels compute for it (index_add_small_in_place,
-// extreme_small_in_place: the segment kernel's rules WIDE and ROUND_EACH on float32 and
-// float64 data, whose acc type is the data type, and its AMAX and AMIN), term by term in the
-// index's order, element by element: the same additions, multiplications and comparisons in
-// the same order, so the same bits. Compiled without contraction (-ffp-contract=off): a fused
-// multiply-add would round once where the rule rounds twice. Vectorising the loop over a row's
-// elements changes nothing: each element's operations and their order stay.
+// extreme_small_in_place: the segment kernel's rules WIDE, ROUND_EACH and KAHAN on float32
+// and float64 data, whose acc type is the data type, and its AMAX and AMIN), term by term in
+// the index's order, element by element: the same additions, multiplications and comparisons
+// in the same order, so the same bits. Compiled without contraction (-ffp-contract=off): a
+// fused multiply-add would round once where the rule rounds twice. Vectorising the loop over a
+// row's elements changes nothing: each element's operations and their order stay.
 //
 // Every other call, and any call of those forms that does not fit (another dtype or layout,
-// a rule that is not WIDE or ROUND_EACH, a launch larger than small.MAX_ELEMENTS, a row of
-// more than CHUNK_TERMS terms under WIDE, an index value out of range, memory shared, an
+// "exact" mode's sums, a launch larger than small.MAX_ELEMENTS, a row of more than CHUNK_TERMS
+// terms under WIDE or KAHAN, an index value out of range, memory shared, an
 // inference tensor outside inference mode), goes unchanged to the kernel that was registered
 // before this one: the switch's Python kernel, which gives detsum's answer or torch's, its
 // error or detsum's. Nothing is written before that decision.
@@ -31,7 +31,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -45,11 +47,12 @@ enum Op { kIndexAdd = 0, kScatterAdd, kScatterReduce, kIndexPut, kOps };
 const char* const kOpNames[kOps] = {"index_add_", "scatter_add_", "scatter_reduce_.two",
                                     "_index_put_impl_"};
 
-// How a sum is added (configure's sum_rule): not here, WIDE (fp32 mode: a row of more than
-// CHUNK_TERMS terms is split into chunks, another arithmetic, so such a call is not taken),
-// ROUND_EACH ("autograd" mode: never split). On float32 and float64 data both add term by
-// term in the data type.
-enum SumRule { kNoSum = 0, kWide = 1, kRoundEach = 2 };
+// How a sum is added (configure's sum_rule): not here, WIDE ("fp32" mode), ROUND_EACH
+// ("autograd" mode: never split), KAHAN ("kahan" mode). WIDE and KAHAN split a row of more
+// than CHUNK_TERMS terms into chunks, another arithmetic, so such a call is not taken. On
+// float32 and float64 data WIDE and ROUND_EACH add term by term in the data type, and KAHAN
+// compensates in it.
+enum SumRule { kNoSum = 0, kWide = 1, kRoundEach = 2, kKahan = 3 };
 
 // The switch's state, set from Python. on: a mode is set (the switch is on). active: it is on
 // and every CPU primitive runs on Numba (no detsum.backend block forces another anywhere).
@@ -164,6 +167,49 @@ void add_rows(T* target, const T* source, const Rows<I>& index, int64_t outer, i
   }
 }
 
+// One term's row into a row's sums and compensations (common.py's neumaier), in a function
+// of its own on rows apart in memory, so that the loop vectorises (inlined into the row loop,
+// a small call took 20 us, Numba's 5).
+template <typename T>
+__attribute__((noinline)) void add_row_compensated(T* __restrict sums, T* __restrict errors,
+                                                   const T* __restrict term, T a,
+                                                   int64_t inner) {
+  for (int64_t j = 0; j < inner; ++j) {
+    const T s = sums[j], t = term[j] * a;
+    const T u = s + t;
+    // Both errors computed, one selected (as common.py's neumaier): the loop stays branch-free.
+    const T error_of_t = (s - u) + t, error_of_s = (t - u) + s;
+    const T d = std::abs(s) >= std::abs(t) ? error_of_t : error_of_s;
+    sums[j] = u;
+    errors[j] = errors[j] + d;
+  }
+}
+
+// The same under KAHAN: small.py's _index_add_at for that rule, each element's sum and its
+// compensation in the data type (common.py's neumaier per term, from the target's value and
+// a zero compensation; kahan_result at the end: s + c, or s where s is not finite or c is 0).
+// The sums accumulate in the target itself; a row without terms ends as it was (c is 0).
+template <typename T, typename I>
+void add_rows_compensated(T* target, const T* source, const Rows<I>& index, int64_t outer,
+                          int64_t rows, int64_t inner, double alpha) {
+  const T a = static_cast<T>(alpha);
+  std::vector<T> compensation(rows * inner);
+  for (int64_t o = 0; o < outer; ++o) {
+    T* block = target + o * rows * inner;
+    std::fill(compensation.begin(), compensation.end(), T(0));
+    for (int64_t i = 0; i < index.n; ++i) {
+      T* sums = block + index.at(i) * inner;
+      T* errors = compensation.data() + index.at(i) * inner;
+      const T* term = source + (o * index.n + i) * inner;
+      add_row_compensated(sums, errors, term, a, inner);
+    }
+    for (int64_t k = 0; k < rows * inner; ++k) {
+      const T s = block[k], c = compensation[k];
+      block[k] = std::isfinite(s) && c != 0 ? s + c : s;
+    }
+  }
+}
+
 // Each target row the largest (maximum) or smallest of its terms, and of its own values first
 // under include_base: small.py's _extreme_at (NaN propagates; of equal values the earlier
 // stays). A row without terms keeps its values.
@@ -218,17 +264,21 @@ bool reduce_rows_as(const at::Tensor& target, int64_t dim, const I* index_values
   for (int64_t d = 0; d < dim; ++d) outer *= target.size(d);
   const int64_t inner = target.numel() / (outer * rows);
   Rows<I> index{index_values, index_stride, n};
-  if (!rows_fit(index, rows, reduce == Reduce::kSum && sum_rule == kWide,
+  if (!rows_fit(index, rows, reduce == Reduce::kSum && (sum_rule == kWide || sum_rule == kKahan),
                 g_chunk_terms.load(std::memory_order_relaxed)))
     return false;
   const bool is_float = target.scalar_type() == at::kFloat;
   if (reduce == Reduce::kSum) {
+    auto add = [&](auto* out, const auto* in) {
+      if (sum_rule == kKahan)
+        add_rows_compensated(out, in, index, outer, rows, inner, alpha);
+      else
+        add_rows(out, in, index, outer, rows, inner, alpha);
+    };
     if (is_float)
-      add_rows(target.mutable_data_ptr<float>(), source.const_data_ptr<float>(), index, outer,
-               rows, inner, alpha);
+      add(target.mutable_data_ptr<float>(), source.const_data_ptr<float>());
     else
-      add_rows(target.mutable_data_ptr<double>(), source.const_data_ptr<double>(), index, outer,
-               rows, inner, alpha);
+      add(target.mutable_data_ptr<double>(), source.const_data_ptr<double>());
   } else {
     auto pick = [&](auto* out, const auto* in) {
       if (reduce == Reduce::kMax)

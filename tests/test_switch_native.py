@@ -13,6 +13,7 @@ zeros of both signs), rows of more terms than a chunk, and the forms they must l
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -384,7 +385,7 @@ def test_the_environment_turns_them_off():
                "print(switch.native_state())\n"
                "print('switch_kernels.cpp' in torch._C._dispatch_dump_table('aten::index_add_'))")
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
-                          env={**__import__("os").environ, "DETSUM_NATIVE_SWITCH": "0"},
+                          env={**os.environ, "DETSUM_NATIVE_SWITCH": "0"},
                           check=True)
     assert done.stdout.split("\n")[:2] == ["off: DETSUM_NATIVE_SWITCH=0", "False"]
 
@@ -450,7 +451,7 @@ def test_without_a_compiler_the_python_kernels_take_every_call(tmp_path):
         "while switch.native_state() == 'building':\n    time.sleep(0.05)\n"
         "print(switch.native_state())\n"
         "print(x.index_add_(0, index, source).tolist())\n")
-    environment = {**__import__("os").environ, "CXX": str(tmp_path / "no-compiler"),
+    environment = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
                    "DETSUM_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
                           env=environment, check=True)

@@ -292,16 +292,14 @@ def _apply_without_dynamo():
 def _apply(remove: bool = False) -> None:
     """Set the mode the state defines, registering the kernels if it is on; ``remove`` (from
     ``disable``): remove them too if it is off (lock held)."""
-    global _mode, _library, _removed, _native
+    global _mode, _library, _removed
     wanted = _blocks[-1][1] if _blocks else _base_mode
     if wanted is not None and _library is None:
         _library = _register()
         _install_native()
     _mode = wanted
     if wanted is None and remove and _library is not None:
-        if _native is not None:
-            _native.detsum_native_uninstall()
-            _native = None
+        _uninstall_native()
         removed = [torch.library.get_kernel(f"aten::{name}", key)
                    for name in _BODIES for key in _dispatch_keys()]
         _library._destroy()
@@ -372,17 +370,25 @@ def _install_native() -> None:
     _native_state = "installed"
 
 
+def _uninstall_native() -> None:
+    """(Lock held.) Remove the C++ kernels, where installed: the Python kernels below them
+    take every call again."""
+    global _native
+    if _native is not None:
+        _native.detsum_native_uninstall()
+        _native = None
+
+
 def _use_native(on: bool) -> None:
     """Set ``NATIVE`` and act on it now: install the C++ kernels (where built) or remove
     them, leaving the Python kernels registered (tests and benchmarks, which compare them)."""
-    global NATIVE, _native
+    global NATIVE
     with _lock:
         NATIVE = on
         if on and _library is not None:
             _install_native()
-        elif not on and _native is not None:
-            _native.detsum_native_uninstall()
-            _native = None
+        elif not on:
+            _uninstall_native()
         _configure_native()
 
 

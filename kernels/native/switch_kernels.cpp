@@ -133,11 +133,11 @@ struct Rows {
   int64_t at(int64_t i) const { return static_cast<int64_t>(values[i * stride]); }
 };
 
-// Every value in [0, rows), and under WIDE no row of more than chunk_terms terms (counted
-// only past chunk_terms terms in all, as small.py's _counted does).
+// Every value in [0, rows), and under a rule that splits (WIDE, KAHAN) no row of more than
+// chunk_terms terms (counted only past chunk_terms terms in all, as small.py's _counted does).
 template <typename I>
-bool rows_fit(const Rows<I>& index, int64_t rows, bool wide, int64_t chunk_terms) {
-  if (wide && index.n > chunk_terms) {
+bool rows_fit(const Rows<I>& index, int64_t rows, bool splits, int64_t chunk_terms) {
+  if (splits && index.n > chunk_terms) {
     std::vector<int64_t> counts(rows, 0);
     for (int64_t i = 0; i < index.n; ++i) {
       int64_t v = index.at(i);
@@ -331,38 +331,22 @@ bool same_but(const at::Tensor& a, const at::Tensor& b, int64_t dim) {
   return true;
 }
 
-// A call taken here: counted, and its arguments on the stack replaced by its result, the
-// target (the first argument) itself.
-void answer_with_target(Op op, torch::jit::Stack* stack, size_t arguments) {
-  g_counts[op].fetch_add(1, std::memory_order_relaxed);
-  at::Tensor target = (*stack)[stack->size() - arguments].toTensor();
-  torch::jit::drop(*stack, arguments);
-  stack->emplace_back(std::move(target));
-}
-
-// index_add_(Tensor(a!) self, int dim, Tensor index, Tensor source, *, Scalar alpha=1)
-// (_index_add_short): a 1-D index; in "autograd" mode only an alpha of 1 or -1.
-void index_add_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
-                      torch::jit::Stack* stack) {
-  if (fast_calls_on()) {
-    const auto args = torch::jit::last(*stack, 5);
-    const at::Tensor& self = args[0].toTensor();
-    const at::Tensor& index = args[2].toTensor();
-    const at::Tensor& source = args[3].toTensor();
-    const c10::Scalar alpha = args[4].toScalar();
-    const bool real_alpha = alpha.isFloatingPoint() || alpha.isIntegral(false);
-    const double a = real_alpha ? alpha.toDouble() : 0.0;
-    const int64_t dim = wrapped_dim(args[1].toInt(), self.dim());
-    if (real_alpha && dim >= 0 && index.dim() == 1 &&
-        !(g_autograd.load(std::memory_order_relaxed) && a != 1.0 && a != -1.0) &&
-        same_but(self, source, dim) && source.size(dim) == index.size(0) &&
-        reduce_rows(self, dim, index, index.stride(0), index.size(0), source, Reduce::kSum,
-                    true, a)) {
-      answer_with_target(kIndexAdd, stack, 5);
-      return;
-    }
-  }
-  to_fallback(kIndexAdd, handle, keys, stack);
+// Whether index_add_(Tensor(a!) self, int dim, Tensor index, Tensor source, *,
+// Scalar alpha=1), its arguments args, ran here (_index_add_short): a 1-D index; in
+// "autograd" mode only an alpha of 1 or -1.
+bool index_add_ran_here(c10::ArrayRef<c10::IValue> args) {
+  const at::Tensor& self = args[0].toTensor();
+  const at::Tensor& index = args[2].toTensor();
+  const at::Tensor& source = args[3].toTensor();
+  const c10::Scalar alpha = args[4].toScalar();
+  if (!alpha.isFloatingPoint() && !alpha.isIntegral(false)) return false;
+  const double a = alpha.toDouble();
+  const int64_t dim = wrapped_dim(args[1].toInt(), self.dim());
+  return dim >= 0 && index.dim() == 1 &&
+         !(g_autograd.load(std::memory_order_relaxed) && a != 1.0 && a != -1.0) &&
+         same_but(self, source, dim) && source.size(dim) == index.size(0) &&
+         reduce_rows(self, dim, index, index.stride(0), index.size(0), source, Reduce::kSum,
+                     true, a);
 }
 
 // A scatter's index of src's shape that broadcasts one row index along every dim but dim by
@@ -388,71 +372,58 @@ bool scatter_rows(const at::Tensor& self, int64_t dim_arg, const at::Tensor& ind
 }
 
 // scatter_add_(Tensor(a!) self, int dim, Tensor index, Tensor src)
-void scatter_add_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
-                        torch::jit::Stack* stack) {
-  if (fast_calls_on()) {
-    const auto args = torch::jit::last(*stack, 4);
-    const at::Tensor& self = args[0].toTensor();
-    if (scatter_rows(self, args[1].toInt(), args[2].toTensor(), args[3].toTensor(),
-                     Reduce::kSum, true)) {
-      answer_with_target(kScatterAdd, stack, 4);
-      return;
-    }
-  }
-  to_fallback(kScatterAdd, handle, keys, stack);
+bool scatter_add_ran_here(c10::ArrayRef<c10::IValue> args) {
+  return scatter_rows(args[0].toTensor(), args[1].toInt(), args[2].toTensor(),
+                      args[3].toTensor(), Reduce::kSum, true);
 }
 
 // scatter_reduce_.two(Tensor(a!) self, int dim, Tensor index, Tensor src, str reduce, *,
 // bool include_self=True): a sum from self, amax, amin (a mean, a product and a sum from
 // zero go to the Python kernel).
-void scatter_reduce_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
-                           torch::jit::Stack* stack) {
-  if (fast_calls_on()) {
-    const auto args = torch::jit::last(*stack, 6);
-    const auto reduce_name = args[4].toStringView();
-    const bool include_self = args[5].toBool();
-    bool known = true;
-    Reduce reduce = Reduce::kSum;
-    if (reduce_name == "amax")
-      reduce = Reduce::kMax;
-    else if (reduce_name == "amin")
-      reduce = Reduce::kMin;
-    else if (reduce_name != "sum" || !include_self)
-      known = false;
-    const at::Tensor& self = args[0].toTensor();
-    if (known && scatter_rows(self, args[1].toInt(), args[2].toTensor(), args[3].toTensor(),
-                              reduce, include_self)) {
-      answer_with_target(kScatterReduce, stack, 6);
-      return;
-    }
-  }
-  to_fallback(kScatterReduce, handle, keys, stack);
+bool scatter_reduce_ran_here(c10::ArrayRef<c10::IValue> args) {
+  const auto reduce_name = args[4].toStringView();
+  const bool include_self = args[5].toBool();
+  Reduce reduce = Reduce::kSum;
+  if (reduce_name == "amax")
+    reduce = Reduce::kMax;
+  else if (reduce_name == "amin")
+    reduce = Reduce::kMin;
+  else if (reduce_name != "sum" || !include_self)
+    return false;
+  return scatter_rows(args[0].toTensor(), args[1].toInt(), args[2].toTensor(),
+                      args[3].toTensor(), reduce, include_self);
 }
 
 // _index_put_impl_(Tensor(a!) self, Tensor?[] indices, Tensor values, bool accumulate=False,
 // bool unsafe=False) with accumulate=True and one 1-D index along the first dim, values of
 // the indexed shape (_index_put_short). Not in "exact" mode: configure sets no sum rule then.
-void index_put_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
-                      torch::jit::Stack* stack) {
-  if (fast_calls_on()) {
-    const auto args = torch::jit::last(*stack, 5);
-    if (args[3].toBool()) {
-      const auto indices = args[1].toListRef();
-      if (indices.size() == 1 && indices[0].isTensor()) {
-        const at::Tensor& self = args[0].toTensor();
-        const at::Tensor& index = indices[0].toTensor();
-        const at::Tensor& values = args[2].toTensor();
-        if (self.dim() >= 1 && index.dim() == 1 && values.dim() == self.dim() &&
-            values.size(0) == index.size(0) && same_but(self, values, 0) &&
-            reduce_rows(self, 0, index, index.stride(0), index.size(0), values, Reduce::kSum,
-                        true, 1.0)) {
-              answer_with_target(kIndexPut, stack, 5);
-          return;
-        }
-      }
-    }
+bool index_put_ran_here(c10::ArrayRef<c10::IValue> args) {
+  if (!args[3].toBool()) return false;
+  const auto indices = args[1].toListRef();
+  if (indices.size() != 1 || !indices[0].isTensor()) return false;
+  const at::Tensor& self = args[0].toTensor();
+  const at::Tensor& index = indices[0].toTensor();
+  const at::Tensor& values = args[2].toTensor();
+  return self.dim() >= 1 && index.dim() == 1 && values.dim() == self.dim() &&
+         values.size(0) == index.size(0) && same_but(self, values, 0) &&
+         reduce_rows(self, 0, index, index.stride(0), index.size(0), values, Reduce::kSum,
+                     true, 1.0);
+}
+
+// The kernel of operator op, of `arguments` arguments: ran_here runs the call here where it
+// fits (then counted, and its arguments on the stack replaced by its result, the target, the
+// first argument, itself); else to_fallback.
+template <Op op, size_t arguments, bool (*ran_here)(c10::ArrayRef<c10::IValue>)>
+void switched_kernel(const c10::OperatorHandle& handle, c10::DispatchKeySet keys,
+                     torch::jit::Stack* stack) {
+  if (fast_calls_on() && ran_here(torch::jit::last(*stack, arguments))) {
+    g_counts[op].fetch_add(1, std::memory_order_relaxed);
+    at::Tensor target = (*stack)[stack->size() - arguments].toTensor();
+    torch::jit::drop(*stack, arguments);
+    stack->emplace_back(std::move(target));
+    return;
   }
-  to_fallback(kIndexPut, handle, keys, stack);
+  to_fallback(op, handle, keys, stack);
 }
 
 // Overriding a kernel is the point here: c10's warning that it happens is not printed.
@@ -466,6 +437,18 @@ const char* const kSchemas[kOps][2] = {{"aten::index_add_", ""},
                                        {"aten::scatter_reduce_", "two"},
                                        {"aten::_index_put_impl_", ""}};
 
+// Each operator's kernel at the CPU key now, into into[op].
+void capture_cpu_kernels(std::shared_ptr<const c10::SafeKernelFunction> (&into)[kOps]) {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (int op = 0; op < kOps; ++op) {
+    auto handle = dispatcher.findSchemaOrThrow(kSchemas[op][0], kSchemas[op][1]);
+    std::atomic_store(&into[op], std::shared_ptr<const c10::SafeKernelFunction>(
+                                     std::make_shared<c10::SafeKernelFunction>(
+                                         handle.getComputedKernelForDispatchKey(
+                                             c10::DispatchKey::CPU))));
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -474,14 +457,7 @@ extern "C" {
 // registers its Python kernels. 0, or -1 with detsum_native_error's message.
 int detsum_native_capture_torch() {
   try {
-    auto& dispatcher = c10::Dispatcher::singleton();
-    for (int op = 0; op < kOps; ++op) {
-      auto handle = dispatcher.findSchemaOrThrow(kSchemas[op][0], kSchemas[op][1]);
-      std::atomic_store(&g_torch[op],
-                        std::shared_ptr<const c10::SafeKernelFunction>(
-                            std::make_shared<c10::SafeKernelFunction>(
-                                handle.getComputedKernelForDispatchKey(c10::DispatchKey::CPU))));
-    }
+    capture_cpu_kernels(g_torch);
     return 0;
   } catch (const std::exception& error) {
     g_error = error.what();
@@ -495,24 +471,22 @@ int detsum_native_install() {
   try {
     QuietWarnings quiet;
     c10::WarningUtils::WarningHandlerGuard guard(&quiet);
-    auto& dispatcher = c10::Dispatcher::singleton();
-    for (int op = 0; op < kOps; ++op) {
-      auto handle = dispatcher.findSchemaOrThrow(kSchemas[op][0], kSchemas[op][1]);
-      std::atomic_store(&g_fallback[op],
-                        std::shared_ptr<const c10::SafeKernelFunction>(
-                            std::make_shared<c10::SafeKernelFunction>(
-                                handle.getComputedKernelForDispatchKey(c10::DispatchKey::CPU))));
-    }
+    capture_cpu_kernels(g_fallback);
     auto library = std::make_unique<torch::Library>(
         torch::Library::IMPL, "aten", std::optional<c10::DispatchKey>(c10::DispatchKey::CPU),
         __FILE__, __LINE__);
-    library->impl("index_add_", torch::CppFunction::makeFromBoxedFunction<&index_add_kernel>());
+    library->impl("index_add_",
+                  torch::CppFunction::makeFromBoxedFunction<
+                      &switched_kernel<kIndexAdd, 5, &index_add_ran_here>>());
     library->impl("scatter_add_",
-                  torch::CppFunction::makeFromBoxedFunction<&scatter_add_kernel>());
+                  torch::CppFunction::makeFromBoxedFunction<
+                      &switched_kernel<kScatterAdd, 4, &scatter_add_ran_here>>());
     library->impl("scatter_reduce_.two",
-                  torch::CppFunction::makeFromBoxedFunction<&scatter_reduce_kernel>());
+                  torch::CppFunction::makeFromBoxedFunction<
+                      &switched_kernel<kScatterReduce, 6, &scatter_reduce_ran_here>>());
     library->impl("_index_put_impl_",
-                  torch::CppFunction::makeFromBoxedFunction<&index_put_kernel>());
+                  torch::CppFunction::makeFromBoxedFunction<
+                      &switched_kernel<kIndexPut, 5, &index_put_ran_here>>());
     g_library = std::move(library);
     return 0;
   } catch (const std::exception& error) {

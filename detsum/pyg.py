@@ -26,6 +26,7 @@ import threading
 import torch
 
 import detsum
+from detsum import switch
 from detsum.modes import Mode, parse_mode
 from detsum.scatter_compat import _check_mode
 
@@ -335,10 +336,12 @@ def _aggregation_classes() -> dict[str, type]:
 #: module's ``__dict__``, so a pickled, saved or copied module is marked as its original was.
 MODE_ATTRIBUTE = "_detsum_pyg_mode"
 
-_open = threading.local()  # .blocks: [(module, block)], the marked forwards running in this thread
+# .blocks: [(module, the layer of its switch's block)], the marked forwards running in this
+# thread.
+_open = threading.local()
 # The switch's blocks opened by backward calls that reached a marked module's output, by the
-# autograd engine's graph task id: (the thread that opened it, the block).
-_backward_blocks: dict[int, tuple[int, contextlib.AbstractContextManager]] = {}
+# autograd engine's graph task id: (the thread that opened it, the layer of the block).
+_backward_blocks: dict[int, tuple[int, object]] = {}
 
 
 def _switch_on(module: torch.nn.Module, args) -> None:
@@ -346,9 +349,8 @@ def _switch_on(module: torch.nn.Module, args) -> None:
     forward returns or raises (``_switch_off``)."""
     if torch._C._current_graph_task_id() == -1:
         _close_failed_backward_blocks()
-    block = detsum.deterministic(getattr(module, MODE_ATTRIBUTE))
-    block.__enter__()
-    _open.__dict__.setdefault("blocks", []).append((module, block))
+    layer = switch._open_block(getattr(module, MODE_ATTRIBUTE))
+    _open.__dict__.setdefault("blocks", []).append((module, layer))
 
 
 def _switch_off(module: torch.nn.Module, args, output) -> None:
@@ -357,28 +359,33 @@ def _switch_off(module: torch.nn.Module, args, output) -> None:
     when the backward reaches it (``_switch_on_in_backward``)."""
     blocks = getattr(_open, "blocks", [])
     if blocks and blocks[-1][0] is module:
-        blocks.pop()[1].__exit__(None, None, None)
+        switch._close_block(blocks.pop()[1])
     mode = getattr(module, MODE_ATTRIBUTE, None)
     if mode is None or output is None or not torch.is_grad_enabled():
         return
+    # A pre-hook of the node that computed each output, not a hook of the tensor: it runs at
+    # the same point of the backward (before that node), and a tensor hook costs about 6 us
+    # more to register and to call (benches/NOTES.md, the twenty-first session). Once per
+    # node; an output without one is a leaf that the module passed through, no op of its own.
+    nodes = []
     for tensor in _tensors(output):
-        if tensor.requires_grad:
-            tensor.register_hook(functools.partial(_switch_on_in_backward, mode))
+        node = tensor.grad_fn
+        if node is not None and all(node is not seen for seen in nodes):
+            nodes.append(node)
+            node.register_prehook(functools.partial(_switch_on_in_backward, mode))
 
 
-def _switch_on_in_backward(mode: str, grad: torch.Tensor) -> None:
-    """Gradient hook on a marked module's output: the switch on in ``mode`` from here to the
-    end of this backward call, once per call (the first marked output it reaches sets the
-    mode). The backward of the module's own ops has no end that autograd announces; the end
-    of the call is the first point after all of them. The engine's final callback closes the
-    block; it does not run when the backward raises, and then the thread's next marked
-    forward closes it (``_close_failed_backward_blocks``)."""
+def _switch_on_in_backward(mode: str, grads: tuple[torch.Tensor | None, ...]) -> None:
+    """Pre-hook of the autograd node of a marked module's output: the switch on in ``mode``
+    from here to the end of this backward call, once per call (the first marked output it
+    reaches sets the mode). The backward of the module's own ops has no end that autograd
+    announces; the end of the call is the first point after all of them. The engine's final
+    callback closes the block; it does not run when the backward raises, and then the
+    thread's next marked forward closes it (``_close_failed_backward_blocks``)."""
     task = torch._C._current_graph_task_id()
     if task in _backward_blocks:
         return
-    block = detsum.deterministic(mode)
-    block.__enter__()
-    _backward_blocks[task] = (threading.get_ident(), block)
+    _backward_blocks[task] = (threading.get_ident(), switch._open_block(mode))
     torch.autograd.Variable._execution_engine.queue_callback(
         functools.partial(_close_backward_block, task))
 
@@ -386,7 +393,7 @@ def _switch_on_in_backward(mode: str, grad: torch.Tensor) -> None:
 def _close_backward_block(task: int) -> None:
     entry = _backward_blocks.pop(task, None)
     if entry is not None:
-        entry[1].__exit__(None, None, None)
+        switch._close_block(entry[1])
 
 
 def _close_failed_backward_blocks() -> None:

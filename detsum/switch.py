@@ -241,15 +241,35 @@ def deterministic(mode: str | Mode = "fp32") -> Iterator[None]:
     """
     _refuse_tracing("detsum.deterministic")
     mode = parse_mode(mode, caller="detsum.deterministic")
-    layer = object()
-    with _lock:
-        _blocks.append((layer, mode.value))
-        _apply_untraced()
+    layer = _open_block(mode.value)
     try:
         yield
     finally:
-        with _lock:
+        _close_block(layer)
+
+
+def _open_block(mode: str) -> object:
+    """Open a :func:`deterministic` block in ``mode`` (a mode's name, parsed by the caller)
+    until ``_close_block`` of the layer returned. (Also ``detsum.pyg``'s hooks, which open and
+    close two blocks a training step.) The state is applied only where the mode in force
+    changes: applying it costs a small PyG step more than its few microseconds of Python
+    (benches/NOTES.md, the twenty-first session)."""
+    layer = object()
+    with _lock:
+        _blocks.append((layer, mode))
+        if mode != _mode or _library is None:
+            _apply_untraced()
+    return layer
+
+
+def _close_block(layer: object) -> None:
+    """Close the block ``_open_block`` returned ``layer`` for, the innermost or not."""
+    with _lock:
+        if _blocks and _blocks[-1][0] is layer:
+            _blocks.pop()
+        else:
             _blocks[:] = [block for block in _blocks if block[0] is not layer]
+        if (_blocks[-1][1] if _blocks else _base_mode) != _mode:
             _apply_untraced()
 
 

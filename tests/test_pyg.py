@@ -402,6 +402,53 @@ def test_forward_and_backward_run_on_detsum_outside_any_block(name, tiny_graph):
     assert any(not torch.equal(a, b) for a, b in zip(got, pygs))
 
 
+class _HalvesAndInput(torch.nn.Module):
+    """A GCNConv whose output comes back as two halves, views made by one autograd node, and
+    the model's input passed through untouched."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = _tiny_layer("GCNConv")
+
+    def forward(self, x, edge_index):
+        return (*self.layer(x, edge_index).chunk(2, dim=1), x)
+
+
+def test_outputs_of_one_node_and_an_input_passed_through(tiny_graph, monkeypatch):
+    """The backward hook sits on each autograd node among a marked model's outputs, once per
+    node (the two halves of one split share theirs); an input passed through has no node and
+    gets none. A backward through both halves runs on detsum, with the bits of the same
+    model run inside ``detsum.deterministic``."""
+    edge_index, x, upstream = tiny_graph
+    model = _HalvesAndInput()
+    reference = copy.deepcopy(model)
+    reached = []
+    switch_on = detsum.pyg._switch_on_in_backward
+
+    def recording_switch_on(mode, grads):
+        reached.append(mode)
+        switch_on(mode, grads)  # (a pre-hook returning a value would replace the gradients)
+
+    monkeypatch.setattr(detsum.pyg, "_switch_on_in_backward", recording_switch_on)
+    detsum.pyg.make_deterministic(model, mode="exact")
+
+    def step(module):
+        leaf = x.clone().requires_grad_()
+        first, second, passed = module(leaf, edge_index)
+        assert passed is leaf
+        (first * upstream[:, :4]).sum().add((second * upstream[:, 4:]).sum()).backward()
+        return leaf.grad
+
+    before = detsum_switch.counts.copy()
+    got = step(model)
+    assert reached == ["exact"]
+    assert (detsum_switch.counts - before)[("index_add_", "detsum")] > 0  # the gather's backward
+    assert detsum_switch.current_mode() is None
+    with detsum.deterministic("exact"):
+        expected = step(reference)
+    assert_same_bits(got, expected)
+
+
 def test_pygs_functions_stay_pygs_and_the_switch_is_on_during_the_forward(tiny_graph):
     """Nothing of PyG is replaced: during the layer's forward gcn_norm's scatter is PyG's own,
     and the switch is on in the layer's mode, process-wide (another thread's index_add runs on

@@ -33,7 +33,7 @@ import torch
 
 from detsum import _limbs, _segments, _wire, kernels, reference
 from detsum.backend import current_backend
-from detsum.kernels import CHUNK_TERMS, EXACT_TARGETS, KAHAN, WIDE
+from detsum.kernels import CHUNK_TERMS, EXACT_TARGETS, KAHAN, SMALL_CALL_ELEMENTS, WIDE
 from detsum.modes import Mode, acc_dtype
 
 

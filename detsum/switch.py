@@ -442,8 +442,10 @@ def _configure_native() -> None:
         lib.detsum_native_configure(int(mode is not None), 0, 0, 0, 0, 0)
         return
     sum_rule = _kernel_ops.switch_native_sum_rule(_cpu_rule(mode, "sum"))
-    lib.detsum_native_configure(1, 1, sum_rule, int(mode == "autograd"), _small_elements(),
-                                CHUNK_TERMS)
+    # The small kernels' limit from detsum.kernels, not from their Numba module, whose import
+    # would cost the first enable() 0.2-0.4 s.
+    lib.detsum_native_configure(1, 1, sum_rule, int(mode == "autograd"),
+                                _kernel_ops.SMALL_CALL_ELEMENTS, CHUNK_TERMS)
 
 
 def _reconfigure_native() -> None:

@@ -84,6 +84,12 @@ SPLIT_RULES = (WIDE, KAHAN)
 #: determinism contract (docs/determinism.md), never a tuning knob.
 CHUNK_TERMS = 256
 
+#: The largest CPU call (elements of the source and the output) that the one-call small kernels
+#: take (numba/small.py, and the switch's C++ kernels, native/switch_kernels.cpp); a larger one
+#: pays for a plan and threads (see numba/common.py's _MIN_BLOCK_ELEMENTS). Here, not in
+#: numba/small.py, so that telling the C++ kernels needs no import of Numba.
+SMALL_CALL_ELEMENTS = 65536
+
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulator type (docs/determinism.md): fp64 for fp64 data, fp32 for everything narrower."""

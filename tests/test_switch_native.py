@@ -390,6 +390,22 @@ def test_the_environment_turns_them_off():
     assert done.stdout.split("\n")[:2] == ["off: DETSUM_NATIVE_SWITCH=0", "False"]
 
 
+def test_the_first_enable_installs_them_without_importing_numba():
+    """The C++ kernels, built, are installed by the first ``enable`` without Numba imported
+    (0.2-0.4 s of that call): their small-call limit is ``detsum.kernels``'s, the Numba small
+    kernels' own, not read from the Numba module. A small call they take needs none either."""
+    program = ("import sys, torch, detsum\nfrom detsum import switch\ndetsum.enable()\n"
+               "print(switch.native_state(), 'numba' in sys.modules)\n"
+               "torch.zeros(2, 3).index_add_(0, torch.tensor([1, 1]), torch.ones(2, 3))\n"
+               "print('numba' in sys.modules)\n"
+               "from detsum.kernels import SMALL_CALL_ELEMENTS\n"
+               "from detsum.kernels.numba import small\n"
+               "print(small.MAX_ELEMENTS == SMALL_CALL_ELEMENTS)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.split("\n")[:3] == ["installed False", "False", "True"], done.stdout
+
+
 def test_detsums_own_calls_inside_a_switched_call_go_to_torch(monkeypatch):
     """A switched call that runs detsum's code (a body) sets the flag that sends that
     thread's own calls of these ops to the Python kernels, which hand them to torch: an amax

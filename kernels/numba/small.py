@@ -38,8 +38,8 @@ from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .. import (AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, REDUCE_CODES, ROUND_EACH, RULE_NAMES, SUM,
-                WIDE)
+from .. import (AMAX, AMIN, CHUNK_TERMS, KAHAN, MEAN, REDUCE_CODES, ROUND_EACH, RULE_NAMES,
+                SMALL_CALL_ELEMENTS, SUM, WIDE)
 from .rounding import (
     bf16_bits_to_f32,
     f16_bits_to_f32,
@@ -70,7 +70,7 @@ RULES = (WIDE, KAHAN, ROUND_EACH)
 
 #: Largest launch (elements of the source and the output) taken here; larger ones pay for a
 #: plan and threads (see common._MIN_BLOCK_ELEMENTS).
-MAX_ELEMENTS = 65536
+MAX_ELEMENTS = SMALL_CALL_ELEMENTS
 
 
 @intrinsic

@@ -252,13 +252,13 @@ def _open_block(mode: str) -> object:
     """Open a :func:`deterministic` block in ``mode`` (a mode's name, parsed by the caller)
     until ``_close_block`` of the layer returned. (Also ``detsum.pyg``'s hooks, which open and
     close two blocks a training step.) The state is applied only where the mode in force
-    changes: applying it costs a small PyG step more than its few microseconds of Python
-    (benches/NOTES.md, the twenty-first session)."""
+    changes (``_change_mode``): applying it costs a small PyG step more than its few
+    microseconds of Python (benches/NOTES.md, the twenty-first session)."""
     layer = object()
     with _lock:
         _blocks.append((layer, mode))
         if mode != _mode or _library is None:
-            _apply_untraced()
+            _change_mode(mode)
     return layer
 
 
@@ -269,8 +269,25 @@ def _close_block(layer: object) -> None:
             _blocks.pop()
         else:
             _blocks[:] = [block for block in _blocks if block[0] is not layer]
-        if (_blocks[-1][1] if _blocks else _base_mode) != _mode:
-            _apply_untraced()
+        wanted = _blocks[-1][1] if _blocks else _base_mode
+        if wanted != _mode:
+            _change_mode(wanted)
+
+
+def _change_mode(wanted: str | None) -> None:
+    """(Lock held, the blocks changed.) Put ``wanted``, the mode the state now defines, in
+    force. With the kernels registered, and no compiled code running, that is all ``_apply``
+    does then, the short way: the mode, the C++ kernels told, compiled code's cache tag
+    (``_switch_compile``, imported when the kernels were registered); a marked PyG step,
+    which changes the mode four times, runs 0.05 faster so (benches/NOTES.md). Else
+    ``_apply_untraced``."""
+    global _mode
+    if _library is None or _frame_hook_set():
+        _apply_untraced()
+        return
+    _mode = wanted
+    _configure_native()
+    sys.modules["detsum._switch_compile"].follow(wanted is not None)
 
 
 def _refuse_tracing(caller: str) -> None:
@@ -296,12 +313,18 @@ def _apply_untraced(remove: bool = False) -> None:
     function compiled without ``fullgraph`` runs as plain Python after its graph break
     (``_refuse_tracing``), with the hook still set, and Dynamo would compile the frames it
     calls (the C++ kernels' loading among them, which it cannot trace)."""
-    if "torch._dynamo" in sys.modules:
-        lookup = _frame_hook_lookup()
-        if lookup is not None and lookup[0]() is not None:
-            _apply_without_dynamo()(remove)
-            return
+    if _frame_hook_set():
+        _apply_without_dynamo()(remove)
+        return
     _apply(remove)
+
+
+def _frame_hook_set() -> bool:
+    """Whether Dynamo's frame hook is set (compiled code is running, or being traced)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    lookup = _frame_hook_lookup()
+    return lookup is not None and lookup[0]() is not None
 
 
 @functools.cache

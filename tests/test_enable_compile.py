@@ -166,6 +166,28 @@ def test_compiled_code_follows_the_switch_through_every_cache():
     assert not run_on(compiled, case)[2]
 
 
+def test_the_cache_tag_follows_every_on_and_off_once_something_is_compiled():
+    """Once something has been compiled (docs/enable.md), every on and off of the switch sets
+    the caches' tag: inside a block it ends in the switch's mark, after the block it does
+    not; a nested block of another mode keeps it, and so does the end of that block."""
+    from detsum import _switch_compile
+
+    compiled = torch.compile(lambda x, i, t: x.index_add(0, i, t), fullgraph=True)
+    with detsum.deterministic("fp32"):
+        compiled(torch.zeros(2), torch.tensor([0, 1, 0]), torch.ones(3))
+
+    def tagged() -> bool:
+        return torch.compiler.config.cache_key_tag.endswith(_switch_compile._CACHE_TAG)
+
+    assert not tagged()
+    with detsum.deterministic("exact"):
+        assert tagged()
+        with detsum.deterministic("fp32"):
+            assert tagged()
+        assert tagged()
+    assert not tagged()
+
+
 def test_code_compiled_before_the_first_enable_is_compiled_again():
     """Frames that Dynamo compiled before the switch was first used carry no guard on it."""
     code = ("import torch, detsum\n"

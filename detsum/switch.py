@@ -269,7 +269,7 @@ def _close_block(layer: object) -> None:
             _blocks.pop()
         else:
             _blocks[:] = [block for block in _blocks if block[0] is not layer]
-        wanted = _blocks[-1][1] if _blocks else _base_mode
+        wanted = _wanted_mode()
         if wanted != _mode:
             _change_mode(wanted)
 
@@ -277,17 +277,20 @@ def _close_block(layer: object) -> None:
 def _change_mode(wanted: str | None) -> None:
     """(Lock held, the blocks changed.) Put ``wanted``, the mode the state now defines, in
     force. With the kernels registered, and no compiled code running, that is all ``_apply``
-    does then, the short way: the mode, the C++ kernels told, compiled code's cache tag
-    (``_switch_compile``, imported when the kernels were registered); a marked PyG step,
-    which changes the mode four times, runs 0.05 faster so (benches/NOTES.md). Else
-    ``_apply_untraced``."""
+    does then, the short way: the mode, and those who follow it told (``_tell_followers``);
+    a marked PyG step, which changes the mode four times, runs 0.05 faster so
+    (benches/NOTES.md). Else ``_apply_untraced``."""
     global _mode
     if _library is None or _frame_hook_set():
         _apply_untraced()
         return
     _mode = wanted
-    _configure_native()
-    sys.modules["detsum._switch_compile"].follow(wanted is not None)
+    _tell_followers(wanted)
+
+
+def _wanted_mode() -> str | None:
+    """(Lock held.) The mode the state defines: the innermost block's, else ``enable``'s."""
+    return _blocks[-1][1] if _blocks else _base_mode
 
 
 def _refuse_tracing(caller: str) -> None:
@@ -336,7 +339,7 @@ def _apply(remove: bool = False) -> None:
     """Set the mode the state defines, registering the kernels if it is on; ``remove`` (from
     ``disable``): remove them too if it is off (lock held)."""
     global _mode, _library, _removed
-    wanted = _blocks[-1][1] if _blocks else _base_mode
+    wanted = _wanted_mode()
     if wanted is not None and _library is None:
         _library = _register()
         _install_native()
@@ -348,11 +351,18 @@ def _apply(remove: bool = False) -> None:
         _library._destroy()
         _library = None
         _removed = removed  # the ones removed before are freed now
-    _configure_native()
-    if wanted is not None or "detsum._switch_compile" in sys.modules:
-        from detsum import _switch_compile  # imports Dynamo and Inductor: only once used
+    _tell_followers(wanted)
 
-        _switch_compile.follow(wanted is not None)
+
+def _tell_followers(wanted: str | None) -> None:
+    """(Lock held, ``wanted`` just put in force.) Tell the C++ kernels, and compiled code
+    (``_switch_compile``, imported at the first on: it imports Dynamo and Inductor)."""
+    _configure_native()
+    switch_compile = sys.modules.get("detsum._switch_compile")
+    if switch_compile is None and wanted is not None:
+        from detsum import _switch_compile as switch_compile
+    if switch_compile is not None:
+        switch_compile.follow(wanted is not None)
 
 
 def _dispatch_keys() -> tuple[str, ...]:

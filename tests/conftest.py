@@ -51,6 +51,11 @@ HAS_CUDA = torch.cuda.is_available()
 #: path, and their cuda-marked twins, tests/test_triton.py and tests/test_exact_triton.py run
 #: the kernels themselves there.
 TRITON_RUNS_CPU_TENSORS = os.environ.get("TRITON_INTERPRET") == "1"
+if TRITON_RUNS_CPU_TENSORS:
+    # The interpreter patches triton.language once per launch, not at every helper's call
+    # (the same values, in half the time of a kernel with helpers in its loops).
+    import interpreter_patching
+    interpreter_patching.install()
 #: The triton backend as a parameter of a test that gives it CPU tensors.
 TRITON_ON_CPU = pytest.param("triton", marks=pytest.mark.interpreter, id="triton")
 

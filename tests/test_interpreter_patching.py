@@ -1,0 +1,76 @@
+"""The suite's Triton's interpreter (tests/interpreter_patching.py, installed by conftest.py):
+``triton.language`` patched once per launch, not at every call of a jitted helper; the same
+bits as Triton's own way, and the language left as Triton leaves it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import detsum
+from conftest import TRITON_RUNS_CPU_TENSORS, assert_same_bits
+
+pytestmark = pytest.mark.skipif(not TRITON_RUNS_CPU_TENSORS,
+                                reason="Triton's interpreter only (on a GPU the kernels run)")
+triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+
+@pytest.fixture
+def patch_once_per_launch():
+    patch = interpreter._patch_lang
+    if not getattr(patch, "once", False):
+        pytest.skip("this Triton's interpreter patches the language in another way: the "
+                    "suite runs it as it is")
+    return patch
+
+
+def _sums(mode: str) -> list[torch.Tensor]:
+    """Sums whose kernels call helpers in their loops: long segments in chunks, many short
+    ones in tiles, and a scatter's mean."""
+    gen = torch.Generator().manual_seed(3)
+    index = torch.randint(0, 40, (1000,), generator=gen).sort().values
+    index[:500] = 7  # a long segment
+    src = torch.randn(1000, 5, generator=gen)
+    init = torch.randn(40, 5, generator=gen)
+    with detsum.backend("triton"):
+        return [detsum.index_add(init, 0, index, src, mode=mode),
+                detsum.scatter_reduce(init, 0, index, src, "mean", mode=mode)]
+
+
+@pytest.mark.parametrize("mode", ["fp32", "exact"])
+def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch, patch_once_per_launch,
+                                                            mode):
+    """Counted over the calls: the language's builtins are patched a few times a launch, while
+    the kernels call their jitted helpers many times; afterwards triton.language holds what it
+    held before; and the sums have the bits of Triton's own way (a patch at every call)."""
+    _sums(mode)  # compiled nothing, but the plan's and the modes' first calls are done
+    counts = {"launches": 0, "helper calls": 0, "patched modules": 0}
+    launch, helper_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    patch_builtins = interpreter._patch_builtin
+
+    def counted(key, function):
+        def count(*args, **kwargs):
+            counts[key] += 1
+            return function(*args, **kwargs)
+        return count
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", counted("launches", launch))
+    monkeypatch.setattr(interpreter.InterpretedFunction, "__call__",
+                        counted("helper calls", helper_call))
+    monkeypatch.setattr(interpreter, "_patch_builtin",
+                        counted("patched modules", patch_builtins))
+    language_before = dict(vars(tl))
+    once = _sums(mode)
+    assert dict(vars(tl)) == language_before
+    # A launch patches triton.language's builtins, its tensor's, math's and the tensor
+    # descriptor's (4); the first helper of triton's own (tl.zeros), which sees both
+    # triton.language and its core, those and the core's two once more (6).
+    assert counts["launches"] > 0
+    assert counts["patched modules"] <= 10 * counts["launches"], counts
+    assert counts["helper calls"] > 20 * counts["launches"], counts
+    monkeypatch.setattr(interpreter, "_patch_lang", patch_once_per_launch.at_every_call)
+    for fast, triton_way in zip(once, _sums(mode), strict=True):
+        assert_same_bits(fast, triton_way)

@@ -67,22 +67,6 @@ def backend_device(backend: str) -> str:
     return "cuda" if backend == "triton" and HAS_CUDA else "cpu"
 
 
-def slow_exact_in_interpreter(backend: str, mode: str, dtype: torch.dtype) -> bool:
-    """Whether a layout sweep's case is "exact" fp16 or fp64 on Triton's interpreter.
-
-    Those run the integer limbs there (fp64 always), tens of seconds each on the interpreter;
-    tests/test_exact_triton.py covers both against the Fraction oracle and Numba, and on a
-    GPU the sweeps run them all."""
-    return (backend == "triton" and mode == "exact" and not HAS_CUDA
-            and dtype in (torch.float16, torch.float64))
-
-
-def skip_slow_exact_in_interpreter(backend: str, mode: str, dtype: torch.dtype) -> None:
-    """Keep the layout sweeps' "exact" cases on Triton's interpreter to fp32 and bf16."""
-    if slow_exact_in_interpreter(backend, mode, dtype):
-        pytest.skip("exact fp16/fp64 on the interpreter: tests/test_exact_triton.py covers them")
-
-
 N = None  # placeholder for the indexed / segmented / scattered dim in a layout's shape
 
 # Row layouts of index_add and segment_sum: (shape with N at dim, dim). "slice size" is the

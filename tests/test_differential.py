@@ -132,17 +132,10 @@ def expand_along(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.narrow(d, 0, 1).expand(t.shape)
 
 
-def on_every_backend(fn, *tensors, mode=None, dtype=None):
-    """``fn(*tensors)`` on each backend (the triton backend on TRITON_DEVICE), on the CPU.
-
-    Without a GPU, "exact" fp16/fp64 cases leave Triton's interpreter out: its integer limbs
-    take tens of seconds per case there, and tests/test_exact_triton.py checks them against
-    the oracle and Numba (conftest.skip_slow_exact_in_interpreter)."""
+def on_every_backend(fn, *tensors):
+    """``fn(*tensors)`` on each backend (the triton backend on TRITON_DEVICE), on the CPU."""
     results = {}
     for name in BACKENDS:
-        if (name == "triton" and not HAS_CUDA and mode == "exact"
-                and dtype in (torch.float16, torch.float64)):
-            continue
         device = TRITON_DEVICE if name == "triton" else "cpu"
         with detsum.backend(name):
             results[name] = fn(*[t.to(device) if isinstance(t, torch.Tensor) else t
@@ -199,7 +192,7 @@ def test_index_add_on_every_backend(plan, dtype, mode, alpha, layout, data_kind,
     note(f"lengths={lengths} input {tuple(input.shape)} dim={dim} interleaved={interleaved}")
     results = on_every_backend(
         lambda i, x, s: detsum.index_add(i, dim, x, s, alpha=alpha, mode=mode),
-        input, index, source, mode=mode, dtype=dtype)
+        input, index, source)
     torch_bits_on = None
     if mode == "autograd":
         # torch (and autograd) scale the source in the dtype before accumulating.
@@ -227,8 +220,7 @@ def test_segment_sum_on_every_backend(plan, dtype, mode, layout, data_kind, use_
         perm = torch.tensor(rng.sample(range(rows), rows), dtype=torch.long)
     note(f"lengths={lengths} src {tuple(src.shape)} dim={dim} perm={perm is not None}")
     results = on_every_backend(
-        lambda s, o, p: detsum.segment_sum(s, o, dim=dim, perm=p, mode=mode), src, offsets, perm,
-        mode=mode, dtype=dtype)
+        lambda s, o, p: detsum.segment_sum(s, o, dim=dim, perm=p, mode=mode), src, offsets, perm)
     torch_bits_on = None
     if mode == "autograd":
         d = dim % src.dim()
@@ -293,7 +285,7 @@ def test_scatter_reduce_on_every_backend(plan, dtype, mode_reduce, include_self,
     results = on_every_backend(
         lambda i, x, s: detsum.scatter_reduce(i, dim, x, s, reduce, include_self=include_self,
                                               mode=mode, sorted=promise_sorted),
-        input, index, src, mode=mode, dtype=dtype)
+        input, index, src)
     torch_bits_on = None
     if mode == "autograd" or reduce in ("amax", "amin"):
         # Only a sum's rule follows the device; the other reductions' is the CPU's everywhere.

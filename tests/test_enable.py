@@ -1983,15 +1983,9 @@ def test_new_ops_opinfo_samples_on_a_gpus_path_give_the_host_paths_bits(
     back, padding rows, empty bags and values outside a histogram sent to a spare row), run
     on CPU tensors in Triton's interpreter: every sample gives the bits of the host path (the
     Numba backend), and runs on detsum where the host path does. ("autograd" here is the
-    CPU's: on CUDA, segment_reduce and embedding_bag's sum and mean go to torch's kernel.)
-    The samples are dealt to the three (mode, dtype) cases in turn: each sample runs once,
-    each case on a third of them (all of them in all three cases took 133 s of one worker's
-    time in the interpreter)."""
+    CPU's: on CUDA, segment_reduce and embedding_bag's sum and mean go to torch's kernel.)"""
     op, cases = samples(name, variant, dtype, requires_grad=name != "histc")
-    turn = GPU_PATH_MODES.index((mode, dtype))
     for seed, sample in enumerate(cases):
-        if seed % len(GPU_PATH_MODES) != turn:
-            continue
         on_host, ran_on_host = run_counted(name, mode, lambda: results(op, sample, seed))
         monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
         with detsum.backend("triton"):

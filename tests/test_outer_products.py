@@ -8,8 +8,7 @@ import torch
 from torch.func import functional_call, grad
 
 import detsum
-from conftest import (DTYPES, TRITON_ON_CPU, assert_same_bits, dtype_id, make_data,
-                      skip_slow_exact_in_interpreter)
+from conftest import DTYPES, TRITON_ON_CPU, assert_same_bits, dtype_id, make_data
 from detsum import loss
 from detsum.kernels import CHUNK_TERMS
 from detsum.kernels.numba import outer as numba_outer
@@ -43,7 +42,6 @@ def products_in_pieces(left, right, piece, mode, device="cpu"):
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", SPLIT_MODES)
 def test_products_give_the_bits_of_the_rows_they_stand_for(mode, dtype, backend):
-    skip_slow_exact_in_interpreter(backend, mode, dtype)
     n = ROWS if backend != "reference" else CHUNK_TERMS + 9
     left, right = factors(n, 3, 5, dtype, seed=len(mode) + n)
     rows = formed(left, right)

@@ -20,7 +20,7 @@ import torch
 
 import detsum
 from conftest import (DTYPES, HAS_CUDA, assert_same_bits, backend_device, dtype_id, host_reads,
-                      make_data, slow_exact_in_interpreter)
+                      make_data)
 from covering import pairwise
 from detsum import _segments
 
@@ -72,8 +72,6 @@ def sorts_counted():
 # ---- the same bits with and without a plan ------------------------------------------------------
 
 def _index_add_sweep_allowed(n, template, dim, dtype, mode, backend):
-    if slow_exact_in_interpreter(backend, mode, dtype):
-        return False
     # fp32 and bf16 stand for the dtypes off the default backend (a plan is positions: the
     # dtype only picks the kernel's arithmetic).
     if backend != "numba" and dtype in (torch.float16, torch.float64):

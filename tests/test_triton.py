@@ -21,7 +21,7 @@ import torch
 import detsum
 from conftest import (
     DTYPES, HAS_CUDA, LAYOUTS, MODE_REDUCTIONS, MODES, N, assert_same_bits, dtype_id,
-    make_data, seed_of, slow_exact_in_interpreter, strided_copy, with_rows)
+    make_data, seed_of, strided_copy, with_rows)
 from covering import pairwise
 from detsum import kernels, reference
 
@@ -90,14 +90,9 @@ def make_index_add_case(template, dim, dtype, case):
     return input, index, source, 0.3 if case == "alpha" else 1
 
 
-def affordable(mode, dtype):
-    """The sweeps' cases but "exact" fp16 and fp64 (conftest.slow_exact_in_interpreter)."""
-    return not slow_exact_in_interpreter("triton", mode, dtype)
-
-
 def index_add_allowed(mode, dtype, template, dim, case):
     # A 1-D tensor has no other dim to empty.
-    return affordable(mode, dtype) and not (case == "zero_columns" and len(template) == 1)
+    return not (case == "zero_columns" and len(template) == 1)
 
 
 # Every pair of mode, dtype, layout and case: each layout with every case, each mode with
@@ -140,7 +135,7 @@ def test_index_add_inplace_and_special_values(dtype):
 @pytest.mark.parametrize("mode,dtype,with_perm,template,dim", pairwise(
     [MODES, DTYPES, [pytest.param(False, id="offsets"), pytest.param(True, id="perm")],
      LAYOUTS],
-    allowed=lambda mode, dtype, *_: affordable(mode, dtype), everything=HAS_CUDA))
+    everything=HAS_CUDA))
 def test_segment_sum(mode, dtype, with_perm, template, dim):
     seed = seed_of("triton-segment", template, dim, dtype, with_perm)
     src = make_data(with_rows(template, 12), dtype, seed=seed, spread=True)
@@ -167,8 +162,7 @@ SCATTER_LAYOUTS = [
 # every layout and with each other.
 @pytest.mark.parametrize("mode,reduce,dtype,template,dim,kind", pairwise(
     [MODES, ["sum", "mean", "prod", "amax", "amin"], DTYPES, SCATTER_LAYOUTS],
-    allowed=lambda mode, reduce, dtype, *_: ((mode, reduce) in MODE_REDUCTIONS
-                                             and affordable(mode, dtype)),
+    allowed=lambda mode, reduce, dtype, *_: (mode, reduce) in MODE_REDUCTIONS,
     everything=HAS_CUDA))
 def test_scatter_reduce(mode, dtype, reduce, template, dim, kind):
     seed = seed_of("triton-scatter", template, dim, kind, dtype, reduce)
@@ -409,8 +403,7 @@ SCAN_RULES = [(reduce, rule) for reduce, rules in (
 
 def _scan_allowed(reduce_rule, dtype, n_terms, alpha, include_base, keys_dtype):
     reduce, rule = reduce_rule
-    return ((alpha == 1.0 or reduce == "sum")
-            and not (rule == "EXACT" and slow_exact_in_interpreter("triton", "exact", dtype)))
+    return alpha == 1.0 or reduce == "sum"
 
 
 # Every pair of (reduction, rule), dtype, number of keys, alpha, base and key dtype.

@@ -335,6 +335,9 @@ def _aggregation_classes() -> dict[str, type]:
 #: The attribute that marks a module made deterministic: its mode's name. A plain str in the
 #: module's ``__dict__``, so a pickled, saved or copied module is marked as its original was.
 MODE_ATTRIBUTE = "_detsum_pyg_mode"
+#: What a switched call's error says turned the switch on in a marked module's forward and
+#: backward.
+OPENER = "detsum.pyg.make_deterministic"
 
 # .blocks: [(module, the layer of its switch's block)], the marked forwards running in this
 # thread.
@@ -349,7 +352,7 @@ def _switch_on(module: torch.nn.Module, args) -> None:
     forward returns or raises (``_switch_off``)."""
     if torch._C._current_graph_task_id() == -1:
         _close_failed_backward_blocks()
-    layer = switch._open_block(getattr(module, MODE_ATTRIBUTE))
+    layer = switch._open_block(getattr(module, MODE_ATTRIBUTE), OPENER)
     _open.__dict__.setdefault("blocks", []).append((module, layer))
 
 
@@ -385,7 +388,7 @@ def _switch_on_in_backward(mode: str, grads: tuple[torch.Tensor | None, ...]) ->
     task = torch._C._current_graph_task_id()
     if task in _backward_blocks:
         return
-    _backward_blocks[task] = (threading.get_ident(), switch._open_block(mode))
+    _backward_blocks[task] = (threading.get_ident(), switch._open_block(mode, OPENER))
     torch.autograd.Variable._execution_engine.queue_callback(
         functools.partial(_close_backward_block, task))
 

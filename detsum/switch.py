@@ -102,7 +102,8 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 _lock = threading.RLock()
 _base_mode: str | None = None
-_blocks: list[tuple[object, str]] = []
+#: The open blocks, innermost last: (layer, mode, the function that opened it).
+_blocks: list[tuple[object, str, str]] = []
 _mode: str | None = None
 _library: torch.library.Library | None = None
 #: The kernels of the library that ``disable`` last removed, kept alive (each a copy of the
@@ -241,22 +242,24 @@ def deterministic(mode: str | Mode = "fp32") -> Iterator[None]:
     """
     _refuse_tracing("detsum.deterministic")
     mode = parse_mode(mode, caller="detsum.deterministic")
-    layer = _open_block(mode.value)
+    layer = _open_block(mode.value, "detsum.deterministic")
     try:
         yield
     finally:
         _close_block(layer)
 
 
-def _open_block(mode: str) -> object:
+def _open_block(mode: str, opener: str) -> object:
     """Open a :func:`deterministic` block in ``mode`` (a mode's name, parsed by the caller)
-    until ``_close_block`` of the layer returned. (Also ``detsum.pyg``'s hooks, which open and
-    close two blocks a training step.) The state is applied only where the mode in force
-    changes (``_change_mode``): applying it costs a small PyG step more than its few
-    microseconds of Python (benches/NOTES.md, the twenty-first session)."""
+    until ``_close_block`` of the layer returned. ``opener`` is the public function that
+    opened it (``detsum.deterministic``, or ``detsum.pyg``'s hooks, which open and close two
+    blocks a training step): the switched calls' errors name it (``_switched_by``). The state
+    is applied only where the mode in force changes (``_change_mode``): applying it costs a
+    small PyG step more than its few microseconds of Python (benches/NOTES.md, the
+    twenty-first session)."""
     layer = object()
     with _lock:
-        _blocks.append((layer, mode))
+        _blocks.append((layer, mode, opener))
         if mode != _mode or _library is None:
             _change_mode(mode)
     return layer
@@ -286,6 +289,14 @@ def _change_mode(wanted: str | None) -> None:
         return
     _mode = wanted
     _tell_followers(wanted)
+
+
+def _switched_by() -> str:
+    """The public function whose switch runs the calls now, for their errors: the innermost
+    block's opener, else ``detsum.enable``. Without the lock: a slice of a list is one step
+    under the GIL, and these names are read on the switched calls' own paths."""
+    innermost = _blocks[-1:]
+    return innermost[0][2] if innermost else "detsum.enable"
 
 
 def _wanted_mode() -> str | None:
@@ -540,7 +551,7 @@ def _switched(name, body, original, key):
                 except IndexOutOfRangeError as error:
                     # detsum names its own function; the caller called torch's.
                     _, _, detail = str(error).partition(": ")
-                    raise IndexOutOfRangeError(f"{name} (run by detsum.enable): {detail}") \
+                    raise IndexOutOfRangeError(f"{name} (run by {_switched_by()}): {detail}") \
                         from None
                 else:
                     _count((name, "detsum"))
@@ -653,7 +664,7 @@ def _checked_on_device(t: torch.Tensor) -> bool:
     call returns), as ``_CHECK`` asks; else on the host, before anything is written."""
     if t.is_cpu and not _segments.GPU_CHECKS_ON_CPU:
         return False
-    backend_name = current_backend(t.device.type, "detsum.enable")
+    backend_name = current_backend(t.device.type, _switched_by())
     return _segments.check_that_runs(_CHECK, t.device.type, backend_name) == "device"
 
 
@@ -937,7 +948,9 @@ def _bincount_short(mode, self, weights=None, minlength=0) -> torch.Tensor | Non
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
-    _validation.check_changeable(f"{name} (run by detsum.enable)", "self", target)
+    # Only an inference tensor can fail the check, which then names the switch's opener.
+    if not torch.compiler.is_compiling() and target.is_inference():
+        _validation.check_changeable(f"{name} (run by {_switched_by()})", "self", target)
 
 
 def _into_out(out: torch.Tensor, self: torch.Tensor, *read: torch.Tensor) -> bool | None:
@@ -1207,7 +1220,7 @@ def _index_put(mode, self, indices, values, accumulate=False, unsafe=False):
             terms = values.expand(shape).reshape(*self.shape[:d], flat.shape[0],
                                                  *self.shape[d + 1:])
         _add_at_python_indices(self, d, flat, terms, mode, lambda bad: (
-            f"index_put_ (run by detsum.enable): index {bad} is out of bounds for dimension "
+            f"index_put_ (run by {_switched_by()}): index {bad} is out of bounds for dimension "
             f"{d} with size {self.shape[d]}"))
         return self
     return run
@@ -1273,7 +1286,7 @@ def _put(mode, self, index, source, accumulate=False):
         _check_changeable("put_", self)
         flat = self.view(-1) if self.is_contiguous() else self.reshape(-1)
         _add_at_python_indices(flat, 0, index.reshape(-1), source.reshape(-1), mode, lambda bad: (
-            f"put_ (run by detsum.enable): out of range: tried to access index {bad} on a "
+            f"put_ (run by {_switched_by()}): out of range: tried to access index {bad} on a "
             f"tensor of {self.numel()} elements"))
         return self if self.is_contiguous() else self.copy_(flat.view(self.shape))
     return run
@@ -1420,7 +1433,7 @@ def _embedding_bag_backward(mode, grad, indices, offset2bag, bag_size, maximum_i
     def run():
         on_device = _checked_on_device(grad)
         if not on_device:
-            caller = "_embedding_bag_dense_backward (run by detsum.enable)"
+            caller = f"_embedding_bag_dense_backward (run by {_switched_by()})"
             _check_in_range(caller, "indices", indices, num_weights, "num_weights")
             _check_in_range(caller, "offset2bag", offset2bag, grad.shape[0], "grad.size(0)")
         rows, bags, scale = indices, offset2bag, weights
@@ -1465,7 +1478,7 @@ def _embedding_bag_max_backward(mode, grad, bag_size, maximum_indices, num_weigh
                             "sum", True, mode)
         return sums[:num_weights]
     zeros = grad.new_zeros(num_weights, grad.shape[1])
-    caller = "_embedding_bag_dense_backward (run by detsum.enable)"
+    caller = f"_embedding_bag_dense_backward (run by {_switched_by()})"
     nonempty = (bag_size != 0).nonzero().view(-1)
     rows = maximum_indices.index_select(0, nonempty)
     _check_in_range(caller, "maximum_indices", rows, num_weights, "num_weights",
@@ -1550,7 +1563,7 @@ def _segment_reduce(mode, data, reduce, *, lengths=None, indices=None, offsets=N
             and _checked_on_device(data)):
         return lambda: _segment_sum_unread_bounds(mode, data, reduce, offsets, lengths, unsafe,
                                                   initial)
-    caller = "segment_reduce (run by detsum.enable)"
+    caller = f"segment_reduce (run by {_switched_by()})"
     # The values are read in NumPy, a microsecond or two a step where a torch op on a small
     # tensor takes three to five.
     values = bounds.numpy() if bounds.is_cpu else bounds.cpu().numpy()

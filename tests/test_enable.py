@@ -697,7 +697,7 @@ def test_small_embedding_bag_backward_takes_one_call_with_the_primitives_bits(
     outside = index.clone()
     outside[9] = 7
     with detsum.deterministic(mode), pytest.raises(IndexError, match=re.escape(
-            "_embedding_bag_dense_backward (run by detsum.enable): indices[9] = 7")):
+            "_embedding_bag_dense_backward (run by detsum.deterministic): indices[9] = 7")):
         torch.ops.aten._embedding_bag_dense_backward(
             bag_grad, outside, bag, bag_size, bag_size, 7, False, 0, None)
 
@@ -812,7 +812,7 @@ def test_small_in_place_sums_name_a_bad_value_where_the_caller_put_it(small_in_p
     before = x.clone()
     with detsum.deterministic("fp32"):
         with pytest.raises(IndexError, match=re.escape(
-                "scatter_add_ (run by detsum.enable): index[0, 13, 0] = 7 is out of range")):
+                "scatter_add_ (run by detsum.deterministic): index[0, 13, 0] = 7 is out of range")):
             x.scatter_add_(1, rows, data((2, 40, 3), torch.float32, 2))
     assert small_in_place_answers == [False]
     assert_same_bits(x, before)
@@ -832,13 +832,13 @@ def test_small_in_place_calls_the_short_way_leaves_give_the_bodys_answer(small_i
         frozen = torch.zeros(3, 4)
     with detsum.deterministic(mode):
         with pytest.raises(RuntimeError, match=re.escape(
-                "index_add_ (run by detsum.enable): self is an inference tensor")):
+                "index_add_ (run by detsum.deterministic): self is an inference tensor")):
             frozen.index_add_(0, index, torch.ones(4, 4))
         with pytest.raises(RuntimeError, match=re.escape(
-                "scatter_add_ (run by detsum.enable): self is an inference tensor")):
+                "scatter_add_ (run by detsum.deterministic): self is an inference tensor")):
             frozen.scatter_add_(0, index.view(-1, 1).expand(4, 4), torch.ones(4, 4))
         with pytest.raises(RuntimeError, match=re.escape(
-                "index_put_ (run by detsum.enable): self is an inference tensor")):
+                "index_put_ (run by detsum.deterministic): self is an inference tensor")):
             frozen.index_put_((index,), torch.ones(4, 4), accumulate=True)
     assert torch.equal(frozen, torch.zeros(3, 4)) and small_in_place_answers == []
 
@@ -1264,6 +1264,30 @@ def test_out_that_torch_resizes_goes_to_torch():
     assert_same_bits(out, x.index_add(0, index, source))
 
 
+def test_a_switched_calls_error_names_what_switched_it_on():
+    """The switched call's error names the function that put its mode in force: ``enable``,
+    or the innermost ``deterministic`` block open over it, and ``enable`` again once that
+    block closes."""
+    x = torch.zeros(4, 3)
+
+    def bad_call(opener):
+        with pytest.raises(IndexError, match=re.escape(f"index_add_ (run by {opener}): "
+                                                       "index[1] = 9 is out of range")):
+            x.index_add_(0, torch.tensor([0, 9]), torch.ones(2, 3))
+
+    with detsum.deterministic("kahan"):
+        bad_call("detsum.deterministic")
+    detsum.enable()
+    try:
+        bad_call("detsum.enable")
+        with detsum.deterministic("exact"):
+            bad_call("detsum.deterministic")
+        bad_call("detsum.enable")
+    finally:
+        detsum.disable()
+    assert torch.equal(x, torch.zeros(4, 3))
+
+
 @pytest.mark.parametrize("mode", ["fp32", "autograd"])
 def test_bad_inputs_give_torchs_errors_and_write_nothing(mode):
     x = torch.zeros(4, 3)
@@ -1272,11 +1296,11 @@ def test_bad_inputs_give_torchs_errors_and_write_nothing(mode):
             x.scatter_add_(0, torch.tensor([[0, 1, 2, 3]]), torch.ones(1, 3))
         with pytest.raises(RuntimeError):  # torch's: dtypes differ
             x.index_add_(0, torch.tensor([0]), torch.ones(1, 3, dtype=torch.float64))
-        with pytest.raises(IndexError, match=r"index_add_ \(run by detsum.enable\)"):
+        with pytest.raises(IndexError, match=r"index_add_ \(run by detsum.deterministic\)"):
             x.index_add_(0, torch.tensor([0, 9]), torch.ones(2, 3))
-        with pytest.raises(RuntimeError, match=r"scatter_add_ \(run by detsum.enable\)"):
+        with pytest.raises(RuntimeError, match=r"scatter_add_ \(run by detsum.deterministic\)"):
             x.scatter_add_(0, torch.tensor([[0, 1, 2], [3, 4, 0]]), torch.ones(2, 3))
-        with pytest.raises(IndexError, match=r"put_ \(run by detsum.enable\): out of range"):
+        with pytest.raises(IndexError, match=r"put_ \(run by detsum.deterministic\): out of range"):
             x.put_(torch.tensor([0, 12]), torch.ones(2), accumulate=True)
         with pytest.raises(IndexError, match=r"out of bounds for dimension 0 with size 4"):
             x.index_put_((torch.tensor([0, -5]),), torch.ones(2, 3), accumulate=True)
@@ -1884,7 +1908,7 @@ def test_new_ops_index_out_of_range(mode):
     kept = [t.clone() for t in inputs]
     with detsum.deterministic(mode):
         with pytest.raises(detsum.IndexOutOfRangeError,
-                           match=r"^_embedding_bag_dense_backward \(run by detsum.enable\): "
+                           match=r"^_embedding_bag_dense_backward \(run by detsum.deterministic\): "
                                  r"indices\[1\] = 9 is out of range for num_weights = 4"):
             torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
                                                          maximum, 4, False, 0, None)
@@ -1894,10 +1918,10 @@ def test_new_ops_index_out_of_range(mode):
             torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
                                                          maximum, 4, False, 2, None)
         with pytest.raises(detsum.IndexOutOfRangeError,
-                           match=r"^segment_reduce \(run by detsum.enable\): offsets\[3\] = 6 "
+                           match=r"^segment_reduce \(run by detsum.deterministic\): offsets\[3\] = 6 "
                                  r"is out of range for data.size\(0\) = 5"):
             torch.segment_reduce(torch.ones(5), "sum", offsets=torch.tensor([0, 2, 2, 6]))
-        with pytest.raises(IndexError, match=r"^segment_reduce \(run by detsum.enable\): "
+        with pytest.raises(IndexError, match=r"^segment_reduce \(run by detsum.deterministic\): "
                                              r"lengths\[1\] sum to 7, past data.size\(1\) = 5"):
             torch.segment_reduce(torch.ones(2, 5), "max", lengths=torch.tensor([[1, 2], [3, 4]]),
                                  axis=1, unsafe=True)

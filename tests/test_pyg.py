@@ -17,6 +17,7 @@ import collections
 import copy
 import io
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -484,6 +485,22 @@ def test_a_forward_that_raises_turns_the_switch_off(tiny_graph):
             layer(x[:, :3], edge_index)  # 3 features, not 8
         assert detsum_switch.current_mode() is None
         assert not getattr(detsum.pyg._open, "blocks", [])
+
+
+class IndexAddPool(torch.nn.Module):
+    def forward(self, x, index):
+        return x.new_zeros(3, x.shape[1]).index_add_(0, index, x)
+
+
+def test_a_switched_calls_error_in_a_marked_module_names_make_deterministic():
+    """A bad index in a marked module's own accumulation: the error names the function that
+    switched the call, ``make_deterministic``, not ``enable``, which the caller never called."""
+    pool = IndexAddPool()
+    detsum.pyg.make_deterministic(pool)
+    with pytest.raises(IndexError, match=re.escape(
+            "index_add_ (run by detsum.pyg.make_deterministic): index[2] = 5 is out of range")):
+        pool(torch.ones(4, 3), torch.tensor([0, 1, 5, 1]))
+    assert detsum_switch.current_mode() is None
 
 
 class FailsInBackward(torch.autograd.Function):

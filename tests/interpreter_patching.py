@@ -13,8 +13,8 @@ of 42.8 s, profiled, triton 3.9.0).
 ``install`` makes a helper's call skip the swap when the launch running it has already swapped
 every language module the helper's module sees; a helper that sees one more still swaps, as
 Triton does. The kernels compute the same values either way; only the interpreter's repeated
-work goes. Nothing is installed where this Triton patches the language in another way (an older
-or newer interpreter than the one described here): the tests then run as slowly as before.
+work goes. Triton 3.6.0 and 3.9.0 patch the language as described here; nothing is installed
+where a Triton does it in another way, and the tests then run as slowly as before.
 """
 
 from __future__ import annotations

@@ -1918,8 +1918,8 @@ def test_new_ops_index_out_of_range(mode):
             torch.ops.aten._embedding_bag_dense_backward(grad, indices, offset2bag, bag_size,
                                                          maximum, 4, False, 2, None)
         with pytest.raises(detsum.IndexOutOfRangeError,
-                           match=r"^segment_reduce \(run by detsum.deterministic\): offsets\[3\] = 6 "
-                                 r"is out of range for data.size\(0\) = 5"):
+                           match=r"^segment_reduce \(run by detsum.deterministic\): "
+                                 r"offsets\[3\] = 6 is out of range for data.size\(0\) = 5"):
             torch.segment_reduce(torch.ones(5), "sum", offsets=torch.tensor([0, 2, 2, 6]))
         with pytest.raises(IndexError, match=r"^segment_reduce \(run by detsum.deterministic\): "
                                              r"lengths\[1\] sum to 7, past data.size\(1\) = 5"):

@@ -48,7 +48,8 @@ def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch, patch_o
     held before; and the sums have the bits of Triton's own way (a patch at every call)."""
     _sums(mode)  # compiled nothing, but the plan's and the modes' first calls are done
     counts = {"launches": 0, "helper calls": 0, "patched modules": 0}
-    launch, helper_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
+    launch = interpreter.GridExecutor.__call__
+    helper_call = interpreter.InterpretedFunction.__call__
     patch_builtins = interpreter._patch_builtin
 
     def counted(key, function):

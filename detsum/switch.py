@@ -948,9 +948,7 @@ def _bincount_short(mode, self, weights=None, minlength=0) -> torch.Tensor | Non
 
 
 def _check_changeable(name: str, target: torch.Tensor) -> None:
-    # Only an inference tensor can fail the check, which then names the switch's opener.
-    if not torch.compiler.is_compiling() and target.is_inference():
-        _validation.check_changeable(f"{name} (run by {_switched_by()})", "self", target)
+    _validation.check_changeable(f"{name} (run by {_switched_by()})", "self", target)
 
 
 def _into_out(out: torch.Tensor, self: torch.Tensor, *read: torch.Tensor) -> bool | None:

@@ -35,7 +35,7 @@ def install() -> bool:
     language_modules = (interpreter.tl, interpreter.tl.core)
     modules_of_function: dict = {}
     # The language modules the launch running now has patched; None between launches.
-    patched_now: list = [None]
+    patched_now: frozenset | None = None
 
     def modules_seen_by(fn) -> frozenset:
         # Triton's own test: the language modules among the function's module's globals.
@@ -47,22 +47,24 @@ def install() -> bool:
         return modules
 
     def patch_once_per_launch(fn):
+        nonlocal patched_now
         modules = modules_seen_by(fn)
-        if patched_now[0] is not None and modules <= patched_now[0]:
+        if patched_now is not None and modules <= patched_now:
             return scope_type()  # a helper's call inside a launch: nothing left to patch
         scope = patch_language(fn)
-        if patched_now[0] is not None:
+        if patched_now is not None:
             # A helper that sees another language module (triton's own jitted functions, such
-            # as tl.sum, see triton.language.core): Triton leaves that patch in place, so the
+            # as tl.zeros, see triton.language.core): Triton leaves that patch in place, so the
             # launch's later helpers that see it have nothing left to patch either.
-            patched_now[0] = patched_now[0] | modules
+            patched_now = patched_now | modules
         else:
             # A launch: its scope's restore ends it.
-            patched_now[0] = modules
+            patched_now = modules
             restore = scope.restore
 
             def restore_and_end_the_launch() -> None:
-                patched_now[0] = None
+                nonlocal patched_now
+                patched_now = None
                 restore()
 
             scope.restore = restore_and_end_the_launch

@@ -46,7 +46,7 @@ def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch, patch_o
     """Counted over the calls: the language's builtins are patched a few times a launch, while
     the kernels call their jitted helpers many times; afterwards triton.language holds what it
     held before; and the sums have the bits of Triton's own way (a patch at every call)."""
-    _sums(mode)  # compiled nothing, but the plan's and the modes' first calls are done
+    _sums(mode)  # the first calls' one-time set-up, outside the counts
     counts = {"launches": 0, "helper calls": 0, "patched modules": 0}
     launch = interpreter.GridExecutor.__call__
     helper_call = interpreter.InterpretedFunction.__call__

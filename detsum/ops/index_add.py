@@ -11,55 +11,58 @@ from detsum.plans import (Plan, Planned, aligned, call_with_plan, check_plan, la
                           operator_arguments, run_checks_with, unpack)
 
 _CALLER = "detsum.index_add"
+_IN_PLACE_CALLER = "detsum.index_add_"
 
 
 # ---- operators: out of place and in place -------------------------------------------------------
 
 def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
          alpha: float, mode: str, *, in_place: bool = False, check: str = "host",
-         planned: Planned | None = None) -> torch.Tensor:
+         planned: Planned | None = None, caller: str = _CALLER) -> torch.Tensor:
     """The shared body: validate index values (as ``check`` says), plan, launch. Returns the
     result's rows view (``_segments.rows_view``); ``in_place``: written into ``input``'s own
     rows view, which ``input`` must be contiguous to have. ``planned``: the positions of a
-    ``detsum.Plan`` of ``index``, checked when it was made: nothing to check or plan here."""
+    ``detsum.Plan`` of ``index``, checked when it was made: nothing to check or plan here.
+    ``caller``: the function an error names."""
     device_type = input.device.type
-    backend_name = current_backend(device_type, _CALLER)
+    backend_name = current_backend(device_type, caller)
     check = _segments.check_that_runs(check, device_type, backend_name)
     out3 = _segments.rows_view(input, dim) if in_place else None
     if backend_name == "reference":
-        return _run_reference(input, dim, index, source, alpha, mode, out3, check, planned)
+        return _run_reference(input, dim, index, source, alpha, mode, out3, check, planned,
+                              caller)
     # Out of place, every output row is written either way: a scanned index goes straight to
     # its launch. In place, the rows without terms are better left as they are.
     if planned is None and not (out3 is None
                                 and _segments.scans_index(backend_name, index, False)):
-        sparse = _segments.rows_with_terms(_CALLER, index, input.shape[dim], index_name="index",
+        sparse = _segments.rows_with_terms(caller, index, input.shape[dim], index_name="index",
                                            size_name=f"input.size({dim})", check=check)
         if sparse is not None:
             return _run_on_rows_with_terms(input, dim, *sparse, source, alpha, mode, out3,
                                            backend_name)
     if backend_name == "numba":
-        small = _run_small(input, dim, index, source, alpha, mode, out3)
+        small = _run_small(input, dim, index, source, alpha, mode, out3, caller)
         if small is not None:
             return small
     if planned is None:
-        planned = (*_plan(input, dim, index, backend_name, check), None)
+        planned = (*_plan(input, dim, index, backend_name, check, caller), None)
     # The index goes along for the chunks of long segments to find their segments by.
     return _launch(backend_name, input, dim, source, alpha, mode, planned, out3, keys=index)
 
 
 def _plan(input: torch.Tensor, dim: int, index: torch.Tensor, backend_name: str,
-          check: str) -> tuple:
+          check: str, caller: str) -> tuple:
     """(order, offsets) of ``index``'s rows, after checking its values as ``check`` says
     (``_segments.plan_from_index``: at "host", a bad value raises with ``input`` untouched)."""
     return _segments.plan_from_index(
-        _CALLER, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
+        caller, index, input.shape[dim], index_name="index", size_name=f"input.size({dim})",
         promised_sorted=False, backend_name=backend_name, check=check, as_keys=True)
 
 
-def _run_reference(input, dim, index, source, alpha, mode, out3, check, planned):
+def _run_reference(input, dim, index, source, alpha, mode, out3, check, planned, caller):
     """``_run`` on the reference backend, after the same checks of ``index``'s values."""
     if planned is None:
-        _plan(input, dim, index, "reference", check)
+        _plan(input, dim, index, "reference", check, caller)
     result = reference.index_add(input, dim, index, source, alpha=alpha, mode=mode)
     if out3 is None:
         return result
@@ -85,13 +88,13 @@ def _run_on_rows_with_terms(input, dim, targets, positions, source, alpha, mode,
     return out3
 
 
-def _run_small(input, dim, index, source, alpha, mode, out3):
+def _run_small(input, dim, index, source, alpha, mode, out3, caller):
     """``_run`` as one Numba call without a plan (``_segments.small_index_add``), or None where
     that call does not fit."""
     # In place, out3 is input's own view: one view fewer, and the kernel reads it once.
     input3 = _segments.rows_view(input, dim) if out3 is None else out3
     return _segments.small_index_add(
-        _CALLER, _segments.rows_view(source, dim), index, input3, out3, alpha,
+        caller, _segments.rows_view(source, dim), index, input3, out3, alpha,
         rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
 
 
@@ -155,7 +158,7 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
                        offsets=None, chunk_ends=None, chunk_slots=-1):
     """The in-place operator's body (also called directly, see ``_dispatch``)."""
     # Here, not only in the public function: a compiled graph calls this operator directly.
-    _validation.check_inplace_target("detsum.index_add_", "input", input, index=index,
+    _validation.check_inplace_target(_IN_PLACE_CALLER, "input", input, index=index,
                                      source=source)
     planned = unpack(order, offsets, chunk_ends, chunk_slots)
     if input.is_contiguous():
@@ -163,17 +166,17 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
         # result can go straight into input's storage.
         def whole_path():
             _run(input, dim, index, source, alpha, acc_mode, in_place=True, check=check,
-                 planned=planned)
+                 planned=planned, caller=_IN_PLACE_CALLER)
 
         if offsets is None or not launches_again(input, offsets):
             whole_path()
         else:  # an earlier call's launch made again where the signature allows
-            call_with_plan("detsum.index_add_", offsets, (order, index, chunk_ends),
+            call_with_plan(_IN_PLACE_CALLER, offsets, (order, index, chunk_ends),
                            _signature(input, dim, source, alpha, acc_mode, check,
                                       chunk_slots), (source, input), None, whole_path)
     else:
         input.copy_(_run(input, dim, index, source, alpha, acc_mode, check=check,
-                         planned=planned).view(input.shape))
+                         planned=planned, caller=_IN_PLACE_CALLER).view(input.shape))
 
 
 @torch.library.custom_op("detsum::index_add_", mutates_args=("input",))
@@ -320,7 +323,7 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
 def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
                alpha: float = 1, mode: str | Mode = "fp32", check: str = "host",
                plan: Plan | None = None) -> torch.Tensor:
-    caller = "detsum.index_add_"
+    caller = _IN_PLACE_CALLER
     dim, alpha, mode = _checked(input, dim, index, source, alpha, mode, check, caller, plan)
     planning = operator_arguments(plan, check)
     _validation.run_check(_validation.check_inplace_autograd, caller, "input", input)
@@ -335,8 +338,14 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
         if not torch.compiler.is_compiling() and not any(map(
                 torch._C._functorch.is_functorch_wrapped_tensor, (input, index, source))):
             _validation.check_inplace_target(caller, "input", input, index=index, source=source)
-        return input.copy_(call_index_add(input, dim, index, source, alpha, mode.value,
-                                          *planning, caller=caller))
+        try:
+            added = call_index_add(input, dim, index, source, alpha, mode.value, *planning,
+                                   caller=caller)
+        except _validation.IndexOutOfRangeError as error:
+            # The out-of-place operator names its own function; the caller called this one.
+            _, _, detail = str(error).partition(": ")
+            raise _validation.IndexOutOfRangeError(f"{caller}: {detail}") from None
+        return input.copy_(added)
     if _dispatch.direct_call_ok(input, index, source):
         _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)
         # What the operator's mutates_args does: a saved copy of input is now stale, and

@@ -48,9 +48,21 @@ class OuterProducts(NamedTuple):
         return self.left.unsqueeze(2) * self.right.unsqueeze(1)
 
 
-def trainable_parameters(named_parameters) -> dict[str, torch.Tensor]:
-    """The parameters with ``requires_grad``, by name."""
-    return {name: p for name, p in named_parameters if p.requires_grad}
+def trainable_parameters(named_parameters, caller: str) -> dict[str, torch.Tensor]:
+    """The parameters with ``requires_grad``, by name, from ``(name, tensor)`` pairs (a
+    TypeError naming ``caller`` for anything else)."""
+    trainable = {}
+    for pair in named_parameters:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
+                and isinstance(pair[1], torch.Tensor)):
+            got = (f"a tensor of shape {tuple(pair.shape)}" if isinstance(pair, torch.Tensor)
+                   else f"{type(pair).__name__} {pair!r}"[:80])
+            raise TypeError(f"{caller}: named_parameters gave {got}; expected (name, tensor) "
+                            f"pairs, as model.named_parameters() gives (not "
+                            f"model.parameters())")
+        if pair[1].requires_grad:
+            trainable[pair[0]] = pair[1]
+    return trainable
 
 
 def _sample_as_own_batch(batch: torch.Tensor, i: int) -> torch.Tensor:
@@ -270,7 +282,7 @@ class SampleGradients:
 
     def __init__(self, caller: str, model: torch.nn.Module, loss_fn):
         self.caller, self.model, self.loss_fn = caller, model, loss_fn
-        self.trainable = trainable_parameters(model.named_parameters())
+        self.trainable = trainable_parameters(model.named_parameters(), caller)
         if not self.trainable:
             raise ValueError(f"{caller}: model has no parameter with requires_grad=True")
         self._layers = _factorable_layers(model, self.trainable)

@@ -438,15 +438,18 @@ class GradAccumulator:
         True
     """
 
-    def __init__(self, named_parameters, *, mode: str | Mode = "fp32", group=None):
-        caller = "detsum.loss.GradAccumulator"
+    def __init__(self, named_parameters, *, mode: str | Mode = "fp32", group=None,
+                 _caller: str = "detsum.loss.GradAccumulator"):
+        # _caller: the function an error names (batch_grad makes one of these).
+        caller = _caller
         if group is not None:
             distributed.check_group(caller, group, none_means="this process alone")
         self.mode = _parse_mode(mode, caller)
-        params = trainable_parameters(named_parameters)
+        params = trainable_parameters(named_parameters, caller)
         if not params:
-            raise ValueError(f"{caller}: named_parameters holds no tensor with "
-                             f"requires_grad=True")
+            what = ("model has no parameter" if caller != "detsum.loss.GradAccumulator"
+                    else "named_parameters holds no tensor")
+            raise ValueError(f"{caller}: {what} with requires_grad=True")
         #: name -> (shape, dtype, device) of every parameter.
         self._params = {name: (p.shape, p.dtype, p.device) for name, p in params.items()}
         self._sums: dict[str, RunningSum] = {}
@@ -682,7 +685,7 @@ def batch_grad(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, targets: t
         microbatch = _check_positive(caller, "microbatch_size", microbatch_size) or batch
         width = min(_check_positive(caller, "chunk_size", chunk_size) or microbatch,
                     microbatch, batch)
-        accumulator = GradAccumulator(model.named_parameters(), mode=mode)
+        accumulator = GradAccumulator(model.named_parameters(), mode=mode, _caller=caller)
         if group is not None:
             accumulator._join(caller, group, {"arguments": "valid", "reduction": reduction},
                               check_now=False)

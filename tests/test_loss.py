@@ -436,8 +436,11 @@ def test_gradient_functions_reject_bad_input():
         loss.per_sample_grads(model, PER_SAMPLE_LOSS, x[:0], y[:0])
     with pytest.raises(ValueError, match="reduction='none'; expected one of"):
         loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, reduction="none")
-    with pytest.raises(ValueError, match="mode='autograd' has no meaning"):
+    with pytest.raises(ValueError, match="^detsum.loss.batch_grad: mode='autograd' has no "
+                                         "meaning"):
         loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode="autograd")
+    with pytest.raises(ValueError, match="^detsum.loss.batch_grad: mode='fp64' is not"):
+        loss.batch_grad(model, PER_SAMPLE_LOSS, x, y, mode="fp64")
     with pytest.raises(ValueError, match="chunk_size=0; expected a positive int or None"):
         loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, y, chunk_size=0)
     with pytest.raises(ValueError, match="microbatch_size=-1"):
@@ -447,8 +450,23 @@ def test_gradient_functions_reject_bad_input():
     with pytest.raises(TypeError, match="targets must be a torch.Tensor"):
         loss.per_sample_grads(model, PER_SAMPLE_LOSS, x, [0, 1, 2, 3])
     frozen = torch.nn.Linear(2, 2).requires_grad_(False)
-    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
-        loss.per_sample_grads(frozen, PER_SAMPLE_LOSS, torch.ones(2, 2), torch.zeros(2).long())
+    for function in (loss.per_sample_grads, loss.batch_grad):
+        with pytest.raises(ValueError, match=f"^detsum.loss.{function.__name__}: model has no "
+                                             f"parameter with requires_grad=True"):
+            function(frozen, PER_SAMPLE_LOSS, torch.ones(2, 2), torch.zeros(2).long())
+
+
+@pytest.mark.parametrize("pairs", [
+    pytest.param(lambda model: model.parameters(), id="parameters"),
+    pytest.param(lambda model: [("weight", 3)], id="not-a-tensor"),
+    pytest.param(lambda model: [model.weight], id="tensors")])
+def test_grad_accumulator_refuses_what_is_not_named_parameters(pairs):
+    """``model.parameters()`` in place of ``named_parameters()`` is a TypeError that says so
+    (its tensors would otherwise unpack along their first dimension as names and values)."""
+    model = torch.nn.Linear(4, 2)  # a weight of two rows: the unpacking would not fail
+    with pytest.raises(TypeError, match=r"^detsum.loss.GradAccumulator: named_parameters gave "
+                                        r".*; expected \(name, tensor\) pairs"):
+        loss.GradAccumulator(pairs(model))
 
 
 class CallCounting(torch.nn.Module):

@@ -506,13 +506,8 @@ def test_gradient_matches_torch(reduce, include_self):
         i, 0, torch_index(index, 0, s), s, reduce, include_self=include_self), input, src, grad)
     got = _grads(lambda i, s: detsum.scatter_reduce(i, 0, index, s, reduce,
                                                     include_self=include_self), input, src, grad)
-    for name, a, e in zip(("input", "src"), got, expected):
-        # prod's gradient divides in another order than torch's (product / member vs
-        # grad * product / member); everything else must be identical.
-        if reduce == "prod":
-            torch.testing.assert_close(a, e, rtol=1e-15, atol=0, msg=f"grad of {name}")
-        else:
-            assert_same_bits(a, e)
+    for a, e in zip(got, expected):
+        assert_same_bits(a, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -577,10 +572,39 @@ def test_prod_gradient_with_zeros_matches_torch(kind, include_self, n_zeros):
         i, 0, torch_index(index, 0, s), s, "prod", include_self=include_self), input, src, grad)
     got = _grads(lambda i, s: detsum.scatter_reduce(i, 0, index, s, "prod",
                                                     include_self=include_self), input, src, grad)
-    for name, a, e in zip(("input", "src"), got, expected):
-        torch.testing.assert_close(a, e, rtol=1e-15, atol=0, msg=f"grad of {name}")
+    for a, e in zip(got, expected):
+        assert_same_bits(a, e)
     if n_zeros == 2 and kind == "row":
         assert (got[1][zero_rows] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=dtype_id)
+@pytest.mark.parametrize("include_self", [True, False], ids=["self", "noself"])
+@pytest.mark.parametrize("kind", ["row", "elem"])
+def test_prod_gradient_has_torchs_bits(kind, include_self, dtype):
+    """torch's prod gradient, bit for bit, in every mode that has a product: grad * product /
+    member (multiplied first), a lone zero's product of the others, and, without
+    include_self, grad * input / input where no source lands. Random factors, zeros among
+    the sources and the inputs, rows that receive nothing."""
+    g = torch.Generator().manual_seed(71)
+    for trial in range(6):
+        input = torch.randn(6, 5, generator=g).to(dtype)
+        src = torch.randn(12, 5, generator=g).to(dtype)
+        src.view(-1)[torch.randint(0, src.numel(), (trial * 3,), generator=g)] = 0
+        input.view(-1)[torch.randint(0, input.numel(), (trial,), generator=g)] = 0
+        index = torch.randint(0, 5, (12,), generator=g)  # row 5 receives nothing
+        if kind == "elem":
+            index = torch.randint(0, 5, (12, 5), generator=g)
+        grad = torch.randn(6, 5, generator=g).to(dtype)
+        expected = _grads(lambda i, s: torch.scatter_reduce(
+            i, 0, torch_index(index, 0, s), s, "prod", include_self=include_self),
+            input, src, grad)
+        for mode in ("autograd", "fp32", "kahan"):
+            got = _grads(lambda i, s: detsum.scatter_reduce(
+                i, 0, index, s, "prod", include_self=include_self, mode=mode), input, src, grad)
+            for a, e in zip(got, expected):
+                assert_same_bits(a, e)
 
 
 # ---- the exact mean's term limit -----------------------------------------------------------------

@@ -464,29 +464,35 @@ def _backward(ctx, grad):
         grad_src = (_take(grad / ties, dim, index) * src_is_result).to(grad.dtype)
         grad_self = (grad * self_is_result / ties).to(grad.dtype) if include_self else None
     else:  # prod: d(product)/d(member) = product of the other members
+        # torch's formula, operation for operation (so "autograd" mode has its bits), on
+        # detsum's products: a member's gradient is grad * product / member, the product with
+        # a zero input taken as 1 for that input's own, and a source member that is its
+        # element's only zero source gets grad times the product with it taken as 1.
+        def product(base: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+            if members is not None:
+                factors = factors.masked_fill(~members, 1)
+            return call_scatter_reduce(base, dim, index, factors, "prod", include_self, "fp32",
+                                       False, "off", order, offsets, chunk_ends,
+                                       ctx.chunk_slots)
+
+        grad_self = None
+        if ctx.needs_input_grad[0]:
+            input_as_factor = input.masked_fill(input == 0, 1)
+            grad_self = grad * product(input_as_factor, src) / input_as_factor
+            if not include_self:
+                # torch's: an element that no source reaches keeps grad * input / input.
+                received = _count_every(input, dim, index, src, reached) > 0
+                grad_self = grad_self.masked_fill(received, 0)
         zeros_in_src = src == 0
-        zero_members = _count(input, dim, index, among_members(zeros_in_src))
-        if include_self:
-            zero_members = zero_members + (input == 0)
-        factors = src.masked_fill(zeros_in_src if members is None else zeros_in_src | ~members, 1)
-        product_of_nonzeros = call_scatter_reduce(
-            input.masked_fill(input == 0, 1), dim, index, factors,
-            "prod", include_self, "fp32", False, "off", order, offsets, chunk_ends,
-            ctx.chunk_slots)
-
-        def others(member: torch.Tensor, product: torch.Tensor, nonzeros: torch.Tensor,
-                   zero_count: torch.Tensor) -> torch.Tensor:
-            lone_zero = torch.where(zero_count == 1, nonzeros, torch.zeros_like(nonzeros))
-            return torch.where(member != 0, product / member, lone_zero)
-
-        grad_src = _take(grad, dim, index) * others(
-            src, _take(result, dim, index), _take(product_of_nonzeros, dim, index),
-            _take(zero_members, dim, index))
-        grad_self = (grad * others(input, result, product_of_nonzeros, zero_members)
-                     if include_self else None)
+        lone_zero = zeros_in_src & (_take(_count(input, dim, index, among_members(zeros_in_src)),
+                                          dim, index) == 1)
+        product_without_lone_zero = product(input, src.masked_fill(lone_zero, 1))
+        grad_src = torch.where(lone_zero, _take(grad * product_without_lone_zero, dim, index),
+                               _take(grad * result, dim, index)
+                               / src.masked_fill(zeros_in_src, 1))
     if members is not None:
         grad_src = grad_src.masked_fill(~members, 0)
-    if not include_self:
+    if not include_self and reduce != "prod":
         grad_self = None
         if ctx.needs_input_grad[0]:  # most callers scatter into fresh zeros
             received = _count_every(input, dim, index, src, reached) > 0
@@ -577,8 +583,11 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
 
     Gradient: with respect to ``input`` and ``src``: ``sum``/``mean`` pass the (divided)
     gradient through; ``amax``/``amin`` share it evenly among all members equal to the result;
-    ``prod`` gives each member the product of the others, zeros included. With
-    ``include_self=False`` only the source members share an ``amax``/``amin`` gradient (torch
+    ``prod`` gives each member the product of the others, zeros included, in torch's
+    arithmetic and so with its bits: ``grad * product / member`` (a zero input counted as 1
+    in its own product; a source that is its element's only zero gets ``grad`` times the
+    product with it counted as 1), and, with ``include_self=False``, ``grad * input /
+    input`` where no source lands. With ``include_self=False`` only the source members share an ``amax``/``amin`` gradient (torch
     2.13 also counts an excluded input equal to the result, so its source gradients add up to
     less than the incoming gradient).
     The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward

@@ -1034,6 +1034,47 @@ def test_blocks_nest_and_restore():
     assert "switch.py" not in cpu_kernel_file("index_add")
 
 
+def test_one_block_object_opens_blocks_again_nested_and_in_threads():
+    """``deterministic(mode)`` is an object to keep, as ``torch.no_grad()`` is: each ``with``
+    opens a block of its own (after a block, again, inside itself, in two threads at once),
+    and it decorates a function as a block around each call."""
+    block = detsum.deterministic("exact")
+    assert repr(block) == "detsum.deterministic('exact')"
+    for _ in range(2):
+        with block:
+            assert detsum.current_mode() == "exact"
+            with detsum.deterministic("fp32"), block:
+                assert detsum.current_mode() == "exact"
+            assert detsum.current_mode() == "exact"
+        assert detsum.current_mode() is None
+    started, inside, release = threading.Barrier(2), threading.Barrier(3), threading.Event()
+
+    def hold():
+        started.wait()
+        with block:
+            inside.wait()
+            release.wait()
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    inside.wait()
+    assert [mode for _, mode, _ in switch._blocks] == ["exact", "exact"]
+    release.set()
+    for thread in threads:
+        thread.join()
+    assert switch._blocks == [] and detsum.current_mode() is None
+
+    @detsum.deterministic("kahan")
+    def mode_inside():
+        return detsum.current_mode()
+
+    assert mode_inside() == "kahan" and detsum.current_mode() is None
+    with pytest.raises(ValueError, match="^detsum.deterministic: mode='fp64' is not a detsum "
+                                         "mode"):
+        detsum.deterministic("fp64")
+
+
 def test_disable_keeps_the_removed_kernels_alive():
     """What disable removes stays alive until the next removal: a thread that read the
     dispatcher's entry just before still calls a live kernel (which hands the call to torch).
@@ -2097,3 +2138,106 @@ def test_new_ops_generated_on_a_gpus_path_give_the_host_paths_bits(monkeypatch, 
                    if op.split(".")[0] == operator for _ in range(count)]
             assert len(ran) == 2 and ran[0] == ran[-1], (seed, name, ran)
             assert_same_bits(on_device, on_host)
+
+
+# ---- a few terms into a large tensor ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16],
+                         ids=str)
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd", "exact"])
+def test_in_place_scatters_into_a_large_tensor_touch_its_terms_elements_alone(
+        mode, dtype, monkeypatch):
+    """A scatter of a few terms into a tensor many times larger reduces the elements that
+    receive terms alone, in place (once a copy of the whole tensor, twice, a call): the whole
+    path's bits, in every form, reduction and mode, with repeated targets and rows that
+    receive nothing; a value out of range is the whole path's error, nothing written."""
+    taken = []
+    touched_only = switch._scatter_touched_only
+    monkeypatch.setattr(switch, "_scatter_touched_only",
+                        lambda *args: taken.append(touched_only(*args)) or taken[-1])
+    g = torch.Generator().manual_seed(83)
+    rows = torch.tensor([7, 19_998, 7, 3, 19_998, 7, 12_345, 0, 7, 3])  # rows seen 1 to 4 times
+
+    def forms(dim):
+        """name -> (the call on a target, its rows along dim), for targets of 20000 rows."""
+        shape = (len(rows), 5) if dim == 0 else (5, len(rows))
+        terms = torch.randn(shape, generator=g).to(dtype)
+        terms.view(-1)[::7] = 0  # zeros for the products
+        along = rows.view(-1, 1) if dim == 0 else rows.view(1, -1)
+        elementwise = torch.randint(0, 20_000, shape, generator=g)
+        elementwise[:4] = elementwise[4:8] if dim == 0 else elementwise[:4]
+        out = {}
+        for reduce in ("sum", "mean", "amax", "amin", "prod"):
+            if mode == "exact" and reduce == "prod":
+                continue  # no exact product: left to torch
+            for include_self in (True, False):
+                key = f"{reduce}, include_self={include_self}"
+                out[f"scatter_reduce_ rows {key}"] = lambda x, r=reduce, i=include_self: (
+                    x.scatter_reduce_(dim, along.expand(shape), terms, r, include_self=i))
+                out[f"scatter_reduce_ elements {key}"] = lambda x, r=reduce, i=include_self: (
+                    x.scatter_reduce_(dim, elementwise, terms, r, include_self=i))
+                if reduce != "sum":  # index_reduce has no sum
+                    out[f"index_reduce_ {key}"] = lambda x, r=reduce, i=include_self: (
+                        x.index_reduce_(dim, rows, terms, r, include_self=i))
+        out["scatter_add_ rows"] = lambda x: x.scatter_add_(dim, along.expand(shape), terms)
+        out["scatter_add_ elements"] = lambda x: x.scatter_add_(dim, elementwise, terms)
+        return out
+
+    compared = 0
+    for dim in (0, 1):
+        base = torch.randn((20_000, 5) if dim == 0 else (5, 20_000), generator=g).to(dtype)
+        for name, call in forms(dim).items():
+            taken.clear()
+            with detsum.deterministic(mode):
+                got = call(base.clone())
+            if not taken:  # left to torch before the body (an "autograd" 16-bit mean, say)
+                continue
+            assert taken == [True], (name, dim)
+            compared += 1
+            monkeypatch.setattr(switch, "_scatter_touched_only", lambda *args: False)
+            with detsum.deterministic(mode):
+                expected = call(base.clone())
+            monkeypatch.setattr(switch, "_scatter_touched_only",
+                                lambda *args: taken.append(touched_only(*args)) or taken[-1])
+            assert_same_bits(got, expected)
+            assert not torch.equal(got, base), (name, dim)
+    assert compared >= 20
+    # (float32: "autograd" mode leaves a 16-bit scatter_add_ to torch, and its error.)
+    target = base.float().clone()
+    before = target.clone()
+    bad = rows.clone()
+    bad[5] = 20_000
+    with detsum.deterministic(mode), pytest.raises(IndexError, match=r"^scatter_add_ \(run by "
+                                                                      r"detsum.deterministic\)"):
+        target.scatter_add_(1, bad.view(1, -1).expand(5, -1), torch.ones(5, 10))
+    assert torch.equal(target, before)
+
+
+@pytest.mark.parametrize("mode", ["fp32", "exact"])
+def test_a_switched_calls_error_names_the_function_called_without_its_overload(mode):
+    """An out-of-range value's error names the torch function the caller called, not the
+    operator overload that runs it (``scatter_reduce_.two``, ``index_add.out``, the internal
+    ``_index_put_impl_``), with the values expected; nothing is written."""
+    x = torch.zeros(5, 2)
+    bad, terms = torch.tensor([0, 9]), torch.ones(2, 2)
+    expanded = bad.view(-1, 1).expand(2, 2)
+    calls = {
+        "scatter_reduce_": lambda: x.scatter_reduce_(0, expanded, terms, "sum"),
+        "scatter_reduce": lambda: x.scatter_reduce(0, expanded, terms, "amax"),
+        "scatter_add": lambda: torch.scatter_add(x, 0, expanded, terms, out=torch.empty(5, 2)),
+        "index_add": lambda: torch.index_add(x, 0, bad, terms, out=torch.empty(5, 2)),
+        "index_add_": lambda: x.index_add_(0, bad, terms),
+        "index_reduce_": lambda: x.index_reduce_(0, bad, terms, "amax"),
+        "index_put_": lambda: x.index_put_((bad,), terms, accumulate=True),
+        "put_": lambda: x.put_(torch.tensor([0, -11]), torch.ones(2), accumulate=True),
+    }
+    expected = {"index_put_": r"index 9 is out of bounds for dimension 0 with size 5 "
+                              r"\(expected -5 <= index < 5\)",
+                "put_": r"tried to access index -11 on a tensor of 10 elements "
+                        r"\(expected -10 <= index < 10\)"}
+    for name, call in calls.items():
+        detail = expected.get(name, r"index\[1(, 0)?\] = 9 is out of range")
+        with detsum.deterministic(mode), pytest.raises(
+                IndexError, match=rf"^{name} \(run by detsum.deterministic\): .*{detail}"):
+            call()
+        assert torch.equal(x, torch.zeros(5, 2)), name

@@ -241,7 +241,18 @@ def _size_name(out: torch.Tensor | None, dim_size: int | None, dim: int) -> str:
 def _output_size(index: torch.Tensor, dim_size: int | None) -> int:
     if dim_size is not None:
         return int(dim_size)
-    return int(index.max()) + 1 if index.numel() else 0
+    if not index.numel():
+        return 0
+    top = index.max()
+    if torch.compiler.is_compiling():
+        # Each read a node of its own: AOTAutograd's common-subexpression pass (torch 2.13)
+        # merges two equal reads of index.max() (two scatter_* calls on one index, or
+        # scatter_softmax's own two) but leaves the second's size on the tensors made from
+        # it, a size no node of the graph defines any more, and Inductor fails ("For u1 + 1,
+        # expected [u1] to have been codegen-ed"). It never merges an aten.empty; the sum of
+        # no elements is 0: the same size, read once, as in eager code.
+        top = top + index.new_empty(0).sum()
+    return int(top) + 1
 
 
 def _sized_like(src: torch.Tensor, dim: int, size: int, fill: float) -> torch.Tensor:
@@ -618,8 +629,12 @@ def _check_indptr_values(caller: str, indptr: torch.Tensor, rows: int, what: str
                                              size_included=True)
     if decreasing:
         position = int((indptr[..., 1:] < indptr[..., :-1]).reshape(-1).nonzero()[0])
-        raise ValueError(f"{caller}: indptr decreases after its flat position {position}; "
-                         f"expected nondecreasing values along its last dimension")
+        row = position // (indptr.shape[-1] - 1)
+        at = row * indptr.shape[-1] + position % (indptr.shape[-1] - 1)
+        flat = indptr.reshape(-1)
+        raise ValueError(f"{caller}: indptr decreases after its flat position {position} "
+                         f"({int(flat[at])} then {int(flat[at + 1])}); expected nondecreasing "
+                         f"values along its last dimension")
 
 
 def _segment_of_position(indptr: torch.Tensor, lead: tuple[int, ...], length: int
@@ -754,7 +769,11 @@ def _check_sorted(caller: str, index: torch.Tensor) -> None:
     falls = index[..., 1:] < index[..., :-1]
     if bool(falls.any()):
         position = int(falls.reshape(-1).nonzero()[0])
-        raise ValueError(f"{caller}: index decreases after its flat position {position}; "
+        row = position // (index.shape[-1] - 1)
+        at = row * index.shape[-1] + position % (index.shape[-1] - 1)
+        flat = index.reshape(-1)
+        raise ValueError(f"{caller}: index decreases after its flat position {position} "
+                         f"({int(flat[at])} then {int(flat[at + 1])}); "
                          f"segment_coo needs an index sorted along its last dimension "
                          f"(use detsum.scatter for an unsorted one)")
 

@@ -594,6 +594,34 @@ def test_compiled_functions_give_eager_bits():
         assert_same_bits(got, expected)
 
 
+@pytest.mark.parametrize("form", ["materialised rows", "elements"])
+def test_compiled_backward_of_an_index_of_src_shape_gives_eager_bits(form):
+    """A materialised 2-D index (the rows repeated in memory, or any values): eager code's
+    backward compares it with its first slice to take the row path, a compiled backward
+    (whose index is traced: no values to compare) takes the element path, with the same
+    bits."""
+    g = torch.Generator().manual_seed(13)
+    src = torch.randn(50, 4, generator=g)
+    index = (torch.randint(0, 10, (50, 1), generator=g).expand(50, 4).contiguous()
+             if form == "materialised rows" else torch.randint(0, 10, (50, 4), generator=g))
+    upstream = torch.randn(10, 4, generator=g)
+
+    def scatter(src):
+        return detsum.scatter_sum(src, index, dim=0, dim_size=10) * 3
+
+    torch._dynamo.reset()
+    results = []
+    # Compiled here, not taken from a cache that an earlier compilation filled.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for fn in (torch.compile(scatter, fullgraph=True), scatter):
+            leaf = src.clone().requires_grad_()
+            out = fn(leaf)
+            out.backward(upstream)
+            results.append((out.detach(), leaf.grad))
+    for got, expected in zip(*results):
+        assert_same_bits(got, expected)
+
+
 def test_compiled_sizes_from_the_index_without_dim_size():
     """What docs/switching.md says of dim_size under fullgraph: the scatter functions and
     gather_coo need none (eager's bits, and a new size where the index grows); segment_coo
@@ -612,6 +640,28 @@ def test_compiled_sizes_from_the_index_without_dim_size():
         grown[0] = 12
         if fn is not sized[2]:  # gather_coo's source has 10 rows
             assert_same_bits(compiled(src, grown), fn(src, grown))
+    # Two sizes read from one index in one graph, forward and backward, along dim 0 and 1
+    # (torch's own pass once merged the two reads and lost the second size).
+    for dim, shape in ((0, (64, 8)), (1, (3, 64, 2))):
+        index_along = index if dim == 0 else index.view(1, -1, 1).expand(shape)
+        data = torch.randn(shape, generator=g)
+        upstream = [torch.randn(shape[:dim] + (10,) + shape[dim + 1:], generator=g)
+                    for _ in range(2)]
+
+        def pair(src, index=index_along, dim=dim):
+            return (detsum.scatter_sum(src, index, dim=dim),
+                    detsum.scatter_max(src, index, dim=dim)[0])
+
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(force_disable_caches=True):  # compiled here
+            for fn in (torch.compile(pair, fullgraph=True), pair):
+                leaf = data.clone().requires_grad_()
+                outputs = fn(leaf)
+                torch.autograd.backward(outputs, upstream)
+                if fn is not pair:
+                    compiled_bits = [*outputs, leaf.grad]
+        for got, expected in zip(compiled_bits, [*outputs, leaf.grad]):
+            assert_same_bits(got.detach(), expected.detach())
     unsized = (lambda src, index: detsum.segment_coo(src, index.sort().values),
                lambda src, index: detsum.gather_csr(src[:2], torch.tensor([0, 10, 64])))
     for fn in unsized:
@@ -636,10 +686,15 @@ def test_errors_name_the_argument_and_change_nothing():
         detsum.scatter(src, torch.tensor([0, 1, 0, 1]), 0, dim_size=-1)
     with pytest.raises(ValueError, match="does not broadcast to src's shape"):
         detsum.scatter(src, torch.tensor([0, 1]), 0)
-    with pytest.raises(ValueError, match="segment_coo needs an index sorted"):
+    with pytest.raises(ValueError, match=r"index decreases after its flat position 1 \(1 then "
+                                         r"0\); segment_coo needs an index sorted"):
         detsum.segment_coo(src, torch.tensor([0, 1, 0, 1]))
-    with pytest.raises(ValueError, match="indptr decreases"):
+    with pytest.raises(ValueError, match=r"indptr decreases after its flat position 1 \(3 then "
+                                         r"2\)"):
         detsum.segment_csr(src, torch.tensor([0, 3, 2, 4]))
+    with pytest.raises(ValueError, match=r"indptr decreases after its flat position 3 \(3 then "
+                                         r"1\)"):  # two rows: the second row's second step
+        detsum.segment_csr(src.expand(2, 4, 3), torch.tensor([[0, 2, 4], [0, 3, 1]]))
     with pytest.raises(IndexError, match="indptr"):
         detsum.segment_csr(src, torch.tensor([0, 3, 5]))
     with pytest.raises(TypeError, match="src has dtype torch.bool"):

@@ -81,14 +81,15 @@ def _broadcast_rows(index: torch.Tensor, dim: int, check: str) -> torch.Tensor |
     ``dim``, or None when it holds other values or the answer would cost a host read.
 
     A view, found without reading values, for the layouts of :func:`stride_zero_rows`.
-    Otherwise, under ``check="host"`` only, one comparison of ``index`` with its first slice
+    Otherwise, under ``check="host"`` only, and not while compiling, one comparison of ``index`` with its first slice
     across ``dim`` (on a GPU a host read, so never under "device" or "off"). Each output
     element then reduces, in the same order, exactly the terms the row path gives its row:
     same bits."""
     if index.dim() < 2 or index.numel() == 0:
         return None
     rows = stride_zero_rows(index, dim)
-    if rows is not None or check != "host":
+    # (A compiled backward's index is a traced tensor: no comparison reads its values.)
+    if rows is not None or check != "host" or torch.compiler.is_compiling():
         return rows
     rows = _first_slice(index, dim)
     shape = [1] * index.dim()

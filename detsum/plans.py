@@ -416,7 +416,10 @@ def _eager_version(index: torch.Tensor) -> int | None:
 
 def _check(index, num_rows, sorted, check):
     _validation.check_index(_CALLER, "index", index, one_d=True)
-    if isinstance(num_rows, bool) or not isinstance(num_rows, numbers.Integral) or num_rows < 0:
+    if isinstance(num_rows, bool) or not isinstance(num_rows, numbers.Integral):
+        raise TypeError(f"{_CALLER}: num_rows={num_rows!r} is a {type(num_rows).__name__}; "
+                        f"expected a non-negative int (index.max() + 1 as int(...), say)")
+    if num_rows < 0:
         raise ValueError(f"{_CALLER}: num_rows={num_rows!r}; expected a non-negative int")
     _validation.check_flag(_CALLER, "sorted", sorted)
     _validation.check_level(_CALLER, check)

@@ -13,6 +13,7 @@ says what it meets; on a GPU every combination again.
 from __future__ import annotations
 
 import contextlib
+import re
 import unittest.mock
 
 import pytest
@@ -306,6 +307,10 @@ def test_calls_with_a_plan_are_captured_in_a_cuda_graph():
 def test_plan_refuses_bad_arguments():
     with pytest.raises(ValueError, match=r"detsum.plan: num_rows=-1; expected a non-negative"):
         detsum.plan(torch.tensor([0]), -1)
+    for not_an_int in (3.0, torch.tensor(3), True):
+        with pytest.raises(TypeError, match=rf"^detsum.plan: num_rows={re.escape(repr(not_an_int))}"
+                                            rf" is a \w+; expected a non-negative int"):
+            detsum.plan(torch.tensor([0]), not_an_int)
     with pytest.raises(ValueError, match=r"detsum.plan: index must be 1-D"):
         detsum.plan(torch.zeros(2, 2, dtype=torch.long), 3)
     with pytest.raises(IndexError, match=r"detsum.plan: index\[1\] = 5 is out of range for "

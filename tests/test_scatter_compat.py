@@ -611,9 +611,10 @@ def test_compiled_backward_of_an_index_of_src_shape_gives_eager_bits(form):
 
     torch._dynamo.reset()
     results = []
-    # Compiled here, not taken from a cache that an earlier compilation filled.
-    with torch._inductor.config.patch(force_disable_caches=True):
-        for fn in (torch.compile(scatter, fullgraph=True), scatter):
+    # Traced here, not taken from a cache that an earlier compilation filled; AOTAutograd's
+    # tracing of the backward is what failed, with any backend.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        for fn in (torch.compile(scatter, fullgraph=True, backend="aot_eager"), scatter):
             leaf = src.clone().requires_grad_()
             out = fn(leaf)
             out.backward(upstream)
@@ -653,7 +654,7 @@ def test_compiled_sizes_from_the_index_without_dim_size():
                     detsum.scatter_max(src, index, dim=dim)[0])
 
         torch._dynamo.reset()
-        with torch._inductor.config.patch(force_disable_caches=True):  # compiled here
+        with torch._functorch.config.patch(enable_autograd_cache=False):  # traced here
             for fn in (torch.compile(pair, fullgraph=True), pair):
                 leaf = data.clone().requires_grad_()
                 outputs = fn(leaf)

@@ -117,10 +117,11 @@ class RunningSum:
         self._part_comp = torch.empty_like(self._total) if kahan else None
 
     def add(self, rows: torch.Tensor) -> None:
-        """Add ``rows`` ``[k, *shape]`` (k may be 0) after the rows added so far. A tensor of a
-        ``torch.func`` transform, or one that carries a forward-mode tangent, raises
-        RuntimeError: the state outlives the transform and has no gradient (differentiate
-        ``detsum.segment_sum`` over all the rows instead: the same bits)."""
+        """Add ``rows`` ``[k, *shape]`` (k may be 0) after the rows added so far. The state
+        holds values alone: rows that require grad are read as values (a logged loss, say),
+        and ``sum()`` has no gradient (differentiate ``detsum.segment_sum`` over all the rows
+        instead: the same bits). A tensor of a ``torch.func`` transform, or one that carries a
+        forward-mode tangent, raises RuntimeError: the state outlives the transform."""
         caller = "detsum.RunningSum.add"
         if not isinstance(rows, torch.Tensor):
             raise TypeError(f"{caller}: rows must be a torch.Tensor, got {type(rows).__name__}")

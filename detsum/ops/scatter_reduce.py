@@ -81,10 +81,10 @@ def _broadcast_rows(index: torch.Tensor, dim: int, check: str) -> torch.Tensor |
     ``dim``, or None when it holds other values or the answer would cost a host read.
 
     A view, found without reading values, for the layouts of :func:`stride_zero_rows`.
-    Otherwise, under ``check="host"`` only, and not while compiling, one comparison of ``index`` with its first slice
-    across ``dim`` (on a GPU a host read, so never under "device" or "off"). Each output
-    element then reduces, in the same order, exactly the terms the row path gives its row:
-    same bits."""
+    Otherwise, under ``check="host"`` only, and not while compiling, one comparison of
+    ``index`` with its first slice across ``dim`` (on a GPU a host read, so never under
+    "device" or "off"). Each output element then reduces, in the same order, exactly the
+    terms the row path gives its row: same bits."""
     if index.dim() < 2 or index.numel() == 0:
         return None
     rows = stride_zero_rows(index, dim)
@@ -588,9 +588,9 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     arithmetic and so with its bits: ``grad * product / member`` (a zero input counted as 1
     in its own product; a source that is its element's only zero gets ``grad`` times the
     product with it counted as 1), and, with ``include_self=False``, ``grad * input /
-    input`` where no source lands. With ``include_self=False`` only the source members share an ``amax``/``amin`` gradient (torch
-    2.13 also counts an excluded input equal to the result, so its source gradients add up to
-    less than the incoming gradient).
+    input`` where no source lands. With ``include_self=False`` only the source members share
+    an ``amax``/``amin`` gradient (torch 2.13 also counts an excluded input equal to the
+    result, so its source gradients add up to less than the incoming gradient).
     The same under ``torch.func``'s ``grad``, ``vjp``, ``jacrev`` and ``vmap``; forward
     mode (``jvp``, ``jacfwd``, ``torch.autograd.forward_ad``) raises NotImplementedError
     (docs/determinism.md).

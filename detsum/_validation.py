@@ -23,6 +23,12 @@ class IndexOutOfRangeError(IndexError, RuntimeError):
     ``scatter_add_`` and torch_scatter's kernels raise for a bad index), so code written for
     either, ``except IndexError`` or ``except RuntimeError``, catches it."""
 
+    def named_for(self, caller: str) -> "IndexOutOfRangeError":
+        """This error as ``caller``'s (the function the user called), where another function
+        of detsum's that ``caller`` ran raised it under its own name."""
+        _, _, detail = str(self).partition(": ")
+        return IndexOutOfRangeError(f"{caller}: {detail}")
+
 
 # ---- errors under torch.compile ----------------------------------------------------------------
 

@@ -561,9 +561,8 @@ def _switched(name, body, original, key):
                     pass
                 except IndexOutOfRangeError as error:
                     # detsum names its own function; the caller called torch's.
-                    _, _, detail = str(error).partition(": ")
-                    raise IndexOutOfRangeError(
-                        f"{_called_as(name)} (run by {_switched_by()}): {detail}") from None
+                    raise error.named_for(f"{_called_as(name)} (run by {_switched_by()})") \
+                        from None
                 else:
                     _count((name, "detsum"))
                     return result

@@ -343,8 +343,7 @@ def index_add_(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch
                                    caller=caller)
         except _validation.IndexOutOfRangeError as error:
             # The out-of-place operator names its own function; the caller called this one.
-            _, _, detail = str(error).partition(": ")
-            raise _validation.IndexOutOfRangeError(f"{caller}: {detail}") from None
+            raise error.named_for(caller) from None
         return input.copy_(added)
     if _dispatch.direct_call_ok(input, index, source):
         _index_add_inplace(input, dim, index, source, alpha, mode.value, *planning)

@@ -1867,37 +1867,45 @@ def _histc_positions(self, bins, min, max):
     """The bin of each element that torch's CPU histc counts, or None where ``_histc_edges``
     is. An element ``left <= x <= right`` goes to bin ``(x - left) * scale / width``, each
     step rounded to the dtype as torch's kernel computes it, truncated toward zero; a bin
-    ``bins`` (``x == right``, or a product rounded up to it) is the last one; NaN goes to
-    none. On a GPU's path (``_checked_on_device``) every element keeps its place, one outside
-    the bins at a spare bin ``bins``, and no value of the data is read back."""
+    ``bins`` (``x == right``, or a product rounded up to it) is the last one. Every element
+    keeps its place: one outside the bins, or NaN, goes to a spare bin ``bins``, which the
+    counts leave out (no value of the data is read back for it, and on the CPU one pass
+    fewer than picking the elements inside out)."""
     edges = _histc_edges(self, bins, min, max)
     if edges is None:
         return None
     left, right, width, scale = edges
     values = self.reshape(-1)
     inside = (values >= left) & (values <= right)
-    if _checked_on_device(self):
-        position = ((torch.where(inside, values, left) - left) * scale / width).to(torch.int64)
-        return torch.where(inside, position.clamp_max(bins - 1), bins)
-    values = values[inside]
-    position = ((values - left) * scale / width).to(torch.int64)
-    return position.clamp_max(bins - 1)
+    position = ((torch.where(inside, values, left) - left) * scale / width).to(torch.int64)
+    return torch.where(inside, position.clamp_max(bins - 1), bins)
 
 
 def _histc_counts(mode, self, bins, position):
-    """``out[position[k]] += 1`` from zeros, in the dtype: an ``index_add`` of ones. On a
-    GPU's path ``position`` holds every element, those outside the histogram at the spare bin
-    ``bins``, which the result leaves out."""
+    """``out[position[k]] += 1`` from zeros, in the dtype, for the positions below ``bins``:
+    an ``index_add`` of ones into ``bins + 1`` zeros, the spare last one left out. On the CPU
+    the bins are counted as integers first: where no count passes ``_exact_count_limit``,
+    that sum of ones is the count in every order and split, rounded once to the dtype, and the
+    result is that rounding."""
     if not _checked_on_device(self):
-        zeros = torch.zeros(bins, dtype=self.dtype, device=self.device)
-        if position.numel() == 0:
-            return zeros
-        ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
-        _index_add_op._index_add_inplace(zeros, 0, position, ones, 1.0, mode)
-        return zeros
+        counts = np.bincount(position.numpy(), minlength=bins + 1)[:bins]
+        if int(counts.max()) <= _exact_count_limit(mode, self.dtype):
+            # int64 to float64 is exact below 2**53; float64 to the dtype rounds once.
+            return torch.from_numpy(counts).to(torch.float64).to(self.dtype)
     zeros = torch.zeros(bins + 1, dtype=self.dtype, device=self.device)
     ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
     return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode, _CHECK)[:bins]
+
+
+def _exact_count_limit(mode, dtype) -> float:
+    """The largest count whose sum of ones the index_add of ``mode`` into ``dtype`` computes
+    exactly, whatever its order and chunks: every partial sum is then an integer of at most
+    that count, which the type it is summed in holds. That type is the dtype in "autograd"
+    mode (rounded after every add) and the accumulator type in "fp32" and "kahan"; it holds
+    every integer up to ``2 / eps``. "exact" rounds the count once, at any count."""
+    if mode == "exact":
+        return math.inf
+    return 2 / torch.finfo(dtype if mode == "autograd" else acc_dtype(dtype)).eps
 
 
 def _histc(mode, self, bins=100, min=0, max=0):

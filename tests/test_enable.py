@@ -1829,6 +1829,44 @@ def test_histc_counts_past_the_dtypes_integers(dtype, limit):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("mode", detsum.MODES)
+def test_histc_counted_as_integers_gives_the_bits_of_its_sum_of_ones(mode, monkeypatch):
+    """On the CPU the switch counts each bin as an integer and rounds the count to the dtype
+    where no count passes ``_exact_count_limit``; summing ones by ``index_add`` in the mode
+    gives the same bits: bins of 0 to about 3000 counts (past float16's and bfloat16's
+    integers), NaN and values outside the range, every dtype, with and without ``out=``."""
+    counted = []
+    limit = switch._exact_count_limit
+    monkeypatch.setattr(switch, "_exact_count_limit",
+                        lambda *args: counted.append(limit(*args)) or counted[-1])
+    g = torch.Generator().manual_seed(29)
+    values = torch.cat([torch.full((3001,), 0.5), torch.full((257,), 1.5),
+                        torch.full((2049,), 2.5), torch.rand(500, generator=g) * 8,
+                        torch.tensor([math.nan, -1.0, 9.0, 8.0])])
+    values = values[torch.randperm(values.numel(), generator=g)]
+    for dtype in DTYPES:
+        data = values.to(dtype)
+        with detsum.deterministic(mode):
+            got = torch.histc(data, bins=9, min=0, max=8)
+            into = torch.histc(data, bins=9, min=0, max=8, out=torch.full((9,), math.nan,
+                                                                          dtype=dtype))
+        monkeypatch.setattr(switch, "_exact_count_limit", lambda *args: -1)
+        with detsum.deterministic(mode):
+            expected = torch.histc(data, bins=9, min=0, max=8)
+        monkeypatch.setattr(switch, "_exact_count_limit",
+                            lambda *args: counted.append(limit(*args)) or counted[-1])
+        assert_same_bits(got, expected)
+        assert_same_bits(into, expected)
+        assert float(got.sum()) > 0
+    # Counted as integers wherever every count lies within the limit: all but the 16-bit
+    # dtypes' "autograd" (3001 counts past 2048 and 256).
+    assert len(counted) == 2 * len(DTYPES)
+    assert counted[::2] == counted[1::2]  # with and without out=
+    taken = {dtype: count_limit >= 3001 for dtype, count_limit in zip(DTYPES, counted[::2])}
+    assert taken == {dtype: mode != "autograd" or dtype not in (torch.float16, torch.bfloat16)
+                     for dtype in DTYPES}
+
+
 HISTC_RANGES = [(-1.3, 2.7, 7), (0, 10, 10), (-1e-3, 5e-3, 100), (0, 0, 3)]
 
 

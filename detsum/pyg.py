@@ -139,13 +139,14 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
         return exps / detsum.gather_csr(totals, pointer, mode=mode)
     if index is None:
         raise ValueError(f"{caller}: neither index nor ptr was given; expected one of them")
-    if num_nodes is None:
-        num_nodes = int(index.max()) + 1 if index.numel() else 0
     with torch.no_grad():
+        # Without num_nodes, the maximum's scatter reads index.max() + 1 (0 for an empty
+        # index), as PyG counts the nodes; the sum takes the same size from its result, a
+        # size of a tensor, where a second read would be a data-dependent guard while compiling.
         top = detsum.scatter(src.detach(), index, d, dim_size=num_nodes, reduce="max",
                              mode=mode)
     exps = (src - top.index_select(d, index)).exp()
-    totals = detsum.scatter(exps, index, d, dim_size=num_nodes, mode=mode) + 1e-16
+    totals = detsum.scatter(exps, index, d, dim_size=top.shape[d], mode=mode) + 1e-16
     return exps / detsum.index_select(totals, d, index, mode=mode)
 
 

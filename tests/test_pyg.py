@@ -908,6 +908,39 @@ def test_scatter_and_softmax_take_pygs_arguments(small_graph):
                      torch_geometric.utils.softmax(x.t(), index, dim=-1))
 
 
+@pytest.mark.filterwarnings("ignore:.torch.jit.script_method. is deprecated:DeprecationWarning")
+def test_softmax_without_num_nodes_compiles_with_fullgraph(small_graph):
+    """``softmax(src, index)`` without ``num_nodes`` reads the node count once (the maximum's
+    scatter), and the sum takes it from that result's size: ``torch.compile(fullgraph=True)``
+    traces it (a second read was a data-dependent guard). Under AOTAutograd without
+    Inductor, the eager bits forward and backward; with Inductor, which fuses the exp and
+    the division around detsum's calls, the same bits twice. An empty index gives no nodes."""
+    x, index, _ = small_graph
+    x = x.detach().requires_grad_()
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+
+    def run(softmax):
+        out = softmax(x, index)
+        return out, torch.autograd.grad(out, x, grad_out)[0]
+
+    expected = run(detsum.pyg.softmax)
+    assert expected[0].shape == x.shape
+    torch._dynamo.reset()
+    try:
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            got = run(torch.compile(detsum.pyg.softmax, fullgraph=True, backend="aot_eager"))
+            for a, e in zip(got, expected):
+                assert_same_bits(a, e)
+            compiled = torch.compile(detsum.pyg.softmax, fullgraph=True)
+            first, second = run(compiled), run(compiled)
+            for a, e in zip(first, second):
+                assert_same_bits(a, e)
+    finally:
+        torch._dynamo.reset()
+    empty = detsum.pyg.softmax(x[:0], index[:0])
+    assert empty.shape == (0, x.shape[1])
+
+
 def test_function_errors_name_the_argument(small_graph):
     x, index, ptr = small_graph
     with pytest.raises(ValueError, match="detsum.pyg.scatter: index has 2 dimensions"):

@@ -199,6 +199,51 @@ def test_enable_few_into_large(benchmark, op, impl):
         dict(calls))
 
 
+#: One column of terms (a GNN's edge weights or degrees, a histogram): terms, output rows.
+ONE_COLUMN = (1_000_000, 1000)
+
+
+def _one_column_calls() -> dict:
+    """op -> torch's call on a million one-element terms into a thousand rows (or bins), run
+    as it is (with the switch on or off)."""
+    n_src, n_out = ONE_COLUMN
+    gen = torch.Generator().manual_seed(13)
+    index = torch.randint(0, n_out, (n_src,), generator=gen)
+    terms, work = torch.randn(n_src, generator=gen), torch.zeros(n_out)
+    return {
+        "index_add_": lambda: work.index_add_(0, index, terms),
+        "index_add_ last dim": lambda: work.view(1, -1).index_add_(1, index, terms.view(1, -1)),
+        "scatter_add_": lambda: work.scatter_add_(0, index, terms),
+        "scatter_reduce_ amax": lambda: work.scatter_reduce_(0, index, terms, "amax"),
+        "bincount weights": lambda: torch.bincount(index, terms, minlength=n_out),
+        "histc": lambda: torch.histc(terms, bins=n_out, min=-3, max=3),
+    }
+
+
+@pytest.mark.parametrize("impl", ["switch", "torch"])
+@pytest.mark.parametrize("op", list(_one_column_calls()))
+def test_enable_one_column(benchmark, op, impl):
+    """The switch's calls on one column of a million terms, where torch's kernels are a
+    serial loop and detsum's plan (a sort, then the launch) cost most: the 1-D calls run in
+    one pass without a plan (``_segments.streamed_scatter``), the histogram counts integers
+    (``switch._histc_counts``)."""
+    call = _one_column_calls()[op]
+    n_src, n_out = ONE_COLUMN
+    benchmark.group = f"enable one column {op}"
+    info = {"primitive": "enable", "op": op, "case": f"{n_src} -> {n_out} fp32",
+            "device": "cpu", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
+    baseline = f"test_enable_one_column[{op}-torch]" if impl == "switch" else None
+    if impl != "switch":
+        detsum.disable()  # torch's kernels alone (see _time_switched)
+    before = detsum.switch.counts.copy()
+    with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
+        run_case(benchmark, call, "cpu", rounds=30, warmup_rounds=3, info=info,
+                 baseline=baseline, baseline_case=baseline)
+    calls = detsum.switch.counts - before
+    assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls), (
+        dict(calls))
+
+
 CUDA_ROWS, CUDA_TABLE, CUDA_FEATURES = 50_000, 32_768, 256
 CUDA_OPS = ["index_add_", "index_put_ accumulate"]
 

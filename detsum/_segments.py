@@ -127,6 +127,46 @@ def small_index_add(caller: str, source3: torch.Tensor, index: torch.Tensor,
     return written
 
 
+def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
+                     input3: torch.Tensor, out3: torch.Tensor | None, reduce: str,
+                     include_base: bool, rule: int, size_name: str) -> torch.Tensor | None:
+    """``out3`` (a new output when None; it may be ``input3`` itself) holding ``input3``'s
+    rows reduced with ``source3``'s rows at the 1-D ``index`` (``reduce`` under ``rule``,
+    from each row's own value under ``include_base``), from one pass over ``source3`` and
+    ``index`` without a plan, or None, nothing written, where that pass is not the faster:
+    rows of one element and one outer index (a 1-D ``index_add``, ``scatter_add``,
+    ``bincount``), at least ``_MIN_STREAMED_TERMS`` terms and at most as many output rows,
+    under a rule but EXACT. The pass is ``kernels.numba.scatter``'s elementwise scatter with
+    ``index`` as each element's output row: each output element gets the terms, order and
+    arithmetic of the plan's launch (the same bits). Against the plan's path (a counting
+    sort, then the launch) an index_add took 0.2-0.8x the time from 50k to 3M terms on two
+    threads, 1.3x at 20k; with a slice of several elements, or several outer indices, the
+    plan's launch is the faster (benches/NOTES.md). A value of ``index`` outside
+    ``input3``'s rows raises in ``caller``'s words, nothing written."""
+    outer, rows, inner = input3.shape
+    terms = source3.shape[1]
+    if not (outer == 1 and inner == 1 and 0 < rows <= terms and terms >= _MIN_STREAMED_TERMS
+            and rule in _STREAMED_RULES):
+        return None
+    from detsum.kernels.numba.scatter import scatter_elements
+
+    # The scatter writes an output other than its base: in place, a new one copied back.
+    written = new_output_like(input3)
+    if scatter_elements(source3, index.view(1, terms, 1), input3, written,
+                        reduce=kernels.REDUCE_CODES[reduce], rule=rule,
+                        include_base=include_base):
+        raise_first_out_of_range(caller, "index", index, rows, size_name)
+    if out3 is None:
+        return written
+    return out3.copy_(written)
+
+
+#: The rules ``streamed_scatter`` takes: every rule of the elementwise scatter.
+_STREAMED_RULES = (kernels.WIDE, kernels.KAHAN, kernels.ROUND_EACH)
+#: Fewest terms ``streamed_scatter`` takes: below, the plan's path was as fast or faster.
+_MIN_STREAMED_TERMS = 1 << 15
+
+
 def small_scatter_reduce(caller: str, source3: torch.Tensor, index: torch.Tensor,
                          input3: torch.Tensor, reduce: str, include_base: bool, rule: int,
                          size_name: str) -> torch.Tensor | None:

@@ -10,6 +10,7 @@ import torch
 import detsum
 from conftest import (DTYPES, LAYOUTS, assert_same_bits, dtype_id, make_data, record_answers,
                       strided_copy, with_rows)
+from detsum import _segments
 from detsum.kernels import CHUNK_TERMS, RULE_NAMES, SPLIT_RULES
 from detsum.kernels.numba import small
 
@@ -316,3 +317,134 @@ def test_a_small_means_bad_index_writes_nothing():
         assert small.mean_small_in_place(torch.ones(1, 4, 2), bad, written, 1, 2, True,
                                          small.RULES[0]) == position
         assert_same_bits(written, target)
+
+
+# ---- a 1-D index_add in one pass without a plan ---------------------------------------------------
+
+def _without_the_pass(monkeypatch, function):
+    """function() with the one-pass path (``_segments.streamed_scatter``) declining."""
+    with monkeypatch.context() as patch:
+        patch.setattr(_segments, "streamed_scatter", lambda *args: None)
+        return function()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", ("fp32", "kahan", "autograd", "exact"))
+def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, monkeypatch):
+    """A 1-D index_add (rows of one element) of many terms goes through one pass without a
+    plan where that is the faster way: the plan's bits, out of place and in place, for rows
+    of one term, of exactly CHUNK_TERMS and of several chunks and a shorter last one (cut as
+    the plan's launch cuts them), rows with no terms, NaN, infinities and signed zeros, a
+    strided source and an int32 index; along the last dim of a 2-D tensor of one row too.
+    "exact", alpha other than 1, a second row of the outer dim, a wider slice or fewer terms
+    than ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are NaN before the kernel writes
+    them."""
+    taken = []
+    streamed = _segments.streamed_scatter
+
+    def recorded(*args):
+        result = streamed(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_segments, "streamed_scatter", recorded)
+    # Here from 2000 terms, past the small path's limit (which would take "autograd" first).
+    monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
+    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
+    g = torch.Generator().manual_seed(41)
+    rows = 40
+    counts = torch.tensor([1, CHUNK_TERMS, 3 * CHUNK_TERMS + 17, 2 * CHUNK_TERMS, 0] + [40] * 35)
+    index = torch.repeat_interleave(torch.arange(rows), counts)
+    index = index[torch.randperm(index.numel(), generator=g)]
+    terms = index.numel()
+    assert terms >= 2000
+    source = make_data((terms,), dtype, seed=42, spread=True)
+    source[torch.randint(0, terms, (8,), generator=g)] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 0.0, -0.0, 1.0]).to(dtype)
+    base = make_data((rows,), dtype, seed=43, spread=True)
+    calls = {
+        "out of place": lambda s, i: detsum.index_add(base, 0, i, s, mode=mode),
+        "in place": lambda s, i: detsum.index_add_(base.clone(), 0, i, s, mode=mode),
+        "last dim of one row": lambda s, i: detsum.index_add(base.view(1, rows), 1, i,
+                                                             s.view(1, -1), mode=mode),
+    }
+    for name, call in calls.items():
+        for s, i in ((source, index), (strided_copy(source), index.to(torch.int32))):
+            taken.clear()
+            got = call(s, i)
+            assert taken == [mode != "exact"], name
+            assert_same_bits(got, _without_the_pass(monkeypatch, lambda: call(s, i)))
+    declined = {
+        "alpha": lambda: detsum.index_add(base, 0, index, source, alpha=0.5, mode=mode),
+        "two outer rows": lambda: detsum.index_add(base.view(1, rows).expand(2, rows), 1, index,
+                                                   source.view(1, -1).expand(2, -1), mode=mode),
+        "slice of two": lambda: detsum.index_add(base.view(rows, 1).expand(rows, 2), 0, index,
+                                                 source.view(-1, 1).expand(-1, 2), mode=mode),
+        "fewer terms": lambda: detsum.index_add(base, 0, index[:1999], source[:1999],
+                                                mode=mode),
+    }
+    for name, call in declined.items():
+        taken.clear()
+        call()
+        assert True not in taken, name
+
+
+def test_a_1d_index_add_in_one_pass_names_a_bad_index_and_writes_nothing(monkeypatch):
+    """A value out of range in the one-pass path: the plan's error, in the caller's words,
+    and the in-place target as it was."""
+    monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 100)
+    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
+    index = torch.arange(300) % 7
+    index[123] = 7
+    source = torch.ones(300)
+    target = torch.zeros(7)
+    with pytest.raises(IndexError, match=r"^detsum.index_add_: index\[123\] = 7 is out of "
+                                         r"range for input.size\(0\) = 7"):
+        detsum.index_add_(target, 0, index, source)
+    assert torch.equal(target, torch.zeros(7))
+    with pytest.raises(IndexError, match=r"^detsum.index_add: index\[123\] = 7 is out of range"):
+        detsum.index_add(target, 0, index, source)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", ("fp32", "kahan", "autograd", "exact"))
+def test_a_1d_scatter_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, monkeypatch):
+    """A 1-D scatter_reduce of many terms by a 1-D index: one pass without a plan where that
+    is the faster way, with the plan's bits, for every reduction, with and without the
+    input's own values, rows of one term, of several chunks and of none (which keep the
+    input); "exact" sums and means, and a ``sorted=True`` promise (which the plan checks),
+    take the plan's path."""
+    taken = []
+    streamed = _segments.streamed_scatter
+
+    def recorded(*args):
+        result = streamed(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_segments, "streamed_scatter", recorded)
+    monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
+    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
+    g = torch.Generator().manual_seed(47)
+    rows = 30
+    counts = torch.tensor([1, 3 * CHUNK_TERMS + 17, 0, CHUNK_TERMS] + [50] * 26)
+    index = torch.repeat_interleave(torch.arange(rows), counts)
+    index = index[torch.randperm(index.numel(), generator=g)]
+    source = make_data((index.numel(),), dtype, seed=48, spread=True)
+    source[::97] = torch.tensor(float("nan")).to(dtype)
+    base = make_data((rows,), dtype, seed=49, spread=True)
+    for reduce in ("sum", "mean", "prod", "amax", "amin"):
+        if mode == "exact" and reduce == "prod":
+            continue  # no exact product
+        terms = (1 + source.double() / 1024).to(dtype) if reduce == "prod" else source
+        for include_self in (True, False):
+            call = lambda: detsum.scatter_reduce(  # noqa: E731
+                base, 0, index, terms, reduce, include_self=include_self, mode=mode)
+            taken.clear()
+            got = call()
+            assert (True in taken) == (mode != "exact" or reduce not in ("sum", "mean"))
+            assert_same_bits(got, _without_the_pass(monkeypatch, call))
+            assert_same_bits(got[2], base[2])  # no terms: the input's value
+    taken.clear()
+    detsum.scatter_reduce(base, 0, index.sort().values, source, "sum", sorted=True, mode=mode)
+    assert True not in taken

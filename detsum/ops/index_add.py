@@ -44,6 +44,10 @@ def _run(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tenso
         small = _run_small(input, dim, index, source, alpha, mode, out3, caller)
         if small is not None:
             return small
+        if planned is None and alpha == 1:
+            streamed = _run_streamed(input, dim, index, source, mode, out3, caller)
+            if streamed is not None:
+                return streamed
     if planned is None:
         planned = (*_plan(input, dim, index, backend_name, check, caller), None)
     # The index goes along for the chunks of long segments to find their segments by.
@@ -95,6 +99,15 @@ def _run_small(input, dim, index, source, alpha, mode, out3, caller):
     input3 = _segments.rows_view(input, dim) if out3 is None else out3
     return _segments.small_index_add(
         caller, _segments.rows_view(source, dim), index, input3, out3, alpha,
+        rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
+
+
+def _run_streamed(input, dim, index, source, mode, out3, caller):
+    """``_run`` as one pass without a plan (``_segments.streamed_scatter``), or None where
+    that pass is not taken."""
+    input3 = _segments.rows_view(input, dim) if out3 is None else out3
+    return _segments.streamed_scatter(
+        caller, _segments.rows_view(source, dim), index, input3, out3, "sum", True,
         rule_for(MODE_BY_NAME[mode], "sum", "cpu", input3.shape[2]), f"input.size({dim})")
 
 

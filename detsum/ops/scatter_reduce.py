@@ -244,6 +244,10 @@ def _run_index(backend_name, input, dim, index, src, reduce, include_self, acc_m
         small = _run_small(input, dim, index, src, reduce, include_self, acc_mode)
         if small is not None:
             return small
+    if backend_name == "numba" and not sorted:
+        streamed = _run_streamed(input, dim, index, src, reduce, include_self, acc_mode)
+        if streamed is not None:
+            return streamed
     planned = (*_plan(input, dim, index, sorted, backend_name, check), None)
     # Sizes one by one: half the parsing of a torch.Size.
     return _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode,
@@ -337,6 +341,16 @@ def _run_small(input, dim, index, src, reduce, include_self, acc_mode):
         small = _segments.small_scatter_reduce(_CALLER, src3, index, input3, reduce,
                                                include_self, rule, size_name)
     return None if small is None else small.view(*input.shape)
+
+
+def _run_streamed(input, dim, index, src, reduce, include_self, acc_mode):
+    """``_run`` as one pass without a plan (``_segments.streamed_scatter``), or None where
+    that pass is not taken. (A ``sorted=True`` promise goes to the plan, which checks it.)"""
+    input3 = _segments.rows_view(input, dim)
+    streamed = _segments.streamed_scatter(
+        _CALLER, _segments.rows_view(src, dim), index, input3, None, reduce, include_self,
+        rule_for(MODE_BY_NAME[acc_mode], reduce, "cpu", input3.shape[2]), f"input.size({dim})")
+    return None if streamed is None else streamed.view(*input.shape)
 
 
 def _launch_rows(backend_name, input, dim, src, reduce, include_self, acc_mode, planned,

@@ -1732,28 +1732,45 @@ def _segment_run(mode, data, reduce, axis, offsets, picked, initial):
     if from_zero:
         return _segment_sum_from_zero(mode, rows, reduce, offsets, initial, data.dtype
                                       ).view(*shape)  # sizes one by one: parsed faster
-    lengths = offsets.diff()
-    # (The size given: on a GPU, repeat_interleave would read it back.)
-    segments = torch.repeat_interleave(lengths, output_size=rows.shape[0])
     base = torch.full((count, rows.shape[1]), fill, dtype=data.dtype, device=data.device)
     if reduce != "mean":
-        if segments.numel() == 0:
-            return base.view(shape)
-        if reduce == "sum":
-            out = _index_add_op._index_add(base, 0, segments, rows, 1.0, mode, _CHECK)
-        else:
-            out = _scatter_run(base, 0, segments, rows, _SEGMENT_REDUCTIONS[reduce], True, mode)
-        return out.view(shape)
+        return _reduce_from_base(mode, rows, offsets, base, _SEGMENT_REDUCTIONS[reduce]
+                                 ).view(shape)
     # The mean: the sum, then the division by the length. In "autograd" mode torch's: the
     # length rounded to the dtype (as c10's Half / int64 does), one division in the dtype.
     # Otherwise in the accumulator type, from its sum (float32 for float16/bfloat16 data),
     # rounded once to the dtype.
     work = data.dtype if mode == "autograd" else acc_dtype(data.dtype)
-    total = base.to(work)
-    if segments.numel() > 0:
-        total = _index_add_op._index_add(total, 0, segments, rows.to(work), 1.0, mode,
-                                         _CHECK)
-    return _segment_mean(total, lengths, initial, data.dtype).view(shape)
+    total = _reduce_from_base(mode, rows.to(work), offsets, base.to(work), "sum")
+    return _segment_mean(total, offsets.diff(), initial, data.dtype).view(shape)
+
+
+def _reduce_from_base(mode, rows, offsets, base, reduce):
+    """``base``'s rows, each reduced (``reduce``: "sum", "amax", "amin" or "prod", in
+    ``mode``) with its segment of ``rows`` between the CSR ``offsets`` (made on the host from
+    checked bounds), the base first, then the rows in order: what ``index_add`` (a sum) or
+    ``scatter_reduce`` with ``include_self`` makes of the segments' row index, whose stable
+    order is the rows' own. On a kernel backend that is one launch over the offsets as they
+    are (no index, no plan: the same launch the plan of that index would make); on the
+    reference backend, and for a sum, max or min small enough for the Numba backend's one
+    small call (which the primitive makes, in about 0.8x the launch's time), that call."""
+    if rows.shape[0] == 0:
+        return base
+    backend_name = current_backend(rows.device.type, _switched_by())
+    if backend_name == "reference" or (backend_name == "numba" and reduce != "prod"
+                                       and rows.numel() + base.numel() <= _small_elements()):
+        # (The size given: on a GPU, repeat_interleave would read it back.)
+        segments = torch.repeat_interleave(offsets.diff(), output_size=rows.shape[0])
+        if reduce == "sum":
+            return _index_add_op._index_add(base, 0, segments, rows, 1.0, mode, _CHECK)
+        return _scatter_run(base, 0, segments, rows, reduce, True, mode)
+    base3 = base[None]
+    out3 = _segments.new_output_like(base3)
+    _segments.launch(backend_name, rows[None], None, offsets.to(torch.int64), base3, out3,
+                     reduce=reduce,
+                     rule=rule_for(MODE_BY_NAME[mode], reduce, rows.device.type, rows.shape[1]),
+                     alpha=1.0, include_base=True)
+    return out3[0]
 
 
 def _from_zero(reduce, initial) -> bool:

@@ -945,8 +945,10 @@ def _bincount_short(mode, self, weights=None, minlength=0) -> torch.Tensor | Non
     if (mode == "exact" or weights is None or not _short_plain(weights, self, weights)
             or self.dim() != 1 or weights.dim() != 1 or weights.shape[0] != self.shape[0]
             or self.numel() == 0 or type(minlength) is not int or minlength < 0
-            # Where the one call cannot run, no read for it.
-            or not _segments.numba_runs_cpu_tensors() or _checked_on_device(self)):
+            # Where the one call cannot run, no read for it: at least one bin, whatever the
+            # values.
+            or not _segments.numba_runs_cpu_tensors() or _checked_on_device(self)
+            or self.numel() + max(minlength, 1) > _small_elements()):
         return None
     bins = max(int(self.max()) + 1, minlength)
     if bins + self.numel() > _small_elements():

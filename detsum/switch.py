@@ -1888,8 +1888,8 @@ def _histc_positions(self, bins, min, max):
     step rounded to the dtype as torch's kernel computes it, truncated toward zero; a bin
     ``bins`` (``x == right``, or a product rounded up to it) is the last one. Every element
     keeps its place: one outside the bins, or NaN, goes to a spare bin ``bins``, which the
-    counts leave out (no value of the data is read back for it, and on the CPU one pass
-    fewer than picking the elements inside out)."""
+    counts leave out (no value of the data is read back for it, nor the elements inside
+    picked out: on the CPU that pass cost more than the arithmetic)."""
     edges = _histc_edges(self, bins, min, max)
     if edges is None:
         return None

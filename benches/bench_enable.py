@@ -200,13 +200,14 @@ def test_enable_few_into_large(benchmark, op, impl):
 
 
 #: One column of terms (a GNN's edge weights or degrees, a histogram): terms, output rows.
-ONE_COLUMN = (1_000_000, 1000)
+#: A thousand rows get a thousand terms each, past a chunk (256); 100k rows, ten each.
+ONE_COLUMN = {"1M into 1000": (1_000_000, 1000), "1M into 100k": (1_000_000, 100_000)}
 
 
-def _one_column_calls() -> dict:
-    """op -> torch's call on a million one-element terms into a thousand rows (or bins), run
+def _one_column_calls(size: str) -> dict:
+    """op -> torch's call on a million one-element terms into ``size``'s rows (or bins), run
     as it is (with the switch on or off)."""
-    n_src, n_out = ONE_COLUMN
+    n_src, n_out = ONE_COLUMN[size]
     gen = torch.Generator().manual_seed(13)
     index = torch.randint(0, n_out, (n_src,), generator=gen)
     terms, work = torch.randn(n_src, generator=gen), torch.zeros(n_out)
@@ -221,18 +222,19 @@ def _one_column_calls() -> dict:
 
 
 @pytest.mark.parametrize("impl", ["switch", "torch"])
-@pytest.mark.parametrize("op", list(_one_column_calls()))
-def test_enable_one_column(benchmark, op, impl):
+@pytest.mark.parametrize("op", list(_one_column_calls("1M into 1000")))
+@pytest.mark.parametrize("size", list(ONE_COLUMN))
+def test_enable_one_column(benchmark, size, op, impl):
     """The switch's calls on one column of a million terms, where torch's kernels are a
     serial loop and detsum's plan (a sort, then the launch) cost most: the 1-D calls run in
     one pass without a plan (``_segments.streamed_scatter``), the histogram counts integers
     (``switch._histc_counts``)."""
-    call = _one_column_calls()[op]
-    n_src, n_out = ONE_COLUMN
-    benchmark.group = f"enable one column {op}"
+    call = _one_column_calls(size)[op]
+    n_src, n_out = ONE_COLUMN[size]
+    benchmark.group = f"enable one column {op} {size}"
     info = {"primitive": "enable", "op": op, "case": f"{n_src} -> {n_out} fp32",
             "device": "cpu", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
-    baseline = f"test_enable_one_column[{op}-torch]" if impl == "switch" else None
+    baseline = f"test_enable_one_column[{size}-{op}-torch]" if impl == "switch" else None
     if impl != "switch":
         detsum.disable()  # torch's kernels alone (see _time_switched)
     before = detsum.switch.counts.copy()

@@ -336,9 +336,11 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
     of one term, of exactly CHUNK_TERMS and of several chunks and a shorter last one (cut as
     the plan's launch cuts them), rows with no terms, NaN, infinities and signed zeros, a
     strided source and an int32 index; along the last dim of a 2-D tensor of one row too.
-    "exact", alpha other than 1, a second row of the outer dim, a wider slice or fewer terms
-    than ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are NaN before the kernel writes
-    them."""
+    The pass is the small call's serial sum where it takes the rows (every row under
+    "autograd"'s rule, rows of at most CHUNK_TERMS terms under the others), else the
+    elementwise scatter. "exact", alpha other than 1, a second row of the outer dim, a
+    wider slice or fewer terms than ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are
+    NaN before the kernel writes them."""
     taken = []
     streamed = _segments.streamed_scatter
 
@@ -368,11 +370,29 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
         "last dim of one row": lambda s, i: detsum.index_add(base.view(1, rows), 1, i,
                                                              s.view(1, -1), mode=mode),
     }
+    # Rows of at most CHUNK_TERMS terms: the small call's serial pass under every rule.
+    unsplit = torch.repeat_interleave(torch.arange(rows), torch.tensor(
+        [1, CHUNK_TERMS, 0] + [60] * (rows - 3)))
+    unsplit = unsplit[torch.randperm(unsplit.numel(), generator=g)]
+    assert unsplit.numel() >= 2000
+    # More terms than CHUNK_TERMS per row: some row must have more, so under a rule that
+    # splits the serial pass is not tried.
+    crowded = torch.arange(CHUNK_TERMS * rows + 7) % rows
+    crowded_source = make_data((crowded.numel(),), dtype, seed=44, spread=True)
+    passes = record_answers(monkeypatch, small, "index_add_small")
     for name, call in calls.items():
-        for s, i in ((source, index), (strided_copy(source), index.to(torch.int32))):
+        for s, i in ((source, index), (strided_copy(source), index.to(torch.int32)),
+                     (source[:unsplit.numel()], unsplit), (crowded_source, crowded)):
             taken.clear()
+            passes.clear()
             got = call(s, i)
             assert taken == [mode != "exact"], name
+            # The serial pass runs on a contiguous source (a strided one: the scatter), and
+            # under a rule that splits stops at a row of more terms than a chunk, having
+            # written nothing (the scatter then).
+            assert passes == ([] if mode == "exact" or not s.is_contiguous() else [-1]
+                              if i is unsplit or mode == "autograd"
+                              else [] if i is crowded else [small.TOO_MANY_TERMS]), name
             assert_same_bits(got, _without_the_pass(monkeypatch, lambda: call(s, i)))
     declined = {
         "alpha": lambda: detsum.index_add(base, 0, index, source, alpha=0.5, mode=mode),

@@ -136,10 +136,11 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
     ``index`` without a plan, or None, nothing written, where that pass is not the faster:
     rows of one element and one outer index (a 1-D ``index_add``, ``scatter_add``,
     ``bincount``), at least ``_MIN_STREAMED_TERMS`` terms and at most as many output rows,
-    under a rule but EXACT. The pass is the small call's serial sum (``kernels.numba.small``)
-    for a sum from the input whose rows need no chunks, else ``kernels.numba.scatter``'s
-    elementwise scatter with ``index`` as each element's output row: either gives each output
-    element the terms, order and arithmetic of the plan's launch (the same bits). Against the
+    under a rule but EXACT. The pass is one of the small call's serial ones
+    (``kernels.numba.small``) for a sum from the input whose rows need no chunks and for a
+    max or min, else ``kernels.numba.scatter``'s elementwise scatter with ``index`` as each
+    element's output row: each gives each output element the terms, order and arithmetic
+    of the plan's launch (the same bits). Against the
     plan's path (a counting sort, then the launch) an index_add took 0.2-0.9x the time from
     50k to 3M terms on two threads, 1.3x at 20k; with a slice of several elements, or several
     outer indices, the plan's launch is the faster (benches/NOTES.md). A value of ``index`` outside
@@ -164,6 +165,17 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
             raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
         if answer != small.TOO_MANY_TERMS:
             return written
+    if reduce in ("amax", "amin") and source3.is_contiguous():
+        # A max or min, which no rule splits: the small call's serial pass into a copy of
+        # the input, at any size.
+        small = _small_kernels()
+        written = new_output_like(input3)
+        written.copy_(input3)
+        answer = small.extreme_small_in_place(source3, index, written, outer, inner,
+                                              reduce == "amax", include_base)
+        if answer >= 0:
+            raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
+        return written if out3 is None else out3.copy_(written)
     from detsum.kernels.numba.scatter import scatter_elements
 
     # The scatter writes an output other than its base: in place, a new one copied back.

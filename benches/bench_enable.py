@@ -182,18 +182,26 @@ def test_enable_few_into_large(benchmark, op, impl):
     """The switch's in-place calls of a few terms into a large table: they touch the elements
     that receive terms alone, as torch's kernels do (a call once copied the whole table
     twice: 2.5-8.5 ms against torch's 1.5 us at these sizes)."""
-    call = _few_into_large_calls()[op]
     n_src, n_out, h = FEW_INTO_LARGE
-    benchmark.group = f"enable few into large {op}"
-    info = {"primitive": "enable", "op": op, "case": f"{n_src}x{h} -> {n_out}x{h} fp32",
-            "device": "cpu", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
-    baseline = f"test_enable_few_into_large[{op}-torch]" if impl == "switch" else None
+    _time_switch_or_torch(benchmark, _few_into_large_calls()[op], impl, op,
+                          f"enable few into large {op}", f"{n_src}x{h} -> {n_out}x{h} fp32",
+                          f"test_enable_few_into_large[{op}-torch]", iterations=20)
+
+
+def _time_switch_or_torch(benchmark, call, impl: str, op: str, group: str, case: str,
+                          torch_case: str, iterations: int = 1) -> None:
+    """``call``, a torch call on CPU tensors, timed under the switch ("switch", against
+    ``torch_case``) or with it off ("torch"); the switch must run every call on detsum."""
+    benchmark.group = group
+    info = {"primitive": "enable", "op": op, "case": case, "device": "cpu", "dtype": "fp32",
+            "impl": impl, "mode": MODE, "max_ulps": None}
+    baseline = torch_case if impl == "switch" else None
     if impl != "switch":
         detsum.disable()  # torch's kernels alone (see _time_switched)
     before = detsum.switch.counts.copy()
     with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
-        run_case(benchmark, call, "cpu", rounds=30, warmup_rounds=3, info=info, iterations=20,
-                 baseline=baseline, baseline_case=baseline)
+        run_case(benchmark, call, "cpu", rounds=30, warmup_rounds=3, info=info,
+                 iterations=iterations, baseline=baseline, baseline_case=baseline)
     calls = detsum.switch.counts - before
     assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls), (
         dict(calls))
@@ -229,21 +237,10 @@ def test_enable_one_column(benchmark, size, op, impl):
     serial loop and detsum's plan (a sort, then the launch) cost most: the 1-D calls run in
     one pass without a plan (``_segments.streamed_scatter``), the histogram counts integers
     (``switch._histc_counts``)."""
-    call = _one_column_calls(size)[op]
     n_src, n_out = ONE_COLUMN[size]
-    benchmark.group = f"enable one column {op} {size}"
-    info = {"primitive": "enable", "op": op, "case": f"{n_src} -> {n_out} fp32",
-            "device": "cpu", "dtype": "fp32", "impl": impl, "mode": MODE, "max_ulps": None}
-    baseline = f"test_enable_one_column[{size}-{op}-torch]" if impl == "switch" else None
-    if impl != "switch":
-        detsum.disable()  # torch's kernels alone (see _time_switched)
-    before = detsum.switch.counts.copy()
-    with detsum.deterministic(MODE) if impl == "switch" else contextlib.nullcontext():
-        run_case(benchmark, call, "cpu", rounds=30, warmup_rounds=3, info=info,
-                 baseline=baseline, baseline_case=baseline)
-    calls = detsum.switch.counts - before
-    assert (impl == "switch") == bool(calls) and all(how == "detsum" for _, how in calls), (
-        dict(calls))
+    _time_switch_or_torch(benchmark, _one_column_calls(size)[op], impl, op,
+                          f"enable one column {op} {size}", f"{n_src} -> {n_out} fp32",
+                          f"test_enable_one_column[{size}-{op}-torch]")
 
 
 CUDA_ROWS, CUDA_TABLE, CUDA_FEATURES = 50_000, 32_768, 256

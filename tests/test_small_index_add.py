@@ -321,6 +321,24 @@ def test_a_small_means_bad_index_writes_nothing():
 
 # ---- a 1-D index_add in one pass without a plan ---------------------------------------------------
 
+def _one_pass_from_2000_terms(monkeypatch) -> list:
+    """The one-pass path taken from 2000 terms (past the small path's limit, which would
+    take "autograd" first): whether each later call of ``_segments.streamed_scatter``
+    took its call, in turn."""
+    taken = []
+    streamed = _segments.streamed_scatter
+
+    def recorded(*args):
+        result = streamed(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(_segments, "streamed_scatter", recorded)
+    monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
+    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
+    return taken
+
+
 def _without_the_pass(monkeypatch, function):
     """function() with the one-pass path (``_segments.streamed_scatter``) declining."""
     with monkeypatch.context() as patch:
@@ -341,18 +359,7 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
     elementwise scatter. "exact", alpha other than 1, a second row of the outer dim, a
     wider slice or fewer terms than ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are
     NaN before the kernel writes them."""
-    taken = []
-    streamed = _segments.streamed_scatter
-
-    def recorded(*args):
-        result = streamed(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(_segments, "streamed_scatter", recorded)
-    # Here from 2000 terms, past the small path's limit (which would take "autograd" first).
-    monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
-    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
+    taken = _one_pass_from_2000_terms(monkeypatch)
     g = torch.Generator().manual_seed(41)
     rows = 40
     counts = torch.tensor([1, CHUNK_TERMS, 3 * CHUNK_TERMS + 17, 2 * CHUNK_TERMS, 0] + [40] * 35)
@@ -434,17 +441,7 @@ def test_a_1d_scatter_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, 
     input's own values, rows of one term, of several chunks and of none (which keep the
     input); "exact" sums and means, and a ``sorted=True`` promise (which the plan checks),
     take the plan's path."""
-    taken = []
-    streamed = _segments.streamed_scatter
-
-    def recorded(*args):
-        result = streamed(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(_segments, "streamed_scatter", recorded)
-    monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
-    monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
+    taken = _one_pass_from_2000_terms(monkeypatch)
     g = torch.Generator().manual_seed(47)
     rows = 30
     counts = torch.tensor([1, 3 * CHUNK_TERMS + 17, 0, CHUNK_TERMS] + [50] * 26)

@@ -136,35 +136,37 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
     ``index`` without a plan, or None, nothing written, where that pass is not the faster:
     rows of one element and one outer index (a 1-D ``index_add``, ``scatter_add``,
     ``bincount``), at least ``_MIN_STREAMED_TERMS`` terms and at most as many output rows,
-    under a rule but EXACT. The pass is one of the small call's serial ones
-    (``kernels.numba.small``) for a sum from the input whose rows need no chunks and for a
-    max or min, else ``kernels.numba.scatter``'s elementwise scatter with ``index`` as each
-    element's output row: each gives each output element the terms, order and arithmetic
-    of the plan's launch (the same bits). Against the
-    plan's path (a counting sort, then the launch) an index_add took 0.2-0.9x the time from
-    50k to 3M terms on two threads, 1.3x at 20k; with a slice of several elements, or several
-    outer indices, the plan's launch is the faster (benches/NOTES.md). A value of ``index`` outside
-    ``input3``'s rows raises in ``caller``'s words, nothing written."""
+    under a rule but EXACT. The pass is one of the small calls' serial ones
+    (``kernels.numba.small``) for a sum from the input and for a max or min, else
+    ``kernels.numba.scatter``'s elementwise scatter with ``index`` as each element's output
+    row: each gives each output element the terms, order and arithmetic of the plan's launch
+    (the same bits). Against the plan's path (a counting sort, then the launch) an
+    index_add took 0.2-0.6x the time from 50k to 3M terms on two threads, as much at 20k;
+    with a slice of several elements, or several outer indices, the plan's launch is the
+    faster (benches/NOTES.md). A value of ``index`` outside ``input3``'s rows raises in
+    ``caller``'s words, nothing written."""
     outer, rows, inner = input3.shape
     terms = source3.shape[1]
     if not (outer == 1 and inner == 1 and 0 < rows <= terms and terms >= _MIN_STREAMED_TERMS
             and rule in _STREAMED_RULES):
         return None
-    if (reduce == "sum" and include_base and source3.is_contiguous()
-            and input3.is_contiguous()
-            and (rule == kernels.ROUND_EACH or terms <= kernels.CHUNK_TERMS * rows)):
-        # A sum whose rows need no chunks (every row under "autograd"'s rule) is the small
-        # call's serial pass, at any size: 0.4-0.7x the scatter's time, which counts every
-        # term and sums long rows again. Under a rule that splits it stops at a row's
-        # CHUNK_TERMS + 1st term, having written nothing (then the scatter), and is not
-        # tried where some row must have more.
+    if reduce == "sum" and include_base and source3.is_contiguous() and input3.is_contiguous():
+        # A sum is a serial pass of the small calls, at any size, 0.2-0.7x the scatter's
+        # time (which counts every term and sums the rows of more than a chunk again): the
+        # small call's own where the rows need no chunks (every row under "autograd"'s rule;
+        # under a rule that splits it stops at a row's CHUNK_TERMS + 1st term, having
+        # written nothing, and is not tried where the terms outnumber CHUNK_TERMS a row),
+        # else one that keeps each row's chunk too (four times the state a row).
         written = new_output_like(input3) if out3 is None else out3
         small = _small_kernels()
-        answer = small.index_add_small(source3, index, input3, written, 1.0, rule)
+        answer = small.TOO_MANY_TERMS
+        if rule == kernels.ROUND_EACH or terms <= kernels.CHUNK_TERMS * rows:
+            answer = small.index_add_small(source3, index, input3, written, 1.0, rule)
+        if answer == small.TOO_MANY_TERMS:
+            answer = small.index_add_chunked(source3, index, input3, written, 1.0, rule)
         if answer >= 0:
             raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
-        if answer != small.TOO_MANY_TERMS:
-            return written
+        return written
     if reduce in ("amax", "amin") and source3.is_contiguous():
         # A max or min, which no rule splits: the small call's serial pass into a copy of
         # the input, at any size.

@@ -319,7 +319,7 @@ def test_a_small_means_bad_index_writes_nothing():
         assert_same_bits(written, target)
 
 
-# ---- a 1-D index_add in one pass without a plan ---------------------------------------------------
+# ---- a 1-D index_add in one pass without a plan ------------------------------------------------
 
 def _one_pass_from_2000_terms(monkeypatch) -> list:
     """The one-pass path taken from 2000 terms (past the small path's limit, which would
@@ -354,11 +354,11 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
     of one term, of exactly CHUNK_TERMS and of several chunks and a shorter last one (cut as
     the plan's launch cuts them), rows with no terms, NaN, infinities and signed zeros, a
     strided source and an int32 index; along the last dim of a 2-D tensor of one row too.
-    The pass is the small call's serial sum where it takes the rows (every row under
-    "autograd"'s rule, rows of at most CHUNK_TERMS terms under the others), else the
-    elementwise scatter. "exact", alpha other than 1, a second row of the outer dim, a
-    wider slice or fewer terms than ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are
-    NaN before the kernel writes them."""
+    The pass is a serial sum (the small call's where the rows need no chunks, else one that
+    keeps each row's chunk), or for a strided source the elementwise scatter. "exact", alpha
+    other than 1, a second row of the outer dim, a wider slice or fewer terms than
+    ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are NaN before the kernel writes
+    them."""
     taken = _one_pass_from_2000_terms(monkeypatch)
     g = torch.Generator().manual_seed(41)
     rows = 40
@@ -377,29 +377,36 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
         "last dim of one row": lambda s, i: detsum.index_add(base.view(1, rows), 1, i,
                                                              s.view(1, -1), mode=mode),
     }
-    # Rows of at most CHUNK_TERMS terms: the small call's serial pass under every rule.
-    unsplit = torch.repeat_interleave(torch.arange(rows), torch.tensor(
+    # An int32 index; every row of many chunks (9 and more); rows of at most CHUNK_TERMS.
+    long_rows = torch.arange(9 * CHUNK_TERMS * rows + 7) % rows
+    long_source = make_data((long_rows.numel(),), dtype, seed=44, spread=True)
+    short_rows = torch.repeat_interleave(torch.arange(rows), torch.tensor(
         [1, CHUNK_TERMS, 0] + [60] * (rows - 3)))
-    unsplit = unsplit[torch.randperm(unsplit.numel(), generator=g)]
-    assert unsplit.numel() >= 2000
-    # More terms than CHUNK_TERMS per row: some row must have more, so under a rule that
-    # splits the serial pass is not tried.
-    crowded = torch.arange(CHUNK_TERMS * rows + 7) % rows
-    crowded_source = make_data((crowded.numel(),), dtype, seed=44, spread=True)
-    passes = record_answers(monkeypatch, small, "index_add_small")
+    short_rows = short_rows[torch.randperm(short_rows.numel(), generator=g)]
+    passes = {name: record_answers(monkeypatch, small, name)
+              for name in ("index_add_small", "index_add_chunked")}
     for name, call in calls.items():
-        for s, i in ((source, index), (strided_copy(source), index.to(torch.int32)),
-                     (source[:unsplit.numel()], unsplit), (crowded_source, crowded)):
+        for s, i in ((source, index), (source, index.to(torch.int32)),
+                     (strided_copy(source), index), (long_source, long_rows),
+                     (source[:short_rows.numel()], short_rows)):
             taken.clear()
-            passes.clear()
+            for answers in passes.values():
+                answers.clear()
             got = call(s, i)
             assert taken == [mode != "exact"], name
-            # The serial pass runs on a contiguous source (a strided one: the scatter), and
-            # under a rule that splits stops at a row of more terms than a chunk, having
-            # written nothing (the scatter then).
-            assert passes == ([] if mode == "exact" or not s.is_contiguous() else [-1]
-                              if i is unsplit or mode == "autograd"
-                              else [] if i is crowded else [small.TOO_MANY_TERMS]), name
+            # A contiguous source's sum is a serial pass (a strided one: the scatter): the
+            # small call's, which under a rule that splits stops at a row of more than a
+            # chunk, having written nothing, and is not tried where the terms outnumber a
+            # chunk a row; then the one that keeps each row's chunk.
+            if mode == "exact" or not s.is_contiguous():
+                serial = {}
+            elif mode == "autograd" or i is short_rows:
+                serial = {"index_add_small": [-1]}
+            elif i is long_rows:
+                serial = {"index_add_chunked": [-1]}
+            else:
+                serial = {"index_add_small": [small.TOO_MANY_TERMS], "index_add_chunked": [-1]}
+            assert {k: v for k, v in passes.items() if v} == serial, name
             assert_same_bits(got, _without_the_pass(monkeypatch, lambda: call(s, i)))
     declined = {
         "alpha": lambda: detsum.index_add(base, 0, index, source, alpha=0.5, mode=mode),
@@ -465,3 +472,36 @@ def test_a_1d_scatter_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, 
     taken.clear()
     detsum.scatter_reduce(base, 0, index.sort().values, source, "sum", sorted=True, mode=mode)
     assert True not in taken
+
+
+@pytest.mark.parametrize(("template", "dim"), LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", ("fp32", "kahan"))
+@pytest.mark.parametrize("alpha", [1, 0.37])
+def test_the_chunked_serial_sum_gives_the_bits_of_the_general_path(mode, dtype, template, dim,
+                                                                  alpha, monkeypatch):
+    """``small.index_add_chunked``, the serial sum that keeps each row's chunk, on every
+    layout, with alpha: the general path's bits for rows of one term, of no terms, and of
+    several chunks (a shorter last one too), in place and into a new output; a bad value
+    named by its position, nothing written."""
+    input, _, source = problem(template, dim, 3 * CHUNK_TERMS + 40, 5, dtype, seed=61)
+    counts = [1, 0, 2 * CHUNK_TERMS, CHUNK_TERMS + 30, 9]
+    index = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
+    index = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(62))]
+    expected = general(monkeypatch, lambda: _without_the_pass(monkeypatch, lambda: (
+        detsum.index_add(input, dim, index, source, alpha=alpha, mode=mode))))
+    rule = {"fp32": small.WIDE, "kahan": small.KAHAN}[mode]
+    assert rule in SPLIT_RULES
+    d = dim % source.dim()  # rows_view takes a dim from 0
+    src3, input3 = (_segments.rows_view(t, d).contiguous() for t in (source, input))
+    out3 = torch.full_like(input3, float("nan"))
+    assert small.index_add_chunked(src3, index, input3, out3, alpha, rule) == -1
+    assert_same_bits(out3, _segments.rows_view(expected, d))
+    target = input3.clone()
+    assert small.index_add_chunked(src3, index, target, target, alpha, rule) == -1
+    assert_same_bits(target, out3)
+    bad = index.clone()
+    bad[17] = 5
+    untouched = input3.clone()
+    assert small.index_add_chunked(src3, bad, untouched, untouched, alpha, rule) == 17
+    assert torch.equal(untouched, input3)

@@ -14,6 +14,13 @@ ROUND_EACH (see its module docstring): ``acc = A(base)``; per term ``t = A(x) * 
 ``s + c``; then rounded to the dtype. Every output row is written, those without terms too
 (their base through the acc type, as the segment kernel writes them).
 
+``index_add_chunked(src, index, base, out, alpha, rule)`` computes the same under WIDE and
+KAHAN for rows of any length: a row of more than ``CHUNK_TERMS`` terms is cut into chunks as
+the segment kernel cuts it, in the same pass (each row keeps its sum, its later chunk's
+partial sum and its count; four times the state of ``index_add_small``, which is the faster
+where no row needs a chunk). A 1-D sum of many terms takes one of the two at any size
+(``detsum._segments.streamed_scatter``).
+
 ``extreme_small_in_place`` does the same for the segment kernel's AMAX and AMIN, which no
 rule splits into chunks, into its target itself (the switch's in-place ``scatter_reduce_``):
 each row the first of its values (its base row, or else its first term) compared with every
@@ -52,7 +59,8 @@ from . import njit
 from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
-__all__ = ["index_add_small", "index_add_small_in_place", "extreme_small_in_place",
+__all__ = ["index_add_small", "index_add_chunked", "index_add_small_in_place",
+           "extreme_small_in_place",
            "mean_small_in_place", "segment_reduce_small", "fits", "TOO_MANY_TERMS",
            "BAD_OFFSETS"]
 
@@ -186,6 +194,85 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
             for j in range(inner):
                 out[o, s, j] = enc(acc[s, j])
     return -1
+
+
+def _chunked_sum_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha,
+                    in_place):
+    """``_index_add_at`` for a rule that splits (WIDE, KAHAN) whatever the rows' lengths:
+    returns -1 having written ``out`` (it may be ``base`` itself), or, having written
+    nothing, the first position of ``index`` outside ``[0, rows)``.
+
+    A row's terms are cut into chunks as the segment kernel cuts them (its module docstring;
+    ``scatter.long_segments`` streams them the same way): the first CHUNK_TERMS terms are
+    added to the row's base in the acc type, each later chunk is summed from its own first
+    term and added to that once complete (the last, shorter one at the end); under KAHAN
+    each sum is Neumaier's, a chunk's compensation added to the row's as the chunk is. One
+    pass over the terms keeps each row's sum, its later chunk's partial sum and its count of
+    terms. ``in_place`` is unused (``_index_add_at``'s signature, for ``_kernel_for``).
+
+    The template of every format's and rule's kernel, bound as ``_index_add_at`` is."""
+    src = carray(_at(src_at), (outer, n, inner), data_dtype)
+    index = carray(_at(index_at), (n,), np.int64)
+    base = carray(_at(base_at), (outer, rows, inner), data_dtype)
+    out = carray(_at(out_at), (outer, rows, inner), data_dtype)
+    for i in range(n):
+        if index[i] < 0 or index[i] >= rows:
+            return i
+    a = cvt(alpha)
+    acc = np.empty((rows, inner), dtype=acc_dtype)
+    comp = np.zeros((rows, inner), dtype=acc_dtype)
+    part = np.zeros((rows, inner), dtype=acc_dtype)
+    pcomp = np.zeros((rows, inner), dtype=acc_dtype)
+    count = np.zeros(rows, dtype=np.int64)
+    for o in range(outer):
+        for s in range(rows):
+            count[s] = 0
+            for j in range(inner):
+                acc[s, j] = dec(base[o, s, j])
+                comp[s, j] = 0.0
+        for i in range(n):
+            v = index[i]
+            c = count[v]
+            count[v] = c + 1
+            r = c % CHUNK_TERMS
+            for j in range(inner):
+                x = dec(src[o, i, j]) * a
+                if c < CHUNK_TERMS:
+                    if rule == KAHAN:
+                        acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j], x)
+                    else:
+                        acc[v, j] = acc[v, j] + x
+                    continue
+                if r == 0:
+                    part[v, j] = x
+                    pcomp[v, j] = 0.0
+                elif rule == KAHAN:
+                    part[v, j], pcomp[v, j] = neumaier(part[v, j], pcomp[v, j], x)
+                else:
+                    part[v, j] = part[v, j] + x
+                if r == CHUNK_TERMS - 1:
+                    _fold_chunk(acc, comp, part, pcomp, v, j, rule == KAHAN)
+        for s in range(rows):
+            c = count[s]
+            for j in range(inner):
+                if c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
+                    _fold_chunk(acc, comp, part, pcomp, s, j, rule == KAHAN)  # the last one
+                total = acc[s, j]
+                if rule == KAHAN:
+                    total = kahan_result(total, comp[s, j])
+                out[o, s, j] = enc(total)
+    return -1
+
+
+@njit(inline="always")
+def _fold_chunk(acc, comp, part, pcomp, s, j, kahan):
+    """A completed later chunk's sum (and its compensation, under KAHAN) added to row ``s``'s,
+    as the segment kernel folds it."""
+    if kahan:
+        acc[s, j], c = neumaier(acc[s, j], comp[s, j], part[s, j])
+        comp[s, j] = c + pcomp[s, j]
+    else:
+        acc[s, j] = acc[s, j] + part[s, j]
 
 
 def _extreme_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
@@ -466,6 +553,21 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
     index = _int64_elements(index)
     outer, n, inner = src3.shape
     kernel = _kernel_for(src3.dtype, rule)
+    return kernel(src3.data_ptr(), index.data_ptr(), base3.data_ptr(), out3.data_ptr(), outer, n,
+                  inner, out3.shape[1], float(alpha), out3 is base3)
+
+
+def index_add_chunked(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor,
+                      out3: torch.Tensor, alpha: float, rule: int) -> int:
+    """``index_add_small`` under WIDE or KAHAN for rows of any length (``_chunked_sum_at``):
+    write ``out3`` (it may be ``base3`` itself) and return -1, or, having written nothing,
+    the first position of ``index`` outside ``[0, S)``. The three tensors must be
+    contiguous."""
+    if rule not in (WIDE, KAHAN):
+        raise ValueError(f"index_add_chunked: rule {RULE_NAMES.get(rule, rule)} does not split")
+    index = _int64_elements(index)
+    outer, n, inner = src3.shape
+    kernel = _kernel_for(src3.dtype, rule, _chunked_sum_at)
     return kernel(src3.data_ptr(), index.data_ptr(), base3.data_ptr(), out3.data_ptr(), outer, n,
                   inner, out3.shape[1], float(alpha), out3 is base3)
 

@@ -207,17 +207,15 @@ def _chunked_sum_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, al
     added to the row's base in the acc type, each later chunk is summed from its own first
     term and added to that once complete (the last, shorter one at the end); under KAHAN
     each sum is Neumaier's, a chunk's compensation added to the row's as the chunk is. One
-    pass over the terms keeps each row's sum, its later chunk's partial sum and its count of
-    terms. ``in_place`` is unused (``_index_add_at``'s signature, for ``_kernel_for``).
+    pass over the terms checks each index value and keeps each row's sum, its later chunk's
+    partial sum and its count of terms, apart from ``out``, which is written after it.
+    ``in_place`` is unused (``_index_add_at``'s signature, for ``_kernel_for``).
 
     The template of every format's and rule's kernel, bound as ``_index_add_at`` is."""
     src = carray(_at(src_at), (outer, n, inner), data_dtype)
     index = carray(_at(index_at), (n,), np.int64)
     base = carray(_at(base_at), (outer, rows, inner), data_dtype)
     out = carray(_at(out_at), (outer, rows, inner), data_dtype)
-    for i in range(n):
-        if index[i] < 0 or index[i] >= rows:
-            return i
     a = cvt(alpha)
     acc = np.empty((rows, inner), dtype=acc_dtype)
     comp = np.zeros((rows, inner), dtype=acc_dtype)
@@ -232,6 +230,10 @@ def _chunked_sum_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, al
                 comp[s, j] = 0.0
         for i in range(n):
             v = index[i]
+            # Checked where it is read (the first outer index reads them all): out is
+            # written only after the pass, so a bad value leaves it as it was.
+            if v < 0 or v >= rows:
+                return i
             c = count[v]
             count[v] = c + 1
             r = c % CHUNK_TERMS

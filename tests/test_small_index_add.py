@@ -1,6 +1,9 @@
 """kernels/numba/small.py: a small index_add, in one call without a plan, gives the bits of the
 general path (the plan and the segment kernel) in every mode it takes, on every layout; so does
-a small scatter_reduce sum from its input, which it computes too."""
+a small scatter_reduce sum from its input, which it computes too. And a 1-D index_add or
+scatter_reduce of many terms in one pass without a plan (``_segments.streamed_scatter``: the
+small calls' serial passes at any size, the one that keeps each row's chunk among them) gives
+the plan's bits."""
 
 from __future__ import annotations
 

@@ -1873,10 +1873,7 @@ def test_histc_counted_as_integers_gives_the_bits_of_its_sum_of_ones(mode, monke
     where no count passes ``_exact_count_limit``; summing ones by ``index_add`` in the mode
     gives the same bits: bins of 0 to about 3000 counts (past float16's and bfloat16's
     integers), NaN and values outside the range, every dtype, with and without ``out=``."""
-    counted = []
-    limit = switch._exact_count_limit
-    monkeypatch.setattr(switch, "_exact_count_limit",
-                        lambda *args: counted.append(limit(*args)) or counted[-1])
+    counted = record_answers(monkeypatch, switch, "_exact_count_limit")
     g = torch.Generator().manual_seed(29)
     values = torch.cat([torch.full((3001,), 0.5), torch.full((257,), 1.5),
                         torch.full((2049,), 2.5), torch.rand(500, generator=g) * 8,
@@ -1888,11 +1885,9 @@ def test_histc_counted_as_integers_gives_the_bits_of_its_sum_of_ones(mode, monke
             got = torch.histc(data, bins=9, min=0, max=8)
             into = torch.histc(data, bins=9, min=0, max=8, out=torch.full((9,), math.nan,
                                                                           dtype=dtype))
-        monkeypatch.setattr(switch, "_exact_count_limit", lambda *args: -1)
-        with detsum.deterministic(mode):
+        with monkeypatch.context() as patch, detsum.deterministic(mode):
+            patch.setattr(switch, "_exact_count_limit", lambda *args: -1)
             expected = torch.histc(data, bins=9, min=0, max=8)
-        monkeypatch.setattr(switch, "_exact_count_limit",
-                            lambda *args: counted.append(limit(*args)) or counted[-1])
         assert_same_bits(got, expected)
         assert_same_bits(into, expected)
         assert float(got.sum()) > 0
@@ -2227,10 +2222,7 @@ def test_in_place_scatters_into_a_large_tensor_touch_its_terms_elements_alone(
     receive terms alone, in place (once a copy of the whole tensor, twice, a call): the whole
     path's bits, in every form, reduction and mode, with repeated targets and rows that
     receive nothing; a value out of range is the whole path's error, nothing written."""
-    taken = []
-    touched_only = switch._scatter_touched_only
-    monkeypatch.setattr(switch, "_scatter_touched_only",
-                        lambda *args: taken.append(touched_only(*args)) or taken[-1])
+    taken = record_answers(monkeypatch, switch, "_scatter_touched_only")
     g = torch.Generator().manual_seed(83)
     rows = torch.tensor([7, 19_998, 7, 3, 19_998, 7, 12_345, 0, 7, 3])  # rows seen 1 to 4 times
 
@@ -2270,11 +2262,9 @@ def test_in_place_scatters_into_a_large_tensor_touch_its_terms_elements_alone(
                 continue
             assert taken == [True], (name, dim)
             compared += 1
-            monkeypatch.setattr(switch, "_scatter_touched_only", lambda *args: False)
-            with detsum.deterministic(mode):
+            with monkeypatch.context() as patch, detsum.deterministic(mode):
+                patch.setattr(switch, "_scatter_touched_only", lambda *args: False)
                 expected = call(base.clone())
-            monkeypatch.setattr(switch, "_scatter_touched_only",
-                                lambda *args: taken.append(touched_only(*args)) or taken[-1])
             assert_same_bits(got, expected)
             assert not torch.equal(got, base), (name, dim)
     assert compared >= 20

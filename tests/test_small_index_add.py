@@ -326,20 +326,16 @@ def test_a_small_means_bad_index_writes_nothing():
 
 def _one_pass_from_2000_terms(monkeypatch) -> list:
     """The one-pass path taken from 2000 terms (past the small path's limit, which would
-    take "autograd" first): whether each later call of ``_segments.streamed_scatter``
-    took its call, in turn."""
-    taken = []
-    streamed = _segments.streamed_scatter
-
-    def recorded(*args):
-        result = streamed(*args)
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(_segments, "streamed_scatter", recorded)
+    take "autograd" first): what each later call of ``_segments.streamed_scatter`` answers,
+    in turn (None where it did not take the call)."""
     monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
     monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
-    return taken
+    return record_answers(monkeypatch, _segments, "streamed_scatter")
+
+
+def _taken(answers: list) -> list:
+    """Whether each answer of ``_segments.streamed_scatter`` took its call."""
+    return [answer is not None for answer in answers]
 
 
 def _without_the_pass(monkeypatch, function):
@@ -396,7 +392,7 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
             for answers in passes.values():
                 answers.clear()
             got = call(s, i)
-            assert taken == [mode != "exact"], name
+            assert _taken(taken) == [mode != "exact"], name
             # A contiguous source's sum is a serial pass (a strided one: the scatter): the
             # small call's, which under a rule that splits stops at a row of more than a
             # chunk, having written nothing, and is not tried where the terms outnumber a
@@ -423,7 +419,7 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
     for name, call in declined.items():
         taken.clear()
         call()
-        assert True not in taken, name
+        assert True not in _taken(taken), name
 
 
 def test_a_1d_index_add_in_one_pass_names_a_bad_index_and_writes_nothing(monkeypatch):
@@ -469,12 +465,12 @@ def test_a_1d_scatter_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, 
                 base, 0, index, terms, reduce, include_self=include_self, mode=mode)
             taken.clear()
             got = call()
-            assert (True in taken) == (mode != "exact" or reduce not in ("sum", "mean"))
+            assert (True in _taken(taken)) == (mode != "exact" or reduce not in ("sum", "mean"))
             assert_same_bits(got, _without_the_pass(monkeypatch, call))
             assert_same_bits(got[2], base[2])  # no terms: the input's value
     taken.clear()
     detsum.scatter_reduce(base, 0, index.sort().values, source, "sum", sorted=True, mode=mode)
-    assert True not in taken
+    assert True not in _taken(taken)
 
 
 @pytest.mark.parametrize(("template", "dim"), LAYOUTS)

@@ -217,11 +217,12 @@ def _chunked_sum_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, al
     base = carray(_at(base_at), (outer, rows, inner), data_dtype)
     out = carray(_at(out_at), (outer, rows, inner), data_dtype)
     a = cvt(alpha)
+    # Set per outer index (acc, comp, count) or at a chunk's first term (part, pcomp).
     acc = np.empty((rows, inner), dtype=acc_dtype)
-    comp = np.zeros((rows, inner), dtype=acc_dtype)
-    part = np.zeros((rows, inner), dtype=acc_dtype)
-    pcomp = np.zeros((rows, inner), dtype=acc_dtype)
-    count = np.zeros(rows, dtype=np.int64)
+    comp = np.empty((rows, inner), dtype=acc_dtype)
+    part = np.empty((rows, inner), dtype=acc_dtype)
+    pcomp = np.empty((rows, inner), dtype=acc_dtype)
+    count = np.empty(rows, dtype=np.int64)
     for o in range(outer):
         for s in range(rows):
             count[s] = 0

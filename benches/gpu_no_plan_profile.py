@@ -10,7 +10,8 @@ most of its own host time (cProfile, by time spent in each) and torch's profiler
 the ops it ran (self CPU time, the CUDA kernels beside them; its row "Activity Buffer
 Request" is the profiler's own start, counted in the first op's CPU total too). Cases: that call at "off" and
 at "device", and the switch's Zipf-skewed ``index_add_`` (50000 rows x 256 into 32768, as
-``bench_enable.test_enable_cuda`` times it: the switch on around the call).
+``bench_enable.test_enable_cuda`` times it: the switch on around the call); each made again
+from its record (``detsum._replay``, from a signature's third call) and on its whole path.
 
     python benches/gpu_no_plan_profile.py [--device cuda] [--calls 50] [--rounds 15]
 
@@ -43,7 +44,7 @@ def _cases(device: str) -> dict:
          "zipf_src": torch.randn(50_000, 256, generator=gen),
          "zipf_work": torch.zeros(32_768, 256)}
     t = {name: tensor.to(device) for name, tensor in t.items()}
-    return {
+    cases = {
         "index_add 16384x64 -> 2048, off": lambda: detsum.index_add(
             t["mid_init"], 0, t["mid_index"], t["mid_src"], check="off"),
         "index_add 16384x64 -> 2048, device": lambda: detsum.index_add(
@@ -51,6 +52,20 @@ def _cases(device: str) -> dict:
         "switch: index_add_ zipf 50000x256 -> 32768": lambda: _switched(
             lambda: t["zipf_work"].index_add_(0, t["zipf"], t["zipf_src"])),
     }
+    # Each on its whole path too: from a signature's third call, a call without a plan is
+    # made again from its record (detsum._replay).
+    for name, call in list(cases.items()):
+        cases[f"{name}, whole path"] = lambda call=call: _whole_path(call)
+    return cases
+
+
+def _whole_path(call):
+    replay = detsum._replay.REPLAY
+    detsum._replay.REPLAY = False
+    try:
+        return call()
+    finally:
+        detsum._replay.REPLAY = replay
 
 
 def _switched(call):

@@ -10,19 +10,22 @@ as calls per round, rounds interleaved across the cases; the yardstick is
 
 Launch paths: "direct" (``detsum.kernels.triton.launch``: the compiled kernel called
 directly after a specialisation's first launch, handed data pointers; a call with a plan
-makes an earlier call's launch again, ``detsum.plans.call_with_plan``), "whole path" (that
-off: ``plans.LAUNCH_AGAIN``, every call from its public function down to the direct
-launch), "direct, tensors" (``POINTERS_AS_INTS`` off: handed the tensors, whose pointers
-Triton's launcher then reads and has the driver check, one call each; the same here, where
-the launcher is stubbed) and "JITFunction.run" (``DIRECT_LAUNCH`` off: Triton's launch every
-time, the path before).
-Calls (256 rows of 4 fp32 features into 16 rows;
-MoE: 64 tokens, top-2 of 4 experts):
+makes an earlier call's launch again, ``detsum.plans.call_with_plan``, and one without a
+plan is made again from the record of an earlier one, ``detsum._replay``), "whole path"
+(those off: ``plans.LAUNCH_AGAIN``, ``_replay.REPLAY``, every call from its public function
+down to the direct launch), "direct, tensors" (``POINTERS_AS_INTS`` off: handed the
+tensors, whose pointers Triton's launcher then reads and has the driver check, one call
+each; the same here, where the launcher is stubbed) and "JITFunction.run" (``DIRECT_LAUNCH``
+off: Triton's launch every time, the path before).
+Calls (256 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of 4 experts):
 
 - ``index_add`` / ``index_add_`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32"
   and "kahan", and ``index_add`` with a source that requires grad (through torch's
   dispatcher, autograd recording the call);
-- ``index_add`` and a ``scatter_reduce`` max without a plan at check="off";
+- ``index_add`` and a ``scatter_reduce`` max without a plan at check="off"; and
+  ``index_add``, ``index_add_`` and a ``scatter_reduce`` sum of 5000 rows into 16 (an index
+  sorted by counting, as on a GPU) at check="off", made again and on the whole path (at
+  "device" a call adds the assert of its launch's flag, which the stub never writes);
 - ``moe.permute`` + weighted ``moe.unpermute`` given a ``Routing`` (and with ``x`` and the
   weights requiring grad: autograd recording both calls), and the whole layer with
   ``moe.route`` (forward only);
@@ -62,11 +65,14 @@ import random
 import statistics
 import sys
 import time
+import unittest.mock
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS, SEGMENTS, FEATURES = 256, 16, 4
+#: The rows of the calls without a plan whose index is sorted (past NARROW_SORT_ABOVE).
+LONG_ROWS = 5000
 TOKENS, TOPK, EXPERTS = 64, 2, 4
 
 
@@ -97,6 +103,8 @@ def _inputs(device: str = "cpu") -> dict:
         "selected": torch.randint(0, EXPERTS, (TOKENS, TOPK), generator=gen),
         "x": torch.randn(TOKENS, FEATURES, generator=gen),
         "weights": torch.softmax(torch.randn(TOKENS, TOPK, generator=gen), -1),
+        "long_index": torch.randint(0, SEGMENTS, (LONG_ROWS,), generator=gen),
+        "long_src": torch.randn(LONG_ROWS, FEATURES, generator=gen),
     }
     t = {name: tensor.to(device) for name, tensor in t.items()}
     for name in ("src", "x", "weights"):
@@ -107,9 +115,16 @@ def _inputs(device: str = "cpu") -> dict:
     return t
 
 
+@contextlib.contextmanager
 def _as_cuda(device: str):
-    """CPU tensors on the path CUDA tensors take (the stub), or nothing to do (``--cuda``)."""
-    return triton_stub.cpu_tensors_as_cuda() if device == "cpu" else contextlib.nullcontext()
+    """CPU tensors on the path CUDA tensors take (the stub; their index of more than
+    NARROW_SORT_ABOVE values sorted by counting), or nothing to do (``--cuda``)."""
+    if device != "cpu":
+        yield
+        return
+    with triton_stub.cpu_tensors_as_cuda(), unittest.mock.patch.object(
+            kernels, "COUNTING_SORT_ON_CPU", True):
+        yield
 
 
 def _detsum_calls(t: dict) -> dict:
@@ -133,6 +148,14 @@ def _detsum_calls(t: dict) -> dict:
         t["init"], 0, t["index"], t["src"], check="off")
     calls["scatter_reduce amax no plan, off"] = lambda: detsum.scatter_reduce(
         t["init"], 0, t["index"], t["src"], "amax", check="off")
+    # An index of more than NARROW_SORT_ABOVE values, sorted by counting as a GPU sorts it
+    # (its table's fill and running sum run on the host's tensors here, a few microseconds).
+    calls[f"index_add fp32 no plan, off, {LONG_ROWS} rows"] = lambda: detsum.index_add(
+        t["init"], 0, t["long_index"], t["long_src"], check="off")
+    calls[f"index_add_ fp32 no plan, off, {LONG_ROWS} rows"] = lambda: detsum.index_add_(
+        t["work"], 0, t["long_index"], t["long_src"], check="off")
+    calls[f"scatter_reduce sum no plan, off, {LONG_ROWS} rows"] = lambda: detsum.scatter_reduce(
+        t["init"], 0, t["long_index"], t["long_src"], "sum", check="off")
 
     def permute_unpermute():
         rows = moe.permute(t["x"], t["routing"], TOPK)
@@ -203,7 +226,7 @@ def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str,
     runs after each case's calls, untimed: a GPU's queue starts each case empty."""
     times = {name: [] for name in cases}
     direct_launch, pointers_as_ints = launch.DIRECT_LAUNCH, launch.POINTERS_AS_INTS
-    launch_again = detsum.plans.LAUNCH_AGAIN
+    launch_again, replay = detsum.plans.LAUNCH_AGAIN, detsum._replay.REPLAY
     order = list(cases)
     shuffle = random.Random(0).shuffle
     try:
@@ -213,7 +236,7 @@ def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str,
                 fn, path = cases[name]
                 launch.DIRECT_LAUNCH = path != "JITFunction.run"
                 launch.POINTERS_AS_INTS = path != "direct, tensors"
-                detsum.plans.LAUNCH_AGAIN = path != "whole path"
+                detsum.plans.LAUNCH_AGAIN = detsum._replay.REPLAY = path != "whole path"
                 start = time.perf_counter()
                 for _ in range(calls):
                     fn()
@@ -221,7 +244,7 @@ def _time_rounds(cases: dict, rounds: int, calls: int, synchronize) -> dict[str,
                 synchronize()
     finally:
         launch.DIRECT_LAUNCH, launch.POINTERS_AS_INTS = direct_launch, pointers_as_ints
-        detsum.plans.LAUNCH_AGAIN = launch_again
+        detsum.plans.LAUNCH_AGAIN, detsum._replay.REPLAY = launch_again, replay
     return {name: spent[1:] for name, spent in times.items()}
 
 
@@ -287,7 +310,7 @@ def main() -> None:
         cases["index_add fp32 plan | direct, tensors"] = \
             calls["index_add fp32 plan"], "direct, tensors"
         for name in calls:
-            if " plan" in name and "no plan" not in name:
+            if " plan" in name:
                 cases[f"{name} | whole path"] = calls[name], "whole path"
         alone = _launch_alone(t)
         cases["_segment_kernel launch alone | direct"] = alone["kernel"], "direct"

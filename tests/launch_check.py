@@ -655,6 +655,125 @@ def _no_hook(metadata):
     pass
 
 
+# ---- a call without a plan, made again from its tape ----------------------------------------
+
+def _unplanned_calls():
+    """(name, call, make) of calls without a plan at check="off" on a GPU's path, as
+    ``_plan_calls``: long segments (a workspace, ticket counters), an index scanned unsorted,
+    in place, bf16 with alpha (its tensor, bf16 views), outer rows, a misaligned source, an
+    int32 index, torch's sort (no counting sort)."""
+    segments = 7
+
+    def data(seed, *shapes, dtype=torch.float32):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(*shape, generator=gen).to(dtype) for shape in shapes]
+
+    def index_of(rows, dtype=torch.int64, long=True):
+        index = torch.randint(0, segments, (rows,), generator=torch.Generator().manual_seed(4))
+        if long:
+            index[::2] = 0  # segment 0 longer than a chunk
+        return index.to(dtype)
+
+    long, short, narrow = index_of(600), index_of(200, long=False), index_of(600, torch.int32)
+
+    def index_add(index, dim=0, **options):
+        return lambda t: detsum.index_add(t[0], dim, index, t[1], check="off", **options)
+
+    def misaligned(seed):
+        init, src = data(seed, (segments, 5), (600, 5))
+        return [init, _misaligned(src)]
+
+    def torch_sort(call):
+        def sorted_by_torch(t):
+            with unittest.mock.patch.object(kernels, "COUNTING_SORT_ON_CPU", False):
+                return call(t)
+        return sorted_by_torch
+
+    two = lambda seed: data(seed, (segments, 5), (600, 5))  # noqa: E731
+    cases = {
+        "fp32, long segment": (index_add(long), two),
+        "fp32, scanned": (index_add(short), lambda seed: data(seed, (segments, 5), (200, 5))),
+        "in place": (lambda t: detsum.index_add_(t[0], 0, long, t[1], check="off"), two),
+        "kahan bf16, alpha": (index_add(long, mode="kahan", alpha=0.5),
+                              lambda seed: data(seed, (segments, 5), (600, 5),
+                                                dtype=torch.bfloat16)),
+        "outer rows": (index_add(long, dim=1),
+                       lambda seed: data(seed, (3, segments, 4), (3, 600, 4))),
+        "misaligned source": (index_add(long), misaligned),
+        "int32 index": (index_add(narrow), two),
+        "torch's sort": (torch_sort(index_add(long, mode="kahan")), two),
+    }
+    return [(name, call, make) for name, (call, make) in cases.items()]
+
+
+def _driver_calls_unrecorded(call, tensors) -> dict:
+    """``_driver_calls_of`` without a ``recording`` block (in which a replay's launches go
+    through ``Kernel``): the driver's launches, the result, the launches through ``Kernel``."""
+    kernel_calls = []
+    direct = launch.Kernel.__call__
+
+    def counted(self, *args, **options):
+        kernel_calls.append(self)
+        return direct(self, *args, **options)
+
+    triton_stub.LAUNCHES.clear()
+    with unittest.mock.patch.object(launch.Kernel, "__call__", counted):
+        result = call(tensors)
+    return {"driver": list(triton_stub.LAUNCHES),
+            "output": tensors[0] if result is None else result,
+            "kernel_calls": len(kernel_calls)}
+
+
+def _as_matched(again: list, whole: list, named: dict) -> bool:
+    """Whether two calls' driver calls match: the same kernels, grids and integers, the call's
+    own tensors (``named``: pointer -> name, each call's) in the same places, and every other
+    tensor (one the call made) in the same places as one other of the other call's."""
+    if len(again) != len(whole):
+        return False
+    pairs = {}
+    for (launcher, args), (their_launcher, their_args) in zip(again, whole):
+        if launcher is not their_launcher or args[:_HEAD] != their_args[:_HEAD]:
+            return False
+        for ours, theirs in zip(args[_HEAD + 3:], their_args[_HEAD + 3:], strict=True):
+            ours_name, theirs_name = named[0].get(ours), named[1].get(theirs)
+            if ours_name is not None or theirs_name is not None:
+                if ours_name != theirs_name:
+                    return False
+            elif pairs.setdefault(ours, theirs) != theirs:
+                return False
+    return len(set(pairs.values())) == len(pairs)
+
+
+def check_calls_made_again() -> dict:
+    """Each of ``_unplanned_calls`` made on new tensors twice (seen, then recorded), then made
+    again from its tape beside its whole path (``_replay.REPLAY`` off) on the same tensors, the
+    index sorted by counting at any size (as a GPU's above ``NARROW_SORT_ABOVE`` keys):
+    whether it was made again, with no launch through ``Kernel``, handing the driver what the
+    whole path hands it."""
+    cases = {}
+    with triton_stub.cpu_tensors_as_cuda(), \
+            unittest.mock.patch.object(kernels, "COUNTING_SORT_ON_CPU", True), \
+            unittest.mock.patch.object(kernels, "NARROW_SORT_ABOVE", 0):
+        for name, call, make in _unplanned_calls():
+            call(make(0))
+            call(make(1))
+            tensors = make(2)
+            found = []
+            for replay in (True, False):
+                with unittest.mock.patch.object(detsum._replay, "REPLAY", replay):
+                    found.append(_driver_calls_unrecorded(call, tensors))
+            again, whole = found
+            named = [{t.data_ptr(): f"argument {i}" for i, t in enumerate(tensors)}
+                     for _ in range(2)]
+            for names, calls in zip(named, found):
+                names[calls["output"].data_ptr()] = "the output"
+            cases[name] = {"kernel_calls": again["kernel_calls"],
+                           "launches": len(again["driver"]),
+                           "same_driver_calls": _as_matched(again["driver"], whole["driver"],
+                                                            named)}
+    return cases
+
+
 def main() -> dict:
     triton_stub.install()
     launches = recorded_launches()
@@ -662,7 +781,8 @@ def main() -> dict:
             "keys": check_keys(launches), "replays": check_replays(launches),
             "fallback": check_fallback(launches), "order_error": check_order_error(launches),
             "tensors_when_pointers_off": check_pointers_off(launches),
-            "launches_again": check_launches_again()}
+            "launches_again": check_launches_again(),
+            "calls_made_again": check_calls_made_again()}
 
 
 if __name__ == "__main__":

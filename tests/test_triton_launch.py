@@ -233,6 +233,24 @@ def test_a_plan_call_launches_again_what_its_whole_path_launches(launch_check):
     assert cases["in place, strided input"]["tried_to_record"] is False  # its whole path only
 
 
+def test_a_call_without_a_plan_made_again_hands_the_driver_its_whole_paths_launches(
+        launch_check):
+    """A call without a plan made again from its tape (``detsum._replay``) launches every
+    kernel directly (none through ``Kernel``) and hands the driver what its whole path hands
+    it for the same tensors: the same compiled kernels, grids, streams and integers, the
+    call's tensors in the same places, and each tensor the call made in the same places as
+    one the whole path made. Across the counting sort and torch's, long segments (a
+    workspace, ticket counters), an index scanned unsorted, in place, bf16 with alpha, outer
+    rows, a misaligned source and an int32 index."""
+    cases = launch_check["calls_made_again"]
+    assert len(cases) == 8
+    for name, case in cases.items():
+        assert case["kernel_calls"] == 0, name
+        assert case["launches"] == (1 if name == "fp32, scanned" else
+                                    2 if name == "torch's sort" else 3), name
+        assert case["same_driver_calls"], name
+
+
 def test_a_plan_keeps_the_launches_of_several_signatures(launch_check):
     """Two layers sharing a plan with rows of different widths, called in turn: each one's
     first call is recorded (or compiles its kernel, then is recorded at its second), and
@@ -356,3 +374,61 @@ def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
         assert all(launched for launched, _ in relaunched), (rows, dtype, relaunched)
         alignments = {aligned for _, aligned in relaunched}
         assert len(alignments) >= 2, (rows, dtype, relaunched)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("check", ["off", "device"])
+@pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
+def test_a_call_without_a_plan_made_again_gives_its_whole_paths_bits(mode, check):
+    """``index_add``, ``index_add_`` and ``scatter_reduce`` (a sum in torch's index form, a
+    mean without the input) without a plan, on new tensors at each call: from a signature's
+    third call made again from its tape (``detsum._replay``), each with the bits of the same
+    call on its whole path (``_replay.REPLAY`` off); an index sorted by counting (past 4096
+    values) with a segment longer than a chunk, a short index scanned unsorted, bf16 with
+    alpha. Every tape's launches are direct (none through ``Kernel``)."""
+    gen = torch.Generator().manual_seed(7)
+    segments, features = 300, 33
+    replayed, through_kernel = [], []
+    replay, kernel = detsum._replay.Tape.replay, launch.Kernel.__call__
+
+    def counted(self, tensors):
+        replayed.append(self)
+        before = len(through_kernel)
+        result = replay(self, tensors)
+        assert len(through_kernel) == before
+        return result
+
+    def counted_kernel(self, *args, **options):
+        through_kernel.append(self)
+        return kernel(self, *args, **options)
+
+    for rows, dtype, alpha in ((6000, torch.float32, 1.0), (200, torch.float32, 1.0),
+                               (6000, torch.bfloat16, 0.5)):
+        replayed.clear()
+        for call in range(4):
+            index = torch.randint(0, segments, (rows,), generator=gen)
+            index[:300] = 5  # longer than a chunk
+            index = index.cuda()
+            src = torch.randn(rows, features, generator=gen).to(dtype).cuda()
+            init = torch.randn(segments, features, generator=gen).to(dtype).cuda()
+            in_place = init.clone()
+            calls = [
+                lambda: detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode,
+                                         check=check),
+                lambda: detsum.scatter_reduce(init, 0, index[:, None].expand(src.shape), src,
+                                              "sum", mode=mode, check=check),
+                lambda: detsum.scatter_reduce(init, 0, index, src, "mean",
+                                              include_self=False, mode=mode, check=check),
+            ]
+            with unittest.mock.patch.object(detsum._replay.Tape, "replay", counted), \
+                    unittest.mock.patch.object(launch.Kernel, "__call__", counted_kernel):
+                outs = [call() for call in calls]
+                detsum.index_add_(in_place, 0, index, src, alpha=alpha, mode=mode, check=check)
+            with unittest.mock.patch.object(detsum._replay, "REPLAY", False):
+                expected = [call() for call in calls]
+            for out, whole in zip(outs, expected):
+                assert_same_bits(out, whole)
+            assert_same_bits(in_place, expected[0])
+        # Each signature made again at its third and fourth calls (the "autograd" mean on
+        # CUDA is torch's own ops, which may read back: never made again).
+        assert len(replayed) >= 6, (rows, dtype, len(replayed))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation, reference
+from detsum import _dispatch, _replay, _segments, _transforms, _validation, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
 from detsum.plans import (Plan, Planned, aligned, call_with_plan, check_plan, launches_again,
@@ -136,7 +136,13 @@ def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=N
         return _run(input, dim, index, source, alpha, acc_mode, check=check,
                     planned=unpack(order, offsets, chunk_ends, chunk_slots)).view(*input.shape)
 
-    if offsets is None or not launches_again(input, offsets):
+    if offsets is None:
+        if _replay.replays(input, check):
+            return _replay.call(_CALLER, _unplanned_signature(input, dim, index, source, alpha,
+                                                              acc_mode, check),
+                                (input, index, source), whole_path)
+        return whole_path()
+    if not launches_again(input, offsets):
         return whole_path()
     return call_with_plan(_CALLER, offsets, (order, index, chunk_ends),
                           _signature(input, dim, source, alpha, acc_mode, check, chunk_slots),
@@ -149,6 +155,14 @@ def _signature(input, dim, source, alpha, acc_mode, check, chunk_slots) -> tuple
     return (input.dtype, input.shape, input.stride(), input.device, source.dtype,
             source.shape, source.stride(), source.device, dim, alpha, acc_mode, check,
             chunk_slots, aligned(input), aligned(source), _segments.launch_settings())
+
+
+def _unplanned_signature(input, dim, index, source, alpha, acc_mode, check) -> tuple:
+    """What decides a call's path without a plan besides its tensors' values
+    (``_replay.call``)."""
+    return (*_signature(input, dim, source, alpha, acc_mode, check, -1), index.dtype,
+            index.shape, index.stride(), aligned(index), source is input,
+            *_replay.path_settings())
 
 
 @torch.library.custom_op("detsum::index_add", mutates_args=())
@@ -181,7 +195,14 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
             _run(input, dim, index, source, alpha, acc_mode, in_place=True, check=check,
                  planned=planned, caller=_IN_PLACE_CALLER)
 
-        if offsets is None or not launches_again(input, offsets):
+        if offsets is None:
+            if _replay.replays(input, check):
+                _replay.call(_IN_PLACE_CALLER, _unplanned_signature(
+                    input, dim, index, source, alpha, acc_mode, check), (input, index, source),
+                    whole_path)
+            else:
+                whole_path()
+        elif not launches_again(input, offsets):
             whole_path()
         else:  # an earlier call's launch made again where the signature allows
             call_with_plan(_IN_PLACE_CALLER, offsets, (order, index, chunk_ends),

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
+from detsum import _dispatch, _replay, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
 from detsum.plans import (Plan, aligned, call_with_plan, check_plan, launches_again,
@@ -178,6 +178,17 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here; a call of an earlier call's signature makes that
     call's launch again (``plans.call_with_plan``)."""
+    if planned is None and _replay.replays(input, check):
+        return _replay.call(
+            _CALLER,
+            (input.dtype, input.shape, input.stride(), input.device, index.dtype, index.shape,
+             index.stride(), src.dtype, src.shape, src.stride(), src.device, dim, reduce,
+             include_self, acc_mode, sorted, check, aligned(input), aligned(index),
+             aligned(src), src is input, _segments.launch_settings(),
+             *_replay.path_settings()),
+            (input, index, src),
+            lambda: _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted,
+                                check, None))
     if planned is None or not launches_again(input, planned[1]):
         return _whole_path(input, dim, index, src, reduce, include_self, acc_mode, sorted,
                            check, planned)

@@ -259,6 +259,12 @@ _RETIRED_COUNTERS: list[torch.Tensor] = []
 _MIN_COUNTERS = 4096
 
 
+def are_ticket_counters(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of the tensors of ticket counters that ``ticket_counters`` hands
+    out (or did, before a larger one replaced it)."""
+    return any(t is counters for counters in (*_TICKET_COUNTERS.values(), *_RETIRED_COUNTERS))
+
+
 def ticket_counters(device: torch.device, size: int) -> torch.Tensor:
     """At least ``size`` ticket counters for a launch on ``device``'s current stream, zero."""
     stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else None

@@ -59,7 +59,11 @@ pointers, under conditions it checks at each call: each new pointer's 16-byte al
 recorded (the same compiled kernel), the same device, launch options and ``SETTINGS``, no
 hook installed, and the same stream (what the launch made and the record holds, such as a
 workspace, is reused in that stream's order, as the caching allocator would reuse its
-memory). tests/launch_check.py compares the two.
+memory). tests/launch_check.py compares the two. A record can also be made again whole with
+other arguments (``RecordedLaunch.launch_again``: each tensor's address in its place, the
+recorded integers), as a call without a plan is made again from the records of its several
+launches (``detsum._replay``): straight to the compiled kernel where ``Kernel`` would take it,
+through ``Kernel`` otherwise. Recordings nest, each seeing every launch inside it.
 
 FALLBACK: ``JITFunction.run`` on every launch where the direct call cannot be shown to do
 what it would:
@@ -112,6 +116,11 @@ DIRECT_LAUNCH = (3, 6) <= _release(triton.__version__) < (3, 10)
 #: POINTERS above): the launcher of every release in DIRECT_LAUNCH's range takes an int as the
 #: address, with no call to the driver.
 POINTERS_AS_INTS = True
+
+#: Whether a launch in Triton's interpreter is recorded (``InterpretedLaunch``), where it
+#: would be None: for the tests of a call made again from its record (``detsum._replay``)
+#: without a GPU, which then makes its launches again through ``Kernel``, interpreted.
+RECORD_INTERPRETED = False
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 _UINT64_MIN = 2**63
@@ -247,8 +256,19 @@ class Kernel:
         repeat the call."""
         jitted = self.jitted
         if not (self._jit and DIRECT_LAUNCH) or _hooks_installed(jitted):
-            jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)
-            _record(None)
+            if not _RECORDING.open:
+                jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)
+                return
+            # The torch ops that Triton's interpreter runs are the launch's, no op of the call.
+            _RECORDING.launching += 1
+            try:
+                jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)
+            finally:
+                _RECORDING.launching -= 1
+            if _RECORDING.open:
+                _record(InterpretedLaunch(self, grid, dict(constexprs), num_warps,
+                                          launch_settings(), args)
+                        if RECORD_INTERPRETED and not self._jit else None)
             return
         if tuple(constexprs) != self._constexpr_names:
             raise TypeError(f"{jitted.fn.__name__}: constexprs {tuple(constexprs)}; expected "
@@ -279,36 +299,47 @@ class Kernel:
         stream = active.get_current_stream(device)
         run(grid_x, grid_y, grid_z, stream, function, packed_metadata, None, None, None,
             *(pointers if POINTERS_AS_INTS else args), *values)
-        if _RECORDING.made is not None:
+        if _RECORDING.open:
             _record(None if not POINTERS_AS_INTS else RecordedLaunch(
                 self, run, function, packed_metadata, (grid_x, grid_y, grid_z), device, stream,
-                key[2], launch_settings(), pointers, tuple(values), holds, args=args))
+                key[2], launch_settings(), pointers, tuple(values), holds, num_warps,
+                args=args))
 
 
 class _Recording(threading.local):
-    made: list | None = None
+    #: The lists of the blocks open on this thread (``recording``), outermost first.
+    open: tuple[list, ...] = ()
+    #: How many launches through ``JITFunction.run`` are under way inside them.
+    launching: int = 0
 
 
 _RECORDING = _Recording()
 
 
 def _record(launch: RecordedLaunch | None) -> None:
-    made = _RECORDING.made
-    if made is not None:
+    for made in _RECORDING.open:
         made.append(launch)
+
+
+def launching() -> bool:
+    """Whether a launch is under way on this thread inside a ``recording`` block: the torch
+    ops run now (Triton's interpreter's) are the launch's."""
+    return _RECORDING.launching > 0
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list]:
     """The launches made on this thread inside the block, in order (see RECORDED LAUNCHES):
     a ``RecordedLaunch`` for each direct launch handed data pointers, None for every other
-    launch. Blocks nest; each sees its own launches only."""
-    outer = _RECORDING.made
-    _RECORDING.made = made = []
+    launch. Blocks nest; each sees every launch made inside it, its inner blocks' too: a
+    ``Relaunch`` as None, and ``RecordedLaunch.launch_again`` through ``Kernel``."""
+    outer = _RECORDING.open
+    made: list = []
+    _RECORDING.open = (*outer, made)
     try:
         yield made
     finally:
-        _RECORDING.made = outer
+        _RECORDING.open = outer
 
 
 #: What else decides the launch a call makes, read by a relaunch at each call: functions of
@@ -341,6 +372,7 @@ class _Launch:
     #: The tensors the caller made for the launch alone, or None where the launch is not
     #: the whole of its call (``Kernel``'s ``holds``).
     holds: tuple | None
+    num_warps: int
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -376,6 +408,71 @@ class RecordedLaunch(_Launch):
         return Relaunch(**launch, slots=slots,
                         aligned=tuple(not pointer & 15 for pointer in pointers))
 
+    def launch_again(self, args: list, tensors: tuple[int, ...], checked: bool = False
+                     ) -> None:
+        """This launch made with ``args`` in the place of its own (a list, which it may
+        change): tensors at the positions ``tensors`` (of the recorded ones' dtypes and, for
+        the same work, shapes and strides), the recorded integers elsewhere. Straight to the
+        recorded compiled kernel where ``Kernel`` would launch that one with these arguments
+        (each pointer aligned as recorded; ``launches_as_recorded``, unless the caller has
+        ``checked`` it for this launch; no recording open, which would miss it); through
+        ``Kernel`` otherwise, which compiles or falls back as it does for any launch."""
+        direct = not _RECORDING.open and (checked or launches_as_recorded((self,)))
+        pointers = list(args)
+        recorded = self.pointers
+        for i in tensors:
+            pointer = pointers[i] = args[i].data_ptr()
+            if (not pointer & 15) != (not recorded[i] & 15):
+                direct = False
+        if not direct:
+            self.kernel(self.grid, tuple(args),
+                        dict(zip(self.kernel._constexpr_names, self.values)),
+                        num_warps=self.num_warps)
+            return
+        grid_x, grid_y, grid_z = self.grid
+        self.run(grid_x, grid_y, grid_z, self.stream, self.function, self.packed_metadata,
+                 None, None, None, *pointers, *self.values)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class InterpretedLaunch:
+    """A launch in Triton's interpreter, as recorded under ``RECORD_INTERPRETED``: made again
+    through ``Kernel`` (``launch_again``), never launched again by a plan (``with_slots``)."""
+
+    kernel: Kernel
+    grid: tuple
+    constexprs: dict
+    num_warps: int
+    settings: tuple
+    args: tuple = ()
+    holds: None = None
+
+    def with_slots(self, tensors: tuple, kept: tuple) -> None:
+        return None
+
+    def launch_again(self, args: list, tensors: tuple[int, ...], checked: bool = False
+                     ) -> None:
+        """``RecordedLaunch.launch_again``, through ``Kernel`` always."""
+        self.kernel(self.grid, tuple(args), self.constexprs, num_warps=self.num_warps)
+
+
+def launches_as_recorded(made: tuple[_Launch, ...]) -> bool:
+    """Whether launches now would find what ``made`` (launches recorded in one call) found,
+    their arguments aside: no hook installed for any of their kernels, and the settings,
+    device, stream and launch options of the first."""
+    if not made:
+        return True
+    first = made[0]
+    if type(first) is InterpretedLaunch:
+        return launch_settings() == first.settings
+    if (any(_hooks_installed(launch.kernel.jitted) for launch in made)
+            or launch_settings() != first.settings):
+        return False
+    active = driver.active
+    device = active.get_current_device()
+    return (device == first.device and active.get_current_stream(device) == first.stream
+            and _launch_options() == first.options)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Relaunch(_Launch):
@@ -393,13 +490,9 @@ class Relaunch(_Launch):
         dtype, shape and strides) in slot ``k``; False, having launched nothing, where the
         direct launch would not hand the driver this kernel and these arguments: a pointer
         aligned otherwise, another device, stream, launch option or setting, or a hook
-        installed."""
-        if _hooks_installed(self.kernel.jitted) or launch_settings() != self.settings:
-            return False
-        active = driver.active
-        device = active.get_current_device()
-        if (device != self.device or active.get_current_stream(device) != self.stream
-                or _launch_options() != self.options):
+        installed. Inside a ``recording`` block it is seen as a launch that is not direct
+        (None)."""
+        if not launches_as_recorded((self,)):
             return False
         handed = list(self.pointers)
         for positions, aligned, pointer in zip(self.slots, self.aligned, pointers):
@@ -410,4 +503,6 @@ class Relaunch(_Launch):
         grid_x, grid_y, grid_z = self.grid
         self.run(grid_x, grid_y, grid_z, self.stream, self.function, self.packed_metadata,
                  None, None, None, *handed, *self.values)
+        if _RECORDING.open:
+            _record(None)
         return True

@@ -1,0 +1,245 @@
+"""detsum/_replay.py: a call without a plan on a GPU's path, made again from the record of an
+earlier call of its signature, gives the bits of its whole path, raises what it raises, and is
+made again only where its whole path reads nothing back.
+
+Here the calls take a GPU's path on CPU tensors (the triton backend in Triton's interpreter, a
+GPU's check levels and its counting sort) and the interpreter's launches are recorded
+(``launch.RECORD_INTERPRETED``): a replay makes its ops again and its launches through
+``Kernel``. tests/launch_check.py compares the launches a replay hands the driver with the
+whole path's, with the kernels compiled for sm_90.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import detsum
+from conftest import assert_same_bits, make_data, seed_of
+from detsum import _replay, _segments, kernels
+from detsum.kernels import CHUNK_TERMS
+from detsum.ops import index_add as index_add_module
+
+pytestmark = pytest.mark.interpreter
+
+SEGMENTS = 7
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """A GPU's path with its launches recorded; no tape kept from before; yields the list of
+    the tapes replayed, one entry a replay."""
+    from detsum.kernels.triton import launch
+
+    monkeypatch.setattr(launch, "RECORD_INTERPRETED", True)
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    monkeypatch.setattr(kernels, "COUNTING_SORT_ON_CPU", True)
+    # The counting sort at any size (a GPU's above 4096 keys).
+    monkeypatch.setattr(kernels, "NARROW_SORT_ABOVE", 0)
+    monkeypatch.setattr(_replay, "_TAPES", type(_replay._TAPES)())
+    replayed = []
+    replay = _replay.Tape.replay
+
+    def counted(self, tensors):
+        replayed.append(self)
+        return replay(self, tensors)
+
+    monkeypatch.setattr(_replay.Tape, "replay", counted)
+    with detsum.backend("triton"):
+        yield replayed
+
+
+def _whole_path(call):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_replay, "REPLAY", False)
+        return call()
+
+
+def _index(rows: int, seed: int, long: bool, dtype=torch.int64) -> torch.Tensor:
+    index = torch.randint(0, SEGMENTS, (rows,), generator=torch.Generator().manual_seed(seed))
+    if long:
+        index[:CHUNK_TERMS + 9] = 3  # longer than a chunk: chunk programs, their counters
+    return index.to(dtype)
+
+
+# (name, rows, long segment, dtype, mode, alpha, dim, strided source, int32 index, check)
+CASES = [
+    ("fp32, long segment", 300, True, torch.float32, "fp32", 1.0, 0, False, False, "device"),
+    ("fp32, short segments, off", 300, False, torch.float32, "fp32", 1.0, 0, False, False,
+     "off"),
+    ("kahan bf16, alpha", 300, True, torch.bfloat16, "kahan", 0.5, 0, False, False, "off"),
+    ("autograd fp16", 300, False, torch.float16, "autograd", 1.0, 0, False, False, "device"),
+    ("fp64, outer rows, int32", 300, True, torch.float64, "fp32", 1.0, 1, False, True,
+     "device"),
+    ("fp32, strided source", 300, False, torch.float32, "fp32", -2.0, 0, True, False,
+     "device"),
+    ("fp32, scanned (at most a chunk of terms)", CHUNK_TERMS, False, torch.float32, "fp32",
+     1.0, 0, False, False, "device"),
+]
+
+
+def _problem(case, seed):
+    _, rows, long, dtype, _, _, dim, strided, int32, _ = case
+    gen_seed = seed_of("replay", case[0], seed)
+    shape = [3, rows, 4] if dim == 1 else [rows, 5]
+    if strided:
+        shape[-1] *= 2
+    source = make_data(tuple(shape), dtype, seed=gen_seed, spread=True)
+    if strided:
+        source = source[..., ::2]
+    input_shape = list(source.shape)
+    input_shape[dim] = SEGMENTS
+    input = make_data(tuple(input_shape), dtype, seed=gen_seed + 1, spread=True)
+    index = _index(rows, gen_seed, long, torch.int32 if int32 else torch.int64)
+    return input, index, source
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_a_call_made_again_gives_its_whole_paths_bits(gpu_path, case):
+    """``index_add`` and ``index_add_`` without a plan, on new tensors at each call: recorded
+    at the second call of a signature, made again from the third, each call with the bits of
+    its whole path (outputs NaN-filled before their launches): long segments (a workspace,
+    ticket counters), alpha, every mode, outer rows, an int32 index, a strided source, an
+    index short enough to be scanned unsorted; check "device" and "off"."""
+    _, _, _, _, mode, alpha, dim, _, _, check = case
+    for seed in range(3):
+        input, index, source = _problem(case, seed)
+        in_place = input.clone()
+
+        def out_of_place():
+            return detsum.index_add(input, dim, index, source, alpha=alpha, mode=mode,
+                                    check=check)
+
+        out = out_of_place()
+        detsum.index_add_(in_place, dim, index, source, alpha=alpha, mode=mode, check=check)
+        expected = _whole_path(out_of_place)
+        assert_same_bits(out, expected)
+        assert_same_bits(in_place, expected)
+    # The first two calls of each signature (out of place, in place) ran their whole paths.
+    assert len(gpu_path) == 2
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("reduce,include_self,mode,form,check", [
+    ("sum", True, "fp32", "rows", "off"), ("sum", True, "fp32", "torch's", "device"),
+    ("mean", False, "kahan", "torch's", "device"), ("amax", True, "fp32", "rows", "device"),
+    ("prod", False, "autograd", "rows", "device")])
+def test_a_scatter_reduce_made_again_gives_its_whole_paths_bits(gpu_path, reduce, include_self,
+                                                                mode, form, check):
+    """``scatter_reduce`` without a plan, each reduction, with and without the input, a 1-D
+    row index and torch's own form of it (the index expanded to the source's shape), long
+    segments: made again from the third call, with the whole path's bits."""
+    for seed in range(3):
+        input, index, source = _problem(CASES[0], seed)
+        if form == "torch's":
+            index = index[:, None].expand(source.shape)
+
+        def call():
+            return detsum.scatter_reduce(input, 0, index, source, reduce,
+                                         include_self=include_self, mode=mode, check=check)
+
+        assert_same_bits(call(), _whole_path(call))
+    assert len(gpu_path) == 1
+
+
+def test_a_bad_index_raises_as_its_whole_path_and_later_calls_hold(gpu_path):
+    """At check="device", a call made again with a value out of range raises the whole
+    path's error (the CPU's assert, at once); the long segment's ticket counters are set back
+    as the whole path sets them, so the calls after it give their whole paths' bits."""
+    case = CASES[0]
+    for seed in range(3):
+        input, index, source = _problem(case, seed)
+        detsum.index_add_(input, 0, index, source, check="device")
+    input, index, source = _problem(case, 5)
+    index[7] = SEGMENTS
+    with pytest.raises(RuntimeError) as whole:
+        _whole_path(lambda: detsum.index_add_(input.clone(), 0, index, source, check="device"))
+    replays = len(gpu_path)
+    with pytest.raises(RuntimeError) as again:
+        detsum.index_add_(input.clone(), 0, index, source, check="device")
+    assert len(gpu_path) == replays + 1
+    assert str(again.value) == str(whole.value)
+    for seed in range(6, 8):
+        input, index, source = _problem(case, seed)
+        out = input.clone()
+        detsum.index_add_(out, 0, index, source, check="device")
+        assert_same_bits(out, _whole_path(lambda: detsum.index_add(input, 0, index, source,
+                                                                   check="device")))
+
+
+class _Reading(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_made_again(call, times: int = 4) -> int:
+    replayed = []
+    replay = _replay.Tape.replay
+
+    def counted(self, tensors):
+        replayed.append(self)
+        return replay(self, tensors)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_replay.Tape, "replay", counted)
+        for _ in range(times):
+            call()
+    return len(replayed)
+
+
+def test_calls_that_read_back_or_cannot_be_replaced_are_never_made_again(gpu_path,
+                                                                          monkeypatch):
+    """Never made again: a call at check="host" (a read back of the check); a whole path that
+    reads a value back (an op giving data-dependent output), uses a tensor that shares a
+    tensor's memory but was made without torch's dispatch (``torch.from_numpy``), or returns
+    such a tensor; a body run under a dispatch mode (whose ops the mode must see). The
+    calls still give their bits."""
+    input, index, source = _problem(CASES[1], 0)
+    expected = _whole_path(lambda: detsum.index_add(input, 0, index, source, check="off"))
+
+    def call(check="off"):
+        out = detsum.index_add(input, 0, index, source, check=check)
+        assert_same_bits(out, expected)
+
+    assert _calls_made_again(lambda: call("host")) == 0
+
+    def body_under_a_mode():  # as inside torch's dispatch, a mode seeing every op
+        with _Reading():
+            out = index_add_module._index_add(input, 0, index, source, 1.0, "fp32", "off")
+        assert_same_bits(out, expected)
+
+    assert _calls_made_again(body_under_a_mode) == 0
+    run = index_add_module._run
+    for change in (lambda out: (out.sum().item(), out)[1],  # a value read back
+                   # memory shared with the output, not made by torch's dispatch
+                   lambda out: (torch.from_numpy(out.numpy()).add_(0), out)[1],
+                   lambda out: torch.from_numpy(out.numpy())):  # a result not seen made
+        _replay._TAPES.clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(index_add_module, "_run",
+                          lambda *args, change=change, **options: change(run(*args, **options)))
+            assert _calls_made_again(call) == 0, change
+    _replay._TAPES.clear()
+    assert _calls_made_again(call) == 2  # the same call, unchanged: its third and fourth
+
+
+def test_a_signature_seen_once_pays_no_record(gpu_path, monkeypatch):
+    """A call whose signature changes at every call (a batch of another size each time) runs
+    its whole path alone: recorded at a signature's second call, never at its first."""
+    recorded = []
+    record = _replay._record
+
+    def counted(*args):
+        recorded.append(args[0])
+        return record(*args)
+
+    monkeypatch.setattr(_replay, "_record", counted)
+    for rows in range(300, 310):
+        index = _index(rows, rows, False)
+        source = make_data((rows, 5), torch.float32, seed=rows)
+        detsum.index_add(torch.zeros(SEGMENTS, 5), 0, index, source, check="off")
+    assert recorded == []
+    detsum.index_add(torch.zeros(SEGMENTS, 5), 0, index, source, check="off")
+    assert len(recorded) == 1

@@ -11,7 +11,6 @@ whole path's, with the kernels compiled for sm_90.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

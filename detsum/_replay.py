@@ -109,18 +109,20 @@ def _keep(key: tuple, entry) -> None:
 
 
 def _record(key: tuple, tensors: tuple, whole_path):
-    from detsum.kernels.triton import launch
+    from detsum.kernels.triton import launch, segment
 
+    if segment.interpreted() and not launch.RECORD_INTERPRETED:
+        # Triton's interpreter records no launch, and its torch ops would each go through
+        # the recording's dispatch mode.
+        _keep(key, _NOT_AGAIN)
+        return whole_path()
     if not launch.records_now():
         return whole_path()
     with launch.recording() as made, _Recorder(tensors, made) as recorder:
         result = whole_path()
     if None in made:
-        # A launch that was not direct (a first compile, a hook): the next call records
-        # again; none ever is in Triton's interpreter (but under RECORD_INTERPRETED).
-        from detsum.kernels.triton import segment
-
-        _keep(key, _NOT_AGAIN if segment.interpreted() else _SEEN)
+        # A launch that was not direct (a first compile, a hook): the next call records again.
+        _keep(key, _SEEN)
         return result
     _keep(key, recorder.tape(made, result))
     return result

@@ -18,6 +18,7 @@ MAY_IMPORT_KERNELS = {
     "_kernel_ops.py": "the consumers' kernels, and the choice of backend that runs them",
     "_segments.py": "the primitives' launch",
     "plans.py": "a plan's chunk split, as the launch takes it",
+    "_replay.py": "a call's launches made again from their records, as plans.py's are",
     "modes.py": "the rule each mode stands for, and the numbers of the modes' arithmetic",
     "backend.py": "whether the Triton kernels were made for the interpreter",
     "ops/segment_sum.py": "a primitive",

@@ -242,3 +242,26 @@ def test_a_signature_seen_once_pays_no_record(gpu_path, monkeypatch):
     assert recorded == []
     detsum.index_add(torch.zeros(SEGMENTS, 5), 0, index, source, check="off")
     assert len(recorded) == 1
+
+
+def test_the_switch_makes_its_calls_again(gpu_path):
+    """Under ``detsum.enable`` on a GPU's path, torch's own ``index_add_``, ``scatter_add_``,
+    ``scatter_reduce_`` (a maximum) and the backward of ``x[idx]`` (``index_put_`` with
+    ``accumulate=True``) on new tensors at each call are made again from the third call of
+    each, with the bits of their whole paths."""
+    def calls(seed):
+        input, index, source = _problem(CASES[0], seed)
+        x = source.clone().requires_grad_()
+        with detsum.deterministic("fp32"):
+            added = input.clone().index_add_(0, index, source)
+            scattered = input.clone().scatter_add_(0, index[:, None].expand(source.shape),
+                                                   source)
+            largest = input.clone().scatter_reduce_(0, index[:, None].expand(source.shape),
+                                                    source, "amax")
+            (x[index] * 2).sum().backward()  # rows 0 to 6 of x, each many times
+        return added, scattered, largest, x.grad
+
+    for seed in range(3):
+        for out, whole in zip(calls(seed), _whole_path(lambda: calls(seed))):
+            assert_same_bits(out, whole)
+    assert len(gpu_path) >= 3

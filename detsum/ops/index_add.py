@@ -130,7 +130,8 @@ def _index_add(input, dim, index, source, alpha, acc_mode, check="host", order=N
                offsets=None, chunk_ends=None, chunk_slots=-1):
     """The out-of-place operator's body (also called directly, see ``_dispatch``). With a
     plan, a call of an earlier call's signature makes that call's launch again
-    (``plans.call_with_plan``)."""
+    (``plans.call_with_plan``); without one, it is made again from a record of the earlier
+    call's device work (``_replay.call``)."""
     def whole_path():
         # view(*sizes): torch parses sizes one by one in half the time it takes a torch.Size.
         return _run(input, dim, index, source, alpha, acc_mode, check=check,
@@ -183,7 +184,8 @@ def _(input, dim, index, source, alpha, acc_mode, check="host", order=None, offs
 
 def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host", order=None,
                        offsets=None, chunk_ends=None, chunk_slots=-1):
-    """The in-place operator's body (also called directly, see ``_dispatch``)."""
+    """The in-place operator's body (also called directly, see ``_dispatch``), made again
+    as the out-of-place one is."""
     # Here, not only in the public function: a compiled graph calls this operator directly.
     _validation.check_inplace_target(_IN_PLACE_CALLER, "input", input, index=index,
                                      source=source)

@@ -177,7 +177,8 @@ def _run(input, dim, index, src, reduce, include_self, acc_mode, sorted, *, chec
     """The operator's body: validate index values (as ``check`` says), plan, launch.
     ``planned``: the positions of a ``detsum.Plan`` of a 1-D ``index``, checked when it was
     made: nothing to check or plan here; a call of an earlier call's signature makes that
-    call's launch again (``plans.call_with_plan``)."""
+    call's launch again (``plans.call_with_plan``). Without a plan, such a call is made again
+    from a record of the earlier call's device work (``_replay.call``)."""
     if planned is None and _replay.replays(input, check):
         return _replay.call(
             _CALLER,

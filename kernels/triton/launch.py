@@ -265,10 +265,9 @@ class Kernel:
                 jitted[grid](*args, num_warps=num_warps, enable_fp_fusion=False, **constexprs)
             finally:
                 _RECORDING.launching -= 1
-            if _RECORDING.open:
-                _record(InterpretedLaunch(self, grid, dict(constexprs), num_warps,
-                                          launch_settings(), args)
-                        if RECORD_INTERPRETED and not self._jit else None)
+            _record(InterpretedLaunch(self, grid, dict(constexprs), num_warps,
+                                      launch_settings(), args)
+                    if RECORD_INTERPRETED and not self._jit else None)
             return
         if tuple(constexprs) != self._constexpr_names:
             raise TypeError(f"{jitted.fn.__name__}: constexprs {tuple(constexprs)}; expected "

@@ -319,6 +319,19 @@ def test_direct_launch_gives_jitfunction_run_bits(mode):
             assert_same_bits(call(), expected)
 
 
+def _assert_whole_paths_bits(calls, call_in_place, in_place, made_again, whole_path):
+    """Each of ``calls`` and ``call_in_place()`` (into ``in_place``, the first call's input)
+    under ``made_again``, against ``calls`` on their whole path, under ``whole_path``."""
+    with made_again:
+        outs = [call() for call in calls]
+        call_in_place()
+    with whole_path:
+        expected = [call() for call in calls]
+    for out, whole in zip(outs, expected):
+        assert_same_bits(out, whole)
+    assert_same_bits(in_place, expected[0])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
@@ -358,14 +371,11 @@ def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
                 lambda: detsum.scatter_reduce(init, 0, index, src, "mean", include_self=False,
                                               mode=mode, plan=plan),
             ]
-            with unittest.mock.patch.object(launch.Relaunch, "__call__", counted):
-                outs = [call() for call in calls]
-                detsum.index_add_(in_place, 0, index, src, alpha=alpha, mode=mode, plan=plan)
-            with unittest.mock.patch.object(detsum.plans, "LAUNCH_AGAIN", False):
-                expected = [call() for call in calls]
-            for out, whole in zip(outs, expected):
-                assert_same_bits(out, whole)
-            assert_same_bits(in_place, expected[0])
+            _assert_whole_paths_bits(
+                calls, lambda: detsum.index_add_(in_place, 0, index, src, alpha=alpha,
+                                                 mode=mode, plan=plan), in_place,
+                unittest.mock.patch.object(launch.Relaunch, "__call__", counted),
+                unittest.mock.patch.object(detsum.plans, "LAUNCH_AGAIN", False))
         # Each signature (the call requiring grad shares index_add's) aligned: recorded at
         # its second call, launched again at its third; misaligned from the fourth, another
         # signature: recorded at the fifth, launched again at the sixth (but for a call that
@@ -420,15 +430,12 @@ def test_a_call_without_a_plan_made_again_gives_its_whole_paths_bits(mode, check
                 lambda: detsum.scatter_reduce(init, 0, index, src, "mean",
                                               include_self=False, mode=mode, check=check),
             ]
-            with unittest.mock.patch.object(detsum._replay.Tape, "replay", counted), \
-                    unittest.mock.patch.object(launch.Kernel, "__call__", counted_kernel):
-                outs = [call() for call in calls]
-                detsum.index_add_(in_place, 0, index, src, alpha=alpha, mode=mode, check=check)
-            with unittest.mock.patch.object(detsum._replay, "REPLAY", False):
-                expected = [call() for call in calls]
-            for out, whole in zip(outs, expected):
-                assert_same_bits(out, whole)
-            assert_same_bits(in_place, expected[0])
+            with unittest.mock.patch.object(launch.Kernel, "__call__", counted_kernel):
+                _assert_whole_paths_bits(
+                    calls, lambda: detsum.index_add_(in_place, 0, index, src, alpha=alpha,
+                                                     mode=mode, check=check), in_place,
+                    unittest.mock.patch.object(detsum._replay.Tape, "replay", counted),
+                    unittest.mock.patch.object(detsum._replay, "REPLAY", False))
         # Each signature made again at its third and fourth calls (the "autograd" mean on
         # CUDA is torch's own ops, which may read back: never made again).
         assert len(replayed) >= 6, (rows, dtype, len(replayed))

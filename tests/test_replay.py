@@ -265,3 +265,47 @@ def test_the_switch_makes_its_calls_again(gpu_path):
         for out, whole in zip(calls(seed), _whole_path(lambda: calls(seed))):
             assert_same_bits(out, whole)
     assert len(gpu_path) >= 3
+
+
+class _Seeing(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_op_replayed_through_a_python_function_gives_the_ops_result():
+    """Every op a tape replays through one of torch's Python functions (``_replay``'s
+    ``_FUNCTIONS`` and ``_FACTORIES``), called as the tape calls it with the arguments a call
+    handed the op, gives the op's own result: the same shape, strides and dtype, and the same
+    values where the op makes any."""
+    x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+    seeing = _Seeing()
+    with seeing:
+        x.unsqueeze(0), x.view(12), x.view(torch.int32), x.permute(1, 0), x.select(0, 1)
+        x[None].expand(2, 4, 3), x.transpose(0, 1)
+        torch.cumsum(x, 0), torch.cumsum(x, 0, dtype=torch.float64)
+        y = x.clone(memory_format=torch.contiguous_format)
+        y.fill_(2.0), y.zero_(), y.copy_(x), torch._assert_async(torch.tensor(True), "m")
+        torch.empty_like(x), torch.empty_strided((2, 3), (1, 2))
+        torch.empty(3, dtype=torch.int16), torch.zeros(3, 2), torch.full((2,), 1.5)
+    replaced = set()
+    for func, args, kwargs in seeing.seen:
+        step = _replay._op_step(func, args, kwargs, (0,))
+        function = step[1]
+        if function is func:
+            continue
+        replaced.add(func)
+        ours, theirs = function(*step[2], **step[3]), func(*args, **kwargs)
+        if theirs is None:
+            assert ours is None, func
+            continue
+        assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(),
+                                                           theirs.dtype), func
+        if func not in (torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default,
+                        torch.ops.aten.empty.memory_format):
+            assert_same_bits(ours, theirs)
+    assert replaced == set(_replay._FUNCTIONS) | set(_replay._FACTORIES)

@@ -28,7 +28,6 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-from .common import _cdiv
 from .launch import Kernel
 
 __all__ = ["CHUNKS_FIRST", "GUIDED_CHUNKS", "sort_offsets", "ticket_counters"]
@@ -241,7 +240,7 @@ def sort_offsets(keys: torch.Tensor, num_segments: int) -> torch.Tensor:
     offsets = torch.empty(num_segments + 1, dtype=torch.int64, device=keys.device)
     # Each halving at least halves [lo, hi): positions.bit_length() of them empty it.
     _launch_sort_offsets(
-        (_cdiv(num_segments + 1, _OFFSETS_BLOCK),),
+        (-(-(num_segments + 1) // _OFFSETS_BLOCK),),
         (keys.contiguous(), offsets, positions, num_segments, positions.bit_length()),
         {"BLOCK": _OFFSETS_BLOCK}, num_warps=4)
     return offsets

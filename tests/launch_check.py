@@ -480,11 +480,12 @@ def _plan_calls():
     return [(name, call, make) for name, (call, make) in cases.items()]
 
 
-def _driver_calls_of(call, tensors) -> dict:
+def _driver_calls_of(call, tensors, recorded_launches: bool = True) -> dict:
     """What ``call(tensors)`` did: the driver's launches, its result (the input of a call in
     place), how many launches reached ``Kernel``, the ``Relaunch`` that launched again (None
-    where none did), the record of each direct launch (``launch.recording``), and how many
-    times the call tried to record its launch for later (``plans.record_launch``)."""
+    where none did), the record of each direct launch (``launch.recording``; none without
+    ``recorded_launches``, in which block a replay's launches would go through ``Kernel``),
+    and how many times the call tried to record its launch for later (``plans.record_launch``)."""
     kernel_calls, relaunches, records = [], [], []
     direct, again = launch.Kernel.__call__, launch.Relaunch.__call__
     record = detsum.plans.record_launch
@@ -506,7 +507,7 @@ def _driver_calls_of(call, tensors) -> dict:
     with unittest.mock.patch.object(launch.Kernel, "__call__", counted), \
             unittest.mock.patch.object(launch.Relaunch, "__call__", relaunched), \
             unittest.mock.patch.object(detsum.plans, "record_launch", recorded), \
-            launch.recording() as made:
+            (launch.recording() if recorded_launches else contextlib.nullcontext([])) as made:
         result = call(tensors)
     return {"driver": list(triton_stub.LAUNCHES),
             "output": tensors[0] if result is None else result,
@@ -706,24 +707,6 @@ def _unplanned_calls():
     return [(name, call, make) for name, (call, make) in cases.items()]
 
 
-def _driver_calls_unrecorded(call, tensors) -> dict:
-    """``_driver_calls_of`` without a ``recording`` block (in which a replay's launches go
-    through ``Kernel``): the driver's launches, the result, the launches through ``Kernel``."""
-    kernel_calls = []
-    direct = launch.Kernel.__call__
-
-    def counted(self, *args, **options):
-        kernel_calls.append(self)
-        return direct(self, *args, **options)
-
-    triton_stub.LAUNCHES.clear()
-    with unittest.mock.patch.object(launch.Kernel, "__call__", counted):
-        result = call(tensors)
-    return {"driver": list(triton_stub.LAUNCHES),
-            "output": tensors[0] if result is None else result,
-            "kernel_calls": len(kernel_calls)}
-
-
 def _as_matched(again: list, whole: list, named: dict) -> bool:
     """Whether two calls' driver calls match: the same kernels, grids and integers, the call's
     own tensors (``named``: pointer -> name, each call's) in the same places, and every other
@@ -761,7 +744,7 @@ def check_calls_made_again() -> dict:
             found = []
             for replay in (True, False):
                 with unittest.mock.patch.object(detsum._replay, "REPLAY", replay):
-                    found.append(_driver_calls_unrecorded(call, tensors))
+                    found.append(_driver_calls_of(call, tensors, recorded_launches=False))
             again, whole = found
             named = [{t.data_ptr(): f"argument {i}" for i, t in enumerate(tensors)}
                      for _ in range(2)]

@@ -168,24 +168,25 @@ def test_a_bad_index_raises_as_its_whole_path_and_later_calls_hold(gpu_path):
                                                                    check="device")))
 
 
-class _Reading(TorchDispatchMode):
+class _Seeing(TorchDispatchMode):
+    """A dispatch mode that sees every op (func, args, kwargs) and runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append((func, args, kwargs or {}))
         return func(*args, **(kwargs or {}))
 
 
-def _calls_made_again(call, times: int = 4) -> int:
-    replayed = []
-    replay = _replay.Tape.replay
-
-    def counted(self, tensors):
-        replayed.append(self)
-        return replay(self, tensors)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_replay.Tape, "replay", counted)
-        for _ in range(times):
-            call()
-    return len(replayed)
+def _calls_made_again(call, replayed: list, times: int = 4) -> int:
+    """How many of ``times`` calls of ``call`` were made again (``replayed``: ``gpu_path``'s
+    list)."""
+    before = len(replayed)
+    for _ in range(times):
+        call()
+    return len(replayed) - before
 
 
 def test_calls_that_read_back_or_cannot_be_replaced_are_never_made_again(gpu_path,
@@ -202,14 +203,14 @@ def test_calls_that_read_back_or_cannot_be_replaced_are_never_made_again(gpu_pat
         out = detsum.index_add(input, 0, index, source, check=check)
         assert_same_bits(out, expected)
 
-    assert _calls_made_again(lambda: call("host")) == 0
+    assert _calls_made_again(lambda: call("host"), gpu_path) == 0
 
     def body_under_a_mode():  # as inside torch's dispatch, a mode seeing every op
-        with _Reading():
+        with _Seeing():
             out = index_add_module._index_add(input, 0, index, source, 1.0, "fp32", "off")
         assert_same_bits(out, expected)
 
-    assert _calls_made_again(body_under_a_mode) == 0
+    assert _calls_made_again(body_under_a_mode, gpu_path) == 0
     run = index_add_module._run
     for change in (lambda out: (out.sum().item(), out)[1],  # a value read back
                    # memory shared with the output, not made by torch's dispatch
@@ -219,9 +220,10 @@ def test_calls_that_read_back_or_cannot_be_replaced_are_never_made_again(gpu_pat
         with monkeypatch.context() as patch:
             patch.setattr(index_add_module, "_run",
                           lambda *args, change=change, **options: change(run(*args, **options)))
-            assert _calls_made_again(call) == 0, change
+            assert _calls_made_again(call, gpu_path) == 0, change
     _replay._TAPES.clear()
-    assert _calls_made_again(call) == 2  # the same call, unchanged: its third and fourth
+    # The same call, unchanged: made again at its third and fourth.
+    assert _calls_made_again(call, gpu_path) == 2
 
 
 def test_a_signature_seen_once_pays_no_record(gpu_path, monkeypatch):
@@ -265,16 +267,6 @@ def test_the_switch_makes_its_calls_again(gpu_path):
         for out, whole in zip(calls(seed), _whole_path(lambda: calls(seed))):
             assert_same_bits(out, whole)
     assert len(gpu_path) >= 3
-
-
-class _Seeing(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
 
 
 def test_each_op_replayed_through_a_python_function_gives_the_ops_result():

@@ -22,7 +22,8 @@ Calls (256 rows of 4 fp32 features into 16 rows; MoE: 64 tokens, top-2 of 4 expe
 - ``index_add`` / ``index_add_`` / ``segment_sum`` / ``scatter_reduce`` with a plan, "fp32"
   and "kahan", and ``index_add`` with a source that requires grad (through torch's
   dispatcher, autograd recording the call);
-- ``index_add`` and a ``scatter_reduce`` max without a plan at check="off"; and
+- ``index_add``, a ``scatter_reduce`` max and a ``segment_sum`` over offsets (16 segments of
+  16 rows) without a plan at check="off"; and
   ``index_add``, ``index_add_`` and a ``scatter_reduce`` sum of 5000 rows into 16 (an index
   sorted by counting, as on a GPU) at check="off", made again and on the whole path (at
   "device" a call adds the assert of its launch's flag, which the stub never writes);
@@ -105,6 +106,8 @@ def _inputs(device: str = "cpu") -> dict:
         "weights": torch.softmax(torch.randn(TOKENS, TOPK, generator=gen), -1),
         "long_index": torch.randint(0, SEGMENTS, (LONG_ROWS,), generator=gen),
         "long_src": torch.randn(LONG_ROWS, FEATURES, generator=gen),
+        # Segments of 16 rows each (ROWS is SEGMENTS * 16).
+        "offsets": torch.arange(0, ROWS + 1, ROWS // SEGMENTS),
     }
     t = {name: tensor.to(device) for name, tensor in t.items()}
     for name in ("src", "x", "weights"):
@@ -148,6 +151,8 @@ def _detsum_calls(t: dict) -> dict:
         t["init"], 0, t["index"], t["src"], check="off")
     calls["scatter_reduce amax no plan, off"] = lambda: detsum.scatter_reduce(
         t["init"], 0, t["index"], t["src"], "amax", check="off")
+    calls["segment_sum fp32 no plan, off"] = lambda: detsum.segment_sum(
+        t["src"], t["offsets"], check="off")
     # An index of more than NARROW_SORT_ABOVE values, sorted by counting as a GPU sorts it
     # (its table's fill and running sum run on the host's tensors here, a few microseconds).
     calls[f"index_add fp32 no plan, off, {LONG_ROWS} rows"] = lambda: detsum.index_add(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import detsum
 from conftest import assert_same_bits, make_data, seed_of
@@ -120,6 +121,49 @@ def test_a_call_made_again_gives_its_whole_paths_bits(gpu_path, case):
     assert len(gpu_path) == 2
 
 
+@pytest.mark.parametrize("check", ["off", "device"])
+def test_what_only_launches_take_is_one_allocation_and_no_view(gpu_path, check):
+    """A tape allocates once for every tensor that only its launches take (the counting
+    sort's ranks, values, order and offsets and, at "off", the reduction's workspace: pieces
+    of one workspace) and makes none of the views only launches take; the ops that read or
+    write a tensor remain. ``index_add_`` of 300 rows with a long segment, poison off (the
+    poison is a fill, which takes what it fills): at "off" the replay runs the workspace's
+    allocation, the table's zeros and its running sum beside its three launches; at "device"
+    also the launch's flag (a view of a workspace of its own, which the assert reads) and the
+    assert. Each piece's memory is apart from every other's (the bits: the tests above)."""
+    from detsum.kernels.triton import launch
+
+    input, index, source = _problem(CASES[0], 0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_segments, "POISON_OUTPUTS", False)
+        for _ in range(3):
+            detsum.index_add_(input.clone(), 0, index, source, check=check)
+        (tape,) = gpu_path
+        seeing = _Seeing()
+        target = input.clone()
+        with seeing:  # the operator's body under a dispatch mode: its whole path
+            index_add_module._index_add_inplace(target, 0, index, source, 1.0, "fp32", check)
+    assert len(gpu_path) == 1
+    ops = [step for step in tape.steps if step[0] is _replay._OP]
+    names = [getattr(step[1], "__name__", str(step[1])) for step in ops]
+    launches = [step for step in tape.steps if step[0] is _replay._LAUNCH]
+    whole = [str(func) for func, _, _ in seeing.seen]
+    if check == "off":
+        assert names == ["empty", "zeros", "cumsum"]
+    else:
+        assert names == ["empty", "zeros", "cumsum", "empty", "__getitem__", "_assert_async"]
+    assert ops[0][3]["dtype"] is torch.uint8
+    assert len(launches) == 3 and all(isinstance(step[1], launch.InterpretedLaunch)
+                                      for step in launches)
+    # The whole path allocated each piece apart and made views for its launches.
+    assert sum(op.startswith("aten.empty") for op in whole) >= 5 + (check == "device")
+    assert any(op in ("aten.unsqueeze.default", "aten.view.default") for op in whole)
+    pieces = sorted({place[2] for step in launches for place in step[3]
+                     if place[1] == tape.slot_count - 1})
+    # The ranks, values, order and offsets; at "off" the reduction's workspace too.
+    assert len(pieces) == 4 + (check == "off") and all(offset % 256 == 0 for offset in pieces)
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.parametrize("reduce,include_self,mode,form,check", [
     ("sum", True, "fp32", "rows", "off"), ("sum", True, "fp32", "torch's", "device"),
@@ -141,6 +185,34 @@ def test_a_scatter_reduce_made_again_gives_its_whole_paths_bits(gpu_path, reduce
 
         assert_same_bits(call(), _whole_path(call))
     assert len(gpu_path) == 1
+
+
+@pytest.mark.parametrize("mode,dtype,perm,check", [
+    ("fp32", torch.float32, False, "off"), ("kahan", torch.bfloat16, True, "device"),
+    ("autograd", torch.float16, False, "device"), ("exact", torch.float32, True, "off"),
+    ("fp32", torch.float64, True, "device")])
+def test_a_segment_sum_made_again_gives_its_whole_paths_bits(gpu_path, mode, dtype, perm,
+                                                            check):
+    """``segment_sum`` without a plan, over offsets with an empty segment and one longer than
+    a chunk, with and without ``perm``: made again from the third call, each call on new
+    tensors, with the whole path's bits; at "device" an offset out of order still raises."""
+    offsets = torch.tensor([0, 10, 10, 290, 300])
+    for seed in range(3):
+        gen_seed = seed_of("replay segment_sum", mode, seed)
+        src = make_data((300, 5), dtype, seed=gen_seed, spread=True)
+        order = (torch.randperm(300, generator=torch.Generator().manual_seed(gen_seed))
+                 if perm else None)
+
+        def call():
+            return detsum.segment_sum(src, offsets.clone(), perm=order, mode=mode, check=check)
+
+        assert_same_bits(call(), _whole_path(call))
+    assert len(gpu_path) == 1
+    if check == "device":
+        with pytest.raises(RuntimeError, match="offsets"):
+            detsum.segment_sum(src, torch.tensor([0, 10, 5, 290, 300]), perm=order, mode=mode,
+                               check=check)
+        assert len(gpu_path) == 2
 
 
 def test_a_bad_index_raises_as_its_whole_path_and_later_calls_hold(gpu_path):
@@ -248,9 +320,9 @@ def test_a_signature_seen_once_pays_no_record(gpu_path, monkeypatch):
 
 def test_the_switch_makes_its_calls_again(gpu_path):
     """Under ``detsum.enable`` on a GPU's path, torch's own ``index_add_``, ``scatter_add_``,
-    ``scatter_reduce_`` (a maximum) and the backward of ``x[idx]`` (``index_put_`` with
-    ``accumulate=True``) on new tensors at each call are made again from the third call of
-    each, with the bits of their whole paths."""
+    ``scatter_reduce_`` (a maximum), the backward of ``x[idx]`` (``index_put_`` with
+    ``accumulate=True``) and ``segment_reduce`` (a sum over lengths) on new tensors at each
+    call are made again from the third call of each, with the bits of their whole paths."""
     def calls(seed):
         input, index, source = _problem(CASES[0], seed)
         x = source.clone().requires_grad_()
@@ -261,43 +333,52 @@ def test_the_switch_makes_its_calls_again(gpu_path):
             largest = input.clone().scatter_reduce_(0, index[:, None].expand(source.shape),
                                                     source, "amax")
             (x[index] * 2).sum().backward()  # rows 0 to 6 of x, each many times
-        return added, scattered, largest, x.grad
+            summed = torch.segment_reduce(source, "sum", lengths=torch.tensor([10, 0, 290]))
+        return added, scattered, largest, x.grad, summed
 
     for seed in range(3):
         for out, whole in zip(calls(seed), _whole_path(lambda: calls(seed))):
             assert_same_bits(out, whole)
-    assert len(gpu_path) >= 3
+    assert len(gpu_path) == 5  # each of the five at its third call
 
 
 def test_each_op_replayed_through_a_python_function_gives_the_ops_result():
     """Every op a tape replays through one of torch's Python functions (``_replay``'s
-    ``_FUNCTIONS`` and ``_FACTORIES``), called as the tape calls it with the arguments a call
-    handed the op, gives the op's own result: the same shape, strides and dtype, and the same
-    values where the op makes any."""
+    ``_FUNCTIONS`` and ``_FACTORIES``, and a slice through indexing), called as the tape calls
+    it with the arguments a call handed the op, gives the op's own result: the same shape,
+    strides and dtype, and the same values where the op makes any."""
     x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     seeing = _Seeing()
     with seeing:
         x.unsqueeze(0), x.view(12), x.view(torch.int32), x.permute(1, 0), x.select(0, 1)
-        x[None].expand(2, 4, 3), x.transpose(0, 1)
-        torch.cumsum(x, 0), torch.cumsum(x, 0, dtype=torch.float64)
+        x[None].expand(2, 4, 3), x.transpose(0, 1), x[1:], x[:, 1:3], x[::2]
+        torch.cumsum(x, 0), torch.cumsum(x, 0, dtype=torch.float64), torch.cummax(x, 1)
+        x.clamp(-0.5, 0.5), x.clamp(0), x.clamp(max=0.25)
         y = x.clone(memory_format=torch.contiguous_format)
         y.fill_(2.0), y.zero_(), y.copy_(x), torch._assert_async(torch.tensor(True), "m")
         torch.empty_like(x), torch.empty_strided((2, 3), (1, 2))
         torch.empty(3, dtype=torch.int16), torch.zeros(3, 2), torch.full((2,), 1.5)
     replaced = set()
     for func, args, kwargs in seeing.seen:
-        step = _replay._op_step(func, args, kwargs, (0,))
+        theirs = func(*args, **kwargs)
+        step = _replay._op_step(func, args, kwargs, tuple(range(len(tree_flatten(theirs)[0]))),
+                                _replay._form_of(theirs))
         function = step[1]
         if function is func:
             continue
         replaced.add(func)
-        ours, theirs = function(*step[2], **step[3]), func(*args, **kwargs)
+        ours = function(*step[2], **step[3])
         if theirs is None:
             assert ours is None, func
             continue
-        assert (ours.shape, ours.stride(), ours.dtype) == (theirs.shape, theirs.stride(),
-                                                           theirs.dtype), func
-        if func not in (torch.ops.aten.empty_like.default, torch.ops.aten.empty_strided.default,
-                        torch.ops.aten.empty.memory_format):
-            assert_same_bits(ours, theirs)
-    assert replaced == set(_replay._FUNCTIONS) | set(_replay._FACTORIES)
+        # As the tape reads an op's tensors: flattened (cummax gives two).
+        ours, theirs = tree_flatten(ours)[0], tree_flatten(theirs)[0]
+        assert len(ours) == len(theirs), func
+        for our, their in zip(ours, theirs):
+            assert (our.shape, our.stride(), our.dtype) == (their.shape, their.stride(),
+                                                            their.dtype), func
+            if func not in (torch.ops.aten.empty_like.default,
+                            torch.ops.aten.empty_strided.default,
+                            torch.ops.aten.empty.memory_format):
+                assert_same_bits(our, their)
+    assert replaced == {*_replay._FUNCTIONS, *_replay._FACTORIES, torch.ops.aten.slice.Tensor}

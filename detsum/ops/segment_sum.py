@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from detsum import _dispatch, _segments, _transforms, _validation, kernels, reference
+from detsum import _dispatch, _replay, _segments, _transforms, _validation, kernels, reference
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, parse_mode, rule_for
 from detsum.plans import (Plan, aligned, call_with_plan, check_plan, launches_again,
@@ -106,7 +106,20 @@ def _segment_sum(src, offsets, dim, perm, acc_mode, check="host", rows=None, chu
     and ``chunk_slots``: the chunk split of the segments (``kernels.chunk_ends`` and the number
     of chunks), or ``chunk_slots=0`` alone when no segment is longer than
     ``kernels.CHUNK_TERMS``; -1: the launch counts them. With a plan, a call of an earlier
-    call's signature makes that call's launch again (``plans.call_with_plan``)."""
+    call's signature makes that call's launch again (``plans.call_with_plan``); without one,
+    from a record of an earlier call's device work (``_replay.call``)."""
+    if rows is None and chunk_ends is None and _replay.replays(src, check):
+        return _replay.call(
+            _CALLER,
+            (src.dtype, src.shape, src.stride(), src.device, offsets.dtype, offsets.shape,
+             offsets.stride(), offsets.device, None if perm is None else
+             (perm.dtype, perm.shape, perm.stride(), perm.device, aligned(perm),
+              perm is offsets),
+             dim, acc_mode, check, chunk_slots, offsets_checked, inner_offsets, aligned(src),
+             aligned(offsets), _segments.launch_settings(), *_replay.path_settings()),
+            (src, offsets) if perm is None else (src, offsets, perm),
+            lambda: _whole_path(src, offsets, dim, perm, acc_mode, check, None, None,
+                                chunk_slots, offsets_checked, inner_offsets))
     if rows is None or not launches_again(src, offsets):
         return _whole_path(src, offsets, dim, perm, acc_mode, check, rows, chunk_ends,
                            chunk_slots, offsets_checked, inner_offsets)

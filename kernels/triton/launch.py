@@ -60,10 +60,11 @@ recorded (the same compiled kernel), the same device, launch options and ``SETTI
 hook installed, and the same stream (what the launch made and the record holds, such as a
 workspace, is reused in that stream's order, as the caching allocator would reuse its
 memory). tests/launch_check.py compares the two. A record can also be made again whole with
-other arguments (``RecordedLaunch.launch_again``: each tensor's address in its place, the
-recorded integers), as a call without a plan is made again from the records of its several
-launches (``detsum._replay``): straight to the compiled kernel where ``Kernel`` would take it,
-through ``Kernel`` otherwise. Recordings nest, each seeing every launch inside it.
+its tensors at other addresses (``RecordedLaunch.launch_at``: each a base tensor's address
+plus an offset, the recorded integers), as a call without a plan is made again from the
+records of its several launches (``detsum._replay``): straight to the compiled kernel where
+``Kernel`` would take it, through ``Kernel`` on tensors made at those addresses otherwise.
+Recordings nest, each seeing every launch inside it.
 
 FALLBACK: ``JITFunction.run`` on every launch where the direct call cannot be shown to do
 what it would:
@@ -85,6 +86,7 @@ import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 
+import torch
 import triton
 from triton import knobs
 from triton.compiler import CompiledKernel
@@ -331,7 +333,7 @@ def recording() -> Iterator[list]:
     """The launches made on this thread inside the block, in order (see RECORDED LAUNCHES):
     a ``RecordedLaunch`` for each direct launch handed data pointers, None for every other
     launch. Blocks nest; each sees every launch made inside it, its inner blocks' too: a
-    ``Relaunch`` as None, and ``RecordedLaunch.launch_again`` through ``Kernel``."""
+    ``Relaunch`` as None, and ``RecordedLaunch.launch_at`` through ``Kernel``."""
     outer = _RECORDING.open
     made: list = []
     _RECORDING.open = (*outer, made)
@@ -407,36 +409,54 @@ class RecordedLaunch(_Launch):
         return Relaunch(**launch, slots=slots,
                         aligned=tuple(not pointer & 15 for pointer in pointers))
 
-    def launch_again(self, args: list, tensors: tuple[int, ...], checked: bool = False
-                     ) -> None:
-        """This launch made with ``args`` in the place of its own (a list, which it may
-        change): tensors at the positions ``tensors`` (of the recorded ones' dtypes and, for
-        the same work, shapes and strides), the recorded integers elsewhere. Straight to the
-        recorded compiled kernel where ``Kernel`` would launch that one with these arguments
-        (each pointer aligned as recorded; ``launches_as_recorded``, unless the caller has
-        ``checked`` it for this launch; no recording open, which would miss it); through
-        ``Kernel`` otherwise, which compiles or falls back as it does for any launch."""
-        direct = not _RECORDING.open and (checked or launches_as_recorded((self,)))
-        pointers = list(args)
-        recorded = self.pointers
-        for i in tensors:
-            pointer = pointers[i] = args[i].data_ptr()
-            if (not pointer & 15) != (not recorded[i] & 15):
-                direct = False
-        if not direct:
-            self.kernel(self.grid, tuple(args),
-                        dict(zip(self.kernel._constexpr_names, self.values)),
-                        num_warps=self.num_warps)
-            return
-        grid_x, grid_y, grid_z = self.grid
-        self.run(grid_x, grid_y, grid_z, self.stream, self.function, self.packed_metadata,
-                 None, None, None, *pointers, *self.values)
+    def launch_at(self, args: list, bases: list, places: tuple, checked: bool = False
+                  ) -> None:
+        """This launch made with its tensor arguments at other addresses: at each of
+        ``places``, ``(position, base, offset, aligned, dtype, shape, strides)``, the memory
+        ``offset`` bytes past ``bases[base]``'s data pointer, as a tensor of that dtype, shape
+        and strides (``aligned``: whether the recorded one was 16-byte aligned); the recorded
+        arguments elsewhere (``args``, whose entries at ``places`` are not read). Straight to
+        the recorded compiled kernel, with no tensor made, where ``Kernel`` would launch that
+        one with these arguments (each pointer aligned as recorded; ``launches_as_recorded``,
+        unless the caller has ``checked`` it for this launch; no recording open, which would
+        miss it); through ``Kernel``, on tensors made at those addresses (``tensors_at``),
+        otherwise: it compiles or falls back as it does for any launch."""
+        if not _RECORDING.open and (checked or launches_as_recorded((self,))):
+            pointers = list(self.pointers)
+            for position, base, offset, aligned, _, _, _ in places:
+                pointer = pointers[position] = bases[base].data_ptr() + offset
+                if (not pointer & 15) != aligned:
+                    break
+            else:
+                grid_x, grid_y, grid_z = self.grid
+                self.run(grid_x, grid_y, grid_z, self.stream, self.function,
+                         self.packed_metadata, None, None, None, *pointers, *self.values)
+                return
+        self.kernel(self.grid, tensors_at(args, bases, places),
+                    dict(zip(self.kernel._constexpr_names, self.values)),
+                    num_warps=self.num_warps)
+
+
+def tensors_at(args: list, bases: list, places: tuple) -> tuple:
+    """``args`` with, at each of ``places`` (``RecordedLaunch.launch_at``), a tensor of the
+    place's dtype, shape and strides on the memory ``offset`` bytes past ``bases[base]``'s data
+    pointer, inside that tensor's storage."""
+    args = list(args)
+    for position, base, offset, _, dtype, shape, strides in places:
+        memory = bases[base]
+        start = memory.storage_offset() * memory.element_size() + offset
+        tensor = torch.empty(0, dtype=dtype, device=memory.device)
+        if start % tensor.element_size():
+            raise AssertionError(f"a {dtype} argument {start} bytes into its storage")
+        args[position] = tensor.set_(memory.untyped_storage(), start // tensor.element_size(),
+                                     shape, strides)
+    return tuple(args)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class InterpretedLaunch:
     """A launch in Triton's interpreter, as recorded under ``RECORD_INTERPRETED``: made again
-    through ``Kernel`` (``launch_again``), never launched again by a plan (``with_slots``)."""
+    through ``Kernel`` (``launch_at``), never launched again by a plan (``with_slots``)."""
 
     kernel: Kernel
     grid: tuple
@@ -449,10 +469,11 @@ class InterpretedLaunch:
     def with_slots(self, tensors: tuple, kept: tuple) -> None:
         return None
 
-    def launch_again(self, args: list, tensors: tuple[int, ...], checked: bool = False
-                     ) -> None:
-        """``RecordedLaunch.launch_again``, through ``Kernel`` always."""
-        self.kernel(self.grid, tuple(args), self.constexprs, num_warps=self.num_warps)
+    def launch_at(self, args: list, bases: list, places: tuple, checked: bool = False
+                  ) -> None:
+        """``RecordedLaunch.launch_at``, through ``Kernel`` always."""
+        self.kernel(self.grid, tensors_at(args, bases, places), self.constexprs,
+                    num_warps=self.num_warps)
 
 
 def launches_as_recorded(made: tuple[_Launch, ...]) -> bool:
@@ -464,7 +485,7 @@ def launches_as_recorded(made: tuple[_Launch, ...]) -> bool:
     first = made[0]
     if type(first) is InterpretedLaunch:
         return launch_settings() == first.settings
-    if (any(_hooks_installed(launch.kernel.jitted) for launch in made)
+    if (_global_hooks_installed() or any(launch.kernel.jitted.pre_run_hooks for launch in made)
             or launch_settings() != first.settings):
         return False
     active = driver.active

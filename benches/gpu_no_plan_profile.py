@@ -8,8 +8,9 @@ times each case in turn, round by round (the cases in a shuffled order each roun
 host's times moved by 2x between runs), then prints for each case the functions taking the
 most of its own host time (cProfile, by time spent in each) and torch's profiler's table of
 the ops it ran (self CPU time, the CUDA kernels beside them; its row "Activity Buffer
-Request" is the profiler's own start, counted in the first op's CPU total too). Cases: that call at "off" and
-at "device", and the switch's Zipf-skewed ``index_add_`` (50000 rows x 256 into 32768, as
+Request" is the profiler's own start, counted in the first op's CPU total too). Cases: that
+call at "off" and at "device", ``segment_sum`` of those rows over offsets at "device", and
+the switch's Zipf-skewed ``index_add_`` (50000 rows x 256 into 32768, as
 ``bench_enable.test_enable_cuda`` times it: the switch on around the call); each made again
 from its record (``detsum._replay``, from a signature's third call) and on its whole path.
 
@@ -42,13 +43,17 @@ def _cases(device: str) -> dict:
          "mid_init": torch.randn(2048, 64, generator=gen),
          "zipf": zipf_index(50_000, 32_768, ZIPF_EXPONENT, gen),
          "zipf_src": torch.randn(50_000, 256, generator=gen),
-         "zipf_work": torch.zeros(32_768, 256)}
+         "zipf_work": torch.zeros(32_768, 256),
+         # 2048 segments of 8 rows each.
+         "mid_offsets": torch.arange(0, 16385, 8)}
     t = {name: tensor.to(device) for name, tensor in t.items()}
     cases = {
         "index_add 16384x64 -> 2048, off": lambda: detsum.index_add(
             t["mid_init"], 0, t["mid_index"], t["mid_src"], check="off"),
         "index_add 16384x64 -> 2048, device": lambda: detsum.index_add(
             t["mid_init"], 0, t["mid_index"], t["mid_src"], check="device"),
+        "segment_sum 16384x64 -> 2048 over offsets, device": lambda: detsum.segment_sum(
+            t["mid_src"], t["mid_offsets"], check="device"),
         "switch: index_add_ zipf 50000x256 -> 32768": lambda: _switched(
             lambda: t["zipf_work"].index_add_(0, t["zipf"], t["zipf_src"])),
     }

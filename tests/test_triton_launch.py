@@ -390,8 +390,9 @@ def test_a_plan_call_launched_again_gives_its_whole_paths_bits(mode):
 @pytest.mark.parametrize("check", ["off", "device"])
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 def test_a_call_without_a_plan_made_again_gives_its_whole_paths_bits(mode, check):
-    """``index_add``, ``index_add_`` and ``scatter_reduce`` (a sum in torch's index form, a
-    mean without the input) without a plan, on new tensors at each call: from a signature's
+    """``index_add``, ``index_add_``, ``scatter_reduce`` (a sum in torch's index form, a
+    mean without the input) and ``segment_sum`` (with ``perm``, a segment longer than a
+    chunk) without a plan, on new tensors at each call: from a signature's
     third call made again from its tape (``detsum._replay``), each with the bits of the same
     call on its whole path (``_replay.REPLAY`` off); an index sorted by counting (past 4096
     values) with a segment longer than a chunk, a short index scanned unsorted, bf16 with
@@ -422,6 +423,8 @@ def test_a_call_without_a_plan_made_again_gives_its_whole_paths_bits(mode, check
             src = torch.randn(rows, features, generator=gen).to(dtype).cuda()
             init = torch.randn(segments, features, generator=gen).to(dtype).cuda()
             in_place = init.clone()
+            offsets = torch.tensor([0, 5, 5, rows - 7, rows]).cuda()
+            perm = torch.randperm(rows, generator=gen).cuda()
             calls = [
                 lambda: detsum.index_add(init, 0, index, src, alpha=alpha, mode=mode,
                                          check=check),
@@ -429,6 +432,7 @@ def test_a_call_without_a_plan_made_again_gives_its_whole_paths_bits(mode, check
                                               "sum", mode=mode, check=check),
                 lambda: detsum.scatter_reduce(init, 0, index, src, "mean",
                                               include_self=False, mode=mode, check=check),
+                lambda: detsum.segment_sum(src, offsets, perm=perm, mode=mode, check=check),
             ]
             with unittest.mock.patch.object(launch.Kernel, "__call__", counted_kernel):
                 _assert_whole_paths_bits(
@@ -437,5 +441,6 @@ def test_a_call_without_a_plan_made_again_gives_its_whole_paths_bits(mode, check
                     unittest.mock.patch.object(detsum._replay.Tape, "replay", counted),
                     unittest.mock.patch.object(detsum._replay, "REPLAY", False))
         # Each signature made again at its third and fourth calls (the "autograd" mean on
-        # CUDA is torch's own ops, which may read back: never made again).
-        assert len(replayed) >= 6, (rows, dtype, len(replayed))
+        # CUDA is torch's own ops, which may read back: never made again; its segment_sum,
+        # made again in Triton's interpreter, is not counted on until a GPU has shown it).
+        assert len(replayed) >= (6 if mode == "autograd" else 8), (rows, dtype, len(replayed))

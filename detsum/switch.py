@@ -1029,7 +1029,9 @@ def _index_add_inplace(mode, self, dim, index, source, *, alpha=1):
 
     def run():
         _check_changeable("index_add_", self)
-        _index_add_op._index_add_inplace(self, dim, index, source, float(alpha), mode, _CHECK)
+        # _writable and _check_changeable checked what the primitive's in-place body would.
+        _index_add_op.add_into_checked_target(self, dim, index, source, float(alpha), mode,
+                                              _CHECK)
         return self
     return run
 

@@ -189,6 +189,15 @@ def _index_add_inplace(input, dim, index, source, alpha, acc_mode, check="host",
     # Here, not only in the public function: a compiled graph calls this operator directly.
     _validation.check_inplace_target(_IN_PLACE_CALLER, "input", input, index=index,
                                      source=source)
+    add_into_checked_target(input, dim, index, source, alpha, acc_mode, check, order, offsets,
+                            chunk_ends, chunk_slots)
+
+
+def add_into_checked_target(input, dim, index, source, alpha, acc_mode, check="host",
+                            order=None, offsets=None, chunk_ends=None, chunk_slots=-1):
+    """``_index_add_inplace`` for a caller that has checked what its
+    ``check_inplace_target`` checks (``input`` changeable, with distinct elements, sharing no
+    memory with ``index`` and ``source``): the switch, before it takes a call."""
     planned = unpack(order, offsets, chunk_ends, chunk_slots)
     if input.is_contiguous():
         # The kernels read every element of input before the same thread writes it, so the

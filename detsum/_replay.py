@@ -222,10 +222,10 @@ class _Recorder(TorchDispatchMode):
         self.ops.append((len(self.made), func, args, kwargs, tuple(out_slots), _form_of(out)))
         return True
 
-    def _workspace(self, result_slot: int | None) -> tuple[set, dict, int]:
+    def _workspace(self, result_slot: int | None) -> tuple[set, dict, int, object]:
         """Which ops a replay leaves out, with the memory their launches then take: (the
         indices in ``ops`` of those left out, slot -> (base slot, byte offset): where each of
-        their tensors lies, the workspace's size in bytes). Left out: an allocation
+        their tensors lies, the workspace's size in bytes and its device). Left out: an allocation
         (``empty`` and its kin) or a view whose tensor only launches take (no op kept, nor
         the result): the allocation's memory is a piece of one workspace, allocated once (the
         slot after the others), a view's the memory of its base at the recorded offset.
@@ -245,7 +245,7 @@ class _Recorder(TorchDispatchMode):
                 taken.update(_slots_in((args, kwargs)))
         if len(carved_devices) > 1:  # never seen: one call's tensors are on one device
             left_out = {k for k in left_out if self.ops[k][1].is_view}
-        where, size = {}, 0
+        where, size, device = {}, 0, None
         for k in sorted(left_out):
             _, func, args, _, (out,), _ = self.ops[k]
             if func.is_view:
@@ -257,7 +257,8 @@ class _Recorder(TorchDispatchMode):
                 # (not even an empty one) at another's address.
                 where[out] = (self.slot_count, size)
                 size += max(1, -(-self.tensor_of[out].untyped_storage().nbytes() // 256)) * 256
-        return left_out, where, size
+                device = self.tensor_of[out].device
+        return left_out, where, size, device
 
     def tape(self, made: list, result):
         """The call's ``Tape``, or ``_NOT_AGAIN`` (the notes above)."""
@@ -271,11 +272,9 @@ class _Recorder(TorchDispatchMode):
         if not self.again or any(c.untyped_storage().data_ptr() in self.storages
                                  for c in self.constants):
             return _NOT_AGAIN
-        left_out, where, size = self._workspace(result_slot)
+        left_out, where, size, device = self._workspace(result_slot)
         steps = []
         if size:
-            device = next(self.tensor_of[slot].device for slot, (base, _) in where.items()
-                          if base == self.slot_count)
             steps.append((_OP, torch.empty, ([size],), {"dtype": torch.uint8, "device": device},
                           (), self.slot_count, _ONE))
         for i in range(len(launches) + 1):
@@ -398,11 +397,7 @@ def _slots_in(value) -> list[int]:
 
 
 def _has_slot(value) -> bool:
-    if type(value) is _Slot:
-        return True
-    if type(value) is dict:
-        return any(map(_has_slot, value.values()))
-    return isinstance(value, (list, tuple)) and any(map(_has_slot, value))
+    return bool(_slots_in(value))
 
 
 def _filled(value, slots: list):

@@ -5,8 +5,8 @@ On a GPU a call without a plan is host-bound: its Python (checks, the sort's set
 launch's arguments, three launches' keys) takes several times its kernels' time. Yet for a
 given signature (each tensor argument's dtype, shape, strides, device and alignment, the other
 arguments, the settings that choose the path) that Python decides the same device work every
-time, so long as it reads no value back: a fixed sequence of torch ops (allocations, views, the
-counting sort's running sum, a check's assert) and Triton launches. ``call`` runs a call's
+time, so long as it reads no value back: a fixed sequence of torch ops (allocations, views, a
+check's assert) and Triton launches. ``call`` runs a call's
 whole path and, from the second call of a signature, records that sequence (a ``Tape``); from
 the third it replays the tape on the call's own tensors: each op run again on the tensors the
 replay made or was given, each launch made again with their addresses
@@ -14,14 +14,14 @@ replay made or was given, each launch made again with their addresses
 the same arguments, and the same torch ops on the same values.
 
 A tape runs fewer ops than its whole path. Launches take addresses, not tensors: where only
-launches take a tensor (the counting sort's ranks, values, order and offsets, a reduction's
-workspace), the tape makes no tensor of its own for it. Each such allocation is a piece of
-one workspace, allocated once a replay, and each such view (an ``unsqueeze`` for a launch)
-the memory of its base at the recorded offset (``_Recorder._workspace``). The launches get
-different addresses than the whole path's allocations would have had, and the same memory
-otherwise: pieces apart, each as aligned as an allocation. On a GPU each allocation and
-view is host time: a 5000-row ``index_add`` sorted by counting runs 3 torch ops where its
-whole path runs 10.
+launches take a tensor (the counting sort's ranks, table, values, order and offsets, a
+reduction's workspace), the tape makes no tensor of its own for it. Each such allocation is a
+piece of one workspace, allocated once a replay, and each such view (an ``unsqueeze`` for a
+launch) the memory of its base at the recorded offset (``_Recorder._workspace``). The launches
+get different addresses than the whole path's allocations would have had, and the same memory
+otherwise: pieces apart, each as aligned as an allocation. On a GPU each allocation and view is
+host time: a 5000-row ``index_add`` sorted by counting runs 1 torch op (the workspace) where
+its whole path runs 11.
 
 Taken only where that holds by construction (``replays``): the triton backend, eager, plain
 tensors, no dispatch mode and no CUDA graph capture, at check "off" or "device" (no host read:

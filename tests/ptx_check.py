@@ -98,6 +98,15 @@ def _tickets(ptx: str) -> dict:
             "cg_loads": len(re.findall(r"\bld\.global\.cg\.", ptx))}
 
 
+def _barrier_inside_stores(ptx: str) -> bool:
+    """Whether a barrier (``bar.sync``) comes after the first global store and before the
+    last: the stores before it, of every thread of the program, land before those after it."""
+    lines = ptx.splitlines()
+    stores = [number for number, line in enumerate(lines) if re.search(r"\bst\.global\b", line)]
+    barriers = [number for number, line in enumerate(lines) if re.search(r"\bbar\.sync\b", line)]
+    return any(stores[0] < barrier < stores[-1] for barrier in barriers) if stores else False
+
+
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
 _BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);")
 _WAIT = re.compile(r"\bcp\.async\.wait_group\s+(\d+)")
@@ -361,19 +370,25 @@ def main() -> dict:
                  num_tokens="i64", num_experts="i64", topk="i64", steps="i64"),
             dict(CLAMPED=clamped, TOPK_BLOCK=8, BLOCK=128), fp_fusion=False))
     # The counting sort of a long index (int64 keys; the values it places as int16), at the
-    # block and warps it launches with.
+    # block, tiles and warps it launches with.
     sort_types = dict(keys_ptr="*i64", ranks_ptr="*i32", table_ptr="*i32", positions="i64",
-                      num_segments="i64", blocks="i64")
-    ptx = _ptx(counting_sort._rank_kernel, sort_types,
-               dict(BLOCK=counting_sort.BLOCK, CHUNK=counting_sort.CHUNK), fp_fusion=False,
-               num_warps=counting_sort.NUM_WARPS)
-    found["counting sort ranks"] = {**_count(ptx), **_resources(ptx)}
-    ptx = _ptx(counting_sort._place_kernel,
-               dict(sort_types, ends_ptr="*i32", values_ptr="*i16", order_ptr="*i64",
-                    offsets_ptr="*i64"),
-               dict(BLOCK=counting_sort.BLOCK), fp_fusion=False,
-               num_warps=counting_sort.NUM_WARPS)
-    found["counting sort places"] = {**_count(ptx), **_resources(ptx)}
+                      num_segments="i64", num_values="i64")
+    column_types = dict(table_ptr="*i32", partials_ptr="*i32", tile_sums_ptr="*i32",
+                        num_values="i64", blocks="i64", row_programs="i64")
+    columns = dict(VALUES=counting_sort.VALUES, ROWS=counting_sort.ROWS,
+                   ROWS_PER_PROGRAM=counting_sort.ROWS_PER_PROGRAM)
+    for name, kernel, types, constexprs in (
+            ("ranks", counting_sort._rank_kernel, sort_types,
+             dict(BLOCK=counting_sort.BLOCK, CHUNK=counting_sort.CHUNK)),
+            ("totals", counting_sort._totals_kernel, column_types, columns),
+            ("starts", counting_sort._starts_kernel, dict(column_types, offsets_ptr="*i64"),
+             dict(columns, SUMS=counting_sort.SUMS)),
+            ("places", counting_sort._place_kernel,
+             dict(sort_types, values_ptr="*i16", order_ptr="*i64"),
+             dict(BLOCK=counting_sort.BLOCK))):
+        ptx = _ptx(kernel, types, constexprs, fp_fusion=False, num_warps=counting_sort.NUM_WARPS)
+        found[f"counting sort {name}"] = {**_count(ptx), **_resources(ptx),
+                                          "barrier_inside_stores": _barrier_inside_stores(ptx)}
     found["bf16 sum wide h4096 launched"] = _launched_gather()
     found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
     for dtype, counts in _launched_narrow().items():

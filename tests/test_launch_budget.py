@@ -162,13 +162,13 @@ MEASURED = {
     "scatter_reduce fp32 device small": (2, 0, 2, 0),
     "scatter_reduce fp32 off small": (1, 0, 1, 0),
     # Past kernels.NARROW_SORT_ABOVE rows: the index sorted by counting
-    # (kernels/triton/counting_sort.py: the table's fill, two launches, a running sum), no
-    # torch sort, and the offsets made along (no search launch). Torch's sort counts one op
-    # here where on a GPU it is CUB's radix sort, 8 launches and a fill for the int16 keys
-    # that a clamp and a cast made (two ops more), 20 for int64 keys: these rows' GPU
-    # kernels went from 13-14 to 6-7 (1-2 of them the running sum's), their allocations
-    # from 3 to 7 (the table, the ranks, the sort's outputs and offsets; torch's sort
-    # allocates its own unseen).
+    # (kernels/triton/counting_sort.py: four launches, no torch op), no torch sort, and the
+    # offsets made along (no search launch). Torch's sort counts one op here where on a GPU
+    # it is CUB's radix sort, 8 launches and a fill for the int16 keys that a clamp and a
+    # cast made (two ops more), 20 for int64 keys: these rows' GPU kernels went from 13-14
+    # to 6-7, their allocations from 3 to 7 (the table, the ranks, the sort's outputs and
+    # offsets; torch's sort allocates its own unseen). The table's fill and running sum
+    # (torch's `zeros` and `cumsum`, 1-2 CUB launches) became two launches of the sort's own.
     "index_add fp32 host long": (6, 1, 7, 0),
     "index_add fp32 device long": (6, 0, 7, 0),
     "index_add fp32 off long": (5, 0, 7, 0),
@@ -247,16 +247,20 @@ def test_a_long_index_sorts_the_keys_its_segments_need(monkeypatch, row, keys):
                                  "index_add fp32 device long"])
 def test_a_long_index_is_sorted_by_counting_on_a_gpu(row):
     """Past kernels.NARROW_SORT_ABOVE values, on a GPU's path, the index is sorted by counting
-    (two launches, a fill and a running sum, no torch sort) where its table is small, its
+    (four launches, no torch op: no sort, fill or running sum) where its table is small, its
     offsets made along (no search launch), and the call gives the bits of the same call
     sorting with torch."""
     from detsum.kernels.triton import counting_sort
 
     counted = count_row(row)
     assert counted.sort_keys == []
-    assert [name for name, _ in counted.launches] == ["_rank_kernel", "_place_kernel",
-                                                      "_segment_kernel"]
-    assert counted.ops["zeros"] == 1 and counted.ops["cumsum"] == 1
+    assert [name for name, _ in counted.launches] == [
+        "_rank_kernel", "_totals_kernel", "_starts_kernel", "_place_kernel", "_segment_kernel"]
+    # Beside the launches, only the check's op: the read of its flag at "host", the assert
+    # of it at "device".
+    assert counted.ops == {"index_add fp32 off long": {},
+                           "scatter_reduce fp32 host long": {"index": 1},
+                           "index_add fp32 device long": {"_assert_async": 1}}[row]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(counting_sort, "MAX_TABLE_CELLS", 0)
         sorted_by_torch = count_row(row)

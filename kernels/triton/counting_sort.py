@@ -1,29 +1,35 @@
-"""A stable sort of segment keys by counting, in two launches and two torch ops, for a GPU,
-and the offsets of the sorted keys with it.
+"""A stable sort of segment keys by counting, in four launches and no other torch op than its
+allocations, for a GPU, and the offsets of the sorted keys with it.
 
 ``kernels.sort_by_segment`` sorts an index by the segment each key names, keys clamped into
 ``[-1, num_segments]``: there are at most ``num_segments + 2`` distinct values, so the sort is
-a counting sort. Positions go in blocks of ``BLOCK``. For each block and each value, the
-number of the block's keys with that value lands in a table, value-major (cell
-``value * blocks + block``); a running sum of the table (``torch.cumsum``) then holds, at each
-cell, how many keys sort before that block's keys of that value plus how many there are; and
-each key's place is that cell's start plus its rank among the block's equal keys before it.
+a counting sort. Positions go in blocks of ``BLOCK``, and a table has a row for each block and
+a column for each value (cell ``block * num_values + value``):
+
+1. ``_rank_kernel``, a program a block: each key's rank among the block's equal keys before
+   it, and the block's count of each value in its row (zeros first, where no key has it; the
+   program's threads meet at a barrier before the counts land on them). The ranks come from
+   comparing each key with the block's keys, ``CHUNK`` of them at a time (``BLOCK * BLOCK``
+   comparisons a block, no sort inside the block, no atomics).
+2. ``_totals_kernel``, a program for ``VALUES`` columns of ``ROWS_PER_PROGRAM`` rows: each
+   value's count over those blocks, and the program's sum of them.
+3. ``_starts_kernel``, the same programs: each cell becomes its start, the number of keys that
+   sort before the block's keys of that value (those of smaller values, then those of the
+   value in earlier blocks: a running sum of the table taken column by column, each
+   program's start the sums of the programs before it); and the offsets of the sorted keys,
+   ``offsets[s]`` the keys below ``s``, each value's start.
+4. ``_place_kernel``, a program a block: each key's place, its cell's start plus its rank;
+   there its position (``order``) and clamped value (``values``).
+
 Equal keys so keep the order of their positions: the order and values are those of
 ``torch.sort(clamped_keys, stable=True)``, bit for bit (the stable order is unique), by
-integer counts alone.
-
-The placing launch also writes the offsets of the sorted keys (``offsets[s]``, the keys
-below ``s``: the running sum's end of value ``s``'s last block), which the reduction then
-takes rather than search the values for them. On a GPU that is the table's fill, the ranking
-launch, the running sum (one or two CUB launches) and the placing launch, where torch's
-radix sort of the same keys (CUB's onesweep sort) makes 8 launches for int16 keys and 12 for
-int32, after the clamp and the cast to them that this sort does not need, and a search
-launch after it. A block's ranks come from comparing each key with the block's
-keys, ``CHUNK`` of them at a time (``BLOCK * BLOCK`` comparisons a block, no sort inside the
-block, no atomics): the table has ``(num_segments + 2) * ceil(n / BLOCK)`` cells, so larger
-blocks mean a smaller table and more comparisons. ``takes`` says where the table stays
-within ``MAX_TABLE_CELLS``; elsewhere (a GNN's 100k-row table of a million edges, say) the
-caller sorts with torch.
+integer counts alone. Every cell and output is written by a launch, so nothing is filled
+before them: on a GPU the sort is four Triton launches, where torch's radix sort of the same
+keys (CUB's onesweep sort) makes 8 launches for int16 keys and 12 for int32, after the clamp
+and the cast to them that this sort does not need, and a search launch after it. The table
+has ``(num_segments + 2) * ceil(n / BLOCK)`` cells, so larger blocks mean a smaller table and
+more comparisons. ``takes`` says where the table stays within ``MAX_TABLE_CELLS``; elsewhere
+(a GNN's 100k-row table of a million edges, say) the caller sorts with torch.
 """
 
 from __future__ import annotations
@@ -40,9 +46,20 @@ __all__ = ["BLOCK", "MAX_TABLE_CELLS", "sort_by_segment", "takes"]
 BLOCK = 512
 #: Keys a program compares its block with at once (a [CHUNK, BLOCK] comparison).
 CHUNK = 16
-#: The most cells of the table (int32: 32 MiB): its fill and running sum move it twice.
+#: Values (table columns) a program of the totals and starts launches takes.
+VALUES = 256
+#: Blocks (table rows) those programs take: the table is split into programs both ways, so
+#: that a few values of many blocks (a long index into few segments) still make many.
+ROWS_PER_PROGRAM = 64
+#: Rows they read at once: a [ROWS, VALUES] tile, so that each program keeps several loads
+#: in flight rather than waiting on one row after another.
+ROWS = 16
+#: Programs' sums a program of the starts launch adds at once.
+SUMS = 1024
+#: The most cells of the table (int32: 32 MiB): the launches move it four times.
 MAX_TABLE_CELLS = 1 << 23
-#: Warps a program of either launch runs on (4: each thread ranks 4 of a block's keys).
+#: Warps a program of each launch runs on (4: each thread of the rank and place launches
+#: takes 4 of a block's keys).
 NUM_WARPS = 4
 
 
@@ -65,11 +82,15 @@ def _value(keys_ptr, at, valid, num_segments, absent):
 
 
 @triton.jit
-def _rank_kernel(keys_ptr, ranks_ptr, table_ptr, positions, num_segments, blocks,
+def _rank_kernel(keys_ptr, ranks_ptr, table_ptr, positions, num_segments, num_values,
                  BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Block ``b``: each key's rank among the block's equal keys before it (``ranks``), and at
-    the first of each value the block's count of it (``table[value * blocks + b]``)."""
+    """Block ``b``: each key's rank among the block's equal keys before it (``ranks``), and
+    the table's row ``b``: the block's count of each value (0 for those it lacks)."""
     b = tl.program_id(0)
+    row = table_ptr + b.to(tl.int64) * num_values
+    for first in range(0, num_values, BLOCK):
+        value_at = first + tl.arange(0, BLOCK)
+        tl.store(row + value_at, tl.zeros([BLOCK], tl.int32), mask=value_at < num_values)
     j = tl.arange(0, BLOCK)
     at = b.to(tl.int64) * BLOCK + j
     valid = at < positions
@@ -85,34 +106,92 @@ def _rank_kernel(keys_ptr, ranks_ptr, table_ptr, positions, num_segments, blocks
         rank += tl.sum(tl.where(same & (i[:, None] < j[None, :]), 1, 0), axis=0)
         count += tl.sum(tl.where(same, 1, 0), axis=0)
     tl.store(ranks_ptr + at, rank, mask=valid)
-    tl.store(table_ptr + value.to(tl.int64) * blocks + b, count, mask=valid & (rank == 0))
+    # The row's zeros, stored above by all of the program's threads, land before its counts.
+    tl.debug_barrier()
+    tl.store(row + value, count, mask=valid & (rank == 0))
 
 
 @triton.jit
-def _place_kernel(keys_ptr, ranks_ptr, table_ptr, ends_ptr, values_ptr, order_ptr, offsets_ptr,
-                  positions, num_segments, blocks, BLOCK: tl.constexpr):
-    """Block ``b``: each key's place, its cell's start (the running sum's ``ends`` less the
-    cell's count) plus its rank; there the key's position (``order``) and its clamped value
-    (``values``). And, the programs taking turns, the offsets those values stand for:
-    ``offsets[s]``, the number of keys below ``s``, is the running sum's end of the last
-    block's cell of value ``s`` (that of the key ``s - 1``)."""
+def _totals_kernel(table_ptr, partials_ptr, tile_sums_ptr, num_values, blocks, row_programs,
+                   VALUES: tl.constexpr, ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
+    """Columns ``[t * VALUES, (t + 1) * VALUES)`` of rows ``[r * ROWS_PER_PROGRAM, (r + 1) *
+    ROWS_PER_PROGRAM)``: each value's count over those blocks (``partials[r, value]``), and
+    their sum (``tile_sums[t, r]``)."""
+    tl.static_assert(ROWS_PER_PROGRAM % ROWS == 0)
+    t = tl.program_id(0)
+    r = tl.program_id(1)
+    value = t * VALUES + tl.arange(0, VALUES)
+    in_table = value < num_values
+    total = tl.zeros([VALUES], tl.int32)
+    rows_start = r * ROWS_PER_PROGRAM
+    for first in range(rows_start, tl.minimum(rows_start + ROWS_PER_PROGRAM, blocks), ROWS):
+        b = first + tl.arange(0, ROWS)
+        total += tl.sum(tl.load(table_ptr + b[:, None].to(tl.int64) * num_values + value[None, :],
+                                mask=(b[:, None] < blocks) & in_table[None, :], other=0), axis=0)
+    tl.store(partials_ptr + r.to(tl.int64) * num_values + value, total, mask=in_table)
+    tl.store(tile_sums_ptr + t * row_programs + r, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _starts_kernel(table_ptr, partials_ptr, tile_sums_ptr, offsets_ptr, num_values, blocks,
+                   row_programs, VALUES: tl.constexpr, ROWS: tl.constexpr,
+                   ROWS_PER_PROGRAM: tl.constexpr, SUMS: tl.constexpr):
+    """Columns ``[t * VALUES, (t + 1) * VALUES)`` of rows ``[r * ROWS_PER_PROGRAM, (r + 1) *
+    ROWS_PER_PROGRAM)``: each cell's count replaced by its start, the keys that sort before
+    its own: those of smaller values (the sums of earlier columns' programs, then the
+    totals of the column's smaller values), then those of its value in earlier blocks (the
+    partials of earlier rows' programs, then the rows above it in its own); and, from the
+    programs of the first rows, ``offsets[value - 1]`` (the keys below segment
+    ``value - 1``), each value's start."""
+    tl.static_assert(ROWS_PER_PROGRAM % ROWS == 0)
+    t = tl.program_id(0)
+    r = tl.program_id(1)
+    earlier = tl.zeros([SUMS], tl.int32)
+    for first in range(0, t * row_programs, SUMS):
+        program = first + tl.arange(0, SUMS)
+        earlier += tl.load(tile_sums_ptr + program, mask=program < t * row_programs, other=0)
+    value = t * VALUES + tl.arange(0, VALUES)
+    in_table = value < num_values
+    total = tl.zeros([VALUES], tl.int32)
+    above = tl.zeros([VALUES], tl.int32)
+    for first in range(0, row_programs, ROWS):
+        rows = first + tl.arange(0, ROWS)
+        partial = tl.load(partials_ptr + rows[:, None].to(tl.int64) * num_values + value[None, :],
+                          mask=(rows[:, None] < row_programs) & in_table[None, :], other=0)
+        total += tl.sum(partial, axis=0)
+        above += tl.sum(tl.where(rows[:, None] < r, partial, 0), axis=0)
+    value_start = tl.sum(earlier, axis=0) + tl.cumsum(total, axis=0) - total
+    if r == 0:
+        tl.store(offsets_ptr + value - 1, value_start.to(tl.int64), mask=in_table & (value > 0))
+    start = value_start + above
+    rows_start = r * ROWS_PER_PROGRAM
+    for first in range(rows_start, tl.minimum(rows_start + ROWS_PER_PROGRAM, blocks), ROWS):
+        b = first + tl.arange(0, ROWS)
+        cell = table_ptr + b[:, None].to(tl.int64) * num_values + value[None, :]
+        in_tile = (b[:, None] < blocks) & in_table[None, :]
+        count = tl.load(cell, mask=in_tile, other=0)
+        tl.store(cell, start[None, :] + tl.cumsum(count, axis=0) - count, mask=in_tile)
+        start += tl.sum(count, axis=0)
+
+
+@triton.jit
+def _place_kernel(keys_ptr, ranks_ptr, table_ptr, values_ptr, order_ptr, positions,
+                  num_segments, num_values, BLOCK: tl.constexpr):
+    """Block ``b``: each key's place, its cell's start plus its rank; there the key's
+    position (``order``) and its clamped value (``values``)."""
     b = tl.program_id(0)
     at = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = at < positions
     value = _value(keys_ptr, at, valid, num_segments, 0)
-    cell = value.to(tl.int64) * blocks + b
-    start = (tl.load(ends_ptr + cell, mask=valid, other=0)
-             - tl.load(table_ptr + cell, mask=valid, other=0))
-    place = start + tl.load(ranks_ptr + at, mask=valid, other=0)
+    place = (tl.load(table_ptr + b.to(tl.int64) * num_values + value, mask=valid, other=0)
+             + tl.load(ranks_ptr + at, mask=valid, other=0))
     tl.store(order_ptr + place, at, mask=valid)
     tl.store(values_ptr + place, (value - 1).to(values_ptr.dtype.element_ty), mask=valid)
-    for first in range(b.to(tl.int64) * BLOCK, num_segments + 1, blocks * BLOCK):
-        s = first + tl.arange(0, BLOCK)
-        ends = tl.load(ends_ptr + (s + 1) * blocks - 1, mask=s <= num_segments, other=0)
-        tl.store(offsets_ptr + s, ends.to(tl.int64), mask=s <= num_segments)
 
 
 _launch_rank = Kernel(_rank_kernel)
+_launch_totals = Kernel(_totals_kernel)
+_launch_starts = Kernel(_starts_kernel)
 _launch_place = Kernel(_place_kernel)
 
 
@@ -125,15 +204,32 @@ def sort_by_segment(keys: torch.Tensor, num_segments: int, values_dtype: torch.d
     ``values_dtype`` must hold ``[-1, num_segments]``."""
     positions = keys.shape[0]
     keys = keys.contiguous()
+    device = keys.device
     blocks = -(-positions // BLOCK)
-    table = torch.zeros((num_segments + 2) * blocks, dtype=torch.int32, device=keys.device)
-    ranks = torch.empty(positions, dtype=torch.int32, device=keys.device)
-    _launch_rank((blocks,), (keys, ranks, table, positions, num_segments, blocks),
+    num_values = num_segments + 2
+    column_programs = -(-num_values // VALUES)
+    # At most 43691 (a table of 3 values by 2**23 / 3 blocks): within a grid's second
+    # dimension (65535).
+    row_programs = -(-blocks // ROWS_PER_PROGRAM)
+    ranks = torch.empty(positions, dtype=torch.int32, device=device)
+    cells = blocks * num_values
+    partial_cells = row_programs * num_values
+    # The table, the partials and the tile sums: one allocation.
+    table = torch.empty(cells + partial_cells + column_programs * row_programs,
+                        dtype=torch.int32, device=device)
+    partials, tile_sums = table[cells:], table[cells + partial_cells:]
+    values = torch.empty(positions, dtype=values_dtype, device=device)
+    order = torch.empty(positions, dtype=torch.int64, device=device)
+    offsets = torch.empty(num_segments + 1, dtype=torch.int64, device=device)
+    _launch_rank((blocks,), (keys, ranks, table, positions, num_segments, num_values),
                  {"BLOCK": BLOCK, "CHUNK": CHUNK}, num_warps=NUM_WARPS)
-    ends = torch.cumsum(table, 0, dtype=torch.int32)
-    values = torch.empty(positions, dtype=values_dtype, device=keys.device)
-    order = torch.empty(positions, dtype=torch.int64, device=keys.device)
-    offsets = torch.empty(num_segments + 1, dtype=torch.int64, device=keys.device)
-    _launch_place((blocks,), (keys, ranks, table, ends, values, order, offsets, positions,
-                              num_segments, blocks), {"BLOCK": BLOCK}, num_warps=NUM_WARPS)
+    tiles = {"VALUES": VALUES, "ROWS": ROWS, "ROWS_PER_PROGRAM": ROWS_PER_PROGRAM}
+    _launch_totals((column_programs, row_programs),
+                   (table, partials, tile_sums, num_values, blocks, row_programs), tiles,
+                   num_warps=NUM_WARPS)
+    _launch_starts((column_programs, row_programs),
+                   (table, partials, tile_sums, offsets, num_values, blocks, row_programs),
+                   {**tiles, "SUMS": SUMS}, num_warps=NUM_WARPS)
+    _launch_place((blocks,), (keys, ranks, table, values, order, positions, num_segments,
+                              num_values), {"BLOCK": BLOCK}, num_warps=NUM_WARPS)
     return values, order, offsets

@@ -6,12 +6,11 @@ launch's arguments, three launches' keys) takes several times its kernels' time.
 given signature (each tensor argument's dtype, shape, strides, device and alignment, the other
 arguments, the settings that choose the path) that Python decides the same device work every
 time, so long as it reads no value back: a fixed sequence of torch ops (allocations, views, a
-check's assert) and Triton launches. ``call`` runs a call's
-whole path and, from the second call of a signature, records that sequence (a ``Tape``); from
-the third it replays the tape on the call's own tensors: each op run again on the tensors the
-replay made or was given, each launch made again with their addresses
-(``RecordedLaunch.launch_at``). A replay gives the whole path's bits: the same kernels on
-the same arguments, and the same torch ops on the same values.
+check's assert) and Triton launches. ``call`` runs a call's whole path and, from the second
+call of a signature, records that sequence (a ``Tape``); from the third it replays the tape on
+the call's own tensors: each op run again on the tensors the replay made or was given, each
+launch made again with their addresses (``RecordedLaunch.launch_at``). A replay gives the whole
+path's bits: the same kernels on the same arguments, and the same torch ops on the same values.
 
 A tape runs fewer ops than its whole path. Launches take addresses, not tensors: where only
 launches take a tensor (the counting sort's ranks, table, values, order and offsets, a

@@ -123,16 +123,15 @@ def test_a_call_made_again_gives_its_whole_paths_bits(gpu_path, case):
 
 @pytest.mark.parametrize("check", ["off", "device"])
 def test_what_only_launches_take_is_one_allocation_and_no_view(gpu_path, check):
-    """A tape allocates once for every tensor that only its launches take (the counting
-    sort's ranks, table, values, order and offsets and, at "off", the reduction's workspace:
-    pieces of one workspace) and makes none of the views only launches take (the sort's
-    partials and tile sums: places in the table's piece); the ops that read or write a
-    tensor remain.
+    """A tape allocates once for every tensor that only its launches take (the counting sort's
+    ranks, table, values, order and offsets and, at "off", the reduction's workspace: pieces of
+    one workspace) and makes none of the views only launches take (the sort's partials and tile
+    sums: places in the table's piece); the ops that read or write a tensor remain.
     ``index_add_`` of 300 rows with a long segment, poison off (the poison is a fill, which
     takes what it fills): at "off" the replay runs the workspace's allocation beside its five
     launches (the sort's four, the reduction); at "device" also the launch's flag (a view of a
-    workspace of its own, which the assert reads) and the assert. Each piece's memory is
-    apart from every other's (the bits: the tests above)."""
+    workspace of its own, which the assert reads) and the assert. Each piece's memory is apart
+    from every other's (the bits: the tests above)."""
     from detsum.kernels.triton import launch
 
     input, index, source = _problem(CASES[0], 0)
@@ -163,9 +162,10 @@ def test_what_only_launches_take_is_one_allocation_and_no_view(gpu_path, check):
     places = {place[2] for step in launches for place in step[3]
               if place[1] == tape.slot_count - 1}
     # The ranks, table, values, order and offsets, and at "off" the reduction's workspace,
-    # each at a whole 256-byte unit; the partials and tile sums within the table's piece.
-    pieces = sorted(offset for offset in places if offset % 256 == 0)
-    assert len(pieces) == 5 + (check == "off") and len(places) == len(pieces) + 2
+    # each a piece at a whole 256-byte unit; and the partials and tile sums, places within
+    # the table's piece.
+    assert len(places) == 7 + (check == "off")
+    assert sum(offset % 256 == 0 for offset in places) >= 5 + (check == "off")
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")

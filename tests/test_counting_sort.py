@@ -132,25 +132,30 @@ def test_equal_keys_keep_their_positions_order(poisoned_outputs, shape):
     _assert_sorts_as_torch(keys, num_segments, torch.int16)
 
 
+#: Tilings of the running-sum launches (VALUES, ROWS, ROWS_PER_PROGRAM, SUMS): narrow and wide
+#: column programs, rows read one, two or sixteen at a time, a program's rows split or not,
+#: the earlier programs' sums added two at a time or all at once. A few, drawn whole: on a
+#: GPU each is compiled.
+_TILINGS = [(16, 1, 16, 2), (16, 2, 64, 1024), (256, 16, 16, 2), (256, 16, 64, 1024)]
+
+
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
 @given(positions=st.integers(1, 700), num_segments=st.integers(1, 300),
        spread=st.integers(0, 5), block=st.sampled_from([16, 32, 64]),
-       values=st.sampled_from([16, 256]), rows=st.sampled_from([1, 2, 16]),
-       rows_per_program=st.sampled_from([16, 64]), sums=st.sampled_from([2, 1024]),
-       data=st.data())
-def test_sorts_generated_keys_as_torch(positions, num_segments, spread, block, values, rows,
-                                       rows_per_program, sums, data):
+       tiling=st.sampled_from(_TILINGS), data=st.data())
+def test_sorts_generated_keys_as_torch(positions, num_segments, spread, block, tiling, data):
     """Generated keys (some out of range by up to ``spread``), on small blocks (many of them:
-    the running sum down each column of the table, over several programs' rows) and narrow
-    column programs (many of them: the running sum across the programs, their sums added a
-    few at a time), rows taken one or a few at a time, against torch's stable sort."""
+    the running sum down each column of the table, over several programs' rows) and each
+    tiling (narrow column programs, many of them: the running sum across the programs),
+    against torch's stable sort."""
     seed = data.draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randint(-spread, num_segments + spread + 1, (positions,), generator=gen)
     with pytest.MonkeyPatch.context() as patch:
         _poison(patch)
-        for name, setting in (("BLOCK", block), ("VALUES", values), ("ROWS", rows),
-                              ("ROWS_PER_PROGRAM", rows_per_program), ("SUMS", sums)):
+        patch.setattr(counting_sort, "BLOCK", block)
+        for name, setting in zip(("VALUES", "ROWS", "ROWS_PER_PROGRAM", "SUMS"), tiling,
+                                 strict=True):
             patch.setattr(counting_sort, name, setting)
         _assert_sorts_as_torch(keys, num_segments, torch.int32)
 

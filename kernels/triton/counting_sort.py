@@ -117,6 +117,7 @@ def _totals_kernel(table_ptr, partials_ptr, tile_sums_ptr, num_values, blocks, r
     """Columns ``[t * VALUES, (t + 1) * VALUES)`` of rows ``[r * ROWS_PER_PROGRAM, (r + 1) *
     ROWS_PER_PROGRAM)``: each value's count over those blocks (``partials[r, value]``), and
     their sum (``tile_sums[t, r]``)."""
+    # A program's rows are whole tiles: none reaches into the next program's rows.
     tl.static_assert(ROWS_PER_PROGRAM % ROWS == 0)
     t = tl.program_id(0)
     r = tl.program_id(1)

@@ -112,6 +112,16 @@ def _rank_kernel(keys_ptr, ranks_ptr, table_ptr, positions, num_segments, num_va
 
 
 @triton.jit
+def _rows_of_columns(table_ptr, first, value, in_table, num_values, blocks,
+                     ROWS: tl.constexpr):
+    """The cells of rows ``[first, first + ROWS)`` of the table at the columns ``value``: their
+    addresses, and which of them are in the table."""
+    b = first + tl.arange(0, ROWS)
+    return (table_ptr + b[:, None].to(tl.int64) * num_values + value[None, :],
+            (b[:, None] < blocks) & in_table[None, :])
+
+
+@triton.jit
 def _totals_kernel(table_ptr, partials_ptr, tile_sums_ptr, num_values, blocks, row_programs,
                    VALUES: tl.constexpr, ROWS: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr):
     """Columns ``[t * VALUES, (t + 1) * VALUES)`` of rows ``[r * ROWS_PER_PROGRAM, (r + 1) *
@@ -126,9 +136,9 @@ def _totals_kernel(table_ptr, partials_ptr, tile_sums_ptr, num_values, blocks, r
     total = tl.zeros([VALUES], tl.int32)
     rows_start = r * ROWS_PER_PROGRAM
     for first in range(rows_start, tl.minimum(rows_start + ROWS_PER_PROGRAM, blocks), ROWS):
-        b = first + tl.arange(0, ROWS)
-        total += tl.sum(tl.load(table_ptr + b[:, None].to(tl.int64) * num_values + value[None, :],
-                                mask=(b[:, None] < blocks) & in_table[None, :], other=0), axis=0)
+        cell, in_tile = _rows_of_columns(table_ptr, first, value, in_table, num_values, blocks,
+                                         ROWS)
+        total += tl.sum(tl.load(cell, mask=in_tile, other=0), axis=0)
     tl.store(partials_ptr + r.to(tl.int64) * num_values + value, total, mask=in_table)
     tl.store(tile_sums_ptr + t * row_programs + r, tl.sum(total, axis=0))
 
@@ -156,10 +166,12 @@ def _starts_kernel(table_ptr, partials_ptr, tile_sums_ptr, offsets_ptr, num_valu
     total = tl.zeros([VALUES], tl.int32)
     above = tl.zeros([VALUES], tl.int32)
     for first in range(0, row_programs, ROWS):
-        rows = first + tl.arange(0, ROWS)
-        partial = tl.load(partials_ptr + rows[:, None].to(tl.int64) * num_values + value[None, :],
-                          mask=(rows[:, None] < row_programs) & in_table[None, :], other=0)
+        # The partials are a table too, a row for each program's rows.
+        cell, in_tile = _rows_of_columns(partials_ptr, first, value, in_table, num_values,
+                                         row_programs, ROWS)
+        partial = tl.load(cell, mask=in_tile, other=0)
         total += tl.sum(partial, axis=0)
+        rows = first + tl.arange(0, ROWS)
         above += tl.sum(tl.where(rows[:, None] < r, partial, 0), axis=0)
     value_start = tl.sum(earlier, axis=0) + tl.cumsum(total, axis=0) - total
     if r == 0:
@@ -167,9 +179,8 @@ def _starts_kernel(table_ptr, partials_ptr, tile_sums_ptr, offsets_ptr, num_valu
     start = value_start + above
     rows_start = r * ROWS_PER_PROGRAM
     for first in range(rows_start, tl.minimum(rows_start + ROWS_PER_PROGRAM, blocks), ROWS):
-        b = first + tl.arange(0, ROWS)
-        cell = table_ptr + b[:, None].to(tl.int64) * num_values + value[None, :]
-        in_tile = (b[:, None] < blocks) & in_table[None, :]
+        cell, in_tile = _rows_of_columns(table_ptr, first, value, in_table, num_values, blocks,
+                                         ROWS)
         count = tl.load(cell, mask=in_tile, other=0)
         tl.store(cell, start[None, :] + tl.cumsum(count, axis=0) - count, mask=in_tile)
         start += tl.sum(count, axis=0)

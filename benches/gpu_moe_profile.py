@@ -20,10 +20,14 @@ the sort the call without a plan makes (``kernels.sort_by_segment``: by counting
 ``triton.counting_sort``), "sort by segment, torch's" the sort before it (the index clamped
 and cast to int16 here, int32 for the Zipf table, then sorted by torch), and the rows
 "detsum off, torch's sort" and "detsum off, torch's keys" the call with the index sorted
-those ways and as it is (int64): what the counting and the narrow keys gain.
+those ways and as it is (int64): what the counting and the narrow keys gain. ``--shape wide``
+takes 4608 rows of 256 into 900,000 (an embedding's gradient of a few tokens into a large
+vocabulary: a table of 9 blocks by 900,002 values), where the row "sort by segment, a
+program a row" ranks each block's row in one program (``counting_sort.ROW_VALUES`` past the
+row's width, the layout before the row was split among programs: 3.6 MB of zeros each).
 
     python3 benches/gpu_moe_profile.py [--json PATH] [--reps 30] [--only plan|off]
-                                       [--shape moe|zipf]
+                                       [--shape moe|zipf|wide]
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from detsum import kernels
 from detsum.kernels.triton import chunks
 
 TOKENS, TOPK, HIDDEN = 16384, 8, 4096
+WIDE_ROWS, WIDE_TABLE, WIDE_HIDDEN = 4608, 900_000, 256
 
 
 def _data(dtype: torch.dtype, shape: str) -> dict:
@@ -46,6 +51,9 @@ def _data(dtype: torch.dtype, shape: str) -> dict:
     if shape == "zipf":
         from bench_skew import H, ROWS, TABLE, ZIPF_EXPONENT, zipf_index
         index, rows, table, hidden = zipf_index(ROWS, TABLE, ZIPF_EXPONENT, gen), ROWS, TABLE, H
+    elif shape == "wide":
+        rows, table, hidden = WIDE_ROWS, WIDE_TABLE, WIDE_HIDDEN
+        index = torch.randint(0, table, (rows,), generator=gen)
     else:
         gather_indices = torch.randint(0, 64, (TOKENS, TOPK), generator=gen).view(-1).argsort(
             stable=True)
@@ -88,6 +96,14 @@ def narrowed_torch_sort(call):
     return _with_setting(counting_sort, "MAX_TABLE_CELLS", 0, call)
 
 
+def _a_program_a_row(call):
+    """``call`` with each block's row of the counting sort's table ranked by one program
+    (``triton.counting_sort.ROW_VALUES`` past any row): the same bits."""
+    from detsum.kernels.triton import counting_sort
+
+    return _with_setting(counting_sort, "ROW_VALUES", 2**30, call)
+
+
 def torch_keys(call):
     """``call`` with its index sorted as it is, not narrowed (``kernels.NARROW_SORT_ABOVE``
     past any index): the same bits, a sort of wider keys."""
@@ -113,6 +129,8 @@ def _calls(d: dict, out: torch.Tensor) -> dict:
         "sort, int16 keys": lambda: torch.sort(index16, stable=True),
         "sort by segment": lambda: kernels.sort_by_segment(index, out.shape[0]),
         "sort by segment, torch's": narrowed_torch_sort(
+            lambda: kernels.sort_by_segment(index, out.shape[0])),
+        "sort by segment, a program a row": _a_program_a_row(
             lambda: kernels.sort_by_segment(index, out.shape[0])),
         "detsum host": lambda: detsum.index_add_(out, 0, index, source),
         "detsum off": lambda: detsum.index_add_(out, 0, index, source, check="off"),
@@ -147,7 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--only", choices=["plan", "off"])
-    parser.add_argument("--shape", choices=["moe", "zipf"], default="moe")
+    parser.add_argument("--shape", choices=["moe", "zipf", "wide"], default="moe")
     args = parser.parse_args(argv)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -181,9 +199,9 @@ def main(argv=None) -> int:
         return 0
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.shape}; "
           f"median of {args.reps}")
-    print(f"{'dtype':15} {'call':26} {'ms':>8} {'GB/s':>8} {'of copy':>8} same bits")
+    print(f"{'dtype':15} {'call':32} {'ms':>8} {'GB/s':>8} {'of copy':>8} same bits")
     for r in rows:
-        print(f"{r['dtype']:15} {r['call']:26} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
+        print(f"{r['dtype']:15} {r['call']:32} {r['ms']:8.3f} {r['gb_per_s']:8.0f} "
               f"{r['of_copy']:8.2f} {r['same_bits']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -74,10 +74,10 @@ for stage in $STAGES; do
         # rest still runs (on an H200, 2026-11-27: tests 80 s cold, call cost 80 s, the
         # benchmarks' targets 165 s, the Zipf parts 25 s): the CUDA tests of the kernels,
         # plans and relaunches, the counting sort's; what a call costs by how it is called; the
-        # Zipf call's parts; the benchmarks of the GPU issues' targets; where host time goes,
-        # with a plan and without. It writes 12 files: where fewer come back from a machine,
-        # point OUT at a folder and pack it afterwards (OUT=$DIR/r bash benches/gpu_run.sh
-        # lease; tar czf r.tgz -C $DIR r).
+        # Zipf call's parts and a wide table's sort; the benchmarks of the GPU issues' targets;
+        # where host time goes, with a plan and without. It writes 14 files: where fewer come
+        # back from a machine, point OUT at a folder and pack it afterwards (OUT=$DIR/r bash
+        # benches/gpu_run.sh lease; tar czf r.tgz -C $DIR r).
         timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
             tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
             tests/test_moe_check.py tests/test_loss.py 2>&1 \
@@ -90,6 +90,9 @@ for stage in $STAGES; do
             || status=1
         timeout 60 python3 benches/gpu_moe_profile.py --shape zipf --reps 100 \
             --json "$OUT/zipf-profile.json" | tee "$OUT/zipf-profile.txt" || status=1
+        # A few keys into a wide table: its rows zeroed by many ranking programs or by one.
+        timeout 60 python3 benches/gpu_moe_profile.py --shape wide --reps 50 \
+            --json "$OUT/wide-profile.json" | tee "$OUT/wide-profile.txt" || status=1
         timeout 200 python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
             -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda" \
             --benchmark-json="$OUT/bench-targets.json" 2>&1 | tail -n 5 || status=1

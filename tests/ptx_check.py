@@ -98,13 +98,19 @@ def _tickets(ptx: str) -> dict:
             "cg_loads": len(re.findall(r"\bld\.global\.cg\.", ptx))}
 
 
-def _barrier_inside_stores(ptx: str) -> bool:
+def _barrier_after_first_stores(ptx: str) -> bool:
     """Whether a barrier (``bar.sync``) comes after the first global store and before the
-    last: the stores before it, of every thread of the program, land before those after it."""
+    first global load after it: the stores before it, of every thread of the program, land
+    before anything the program stores once it has read (a barrier that only a later
+    reduction makes, after the loads, does not count)."""
     lines = ptx.splitlines()
     stores = [number for number, line in enumerate(lines) if re.search(r"\bst\.global\b", line)]
+    if not stores:
+        return False
+    loads = [number for number, line in enumerate(lines)
+             if number > stores[0] and re.search(r"\bld\.global\b", line)]
     barriers = [number for number, line in enumerate(lines) if re.search(r"\bbar\.sync\b", line)]
-    return any(stores[0] < barrier < stores[-1] for barrier in barriers) if stores else False
+    return any(stores[0] < barrier < (loads[0] if loads else len(lines)) for barrier in barriers)
 
 
 _LABEL = re.compile(r"^(\$L__BB\d+_\d+):")
@@ -379,7 +385,8 @@ def main() -> dict:
                    ROWS_PER_PROGRAM=counting_sort.ROWS_PER_PROGRAM)
     for name, kernel, types, constexprs in (
             ("ranks", counting_sort._rank_kernel, sort_types,
-             dict(BLOCK=counting_sort.BLOCK, CHUNK=counting_sort.CHUNK)),
+             dict(BLOCK=counting_sort.BLOCK, CHUNK=counting_sort.CHUNK,
+                  ROW_VALUES=counting_sort.ROW_VALUES)),
             ("totals", counting_sort._totals_kernel, column_types, columns),
             ("starts", counting_sort._starts_kernel, dict(column_types, offsets_ptr="*i64"),
              dict(columns, SUMS=counting_sort.SUMS)),
@@ -387,8 +394,9 @@ def main() -> dict:
              dict(sort_types, values_ptr="*i16", order_ptr="*i64"),
              dict(BLOCK=counting_sort.BLOCK))):
         ptx = _ptx(kernel, types, constexprs, fp_fusion=False, num_warps=counting_sort.NUM_WARPS)
-        found[f"counting sort {name}"] = {**_count(ptx), **_resources(ptx),
-                                          "barrier_inside_stores": _barrier_inside_stores(ptx)}
+        found[f"counting sort {name}"] = {
+            **_count(ptx), **_resources(ptx),
+            "barrier_after_first_stores": _barrier_after_first_stores(ptx)}
     found["bf16 sum wide h4096 launched"] = _launched_gather()
     found["moe backward bf16 h4096 launched"] = _launched_moe_backward()
     for dtype, counts in _launched_narrow().items():

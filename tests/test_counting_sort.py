@@ -132,11 +132,30 @@ def test_equal_keys_keep_their_positions_order(poisoned_outputs, shape):
     _assert_sorts_as_torch(keys, num_segments, torch.int16)
 
 
-#: Tilings of the running-sum launches (VALUES, ROWS, ROWS_PER_PROGRAM, SUMS): narrow and wide
+@pytest.mark.parametrize("keys_at", ["everywhere", "low values", "both ends"])
+def test_a_wide_row_is_ranked_by_many_programs(poisoned_outputs, monkeypatch, keys_at):
+    """Few blocks of a wide table, each row zeroed, ranked and counted by four programs
+    (``ROW_VALUES`` cut small): keys spread over every program's values, keys in the first
+    program's only (the others write zeros alone), keys only out of range (in the first
+    and the last program's): torch's stable sort."""
+    monkeypatch.setattr(counting_sort, "ROW_VALUES", 751)
+    positions, num_segments = 2 * BLOCK + 9, 3000
+    gen = torch.Generator().manual_seed(seed_of("counting sort wide row", keys_at))
+    keys = {
+        "everywhere": torch.randint(-2, num_segments + 2, (positions,), generator=gen),
+        "low values": torch.randint(0, 60, (positions,), generator=gen),
+        "both ends": torch.randint(0, 2, (positions,), generator=gen) * (num_segments + 5) - 2,
+    }[keys_at]
+    _assert_sorts_as_torch(keys, num_segments, torch.int16)
+
+
+#: Tilings of the launches (VALUES, ROWS, ROWS_PER_PROGRAM, SUMS, ROW_VALUES): narrow and wide
 #: column programs, rows read one, two or sixteen at a time, a program's rows split or not,
-#: the earlier programs' sums added two at a time or all at once. A few, drawn whole: on a
-#: GPU each is compiled.
-_TILINGS = [(16, 1, 16, 2), (16, 2, 64, 1024), (256, 16, 16, 2), (256, 16, 64, 1024)]
+#: the earlier programs' sums added two at a time or all at once, a block's row ranked by
+#: one program or by many (of fewer values than a block has keys, or of more, the last cut
+#: short). A few, drawn whole: on a GPU each is compiled.
+_TILINGS = [(16, 1, 16, 2, 7), (16, 2, 64, 1024, 100), (256, 16, 16, 2, 1 << 16),
+            (256, 16, 64, 1024, 40)]
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
@@ -146,16 +165,16 @@ _TILINGS = [(16, 1, 16, 2), (16, 2, 64, 1024), (256, 16, 16, 2), (256, 16, 64, 1
 def test_sorts_generated_keys_as_torch(positions, num_segments, spread, block, tiling, data):
     """Generated keys (some out of range by up to ``spread``), on small blocks (many of them:
     the running sum down each column of the table, over several programs' rows) and each
-    tiling (narrow column programs, many of them: the running sum across the programs),
-    against torch's stable sort."""
+    tiling (narrow column programs, many of them: the running sum across the programs; a
+    block's row ranked by many programs), against torch's stable sort."""
     seed = data.draw(st.integers(0, 2**31 - 1))
     gen = torch.Generator().manual_seed(seed)
     keys = torch.randint(-spread, num_segments + spread + 1, (positions,), generator=gen)
     with pytest.MonkeyPatch.context() as patch:
         _poison(patch)
         patch.setattr(counting_sort, "BLOCK", block)
-        for name, setting in zip(("VALUES", "ROWS", "ROWS_PER_PROGRAM", "SUMS"), tiling,
-                                 strict=True):
+        for name, setting in zip(("VALUES", "ROWS", "ROWS_PER_PROGRAM", "SUMS", "ROW_VALUES"),
+                                 tiling, strict=True):
             patch.setattr(counting_sort, name, setting)
         _assert_sorts_as_torch(keys, num_segments, torch.int32)
 

@@ -1208,7 +1208,8 @@ def test_compiled_ptx_has_no_fma_and_rounds_divisions():
         assert gather["spill_stores"] == gather["spill_loads"] == 0, gather
     # The counting sort of a long index: integer counts alone, no atomic, nothing spilled;
     # the ranking program's zeros of its row of the table land before its counts.
-    assert found["counting sort ranks"]["barrier_inside_stores"], found["counting sort ranks"]
+    ranks = found["counting sort ranks"]
+    assert ranks["barrier_after_first_stores"], ranks
     for name in ("counting sort ranks", "counting sort totals", "counting sort starts",
                  "counting sort places"):
         assert found[name]["atomics"] == [], found[name]

@@ -1913,6 +1913,11 @@ def _histc_counts(mode, self, bins, position):
         if int(counts.max()) <= _exact_count_limit(mode, self.dtype):
             # int64 to float64 is exact below 2**53; float64 to the dtype rounds once.
             return torch.from_numpy(counts).to(torch.float64).to(self.dtype)
+    if mode in ("exact", "kahan") and position.numel() <= _exact_count_limit("fp32", self.dtype):
+        # No count can pass the limit: "fp32" sums the ones exactly and rounds once, the
+        # bits of "exact" and of "kahan" (whose compensation stays zero), with the lighter
+        # kernel.
+        mode = "fp32"
     zeros = torch.zeros(bins + 1, dtype=self.dtype, device=self.device)
     ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
     return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode, _CHECK)[:bins]

@@ -1900,6 +1900,36 @@ def test_histc_counted_as_integers_gives_the_bits_of_its_sum_of_ones(mode, monke
                      for dtype in DTYPES}
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["exact", "kahan"])
+def test_histc_on_a_gpus_path_counts_with_the_fp32_kernel_within_its_integers(monkeypatch,
+                                                                                mode):
+    """On a GPU's path "exact" and "kahan" count a histogram's ones with "fp32"'s kernel where
+    there are no more elements than float32 holds integers: the bits of their own kernels
+    (run with that limit cut below the count), bins past bfloat16's integers included."""
+    modes = []
+    index_add = switch._index_add_op._index_add
+
+    def recorded(*args):
+        modes.append(args[5])
+        return index_add(*args)
+
+    monkeypatch.setattr(switch._index_add_op, "_index_add", recorded)
+    monkeypatch.setattr(_segments, "GPU_CHECKS_ON_CPU", True)
+    g = torch.Generator().manual_seed(31)
+    values = torch.cat([torch.full((301,), 0.5), torch.rand(60, generator=g) * 4,
+                        torch.tensor([math.nan, -1.0, 5.0])]).to(torch.bfloat16)
+    values[:40] = 2.5
+    with detsum.backend("triton"), detsum.deterministic(mode):
+        got = torch.histc(values, bins=5, min=0, max=4)
+        with monkeypatch.context() as patch:
+            patch.setattr(switch, "_exact_count_limit", lambda *args: -1)
+            own_kernel = torch.histc(values, bins=5, min=0, max=4)
+    assert modes == ["fp32", mode]
+    assert_same_bits(got, own_kernel)
+    assert float(got[0]) > 256  # past bfloat16's integers: rounded once
+
+
 HISTC_RANGES = [(-1.3, 2.7, 7), (0, 10, 10), (-1e-3, 5e-3, 100), (0, 0, 3)]
 
 

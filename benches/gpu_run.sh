@@ -91,7 +91,7 @@ for stage in $STAGES; do
         timeout 60 python3 benches/gpu_moe_profile.py --shape zipf --reps 100 \
             --json "$OUT/zipf-profile.json" | tee "$OUT/zipf-profile.txt" || status=1
         # A few keys into a wide table: its rows zeroed by many ranking programs or by one.
-        timeout 60 python3 benches/gpu_moe_profile.py --shape wide --reps 50 \
+        timeout 60 python3 benches/gpu_moe_profile.py --shape wide --reps 30 \
             --json "$OUT/wide-profile.json" | tee "$OUT/wide-profile.txt" || status=1
         timeout 200 python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
             -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda" \

@@ -151,33 +151,24 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
             and rule in _STREAMED_RULES):
         return None
     if reduce == "sum" and include_base and source3.is_contiguous() and input3.is_contiguous():
-        # A sum is a serial pass of the small calls, at any size, 0.2-0.7x the scatter's
-        # time (which counts every term and sums the rows of more than a chunk again): the
-        # small call's own where the rows need no chunks (every row under "autograd"'s rule;
-        # under a rule that splits it stops at a row's CHUNK_TERMS + 1st term, having
-        # written nothing, and is not tried where the terms outnumber CHUNK_TERMS a row),
-        # else one that keeps each row's chunk too (four times the state a row).
+        # A sum is one serial pass (``small.index_add_one_column``), at any size, 0.2-0.7x
+        # the scatter's time (which counts every term and sums the rows of more than a
+        # chunk again).
         written = new_output_like(input3) if out3 is None else out3
         small = _small_kernels()
-        answer = small.TOO_MANY_TERMS
-        if rule == kernels.ROUND_EACH or terms <= kernels.CHUNK_TERMS * rows:
-            answer = small.index_add_small(source3, index, input3, written, 1.0, rule)
-        if answer == small.TOO_MANY_TERMS:
-            answer = small.index_add_chunked(source3, index, input3, written, 1.0, rule)
+        answer = small.index_add_one_column(source3, index, input3, written, rule)
         if answer >= 0:
             raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
         return written
-    if reduce in ("amax", "amin") and source3.is_contiguous():
-        # A max or min, which no rule splits: the small call's serial pass into a copy of
-        # the input, at any size.
-        small = _small_kernels()
-        written = new_output_like(input3)
-        written.copy_(input3)
-        answer = small.extreme_small_in_place(source3, index, written, outer, inner,
-                                              reduce == "amax", include_base)
+    if reduce in ("amax", "amin") and source3.is_contiguous() and (
+            out3 is None or out3.is_contiguous()):
+        # A max or min, which no rule splits: one serial pass (``small.extreme_one_column``).
+        written = new_output_like(input3) if out3 is None else out3
+        answer = _small_kernels().extreme_one_column(
+            source3, index, input3.contiguous(), written, reduce == "amax", include_base)
         if answer >= 0:
             raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
-        return written if out3 is None else out3.copy_(written)
+        return written
     from detsum.kernels.numba.scatter import scatter_elements
 
     # The scatter writes an output other than its base: in place, a new one copied back.
@@ -309,6 +300,16 @@ def _small_kernels():
     from detsum.kernels.numba import small
 
     return small
+
+
+def histogram(values: torch.Tensor, left: float, right: float, width: float, scale: float,
+              bins: int) -> torch.Tensor:
+    """The ``bins`` int64 counts of CPU tensor ``values``'s elements in torch's CPU
+    ``histc`` bins over these edges (``kernels.numba.small.histogram``: each element's bin
+    ``(x - left) * scale / width`` in the dtype's arithmetic, NaN and elements outside
+    ``[left, right]`` left out), in one pass."""
+    return _small_kernels().histogram(values.reshape(-1).contiguous(), left, right, width,
+                                      scale, bins)
 
 
 def new_output_shaped(like: torch.Tensor, shape: list[int]) -> torch.Tensor:

@@ -1884,17 +1884,14 @@ def _histc_edges(self, bins, min, max):
     return left, right, width, scale
 
 
-def _histc_positions(self, bins, min, max):
-    """The bin of each element that torch's CPU histc counts, or None where ``_histc_edges``
-    is. An element ``left <= x <= right`` goes to bin ``(x - left) * scale / width``, each
-    step rounded to the dtype as torch's kernel computes it, truncated toward zero; a bin
-    ``bins`` (``x == right``, or a product rounded up to it) is the last one. Every element
-    keeps its place: one outside the bins, or NaN, goes to a spare bin ``bins``, which the
-    counts leave out (no value of the data is read back for it, nor the elements inside
-    picked out: on the CPU that pass cost more than the arithmetic)."""
-    edges = _histc_edges(self, bins, min, max)
-    if edges is None:
-        return None
+def _histc_positions(self, bins, edges):
+    """The bin of each element that torch's CPU histc counts, from ``_histc_edges``'s
+    ``edges``. An element ``left <= x <= right`` goes to bin ``(x - left) * scale / width``,
+    each step rounded to the dtype as torch's kernel computes it, truncated toward zero; a
+    bin ``bins`` (``x == right``, or a product rounded up to it) is the last one. Every
+    element keeps its place: one outside the bins, or NaN, goes to a spare bin ``bins``,
+    which the counts leave out (no value of the data is read back for it, nor the elements
+    inside picked out: on the CPU that pass cost more than the arithmetic)."""
     left, right, width, scale = edges
     values = self.reshape(-1)
     inside = (values >= left) & (values <= right)
@@ -1902,22 +1899,25 @@ def _histc_positions(self, bins, min, max):
     return torch.where(inside, position.clamp_max(bins - 1), bins)
 
 
-def _histc_counts(mode, self, bins, position):
-    """``out[position[k]] += 1`` from zeros, in the dtype, for the positions below ``bins``:
-    an ``index_add`` of ones into ``bins + 1`` zeros, the spare last one left out. On the CPU
-    the bins are counted as integers first: where no count passes ``_exact_count_limit``,
-    that sum of ones is the count in every order and split, rounded once to the dtype, and the
-    result is that rounding."""
+def _histc_counts(mode, self, bins, edges):
+    """The histogram of ``self`` over ``_histc_edges``'s ``edges``: ``out[position[k]] +=
+    1`` from zeros, in the dtype, for the positions ``_histc_positions`` gives below
+    ``bins``, as an ``index_add`` of ones into ``bins + 1`` zeros, the spare last one left
+    out. On the CPU the bins are counted as integers first, in one pass
+    (``_segments.histogram``, the same positions): where no count passes
+    ``_exact_count_limit``, that sum of ones is the count in every order and split, rounded
+    once to the dtype, and the result is that rounding."""
     if not _checked_on_device(self):
-        counts = np.bincount(position.numpy(), minlength=bins + 1)[:bins]
+        counts = _segments.histogram(self, *(float(edge) for edge in edges), bins)
         if int(counts.max()) <= _exact_count_limit(mode, self.dtype):
             # int64 to float64 is exact below 2**53; float64 to the dtype rounds once.
-            return torch.from_numpy(counts).to(torch.float64).to(self.dtype)
-    if mode in ("exact", "kahan") and position.numel() <= _exact_count_limit("fp32", self.dtype):
+            return counts.to(torch.float64).to(self.dtype)
+    if mode in ("exact", "kahan") and self.numel() <= _exact_count_limit("fp32", self.dtype):
         # No count can pass the limit: "fp32" sums the ones exactly and rounds once, the
         # bits of "exact" and of "kahan" (whose compensation stays zero), with the lighter
         # kernel.
         mode = "fp32"
+    position = _histc_positions(self, bins, edges)
     zeros = torch.zeros(bins + 1, dtype=self.dtype, device=self.device)
     ones = torch.ones(position.shape, dtype=self.dtype, device=self.device)
     return _index_add_op._index_add(zeros, 0, position, ones, 1.0, mode, _CHECK)[:bins]
@@ -1935,10 +1935,10 @@ def _exact_count_limit(mode, dtype) -> float:
 
 
 def _histc(mode, self, bins=100, min=0, max=0):
-    position = _histc_positions(self, bins, min, max)
-    if position is None:
+    edges = _histc_edges(self, bins, min, max)
+    if edges is None:
         return None
-    return lambda: _histc_counts(mode, self, bins, position)
+    return lambda: _histc_counts(mode, self, bins, edges)
 
 
 def _histc_out(mode, self, bins=100, min=0, max=0, *, out):
@@ -1946,13 +1946,13 @@ def _histc_out(mode, self, bins=100, min=0, max=0, *, out):
             or out.layout != torch.strided or _validation.has_internal_overlap(out)
             or _validation.shares_memory(out, self)):
         return None
-    position = _histc_positions(self, bins, min, max)
-    if position is None:
+    edges = _histc_edges(self, bins, min, max)
+    if edges is None:
         return None
 
     def run():
         _check_changeable("histc.out", out)
-        return out.copy_(_histc_counts(mode, self, bins, position))
+        return out.copy_(_histc_counts(mode, self, bins, edges))
     return run
 
 

@@ -1957,6 +1957,31 @@ def test_histc_bins_at_their_edges_as_torch():
             assert_same_bits(counts, expected)
 
 
+def test_histc_counts_in_one_pass_the_positions_a_gpus_path_counts():
+    """The CPU's one-pass count (``_segments.histogram``) and a GPU's path's positions
+    (``switch._histc_positions``, torch's ops) put every element in the same bin, for every
+    dtype, on generated ranges and data with values at and beside the edges, outside them,
+    infinite and NaN, a non-contiguous tensor among them."""
+    gen = torch.Generator().manual_seed(71)
+    for dtype in DTYPES:
+        for case in range(12):
+            low = float(torch.randn((), generator=gen)) * 10 ** case % 3
+            high = low + float(torch.rand((), generator=gen)) * 10 + 2 ** -6
+            bins = int(torch.randint(1, 3000, (), generator=gen))
+            values = torch.cat([low + (high - low) * torch.rand(5000, generator=gen) * 1.2 - 0.1,
+                                torch.tensor([low, high, math.inf, -math.inf, math.nan])])
+            values = values.to(dtype)
+            if case % 2:
+                values = values.repeat(2)[::2]
+            edges = switch._histc_edges(values, bins, low, high)
+            if edges is None:
+                continue  # torch's call (a range past the dtype's)
+            position = switch._histc_positions(values, bins, edges)
+            expected = torch.bincount(position, minlength=bins + 1)[:bins]
+            got = _segments.histogram(values, *(float(edge) for edge in edges), bins)
+            assert torch.equal(got, expected), (dtype, case, low, high, bins)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["autograd", "fp32"])
 def test_histc_bins_at_their_edges_on_cuda_as_torchs_cpu_histc(mode):

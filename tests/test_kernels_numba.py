@@ -456,6 +456,7 @@ import json, sys, torch, detsum
 from numba.core import event
 from detsum.kernels import KAHAN, WIDE
 from detsum.kernels.numba import exact_state, outer, weighted
+from detsum.kernels.numba import small as one_column
 
 g = torch.Generator().manual_seed(3)
 rows = torch.randn(70000, 2, generator=g)  # more than one thread block: the parallel driver
@@ -481,7 +482,16 @@ CALLS = {
                                               torch.randn(3, 4, generator=g),
                                               torch.randn(3, 8, generator=g), WIDE),
     "exact state": lambda: exact_state_calls(),
+    "one column": lambda: one_column_calls(),
 }
+
+
+def one_column_calls():
+    column, base = rows[:, 0].contiguous(), torch.randn(500, generator=g)
+    out = [torch.empty(500) for _ in range(2)]
+    assert one_column.index_add_one_column(column, index, base, out[0], WIDE) == -1
+    assert one_column.extreme_one_column(column, index, base, out[1], True, False) == -1
+    return out + [one_column.histogram(column, -1.0, 1.0, 2.0, 7.0, 7)]
 
 
 def exact_state_calls():
@@ -558,8 +568,9 @@ def compiled_by_two_processes(two_processes):
 
 
 def test_every_kernel_loads_from_the_cache_in_a_later_process(compiled_by_two_processes):
-    """Seen before: the kernels made in a factory (the elementwise scatter_reduce, the small
-    index_add, the MoE weighted sums, the products' and the exact state's kernels) were
+    """Every kind of kernel (the one-column passes and the histogram among them) loads from
+    the cache. Seen before: the kernels made in a factory (the elementwise scatter_reduce, the
+    small index_add, the MoE weighted sums, the products' and the exact state's kernels) were
     closures, which Numba's cache keys by their cells' pickled contents, a compiled function
     among them pickling differently in every process: they compiled again in every process,
     7 s for scatter_reduce's."""

@@ -14,7 +14,7 @@ import detsum
 from conftest import (DTYPES, LAYOUTS, assert_same_bits, dtype_id, make_data, record_answers,
                       strided_copy, with_rows)
 from detsum import _segments
-from detsum.kernels import CHUNK_TERMS, RULE_NAMES, SPLIT_RULES
+from detsum.kernels import CHUNK_TERMS, EXACT, RULE_NAMES, SPLIT_RULES
 from detsum.kernels.numba import small
 
 MODES = ("fp32", "kahan", "autograd")
@@ -353,8 +353,8 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
     of one term, of exactly CHUNK_TERMS and of several chunks and a shorter last one (cut as
     the plan's launch cuts them), rows with no terms, NaN, infinities and signed zeros, a
     strided source and an int32 index; along the last dim of a 2-D tensor of one row too.
-    The pass is a serial sum (the small call's where the rows need no chunks, else one that
-    keeps each row's chunk), or for a strided source the elementwise scatter. "exact", alpha
+    The pass is a serial sum (``small.index_add_one_column``), or for a strided source the
+    elementwise scatter. "exact", alpha
     other than 1, a second row of the outer dim, a wider slice or fewer terms than
     ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are NaN before the kernel writes
     them."""
@@ -383,7 +383,7 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
         [1, CHUNK_TERMS, 0] + [60] * (rows - 3)))
     short_rows = short_rows[torch.randperm(short_rows.numel(), generator=g)]
     passes = {name: record_answers(monkeypatch, small, name)
-              for name in ("index_add_small", "index_add_chunked")}
+              for name in ("index_add_small", "index_add_one_column")}
     for name, call in calls.items():
         for s, i in ((source, index), (source, index.to(torch.int32)),
                      (strided_copy(source), index), (long_source, long_rows),
@@ -393,18 +393,10 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
                 answers.clear()
             got = call(s, i)
             assert _taken(taken) == [mode != "exact"], name
-            # A contiguous source's sum is a serial pass (a strided one: the scatter): the
-            # small call's, which under a rule that splits stops at a row of more than a
-            # chunk, having written nothing, and is not tried where the terms outnumber a
-            # chunk a row; then the one that keeps each row's chunk.
-            if mode == "exact" or not s.is_contiguous():
-                serial = {}
-            elif mode == "autograd" or i is short_rows:
-                serial = {"index_add_small": [-1]}
-            elif i is long_rows:
-                serial = {"index_add_chunked": [-1]}
-            else:
-                serial = {"index_add_small": [small.TOO_MANY_TERMS], "index_add_chunked": [-1]}
+            # A contiguous source's sum is the one-column serial pass; a strided one's the
+            # scatter.
+            serial = {} if mode == "exact" or not s.is_contiguous() else {
+                "index_add_one_column": [-1]}
             assert {k: v for k, v in passes.items() if v} == serial, name
             assert_same_bits(got, _without_the_pass(monkeypatch, lambda: call(s, i)))
     declined = {
@@ -473,34 +465,81 @@ def test_a_1d_scatter_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, 
     assert True not in _taken(taken)
 
 
-@pytest.mark.parametrize(("template", "dim"), LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("mode", ("fp32", "kahan"))
-@pytest.mark.parametrize("alpha", [1, 0.37])
-def test_the_chunked_serial_sum_gives_the_bits_of_the_general_path(mode, dtype, template, dim,
-                                                                  alpha, monkeypatch):
-    """``small.index_add_chunked``, the serial sum that keeps each row's chunk, on every
-    layout, with alpha: the general path's bits for rows of one term, of no terms, and of
-    several chunks (a shorter last one too), in place and into a new output; a bad value
-    named by its position, nothing written."""
-    input, _, source = problem(template, dim, 3 * CHUNK_TERMS + 40, 5, dtype, seed=61)
-    counts = [1, 0, 2 * CHUNK_TERMS, CHUNK_TERMS + 30, 9]
-    index = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
-    index = index[torch.randperm(index.numel(), generator=torch.Generator().manual_seed(62))]
+@pytest.mark.parametrize("mode", ("fp32", "kahan", "autograd"))
+def test_the_one_column_serial_sum_gives_the_bits_of_the_general_path(mode, dtype,
+                                                                       monkeypatch):
+    """``small.index_add_one_column``, the serial sum of one column, under each rule: the
+    general path's bits for rows of one term, of no terms, of exactly one and two chunks, of
+    several chunks with a shorter last one, and of enough chunks to take the count past its
+    wrap (``2 * CHUNK_TERMS - 1``) many times, with NaN, infinities and signed zeros among
+    the terms; in place and into a new output (NaN before it is written); a bad value (past
+    the end, or negative) named by its position, nothing written."""
+    counts = [1, 0, CHUNK_TERMS, 2 * CHUNK_TERMS, 5 * CHUNK_TERMS + 31, 2 * CHUNK_TERMS + 1, 9,
+              CHUNK_TERMS - 1]
+    g = torch.Generator().manual_seed(62)
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    index = index[torch.randperm(index.numel(), generator=g)]
+    source = make_data((index.numel(),), dtype, seed=61, spread=True)
+    source[torch.randint(0, index.numel(), (6,), generator=g)] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, -0.0]).to(dtype)
+    base = make_data((len(counts),), dtype, seed=63, spread=True)
+    base[1] = -0.0  # a row without terms keeps its own bits
     expected = general(monkeypatch, lambda: _without_the_pass(monkeypatch, lambda: (
-        detsum.index_add(input, dim, index, source, alpha=alpha, mode=mode))))
-    rule = {"fp32": small.WIDE, "kahan": small.KAHAN}[mode]
-    assert rule in SPLIT_RULES
-    d = dim % source.dim()  # rows_view takes a dim from 0
-    src3, input3 = (_segments.rows_view(t, d).contiguous() for t in (source, input))
-    out3 = torch.full_like(input3, float("nan"))
-    assert small.index_add_chunked(src3, index, input3, out3, alpha, rule) == -1
-    assert_same_bits(out3, _segments.rows_view(expected, d))
-    target = input3.clone()
-    assert small.index_add_chunked(src3, index, target, target, alpha, rule) == -1
-    assert_same_bits(target, out3)
-    bad = index.clone()
-    bad[17] = 5
-    untouched = input3.clone()
-    assert small.index_add_chunked(src3, bad, untouched, untouched, alpha, rule) == 17
-    assert torch.equal(untouched, input3)
+        detsum.index_add(base, 0, index, source, mode=mode))))
+    rule = {"fp32": small.WIDE, "kahan": small.KAHAN, "autograd": small.ROUND_EACH}[mode]
+    out = torch.full_like(base, float("nan"))
+    assert small.index_add_one_column(source, index, base, out, rule) == -1
+    assert_same_bits(out, expected)
+    target = base.clone()
+    assert small.index_add_one_column(source, index.to(torch.int32), target, target, rule) == -1
+    assert_same_bits(target, expected)
+    for position, value in ((17, len(counts)), (index.numel() - 1, -1)):
+        bad = index.clone()
+        bad[position] = value
+        untouched = base.clone()
+        assert small.index_add_one_column(source, bad, untouched, untouched, rule) == position
+        assert torch.equal(untouched, base)
+    with pytest.raises(ValueError, match="rule exact is not a rule of the serial sums"):
+        small.index_add_one_column(source, index, base, out, EXACT)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduce", ("amax", "amin"))
+def test_the_one_column_serial_extreme_gives_the_bits_of_the_general_path(reduce, dtype,
+                                                                          monkeypatch):
+    """``small.extreme_one_column``, a max or min of one column: the general path's bits with
+    and without each row's own value, for rows of one term, of none (which keep their own
+    value), of many, with NaN, infinities and both zeros among the terms and the rows; in
+    place and into a new output (NaN before it is written); a bad value (past the end, or
+    negative) named by its position, nothing written."""
+    counts = [1, 0, 700, 3, 0, 40, 2, 90]
+    g = torch.Generator().manual_seed(64)
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    index = index[torch.randperm(index.numel(), generator=g)]
+    source = make_data((index.numel(),), dtype, seed=65, spread=True)
+    # Row 3: a NaN among its terms; row 6: -0.0 then +0.0 (the earlier stays); row 0 has one.
+    rows_at = {r: (index == r).nonzero().flatten() for r in (3, 6)}
+    source[rows_at[3][1]] = float("nan")
+    source[rows_at[6]] = torch.tensor([-0.0, 0.0]).to(dtype)
+    source[(index == 7).nonzero().flatten()[::7]] = torch.tensor(float("inf")).to(dtype)
+    base = make_data((len(counts),), dtype, seed=66, spread=True)
+    base[1], base[4], base[5] = float("nan"), -0.0, -float("inf")
+    for include_base in (True, False):
+        expected = general(monkeypatch, lambda: _without_the_pass(monkeypatch, lambda: (
+            detsum.scatter_reduce(base, 0, index, source, reduce, include_self=include_base))))
+        maximum = reduce == "amax"
+        out = torch.full_like(base, float("nan"))
+        assert small.extreme_one_column(source, index, base, out, maximum, include_base) == -1
+        assert_same_bits(out, expected)
+        target = base.clone()
+        assert small.extreme_one_column(source, index.to(torch.int32), target, target, maximum,
+                                        include_base) == -1
+        assert_same_bits(target, expected)
+        for position, value in ((17, len(counts)), (index.numel() - 1, -1)):
+            bad = index.clone()
+            bad[position] = value
+            untouched = base.clone()
+            assert small.extreme_one_column(source, bad, untouched, untouched, maximum,
+                                            include_base) == position
+            assert_same_bits(untouched, base)

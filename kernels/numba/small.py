@@ -14,12 +14,11 @@ ROUND_EACH (see its module docstring): ``acc = A(base)``; per term ``t = A(x) * 
 ``s + c``; then rounded to the dtype. Every output row is written, those without terms too
 (their base through the acc type, as the segment kernel writes them).
 
-``index_add_chunked(src, index, base, out, alpha, rule)`` computes the same under WIDE and
-KAHAN for rows of any length: a row of more than ``CHUNK_TERMS`` terms is cut into chunks as
-the segment kernel cuts it, in the same pass (each row keeps its sum, its later chunk's
-partial sum and its count; four times the state of ``index_add_small``, which is the faster
-where no row needs a chunk). A 1-D sum of many terms takes one of the two at any size
-(``detsum._segments.streamed_scatter``).
+``index_add_one_column(src, index, base, out, rule)`` computes the same for one column (1-D
+``src`` and ``base``, alpha 1) with rows of any length, in one pass over the terms: under WIDE
+and KAHAN a row of more than ``CHUNK_TERMS`` terms is cut into chunks as the segment kernel
+cuts it (each row keeps its count and its later chunk's partial sum beside its sum). A 1-D
+sum of many terms takes it at any size (``detsum._segments.streamed_scatter``).
 
 ``extreme_small_in_place`` does the same for the segment kernel's AMAX and AMIN, which no
 rule splits into chunks, into its target itself (the switch's in-place ``scatter_reduce_``):
@@ -59,8 +58,8 @@ from . import njit
 from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
 
-__all__ = ["index_add_small", "index_add_chunked", "index_add_small_in_place",
-           "extreme_small_in_place",
+__all__ = ["index_add_small", "index_add_one_column", "index_add_small_in_place",
+           "extreme_small_in_place", "extreme_one_column", "histogram",
            "mean_small_in_place", "segment_reduce_small", "fits", "TOO_MANY_TERMS",
            "BAD_OFFSETS"]
 
@@ -196,86 +195,163 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
     return -1
 
 
-def _chunked_sum_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alpha,
-                    in_place):
-    """``_index_add_at`` for a rule that splits (WIDE, KAHAN) whatever the rows' lengths:
-    returns -1 having written ``out`` (it may be ``base`` itself), or, having written
-    nothing, the first position of ``index`` outside ``[0, rows)``.
+def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows):
+    """Returns -1 having written ``out`` (``rows`` elements; it may be ``base`` itself): each
+    element its ``base`` value with the ``n`` terms of ``src`` at ``index`` added under
+    ``rule``, or, having written nothing, the first position of ``index`` outside ``[0,
+    rows)``. One column: ``index_add_small``'s sum of ``[1, n, 1]`` by ``[1, rows, 1]``
+    (alpha 1), for rows of any length.
 
-    A row's terms are cut into chunks as the segment kernel cuts them (its module docstring;
-    ``scatter.long_segments`` streams them the same way): the first CHUNK_TERMS terms are
-    added to the row's base in the acc type, each later chunk is summed from its own first
-    term and added to that once complete (the last, shorter one at the end); under KAHAN
-    each sum is Neumaier's, a chunk's compensation added to the row's as the chunk is. One
-    pass over the terms checks each index value and keeps each row's sum, its later chunk's
-    partial sum and its count of terms, apart from ``out``, which is written after it.
-    ``in_place`` is unused (``_index_add_at``'s signature, for ``_kernel_for``).
+    One pass over the terms checks each index value as it reads it and keeps each row's
+    state apart from ``out``, which is written after it. Under WIDE and KAHAN a row's terms
+    are cut into chunks as the segment kernel cuts them (its module docstring;
+    ``scatter.long_segments`` streams them the same way): the first CHUNK_TERMS are added to
+    the row's base in the acc type, each later chunk is summed from its own first term and
+    added to that once complete (the last, shorter one at the end); under KAHAN each sum is
+    Neumaier's, a chunk's compensation added to the row's as the chunk is. ROUND_EACH adds
+    every term in turn, ``RN_D`` after each add.
 
-    The template of every format's and rule's kernel, bound as ``_index_add_at`` is."""
-    src = carray(_at(src_at), (outer, n, inner), data_dtype)
+    A row's count of terms shares its cache line with its sum (``state``'s first column,
+    the sum's bits read as an integer of its width): a million terms into 100k rows took 1.6
+    ms so, 3.1 ms with the counts an array of their own (benches/NOTES.md). The count stops
+    at ``2 * CHUNK_TERMS - 1``: past the first chunk it only places a term in its chunk, so a
+    completed later chunk sets it back to CHUNK_TERMS.
+
+    The template of every format's and rule's kernel, bound as ``_index_add_at`` is, and with
+    ``count_dtype``, the signed integer of the acc type's width."""
+    src = carray(_at(src_at), (n,), data_dtype)
     index = carray(_at(index_at), (n,), np.int64)
-    base = carray(_at(base_at), (outer, rows, inner), data_dtype)
-    out = carray(_at(out_at), (outer, rows, inner), data_dtype)
-    a = cvt(alpha)
-    # Set per outer index (acc, comp, count) or at a chunk's first term (part, pcomp).
-    acc = np.empty((rows, inner), dtype=acc_dtype)
-    comp = np.empty((rows, inner), dtype=acc_dtype)
-    part = np.empty((rows, inner), dtype=acc_dtype)
-    pcomp = np.empty((rows, inner), dtype=acc_dtype)
-    count = np.empty(rows, dtype=np.int64)
-    for o in range(outer):
+    base = carray(_at(base_at), (rows,), data_dtype)
+    out = carray(_at(out_at), (rows,), data_dtype)
+    if rule == ROUND_EACH:
+        acc = np.empty(rows, dtype=acc_dtype)
         for s in range(rows):
-            count[s] = 0
-            for j in range(inner):
-                acc[s, j] = dec(base[o, s, j])
-                comp[s, j] = 0.0
+            acc[s] = dec(base[s])
         for i in range(n):
             v = index[i]
-            # Checked where it is read (the first outer index reads them all): out is
-            # written only after the pass, so a bad value leaves it as it was.
             if v < 0 or v >= rows:
                 return i
-            c = count[v]
-            count[v] = c + 1
-            r = c % CHUNK_TERMS
-            for j in range(inner):
-                x = dec(src[o, i, j]) * a
-                if c < CHUNK_TERMS:
-                    if rule == KAHAN:
-                        acc[v, j], comp[v, j] = neumaier(acc[v, j], comp[v, j], x)
-                    else:
-                        acc[v, j] = acc[v, j] + x
-                    continue
-                if r == 0:
-                    part[v, j] = x
-                    pcomp[v, j] = 0.0
-                elif rule == KAHAN:
-                    part[v, j], pcomp[v, j] = neumaier(part[v, j], pcomp[v, j], x)
-                else:
-                    part[v, j] = part[v, j] + x
-                if r == CHUNK_TERMS - 1:
-                    _fold_chunk(acc, comp, part, pcomp, v, j, rule == KAHAN)
+            acc[v] = rnd(acc[v] + dec(src[i]))
         for s in range(rows):
-            c = count[s]
-            for j in range(inner):
-                if c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
-                    _fold_chunk(acc, comp, part, pcomp, s, j, rule == KAHAN)  # the last one
-                total = acc[s, j]
-                if rule == KAHAN:
-                    total = kahan_result(total, comp[s, j])
-                out[o, s, j] = enc(total)
+            out[s] = enc(acc[s])
+        return -1
+    # Per row: its count, its sum and (KAHAN) its compensation; its later chunk's partial
+    # sum and (KAHAN) compensation, set at the chunk's first term.
+    state = np.empty((rows, 3 if rule == KAHAN else 2), dtype=acc_dtype)
+    count = state.view(count_dtype)
+    chunk = np.empty((rows, 2 if rule == KAHAN else 1), dtype=acc_dtype)
+    for s in range(rows):
+        count[s, 0] = 0
+        state[s, 1] = dec(base[s])
+        if rule == KAHAN:
+            state[s, 2] = 0.0
+    for i in range(n):
+        v = index[i]
+        if v < 0 or v >= rows:
+            return i
+        c = count[v, 0]
+        x = dec(src[i])
+        if c < CHUNK_TERMS:
+            count[v, 0] = c + 1
+            if rule == KAHAN:
+                state[v, 1], state[v, 2] = neumaier(state[v, 1], state[v, 2], x)
+            else:
+                state[v, 1] = state[v, 1] + x
+            continue
+        place = c - CHUNK_TERMS
+        if place == 0:
+            chunk[v, 0] = x
+            if rule == KAHAN:
+                chunk[v, 1] = 0.0
+        elif rule == KAHAN:
+            chunk[v, 0], chunk[v, 1] = neumaier(chunk[v, 0], chunk[v, 1], x)
+        else:
+            chunk[v, 0] = chunk[v, 0] + x
+        if place == CHUNK_TERMS - 1:
+            _fold_chunk(state, chunk, v, rule == KAHAN)
+            count[v, 0] = CHUNK_TERMS
+        else:
+            count[v, 0] = c + 1
+    for s in range(rows):
+        if count[s, 0] > CHUNK_TERMS:
+            _fold_chunk(state, chunk, s, rule == KAHAN)  # the last one, shorter
+        total = state[s, 1]
+        if rule == KAHAN:
+            total = kahan_result(total, state[s, 2])
+        out[s] = enc(total)
     return -1
 
 
 @njit(inline="always")
-def _fold_chunk(acc, comp, part, pcomp, s, j, kahan):
-    """A completed later chunk's sum (and its compensation, under KAHAN) added to row ``s``'s,
-    as the segment kernel folds it."""
+def _fold_chunk(state, chunk, s, kahan):
+    """Row ``s``'s completed later chunk (its sum, and its compensation under KAHAN) added
+    to the row's, as the segment kernel folds it."""
     if kahan:
-        acc[s, j], c = neumaier(acc[s, j], comp[s, j], part[s, j])
-        comp[s, j] = c + pcomp[s, j]
+        state[s, 1], c = neumaier(state[s, 1], state[s, 2], chunk[s, 0])
+        state[s, 2] = c + chunk[s, 1]
     else:
-        acc[s, j] = acc[s, j] + part[s, j]
+        state[s, 1] = state[s, 1] + chunk[s, 0]
+
+
+def _one_column_extreme_at(src_at, index_at, base_at, out_at, n, rows, include_base):
+    """Returns -1 having written ``out`` (``rows`` elements; it may be ``base`` itself), or,
+    having written nothing, the first position of ``index`` outside ``[0, rows)``: one
+    column's ``_extreme_at`` (``[1, n, 1]`` by ``[1, rows, 1]``) into ``out``, a row without
+    terms ``base``'s own value there (``enc`` of it, under ``include_base``, as
+    ``_extreme_at`` writes it), in one pass over the terms that checks each index value as it
+    reads it, the picks kept apart from ``out``, which is written after it. A row's flag
+    (whether it has its first value) shares its cache line with its pick, as
+    ``_one_column_sum_at``'s count does with its sum.
+
+    The template of every format's and reduction's kernel, bound as ``_extreme_at`` is, and
+    with ``count_dtype`` (``_one_column_sum_at``)."""
+    src = carray(_at(src_at), (n,), data_dtype)
+    index = carray(_at(index_at), (n,), np.int64)
+    base = carray(_at(base_at), (rows,), data_dtype)
+    out = carray(_at(out_at), (rows,), data_dtype)
+    state = np.empty((rows, 2), dtype=acc_dtype)
+    started = state.view(count_dtype)
+    for s in range(rows):
+        started[s, 0] = include_base
+        state[s, 1] = dec(base[s])
+    for i in range(n):
+        v = index[i]
+        if v < 0 or v >= rows:
+            return i
+        x = dec(src[i])
+        if started[v, 0] == 0:
+            started[v, 0] = 1
+            state[v, 1] = x
+        elif _picked(x, state[v, 1], maximum):
+            state[v, 1] = x
+    for s in range(rows):
+        out[s] = enc(state[s, 1]) if started[s, 0] != 0 else base[s]
+    return -1
+
+
+def _histogram_at(values_at, n, left, right, width, scale, bins, counts_at):
+    """``counts`` (``bins`` int64) set to the number of the ``n`` values ``left <= x <=
+    right`` in each bin ``(x - left) * scale / width``, each step rounded to the data's
+    dtype (``rnd``, in the acc type), truncated toward zero, a bin past the last counted in
+    the last one; NaN and values outside the edges are not counted. The four numbers are
+    values of the dtype (exact in the acc type), ``width > 0`` and ``scale`` finite, such
+    that ``right``'s bin, the largest, is below ``bins + 1`` (``detsum.switch._histc_edges``
+    makes sure of it). One pass over the values.
+
+    The template of every format's kernel, bound with the format's ``dec``, ``rnd``, ``cvt``
+    and ``data_dtype``."""
+    values = carray(_at(values_at), (n,), data_dtype)
+    counts = carray(_at(counts_at), (bins,), np.int64)
+    low, high, w, sc = cvt(left), cvt(right), cvt(width), cvt(scale)
+    last = bins - 1
+    for k in range(bins):
+        counts[k] = 0
+    for i in range(n):
+        x = dec(values[i])
+        if x >= low and x <= high:
+            position = np.int64(rnd(rnd(rnd(x - low) * sc) / w))
+            counts[min(position, last)] += 1
+    return 0
 
 
 def _extreme_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
@@ -527,6 +603,49 @@ def _extreme_kernel_for(dtype, maximum):
     return kernel
 
 
+def extreme_one_column(src: torch.Tensor, index: torch.Tensor, base: torch.Tensor,
+                       out: torch.Tensor, maximum: bool, include_base: bool) -> int:
+    """``out`` (``base``'s size; it may be ``base`` itself) holding each element of ``base``
+    replaced by the largest (``maximum``) or smallest of the terms of ``src`` at ``index``
+    and, under ``include_base``, of its own value (``_one_column_extreme_at``: the segment
+    kernel's AMAX and AMIN, the same bits), an element without terms ``base``'s: returns -1
+    having written ``out``, or, having written nothing, the first position of ``index``
+    outside ``[0, base.numel())``. ``src`` and ``index`` of one size, ``src``, ``base`` and
+    ``out`` contiguous, of one dtype."""
+    index = _int64_elements(index)
+    kernel = _ONE_COLUMN_KERNELS.get((_one_column_extreme_at, src.dtype, maximum))
+    if kernel is None:
+        fmt, dec, _, enc, _, data_dtype, acc_dtype, _ = _FORMATS[src.dtype]
+        kernel = instance(_one_column_extreme_at, f"{fmt}_{'amax' if maximum else 'amin'}",
+                          maximum=maximum, dec=dec, enc=enc, data_dtype=data_dtype,
+                          acc_dtype=acc_dtype, count_dtype=_count_dtype(acc_dtype))
+        _ONE_COLUMN_KERNELS[(_one_column_extreme_at, src.dtype, maximum)] = kernel
+    return kernel(src.data_ptr(), index.data_ptr(), base.data_ptr(), out.data_ptr(),
+                  index.shape[0], out.numel(), include_base)
+
+
+def histogram(values: torch.Tensor, left: float, right: float, width: float, scale: float,
+              bins: int) -> torch.Tensor:
+    """The ``bins`` int64 counts of ``values`` (contiguous, a float dtype) that torch's CPU
+    ``histc`` makes from these edges, in one pass (``_histogram_at``); the four numbers as
+    ``_histogram_at`` takes them."""
+    counts = torch.empty(bins, dtype=torch.int64)
+    kernel = _ONE_COLUMN_KERNELS.get((_histogram_at, values.dtype))
+    if kernel is None:
+        fmt, dec, rnd, _, cvt, data_dtype, _, _ = _FORMATS[values.dtype]
+        kernel = instance(_histogram_at, fmt, dec=dec, rnd=rnd, cvt=cvt, data_dtype=data_dtype)
+        _ONE_COLUMN_KERNELS[(_histogram_at, values.dtype)] = kernel
+    kernel(values.data_ptr(), values.numel(), left, right, width, scale, bins,
+           counts.data_ptr())
+    return counts
+
+
+def _count_dtype(acc_dtype):
+    """The signed integer of ``acc_dtype``'s width, as which the one-column kernels read a
+    row's count or flag beside its sum or pick."""
+    return np.int32 if acc_dtype is np.float32 else np.int64
+
+
 def _int64_elements(index: torch.Tensor) -> torch.Tensor:
     """``index`` as the kernels read it: int64 elements one after another from its address.
     (``to`` with a memory format returns a strided 1-D tensor unchanged: ``contiguous``
@@ -560,19 +679,33 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
                   inner, out3.shape[1], float(alpha), out3 is base3)
 
 
-def index_add_chunked(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor,
-                      out3: torch.Tensor, alpha: float, rule: int) -> int:
-    """``index_add_small`` under WIDE or KAHAN for rows of any length (``_chunked_sum_at``):
-    write ``out3`` (it may be ``base3`` itself) and return -1, or, having written nothing,
-    the first position of ``index`` outside ``[0, S)``. The three tensors must be
-    contiguous."""
-    if rule not in (WIDE, KAHAN):
-        raise ValueError(f"index_add_chunked: rule {RULE_NAMES.get(rule, rule)} does not split")
+def index_add_one_column(src: torch.Tensor, index: torch.Tensor, base: torch.Tensor,
+                         out: torch.Tensor, rule: int) -> int:
+    """``out`` (``base``'s size; it may be ``base`` itself) holding ``base`` with the terms of
+    ``src`` added at ``index`` under ``rule`` (one of ``RULES``), rows of any length in one
+    pass (``_one_column_sum_at``): returns -1 having written ``out``, or, having written
+    nothing, the first position of ``index`` outside ``[0, base.numel())``. ``src`` and
+    ``index`` of one size, ``src``, ``base`` and ``out`` contiguous, of one dtype (any shape:
+    their elements are read in order)."""
+    if rule not in RULES:
+        raise ValueError(f"index_add_one_column: rule {RULE_NAMES.get(rule, rule)} is not a "
+                         f"rule of the serial sums {[RULE_NAMES[r] for r in RULES]}")
     index = _int64_elements(index)
-    outer, n, inner = src3.shape
-    kernel = _kernel_for(src3.dtype, rule, _chunked_sum_at)
-    return kernel(src3.data_ptr(), index.data_ptr(), base3.data_ptr(), out3.data_ptr(), outer, n,
-                  inner, out3.shape[1], float(alpha), out3 is base3)
+    kernel = _ONE_COLUMN_KERNELS.get((_one_column_sum_at, src.dtype, rule))
+    if kernel is None:
+        fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data = _FORMATS[src.dtype]
+        kernel = instance(_one_column_sum_at, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec,
+                          rnd=rnd, enc=enc, data_dtype=data_dtype, acc_dtype=acc_dtype,
+                          count_dtype=_count_dtype(acc_dtype))
+        _ONE_COLUMN_KERNELS[(_one_column_sum_at, src.dtype, rule)] = kernel
+    return kernel(src.data_ptr(), index.data_ptr(), base.data_ptr(), out.data_ptr(),
+                  index.shape[0], out.numel())
+
+
+#: (template, dtype, rule) -> ``_one_column_sum_at``'s kernel, (template, dtype, maximum) ->
+#: ``_one_column_extreme_at``'s, (template, dtype) -> ``_histogram_at``'s, each made on the
+#: first call that needs it.
+_ONE_COLUMN_KERNELS = {}
 
 
 def index_add_small_in_place(src: torch.Tensor, index: torch.Tensor, target: torch.Tensor,

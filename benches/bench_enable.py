@@ -208,8 +208,10 @@ def _time_switch_or_torch(benchmark, call, impl: str, op: str, group: str, case:
 
 
 #: One column of terms (a GNN's edge weights or degrees, a histogram): terms, output rows.
-#: A thousand rows get a thousand terms each, past a chunk (256); 100k rows, ten each.
-ONE_COLUMN = {"1M into 1000": (1_000_000, 1000), "1M into 100k": (1_000_000, 100_000)}
+#: A thousand rows get a thousand terms each, past a chunk (256); 100k rows, ten each; 10k
+#: terms into a thousand rows, a small graph's (the switch's C++ kernels' size).
+ONE_COLUMN = {"1M into 1000": (1_000_000, 1000), "1M into 100k": (1_000_000, 100_000),
+              "10k into 1000": (10_000, 1000)}
 
 
 def _one_column_calls(size: str) -> dict:
@@ -233,14 +235,16 @@ def _one_column_calls(size: str) -> dict:
 @pytest.mark.parametrize("op", list(_one_column_calls("1M into 1000")))
 @pytest.mark.parametrize("size", list(ONE_COLUMN))
 def test_enable_one_column(benchmark, size, op, impl):
-    """The switch's calls on one column of a million terms, where torch's kernels are a
-    serial loop and detsum's plan (a sort, then the launch) cost most: the 1-D calls run in
-    one pass without a plan (``_segments.streamed_scatter``), the histogram counts integers
+    """The switch's calls on one column of many terms, where torch's kernels are a serial
+    loop and detsum's plan (a sort, then the launch) cost most: the 1-D calls run in one pass
+    without a plan (``_segments.streamed_scatter``; at 10k terms the switch's C++ kernels,
+    ``add_column`` and ``pick_column``), the histogram counts integers in one pass
     (``switch._histc_counts``)."""
     n_src, n_out = ONE_COLUMN[size]
     _time_switch_or_torch(benchmark, _one_column_calls(size)[op], impl, op,
                           f"enable one column {op} {size}", f"{n_src} -> {n_out} fp32",
-                          f"test_enable_one_column[{size}-{op}-torch]")
+                          f"test_enable_one_column[{size}-{op}-torch]",
+                          iterations=20 if n_src < 100_000 else 1)
 
 
 CUDA_ROWS, CUDA_TABLE, CUDA_FEATURES = 50_000, 32_768, 256

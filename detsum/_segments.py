@@ -259,12 +259,13 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     (``extreme_small_in_place``). That is where the primitives' own paths give the call the
     same bits: the Numba backend runs CPU tensors now, and the call fits (a contiguous target,
     small, and for a sum or a mean no output row of more terms than one chunk under a rule
-    that splits). A source of other strides (the expanded gradient of a sum, say) is read
-    from a contiguous copy; an index that feeds few of the target's rows, which the
-    primitive's path reduces on their own (``rows_with_terms``: the same bits), takes the
-    one call too. False, nothing written, otherwise, where ``target`` may share memory with
-    ``index`` or ``source`` (their address ranges meet), and where a value of ``index`` is
-    out of range: the caller's own path then finds it and names it as its caller passed it.
+    that splits, but a sum of one column, whose one pass takes rows of any length). A source
+    of other strides (the expanded gradient of a sum, say) is read from a contiguous copy; an
+    index that feeds few of the target's rows, which the primitive's path reduces on their
+    own (``rows_with_terms``: the same bits), takes the one call too. False, nothing written,
+    otherwise, where ``target`` may share memory with ``index`` or ``source`` (their address
+    ranges meet), and where a value of ``index`` is out of range: the caller's own path then
+    finds it and names it as its caller passed it.
 
     For callers that have checked everything else already (the switch: the shapes, dtypes and
     devices torch would check, and that ``target`` may be changed), skipping the layers the
@@ -282,6 +283,13 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     outer = 1 if dim == 0 else math.prod(target.shape[:dim])
     inner = target.numel() // (outer * rows)
     # -1: written; a bad value's position, or for a sum TOO_MANY_TERMS: nothing written.
+    if outer == 1 and inner == 1 and (reduce in ("amax", "amin") or reduce == "sum"
+                                      and include_base and rule in small.RULES):
+        # One column, rows of any length, in one pass (the same bits).
+        if reduce == "sum":
+            return small.index_add_one_column(source, index, target, target, rule, alpha) == -1
+        return small.extreme_one_column(source, index, target, target, reduce == "amax",
+                                        include_base) == -1
     if reduce == "sum" and include_base and rule in small.RULES:
         return small.index_add_small_in_place(source, index, target, outer, inner, alpha,
                                               rule) == -1

@@ -474,6 +474,8 @@ def small_in_place_forms(dtype, mode, index):
     rows2 = index.view(-1, 1).expand(n, 5)
     rows3 = index.view(1, -1, 1).expand(2, n, 3)
     ones = torch.ones(n, dtype=dtype)
+    chunks = torch.cat([index] * 4) % 3
+    long_terms = data((4 * n,), dtype, 5)
     return [
         ("index_add_", "sum", lambda: x2.clone().index_add_(0, index, src2),
          detsum.index_add(x2, 0, index, src2, mode=mode)),
@@ -526,6 +528,16 @@ def small_in_place_forms(dtype, mode, index):
          detsum.scatter_reduce(x3, 1, rows3, src3, "amax", include_self=False, mode=mode)),
         ("index_reduce_ amin", "amin", lambda: x3.clone().index_reduce_(1, index, src3, "amin"),
          detsum.scatter_reduce(x3, 1, rows3, src3, "amin", mode=mode)),
+        # One column whose rows have many chunks' terms (800 each): one pass of any length.
+        ("index_add_ 1-D, rows of chunks", "sum",
+         lambda: x2[:3, 2].contiguous().index_add_(0, chunks, long_terms, alpha=alpha),
+         detsum.index_add(x2[:3, 2].contiguous(), 0, chunks, long_terms, alpha=alpha,
+                          mode=mode)),
+        ("scatter_reduce_ amin 1-D, rows of chunks", "amin",
+         lambda: x2[:3, 1].contiguous().scatter_reduce_(0, chunks.long(), long_terms, "amin",
+                                                        include_self=False),
+         detsum.scatter_reduce(x2[:3, 1].contiguous(), 0, chunks, long_terms, "amin",
+                               include_self=False, mode=mode)),
         # index_put_ and put_ with accumulate=True: index_add_ along the indexed dim, which
         # "autograd" takes in 16-bit floats too (torch rounds their sums after every add).
         ("index_put_", "put", lambda: x2.clone().index_put_((index,), src2, accumulate=True),
@@ -547,13 +559,14 @@ def small_in_place_answers(monkeypatch, python_kernels):
 def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
         small_in_place_answers, mode, dtype):
     """The switch's short way for a small in-place reduction (no plan, no new output, no copy)
-    gives the primitive's bits: 600 terms into 7 rows, at most 100 on a row; indices of every
-    layout it takes (1-D, expanded along dim 0 and dim 1 of 3-D tensors), alpha, both index
-    dtypes; amax and amin with and without the target's values, over NaNs and zeros of both
-    signs; means with and without them, rows without terms among them; index_reduce_'s,
-    index_put_'s and put_'s. It takes the sums and means of the rules it has (not "exact"'s);
-    "autograd" gives it only what reproduces torch (no 16-bit float sums or means but
-    index_put_'s and put_'s, which torch rounds in the dtype after every add)."""
+    gives the primitive's bits: 600 terms into 7 rows, at most 100 on a row, and 2400 into 3
+    of one column (rows of several chunks); indices of every layout it takes (1-D, expanded
+    along dim 0 and dim 1 of 3-D tensors), alpha, both index dtypes; amax and amin with and
+    without the target's values, over NaNs and zeros of both signs; means with and without
+    them, rows without terms among them; index_reduce_'s, index_put_'s and put_'s. It takes
+    the sums and means of the rules it has (not "exact"'s); "autograd" gives it only what
+    reproduces torch (no 16-bit float sums or means but index_put_'s and put_'s, which torch
+    rounds in the dtype after every add)."""
     generator = torch.Generator().manual_seed(8)
     index = torch.randperm(600, generator=generator) % 7
     torchs_sums = mode == "autograd" and dtype in (torch.bfloat16, torch.float16)
@@ -1978,7 +1991,7 @@ def test_histc_counts_in_one_pass_the_positions_a_gpus_path_counts():
                 continue  # torch's call (a range past the dtype's)
             position = switch._histc_positions(values, bins, edges)
             expected = torch.bincount(position, minlength=bins + 1)[:bins]
-            got = _segments.histogram(values, *(float(edge) for edge in edges), bins)
+            got = _segments.histogram(values, *edges, bins)
             assert torch.equal(got, expected), (dtype, case, low, high, bins)
 
 

@@ -467,9 +467,11 @@ def test_a_1d_scatter_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype, 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("mode", ("fp32", "kahan", "autograd"))
-def test_the_one_column_serial_sum_gives_the_bits_of_the_general_path(mode, dtype,
+@pytest.mark.parametrize("alpha", [1, 0.37])
+def test_the_one_column_serial_sum_gives_the_bits_of_the_general_path(mode, dtype, alpha,
                                                                        monkeypatch):
-    """``small.index_add_one_column``, the serial sum of one column, under each rule: the
+    """``small.index_add_one_column``, the serial sum of one column, under each rule, with
+    alpha: the
     general path's bits for rows of one term, of no terms, of exactly one and two chunks, of
     several chunks with a shorter last one, and of enough chunks to take the count past its
     wrap (``2 * CHUNK_TERMS - 1``) many times, with NaN, infinities and signed zeros among
@@ -486,19 +488,21 @@ def test_the_one_column_serial_sum_gives_the_bits_of_the_general_path(mode, dtyp
     base = make_data((len(counts),), dtype, seed=63, spread=True)
     base[1] = -0.0  # a row without terms keeps its own bits
     expected = general(monkeypatch, lambda: _without_the_pass(monkeypatch, lambda: (
-        detsum.index_add(base, 0, index, source, mode=mode))))
+        detsum.index_add(base, 0, index, source, alpha=alpha, mode=mode))))
     rule = {"fp32": small.WIDE, "kahan": small.KAHAN, "autograd": small.ROUND_EACH}[mode]
     out = torch.full_like(base, float("nan"))
-    assert small.index_add_one_column(source, index, base, out, rule) == -1
+    assert small.index_add_one_column(source, index, base, out, rule, alpha) == -1
     assert_same_bits(out, expected)
     target = base.clone()
-    assert small.index_add_one_column(source, index.to(torch.int32), target, target, rule) == -1
+    assert small.index_add_one_column(source, index.to(torch.int32), target, target, rule,
+                                      alpha) == -1
     assert_same_bits(target, expected)
     for position, value in ((17, len(counts)), (index.numel() - 1, -1)):
         bad = index.clone()
         bad[position] = value
         untouched = base.clone()
-        assert small.index_add_one_column(source, bad, untouched, untouched, rule) == position
+        assert small.index_add_one_column(source, bad, untouched, untouched, rule,
+                                          alpha) == position
         assert torch.equal(untouched, base)
     with pytest.raises(ValueError, match="rule exact is not a rule of the serial sums"):
         small.index_add_one_column(source, index, base, out, EXACT)

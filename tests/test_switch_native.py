@@ -234,6 +234,72 @@ def test_rows_of_more_terms_than_a_chunk(mode):
             assert not torch.equal(result, serial)
 
 
+@pytest.mark.parametrize("mode", detsum.MODES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_one_column_of_rows_of_any_length(mode, dtype):
+    """One column (a 1-D target, or one row of a 2-D one along its last dim), which the C++
+    kernels take in one pass whatever the rows' lengths: rows of one term, of none, of
+    exactly CHUNK_TERMS, of CHUNK_TERMS + 1, of two chunks and of many chunks and a shorter
+    last one; each op with every alpha, an int32 index, an index of stride 2, NaN, infinities
+    and both zeros: the bits of the Python kernels, and taken as the other forms are (not
+    "exact"'s sums). A value out of range, last or negative (but index_put_'s, from the
+    end): left to the Python kernels, nothing written, their error."""
+    counts = [1, 0, CHUNK_TERMS, CHUNK_TERMS + 1, 2 * CHUNK_TERMS, 7 * CHUNK_TERMS + 19, 5, 30]
+    for seed in range(8):
+        generator = torch.Generator().manual_seed(80 + seed)
+        index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        index = index[torch.randperm(index.numel(), generator=generator)]
+        if seed % 2:
+            index = index.int()
+        if seed % 4 == 2:
+            index = torch.stack([index, index.flip(0)], 1).view(-1)[::2]
+        if seed >= 6:
+            index = index.clone()
+            index[-1 if seed == 6 else 100] = len(counts) if seed == 6 else -1
+        target = values((len(counts),), dtype, generator, specials=seed % 3 == 0)
+        source = values((index.shape[0],), dtype, generator, specials=seed % 3 == 0)
+        alpha = (1, -1, 0.5, 1.0 / 3)[seed % 4]
+        in_a_row = seed % 2 == 0  # one row of a 2-D target, along its last dim
+        dim = 1 if in_a_row else 0
+
+        def shaped(t):
+            return t.view(1, -1) if in_a_row else t
+
+        calls = {
+            "index_add_": lambda: shaped(target.clone()).index_add_(dim, index, shaped(source),
+                                                                     alpha=alpha),
+            "scatter_add_": lambda: shaped(target.clone()).scatter_add_(
+                dim, shaped(index.long()), shaped(source)),
+            "_index_put_impl_": lambda: target.clone().index_put_((index,), source,
+                                                                  accumulate=True),
+        }
+        for reduce in ("amax", "amin"):
+            for include_self in (True, False):
+                calls[f"{reduce} {include_self}"] = (
+                    lambda r=reduce, i=include_self: shaped(target.clone()).scatter_reduce_(
+                        dim, shaped(index.long()), shaped(source), r, include_self=i))
+        for name, call in calls.items():
+            result, taken, expected = both_ways(mode, call)
+            assert_same_outcome(result, expected)
+            op = name if name in ("index_add_", "scatter_add_", "_index_put_impl_") \
+                else "scatter_reduce_.two"
+            sums = op != "scatter_reduce_.two"
+            takes = seed < 6 and (not sums or mode != "exact") and not (
+                name == "index_add_" and mode == "autograd" and alpha not in (1, -1))
+            assert taken == ({op: 1} if takes else {}), (seed, name)
+            # index_put_ counts a negative value from the end, as torch does.
+            if seed == 6 or seed == 7 and op != "_index_put_impl_":
+                assert isinstance(result, IndexError), (seed, name)
+        if seed == 6:
+            for call in (lambda t: t.index_add_(dim, index, shaped(source)),
+                         lambda t: t.scatter_reduce_(dim, shaped(index.long()), shaped(source),
+                                                     "amax")):
+                work = shaped(target.clone())
+                with detsum.deterministic(mode), pytest.raises(IndexError):
+                    call(work)
+                assert_same_bits(work, shaped(target))
+
+
 def test_forms_left_to_the_python_kernels():
     """Calls the C++ kernels must not take, each with the same outcome as without them:
     16-bit floats, integers, a transposed target or source, memory shared, a launch past the

@@ -15,10 +15,10 @@
 //
 // Every other call, and any call of those forms that does not fit (another dtype or layout,
 // "exact" mode's sums, a launch larger than small.MAX_ELEMENTS, a row of more than CHUNK_TERMS
-// terms under WIDE or KAHAN, an index value out of range, memory shared, an
-// inference tensor outside inference mode), goes unchanged to the kernel that was registered
-// before this one: the switch's Python kernel, which gives detsum's answer or torch's, its
-// error or detsum's. Nothing is written before that decision.
+// terms under WIDE or KAHAN but in one column (add_column), an index value out of range,
+// memory shared, an inference tensor outside inference mode), goes unchanged to the kernel
+// that was registered before this one: the switch's Python kernel, which gives detsum's
+// answer or torch's, its error or detsum's. Nothing is written before that decision.
 //
 // The Python side (detsum/switch.py through detsum/kernels/native) loads this library with
 // ctypes, installs the kernels over its own Python ones, and tells it the switch's state
@@ -38,6 +38,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,7 +52,8 @@ const char* const kOpNames[kOps] = {"index_add_", "scatter_add_", "scatter_reduc
 // ("autograd" mode: never split), KAHAN ("kahan" mode). WIDE and KAHAN split a row of more
 // than CHUNK_TERMS terms into chunks, another arithmetic, so such a call is not taken. On
 // float32 and float64 data WIDE and ROUND_EACH add term by term in the data type, and KAHAN
-// compensates in it.
+// compensates in it. (One column takes such rows: add_column cuts them as the segment kernel
+// does.)
 enum SumRule { kNoSum = 0, kWide = 1, kRoundEach = 2, kKahan = 3 };
 
 // The switch's state, set from Python. on: a mode is set (the switch is on). active: it is on
@@ -247,6 +249,132 @@ void pick_rows(T* target, const T* source, const Rows<I>& index, int64_t outer, 
   }
 }
 
+// One column (outer and inner 1: a 1-D target, or one row or column of one): each row's state
+// apart from the target, in one pass that checks each index value as it reads it, written
+// after it (small.py's index_add_one_column and extreme_one_column, whose arithmetic is
+// index_add_small's and extreme_small_in_place's: the same bits). A sum takes rows of any
+// length: under WIDE and KAHAN a row of more than chunk_terms terms is cut into chunks as the
+// segment kernel cuts it (the first chunk_terms terms added to the row's own value, each later
+// chunk summed from its first term and added once complete, the last, shorter one at the end;
+// KAHAN's chunk compensation added to the row's as its sum is). A row's count lies beside its
+// sum (8 bytes a float32 row: 4000 rows' state in the L1 cache) and stops below
+// 2 * chunk_terms (past the first chunk it only places a term in its chunk). Before, two
+// passes over the index (rows_fit's check, then the sum) and an inner loop of one made a 1-D
+// scatter_add_ of 10,000 terms 3.1x torch's (benches/NOTES.md). Returns whether it wrote the
+// target: false, nothing written, at an index value outside [0, rows).
+template <typename T>
+using CountOf = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+
+template <bool kahan, typename T>
+struct SumRow {
+  T sum;
+  CountOf<T> count;
+};
+template <typename T>
+struct SumRow<true, T> {
+  T sum, compensation;
+  CountOf<T> count;
+};
+
+// Neumaier's step (common.py's neumaier): s + t into s, the addition's exact error into c.
+template <typename T>
+inline void neumaier_step(T& s, T& c, T t) {
+  const T u = s + t;
+  const T d = std::abs(s) >= std::abs(t) ? (s - u) + t : (t - u) + s;
+  s = u;
+  c = c + d;
+}
+
+template <bool kahan, bool splits, typename T, typename I>
+bool add_column(T* target, const T* source, const Rows<I>& index, int64_t rows, double alpha,
+                int64_t chunk_terms) {
+  const T a = static_cast<T>(alpha);
+  std::vector<SumRow<kahan, T>> state(rows);
+  // A later chunk's partial sum (and compensation), set at its first term.
+  std::vector<T> chunk(splits ? rows : 0), chunk_compensation(splits && kahan ? rows : 0);
+  auto fold = [&](int64_t s) {
+    if constexpr (kahan) {
+      neumaier_step(state[s].sum, state[s].compensation, chunk[s]);
+      state[s].compensation = state[s].compensation + chunk_compensation[s];
+    } else {
+      state[s].sum = state[s].sum + chunk[s];
+    }
+  };
+  for (int64_t s = 0; s < rows; ++s) {
+    state[s].sum = target[s];
+    state[s].count = 0;
+    if constexpr (kahan) state[s].compensation = T(0);
+  }
+  for (int64_t i = 0; i < index.n; ++i) {
+    const int64_t v = index.at(i);
+    if (v < 0 || v >= rows) return false;
+    auto& row = state[v];
+    const T x = source[i] * a;
+    const int64_t c = row.count;
+    if (!splits || c < chunk_terms) {
+      row.count = static_cast<CountOf<T>>(c + 1);
+      if constexpr (kahan)
+        neumaier_step(row.sum, row.compensation, x);
+      else
+        row.sum = row.sum + x;
+      continue;
+    }
+    const int64_t place = c - chunk_terms;
+    if (place == 0) {
+      chunk[v] = x;
+      if constexpr (kahan) chunk_compensation[v] = T(0);
+    } else if constexpr (kahan) {
+      neumaier_step(chunk[v], chunk_compensation[v], x);
+    } else {
+      chunk[v] = chunk[v] + x;
+    }
+    if (place == chunk_terms - 1) {
+      fold(v);
+      row.count = static_cast<CountOf<T>>(chunk_terms);
+    } else {
+      row.count = static_cast<CountOf<T>>(c + 1);
+    }
+  }
+  for (int64_t s = 0; s < rows; ++s) {
+    if (splits && state[s].count > chunk_terms) fold(s);  // the last chunk, shorter
+    const T total = state[s].sum;
+    if constexpr (kahan) {
+      const T c = state[s].compensation;
+      target[s] = std::isfinite(total) && c != 0 ? total + c : total;
+    } else {
+      target[s] = total;
+    }
+  }
+  return true;
+}
+
+// A max or min of one column (see add_column): a row without terms keeps its value.
+template <bool maximum, typename T, typename I>
+bool pick_column(T* target, const T* source, const Rows<I>& index, int64_t rows,
+                 bool include_base) {
+  std::vector<SumRow<false, T>> state(rows);  // the pick; count: whether the row has one
+  for (int64_t s = 0; s < rows; ++s) {
+    state[s].sum = target[s];
+    state[s].count = include_base ? 1 : 0;
+  }
+  for (int64_t i = 0; i < index.n; ++i) {
+    const int64_t v = index.at(i);
+    if (v < 0 || v >= rows) return false;
+    auto& row = state[v];
+    const T x = source[i], y = row.sum;
+    if (row.count == 0) {
+      row.count = 1;
+      row.sum = x;
+      continue;
+    }
+    const bool picked = ((x != x) | (maximum ? x > y : x < y)) & (y == y);
+    row.sum = picked ? x : y;
+  }
+  for (int64_t s = 0; s < rows; ++s)
+    if (state[s].count != 0) target[s] = state[s].sum;
+  return true;
+}
+
 enum class Reduce { kSum, kMax, kMin };
 
 // target reduced in place along dim with source's rows at the row index (values of `index`,
@@ -264,10 +392,26 @@ bool reduce_rows_as(const at::Tensor& target, int64_t dim, const I* index_values
   for (int64_t d = 0; d < dim; ++d) outer *= target.size(d);
   const int64_t inner = target.numel() / (outer * rows);
   Rows<I> index{index_values, index_stride, n};
-  if (!rows_fit(index, rows, reduce == Reduce::kSum && (sum_rule == kWide || sum_rule == kKahan),
-                g_chunk_terms.load(std::memory_order_relaxed)))
-    return false;
+  const int64_t chunk_terms = g_chunk_terms.load(std::memory_order_relaxed);
   const bool is_float = target.scalar_type() == at::kFloat;
+  if (outer == 1 && inner == 1) {
+    auto column = [&](auto* out, const auto* in) {
+      if (reduce == Reduce::kSum) {
+        if (sum_rule == kKahan) return add_column<true, true>(out, in, index, rows, alpha,
+                                                               chunk_terms);
+        if (sum_rule == kWide) return add_column<false, true>(out, in, index, rows, alpha,
+                                                               chunk_terms);
+        return add_column<false, false>(out, in, index, rows, alpha, chunk_terms);
+      }
+      if (reduce == Reduce::kMax) return pick_column<true>(out, in, index, rows, include_base);
+      return pick_column<false>(out, in, index, rows, include_base);
+    };
+    if (is_float) return column(target.mutable_data_ptr<float>(), source.const_data_ptr<float>());
+    return column(target.mutable_data_ptr<double>(), source.const_data_ptr<double>());
+  }
+  if (!rows_fit(index, rows, reduce == Reduce::kSum && (sum_rule == kWide || sum_rule == kKahan),
+                chunk_terms))
+    return false;
   if (reduce == Reduce::kSum) {
     auto add = [&](auto* out, const auto* in) {
       if (sum_rule == kKahan)

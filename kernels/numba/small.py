@@ -14,8 +14,8 @@ ROUND_EACH (see its module docstring): ``acc = A(base)``; per term ``t = A(x) * 
 ``s + c``; then rounded to the dtype. Every output row is written, those without terms too
 (their base through the acc type, as the segment kernel writes them).
 
-``index_add_one_column(src, index, base, out, rule)`` computes the same for one column (1-D
-``src`` and ``base``, alpha 1) with rows of any length, in one pass over the terms: under WIDE
+``index_add_one_column(src, index, base, out, rule, alpha)`` computes the same for one column
+(1-D ``src`` and ``base``) with rows of any length, in one pass over the terms: under WIDE
 and KAHAN a row of more than ``CHUNK_TERMS`` terms is cut into chunks as the segment kernel
 cuts it (each row keeps its count and its later chunk's partial sum beside its sum). A 1-D
 sum of many terms takes it at any size (``detsum._segments.streamed_scatter``).
@@ -195,12 +195,13 @@ def _index_add_at(src_at, index_at, base_at, out_at, outer, n, inner, rows, alph
     return -1
 
 
-def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows):
+def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows, alpha):
     """Returns -1 having written ``out`` (``rows`` elements; it may be ``base`` itself): each
     element its ``base`` value with the ``n`` terms of ``src`` at ``index`` added under
-    ``rule``, or, having written nothing, the first position of ``index`` outside ``[0,
-    rows)``. One column: ``index_add_small``'s sum of ``[1, n, 1]`` by ``[1, rows, 1]``
-    (alpha 1), for rows of any length.
+    ``rule``, each scaled by ``alpha``, or, having written nothing, the first position of
+    ``index`` outside ``[0, rows)``. One column: ``index_add_small``'s sum of ``[1, n, 1]``
+    by ``[1, rows, 1]`` (its terms ``A(x) * A(alpha)``, under ROUND_EACH rounded to the dtype
+    unless ``alpha == 1``), for rows of any length.
 
     One pass over the terms checks each index value as it reads it and keeps each row's
     state apart from ``out``, which is written after it. Under WIDE and KAHAN a row's terms
@@ -223,6 +224,7 @@ def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows):
     index = carray(_at(index_at), (n,), np.int64)
     base = carray(_at(base_at), (rows,), data_dtype)
     out = carray(_at(out_at), (rows,), data_dtype)
+    a = cvt(alpha)
     if rule == ROUND_EACH:
         acc = np.empty(rows, dtype=acc_dtype)
         for s in range(rows):
@@ -231,7 +233,9 @@ def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows):
             v = index[i]
             if v < 0 or v >= rows:
                 return i
-            acc[v] = rnd(acc[v] + dec(src[i]))
+            # torch rounds source * alpha to the dtype before adding.
+            x = dec(src[i]) if alpha == 1.0 else rnd(dec(src[i]) * a)
+            acc[v] = rnd(acc[v] + x)
         for s in range(rows):
             out[s] = enc(acc[s])
         return -1
@@ -250,7 +254,7 @@ def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows):
         if v < 0 or v >= rows:
             return i
         c = count[v, 0]
-        x = dec(src[i])
+        x = dec(src[i]) * a
         if c < CHUNK_TERMS:
             count[v, 0] = c + 1
             if rule == KAHAN:
@@ -680,13 +684,13 @@ def index_add_small(src3: torch.Tensor, index: torch.Tensor, base3: torch.Tensor
 
 
 def index_add_one_column(src: torch.Tensor, index: torch.Tensor, base: torch.Tensor,
-                         out: torch.Tensor, rule: int) -> int:
+                         out: torch.Tensor, rule: int, alpha: float = 1.0) -> int:
     """``out`` (``base``'s size; it may be ``base`` itself) holding ``base`` with the terms of
-    ``src`` added at ``index`` under ``rule`` (one of ``RULES``), rows of any length in one
-    pass (``_one_column_sum_at``): returns -1 having written ``out``, or, having written
-    nothing, the first position of ``index`` outside ``[0, base.numel())``. ``src`` and
-    ``index`` of one size, ``src``, ``base`` and ``out`` contiguous, of one dtype (any shape:
-    their elements are read in order)."""
+    ``src`` scaled by ``alpha`` added at ``index`` under ``rule`` (one of ``RULES``), rows of
+    any length in one pass (``_one_column_sum_at``: ``index_add_small``'s bits): returns -1
+    having written ``out``, or, having written nothing, the first position of ``index``
+    outside ``[0, base.numel())``. ``src`` and ``index`` of one size, ``src``, ``base`` and
+    ``out`` contiguous, of one dtype (any shape: their elements are read in order)."""
     if rule not in RULES:
         raise ValueError(f"index_add_one_column: rule {RULE_NAMES.get(rule, rule)} is not a "
                          f"rule of the serial sums {[RULE_NAMES[r] for r in RULES]}")
@@ -695,11 +699,11 @@ def index_add_one_column(src: torch.Tensor, index: torch.Tensor, base: torch.Ten
     if kernel is None:
         fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, acc_is_data = _FORMATS[src.dtype]
         kernel = instance(_one_column_sum_at, f"{fmt}_{RULE_NAMES[rule]}", rule=rule, dec=dec,
-                          rnd=rnd, enc=enc, data_dtype=data_dtype, acc_dtype=acc_dtype,
+                          rnd=rnd, enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype,
                           count_dtype=_count_dtype(acc_dtype))
         _ONE_COLUMN_KERNELS[(_one_column_sum_at, src.dtype, rule)] = kernel
     return kernel(src.data_ptr(), index.data_ptr(), base.data_ptr(), out.data_ptr(),
-                  index.shape[0], out.numel())
+                  index.shape[0], out.numel(), float(alpha))
 
 
 #: (template, dtype, rule) -> ``_one_column_sum_at``'s kernel, (template, dtype, maximum) ->

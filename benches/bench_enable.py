@@ -215,17 +215,20 @@ ONE_COLUMN = {"1M into 1000": (1_000_000, 1000), "1M into 100k": (1_000_000, 100
 
 
 def _one_column_calls(size: str) -> dict:
-    """op -> torch's call on a million one-element terms into ``size``'s rows (or bins), run
-    as it is (with the switch on or off)."""
+    """op -> torch's call on ``size``'s one-element terms into its rows (or bins), run as it
+    is (with the switch on or off)."""
     n_src, n_out = ONE_COLUMN[size]
     gen = torch.Generator().manual_seed(13)
     index = torch.randint(0, n_out, (n_src,), generator=gen)
     terms, work = torch.randn(n_src, generator=gen), torch.zeros(n_out)
+    factors = 1 + terms / 1024  # near 1: a product of a thousand stays finite
     return {
         "index_add_": lambda: work.index_add_(0, index, terms),
         "index_add_ last dim": lambda: work.view(1, -1).index_add_(1, index, terms.view(1, -1)),
         "scatter_add_": lambda: work.scatter_add_(0, index, terms),
         "scatter_reduce_ amax": lambda: work.scatter_reduce_(0, index, terms, "amax"),
+        "scatter_reduce mean": lambda: work.scatter_reduce(0, index, terms, "mean"),
+        "scatter_reduce prod": lambda: work.scatter_reduce(0, index, factors, "prod"),
         "bincount weights": lambda: torch.bincount(index, terms, minlength=n_out),
         "histc": lambda: torch.histc(terms, bins=n_out, min=-3, max=3),
     }

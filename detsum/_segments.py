@@ -135,25 +135,23 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
     from each row's own value under ``include_base``), from one pass over ``source3`` and
     ``index`` without a plan, or None, nothing written, where that pass is not the faster:
     rows of one element and one outer index (a 1-D ``index_add``, ``scatter_add``,
-    ``bincount``), at least ``_MIN_STREAMED_TERMS`` terms and at most as many output rows,
-    under a rule but EXACT. The pass is one of the small calls' serial ones
-    (``kernels.numba.small``) for a sum from the input and for a max or min, else
-    ``kernels.numba.scatter``'s elementwise scatter with ``index`` as each element's output
-    row: each gives each output element the terms, order and arithmetic of the plan's launch
-    (the same bits). Against the plan's path (a counting sort, then the launch) an
-    index_add took 0.2-0.6x the time from 50k to 3M terms on two threads, as much at 20k;
-    with a slice of several elements, or several outer indices, the plan's launch is the
-    faster (benches/NOTES.md). A value of ``index`` outside ``input3``'s rows raises in
-    ``caller``'s words, nothing written."""
+    ``bincount``), at most as many output rows as terms, under a rule but EXACT. The pass is
+    one of ``kernels.numba.small``'s one-column kernels for a contiguous source, at any size,
+    else, from ``_MIN_STREAMED_TERMS`` terms, ``kernels.numba.scatter``'s elementwise scatter
+    with ``index`` as each element's output row: each gives each output element the terms,
+    order and arithmetic of the plan's launch (the same bits). Against the plan's path (a
+    counting sort, then the launch) the scatter's index_add took 0.2-0.6x the time from 50k
+    to 3M terms on two threads, as much at 20k; the one-column kernels, one serial pass
+    each, 0.1-0.5x from 10k terms (benches/NOTES.md); with a slice of several elements, or
+    several outer indices, the plan's launch is the faster. A value of ``index`` outside
+    ``input3``'s rows raises in ``caller``'s words, nothing written."""
     outer, rows, inner = input3.shape
     terms = source3.shape[1]
-    if not (outer == 1 and inner == 1 and 0 < rows <= terms and terms >= _MIN_STREAMED_TERMS
-            and rule in _STREAMED_RULES):
+    if not (outer == 1 and inner == 1 and 0 < rows <= terms and rule in _STREAMED_RULES):
         return None
     if reduce == "sum" and include_base and source3.is_contiguous() and input3.is_contiguous():
-        # A sum is one serial pass (``small.index_add_one_column``), at any size, 0.2-0.7x
-        # the scatter's time (which counts every term and sums the rows of more than a
-        # chunk again).
+        # A sum is one serial pass (``small.index_add_one_column``), 0.2-0.7x the scatter's
+        # time (which counts every term and sums the rows of more than a chunk again).
         written = new_output_like(input3) if out3 is None else out3
         small = _small_kernels()
         answer = small.index_add_one_column(source3, index, input3, written, rule)
@@ -169,6 +167,20 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
         if answer >= 0:
             raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
         return written
+    if reduce in ("sum", "mean", "prod") and source3.is_contiguous() and (
+            out3 is None or out3.is_contiguous()):
+        # A sum without the input's values, a mean, a product: one serial pass too
+        # (``small.reduce_one_column``), the scatter's variant.
+        small = _small_kernels()
+        written = new_output_like(input3) if out3 is None else out3
+        answer = small.reduce_one_column(source3, index, input3.contiguous(), written,
+                                         kernels.REDUCE_CODES[reduce], rule, include_base)
+        if answer != small.TOO_MANY_TERMS:
+            if answer >= 0:
+                raise_index_out_of_range(caller, "index", index, answer, rows, size_name)
+            return written
+    if terms < _MIN_STREAMED_TERMS:
+        return None
     from detsum.kernels.numba.scatter import scatter_elements
 
     # The scatter writes an output other than its base: in place, a new one copied back.
@@ -184,7 +196,8 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
 
 #: The rules ``streamed_scatter`` takes: every rule of the elementwise scatter.
 _STREAMED_RULES = (kernels.WIDE, kernels.KAHAN, kernels.ROUND_EACH)
-#: Fewest terms ``streamed_scatter`` takes: below, the plan's path was as fast or faster.
+#: Fewest terms ``streamed_scatter`` hands the elementwise scatter (a strided source): below,
+#: the plan's path was as fast or faster.
 _MIN_STREAMED_TERMS = 1 << 15
 
 
@@ -259,7 +272,8 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     (``extreme_small_in_place``). That is where the primitives' own paths give the call the
     same bits: the Numba backend runs CPU tensors now, and the call fits (a contiguous target,
     small, and for a sum or a mean no output row of more terms than one chunk under a rule
-    that splits, but a sum of one column, whose one pass takes rows of any length). A source
+    that splits, but a sum or mean of one column, whose one pass takes rows of any length).
+    A source
     of other strides (the expanded gradient of a sum, say) is read from a contiguous copy; an
     index that feeds few of the target's rows, which the primitive's path reduces on their
     own (``rows_with_terms``: the same bits), takes the one call too. False, nothing written,
@@ -283,11 +297,14 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     outer = 1 if dim == 0 else math.prod(target.shape[:dim])
     inner = target.numel() // (outer * rows)
     # -1: written; a bad value's position, or for a sum TOO_MANY_TERMS: nothing written.
-    if outer == 1 and inner == 1 and (reduce in ("amax", "amin") or reduce == "sum"
-                                      and include_base and rule in small.RULES):
+    if outer == 1 and inner == 1 and (reduce in ("amax", "amin") or rule in small.RULES and (
+            reduce == "mean" or reduce == "sum" and include_base)):
         # One column, rows of any length, in one pass (the same bits).
         if reduce == "sum":
             return small.index_add_one_column(source, index, target, target, rule, alpha) == -1
+        if reduce == "mean":
+            return small.reduce_one_column(source, index, target, target, small.MEAN, rule,
+                                           include_base) == -1
         return small.extreme_one_column(source, index, target, target, reduce == "amax",
                                         include_base) == -1
     if reduce == "sum" and include_base and rule in small.RULES:

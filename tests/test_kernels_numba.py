@@ -488,9 +488,11 @@ CALLS = {
 
 def one_column_calls():
     column, base = rows[:, 0].contiguous(), torch.randn(500, generator=g)
-    out = [torch.empty(500) for _ in range(2)]
+    out = [torch.empty(500) for _ in range(3)]
     assert one_column.index_add_one_column(column, index, base, out[0], WIDE) == -1
     assert one_column.extreme_one_column(column, index, base, out[1], True, False) == -1
+    assert one_column.reduce_one_column(column, index, base, out[2], one_column.MEAN, KAHAN,
+                                        False) == -1
     return out + [one_column.histogram(column, -1.0, 1.0, 2.0, 7.0, 7)]
 
 

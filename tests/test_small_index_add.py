@@ -325,9 +325,9 @@ def test_a_small_means_bad_index_writes_nothing():
 # ---- a 1-D index_add in one pass without a plan ------------------------------------------------
 
 def _one_pass_from_2000_terms(monkeypatch) -> list:
-    """The one-pass path taken from 2000 terms (past the small path's limit, which would
-    take "autograd" first): what each later call of ``_segments.streamed_scatter`` answers,
-    in turn (None where it did not take the call)."""
+    """The one-pass path with the small path off (which would take "autograd" first), its
+    elementwise scatter from 2000 terms: what each later call of
+    ``_segments.streamed_scatter`` answers, in turn (None where it did not take the call)."""
     monkeypatch.setattr(_segments, "_MIN_STREAMED_TERMS", 2000)
     monkeypatch.setattr(small, "MAX_ELEMENTS", -1)
     return record_answers(monkeypatch, _segments, "streamed_scatter")
@@ -353,11 +353,10 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
     of one term, of exactly CHUNK_TERMS and of several chunks and a shorter last one (cut as
     the plan's launch cuts them), rows with no terms, NaN, infinities and signed zeros, a
     strided source and an int32 index; along the last dim of a 2-D tensor of one row too.
-    The pass is a serial sum (``small.index_add_one_column``), or for a strided source the
-    elementwise scatter. "exact", alpha
-    other than 1, a second row of the outer dim, a wider slice or fewer terms than
-    ``_MIN_STREAMED_TERMS``: the plan's path. Outputs are NaN before the kernel writes
-    them."""
+    The pass is a serial sum (``small.index_add_one_column``, at any size), or for a strided
+    source the elementwise scatter. "exact", alpha other than 1, a second row of the outer
+    dim, a wider slice, a strided source of fewer terms than ``_MIN_STREAMED_TERMS``: the
+    plan's path. Outputs are NaN before the kernel writes them."""
     taken = _one_pass_from_2000_terms(monkeypatch)
     g = torch.Generator().manual_seed(41)
     rows = 40
@@ -405,8 +404,8 @@ def test_a_1d_index_add_in_one_pass_gives_the_bits_of_the_plans_path(mode, dtype
                                                    source.view(1, -1).expand(2, -1), mode=mode),
         "slice of two": lambda: detsum.index_add(base.view(rows, 1).expand(rows, 2), 0, index,
                                                  source.view(-1, 1).expand(-1, 2), mode=mode),
-        "fewer terms": lambda: detsum.index_add(base, 0, index[:1999], source[:1999],
-                                                mode=mode),
+        "a strided source of fewer terms": lambda: detsum.index_add(
+            base, 0, index[:1999], strided_copy(source)[:1999], mode=mode),
     }
     for name, call in declined.items():
         taken.clear()
@@ -506,6 +505,51 @@ def test_the_one_column_serial_sum_gives_the_bits_of_the_general_path(mode, dtyp
         assert torch.equal(untouched, base)
     with pytest.raises(ValueError, match="rule exact is not a rule of the serial sums"):
         small.index_add_one_column(source, index, base, out, EXACT)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mode", ("fp32", "kahan", "autograd"))
+@pytest.mark.parametrize("reduce", ("sum", "mean", "prod"))
+def test_the_one_column_serial_reduction_gives_the_bits_of_the_general_path(reduce, mode, dtype,
+                                                                            monkeypatch):
+    """``small.reduce_one_column``, the elementwise scatter's sum, mean and product of one
+    column: the general path's bits (``detsum.scatter_reduce``'s plan) with and without each
+    row's own value, for rows of one term, of none (which keep their bits without it), of
+    exactly one and two chunks, of several chunks with a shorter last one and of one past a
+    chunk; terms near 1 (a product of many stays finite), NaN and both zeros on rows of their
+    own; in place and into a new output; a bad value named, nothing written."""
+    counts = [1, 0, CHUNK_TERMS, 2 * CHUNK_TERMS, 5 * CHUNK_TERMS + 31, CHUNK_TERMS + 1, 9, 3]
+    g = torch.Generator().manual_seed(67)
+    index = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    index = index[torch.randperm(index.numel(), generator=g)]
+    spread = make_data((index.numel(),), torch.float64, seed=68, spread=True)
+    source = (1 + spread / spread.abs().max() / 64).to(dtype)
+    source[(index == 6).nonzero().flatten()[2]] = float("nan")
+    source[(index == 7).nonzero().flatten()] = torch.tensor([-0.0, 0.0, -0.0]).to(dtype)
+    base = make_data((len(counts),), dtype, seed=69, spread=True)
+    base[1] = -0.0
+    rule = {"fp32": small.WIDE, "kahan": small.KAHAN, "autograd": small.ROUND_EACH}[mode]
+    for include_base in (True, False):
+        expected = general(monkeypatch, lambda: _without_the_pass(monkeypatch, lambda: (
+            detsum.scatter_reduce(base, 0, index, source, reduce, include_self=include_base,
+                                  mode=mode))))
+        code = small.REDUCE_CODES[reduce]
+        out = torch.full_like(base, float("nan"))
+        assert small.reduce_one_column(source, index, base, out, code, rule,
+                                       include_base) == -1
+        assert_same_bits(out, expected)
+        # Row 1 has no terms: -0.0, bit for bit (its own, or its mean or product of one).
+        assert torch.equal(out[1:2].view(torch.uint8), base[1:2].view(torch.uint8))
+        target = base.clone()
+        assert small.reduce_one_column(source, index.to(torch.int32), target, target, code,
+                                       rule, include_base) == -1
+        assert_same_bits(target, expected)
+        bad = index.clone()
+        bad[17] = len(counts)
+        untouched = base.clone()
+        assert small.reduce_one_column(source, bad, untouched, untouched, code, rule,
+                                       include_base) == 17
+        assert_same_bits(untouched, base)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)

@@ -57,9 +57,10 @@ from .rounding import (
 from . import njit
 from .common import _f32, _f64, kahan_result, neumaier
 from .instances import instance
+from .variants import OP_ADD_ROUND, OP_KAHAN, OP_MUL, variant_for, variant_name
 
 __all__ = ["index_add_small", "index_add_one_column", "index_add_small_in_place",
-           "extreme_small_in_place", "extreme_one_column", "histogram",
+           "extreme_small_in_place", "extreme_one_column", "reduce_one_column", "histogram",
            "mean_small_in_place", "segment_reduce_small", "fits", "TOO_MANY_TERMS",
            "BAD_OFFSETS"]
 
@@ -284,6 +285,103 @@ def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows, alpha):
             total = kahan_result(total, state[s, 2])
         out[s] = enc(total)
     return -1
+
+
+def _one_column_reduce_at(src_at, index_at, base_at, out_at, n, rows, include_base):
+    """Returns -1 having written ``out`` (``rows`` elements; it may be ``base`` itself), or,
+    having written nothing, the first position of ``index`` outside ``[0, rows)``: one
+    column of the elementwise scatter's sum, mean or product (``scatter.py``'s
+    ``_scatter_block_kernel`` for ``[1, n, 1]`` into ``[1, rows, 1]``, the same variant,
+    the same bits) in one pass that checks each index value as it reads it, each row's state
+    kept apart from ``out``, which is written after it. A row starts from its ``base`` value
+    under ``include_base``, else from the operation's identity; every term is combined by
+    ``op`` in order; under ``split`` a row of more than CHUNK_TERMS terms is cut into chunks
+    as ``segment``'s kernel cuts it (a later chunk reduced from its first term, folded in
+    once complete); a mean divides by its count (and the base), rounding the total to the
+    dtype first under ``mean_round``; a row without terms and without ``include_base`` keeps
+    ``base``'s bits. A row's count lies beside its state, and counts every term (a mean's
+    divisor): the wrapper keeps ``n`` within ``count_dtype``.
+
+    The template of every format's and variant's kernel: ``instances.instance`` binds the
+    variant's ``op``, ``mean``, ``mean_round`` and ``split`` (``variants.variant_for``, alpha
+    1) and the format's ``dec``, ``rnd``, ``enc``, ``cvt``, ``data_dtype``, ``acc_dtype``
+    and ``count_dtype``."""
+    src = carray(_at(src_at), (n,), data_dtype)
+    index = carray(_at(index_at), (n,), np.int64)
+    base = carray(_at(base_at), (rows,), data_dtype)
+    out = carray(_at(out_at), (rows,), data_dtype)
+    kahan = op == OP_KAHAN
+    identity = cvt(1.0) if op == OP_MUL else cvt(0.0)
+    # Per row: its count, its value and (KAHAN) its compensation; its later chunk's value
+    # and (KAHAN) compensation, set at the chunk's first term.
+    state = np.empty((rows, 3 if kahan else 2), dtype=acc_dtype)
+    count = state.view(count_dtype)
+    chunk = np.empty((rows, 2 if kahan else 1), dtype=acc_dtype)
+    for s in range(rows):
+        count[s, 0] = 0
+        state[s, 1] = dec(base[s]) if include_base else identity
+        if kahan:
+            state[s, 2] = 0.0
+    for i in range(n):
+        v = index[i]
+        if v < 0 or v >= rows:
+            return i
+        c = count[v, 0]
+        count[v, 0] = c + 1
+        x = dec(src[i])
+        # (The operations written out here, not in helpers: a helper would not see the
+        # instance's bound op and rnd.)
+        if not split or c < CHUNK_TERMS:
+            if kahan:
+                state[v, 1], state[v, 2] = neumaier(state[v, 1], state[v, 2], x)
+            elif op == OP_ADD_ROUND:
+                state[v, 1] = rnd(state[v, 1] + x)
+            elif op == OP_MUL:
+                state[v, 1] = state[v, 1] * x
+            else:
+                state[v, 1] = state[v, 1] + x
+            continue
+        place = c % CHUNK_TERMS
+        if place == 0:
+            chunk[v, 0] = x
+            if kahan:
+                chunk[v, 1] = 0.0
+        elif kahan:
+            chunk[v, 0], chunk[v, 1] = neumaier(chunk[v, 0], chunk[v, 1], x)
+        elif op == OP_MUL:
+            chunk[v, 0] = chunk[v, 0] * x
+        else:
+            chunk[v, 0] = chunk[v, 0] + x
+        if place == CHUNK_TERMS - 1:
+            _fold_reduced_chunk(state, chunk, v, kahan, op == OP_MUL)
+    for s in range(rows):
+        c = count[s, 0]
+        if c == 0 and not include_base:
+            out[s] = base[s]  # nothing reached it: its bits
+            continue
+        if split and c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
+            _fold_reduced_chunk(state, chunk, s, kahan, op == OP_MUL)  # the last, shorter
+        total = state[s, 1]
+        if kahan:
+            total = kahan_result(total, state[s, 2])
+        if mean:
+            divisor = cvt(c + (1 if include_base else 0))
+            total = rnd(total) / divisor if mean_round else total / divisor
+        out[s] = enc(total)
+    return -1
+
+
+@njit(inline="always")
+def _fold_reduced_chunk(state, chunk, s, kahan, product):
+    """Row ``s``'s completed later chunk folded into its value (``_one_column_reduce_at``),
+    as the scatter folds it."""
+    if kahan:
+        state[s, 1], c = neumaier(state[s, 1], state[s, 2], chunk[s, 0])
+        state[s, 2] = c + chunk[s, 1]
+    elif product:
+        state[s, 1] = state[s, 1] * chunk[s, 0]
+    else:
+        state[s, 1] = state[s, 1] + chunk[s, 0]
 
 
 @njit(inline="always")
@@ -644,6 +742,33 @@ def histogram(values: torch.Tensor, left: float, right: float, width: float, sca
     return counts
 
 
+def reduce_one_column(src: torch.Tensor, index: torch.Tensor, base: torch.Tensor,
+                      out: torch.Tensor, reduce: int, rule: int, include_base: bool) -> int:
+    """``out`` (``base``'s size; it may be ``base`` itself) holding ``base``'s elements
+    reduced (SUM, MEAN or PROD under ``rule``, one of ``RULES``) with the terms of ``src`` at
+    ``index``, from their own values under ``include_base``, as the elementwise scatter of
+    one column computes it, in one pass (``_one_column_reduce_at``): returns -1 having written
+    ``out``, or, having written nothing, the first position of ``index`` outside ``[0,
+    base.numel())``, or TOO_MANY_TERMS for more terms than a row's count holds. ``src`` and
+    ``index`` of one size, ``src``, ``base`` and ``out`` contiguous, of one dtype."""
+    index = _int64_elements(index)
+    variant = variant_for(reduce, rule, False)
+    fmt, dec, rnd, enc, cvt, data_dtype, acc_dtype, _ = _FORMATS[src.dtype]
+    count_dtype = _count_dtype(acc_dtype)
+    if index.shape[0] > np.iinfo(count_dtype).max:
+        return TOO_MANY_TERMS
+    kernel = _ONE_COLUMN_KERNELS.get((_one_column_reduce_at, src.dtype, variant))
+    if kernel is None:
+        op, mean, mean_round, split = variant
+        kernel = instance(_one_column_reduce_at, f"{fmt}_{variant_name(*variant)}", op=op,
+                          mean=mean, mean_round=mean_round, split=split, dec=dec, rnd=rnd,
+                          enc=enc, cvt=cvt, data_dtype=data_dtype, acc_dtype=acc_dtype,
+                          count_dtype=count_dtype)
+        _ONE_COLUMN_KERNELS[(_one_column_reduce_at, src.dtype, variant)] = kernel
+    return kernel(src.data_ptr(), index.data_ptr(), base.data_ptr(), out.data_ptr(),
+                  index.shape[0], out.numel(), include_base)
+
+
 def _count_dtype(acc_dtype):
     """The signed integer of ``acc_dtype``'s width, as which the one-column kernels read a
     row's count or flag beside its sum or pick."""
@@ -707,8 +832,8 @@ def index_add_one_column(src: torch.Tensor, index: torch.Tensor, base: torch.Ten
 
 
 #: (template, dtype, rule) -> ``_one_column_sum_at``'s kernel, (template, dtype, maximum) ->
-#: ``_one_column_extreme_at``'s, (template, dtype) -> ``_histogram_at``'s, each made on the
-#: first call that needs it.
+#: ``_one_column_extreme_at``'s, (template, dtype, variant) -> ``_one_column_reduce_at``'s,
+#: (template, dtype) -> ``_histogram_at``'s, each made on the first call that needs it.
 _ONE_COLUMN_KERNELS = {}
 
 

@@ -141,10 +141,10 @@ def streamed_scatter(caller: str, source3: torch.Tensor, index: torch.Tensor,
     with ``index`` as each element's output row: each gives each output element the terms,
     order and arithmetic of the plan's launch (the same bits). Against the plan's path (a
     counting sort, then the launch) the scatter's index_add took 0.2-0.6x the time from 50k
-    to 3M terms on two threads, as much at 20k; the one-column kernels, one serial pass
-    each, 0.1-0.5x from 10k terms (benches/NOTES.md); with a slice of several elements, or
-    several outer indices, the plan's launch is the faster. A value of ``index`` outside
-    ``input3``'s rows raises in ``caller``'s words, nothing written."""
+    to 3M terms on two threads, as much at 20k; a one-column kernel took a switched 1-D
+    product of 10k terms from 192 to 104 us (benches/NOTES.md); with a slice of several
+    elements, or several outer indices, the plan's launch is the faster. A value of
+    ``index`` outside ``input3``'s rows raises in ``caller``'s words, nothing written."""
     outer, rows, inner = input3.shape
     terms = source3.shape[1]
     if not (outer == 1 and inner == 1 and 0 < rows <= terms and rule in _STREAMED_RULES):
@@ -273,13 +273,12 @@ def small_reduce_in_place(target: torch.Tensor, dim: int, index: torch.Tensor,
     same bits: the Numba backend runs CPU tensors now, and the call fits (a contiguous target,
     small, and for a sum or a mean no output row of more terms than one chunk under a rule
     that splits, but a sum or mean of one column, whose one pass takes rows of any length).
-    A source
-    of other strides (the expanded gradient of a sum, say) is read from a contiguous copy; an
-    index that feeds few of the target's rows, which the primitive's path reduces on their
-    own (``rows_with_terms``: the same bits), takes the one call too. False, nothing written,
-    otherwise, where ``target`` may share memory with ``index`` or ``source`` (their address
-    ranges meet), and where a value of ``index`` is out of range: the caller's own path then
-    finds it and names it as its caller passed it.
+    A source of other strides (the expanded gradient of a sum, say) is read from a contiguous
+    copy; an index that feeds few of the target's rows, which the primitive's path reduces
+    on their own (``rows_with_terms``: the same bits), takes the one call too. False,
+    nothing written, otherwise, where ``target`` may share memory with ``index`` or
+    ``source`` (their address ranges meet), and where a value of ``index`` is out of range:
+    the caller's own path then finds it and names it as its caller passed it.
 
     For callers that have checked everything else already (the switch: the shapes, dtypes and
     devices torch would check, and that ``target`` may be changed), skipping the layers the

@@ -19,6 +19,10 @@ ROUND_EACH (see its module docstring): ``acc = A(base)``; per term ``t = A(x) * 
 and KAHAN a row of more than ``CHUNK_TERMS`` terms is cut into chunks as the segment kernel
 cuts it (each row keeps its count and its later chunk's partial sum beside its sum). A 1-D
 sum of many terms takes it at any size (``detsum._segments.streamed_scatter``).
+``extreme_one_column`` (a max or min), ``reduce_one_column`` (the elementwise scatter's sum,
+mean and product, ``scatter.py``'s variants) and ``histogram`` (torch's CPU ``histc``'s
+counts) are one column's too: one pass that checks each index value as it reads it, each
+row's state kept apart from the output, written after it.
 
 ``extreme_small_in_place`` does the same for the segment kernel's AMAX and AMIN, which no
 rule splits into chunks, into its target itself (the switch's in-place ``scatter_reduce_``):
@@ -273,13 +277,13 @@ def _one_column_sum_at(src_at, index_at, base_at, out_at, n, rows, alpha):
         else:
             chunk[v, 0] = chunk[v, 0] + x
         if place == CHUNK_TERMS - 1:
-            _fold_chunk(state, chunk, v, rule == KAHAN)
+            _fold_later_chunk(state, chunk, v, rule == KAHAN, False)
             count[v, 0] = CHUNK_TERMS
         else:
             count[v, 0] = c + 1
     for s in range(rows):
         if count[s, 0] > CHUNK_TERMS:
-            _fold_chunk(state, chunk, s, rule == KAHAN)  # the last one, shorter
+            _fold_later_chunk(state, chunk, s, rule == KAHAN, False)  # the last, shorter
         total = state[s, 1]
         if rule == KAHAN:
             total = kahan_result(total, state[s, 2])
@@ -353,14 +357,14 @@ def _one_column_reduce_at(src_at, index_at, base_at, out_at, n, rows, include_ba
         else:
             chunk[v, 0] = chunk[v, 0] + x
         if place == CHUNK_TERMS - 1:
-            _fold_reduced_chunk(state, chunk, v, kahan, op == OP_MUL)
+            _fold_later_chunk(state, chunk, v, kahan, op == OP_MUL)
     for s in range(rows):
         c = count[s, 0]
         if c == 0 and not include_base:
             out[s] = base[s]  # nothing reached it: its bits
             continue
         if split and c > CHUNK_TERMS and c % CHUNK_TERMS != 0:
-            _fold_reduced_chunk(state, chunk, s, kahan, op == OP_MUL)  # the last, shorter
+            _fold_later_chunk(state, chunk, s, kahan, op == OP_MUL)  # the last, shorter
         total = state[s, 1]
         if kahan:
             total = kahan_result(total, state[s, 2])
@@ -372,25 +376,15 @@ def _one_column_reduce_at(src_at, index_at, base_at, out_at, n, rows, include_ba
 
 
 @njit(inline="always")
-def _fold_reduced_chunk(state, chunk, s, kahan, product):
-    """Row ``s``'s completed later chunk folded into its value (``_one_column_reduce_at``),
-    as the scatter folds it."""
+def _fold_later_chunk(state, chunk, s, kahan, product):
+    """Row ``s``'s completed later chunk (its value, and its compensation under KAHAN) folded
+    into the row's, as the segment kernel and the scatter fold it (the one-column kernels'
+    ``state`` and ``chunk``)."""
     if kahan:
         state[s, 1], c = neumaier(state[s, 1], state[s, 2], chunk[s, 0])
         state[s, 2] = c + chunk[s, 1]
     elif product:
         state[s, 1] = state[s, 1] * chunk[s, 0]
-    else:
-        state[s, 1] = state[s, 1] + chunk[s, 0]
-
-
-@njit(inline="always")
-def _fold_chunk(state, chunk, s, kahan):
-    """Row ``s``'s completed later chunk (its sum, and its compensation under KAHAN) added
-    to the row's, as the segment kernel folds it."""
-    if kahan:
-        state[s, 1], c = neumaier(state[s, 1], state[s, 2], chunk[s, 0])
-        state[s, 2] = c + chunk[s, 1]
     else:
         state[s, 1] = state[s, 1] + chunk[s, 0]
 

@@ -12,12 +12,17 @@ Loaded with ``-p pyg_switch_plugin`` (``benches/`` on ``sys.path``). Three optio
   (``detsum_calls``: a test with none never reached detsum's code, whatever its outcome) and
   those that the switch left to torch's own kernel (``torch_calls``: inputs detsum does not
   take, docs/enable.md), each also per op (``detsum_ops``, ``torch_ops``).
-- ``--detsum-check-bits`` (for ``"autograd"`` mode): every call that runs on detsum also
-  runs torch's own kernel on copies of its inputs under
+- ``--detsum-check-bits`` (for ``"autograd"`` mode): every call of an accumulating op that
+  runs on detsum, whichever of the switch's ways took it (its C++ kernels, a short way, a
+  kernel body), also runs torch's own kernel on copies of its inputs under
   ``torch.use_deterministic_algorithms(True)``, and the test's record counts the calls whose
   results have the same bits (``bits_checked``) and names the ops of those that do not
-  (``bits_differ``: op and dtype). It wraps the switch's private table of kernel bodies
-  (``detsum.switch._BODIES``) before enabling: a check of the contract, not a way to run.
+  (``bits_differ``: op and dtype). A ``TorchDispatchMode`` sees each op as the caller's code
+  (or autograd's backward) dispatches it, and tells a call that ran on detsum by the
+  switch's counts; for torch's kernel it marks the thread as inside a switched call, as the
+  switch does for its own calls of the ops (the switch's private ``_inside`` flag and the C++
+  kernels' twin): a check of the contract, not a way to run. Tests that compile or trace
+  run unchecked (``bits_unchecked``: their calls on detsum).
 
 Calls made by threads a test starts are counted too, without a lock (``counts`` is exact only
 for one thread): a count above zero is what matters here, not the number.
@@ -25,11 +30,13 @@ for one thread): a count above zero is what matters here, not the number.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import detsum
 from detsum import switch
@@ -58,33 +65,70 @@ def _copies(value):
     return value
 
 
-def _checking(name: str, body):
-    """``body`` (a switch kernel body), whose detsum run is followed by torch's own kernel
-    for the same op on copies of the inputs taken before the run, compared bit for bit."""
-    overload = getattr(torch.ops.aten, name.split(".")[0])
-    overload = getattr(overload, name.split(".")[1] if "." in name else "default")
+#: Substrings of the names of the ops a switched call can be reached through as they are
+#: dispatched (``index_put_`` reaches ``_index_put_impl_``, the backward of ``gather``
+#: ``scatter_add``): the ops whose calls are checked.
+_CHECKED_NAMES = ("index_add", "scatter_add", "scatter_reduce", "index_reduce", "index_put",
+                  "put_", "bincount", "embedding", "segment_reduce", "histc")
 
-    def checked_body(mode, *args, **kwargs):
-        run = body(mode, *args, **kwargs)
-        if run is None:
-            return None
 
-        def checked_run():
-            args_copy, kwargs_copy = _copies(args), _copies(kwargs)
-            result = run()
-            # Still inside the switched kernel: the switch sends this call to torch's kernel,
-            # and counts it, which the counts put back leave out.
-            counts = switch.counts.copy()
-            with torch_deterministic():
-                expected = overload(*args_copy, **kwargs_copy)
-            switch.counts.clear()
-            switch.counts.update(counts)
-            _bits["checked"] += 1
-            if not same_bits(result, expected):
-                _bits["differ"].append(f"{name} {result.dtype}")
-            return result
-        return checked_run
-    return checked_body
+def _detsum_calls() -> int:
+    return sum(n for (_, ran), n in switch.counts.items() if ran == "detsum")
+
+
+@contextlib.contextmanager
+def _inside_switched_call():
+    """The switch hands this thread's calls of its ops to torch's kernel meanwhile."""
+    native = switch._native_loaded
+    switch._inside.running = True
+    if native is not None:
+        native.detsum_native_set_inside(1)
+    try:
+        yield
+    finally:
+        switch._inside.running = False
+        if native is not None:
+            native.detsum_native_set_inside(0)
+
+
+def _compiles_or_traces(item) -> bool:
+    """Whether the test's name says it compiles or traces (``torch.compile``, TorchScript,
+    ``torch.fx``): a dispatch mode changes what those see (a graph break where the test
+    counts none, a traced int where a tensor was), so those tests run unchecked and their
+    calls on detsum are reported as such."""
+    name = item.name.lower()
+    return any(word in name for word in ("compile", "jit", "trace", "script", "fx"))
+
+
+class _CheckingBits(TorchDispatchMode):
+    """Each call of an op named in ``_CHECKED_NAMES`` that ran on detsum, run again by
+    torch's own kernel on copies of its inputs taken before it, compared bit for bit."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.name()
+        if not any(part in name for part in _CHECKED_NAMES):
+            return func(*args, **kwargs)
+        args_copy, kwargs_copy = _copies(args), _copies(kwargs)
+        before = _detsum_calls()
+        result = func(*args, **kwargs)
+        if _detsum_calls() == before:
+            return result  # torch's kernel ran it
+        # torch's run is counted as the switch's call left to torch: the counts put back.
+        counts = switch.counts.copy()
+        with _inside_switched_call(), torch_deterministic():
+            expected = func(*args_copy, **kwargs_copy)
+        switch.counts.clear()
+        switch.counts.update(counts)
+        _bits["checked"] += 1
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        expecteds = expected if isinstance(expected, (tuple, list)) else (expected,)
+        if len(results) != len(expecteds) or not all(
+                same_bits(r, e) for r, e in zip(results, expecteds)
+                if isinstance(r, torch.Tensor)):
+            dtype = next((r.dtype for r in results if isinstance(r, torch.Tensor)), None)
+            _bits["differ"].append(f"{name} {dtype}")
+        return result
 
 
 def _calls_by_op(ran: str) -> dict[str, int]:
@@ -106,7 +150,9 @@ class _Recorder:
     def pytest_runtest_protocol(self, item, nextitem):
         before = {ran: _calls_by_op(ran) for ran in ("detsum", "torch")}
         checked, differ = _bits["checked"], len(_bits["differ"])
-        yield
+        checking = self.check_bits and not _compiles_or_traces(item)
+        with _CheckingBits() if checking else contextlib.nullcontext():
+            yield
         record = self.tests.setdefault(item.nodeid, {"outcome": "passed"})
         for ran in ("detsum", "torch"):
             ops = _difference(_calls_by_op(ran), before[ran])
@@ -114,6 +160,7 @@ class _Recorder:
             record[f"{ran}_ops"] = ops
         if self.check_bits:
             record["bits_checked"] = _bits["checked"] - checked
+            record["bits_unchecked"] = record["detsum_calls"] - record["bits_checked"]
             record["bits_differ"] = _bits["differ"][differ:]
 
     def pytest_runtest_logreport(self, report):
@@ -139,9 +186,6 @@ class _Recorder:
 def pytest_configure(config):
     mode = config.getoption("--detsum-mode")
     check_bits = bool(mode) and config.getoption("--detsum-check-bits")
-    if check_bits:
-        for name, body in list(switch._BODIES.items()):
-            switch._BODIES[name] = _checking(name, body)
     if mode:
         detsum.enable(mode)
     config.pluginmanager.register(

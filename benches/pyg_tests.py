@@ -24,7 +24,8 @@ each run's counts of passed, failed, skipped, errors (failed setups), xfailed an
 tests and its wall time; the tests that pass without the switch and not with it, and the
 reverse; how many tests ran detsum's code with the switch on (and of those, how many passed),
 how many called switched ops only with inputs the switch leaves to torch, the calls per op
-each way, and the calls checked against torch's bits with those that differ (op, dtype, test);
+each way, and the calls checked against torch's bits with those that differ (op, dtype, test)
+and, per test, the calls on detsum left unchecked (tests that compile or trace);
 the versions of torch, torch_geometric and Python, the machine, and ``--source`` (say which
 PyG commit the tests come from) and each test's outcome in each run with its count of calls
 on detsum. Each run's full pytest log goes to the temporary directory
@@ -102,6 +103,9 @@ def summarize(off: dict | None, on: dict | None) -> dict:
         if any("bits_checked" in t for t in on["tests"].values()):
             summary["on"]["bits_checked"] = sum(t.get("bits_checked", 0)
                                                 for t in on["tests"].values())
+            summary["on"]["bits_unchecked"] = {k: t["bits_unchecked"]
+                                               for k, t in on["tests"].items()
+                                               if t.get("bits_unchecked")}
             summary["on"]["bits_differ"] = {k: t["bits_differ"] for k, t in on["tests"].items()
                                             if t.get("bits_differ")}
     if off is not None and on is not None:

@@ -152,9 +152,23 @@ def check_device(caller: str, name: str, device: object) -> torch.device:
                          f"torch.device or a string such as 'cpu' or 'cuda:0'") from None
 
 
+def check_dense(caller: str, name: str, t: torch.Tensor) -> None:
+    """Refuse a sparse, nested or otherwise unstrided tensor, whose elements no kernel reads.
+    (Not while compiling: Dynamo's strict mode for an autograd.Function reads no layout, and
+    the tensors it traces are strided.)"""
+    if torch.compiler.is_compiling():
+        return
+    if t.layout is not torch.strided or t.is_nested:
+        layout = "nested" if t.is_nested else str(t.layout).removeprefix("torch.")
+        hint = "" if t.is_nested else " (.to_dense(), say)"
+        raise TypeError(f"{caller}: {name} is a {layout} tensor; expected a dense (strided) "
+                        f"tensor{hint}")
+
+
 def check_float(caller: str, name: str, t: object) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(caller, name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{caller}: {name} has dtype {t.dtype}; expected one of "
@@ -168,6 +182,7 @@ def check_index(caller: str, name: str, t: object, *, one_d: bool,
                 dtype_error: type[Exception] = TypeError) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{caller}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(caller, name, t)
     if t.dtype not in INDEX_DTYPES:
         raise dtype_error(f"{caller}: {name} has dtype {t.dtype}; expected torch.int32 or torch.int64")
     if one_d and t.dim() != 1:
@@ -331,6 +346,8 @@ def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
+    if a.device.type == "meta":
+        return False  # no memory: every meta tensor's address is 0
     (a_first, a_last), (b_first, b_last) = _byte_span(a), _byte_span(b)
     if a_last <= b_first or b_last <= a_first:
         return False

@@ -318,6 +318,9 @@ def use_detsum_experts(model: torch.nn.Module, mode: str | Mode = "fp32") -> tor
         ImportError: transformers is not installed, or has no experts interface.
     """
     caller = "detsum.hf.use_detsum_experts"
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{caller}: model must be a torch.nn.Module (a transformers model), "
+                        f"got {type(model).__name__}")
     mode = parse_mode(mode, caller=caller)
     experts_modules = [m for m in model.modules() if _uses_experts_interface(m)]
     if not experts_modules:

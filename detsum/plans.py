@@ -95,16 +95,15 @@ def run_checks_with(plan: object, caller: str, arguments: tuple | None, check, *
     ``caller``'s recent calls without one, ``_CHECKED_KEPT`` of them), what they returned
     then.
 
-    ``arguments`` is everything the checks read (each tensor's dtype, shape and device, the
-    other arguments' types and values), or None where the caller cannot say it cheaply, or
-    the checks read more (tensor values, a module setting): the checks are a function of it,
-    so equal arguments pass them again with the same answer. A plan serves the same call
-    step after step, and its checks would cost a small call's launch again; so does a
-    training loop without one (on a small CPU ``index_add_`` the checks took 3.2 us of 16, a
-    lookup 0.7). What can change between two calls with a plan, its index changed in place,
-    is checked every time (it then takes the checks' path, which refuses it). Eager calls
-    only: a traced call passes None, and checks every time. A check that raises is made
-    again at every call, and raises again."""
+    ``arguments`` is everything the checks read (each tensor's dtype, shape, device and layout,
+    the other arguments' types and values), or None where the caller cannot say it cheaply, or
+    the checks read more (tensor values, a module setting): the checks are a function of it, so
+    equal arguments pass them again with the same answer. A plan serves the same call step after
+    step, and its checks would cost a small call's launch again; so does a training loop without
+    one (on a small CPU ``index_add_`` the checks took 3.2 us of 16, a lookup 0.7). What can
+    change between two calls with a plan, its index changed in place, is checked every time (it
+    then takes the checks' path, which refuses it). Eager calls only: a traced call passes None,
+    and checks every time. A check that raises is made again at every call, and raises again."""
     if arguments is None:
         return _validation.run_check(check, *args)
     if type(plan) is Plan:
@@ -305,15 +304,17 @@ def unpack(order: torch.Tensor | None, offsets: torch.Tensor | None,
     return order, offsets, (chunk_ends, chunk_slots) if chunk_slots >= 0 else None
 
 
-def _build(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str
+def _build(index: torch.Tensor, num_rows: int, promised_sorted: bool, check: str,
+           caller: str = _CALLER, size_name: str = "num_rows"
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, offsets, chunk ends): the operator's body, also called directly in eager code.
-    A sorted plan's order is an empty tensor (an operator returns tensors only)."""
-    backend_name = current_backend(index.device.type, _CALLER)
+    """(order, offsets, chunk ends): the operator's body, also called directly in eager code,
+    its errors in ``caller``'s words (``num_rows`` named ``size_name``). A sorted plan's order
+    is an empty tensor (an operator returns tensors only)."""
+    backend_name = current_backend(index.device.type, caller)
     check = _segments.check_that_runs(check, index.device.type, backend_name)
     # The reference backend plans as every backend but Numba's does: by torch operations.
     order, offsets = _segments.plan_from_index(
-        _CALLER, index, num_rows, index_name="index", size_name="num_rows",
+        caller, index, num_rows, index_name="index", size_name=size_name,
         promised_sorted=promised_sorted, backend_name=backend_name, check=check)
     if order is None:
         order = torch.empty(0, dtype=torch.int64, device=index.device)
@@ -378,9 +379,16 @@ def plan(index: torch.Tensor, num_rows: int, *, sorted: bool = False,
                 [4.]])
     """
     _validation.run_check(_check, index, num_rows, sorted, check)
-    num_rows = int(num_rows)
+    return plan_for_call(_CALLER, "num_rows", index, int(num_rows), sorted, check)
+
+
+def plan_for_call(caller: str, size_name: str, index: torch.Tensor, num_rows: int,
+                  sorted: bool, check: str) -> Plan:
+    """:func:`plan` for a call of ``caller`` that checked its arguments and makes a plan of its
+    own: the index's values are checked in ``caller``'s words, ``num_rows`` named
+    ``size_name`` (where something traces the call, in :func:`plan`'s)."""
     if _can_call_directly(index):
-        order, offsets, chunk_ends = _build(index, num_rows, sorted, check)
+        order, offsets, chunk_ends = _build(index, num_rows, sorted, check, caller, size_name)
     else:
         order, offsets, chunk_ends = plan_op(index, num_rows, sorted, check)
     if check == "host" and _can_call_directly(index):
@@ -425,14 +433,15 @@ def _check(index, num_rows, sorted, check):
     _validation.check_level(_CALLER, check)
 
 
-def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: int,
+def check_plan(caller: str, plan: object, index: torch.Tensor | None, num_rows: int | None,
                num_rows_name: str, length: int, length_name: str) -> Plan:
     """``plan`` as a call takes it: a :class:`Plan` of ``index`` (the same tensor, unchanged
-    since) into ``num_rows`` rows with ``length`` positions, refused in ``caller``'s words."""
+    since) into ``num_rows`` rows (None: any) with ``length`` positions, refused in
+    ``caller``'s words."""
     if not isinstance(plan, Plan):
         raise TypeError(f"{caller}: plan must be a detsum.Plan (from detsum.plan(index, "
                         f"num_rows)), got {type(plan).__name__}")
-    if plan.num_rows != num_rows:
+    if num_rows is not None and plan.num_rows != num_rows:
         raise ValueError(f"{caller}: plan has num_rows = {plan.num_rows}; expected "
                          f"{num_rows_name} = {num_rows}")
     if plan.index.shape[0] != length:

@@ -54,7 +54,10 @@ def _import_pyg(caller: str):
 # ---- PyG's functional reductions, on detsum -------------------------------------------------------
 
 def _normalized_dim(caller: str, dim: object, src: torch.Tensor) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -src.dim() <= dim < src.dim():
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"{caller}: dim={dim!r} is a {type(dim).__name__}; expected an int in "
+                        f"[{-src.dim()}, {src.dim() - 1}]")
+    if not -src.dim() <= dim < src.dim():
         raise ValueError(f"{caller}: dim={dim!r} is out of range for src with {src.dim()} "
                          f"dimensions; expected an int in [{-src.dim()}, {src.dim() - 1}]")
     return dim + src.dim() if dim < 0 else dim
@@ -88,6 +91,9 @@ def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = 0, dim_size: int 
     if isinstance(index, torch.Tensor) and index.dim() != 1:
         raise ValueError(f"{caller}: index has {index.dim()} dimensions; expected a 1-D index "
                          f"(PyG's scatter lines it up with dim)")
+    if not isinstance(reduce, str):
+        raise TypeError(f"{caller}: reduce={reduce!r} is a {type(reduce).__name__}; expected "
+                        f"a str, one of {tuple(SCATTER_REDUCES)}")
     if reduce not in SCATTER_REDUCES:
         raise ValueError(f"{caller}: reduce={reduce!r} is not supported; expected one of "
                          f"{tuple(SCATTER_REDUCES)}")
@@ -126,6 +132,14 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
         raise TypeError(f"{caller}: src must be a floating-point torch.Tensor, got "
                         f"{getattr(src, 'dtype', type(src).__name__)}")
     d = _normalized_dim(caller, dim, src)
+    for name, value in (("index", index), ("ptr", ptr)):
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor or None, got "
+                            f"{type(value).__name__}")
+    # (A traced call's count may be symbolic: only a plain int is read here.)
+    if isinstance(num_nodes, bool) or isinstance(num_nodes, int) and num_nodes < 0:
+        raise ValueError(f"{caller}: num_nodes={num_nodes!r}; expected a non-negative int or "
+                         f"None (index.max() + 1)")
     if ptr is not None and (ptr.dim() == 1 or index is None):
         pointer = ptr.view((1,) * d + (-1,)) if ptr.dim() == 1 else ptr
         first, last = (int(v) for v in ptr.reshape(-1)[[0, -1]]) if ptr.numel() else (0, 0)

@@ -148,6 +148,7 @@ def _check_out(caller: str, out: torch.Tensor | None, src: torch.Tensor, dim: in
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{caller}: out must be a torch.Tensor or None, got {type(out).__name__}")
     _validation.check_changeable(caller, "out", out)
+    _validation.check_inplace_autograd(caller, "out", out)
     _validation.check_same_dtype(caller, "src", src, "out", out)
     _validation.check_same_device(caller, src=src, out=out)
     _validation.check_shapes_except_dim(caller, "src", src, "out", out, dim)
@@ -1075,7 +1076,9 @@ def index_select(src: torch.Tensor, dim: int, index: torch.Tensor, *,
 # ---- composites ---------------------------------------------------------------------------------
 
 def _check_float_src(caller: str, src: object) -> None:
-    if isinstance(src, torch.Tensor) and not src.is_floating_point():
+    if not isinstance(src, torch.Tensor):
+        raise TypeError(f"{caller}: src must be a torch.Tensor, got {type(src).__name__}")
+    if not src.is_floating_point():
         raise ValueError(f"{caller}: src has dtype {src.dtype}; expected a floating-point "
                          f"dtype (float32, float16, bfloat16 or float64)")
 
@@ -1185,6 +1188,7 @@ def scatter_std(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_std"
     _validation.run_check(_check_float_src, caller, src)
+    _validation.run_check(_validation.check_flag, caller, "unbiased", unbiased)
     d = _validation.check_dim(caller, dim, src.dim())
     _validation.run_check(_check_out, caller, out, src, d)
     size_name = _size_name(out, dim_size, d)

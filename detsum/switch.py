@@ -254,7 +254,12 @@ class deterministic(contextlib.ContextDecorator):  # noqa: N801 (a function's na
         self._open.__dict__.setdefault("layers", []).append(layer)
 
     def __exit__(self, *exception) -> None:
-        _close_block(self._open.layers.pop())
+        layers = getattr(self._open, "layers", None)
+        if not layers:
+            raise RuntimeError(f"{self!r}: __exit__ without a block of this object open in "
+                               f"this thread; expected it after __enter__ (a with statement "
+                               f"pairs them)")
+        _close_block(layers.pop())
 
     def __repr__(self) -> str:
         return f"detsum.deterministic({self.mode.value!r})"

@@ -1105,6 +1105,20 @@ def test_disable_keeps_the_removed_kernels_alive():
     assert len(switch._removed) == len(first)
 
 
+def test_an_exit_without_its_enter_is_refused_and_changes_nothing():
+    block = detsum.deterministic("fp32")
+    with detsum.deterministic("kahan"):
+        with pytest.raises(RuntimeError, match=re.escape(
+                "detsum.deterministic('fp32'): __exit__ without a block of this object open")):
+            block.__exit__(None, None, None)
+        assert switch.current_mode() == "kahan"
+    with block:
+        assert switch.current_mode() == "fp32"
+    with pytest.raises(RuntimeError, match="__exit__ without a block"):
+        block.__exit__(None, None, None)
+    assert switch.current_mode() is None
+
+
 def test_blocks_closed_out_of_order_remove_their_own_layer():
     """Two threads may close their blocks in the order they opened them: each exit removes
     its own block, and the open one still holds."""

@@ -441,6 +441,12 @@ def test_bad_mode_is_named():
         experts(*block_inputs(experts, torch.float32)[:3])
 
 
+def test_a_model_that_is_not_a_module_is_refused():
+    with pytest.raises(TypeError, match=r"^detsum\.hf\.use_detsum_experts: model must be a "
+                                        r"torch\.nn\.Module \(a transformers model\), got int"):
+        detsum.hf.use_detsum_experts(3)
+
+
 def test_model_without_experts_is_refused():
     model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

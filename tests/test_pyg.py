@@ -949,8 +949,20 @@ def test_function_errors_name_the_argument(small_graph):
         detsum.pyg.scatter(x, index, reduce="any")
     with pytest.raises(ValueError, match=r"dim=2 is out of range for src with 2 dimensions"):
         detsum.pyg.scatter(x, index, dim=2)
+    with pytest.raises(TypeError, match=r"detsum.pyg.scatter: reduce=\['sum'\] is a list; "
+                                        r"expected a str"):
+        detsum.pyg.scatter(x, index, reduce=["sum"])
+    with pytest.raises(TypeError, match=r"detsum.pyg.scatter: dim=0.0 is a float; expected "
+                                        r"an int in \[-2, 1\]"):
+        detsum.pyg.scatter(x, index, dim=0.0)
     with pytest.raises(ValueError, match="neither index nor ptr"):
         detsum.pyg.softmax(x)
+    with pytest.raises(ValueError, match=r"detsum.pyg.softmax: num_nodes=-1; expected a "
+                                         r"non-negative int"):
+        detsum.pyg.softmax(x, index, num_nodes=-1)
+    with pytest.raises(TypeError, match="detsum.pyg.softmax: ptr must be a torch.Tensor or "
+                                        "None, got list"):
+        detsum.pyg.softmax(x, ptr=[0, 100, 500])
     with pytest.raises(ValueError, match=r"ptr runs from 0 to 400; expected 0 to "
                                          r"src.size\(0\) = 500"):
         detsum.pyg.softmax(x, ptr=torch.tensor([0, 100, 400]))

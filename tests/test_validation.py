@@ -109,6 +109,49 @@ def _bad_calls():
         ("moe_route_check_int",
          lambda: detsum.moe.route(torch.tensor([[0, 1]]), 2, check=1),
          TypeError, ["detsum.moe.route", "check=1"]),
+        # Sparse and nested tensors: refused by their layout, before any kernel reads them.
+        ("input_sparse", lambda: detsum.index_add(x.to_sparse(), 0, idx, src),
+         TypeError, ["detsum.index_add", "input is a sparse_coo tensor", "dense"]),
+        ("source_sparse_in_place", lambda: detsum.index_add_(x, 0, idx, src.to_sparse()),
+         TypeError, ["detsum.index_add_", "source is a sparse_coo tensor"]),
+        ("index_sparse", lambda: detsum.index_add(x, 0, idx.to_sparse(), src),
+         TypeError, ["index is a sparse_coo tensor"]),
+        ("src_sparse_csr", lambda: detsum.segment_sum(src.to_sparse_csr(), torch.tensor([0, 3])),
+         TypeError, ["detsum.segment_sum", "src is a sparse_csr tensor"]),
+        ("scatter_src_sparse", lambda: detsum.scatter_reduce(x, 0, idx, src.to_sparse(), "sum"),
+         TypeError, ["detsum.scatter_reduce", "src is a sparse_coo tensor"]),
+        ("source_nested", lambda: detsum.index_add(
+            x, 0, idx, torch.nested.nested_tensor([torch.ones(1, 3), torch.ones(2, 3)])),
+         TypeError, ["source is a nested tensor"]),
+        ("segment_sum_plan_int", lambda: detsum.segment_sum(src, plan=3),
+         TypeError, ["detsum.segment_sum", "plan must be a detsum.Plan", "got int"]),
+        ("reduce_list", lambda: detsum.scatter_reduce(x, 0, idx, src, ["sum"]),
+         TypeError, ["detsum.scatter_reduce", "reduce=['sum'] is a list", "expected a str"]),
+        # A product recording its gradient makes a plan of its own: its errors are still the
+        # caller's, with the caller's names.
+        ("prod_with_grad_out_of_range", lambda: detsum.scatter_reduce(
+            x, 0, torch.tensor([0, 1, 4]), src.clone().requires_grad_(), "prod"),
+         IndexError, ["detsum.scatter_reduce: index[2] = 4", "input.size(0) = 4"]),
+        ("prod_with_grad_unsorted", lambda: detsum.scatter_reduce(
+            x, 0, torch.tensor([0, 2, 1]), src.clone().requires_grad_(), "prod", sorted=True),
+         ValueError, ["detsum.scatter_reduce: sorted=True"]),
+        ("in_place_on_meta", lambda: detsum.index_add_(
+            x.to("meta"), 0, idx.to("meta"), src.to("meta")),
+         NotImplementedError, ["detsum.index_add_", "no backend for meta tensors"]),
+        ("scatter_std_src_list", lambda: detsum.scatter_std([1.0, 2.0], torch.tensor([0, 1])),
+         TypeError, ["detsum.scatter_std", "src must be a torch.Tensor, got list"]),
+        ("scatter_logsumexp_src_list",
+         lambda: detsum.scatter_logsumexp([1.0, 2.0], torch.tensor([0, 1])),
+         TypeError, ["detsum.scatter_logsumexp", "src must be a torch.Tensor, got list"]),
+        ("scatter_std_unbiased_string",
+         lambda: detsum.scatter_std(torch.ones(2), torch.tensor([0, 1]), unbiased="no"),
+         TypeError, ["detsum.scatter_std", "unbiased='no'", "True or False"]),
+        ("scatter_out_leaf_requiring_grad", lambda: detsum.scatter_mean(
+            src, torch.tensor([0, 1, 0]), 0, out=torch.zeros(2, 3, requires_grad=True)),
+         RuntimeError, ["detsum.scatter_mean: out is a leaf tensor that requires grad"]),
+        ("segment_csr_out_leaf_requiring_grad", lambda: detsum.segment_sum_csr(
+            src, torch.tensor([0, 1, 3]), out=torch.zeros(2, 3, requires_grad=True)),
+         RuntimeError, ["detsum.segment_sum_csr: out is a leaf tensor"]),
     ]
     return calls
 

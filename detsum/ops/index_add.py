@@ -316,9 +316,13 @@ def _checked(input, dim, index, source, alpha, mode, check, caller, plan):
             and type(dim) is int and type(alpha) in _PLAIN
             and type(mode) in _PLAIN and type(check) is str
             and not torch.compiler.is_compiling()):
-        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
-                     index.device, source.dtype, source.shape, source.device, dim,
-                     type(alpha), alpha, type(mode), mode, check)
+        try:
+            arguments = (input.dtype, input.shape, input.device, input.layout, index.dtype,
+                         index.shape, index.device, index.layout, source.dtype, source.shape,
+                         source.device, source.layout, dim, type(alpha), alpha, type(mode),
+                         mode, check)
+        except RuntimeError:  # a nested tensor has no shape: the checks refuse it
+            arguments = None
     return run_checks_with(plan, caller, arguments, _check, input, dim, index, source, alpha,
                            mode, check, caller, plan)
 

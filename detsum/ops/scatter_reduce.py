@@ -19,8 +19,7 @@ from detsum import _dispatch, _replay, _segments, _transforms, _validation, kern
 from detsum.backend import current_backend
 from detsum.modes import MODE_BY_NAME, Mode, acc_dtype, parse_mode, rule_for
 from detsum.plans import (Plan, aligned, call_with_plan, check_plan, launches_again,
-                          operator_arguments, run_checks_with, unpack)
-from detsum.plans import plan as make_plan
+                          operator_arguments, plan_for_call, run_checks_with, unpack)
 
 _CALLER = "detsum.scatter_reduce"
 REDUCTIONS = ("sum", "mean", "prod", "amax", "amin")
@@ -634,7 +633,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     if (plan is None and reduce == "prod" and index.dim() == 1 and torch.is_grad_enabled()
             and (input.requires_grad or src.requires_grad)):
         # The product's backward reduces by the index again: one plan for both.
-        plan = make_plan(index, input.shape[dim], sorted=sorted, check=check)
+        plan = plan_for_call(_CALLER, f"input.size({dim})", index, input.shape[dim], sorted,
+                             check)
     if plan is not None:
         sorted = plan.sorted
     planning = operator_arguments(plan, check)
@@ -659,9 +659,13 @@ def _checked(input, dim, index, src, reduce, include_self, mode, sorted, check, 
             and type(include_self) is bool and type(sorted) is bool
             and type(mode) in (str, Mode) and type(check) is str
             and not torch.compiler.is_compiling()):
-        arguments = (input.dtype, input.shape, input.device, index.dtype, index.shape,
-                     index.device, src.dtype, src.shape, src.device, dim, reduce,
-                     include_self, sorted, type(mode), mode, check)
+        try:
+            arguments = (input.dtype, input.shape, input.device, input.layout, index.dtype,
+                         index.shape, index.device, index.layout, src.dtype, src.shape,
+                         src.device, src.layout, dim, reduce, include_self, sorted,
+                         type(mode), mode, check)
+        except RuntimeError:  # a nested tensor has no shape: the checks refuse it
+            arguments = None
     return run_checks_with(plan, _CALLER, arguments, _check, input, dim, index, src, reduce,
                            include_self, mode, sorted, check, plan)
 
@@ -677,6 +681,9 @@ def _check(input, dim, index, src, reduce, include_self, mode, sorted, check, pl
     _validation.check_level(_CALLER, check)
     _validation.check_flag(_CALLER, "include_self", include_self)
     _validation.check_flag(_CALLER, "sorted", sorted)
+    if not isinstance(reduce, str):
+        raise TypeError(f"{_CALLER}: reduce={reduce!r} is a {type(reduce).__name__}; expected "
+                        f"a str, one of {REDUCTIONS}")
     if reduce not in REDUCTIONS:
         named = _REDUCTIONS_NAMED_ELSEWHERE.get(reduce)
         hint = f", torch.scatter_reduce's names ({named!r} for {reduce!r})" if named else ""

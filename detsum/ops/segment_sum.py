@@ -408,12 +408,16 @@ def _checked(src, offsets, dim, perm, mode, check, plan):
     arguments = None
     if (type(src) is torch.Tensor and type(dim) is int and type(mode) in (str, Mode)
             and type(check) is str and perm is None and not torch.compiler.is_compiling()):
-        if type(plan) is Plan and offsets is None:
-            arguments = (src.dtype, src.shape, src.device, plan.index.shape,
-                         plan.offsets.device, dim, type(mode), mode, check)
-        elif plan is None and type(offsets) is torch.Tensor:
-            arguments = (src.dtype, src.shape, src.device, offsets.dtype, offsets.shape,
-                         offsets.device, dim, type(mode), mode, check)
+        try:
+            if type(plan) is Plan and offsets is None:
+                arguments = (src.dtype, src.shape, src.device, src.layout, plan.index.shape,
+                             plan.offsets.device, dim, type(mode), mode, check)
+            elif plan is None and type(offsets) is torch.Tensor:
+                arguments = (src.dtype, src.shape, src.device, src.layout, offsets.dtype,
+                             offsets.shape, offsets.device, offsets.layout, dim, type(mode),
+                             mode, check)
+        except RuntimeError:  # a nested tensor has no shape: the checks refuse it
+            arguments = None
     return run_checks_with(plan, _CALLER, arguments, _check, src, offsets, dim, perm, mode,
                            check, plan)
 
@@ -427,8 +431,8 @@ def _check(src, offsets, dim, perm, mode, check, plan):
             raise ValueError(f"{_CALLER}: plan is given with offsets or perm; expected either "
                              f"plan alone (it holds both) or offsets (and perm) without it")
         dim = _validation.check_dim(_CALLER, dim, src.dim())
-        check_plan(_CALLER, plan, None, plan.num_rows, "its number of segments",
-                   src.shape[dim], f"src.size({dim})")
+        check_plan(_CALLER, plan, None, None, "its number of segments", src.shape[dim],
+                   f"src.size({dim})")
         _validation.check_same_device(_CALLER, src=src, plan=plan.offsets)
         return dim, mode
     if offsets is None:

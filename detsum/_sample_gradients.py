@@ -52,6 +52,9 @@ def trainable_parameters(named_parameters, caller: str) -> dict[str, torch.Tenso
     """The parameters with ``requires_grad``, by name, from ``(name, tensor)`` pairs (a
     TypeError naming ``caller`` for anything else)."""
     trainable = {}
+    if isinstance(named_parameters, torch.Tensor) or not hasattr(named_parameters, "__iter__"):
+        raise TypeError(f"{caller}: named_parameters={named_parameters!r:.60}; expected "
+                        f"(name, tensor) pairs, as model.named_parameters() gives")
     for pair in named_parameters:
         if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)
                 and isinstance(pair[1], torch.Tensor)):
@@ -281,6 +284,9 @@ class SampleGradients:
     """
 
     def __init__(self, caller: str, model: torch.nn.Module, loss_fn):
+        if not callable(loss_fn):
+            raise TypeError(f"{caller}: loss_fn={loss_fn!r:.60} is not callable; expected a "
+                            f"function loss_fn(outputs, targets) returning one loss per sample")
         self.caller, self.model, self.loss_fn = caller, model, loss_fn
         self.trainable = trainable_parameters(model.named_parameters(), caller)
         if not self.trainable:

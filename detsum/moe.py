@@ -210,7 +210,7 @@ def _check_route(selected_experts, num_experts, check):
     caller = "detsum.moe.route"
     _validation.check_index(caller, "selected_experts", selected_experts, one_d=False)
     level = _check_level(caller, check, false_means="off")
-    if selected_experts.dim() > 2:
+    if not 1 <= selected_experts.dim() <= 2:
         raise ValueError(f"{caller}: selected_experts must be [T, topk] or [T], got shape "
                          f"{tuple(selected_experts.shape)}")
     return level, _validation.check_positive_int(caller, "num_experts", num_experts)

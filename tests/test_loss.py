@@ -469,6 +469,19 @@ def test_grad_accumulator_refuses_what_is_not_named_parameters(pairs):
         loss.GradAccumulator(pairs(model))
 
 
+@pytest.mark.parametrize("given", [3, torch.zeros(3)], ids=["int", "tensor"])
+def test_grad_accumulator_refuses_what_is_not_an_iterable_of_pairs(given):
+    with pytest.raises(TypeError, match=r"^detsum.loss.GradAccumulator: named_parameters=.*; "
+                                        r"expected \(name, tensor\) pairs"):
+        loss.GradAccumulator(given)
+
+
+def test_per_sample_grads_refuses_a_loss_that_is_not_callable():
+    with pytest.raises(TypeError, match=r"^detsum.loss.per_sample_grads: loss_fn=3 is not "
+                                        r"callable"):
+        loss.per_sample_grads(torch.nn.Linear(2, 2), 3, torch.zeros(2, 2), torch.zeros(2))
+
+
 class CallCounting(torch.nn.Module):
     """A linear layer whose output grows with the number of forward calls so far (a stand-in for
     any state a forward changes between calls); ``scaled=False`` only counts."""

@@ -106,6 +106,8 @@ def _bad_calls():
         ("moe_unpermute_reduce_string",
          lambda: detsum.moe.unpermute(torch.ones(2, 3), torch.tensor([1, 0]), 1, reduce="no"),
          TypeError, ["detsum.moe.unpermute", "reduce='no'"]),
+        ("moe_route_zero_dim", lambda: detsum.moe.route(torch.tensor(1), 3),
+         ValueError, ["detsum.moe.route", "[T, topk] or [T], got shape ()"]),
         ("moe_route_check_int",
          lambda: detsum.moe.route(torch.tensor([[0, 1]]), 2, check=1),
          TypeError, ["detsum.moe.route", "check=1"]),

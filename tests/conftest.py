@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -38,6 +39,20 @@ from detsum.measure import torch_deterministic  # noqa: F401
 #: torch), so that whether a switched call takes them never depends on when a build thread
 #: finishes: None, or why they could not be built (tests/test_switch_native.py then fails).
 NATIVE_BUILD_ERROR = None if not switch.NATIVE else native_kernels.build()
+
+#: The benchmarks' folder: its scripts are modules, not a package (``bench_module``).
+BENCHES = pathlib.Path(__file__).resolve().parent.parent / "benches"
+
+
+def bench_module(name: str):
+    """The module ``benches/<name>.py``, imported as ``name`` (as its scripts import each
+    other), without leaving ``benches`` on ``sys.path``."""
+    sys.path.insert(0, str(BENCHES))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCHES))
+
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 MODES = detsum.MODES

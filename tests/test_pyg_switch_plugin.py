@@ -4,27 +4,17 @@ call (the C++ kernels, a short way, a kernel body), and it reports a call whose 
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
 import pytest
 import torch
 
 import detsum
-from conftest import NATIVE_BUILD_ERROR
+from conftest import NATIVE_BUILD_ERROR, bench_module
 from detsum import switch
-
-BENCHES = pathlib.Path(__file__).resolve().parent.parent / "benches"
 
 
 @pytest.fixture(scope="module")
 def plugin():
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import pyg_switch_plugin as module
-    finally:
-        sys.path.remove(str(BENCHES))
-    return module
+    return bench_module("pyg_switch_plugin")
 
 
 @pytest.fixture(params=[True, False], ids=["C++ kernels", "Python kernels"])

@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 import json
-import pathlib
-import sys
 
 import pytest
+from conftest import BENCHES, bench_module
 
-BENCHES = pathlib.Path(__file__).resolve().parent.parent / "benches"
 RESULTS = sorted((BENCHES / "results").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
 def summarize():
-    sys.path.insert(0, str(BENCHES))
-    try:
-        import summarize as module
-    finally:
-        sys.path.remove(str(BENCHES))
-    return module
+    return bench_module("summarize")
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)

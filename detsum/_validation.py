@@ -232,12 +232,13 @@ def check_shapes_except_dim(caller: str, name_a: str, a: torch.Tensor, name_b: s
         )
 
 
-def check_alpha(caller: str, alpha: object) -> float:
+def check_real(caller: str, name: str, value: object) -> float:
+    """``value`` as a float, where it is a real number (not a bool); else a TypeError."""
     # int and float first: the abstract-class test costs more than a small call's arithmetic.
-    if type(alpha) is not float and type(alpha) is not int and (
-            isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)):
-        raise TypeError(f"{caller}: alpha must be a real number, got {alpha!r}")
-    return float(alpha)
+    if type(value) is not float and type(value) is not int and (
+            isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise TypeError(f"{caller}: {name} must be a real number, got {value!r}")
+    return float(value)
 
 
 def raise_index_out_of_range(caller: str, name: str, index: torch.Tensor, position: int,

@@ -376,13 +376,39 @@ def _check_layout(caller: str, experts: torch.nn.Module) -> None:
 
 
 def _check_inputs(caller, experts, hidden_states, top_k_index, top_k_weights) -> None:
+    for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{caller}: {name} must be a torch.Tensor, got "
+                            f"{type(value).__name__}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{caller}: top_k_index has dtype {top_k_index.dtype}; expected "
+                        f"torch.int32 or torch.int64")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"{caller}: top_k_weights has dtype {top_k_weights.dtype}; expected a "
+                        f"floating-point dtype")
     if hidden_states.dim() != 2 or top_k_index.dim() != 2:
         raise ValueError(f"{caller}: hidden_states has shape {tuple(hidden_states.shape)} and "
                          f"top_k_index {tuple(top_k_index.shape)}; expected [T, H] and "
                          f"[T, topk]")
+    if top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"{caller}: top_k_index has {top_k_index.shape[0]} rows but "
+                         f"hidden_states has {hidden_states.shape[0]}; expected one row of "
+                         f"expert ids per token")
     if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
         raise ValueError(f"{caller}: top_k_weights has shape {tuple(top_k_weights.shape)}; "
                          f"expected top_k_index's, {tuple(top_k_index.shape)}")
+    hidden_size = experts.gate_up_proj.shape[2]
+    if hidden_states.shape[1] != hidden_size:
+        raise ValueError(f"{caller}: hidden_states has {hidden_states.shape[1]} features but "
+                         f"{type(experts).__name__}.gate_up_proj takes {hidden_size}; expected "
+                         f"[T, {hidden_size}]")
+    if any(t.device != hidden_states.device for t in (top_k_index, top_k_weights,
+                                                       experts.gate_up_proj, experts.down_proj)):
+        raise ValueError(f"{caller}: hidden_states on {hidden_states.device}, top_k_index on "
+                         f"{top_k_index.device}, top_k_weights on {top_k_weights.device} and "
+                         f"the experts' weights on {experts.gate_up_proj.device}; expected one "
+                         f"device")
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, name)
         if weight.dtype != hidden_states.dtype:

@@ -25,6 +25,7 @@ from detsum import _kernel_ops, _limbs, _segments, _transforms, _validation, dis
 # JOINT_SAMPLES too: docs/loss.md calls it loss.JOINT_SAMPLES.
 from detsum._sample_gradients import (JOINT_SAMPLES, OuterProducts, SampleGradients,
                                       trainable_parameters)
+from detsum.backend import current_backend
 from detsum.modes import MAX_TERMS_PER_STATE, Mode, acc_dtype, parse_ordered_mode
 from detsum.ops.running_sum import RunningSum
 from detsum.ops.segment_sum import call_segment_sum
@@ -197,6 +198,7 @@ def _reduce_arguments(caller: str, losses: object, reduction: object, weight: ob
     the acc type (an exact conversion)."""
     mode = _parse_mode(mode, caller)
     _check_float_tensor(caller, "losses", losses)
+    current_backend(losses.device.type, caller)
     if reduction not in REDUCTIONS:
         raise ValueError(f"{caller}: reduction={reduction!r}; expected one of {REDUCTIONS}")
     if weight is not None:
@@ -500,6 +502,11 @@ class GradAccumulator:
             extra = sorted(per_sample_grads.keys() - self._params.keys())
             raise ValueError(f"{caller}: per_sample_grads has other parameters than the "
                              f"accumulator: missing {missing}, unexpected {extra}")
+        for name, g in per_sample_grads.items():
+            if not isinstance(g, (torch.Tensor, OuterProducts)):
+                raise TypeError(f"{caller}: per_sample_grads[{name!r}] is a "
+                                f"{type(g).__name__}; expected a tensor [k, *param.shape] or "
+                                f"OuterProducts of [k, O] and [k, K]")
         counts = {name: _sample_count(g) for name, g in per_sample_grads.items()}
         if len(set(counts.values())) != 1 or None in counts.values():
             raise ValueError(f"{caller}: every gradient needs the same number of samples "

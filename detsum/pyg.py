@@ -28,6 +28,7 @@ import torch
 import detsum
 from detsum import switch
 from detsum.modes import Mode, parse_mode
+from detsum import scatter_compat
 from detsum.scatter_compat import _check_mode
 
 __all__ = [
@@ -61,6 +62,23 @@ def _normalized_dim(caller: str, dim: object, src: torch.Tensor) -> int:
         raise ValueError(f"{caller}: dim={dim!r} is out of range for src with {src.dim()} "
                          f"dimensions; expected an int in [{-src.dim()}, {src.dim() - 1}]")
     return dim + src.dim() if dim < 0 else dim
+
+
+def _scatter_for(caller: str, src: torch.Tensor, index: torch.Tensor, dim: int,
+                 dim_size: int | None, reduce: str, mode: object,
+                 size_name: str | None = None) -> torch.Tensor:
+    """:func:`detsum.scatter`'s result, its errors in ``caller``'s words (``size_name``: how
+    the caller's arguments name ``dim_size``, if not so)."""
+    return scatter_compat._scatter(caller, src, index, dim, None, dim_size, reduce, mode,
+                                   want_arg=False, size_name=size_name)[0]
+
+
+def _segment_csr_for(caller: str, src: torch.Tensor, pointer: torch.Tensor, reduce: str,
+                     mode: object) -> torch.Tensor:
+    """:func:`detsum.segment_csr`'s result, its errors in ``caller``'s words (``pointer``: the
+    caller's ``ptr``)."""
+    return scatter_compat._segment_csr(caller, src, pointer, None, reduce, mode,
+                                       want_arg=False, pointer_name="ptr")[0]
 
 
 def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = 0, dim_size: int | None = None,
@@ -101,10 +119,9 @@ def scatter(src: torch.Tensor, index: torch.Tensor, dim: int = 0, dim_size: int 
     reduction = SCATTER_REDUCES[reduce]
     if reduction in ("min", "max"):
         return _extreme_with_pygs_gradient(
-            src, lambda v: detsum.scatter(v, index, d, dim_size=dim_size, reduce=reduction,
-                                          mode=mode),
+            src, lambda v: _scatter_for(caller, v, index, d, dim_size, reduction, mode),
             lambda: _lined_up(index, src, d), d)
-    return detsum.scatter(src, index, d, dim_size=dim_size, reduce=reduction, mode=mode)
+    return _scatter_for(caller, src, index, d, dim_size, reduction, mode)
 
 
 def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
@@ -127,7 +144,14 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
         >>> detsum.pyg.softmax(torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 2]))
         tensor([0.5000, 0.5000, 1.0000, 1.0000])
     """
-    caller = "detsum.pyg.softmax"
+    return _softmax("detsum.pyg.softmax", src, index, ptr, num_nodes, "num_nodes", dim, mode)
+
+
+def _softmax(caller: str, src: torch.Tensor, index: torch.Tensor | None,
+             ptr: torch.Tensor | None, num_nodes: int | None, size_name: str, dim: int,
+             mode: object) -> torch.Tensor:
+    """:func:`softmax`'s body, its errors in ``caller``'s words (``size_name``: its argument
+    ``num_nodes``)."""
     if not isinstance(src, torch.Tensor) or not src.is_floating_point():
         raise TypeError(f"{caller}: src must be a floating-point torch.Tensor, got "
                         f"{getattr(src, 'dtype', type(src).__name__)}")
@@ -136,9 +160,13 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{caller}: {name} must be a torch.Tensor or None, got "
                             f"{type(value).__name__}")
-    # (A traced call's count may be symbolic: only a plain int is read here.)
-    if isinstance(num_nodes, bool) or isinstance(num_nodes, int) and num_nodes < 0:
-        raise ValueError(f"{caller}: num_nodes={num_nodes!r}; expected a non-negative int or "
+    # (A traced call's count may be symbolic: only a plain int is compared here.)
+    if num_nodes is not None and (isinstance(num_nodes, bool)
+                                  or not isinstance(num_nodes, (int, torch.SymInt))):
+        raise TypeError(f"{caller}: {size_name}={num_nodes!r} is a {type(num_nodes).__name__}; "
+                        f"expected a non-negative int or None (index.max() + 1)")
+    if isinstance(num_nodes, int) and num_nodes < 0:
+        raise ValueError(f"{caller}: {size_name}={num_nodes!r}; expected a non-negative int or "
                          f"None (index.max() + 1)")
     if ptr is not None and (ptr.dim() == 1 or index is None):
         pointer = ptr.view((1,) * d + (-1,)) if ptr.dim() == 1 else ptr
@@ -147,9 +175,9 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
             raise ValueError(f"{caller}: ptr runs from {first} to {last}; expected 0 to "
                              f"src.size({d}) = {src.shape[d]}")
         with torch.no_grad():
-            top = detsum.segment_csr(src.detach(), pointer, reduce="max", mode=mode)
+            top = _segment_csr_for(caller, src.detach(), pointer, "max", mode)
         exps = (src - detsum.gather_csr(top, pointer)).exp()
-        totals = detsum.segment_csr(exps, pointer, mode=mode) + 1e-16
+        totals = _segment_csr_for(caller, exps, pointer, "sum", mode) + 1e-16
         return exps / detsum.gather_csr(totals, pointer, mode=mode)
     if index is None:
         raise ValueError(f"{caller}: neither index nor ptr was given; expected one of them")
@@ -157,10 +185,10 @@ def softmax(src: torch.Tensor, index: torch.Tensor | None = None,
         # Without num_nodes, the maximum's scatter reads index.max() + 1 (0 for an empty
         # index), as PyG counts the nodes; the sum takes the same size from its result, a
         # size of a tensor, where a second read would be a data-dependent guard while compiling.
-        top = detsum.scatter(src.detach(), index, d, dim_size=num_nodes, reduce="max",
-                             mode=mode)
+        top = _scatter_for(caller, src.detach(), index, d, num_nodes, "max", mode,
+                           size_name if num_nodes is not None else None)
     exps = (src - top.index_select(d, index)).exp()
-    totals = detsum.scatter(exps, index, d, dim_size=top.shape[d], mode=mode) + 1e-16
+    totals = _scatter_for(caller, exps, index, d, top.shape[d], "sum", mode) + 1e-16
     return exps / detsum.index_select(totals, d, index, mode=mode)
 
 
@@ -239,18 +267,17 @@ def _aggregate(caller: str, x: torch.Tensor, index: torch.Tensor | None,
         pointer = ptr.view((1,) * d + (-1,)) if ptr.dim() == 1 else ptr
         if extreme:
             return _extreme_with_pygs_gradient(
-                x, lambda v: detsum.segment_csr(v, pointer, reduce=reduce, mode=mode),
+                x, lambda v: _segment_csr_for(caller, v, pointer, reduce, mode),
                 lambda: _segments_of(pointer, x), pointer.dim() - 1)
-        return detsum.segment_csr(x, pointer, reduce=reduce, mode=mode)
+        return _segment_csr_for(caller, x, pointer, reduce, mode)
     if index is None:
         raise ValueError(f"{caller}: reduce='mul' needs index; got ptr alone (PyG's "
                          f"MulAggregation takes index only)")
     if extreme:
         return _extreme_with_pygs_gradient(
-            x, lambda v: detsum.scatter(v, index, d, dim_size=dim_size, reduce=reduce,
-                                        mode=mode),
+            x, lambda v: _scatter_for(caller, v, index, d, dim_size, reduce, mode),
             lambda: _lined_up(index, x, d), d)
-    return detsum.scatter(x, index, d, dim_size=dim_size, reduce=reduce, mode=mode)
+    return _scatter_for(caller, x, index, d, dim_size, reduce, mode)
 
 
 _REDUCTION_DOC = """PyG's ``{name}`` on detsum: ``{name}(mode="fp32")`` plugs into
@@ -325,7 +352,8 @@ def _softmax_class(base: type) -> type:
             logits = x if isinstance(t, (int, float)) and t == 1 else x * t
             with torch.no_grad() if self.semi_grad and not self.learn else \
                     contextlib.nullcontext():
-                weights = softmax(logits, index, ptr, dim_size, dim, mode=self.mode)
+                weights = _softmax(caller, logits, index, ptr, dim_size, "dim_size", dim,
+                                   self.mode)
             return _aggregate(caller, x * weights, index, ptr, dim_size, dim, "sum", self.mode)
 
         def __repr__(self):

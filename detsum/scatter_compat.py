@@ -135,7 +135,10 @@ def _check_exact_mean(caller: str, src: torch.Tensor, dim: int, reduce: str, mod
 def _check_dim_size(caller: str, dim_size: object) -> None:
     if dim_size is None:
         return
-    if isinstance(dim_size, bool) or not isinstance(dim_size, numbers.Integral) or dim_size < 0:
+    if isinstance(dim_size, bool) or not isinstance(dim_size, numbers.Integral):
+        raise TypeError(f"{caller}: dim_size={dim_size!r} is a {type(dim_size).__name__}; "
+                        f"expected None or an int >= 0")
+    if dim_size < 0:
         raise ValueError(f"{caller}: dim_size={dim_size!r}; expected None or an int >= 0")
 
 
@@ -618,22 +621,24 @@ def _check_pointer_like(caller: str, name: str, t: object, src: torch.Tensor) ->
     return dim
 
 
-def _check_indptr_values(caller: str, indptr: torch.Tensor, rows: int, what: str) -> None:
-    """Nondecreasing along the last axis, within ``[0, rows]`` (``what`` names ``rows`` in the
-    caller's arguments): one host read (skipped while torch.compile traces)."""
+def _check_indptr_values(caller: str, indptr: torch.Tensor, rows: int, what: str,
+                         name: str = "indptr") -> None:
+    """Nondecreasing along the last axis, within ``[0, rows]`` (``what`` names ``rows`` and
+    ``name`` the pointers in the caller's arguments): one host read (skipped while
+    torch.compile traces)."""
     if torch.compiler.is_compiling() or indptr.numel() == 0:
         return
     low, high = (int(v) for v in torch.aminmax(indptr))
     decreasing = bool((indptr[..., 1:] < indptr[..., :-1]).any())
     if low < 0 or high > rows:
-        _validation.raise_first_out_of_range(caller, "indptr", indptr, rows, what,
+        _validation.raise_first_out_of_range(caller, name, indptr, rows, what,
                                              size_included=True)
     if decreasing:
         position = int((indptr[..., 1:] < indptr[..., :-1]).reshape(-1).nonzero()[0])
         row = position // (indptr.shape[-1] - 1)
         at = row * indptr.shape[-1] + position % (indptr.shape[-1] - 1)
         flat = indptr.reshape(-1)
-        raise ValueError(f"{caller}: indptr decreases after its flat position {position} "
+        raise ValueError(f"{caller}: {name} decreases after its flat position {position} "
                          f"({int(flat[at])} then {int(flat[at + 1])}); expected nondecreasing "
                          f"values along its last dimension")
 
@@ -653,11 +658,13 @@ def _segment_of_position(indptr: torch.Tensor, lead: tuple[int, ...], length: in
 
 
 def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
-                 out: torch.Tensor | None, reduce: str, mode: object, want_arg: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 out: torch.Tensor | None, reduce: str, mode: object, want_arg: bool = True,
+                 pointer_name: str = "indptr") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """segment_csr's body, for every function built on it: ``caller`` names the function
+    called and ``pointer_name`` its argument ``indptr``."""
     def check():
         _check_src(caller, src)
-        d = _check_pointer_like(caller, "indptr", indptr, src)
+        d = _check_pointer_like(caller, pointer_name, indptr, src)
         r = _check_reduce(caller, reduce, SEGMENT_REDUCES)
         m = _check_mode(caller, mode, r, src.dtype)
         if out is not None:
@@ -670,7 +677,7 @@ def _segment_csr(caller: str, src: torch.Tensor, indptr: torch.Tensor,
         return d, r, m
 
     d, r, m = _validation.run_check(check)
-    _check_indptr_values(caller, indptr, src.shape[d], f"src.size({d})")
+    _check_indptr_values(caller, indptr, src.shape[d], f"src.size({d})", pointer_name)
     src, indptr = _apart_from(out, src), _apart_from(out, indptr)
     segments = max(indptr.shape[-1] - 1, 0)
     one_pointer = all(size == 1 for size in indptr.shape[:-1])
@@ -1118,6 +1125,7 @@ def scatter_log_softmax(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_log_softmax"
     _validation.run_check(_check_float_src, caller, src)
+    _validation.run_check(_validation.check_real, caller, "eps", eps)
     top = _scatter(caller, src, index, dim, None, dim_size, "max", mode, want_arg=False)[0]
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
@@ -1144,6 +1152,7 @@ def scatter_logsumexp(src: torch.Tensor, index: torch.Tensor, dim: int = -1,
     """
     caller = "detsum.scatter_logsumexp"
     _validation.run_check(_check_float_src, caller, src)
+    _validation.run_check(_validation.check_real, caller, "eps", eps)
     d = _validation.check_dim(caller, dim, src.dim())
     where = _broadcast_index(caller, index, src, d)
     _validation.run_check(_check_out, caller, out, src, d)

@@ -481,6 +481,12 @@ def test_running_sum_state_errors():
         running.load_state(state[:5])
     with pytest.raises(TypeError, match="state must be an int64 tensor, got torch.float32"):
         running.load_state(state.float())
+    summed = detsum.RunningSum((3,), mode="exact")
+    summed.add(torch.ones(2, 3))
+    uncounted = summed.state()
+    uncounted[0] = 0  # its sum would read as 0 (the sum of no rows)
+    with pytest.raises(ValueError, match="state counts 0 rows but holds a nonzero sum"):
+        running.load_state(uncounted)
     with pytest.raises(ValueError, match="other has .* expected"):
         running.merge(detsum.RunningSum((4,), mode="exact"))
     with pytest.raises(ValueError, match="only mode='exact' sums can be merged"):

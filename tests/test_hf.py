@@ -481,6 +481,28 @@ def test_mismatched_dtypes_are_named():
         experts(hidden.bfloat16(), top_k_index, top_k_weights)
 
 
+def test_inputs_of_the_wrong_kind_or_shape_are_named():
+    experts = experts_module("mixtral", torch.float32)
+    hidden, top_k_index, top_k_weights, _ = block_inputs(experts, torch.float32)
+    detsum.hf.register()
+    experts.config._experts_implementation = "detsum"
+    cases = [
+        ((hidden.tolist(), top_k_index, top_k_weights), TypeError,
+         r"hidden_states must be a torch\.Tensor, got list"),
+        ((hidden, top_k_index.float(), top_k_weights), TypeError,
+         r"top_k_index has dtype torch\.float32; expected torch\.int32 or torch\.int64"),
+        ((hidden, top_k_index, top_k_weights.long()), TypeError,
+         r"top_k_weights has dtype torch\.int64; expected a floating-point dtype"),
+        ((hidden, top_k_index[:40], top_k_weights[:40]), ValueError,
+         r"top_k_index has 40 rows but hidden_states has 48; expected one row"),
+        ((hidden[:, :32], top_k_index, top_k_weights), ValueError,
+         r"hidden_states has 32 features but MixtralExperts\.gate_up_proj takes 64"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=r"^detsum\.hf\.experts_forward: " + message):
+            experts(*args)
+
+
 @pytest.mark.parametrize("bad_id", [8, -1])
 def test_expert_id_out_of_range_is_named(bad_id):
     """route() runs with check=False: the ids are checked once, where the row counts are read,

@@ -133,6 +133,9 @@ def test_reduce_rejects_bad_input():
         loss.reduce(torch.ones(3), "max")
     with pytest.raises(ValueError, match=r"weight has shape \(2,\)"):
         loss.reduce(torch.ones(3), weight=torch.ones(2))
+    with pytest.raises(NotImplementedError, match=r"^detsum.loss.reduce: detsum has no backend "
+                                                  r"for meta tensors"):
+        loss.reduce(torch.ones(3, device="meta"))
 
 
 # ---- explain ----------------------------------------------------------------------------------
@@ -414,6 +417,10 @@ def test_grad_accumulator_refuses_bad_chunks_and_changes_nothing():
         accumulator.add(wrong)
     with pytest.raises(TypeError, match="must be a dict"):
         accumulator.add(list(grads.values()))
+    listed = dict(grads, **{"2.bias": grads["2.bias"].tolist()})
+    with pytest.raises(TypeError, match=r"per_sample_grads\['2.bias'\] is a list; expected a "
+                                        r"tensor \[k, \*param.shape\] or OuterProducts"):
+        accumulator.add(listed)
     assert accumulator.count == 4
     assert_same_grads(accumulator.result("sum"), before)
     with pytest.raises(ValueError, match="reduction='max'"):

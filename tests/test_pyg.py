@@ -968,3 +968,39 @@ def test_function_errors_name_the_argument(small_graph):
         detsum.pyg.softmax(x, ptr=torch.tensor([0, 100, 400]))
     with pytest.raises(ValueError, match="reduce='mul' needs index"):
         detsum.pyg.MulAggregation().forward(x, ptr=ptr)
+
+
+def test_errors_found_inside_name_the_function_called_and_its_argument(small_graph):
+    """Errors found by the scatter or segment_csr underneath name the function the caller
+    called (not ``detsum.scatter``) and the argument as it was given (``num_nodes``, ``ptr``)."""
+    x, index, ptr = small_graph
+    beyond = index.clone()
+    beyond[7] = 60
+    with pytest.raises(IndexError, match=r"^detsum.pyg.scatter: index\[7\] = 60 is out of "
+                                         r"range for dim_size = 60"):
+        detsum.pyg.scatter(x, beyond, dim_size=60)
+    with pytest.raises(TypeError, match=r"^detsum.pyg.scatter: index has dtype torch.float32"):
+        detsum.pyg.scatter(x, index.float())
+    with pytest.raises(TypeError, match=r"^detsum.pyg.scatter: dim_size='3' is a str"):
+        detsum.pyg.scatter(x, index, dim_size="3")
+    with pytest.raises(IndexError, match=r"^detsum.pyg.softmax: index\[7\] = 60 is out of "
+                                         r"range for num_nodes = 60"):
+        detsum.pyg.softmax(x, beyond, num_nodes=60)
+    with pytest.raises(TypeError, match=r"^detsum.pyg.softmax: num_nodes=60.0 is a float"):
+        detsum.pyg.softmax(x, index, num_nodes=60.0)
+    backwards = ptr.clone()
+    backwards[3] = backwards[2] - 1
+    with pytest.raises(ValueError, match=r"^detsum.pyg.softmax: ptr decreases after its flat "
+                                         r"position 2"):
+        detsum.pyg.softmax(x, ptr=backwards)
+    # (Called as modules, PyG's Aggregation.__call__ raises its own ValueError from an
+    # IndexError: forward is what detsum defines.)
+    with pytest.raises(ValueError, match=r"^detsum.pyg.SumAggregation: ptr decreases after "
+                                         r"its flat position 2"):
+        detsum.pyg.SumAggregation().forward(x, ptr=backwards)
+    with pytest.raises(IndexError, match=r"^detsum.pyg.MaxAggregation: index\[7\] = 60 is "
+                                         r"out of range for dim_size = 60"):
+        detsum.pyg.MaxAggregation().forward(x, beyond, dim_size=60)
+    with pytest.raises(IndexError, match=r"^detsum.pyg.SoftmaxAggregation: index\[7\] = 60 "
+                                         r"is out of range for dim_size = 60"):
+        detsum.pyg.SoftmaxAggregation().forward(x, beyond, dim_size=60)

@@ -145,3 +145,6 @@ def test_bad_input_is_refused_and_changes_nothing():
         detsum.RunningSum((2,), mode="fast")
     with pytest.raises(TypeError, match="dtype=torch.int32; expected one of"):
         detsum.RunningSum((2,), dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match=r"^detsum.RunningSum: detsum has no backend "
+                                                  r"for meta tensors"):
+        detsum.RunningSum((2,), device="meta")

@@ -685,6 +685,15 @@ def test_errors_name_the_argument_and_change_nothing():
         detsum.scatter_mul(src, torch.tensor([0, 1, 0, 1]), 0, mode="exact")
     with pytest.raises(ValueError, match="dim_size=-1; expected None or an int >= 0"):
         detsum.scatter(src, torch.tensor([0, 1, 0, 1]), 0, dim_size=-1)
+    for dim_size in (2.0, "2", True):
+        with pytest.raises(TypeError, match=f"detsum.scatter_sum: dim_size={dim_size!r} is a "
+                                            f"{type(dim_size).__name__}; expected None or an "
+                                            f"int >= 0"):
+            detsum.scatter_sum(src, torch.tensor([0, 1, 0, 1]), 0, dim_size=dim_size)
+    for name in ("scatter_log_softmax", "scatter_logsumexp"):
+        with pytest.raises(TypeError, match=f"detsum.{name}: eps must be a real number, got "
+                                            f"'x'"):
+            getattr(detsum, name)(src, torch.tensor([0, 1, 0, 1]), 0, eps="x")
     with pytest.raises(ValueError, match="does not broadcast to src's shape"):
         detsum.scatter(src, torch.tensor([0, 1]), 0)
     with pytest.raises(ValueError, match=r"index decreases after its flat position 1 \(1 then "

@@ -288,7 +288,7 @@ def _check(input, dim, index, source, alpha, mode, check, caller, plan=None):
     _validation.check_float(caller, "source", source)
     _validation.check_index(caller, "index", index, one_d=True)
     dim = _validation.check_dim(caller, dim, input.dim())
-    alpha = _validation.check_alpha(caller, alpha)
+    alpha = _validation.check_real(caller, "alpha", alpha)
     _validation.check_same_dtype(caller, "input", input, "source", source)
     _validation.check_shapes_except_dim(caller, "input", input, "source", source, dim)
     if index.shape[0] != source.shape[dim]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from detsum import _kernel_ops, _limbs, _transforms, _validation
+from detsum.backend import current_backend
 from detsum.modes import (CHUNK_TERMS, FLOAT_DTYPES, MAX_TERMS_PER_STATE, Mode, acc_dtype,
                           parse_ordered_mode)
 
@@ -96,6 +97,7 @@ class RunningSum:
                             f"{', '.join(str(d) for d in FLOAT_DTYPES)}")
         self.shape = _validation.check_shape(caller, "shape", shape)
         device = _validation.check_device(caller, "device", device)
+        current_backend(device.type, caller)  # a device detsum runs (not "meta")
         self.dtype = dtype
         self.count = 0
         acc = acc_dtype(dtype)
@@ -284,6 +286,11 @@ class RunningSum:
         count = int(state[0])
         if count < 0:
             raise ValueError(f"{caller}: state counts {count} rows; expected a count >= 0")
+        if count == 0 and bool(state[1:].any()):
+            # sum() of no rows is 0: such a state would lose its sum without a word.
+            raise ValueError(f"{caller}: state counts 0 rows but holds a nonzero sum; expected "
+                             f"the state() of a sum, or an integer sum of several, whose count "
+                             f"is the number of rows added")
         self._check_changeable(caller)
         self._state.copy_(state[1:].view(self._state.shape[1], self._state.shape[0]).t())
         _kernel_ops.normalise_limbs(self._state[:self._state.shape[0] - _limbs.COUNTERS])

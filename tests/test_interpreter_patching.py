@@ -1,6 +1,7 @@
 """The suite's Triton's interpreter (tests/interpreter_patching.py, installed by conftest.py):
-``triton.language`` patched once per launch, not at every call of a jitted helper; the same
-bits as Triton's own way, and the language left as Triton leaves it."""
+``triton.language`` patched once per launch, not at every call of a jitted helper, and two
+shortcuts in its arithmetic; the same bits as Triton's own way, and the language left as
+Triton leaves it."""
 
 from __future__ import annotations
 
@@ -75,3 +76,51 @@ def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch, patch_o
     monkeypatch.setattr(interpreter, "_patch_lang", patch_once_per_launch.at_every_call)
     for fast, triton_way in zip(once, _sums(mode), strict=True):
         assert_same_bits(fast, triton_way)
+
+
+@pytest.fixture
+def shortcuts():
+    numpy_dtype = interpreter._get_np_dtype
+    if not getattr(numpy_dtype, "shortcut", False):
+        pytest.skip("this Triton's interpreter lacks a step the shortcuts replace: the suite "
+                    "runs it as it is")
+    return numpy_dtype, interpreter.interpreter_semantic.broadcast_impl_value.__func__
+
+
+SCALAR_TYPES = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
+                tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64]
+
+
+def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
+    numpy_dtype, _ = shortcuts
+    for scalar in SCALAR_TYPES:
+        for triton_dtype in (scalar, tl.block_type(scalar, [4]), tl.block_type(scalar, [2, 8]),
+                             tl.pointer_type(scalar), tl.block_type(tl.pointer_type(scalar), [4])):
+            for _ in range(2):  # worked out, then kept
+                assert numpy_dtype(triton_dtype) == numpy_dtype.triton_own(triton_dtype), \
+                    triton_dtype
+
+
+@pytest.mark.parametrize("mode", ["fp32", "exact"])
+def test_the_shortcut_is_taken_and_gives_tritons_own_bits(monkeypatch, shortcuts, mode):
+    """Counted: with the shortcuts, Triton's own broadcast step runs for fewer pairs of
+    operands than without them (blocks of one shape skip it); and the sums have the bits of
+    Triton's own way."""
+    numpy_dtype, broadcast = shortcuts
+    _sums(mode)  # the first calls' one-time set-up, outside the counts
+    own_broadcast = broadcast.triton_own
+    calls = {"own broadcast": 0}
+
+    def counted(lhs, rhs):
+        calls["own broadcast"] += 1
+        return own_broadcast(lhs, rhs)
+
+    monkeypatch.setattr(broadcast, "triton_own", counted)
+    with_shortcuts = _sums(mode)
+    taken = calls["own broadcast"]
+    monkeypatch.setattr(interpreter, "_get_np_dtype", numpy_dtype.triton_own)
+    monkeypatch.setattr(interpreter.interpreter_semantic, "broadcast_impl_value", counted)
+    calls["own broadcast"] = 0
+    for fast, triton_way in zip(with_shortcuts, _sums(mode), strict=True):
+        assert_same_bits(fast, triton_way)
+    assert 0 < taken < 0.9 * calls["own broadcast"], (taken, calls)

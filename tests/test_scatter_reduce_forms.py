@@ -14,6 +14,7 @@ likewise.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import types
 import unittest.mock
 
@@ -166,11 +167,31 @@ def test_a_broadcast_row_index_takes_the_row_path_with_the_same_bits(
     check_every_path(input, dim, index, src, reduce, mode, row_path=True)
 
 
+def int32_index_params() -> list:
+    """An int32 index with every (mode, reduction) in both cases (the long one is read again
+    in chunks) in float32, with every other dtype once, and every form in every shape: not
+    every (mode, reduction) in every dtype, each of which compiles kernels of its own for
+    int32 (two seconds each, 57 s of compiling in all for the whole matrix), where the index
+    is read by code that no reduction or dtype changes."""
+    rows = [(m, r, torch.float32, case) for m, r in MODE_REDUCTIONS
+            for case in ("short-int32", "long-int32")]
+    rows += [("fp32", "sum", dtype, "long-int32")
+             for dtype in (torch.bfloat16, torch.float16, torch.float64)]
+    placements = itertools.cycle(itertools.product(ELEMENTWISE_FORMS, SHAPES))
+    params = []
+    for (mode, reduce, dtype, case), (form, shape) in zip(rows, placements):
+        template, dim = shape.values
+        params.append(pytest.param(mode, reduce, dtype, form, case, template, dim,
+                                   id=f"{reduce}-{mode}-{dtype_id(dtype)}-{form}-{case}-"
+                                      f"{shape.id}"))
+    return params
+
+
 @pytest.mark.parametrize(
     "mode,reduce,dtype,form,case,template,dim",
     covering([MODE_REDUCTION_PARAMS,
               [torch.float32, torch.bfloat16, torch.float16, torch.float64], ELEMENTWISE_FORMS,
-              CASES + ["short-int32"]], SHAPES))
+              CASES], SHAPES) + int32_index_params())
 def test_an_elementwise_index_without_a_plan_gives_the_plan_bits(
         mode, reduce, dtype, form, case, template, dim):
     index_dtype = torch.int32 if case.endswith("int32") else torch.int64

@@ -1,5 +1,5 @@
 """The suite's Triton's interpreter (tests/interpreter_patching.py, installed by conftest.py):
-``triton.language`` patched once per launch, not at every call of a jitted helper, and two
+``triton.language`` patched once per launch, not at every call of a jitted helper, and three
 shortcuts in its arithmetic; the same bits as Triton's own way, and the language left as
 Triton leaves it."""
 
@@ -84,7 +84,9 @@ def shortcuts():
     if not getattr(numpy_dtype, "shortcut", False):
         pytest.skip("this Triton's interpreter lacks a step the shortcuts replace: the suite "
                     "runs it as it is")
-    return numpy_dtype, interpreter.interpreter_semantic.broadcast_impl_value.__func__
+    semantic = interpreter.interpreter_semantic
+    return (numpy_dtype, semantic.broadcast_impl_value.__func__,
+            semantic.binary_op_type_checking_impl.__func__)
 
 
 SCALAR_TYPES = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
@@ -92,7 +94,7 @@ SCALAR_TYPES = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.ui
 
 
 def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
-    numpy_dtype, _ = shortcuts
+    numpy_dtype = shortcuts[0]
     for scalar in SCALAR_TYPES:
         for triton_dtype in (scalar, tl.block_type(scalar, [4]), tl.block_type(scalar, [2, 8]),
                              tl.pointer_type(scalar), tl.block_type(tl.pointer_type(scalar), [4])):
@@ -102,25 +104,33 @@ def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
 
 
 @pytest.mark.parametrize("mode", ["fp32", "exact"])
-def test_the_shortcut_is_taken_and_gives_tritons_own_bits(monkeypatch, shortcuts, mode):
-    """Counted: with the shortcuts, Triton's own broadcast step runs for fewer pairs of
-    operands than without them (blocks of one shape skip it); and the sums have the bits of
-    Triton's own way."""
-    numpy_dtype, broadcast = shortcuts
+def test_the_shortcuts_are_taken_and_give_tritons_own_bits(monkeypatch, shortcuts, mode):
+    """Counted: with the shortcuts, Triton's own broadcast and typing steps run for fewer
+    pairs of operands than without them (operands of one shape or type skip them); and the
+    sums have the bits of Triton's own way."""
+    numpy_dtype, broadcast, operands = shortcuts
     _sums(mode)  # the first calls' one-time set-up, outside the counts
-    own_broadcast = broadcast.triton_own
-    calls = {"own broadcast": 0}
+    calls = {}
 
-    def counted(lhs, rhs):
-        calls["own broadcast"] += 1
-        return own_broadcast(lhs, rhs)
+    def counted(name, step):
+        def count(*args):
+            calls[name] += 1
+            return step(*args)
+        return count
 
-    monkeypatch.setattr(broadcast, "triton_own", counted)
+    counted_broadcast = counted("broadcast", broadcast.triton_own)
+    counted_operands = counted("operands", operands.triton_own)
+    monkeypatch.setattr(broadcast, "triton_own", counted_broadcast)
+    monkeypatch.setattr(operands, "triton_own", counted_operands)
+    calls.update(broadcast=0, operands=0)
     with_shortcuts = _sums(mode)
-    taken = calls["own broadcast"]
+    taken = dict(calls)
+    semantic = interpreter.interpreter_semantic
     monkeypatch.setattr(interpreter, "_get_np_dtype", numpy_dtype.triton_own)
-    monkeypatch.setattr(interpreter.interpreter_semantic, "broadcast_impl_value", counted)
-    calls["own broadcast"] = 0
+    monkeypatch.setattr(semantic, "broadcast_impl_value", counted_broadcast)
+    monkeypatch.setattr(semantic, "binary_op_type_checking_impl", counted_operands)
+    calls.update(broadcast=0, operands=0)
     for fast, triton_way in zip(with_shortcuts, _sums(mode), strict=True):
         assert_same_bits(fast, triton_way)
-    assert 0 < taken < 0.9 * calls["own broadcast"], (taken, calls)
+    for step in ("broadcast", "operands"):
+        assert 0 < taken[step] < 0.9 * calls[step], (step, taken, calls)

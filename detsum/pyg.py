@@ -26,9 +26,8 @@ import threading
 import torch
 
 import detsum
-from detsum import switch
+from detsum import scatter_compat, switch
 from detsum.modes import Mode, parse_mode
-from detsum import scatter_compat
 from detsum.scatter_compat import _check_mode
 
 __all__ = [

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 import detsum
-from detsum import _dispatch, _transforms, moe
+from detsum import _dispatch, _transforms, _validation, moe
 from detsum.modes import Mode, parse_mode
 
 __all__ = ["IMPLEMENTATION", "experts_forward", "register", "use_detsum_experts"]
@@ -376,14 +376,11 @@ def _check_layout(caller: str, experts: torch.nn.Module) -> None:
 
 
 def _check_inputs(caller, experts, hidden_states, top_k_index, top_k_weights) -> None:
-    for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
-                        ("top_k_weights", top_k_weights)):
+    for name, value in (("hidden_states", hidden_states), ("top_k_weights", top_k_weights)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{caller}: {name} must be a torch.Tensor, got "
                             f"{type(value).__name__}")
-    if top_k_index.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{caller}: top_k_index has dtype {top_k_index.dtype}; expected "
-                        f"torch.int32 or torch.int64")
+    _validation.check_index(caller, "top_k_index", top_k_index, one_d=False)
     if not top_k_weights.is_floating_point():
         raise TypeError(f"{caller}: top_k_weights has dtype {top_k_weights.dtype}; expected a "
                         f"floating-point dtype")

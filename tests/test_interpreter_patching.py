@@ -1,5 +1,5 @@
 """The suite's Triton's interpreter (tests/interpreter_patching.py, installed by conftest.py):
-``triton.language`` patched once per launch, not at every call of a jitted helper, and three
+``triton.language`` patched once per launch, not at every call of a jitted helper, and six
 shortcuts in its arithmetic; the same bits as Triton's own way, and the language left as
 Triton leaves it."""
 
@@ -80,21 +80,26 @@ def test_a_launch_patches_the_language_once_and_restores_it(monkeypatch, patch_o
 
 @pytest.fixture
 def shortcuts():
+    """The shortcuts installed, by the name of the step each stands for; each has Triton's own
+    step as ``triton_own``."""
     numpy_dtype = interpreter._get_np_dtype
     if not getattr(numpy_dtype, "shortcut", False):
         pytest.skip("this Triton's interpreter lacks a step the shortcuts replace: the suite "
                     "runs it as it is")
     semantic = interpreter.interpreter_semantic
-    return (numpy_dtype, semantic.broadcast_impl_value.__func__,
-            semantic.binary_op_type_checking_impl.__func__)
+    return {"_get_np_dtype": numpy_dtype, "get_block_ty": semantic.builder.get_block_ty,
+            **{step: getattr(semantic, step).__func__ for step in SEMANTIC_STEPS}}
 
+
+#: The steps of the interpreter's own semantic object that a shortcut stands for.
+SEMANTIC_STEPS = ("broadcast_impl_value", "binary_op_type_checking_impl", "make_tensor", "cast")
 
 SCALAR_TYPES = [tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64,
                 tl.uint64, tl.float16, tl.bfloat16, tl.float32, tl.float64]
 
 
 def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
-    numpy_dtype = shortcuts[0]
+    numpy_dtype = shortcuts["_get_np_dtype"]
     for scalar in SCALAR_TYPES:
         for triton_dtype in (scalar, tl.block_type(scalar, [4]), tl.block_type(scalar, [2, 8]),
                              tl.pointer_type(scalar), tl.block_type(tl.pointer_type(scalar), [4])):
@@ -103,14 +108,38 @@ def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
                     triton_dtype
 
 
+def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
+    """A kept block type equals the one Triton makes; a pointer's is never kept (its name
+    leaves out its address space); a tensor made the short way has every attribute of the
+    one Triton makes, equal."""
+    block_type_of, make_tensor = shortcuts["get_block_ty"], shortcuts["make_tensor"]
+    semantic = interpreter.interpreter_semantic
+    handle = object()
+    for scalar in SCALAR_TYPES:
+        for shape in ([4], [2, 8]):
+            own = tl.block_type(scalar, shape)
+            for _ in range(2):  # made, then kept
+                kept = block_type_of(scalar, own.shape)
+                assert kept == own and kept.name == own.name and kept.numel == own.numel
+                for tensor_type in (own, scalar):
+                    fast = make_tensor(semantic, handle, tensor_type)
+                    triton_way = make_tensor.triton_own(handle, tensor_type)
+                    assert type(fast) is type(triton_way)
+                    assert vars(fast).keys() == vars(triton_way).keys()
+                    for name, value in vars(triton_way).items():
+                        assert getattr(fast, name) == value, (tensor_type, name)
+    for space in (1, 3):
+        pointer = tl.pointer_type(tl.float32, space)
+        shape = tl.block_type(tl.float32, [4]).shape
+        assert block_type_of(pointer, shape).element_ty.address_space == space
+
+
 @pytest.mark.parametrize("mode", ["fp32", "exact"])
 def test_the_shortcuts_are_taken_and_give_tritons_own_bits(monkeypatch, shortcuts, mode):
-    """Counted: with the shortcuts, Triton's own broadcast and typing steps run for fewer
-    pairs of operands than without them (operands of one shape or type skip them); and the
-    sums have the bits of Triton's own way."""
-    numpy_dtype, broadcast, operands = shortcuts
+    """Counted: with the shortcuts, Triton's own steps they stand for run less often than
+    without them; and the sums have the bits of Triton's own way."""
     _sums(mode)  # the first calls' one-time set-up, outside the counts
-    calls = {}
+    calls = dict.fromkeys(shortcuts, 0)
 
     def counted(name, step):
         def count(*args):
@@ -118,19 +147,19 @@ def test_the_shortcuts_are_taken_and_give_tritons_own_bits(monkeypatch, shortcut
             return step(*args)
         return count
 
-    counted_broadcast = counted("broadcast", broadcast.triton_own)
-    counted_operands = counted("operands", operands.triton_own)
-    monkeypatch.setattr(broadcast, "triton_own", counted_broadcast)
-    monkeypatch.setattr(operands, "triton_own", counted_operands)
-    calls.update(broadcast=0, operands=0)
+    counted_steps = {name: counted(name, shortcut.triton_own)
+                     for name, shortcut in shortcuts.items()}
+    for name, shortcut in shortcuts.items():
+        monkeypatch.setattr(shortcut, "triton_own", counted_steps[name])
     with_shortcuts = _sums(mode)
     taken = dict(calls)
     semantic = interpreter.interpreter_semantic
-    monkeypatch.setattr(interpreter, "_get_np_dtype", numpy_dtype.triton_own)
-    monkeypatch.setattr(semantic, "broadcast_impl_value", counted_broadcast)
-    monkeypatch.setattr(semantic, "binary_op_type_checking_impl", counted_operands)
-    calls.update(broadcast=0, operands=0)
+    monkeypatch.setattr(interpreter, "_get_np_dtype", counted_steps["_get_np_dtype"])
+    monkeypatch.setattr(semantic.builder, "get_block_ty", counted_steps["get_block_ty"])
+    for step in SEMANTIC_STEPS:
+        monkeypatch.setattr(semantic, step, counted_steps[step])
+    calls.update(dict.fromkeys(shortcuts, 0))
     for fast, triton_way in zip(with_shortcuts, _sums(mode), strict=True):
         assert_same_bits(fast, triton_way)
-    for step in ("broadcast", "operands"):
-        assert 0 < taken[step] < 0.9 * calls[step], (step, taken, calls)
+    for step in shortcuts:
+        assert taken[step] < 0.9 * calls[step], (step, taken, calls)

@@ -134,6 +134,74 @@ def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
         assert block_type_of(pointer, shape).element_ty.address_space == space
 
 
+def _operand_values():
+    """Tensors of the interpreter (blocks of 4 and scalars) of every kind of type the typing
+    step sees, pointers among them, and Python numbers at and past the types' ranges."""
+    import numpy as np
+
+    def tensor(scalar, values, block=True):
+        if scalar == tl.bfloat16:  # held as its bits
+            data = (np.asarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            data = np.asarray(values, dtype=interpreter._get_np_dtype(scalar))
+        if not block:
+            data = data[:1]
+        handle = interpreter.TensorHandle(data, scalar)
+        return tl.tensor(handle, tl.block_type(scalar, [4]) if block else scalar)
+
+    values = []
+    for scalar in SCALAR_TYPES:
+        numbers = [0, 1, 1, 0] if scalar == tl.int1 else [3, -2, 7, 0] if (
+            scalar.is_int_signed() or scalar.is_floating()) else [3, 2, 7, 0]
+        values += [tensor(scalar, numbers), tensor(scalar, numbers, block=False)]
+    pointer = tl.pointer_type(tl.float32)
+    addresses = [4096, 4100, 4104, 4108]
+    values += [tensor(pointer, addresses), tensor(pointer, addresses, block=False),
+               tensor(tl.pointer_type(tl.int64), addresses)]
+    return values + [0, -1, 7, 2**31 - 1, 2**31, -2**31 - 1, 2**40, 2**63, -2**63 - 1, 2**64,
+                     1.5, -0.25, 1e300, True]
+
+
+def _typed(outcome):
+    """What a typing step gave, comparable: each operand's type and bits, or the error."""
+    if isinstance(outcome, Exception):
+        return type(outcome)
+    return [(str(t.type), t.handle.dtype.name, t.handle.data.dtype, t.handle.data.shape,
+             t.handle.data.tobytes()) for t in outcome]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_the_operand_shortcuts_give_tritons_own_operands_for_every_pair(shortcuts):
+    """Every pair of operand kinds (both orders): under every flag the typing step takes, the
+    broadcast, and a cast of each tensor to every scalar type, the shortcut gives the types
+    and values Triton's own step gives, or the same error."""
+    import itertools
+
+    semantic = interpreter.interpreter_semantic
+    values = _operand_values()
+    tensors = [value for value in values if isinstance(value, tl.tensor)]
+
+    def compare(shortcut, *arguments):
+        outcomes = []
+        for step in (lambda *a: shortcut(semantic, *a), shortcut.triton_own):
+            try:
+                outcome = step(*arguments)
+                outcomes.append(_typed(outcome if isinstance(outcome, tuple) else [outcome]))
+            except Exception as error:  # noqa: BLE001 - the same error is the check
+                outcomes.append(_typed(error))
+        assert outcomes[0] == outcomes[1], (arguments, outcomes)
+
+    operands = shortcuts["binary_op_type_checking_impl"]
+    for lhs, rhs in itertools.product(values, repeat=2):
+        if isinstance(lhs, tl.tensor) or isinstance(rhs, tl.tensor):
+            for flags in itertools.product([False, True], repeat=4):
+                compare(operands, lhs, rhs, *flags)
+    for lhs, rhs in itertools.product(tensors, repeat=2):
+        compare(shortcuts["broadcast_impl_value"], lhs, rhs)
+    for tensor, scalar in itertools.product(tensors, SCALAR_TYPES + [tl.pointer_type(tl.int8)]):
+        compare(shortcuts["cast"], tensor, scalar)
+
+
 @pytest.mark.parametrize("mode", ["fp32", "exact"])
 def test_the_shortcuts_are_taken_and_give_tritons_own_bits(monkeypatch, shortcuts, mode):
     """Counted: with the shortcuts, Triton's own steps they stand for run less often than

@@ -400,12 +400,9 @@ def _check_inputs(caller, experts, hidden_states, top_k_index, top_k_weights) ->
         raise ValueError(f"{caller}: hidden_states has {hidden_states.shape[1]} features but "
                          f"{type(experts).__name__}.gate_up_proj takes {hidden_size}; expected "
                          f"[T, {hidden_size}]")
-    if any(t.device != hidden_states.device for t in (top_k_index, top_k_weights,
-                                                       experts.gate_up_proj, experts.down_proj)):
-        raise ValueError(f"{caller}: hidden_states on {hidden_states.device}, top_k_index on "
-                         f"{top_k_index.device}, top_k_weights on {top_k_weights.device} and "
-                         f"the experts' weights on {experts.gate_up_proj.device}; expected one "
-                         f"device")
+    _validation.check_same_device(caller, hidden_states=hidden_states, top_k_index=top_k_index,
+                                  top_k_weights=top_k_weights,
+                                  gate_up_proj=experts.gate_up_proj, down_proj=experts.down_proj)
     for name in ("gate_up_proj", "down_proj"):
         weight = getattr(experts, name)
         if weight.dtype != hidden_states.dtype:

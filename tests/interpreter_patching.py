@@ -197,7 +197,7 @@ def install_shortcuts(interpreter) -> bool:
                 pointer, offset = (lhs_scalar, rhs_scalar) if lhs_scalar.is_ptr() else (
                     rhs_scalar, lhs_scalar)
                 if (allow_lhs_ptr if pointer is lhs_scalar else allow_rhs_ptr) and (
-                        offset.is_int() and not offset.is_ptr()):
+                        offset.is_int()):  # not a pointer's type, whose name is no int's
                     return self.broadcast_impl_value(lhs, rhs)  # a pointer and its offsets
             # Types that are not a pointer's are equal where their names are.
             elif lhs_scalar.name == rhs_scalar.name:

@@ -110,26 +110,31 @@ def install_shortcuts(interpreter) -> bool:
       compute in the tensor's type, the number made a constant of it. A pointer and a
       Python int take the int's own type, as Triton gives it. Every other pair, and every
       pair Triton refuses, goes to Triton's own step.
-    - A cast (``cast``) to the scalar type the tensor has: Triton's first step returns the
+    - A cast (``cast``). To the scalar type the tensor has, Triton's first step returns the
       tensor, after comparing the two types through their comparison, which normalises the
-      other side. Here types that are not a pointer's compare by their names (which are
-      equal exactly where the types are); every other cast goes to Triton's own step.
+      other side; here types that are not a pointer's compare by their names (which are
+      equal exactly where the types are). Between two other types, Triton picks its builder
+      step through a cascade of tests of both types and makes the result's block type anew;
+      here a cast it makes in one step, with no rounding given, takes that step, kept per
+      pair of type names, with the block type kept (below): between standard floats (not
+      float16 and bfloat16 between them, nor a 16-bit float to float64), between integers,
+      from float32 or float64 to an integer, from an integer to a standard float, none to a
+      bool. Every other cast goes to Triton's own step (whose two-step casts come back here).
     - A block type (the interpreter builder's ``get_block_ty``, which every operation's result
       type goes through): Triton makes one anew each time, checking and normalising its shape
-      and naming it. Here one of each element type (not a pointer) and shape is kept and
-      given again; block types are values, never changed once made.
+      and naming it. Here one of each element type and shape is kept (a pointer's, whose
+      name leaves out its address space, per address space too) and given again; block
+      types are values, never changed once made.
     - A tensor of a type seen before (``make_tensor``, every operation's result): Triton
       works out its shape as a tuple of constants and its number of elements again. Here
       the tensor gets the shape, count and scalar type Triton worked out for the first tensor
-      of its type (not a pointer's), the same objects, which nothing changes.
+      of its type (a pointer's per address space), the same objects, which nothing changes.
 
     They are installed on the interpreter alone (its module, its own semantic object and its
     own builder), never on what Triton compiles for a GPU. The same values, with fewer Python
     calls (tests/test_interpreter_patching.py's sums, "fp32" and "exact", six times: 85.2
-    million with Triton's own steps, 67.5 million with the first three shortcuts as they were
-    first written, 42.4 million with all six) and less time (tests/test_triton.py,
-    tests/test_exact_triton.py and tests/test_counting_sort.py on two workers, back to back:
-    234 s against 291 s with those three, 364 s of CPU time against 460; triton 3.9.0);
+    million with Triton's own steps, 36.1 million with the shortcuts; triton 3.9.0) and less
+    time (benches/NOTES.md, the log's thirty-second and thirty-third sessions);
     ``tests/test_interpreter_patching.py`` compares the bits with and without them."""
     own_dtype = getattr(interpreter, "_get_np_dtype", None)
     semantic = getattr(interpreter, "interpreter_semantic", None)
@@ -159,12 +164,15 @@ def install_shortcuts(interpreter) -> bool:
     known_blocks: dict = {}
     shape_type = interpreter.tl.tuple
 
+    def type_key(scalar, name):
+        # A type's name tells it from every other type, but for a pointer's address space.
+        return (name, scalar.address_space) if scalar.is_ptr() else name
+
     def block_type_of(element, shape):
-        # A block type's shape is the language's tuple of ints; a pointer's type compares by
-        # its name alone, which leaves out its address space.
-        if type(shape) is not shape_type or element.is_ptr():
+        # A block type's shape is the language's tuple of ints.
+        if type(shape) is not shape_type:
             return block_type_of.triton_own(element, shape)
-        key = (element.name, *shape.values)
+        key = (type_key(element, element.name), *shape.values)
         kept = known_blocks.get(key)
         if kept is None:
             kept = known_blocks[key] = block_type_of.triton_own(element, shape)
@@ -230,30 +238,69 @@ def install_shortcuts(interpreter) -> bool:
         return operands.triton_own(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check,
                                    div_or_mod)
 
+    standard_floats = dtype_type.STANDARD_FP_TYPES
+    known_conversions: dict = {}
+
+    def conversion(source, target):
+        # The one builder step Triton's cast takes from scalar type source to target with no
+        # rounding given, and its last argument; None where it takes another way (two casts
+        # through float32 from a 16-bit float, float16 and bfloat16 between them, to a bool).
+        if source.name in standard_floats and target.name in standard_floats:
+            if source.primitive_bitwidth > target.primitive_bitwidth:
+                return "create_fp_trunc", ()
+            if source.name in ("fp16", "bf16"):
+                return ("create_fp_ext", ()) if target.name == "fp32" else None
+            return ("create_fp_ext", ()) if target.name == "fp64" else None
+        if target.is_bool():
+            return None
+        if source.is_int() and target.is_int():
+            return "create_int_cast", (source.is_int_signed(),)
+        if source.name in standard_floats and target.is_int():
+            if source.name in ("fp16", "bf16"):
+                return None
+            return ("create_fp_to_si" if target.is_int_signed() else "create_fp_to_ui"), ()
+        if source.is_int() and target.name in standard_floats:
+            return ("create_si_to_fp" if source.is_int_signed() else "create_ui_to_fp"), ()
+        return None
+
     def cast(self, input, dst_ty, fp_downcast_rounding=None):
-        # Triton's first step: a cast to the scalar type the tensor has returns it.
-        source, target = input.type.scalar, dst_ty.scalar
-        if source.name == target.name and not source.is_ptr() and not target.is_ptr():
-            return input
+        # Triton's first step: a cast to the scalar type the tensor has returns it. Then the
+        # casts it makes in one builder step, the result's block type kept.
+        source_type = input.type
+        source, target = source_type.scalar, dst_ty.scalar
+        if not source.is_ptr() and not target.is_ptr():
+            if source.name == target.name:
+                return input
+            block = source_type.is_block()
+            if fp_downcast_rounding is None and (block or not dst_ty.is_block()):
+                pair = (source.name, target.name)
+                try:
+                    step = known_conversions[pair]
+                except KeyError:
+                    step = known_conversions[pair] = conversion(source, target)
+                if step is not None:
+                    result_type = block_type_of(target, source_type.shape) if block else dst_ty
+                    name, last = step
+                    handle = getattr(self.builder, name)(
+                        input.handle, result_type.to_ir(self.builder), *last)
+                    return self.make_tensor(handle, result_type)
         return cast.triton_own(input, dst_ty, fp_downcast_rounding)
 
     known_tensors: dict = {}
     new_tensor = object.__new__
 
     def make_tensor(self, handle, tensor_of):
-        # A type's name tells it from every other type but a pointer's (see above).
         if type(tensor_of) is block_type:
             scalar = tensor_of.element_ty
         elif isinstance(tensor_of, dtype_type) and not tensor_of.is_block():
             scalar = tensor_of
         else:
             return make_tensor.triton_own(handle, tensor_of)
-        if scalar.is_ptr():
-            return make_tensor.triton_own(handle, tensor_of)
-        kept = known_tensors.get(tensor_of.name)
+        key = type_key(scalar, tensor_of.name)
+        kept = known_tensors.get(key)
         if kept is None:
             made = make_tensor.triton_own(handle, tensor_of)
-            known_tensors[tensor_of.name] = (made.shape, made.numel, made.dtype)
+            known_tensors[key] = (made.shape, made.numel, made.dtype)
             return made
         made = new_tensor(tensor_type)
         made.handle = handle

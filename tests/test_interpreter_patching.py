@@ -109,13 +109,15 @@ def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
 
 
 def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
-    """A kept block type equals the one Triton makes; a pointer's is never kept (its name
-    leaves out its address space); a tensor made the short way has every attribute of the
-    one Triton makes, equal."""
+    """A kept block type equals the one Triton makes, a pointer's kept per address space (its
+    name leaves that out); a tensor made the short way has every attribute of the one Triton
+    makes, equal, a pointer's of the same address space."""
     block_type_of, make_tensor = shortcuts["get_block_ty"], shortcuts["make_tensor"]
     semantic = interpreter.interpreter_semantic
     handle = object()
-    for scalar in SCALAR_TYPES:
+    pointers = [tl.pointer_type(scalar, space, const) for scalar in (tl.float32, tl.int64)
+                for space in (1, 3) for const in (False, True)]
+    for scalar in SCALAR_TYPES + pointers:
         for shape in ([4], [2, 8]):
             own = tl.block_type(scalar, shape)
             for _ in range(2):  # made, then kept
@@ -128,27 +130,30 @@ def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
                     assert vars(fast).keys() == vars(triton_way).keys()
                     for name, value in vars(triton_way).items():
                         assert getattr(fast, name) == value, (tensor_type, name)
-    for space in (1, 3):
-        pointer = tl.pointer_type(tl.float32, space)
-        shape = tl.block_type(tl.float32, [4]).shape
-        assert block_type_of(pointer, shape).element_ty.address_space == space
+                    if scalar.is_ptr():
+                        assert fast.dtype.address_space == scalar.address_space
+                if scalar.is_ptr():
+                    assert kept.element_ty.address_space == scalar.address_space
+
+
+def _tensor(scalar, values, block=True):
+    """A tensor of the interpreter: a block of the four ``values``, or a scalar of the first."""
+    import numpy as np
+
+    if scalar == tl.bfloat16:  # held as its bits
+        data = (np.asarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    else:
+        data = np.asarray(values, dtype=interpreter._get_np_dtype(scalar))
+    if not block:
+        data = data[:1]
+    handle = interpreter.TensorHandle(data, scalar)
+    return tl.tensor(handle, tl.block_type(scalar, [4]) if block else scalar)
 
 
 def _operand_values():
     """Tensors of the interpreter (blocks of 4 and scalars) of every kind of type the typing
     step sees, pointers among them, and Python numbers at and past the types' ranges."""
-    import numpy as np
-
-    def tensor(scalar, values, block=True):
-        if scalar == tl.bfloat16:  # held as its bits
-            data = (np.asarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-        else:
-            data = np.asarray(values, dtype=interpreter._get_np_dtype(scalar))
-        if not block:
-            data = data[:1]
-        handle = interpreter.TensorHandle(data, scalar)
-        return tl.tensor(handle, tl.block_type(scalar, [4]) if block else scalar)
-
+    tensor = _tensor
     values = []
     for scalar in SCALAR_TYPES:
         numbers = [0, 1, 1, 0] if scalar == tl.int1 else [3, -2, 7, 0] if (
@@ -171,10 +176,12 @@ def _typed(outcome):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast:RuntimeWarning")
 def test_the_operand_shortcuts_give_tritons_own_operands_for_every_pair(shortcuts):
     """Every pair of operand kinds (both orders): under every flag the typing step takes, the
-    broadcast, and a cast of each tensor to every scalar type, the shortcut gives the types
-    and values Triton's own step gives, or the same error."""
+    broadcast, and a cast of each tensor to every scalar type (and to two block types) with
+    each rounding, the shortcut gives the types and values Triton's own step gives, or the
+    same error."""
     import itertools
 
     semantic = interpreter.interpreter_semantic
@@ -198,8 +205,14 @@ def test_the_operand_shortcuts_give_tritons_own_operands_for_every_pair(shortcut
                 compare(operands, lhs, rhs, *flags)
     for lhs, rhs in itertools.product(tensors, repeat=2):
         compare(shortcuts["broadcast_impl_value"], lhs, rhs)
-    for tensor, scalar in itertools.product(tensors, SCALAR_TYPES + [tl.pointer_type(tl.int8)]):
-        compare(shortcuts["cast"], tensor, scalar)
+    # Values that each rounding rounds its own way, past the narrower types' ranges.
+    awkward = [1 / 3, -2.7, 3.4e38, 65520.0, 1e-40, float("inf"), -0.0, 2.5]
+    tensors += [_tensor(scalar, awkward[start:start + 4], block)
+                for scalar in (tl.float32, tl.float64) for start in (0, 4) for block in (True, False)]
+    targets = SCALAR_TYPES + [tl.pointer_type(tl.int8)]
+    targets += [tl.block_type(scalar, [4]) for scalar in (tl.int8, tl.float32)]
+    for tensor, target, rounding in itertools.product(tensors, targets, [None, "rtne", "rtz"]):
+        compare(shortcuts["cast"], tensor, target, rounding)
 
 
 @pytest.mark.parametrize("mode", ["fp32", "exact"])

@@ -208,7 +208,8 @@ def test_the_operand_shortcuts_give_tritons_own_operands_for_every_pair(shortcut
     # Values that each rounding rounds its own way, past the narrower types' ranges.
     awkward = [1 / 3, -2.7, 3.4e38, 65520.0, 1e-40, float("inf"), -0.0, 2.5]
     tensors += [_tensor(scalar, awkward[start:start + 4], block)
-                for scalar in (tl.float32, tl.float64) for start in (0, 4) for block in (True, False)]
+                for scalar in (tl.float32, tl.float64) for start in (0, 4)
+                for block in (True, False)]
     targets = SCALAR_TYPES + [tl.pointer_type(tl.int8)]
     targets += [tl.block_type(scalar, [4]) for scalar in (tl.int8, tl.float32)]
     for tensor, target, rounding in itertools.product(tensors, targets, [None, "rtne", "rtz"]):

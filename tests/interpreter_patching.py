@@ -123,8 +123,9 @@ def install_shortcuts(interpreter) -> bool:
     - A block type (the interpreter builder's ``get_block_ty``, which every operation's result
       type goes through): Triton makes one anew each time, checking and normalising its shape
       and naming it. Here one of each element type and shape is kept (a pointer's, whose
-      name leaves out its address space, per address space too) and given again; block
-      types are values, never changed once made.
+      name leaves out its address space, per address space too) and given again, and so is
+      the one a kept type's ``with_element_ty`` gives (the result type of a comparison, a
+      load, a bitcast); block types are values, never changed once made.
     - A tensor of a type seen before (``make_tensor``, every operation's result): Triton
       works out its shape as a tuple of constants and its number of elements again. Here
       the tensor gets the shape, count and scalar type Triton worked out for the first tensor
@@ -133,7 +134,7 @@ def install_shortcuts(interpreter) -> bool:
     They are installed on the interpreter alone (its module, its own semantic object and its
     own builder), never on what Triton compiles for a GPU. The same values, with fewer Python
     calls (tests/test_interpreter_patching.py's sums, "fp32" and "exact", six times: 85.2
-    million with Triton's own steps, 36.1 million with the shortcuts; triton 3.9.0) and less
+    million with Triton's own steps, 34.2 million with the shortcuts; triton 3.9.0) and less
     time (benches/NOTES.md, the log's thirty-second and thirty-third sessions);
     ``tests/test_interpreter_patching.py`` compares the bits with and without them."""
     own_dtype = getattr(interpreter, "_get_np_dtype", None)
@@ -176,7 +177,21 @@ def install_shortcuts(interpreter) -> bool:
         kept = known_blocks.get(key)
         if kept is None:
             kept = known_blocks[key] = block_type_of.triton_own(element, shape)
+            # Its own with_element_ty (comparisons', loads' and casts' result types) gives
+            # the kept type of that element type and this shape too.
+            kept.with_element_ty = with_element_of(kept, shape)
         return kept
+
+    def with_element_of(block, shape):
+        triton_own = block.with_element_ty
+
+        def with_element_ty(scalar):
+            if isinstance(scalar, dtype_type) and not scalar.is_block():
+                return block_type_of(scalar, shape)
+            return triton_own(scalar)
+
+        with_element_ty.triton_own = triton_own
+        return with_element_ty
 
     def broadcast(self, lhs, rhs):
         lhs_type, rhs_type = lhs.type, rhs.type

@@ -110,8 +110,9 @@ def test_the_kept_numpy_dtypes_are_tritons_own(shortcuts):
 
 def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
     """A kept block type equals the one Triton makes, a pointer's kept per address space (its
-    name leaves that out); a tensor made the short way has every attribute of the one Triton
-    makes, equal, a pointer's of the same address space."""
+    name leaves that out), and gives the kept type of another element type; a tensor made the
+    short way has every attribute of the one Triton makes, equal, a pointer's of the same
+    address space."""
     block_type_of, make_tensor = shortcuts["get_block_ty"], shortcuts["make_tensor"]
     semantic = interpreter.interpreter_semantic
     handle = object()
@@ -134,6 +135,12 @@ def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
                         assert fast.dtype.address_space == scalar.address_space
                 if scalar.is_ptr():
                     assert kept.element_ty.address_space == scalar.address_space
+            for other in (tl.int1, tl.float64, pointers[-1]):  # a kept type's own
+                changed = kept.with_element_ty(other)
+                assert changed == tl.block_type(other, shape)
+                assert changed is block_type_of(other, own.shape)
+                assert changed.element_ty.address_space == other.address_space if (
+                    other.is_ptr()) else changed.element_ty is other
 
 
 def _tensor(scalar, values, block=True):

@@ -190,7 +190,6 @@ def install_shortcuts(interpreter) -> bool:
                 return block_type_of(scalar, shape)
             return triton_own(scalar)
 
-        with_element_ty.triton_own = triton_own
         return with_element_ty
 
     def broadcast(self, lhs, rhs):

@@ -139,8 +139,10 @@ def test_kept_block_types_and_tensors_are_tritons_own(shortcuts):
                 changed = kept.with_element_ty(other)
                 assert changed == tl.block_type(other, shape)
                 assert changed is block_type_of(other, own.shape)
-                assert changed.element_ty.address_space == other.address_space if (
-                    other.is_ptr()) else changed.element_ty is other
+                if other.is_ptr():
+                    assert changed.element_ty.address_space == other.address_space
+                else:
+                    assert changed.element_ty is other
 
 
 def _tensor(scalar, values, block=True):
@@ -160,16 +162,15 @@ def _tensor(scalar, values, block=True):
 def _operand_values():
     """Tensors of the interpreter (blocks of 4 and scalars) of every kind of type the typing
     step sees, pointers among them, and Python numbers at and past the types' ranges."""
-    tensor = _tensor
     values = []
     for scalar in SCALAR_TYPES:
         numbers = [0, 1, 1, 0] if scalar == tl.int1 else [3, -2, 7, 0] if (
             scalar.is_int_signed() or scalar.is_floating()) else [3, 2, 7, 0]
-        values += [tensor(scalar, numbers), tensor(scalar, numbers, block=False)]
+        values += [_tensor(scalar, numbers), _tensor(scalar, numbers, block=False)]
     pointer = tl.pointer_type(tl.float32)
     addresses = [4096, 4100, 4104, 4108]
-    values += [tensor(pointer, addresses), tensor(pointer, addresses, block=False),
-               tensor(tl.pointer_type(tl.int64), addresses)]
+    values += [_tensor(pointer, addresses), _tensor(pointer, addresses, block=False),
+               _tensor(tl.pointer_type(tl.int64), addresses)]
     return values + [0, -1, 7, 2**31 - 1, 2**31, -2**31 - 1, 2**40, 2**63, -2**63 - 1, 2**64,
                      1.5, -0.25, 1e300, True]
 

@@ -109,6 +109,18 @@ def test_pages_name_only_files_of_the_project():
             assert any(c.exists() for c in candidates), f"{page.name} names {name}"
 
 
+def test_the_tests_map_names_every_module():
+    """tests/README.md, a newcomer's map from each module to its tests, names every module of
+    the package (``detsum/``, ``kernels/``) and every module of the tests."""
+    root = DOCS.parent
+    named = set(re.findall(r"`([\w./]+\.py)`", (root / "tests" / "README.md").read_text()))
+    modules = [path.relative_to(root).as_posix() for folder in ("detsum", "kernels")
+               for path in (root / folder).rglob("*.py")]
+    missing = [module for module in modules if module not in named]
+    missing += [path.name for path in (root / "tests").glob("*.py") if path.name not in named]
+    assert not missing, f"tests/README.md does not name {sorted(missing)}"
+
+
 def test_switching_page_says_the_torch_scatter_api_is_not_scriptable():
     """docs/switching.md says every function of detsum's torch_scatter API is refused by
     torch.jit.script (torch_scatter's own suite scripts each one): if that changes, so must

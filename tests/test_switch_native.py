@@ -542,6 +542,27 @@ def test_without_a_compiler_the_python_kernels_take_every_call(tmp_path):
     assert result == str([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0], [2.0, 2.0]])
 
 
+def test_the_build_command_builds_now_or_says_why_not(tmp_path):
+    """``python -m detsum.kernels.native`` (the README's way to build before the first
+    ``detsum.enable``): where the kernels build, it prints the library's path and exits 0;
+    where they cannot (here: ``CXX`` naming no compiler, an empty cache folder), it prints why
+    and exits 1."""
+    from detsum.kernels import native
+
+    command = [sys.executable, "-m", "detsum.kernels.native"]
+    done = subprocess.run(command, capture_output=True, text=True, env=os.environ)
+    reason = native.build()  # the same cache folder: the library the command built, if any
+    if reason is None:
+        assert (done.returncode, done.stdout) == (0, f"built: {native.library_path()}\n")
+    else:
+        assert (done.returncode, done.stdout) == (1, f"{reason}\n")
+    environment = {**os.environ, "CXX": str(tmp_path / "no-compiler"),
+                   "DETSUM_CACHE_DIR": str(tmp_path / "cache")}
+    refused = subprocess.run(command, capture_output=True, text=True, env=environment)
+    assert refused.returncode == 1 and refused.stdout.startswith("no C++ compiler ("), (
+        refused.stdout, refused.stderr)
+
+
 @pytest.mark.parametrize("mode", ["fp32", "kahan", "autograd"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 def test_sums_of_zeros_keep_their_sign(mode, dtype):

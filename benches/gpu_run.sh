@@ -72,12 +72,20 @@ for stage in $STAGES; do
     lease)
         # What a 15-minute lease measures first, each part cut at its own limit so that the
         # rest still runs (on an H200, 2026-11-27: tests 80 s cold, call cost 80 s, the
-        # benchmarks' targets 165 s, the Zipf parts 25 s): the CUDA tests of the kernels,
-        # plans and relaunches, the counting sort's; what a call costs by how it is called; the
-        # Zipf call's parts and a wide table's sort; the benchmarks of the GPU issues' targets;
-        # where host time goes, with a plan and without. It writes 14 files: where fewer come
+        # benchmarks' targets 165 s, the Zipf parts 25 s): the switch on the Zipf index; the
+        # CUDA tests of the kernels, plans and relaunches, the counting sort's; what a call
+        # costs by how it is called; the Zipf call's parts and a wide table's sort; the
+        # benchmarks of the GPU issues' other targets; where host time goes, with a plan and
+        # without. It writes 16 files: where fewer come
         # back from a machine, point OUT at a folder and pack it afterwards (OUT=$DIR/r bash
         # benches/gpu_run.sh lease; tar czf r.tgz -C $DIR r).
+        # First, the switch's open target: its Zipf index_add_ and index_put_ against torch's
+        # atomics and its deterministic mode (about a minute, the kernels compiling first).
+        timeout 120 python3 -m pytest benches/bench_enable.py -q -p no:cacheprovider \
+            --benchmark-only -k "test_enable_cuda and not calls" \
+            --benchmark-json="$OUT/bench-switch-zipf.json" 2>&1 | tail -n 5 || status=1
+        python3 benches/summarize.py "$OUT/bench-switch-zipf.json" \
+            | tee "$OUT/bench-switch-zipf.txt"
         timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda \
             tests/test_triton_launch.py tests/test_plan.py tests/test_triton.py \
             tests/test_moe_check.py tests/test_loss.py 2>&1 \
@@ -94,7 +102,7 @@ for stage in $STAGES; do
         timeout 60 python3 benches/gpu_moe_profile.py --shape wide --reps 30 \
             --json "$OUT/wide-profile.json" | tee "$OUT/wide-profile.txt" || status=1
         timeout 200 python3 -m pytest benches -q -p no:cacheprovider --benchmark-only \
-            -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda" \
+            -k "cuda and (index_add_moe or copy_yardstick or zipf or small_index_add_) or enable_cuda_calls" \
             --benchmark-json="$OUT/bench-targets.json" 2>&1 | tail -n 5 || status=1
         python3 benches/summarize.py "$OUT/bench-targets.json" | tee "$OUT/bench-targets.txt"
         timeout 60 python3 benches/host_launch.py --cuda --rounds 100 \

@@ -447,7 +447,9 @@ def _raise_unsorted(caller: str, index_name: str, index: torch.Tensor, position:
 def check_sorted(caller: str, index: torch.Tensor, num_segments: int, *, index_name: str,
                  size_name: str) -> None:
     """Check a promised-sorted index on the host (one read), raising the error of its first
-    bad value: out of range first, then decreasing."""
+    bad value: out of range first, then decreasing. An empty index is sorted and in range."""
+    if not index.numel():
+        return
     decreasing = (index[1:] < index[:-1]).any()
     # A nondecreasing index lies in range when its two ends do: one read of the three.
     low, high, bad_order = torch.stack([index[0], index[-1],

@@ -9,15 +9,16 @@ lets the later of a +0/-0 tie win in amax/amin (pinned in tests/test_reference.p
 
 from __future__ import annotations
 
+import itertools
+
 import numba
 import pytest
 import torch
 
 import detsum
 from conftest import (
-    DTYPES, MODE_REDUCTIONS, MODES, N, assert_same_bits, case_params, dtype_id, make_data, seed_of,
-    strided_copy,
-    with_rows)
+    DTYPES, MODE_REDUCTIONS, MODES, N, TRITON_ON_CPU, assert_same_bits, case_params, dtype_id,
+    make_data, seed_of, strided_copy, with_rows)
 from covering import pairwise
 from detsum import reference
 
@@ -365,6 +366,23 @@ def test_sorted_index_gives_same_bits(mode, dtype, reduce):
         assert_same_bits(promised, unsorted)
 
     both_include_self(check)
+
+
+@pytest.mark.parametrize("backend", ["numba", TRITON_ON_CPU, "reference"])
+def test_an_empty_index_promised_sorted_gives_torchs_result(backend):
+    """No terms under sorted=True (an empty index is sorted): every mode and reduction gives
+    torch's scatter_reduce, include_self or not, with an output of one row or many."""
+    for (mode, reduce), shape in itertools.product(MODE_REDUCTIONS, [(1,), (3, 2)]):
+        input = torch.randn(*shape, generator=torch.Generator().manual_seed(len(shape)))
+        index, src = torch.zeros(0, dtype=torch.int64), input.new_empty(0, *shape[1:])
+        full_index = index.view(-1, *[1] * (len(shape) - 1)).expand(src.shape)
+        for include_self in (True, False):
+            with detsum.backend(backend):
+                got = detsum.scatter_reduce(input, 0, index, src, reduce, sorted=True,
+                                            include_self=include_self, mode=mode)
+            expected = torch.scatter_reduce(input, 0, full_index, src, reduce,
+                                            include_self=include_self)
+            assert_same_bits(got, expected)
 
 
 @pytest.mark.parametrize("output_rows", [3, 100], ids=["every-row", "few-rows-receive"])

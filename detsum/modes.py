@@ -87,8 +87,8 @@ def rule_for(mode: Mode, reduce: str, device_type: str, slice_size: int) -> int:
     "autograd" mode reproduces torch on the device: for ``sum`` that is index_put_'s
     accumulation (CPU: round to the dtype after every add; CUDA: one of three kernels by slice
     size, see ``detsum.kernels``); for ``mean`` it is torch's CPU ``scatter_reduce``, which
-    rounds the fp32 sum to the dtype before dividing (the kernels' ROUND_EACH applied to a
-    mean). On CUDA, ``scatter_reduce``'s "autograd" mean is torch's deterministic one, this
+    rounds the fp32 sum to the dtype before dividing by the count it keeps in the dtype (the
+    kernels' ROUND_EACH applied to a mean). On CUDA, ``scatter_reduce``'s "autograd" mean is torch's deterministic one, this
     module's sum rule and then torch's division (``scatter_reduce._torch_cuda_mean``), which
     asks for the "sum" rule. ``prod``/``amax``/``amin`` have no rounding choice:
     "autograd" keeps torch's unsplit serial order (ROUND_EACH), the other modes the chunked

@@ -330,10 +330,13 @@ def _reduce_segment(base, rows, reduce, mode, *, alpha, include_self, device_typ
         # "autograd" reproduces torch's serial order: never chunked.
         total = (_kahan(init, terms) if mode == "kahan"
                  else _wide(init, terms, chunked=mode != "autograd"))
+        divisor = torch.tensor(float(count), dtype=acc_t, device=base.device)
         if mode == "autograd":
-            # torch's scatter_reduce mean rounds the fp32 sum to the dtype, then divides.
+            # torch's scatter_reduce mean rounds the fp32 sum to the dtype, then divides by
+            # the count it keeps in the dtype (rounded once: 257 is 256 in bfloat16).
             total = total.to(dtype).to(acc_t)
-        return (total / torch.tensor(float(count), dtype=acc_t, device=base.device)).to(dtype)
+            divisor = divisor.to(dtype).to(acc_t)
+        return (total / divisor).to(dtype)
     if reduce == "prod":
         init = base.to(acc_t) if include_self else torch.ones_like(base, dtype=acc_t)
         acc = _prod(init, [x.to(acc_t) for x in rows], chunked=mode != "autograd")
@@ -469,8 +472,9 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     from +0.0 (sum, mean), 1 (prod) or their first term (amax, amin).
 
     Arithmetic: sum as ``sum_rule``; mean is ``RN_dtype(RN_acc(total / count))`` with the wide
-    total ("fp32"), the Neumaier total ``RN_acc(s + c)`` ("kahan"), or the wide total rounded to
-    the dtype first ("autograd": what torch's CPU scatter_reduce mean computes); prod is a
+    total ("fp32"), the Neumaier total ``RN_acc(s + c)`` ("kahan"), or the wide total and the
+    count rounded to the dtype first ("autograd": what torch's CPU scatter_reduce mean
+    computes, counting in the dtype); prod is a
     serial product in the acc type, rounded once, in every mode; amax/amin are exact.
     ``device_type``: as in ``segment_sum``.
 

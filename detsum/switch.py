@@ -1068,8 +1068,8 @@ def _scatter_terms(mode, self, dim, index, src, reduce, include_self):
     if reduce not in _scatter_reduce_op.REDUCTIONS or (reduce == "prod" and mode == "exact"):
         return None
     # torch's CPU scatter sums float16/bfloat16 in an fp32 buffer on some layouts, not on
-    # others (as index_add above), and detsum's "autograd" mean of bfloat16 with include_self
-    # left torch's bits on a 600-row index: torch's kernel is the one source of those bits.
+    # others (as index_add above): torch's kernel is the one source of those bits, its mean's
+    # among them.
     if mode == "autograd" and reduce in ("sum", "mean") and self.dtype in _HALF_DTYPES:
         return None
     dim = _dim(dim, self.dim())

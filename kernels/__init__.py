@@ -24,7 +24,8 @@ WIDE = 0
 KAHAN = 1
 #: acc = init; acc = RN_dtype(acc + RN_dtype(term)) per row: torch's CPU index_put_ and CUDA
 #: indexing_backward_kernel (slice size > 32). For MEAN: the wide sum rounded to the dtype, then
-#: divided (torch's CPU scatter_reduce mean). For PROD, AMAX, AMIN: the unsplit serial order.
+#: divided by the count rounded to the dtype (torch's CPU scatter_reduce mean, which counts in
+#: the dtype: 257 terms are 256 in bfloat16). For PROD, AMAX, AMIN: the unsplit serial order.
 ROUND_EACH = 2
 #: g = 0; g = RN_acc(g + RN_dtype(term)) per row; out = RN_dtype(acc_type(init) + g): torch's CUDA
 #: indexing_backward_kernel_small_stride (slice size 2..32). SUM only.

@@ -294,8 +294,8 @@ def test_torch_scatter_add_is_wide(dtype, shape, dim, kind):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_torch_scatter_reduce_mean(dtype, shape, dim, kind, include_self):
     """CPU mean, every layout: "autograd" mode equals torch bit for bit. torch rounds the fp32 sum
-    to the dtype first, then divides by the count in fp32 and rounds again; for fp32/fp64 that
-    is the "fp32" mode's single rounding."""
+    to the dtype first, then divides in fp32 by the count it keeps in the dtype and rounds
+    again; for fp32/fp64 that is the "fp32" mode's single rounding."""
     input, src, index, torch_index = _scatter_case(dtype, shape, dim, kind, 13)
     expected = torch.scatter_reduce(input, dim, torch_index, src, "mean", include_self=include_self)
 

@@ -369,6 +369,37 @@ def test_sorted_index_gives_same_bits(mode, dtype, reduce):
 
 
 @pytest.mark.parametrize("backend", ["numba", TRITON_ON_CPU, "reference"])
+@pytest.mark.parametrize("dtype,terms", [(torch.bfloat16, 258), (torch.bfloat16, 600),
+                                         (torch.float16, 2049), (torch.float16, 3001)], ids=str)
+def test_autograd_mean_counts_in_the_dtype(backend, dtype, terms):
+    """"autograd" mode's mean is torch's, which counts in the dtype: a count past the dtype's
+    integers (above 256 in bfloat16, 2048 in float16) is rounded to it, and the rounded sum
+    divided by that. A row index, torch's expanded index and one of src's shape, with
+    include_self or not, each give torch's bits, where dividing by the exact count would
+    not."""
+    gen = torch.Generator().manual_seed(terms)
+    rows = torch.cat([torch.zeros(terms, dtype=torch.int64), torch.ones(terms + 1,
+                                                                         dtype=torch.int64),
+                      torch.full((3,), 2)])
+    rows = rows[torch.randperm(rows.numel(), generator=gen)]
+    src = torch.randn(rows.numel(), 8, generator=gen).to(dtype)
+    input = torch.randn(3, 8, generator=gen).to(dtype)
+    expanded = rows[:, None].expand(src.shape)
+    for index, include_self in itertools.product(
+            [rows, expanded, expanded.contiguous()], (True, False)):
+        expected = torch.scatter_reduce(input, 0, expanded, src, "mean",
+                                        include_self=include_self)
+        with detsum.backend(backend):
+            got = detsum.scatter_reduce(input, 0, index, src, "mean", mode="autograd",
+                                        include_self=include_self)
+        assert_same_bits(got, expected)
+        exact_count = torch.tensor([terms, terms + 1, 3]) + int(include_self)
+        total = torch.scatter_reduce(input.float(), 0, expanded, src.float(), "sum",
+                                     include_self=include_self).to(dtype).float()
+        assert not torch.equal((total / exact_count[:, None]).to(dtype), expected)
+
+
+@pytest.mark.parametrize("backend", ["numba", TRITON_ON_CPU, "reference"])
 def test_an_empty_index_promised_sorted_gives_torchs_result(backend):
     """No terms under sorted=True (an empty index is sorted): every mode and reduction gives
     torch's scatter_reduce, include_self or not, with an output of one row or many."""

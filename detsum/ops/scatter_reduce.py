@@ -592,8 +592,9 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     - ``"mean"``: ``sum / count`` with the sum kept in acc (Neumaier in ``"kahan"``), the
       division in acc, one rounding; count includes ``input`` when ``include_self``.
       ``"autograd"``: what ``torch.scatter_reduce`` computes on CPU in every layout: the fp32
-      sum rounded to the dtype, then divided in fp32 and rounded again (for fp32 and fp64
-      data the same bits as ``"fp32"``).
+      sum rounded to the dtype, then divided in fp32 by the count rounded to the dtype (torch
+      counts in it: 257 terms are 256 in bfloat16, 2049 are 2048 in float16) and rounded
+      again (for fp32 and fp64 data the same bits as ``"fp32"``).
     - ``"exact"`` (``"sum"`` and ``"mean"``): the exact sum (divided by the count for
       ``"mean"``) rounded once: correctly rounded, and the same bits in any order. An exact
       ``"mean"`` divides by at most ``2**30 - 1`` terms: a call in which ``src.size(dim)``

@@ -256,7 +256,8 @@ def _scatter_block_kernel(b, src, ss, index, xs, base, bs, out, us, shape, width
                     v = kahan_result(v, comp[e])
                 if mean:
                     divisor = cvt(c + (1 if use_base else 0))
-                    v = rnd(v) / divisor if mean_round else v / divisor
+                    # ROUND_EACH: the total and the count rounded to the dtype (torch's).
+                    v = rnd(v) / rnd(divisor) if mean_round else v / divisor
                 out[u0 + j * us[2]] = enc(v)
     bad[b] = failed
 

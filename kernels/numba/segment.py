@@ -57,8 +57,9 @@ IMPLEMENTATION NOTES (this backend):
   - MEAN: ``count`` = number of terms (+1 with the base row); the sum as SUM/WIDE or
     SUM/KAHAN gives ``v`` in A (KAHAN: ``s`` if not finite or ``c == 0``, else
     ``RN_A(s + c)``); ``out = RN_D(RN_A(v / A(count)))``. ROUND_EACH sums WIDE too but
-    rounds the total first, ``out = RN_D(RN_A(A(RN_D(v)) / A(count)))``: what torch's CPU
-    ``scatter_reduce(..., "mean")`` computes (the same as WIDE for fp32/fp64 data).
+    rounds the total and the count first, ``out = RN_D(RN_A(A(RN_D(v)) / A(RN_D(count))))``:
+    what torch's CPU ``scatter_reduce(..., "mean")`` computes (it counts in the dtype: 257
+    terms are 256 in bfloat16; the same as WIDE for fp32/fp64 data).
   - PROD (rule ignored): ``acc = A(base)`` or 1; ``acc = RN_A(acc * A(x))``; ``out = RN_D(acc)``.
   - AMAX / AMIN (rule ignored, exact): ``acc`` = base row or first term; then
     ``acc = x if (isnan(x) or x > acc [amin: x < acc]) and not isnan(acc) else acc``: the
@@ -362,7 +363,9 @@ def _segment_block_kernel(b, src, ss, order, ost, offsets, fst, base, bs, out, u
             if mean:
                 count = cvt((p1 - p0) + (1 if use_base else 0))
                 if mean_round:
-                    # ROUND_EACH: torch's scatter_reduce rounds the total to the dtype first.
+                    # ROUND_EACH: torch's scatter_reduce rounds the total to the dtype first,
+                    # and counts in the dtype (the count rounded once: 257 is 256 in bfloat16).
+                    count = rnd(count)
                     for j in range(w):
                         acc[j] = rnd(acc[j]) / count
                 else:

@@ -370,7 +370,8 @@ def _one_column_reduce_at(src_at, index_at, base_at, out_at, n, rows, include_ba
             total = kahan_result(total, state[s, 2])
         if mean:
             divisor = cvt(c + (1 if include_base else 0))
-            total = rnd(total) / divisor if mean_round else total / divisor
+            # ROUND_EACH: the total and the count rounded to the dtype (torch's).
+            total = rnd(total) / rnd(divisor) if mean_round else total / divisor
         out[s] = enc(total)
     return -1
 
@@ -509,7 +510,8 @@ def _mean_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
     terms added in order of appearance (its canonical order), WIDE or KAHAN (Neumaier, then
     ``s + c``); ROUND_EACH sums WIDE and rounds the total to the dtype (torch's CPU
     ``scatter_reduce`` mean); then divided by the count (the terms, and the row itself under
-    ``include_base``) in the acc type, and written through ``enc``. A row without terms:
+    ``include_base``; under ROUND_EACH rounded to the dtype, as torch counts in it) in the acc
+    type, and written through ``enc``. A row without terms:
     ``enc`` of its own values under ``include_base`` (its mean of one), else untouched.
 
     The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``
@@ -541,6 +543,8 @@ def _mean_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
             if counts[s] == 0 and not include_base:
                 continue
             count = cvt(counts[s] + (1 if include_base else 0))
+            if rule == ROUND_EACH:
+                count = rnd(count)  # torch counts in the dtype: 257 is 256 in bfloat16
             for j in range(inner):
                 total = acc[s, j]
                 if rule == KAHAN:

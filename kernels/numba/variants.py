@@ -34,15 +34,17 @@ def operation_for(reduce, rule, scaled):
         return OP_KAHAN
     if rule == ROUND_EACH and reduce == SUM:
         return OP_ADD_ROUND_SCALED if scaled else OP_ADD_ROUND
-    # WIDE, and MEAN under ROUND_EACH (summed wide, rounded before the division).
+    # WIDE, and MEAN under ROUND_EACH (summed wide, rounded before the division by the count
+    # rounded to the dtype).
     return OP_ADD
 
 
 def variant_for(reduce, rule, scaled):
     """What a kernel fixes when it compiles, for ``reduce`` under ``rule`` (``scaled``: alpha
     is not 1): ``(op, mean, mean_round, split)``, the term's operation, whether the sum is
-    divided by its count, whether it is rounded to the dtype before (ROUND_EACH's mean:
-    torch's CPU ``scatter_reduce`` rounds the total first), and whether long segments are
+    divided by its count, whether the sum and the count are rounded to the dtype before
+    (ROUND_EACH's mean: torch's CPU ``scatter_reduce`` rounds the total first and counts in
+    the dtype), and whether long segments are
     cut into chunks (WIDE and KAHAN; amax / amin give the same bits either way and are not).
 
     Why: each variant compiles alone, in a few seconds, on the first call that needs it

@@ -140,9 +140,12 @@ def _finish(acc, comp, init, count, REDUCE: tl.constexpr, RULE: tl.constexpr,
     if RULE == _SMALL_STRIDE:
         acc = _round_to_data(init + acc, DATA)  # torch adds the old value once, at the end
     if REDUCE == _MEAN:
-        if RULE == _ROUND_EACH:
-            acc = _round_to_data(acc, DATA)  # torch's scatter_reduce mean rounds the sum first
         divisor = tl.zeros_like(acc) + count.to(ACC)
+        if RULE == _ROUND_EACH:
+            # torch's scatter_reduce mean rounds the sum to the dtype first, and counts in the
+            # dtype (the count rounded once: 257 is 256 in bfloat16).
+            acc = _round_to_data(acc, DATA)
+            divisor = _round_to_data(divisor, DATA)
         if ACC == tl.float64:
             acc = acc / divisor
         else:

@@ -88,13 +88,14 @@ def rule_for(mode: Mode, reduce: str, device_type: str, slice_size: int) -> int:
     accumulation (CPU: round to the dtype after every add; CUDA: one of three kernels by slice
     size, see ``detsum.kernels``); for ``mean`` it is torch's CPU ``scatter_reduce``, which
     rounds the fp32 sum to the dtype before dividing by the count it keeps in the dtype (the
-    kernels' ROUND_EACH applied to a mean). On CUDA, ``scatter_reduce``'s "autograd" mean is torch's deterministic one, this
-    module's sum rule and then torch's division (``scatter_reduce._torch_cuda_mean``), which
-    asks for the "sum" rule. ``prod``/``amax``/``amin`` have no rounding choice:
-    "autograd" keeps torch's unsplit serial order (ROUND_EACH), the other modes the chunked
-    canonical order (WIDE); ``amax``/``amin`` are exact either way, so "exact" takes WIDE
-    there. "exact" is the EXACT rule for ``sum`` and ``mean`` on every device; it has no
-    ``prod`` (callers refuse it: see ``scatter_reduce``).
+    kernels' ROUND_EACH applied to a mean). On CUDA, ``scatter_reduce``'s "autograd" mean is
+    torch's deterministic one, this module's sum rule and then torch's division
+    (``scatter_reduce._torch_cuda_mean``), which asks for the "sum" rule.
+    ``prod``/``amax``/``amin`` have no rounding choice: "autograd" keeps torch's unsplit
+    serial order (ROUND_EACH), the other modes the chunked canonical order (WIDE);
+    ``amax``/``amin`` are exact either way, so "exact" takes WIDE there. "exact" is the EXACT
+    rule for ``sum`` and ``mean`` on every device; it has no ``prod`` (callers refuse it: see
+    ``scatter_reduce``).
     """
     if reduce not in ("sum", "mean"):
         if mode is Mode.EXACT and reduce == "prod":

@@ -474,8 +474,8 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     Arithmetic: sum as ``sum_rule``; mean is ``RN_dtype(RN_acc(total / count))`` with the wide
     total ("fp32"), the Neumaier total ``RN_acc(s + c)`` ("kahan"), or the wide total and the
     count rounded to the dtype first ("autograd": what torch's CPU scatter_reduce mean
-    computes, counting in the dtype); prod is a
-    serial product in the acc type, rounded once, in every mode; amax/amin are exact.
+    computes, counting in the dtype); prod is a serial product in the acc type, rounded once,
+    in every mode; amax/amin are exact.
     ``device_type``: as in ``segment_sum``.
 
     Not torch's arithmetic everywhere: its dim-0 fast path for an expanded row index over >= 16

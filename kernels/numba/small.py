@@ -511,8 +511,8 @@ def _mean_at(src_at, index_at, target_at, outer, n, inner, rows, include_base):
     ``s + c``); ROUND_EACH sums WIDE and rounds the total to the dtype (torch's CPU
     ``scatter_reduce`` mean); then divided by the count (the terms, and the row itself under
     ``include_base``; under ROUND_EACH rounded to the dtype, as torch counts in it) in the acc
-    type, and written through ``enc``. A row without terms:
-    ``enc`` of its own values under ``include_base`` (its mean of one), else untouched.
+    type, and written through ``enc``. A row without terms: ``enc`` of its own values under
+    ``include_base`` (its mean of one), else untouched.
 
     The template of every format's and rule's kernel: ``instances.instance`` binds ``rule``
     and the format's ``dec``, ``rnd``, ``enc``, ``cvt``, ``data_dtype`` and ``acc_dtype``

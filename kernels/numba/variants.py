@@ -44,8 +44,8 @@ def variant_for(reduce, rule, scaled):
     is not 1): ``(op, mean, mean_round, split)``, the term's operation, whether the sum is
     divided by its count, whether the sum and the count are rounded to the dtype before
     (ROUND_EACH's mean: torch's CPU ``scatter_reduce`` rounds the total first and counts in
-    the dtype), and whether long segments are
-    cut into chunks (WIDE and KAHAN; amax / amin give the same bits either way and are not).
+    the dtype), and whether long segments are cut into chunks (WIDE and KAHAN; amax / amin
+    give the same bits either way and are not).
 
     Why: each variant compiles alone, in a few seconds, on the first call that needs it
     (every rule and reduction of a dtype in one kernel took 10-20 s), its branches on the

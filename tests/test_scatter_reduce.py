@@ -378,9 +378,8 @@ def test_autograd_mean_counts_in_the_dtype(backend, dtype, terms):
     include_self or not, each give torch's bits, where dividing by the exact count would
     not."""
     gen = torch.Generator().manual_seed(terms)
-    rows = torch.cat([torch.zeros(terms, dtype=torch.int64), torch.ones(terms + 1,
-                                                                         dtype=torch.int64),
-                      torch.full((3,), 2)])
+    rows = torch.cat([torch.zeros(terms, dtype=torch.int64),
+                      torch.ones(terms + 1, dtype=torch.int64), torch.full((3,), 2)])
     rows = rows[torch.randperm(rows.numel(), generator=gen)]
     src = torch.randn(rows.numel(), 8, generator=gen).to(dtype)
     input = torch.randn(3, 8, generator=gen).to(dtype)

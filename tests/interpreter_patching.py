@@ -177,7 +177,7 @@ def install_shortcuts(interpreter) -> bool:
         kept = known_blocks.get(key)
         if kept is None:
             kept = known_blocks[key] = block_type_of.triton_own(element, shape)
-            # Its own with_element_ty (comparisons', loads' and casts' result types) gives
+            # Its own with_element_ty (comparisons', loads' and bitcasts' result types) gives
             # the kept type of that element type and this shape too.
             kept.with_element_ty = with_element_of(kept, shape)
         return kept

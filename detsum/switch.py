@@ -1573,7 +1573,10 @@ def _embedding_bag_max_backward_by_torch(grad, bag_size, maximum_indices, num_we
 
 def _check_in_range(caller, name, index, size, what, *, positions=None):
     """Raise IndexOutOfRangeError for the first value of ``index`` outside ``[0, size)``;
-    ``positions``: the rows of the caller's tensor that ``index``'s rows are."""
+    ``positions``: the rows of the caller's tensor that ``index``'s rows are. An empty
+    ``index`` (every bag of a max backward empty, say) holds no value to check."""
+    if index.numel() == 0:
+        return
     low, high = (int(v) for v in torch.aminmax(index))
     if low >= 0 and high < size:
         return

@@ -11,6 +11,7 @@ import sys
 import warnings
 import zlib
 
+import hypothesis
 import pytest
 import torch
 
@@ -60,6 +61,26 @@ MODES = detsum.MODES
 MODE_REDUCTIONS = [(m, r) for m in MODES for r in ("sum", "mean", "prod", "amax", "amin")
                    if (m, r) != ("exact", "prod")]
 HAS_CUDA = torch.cuda.is_available()
+
+#: Examples per differential test (``DETSUM_DIFFERENTIAL``): "ci" a fixed (derandomized) draw,
+#: "nightly" a fresh draw of many more, for a long run.
+DIFFERENTIAL_PROFILES = {"ci": 30, "nightly": 1500}
+
+
+def differential_settings(profile: str, *, ci_examples: int | None = None
+                          ) -> hypothesis.settings:
+    """Hypothesis's settings for the differential tests in ``profile`` ("ci" or "nightly");
+    ``ci_examples`` replaces the "ci" draw's size for a test whose examples cost more or less."""
+    if profile not in DIFFERENTIAL_PROFILES:
+        raise ValueError(f"DETSUM_DIFFERENTIAL={profile!r}; "
+                         f"expected one of {sorted(DIFFERENTIAL_PROFILES)}")
+    examples = DIFFERENTIAL_PROFILES[profile]
+    if profile == "ci" and ci_examples is not None:
+        examples = ci_examples
+    return hypothesis.settings(
+        max_examples=examples, deadline=None, derandomize=profile == "ci", database=None,
+        suppress_health_check=[hypothesis.HealthCheck.too_slow,
+                               hypothesis.HealthCheck.data_too_large])
 #: Whether the triton backend runs CPU tensors: only in Triton's interpreter, which is on where
 #: there is no GPU. On a GPU machine it is off (the kernels run on the GPU) and the tests marked
 #: ``interpreter`` skip: they run the triton backend on CPU tensors as a stand-in for a GPU's

@@ -10,9 +10,9 @@ it also asserts torch's own bits where torch has the op (the "autograd" definiti
 docs/determinism.md). The alpha bug (the first term of every later chunk added unscaled)
 lived where chunking met alpha != 1: this test draws those meetings on purpose.
 
-Profiles: ``DETSUM_DIFFERENTIAL=ci`` (the default: a fixed draw, about 3 minutes on a loaded
-2-core AMD EPYC) or ``DETSUM_DIFFERENTIAL=nightly`` (many more examples, for a long run:
-``DETSUM_DIFFERENTIAL=nightly pytest tests/test_differential.py``).
+Profiles (``conftest.differential_settings``): ``DETSUM_DIFFERENTIAL=ci`` (the default: a fixed
+draw, about 3 minutes on a loaded 2-core AMD EPYC) or ``DETSUM_DIFFERENTIAL=nightly`` (many
+more examples, for a long run: ``DETSUM_DIFFERENTIAL=nightly pytest tests/test_differential.py``).
 """
 
 from __future__ import annotations
@@ -22,30 +22,18 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import detsum
-from conftest import (DTYPES, HAS_CUDA, MODE_REDUCTIONS, MODES, assert_same_bits, make_data,
-                      torch_deterministic)
+from conftest import (DIFFERENTIAL_PROFILES, DTYPES, HAS_CUDA, MODE_REDUCTIONS, MODES,
+                      assert_same_bits, differential_settings, make_data, torch_deterministic)
 
 try:
     import triton  # noqa: F401
     BACKENDS = ("numba", "triton", "reference")
 except ImportError:
     BACKENDS = ("numba", "reference")
-
-# Examples per test: "ci" is a fixed draw (derandomized), "nightly" a fresh one each run.
-PROFILES = {"ci": 30, "nightly": 1500}
-
-
-def differential_settings(profile: str) -> settings:
-    if profile not in PROFILES:
-        raise ValueError(f"DETSUM_DIFFERENTIAL={profile!r}; expected one of {sorted(PROFILES)}")
-    return settings(max_examples=PROFILES[profile], deadline=None, derandomize=profile == "ci",
-                    database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
 
 DIFFERENTIAL = differential_settings(os.environ.get("DETSUM_DIFFERENTIAL", "ci"))
 
@@ -332,7 +320,11 @@ def test_alpha_scales_the_first_term_of_every_chunk():
 
 
 def test_profiles():
-    assert differential_settings("ci").max_examples == PROFILES["ci"]
-    assert differential_settings("nightly").max_examples == PROFILES["nightly"]
+    assert differential_settings("ci").max_examples == DIFFERENTIAL_PROFILES["ci"]
+    assert differential_settings("ci", ci_examples=7).max_examples == 7
+    assert differential_settings("nightly").max_examples == DIFFERENTIAL_PROFILES["nightly"]
+    assert differential_settings("nightly", ci_examples=7).max_examples == 1500
+    assert differential_settings("ci").derandomize
+    assert not differential_settings("nightly").derandomize
     with pytest.raises(ValueError, match="DETSUM_DIFFERENTIAL='weekly'"):
         differential_settings("weekly")

@@ -1,0 +1,367 @@
+"""Differential test of the switch (``detsum.enable``): torch's own calls, drawn, on every path.
+
+The switch takes a call by one of several paths, picked by its size and form: the C++
+kernels (small float32/float64 in-place sums, maxima and minima), the short ways (one Numba
+call for a small call), the primitives' general path (a plan; past 256 terms a row, the
+chunks), a pass over one column of many terms (32768 or more), and torch's own kernel for
+what detsum does not take. Each example draws one of torch's calls that the switch covers,
+with sizes on both sides of those lines, an index that is uniform, hot (most terms on one
+row, past a chunk) or sorted, the data (plain, spread over many binades, or with NaN, inf
+and signed zeros), the dtype and the call's own options, and asserts:
+
+- ``"autograd"``: the bits torch gives under ``torch.use_deterministic_algorithms(True)``;
+- ``"fp32"``, ``"kahan"``, ``"exact"``: the bits of the same call under the switch with every
+  primitive forced onto the reference backend (which takes the C++ kernels and the short ways
+  out of the way: the contract's loops).
+
+Profiles as in ``test_differential.py``: ``DETSUM_DIFFERENTIAL=ci`` (the default, a fixed
+draw) or ``nightly`` (a fresh draw of many more examples).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import example, given, note
+from hypothesis import strategies as st
+
+import detsum
+from conftest import assert_same_bits, differential_settings, make_data, torch_deterministic
+from detsum import switch
+from detsum.kernels import CHUNK_TERMS, SMALL_CALL_ELEMENTS
+
+pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta:UserWarning")
+
+DIFFERENTIAL = differential_settings(os.environ.get("DETSUM_DIFFERENTIAL", "ci"),
+                                     ci_examples=40)
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+OTHER_MODES = ("fp32", "kahan", "exact")
+
+# Terms a call adds, around the lines the switch's paths are picked by: a 256-term chunk
+# (a row past it leaves the short ways), 65536 elements (the small calls' limit) and 32768
+# terms of one column (the one pass).
+TERM_COUNTS = (0, 1, 3, 40, 255, 256, 257, 700, 3000)
+ONE_COLUMN_TERMS = (32767, 32768, 40000)
+
+# The call forms: each builds its call from a drawn case (``build``).
+FORMS = ("index_add", "index_add_", "index_add_dim1", "scatter_add", "scatter_add_",
+         "scatter_add_elements", "scatter_reduce", "scatter_reduce_", "index_reduce",
+         "index_put_", "x[idx] backward", "put_", "bincount", "embedding backward",
+         "embedding_bag backward", "segment_reduce", "histc")
+# The forms drawn with an outer dim too: tensors of three dims, reduced along the middle one.
+OUTER_FORMS = ("index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+               "scatter_reduce_", "index_reduce", "index_put_", "x[idx] backward")
+# The forms whose index may count from the end (torch reads -1 as the last row).
+NEGATIVE_FORMS = ("index_put_", "x[idx] backward", "put_")
+# The forms that take one column of many terms.
+ONE_COLUMN_FORMS = ("index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
+                    "scatter_reduce_", "index_put_", "x[idx] backward", "put_", "bincount",
+                    "embedding backward", "histc")
+SCATTER_REDUCTIONS = ("sum", "mean", "prod", "amax", "amin")
+INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
+SEGMENT_REDUCTIONS = ("sum", "mean", "max", "min", "prod")
+BAG_MODES = ("sum", "mean", "max")
+
+
+@st.composite
+def switched_calls(draw):
+    """A dict naming one switched call: its form and everything ``build`` needs."""
+    form = draw(st.sampled_from(FORMS))
+    one_column = form in ONE_COLUMN_FORMS and draw(st.integers(0, 5)) == 0
+    case = {
+        "form": form,
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "rows": draw(st.sampled_from((1, 2, 7, 40, 300))),
+        "width": 1 if one_column else draw(st.sampled_from((1, 2, 5, 33))),
+        "terms": draw(st.sampled_from(ONE_COLUMN_TERMS if one_column else TERM_COUNTS)),
+        "index": draw(st.sampled_from(("uniform", "hot", "sorted"))),
+        "data": draw(st.sampled_from(("plain", "spread", "special_values"))),
+        "int32": draw(st.booleans()),
+        "include_self": draw(st.booleans()),
+        "noncontiguous": draw(st.booleans()),
+        "alpha": draw(st.sampled_from((1, 1, -2, 0.3))),
+        "outer": 1 if one_column or form not in OUTER_FORMS else draw(st.sampled_from((1, 1, 3))),
+        "negative": form in NEGATIVE_FORMS and draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+    if form in ("scatter_reduce", "scatter_reduce_"):
+        case["reduce"] = draw(st.sampled_from(SCATTER_REDUCTIONS))
+    elif form == "index_reduce":
+        case["reduce"] = draw(st.sampled_from(INDEX_REDUCTIONS))
+    elif form == "segment_reduce":
+        case["reduce"] = draw(st.sampled_from(SEGMENT_REDUCTIONS))
+        case["initial"] = draw(st.sampled_from((None, 0.0, 2.0)))
+    elif form == "embedding_bag backward":
+        case["reduce"] = draw(st.sampled_from(BAG_MODES))
+        case["per_sample_weights"] = case["reduce"] == "sum" and draw(st.booleans())
+    if form in ("embedding backward", "embedding_bag backward"):
+        case["padding_idx"] = draw(st.sampled_from((None, 0)))
+    if form == "embedding backward":
+        case["scale_grad_by_freq"] = draw(st.booleans())
+    return case
+
+
+# Found by the nightly draw: one bag holding only the padding index, so every bag is empty.
+EVERY_BAG_EMPTY = {
+    "form": "embedding_bag backward", "dtype": torch.float32, "rows": 1, "width": 1,
+    "terms": 1, "index": "uniform", "data": "plain", "int32": False, "include_self": False,
+    "noncontiguous": False, "alpha": 1, "outer": 1, "negative": False, "seed": 0,
+    "reduce": "max", "per_sample_weights": False, "padding_idx": 0}
+
+
+def values(rng: random.Random, kind: str, shape, dtype) -> torch.Tensor:
+    """Data of ``shape``: plain normal, ``spread`` over many binades, or with specials."""
+    x = make_data(shape, dtype, seed=rng.randrange(2**31), spread=kind == "spread")
+    if kind == "special_values" and x.numel():
+        g = torch.Generator().manual_seed(rng.randrange(2**31))
+        specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0],
+                                dtype=dtype)
+        picks = torch.rand(shape, generator=g) < 0.05
+        x[picks] = specials[torch.randint(0, len(specials), (int(picks.sum()),), generator=g)]
+    return x
+
+
+def index_of(rng: random.Random, kind: str, count: int, rows: int) -> torch.Tensor:
+    """``count`` int64 values in ``[0, rows)``: uniform, ``hot`` (seven in ten on one row,
+    past a chunk whenever there are 366 terms or more) or ``sorted``."""
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    index = torch.randint(0, rows, (count,), generator=g)
+    if kind == "hot":
+        index[torch.rand(count, generator=g) < 0.7] = rng.randrange(rows)
+    elif kind == "sorted":
+        index = index.sort().values
+    return index
+
+
+def lay_out(x: torch.Tensor, noncontiguous: bool) -> torch.Tensor:
+    """``x``, or the same values in a buffer of its dims reversed (a tensor of other
+    strides)."""
+    if not noncontiguous or x.dim() < 2:
+        return x
+    return x.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+def build(case: dict):
+    """The call ``case`` names: a function of nothing that makes fresh tensors (so in-place
+    forms start from the same values each time) and returns the call's result."""
+    form, dtype = case["form"], case["dtype"]
+    rows, width, terms = case["rows"], case["width"], case["terms"]
+    rng = random.Random(case["seed"])
+    index = index_of(rng, case["index"], terms, rows)
+    if case["negative"]:
+        index = index - rows
+    if case["int32"] and form not in ("bincount", "embedding backward",
+                                      "embedding_bag backward", "histc"):
+        index = index.int()
+    # With an outer dim, (outer, rows, width) reduced along dim 1; else (rows, width) along 0.
+    outer = (case["outer"],) if case["outer"] > 1 else ()
+    dim = len(outer)
+    target = lay_out(values(rng, case["data"], (*outer, rows, width), dtype),
+                     case["noncontiguous"])
+    source = lay_out(values(rng, case["data"], (*outer, terms, width), dtype),
+                     case["noncontiguous"])
+    include_self = case["include_self"]
+    reduce = case.get("reduce")
+    if form == "index_add":
+        return lambda: target.index_add(dim, index, source, alpha=case["alpha"])
+    if form == "index_add_":
+        return lambda: target.clone().index_add_(dim, index, source, alpha=case["alpha"])
+    if form == "index_add_dim1":
+        return lambda: target.t().clone().index_add_(1, index, source.t(), alpha=case["alpha"])
+    if form in ("scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_"):
+        wide = index.view(*(1 for _ in outer), -1, 1).expand(source.shape)
+        if form == "scatter_add":
+            return lambda: target.scatter_add(dim, wide, source)
+        if form == "scatter_add_":
+            return lambda: target.clone().scatter_add_(dim, wide, source)
+        if form == "scatter_reduce":
+            return lambda: target.scatter_reduce(dim, wide, source, reduce,
+                                                 include_self=include_self)
+        return lambda: target.clone().scatter_reduce_(dim, wide, source, reduce,
+                                                      include_self=include_self)
+    if form == "scatter_add_elements":
+        # An index of its own for every element, over fewer rows of the source than it has.
+        elements = index_of(rng, case["index"], terms * width, rows).view(terms, width)
+        elements = elements[: max(terms - 1, 0)]
+        return lambda: target.scatter_add(0, elements, source)
+    if form == "index_reduce":
+        return lambda: target.index_reduce(dim, index, source, reduce,
+                                           include_self=include_self)
+    # x[idx] or x[:, idx]: the index after full slices.
+    at = (slice(None),) * dim + (index,)
+    if form == "index_put_":
+        return lambda: target.clone().index_put_(at, source, accumulate=True)
+    if form == "x[idx] backward":
+        def gather_backward():
+            weight = target.detach().clone().requires_grad_()
+            return torch.autograd.grad(weight[at], weight, source)[0]
+        return gather_backward
+    if form == "put_":
+        flat = index_of(rng, case["index"], terms, rows * width)  # put_ takes int64 only
+        if case["negative"]:
+            flat = flat - rows * width
+        return lambda: target.clone().put_(flat, source[:, 0].contiguous(), accumulate=True)
+    if form == "bincount":
+        return lambda: torch.bincount(index, source[:, 0], minlength=rows)
+    if form == "histc":
+        bins = rows
+        return lambda: torch.histc(source[:, 0], bins=bins, min=-2, max=2)
+    if form == "embedding backward":
+        def embedding_backward():
+            weight = target.detach().clone().requires_grad_()
+            out = torch.nn.functional.embedding(
+                index, weight, padding_idx=case["padding_idx"],
+                scale_grad_by_freq=case["scale_grad_by_freq"])
+            return torch.autograd.grad(out, weight, source)[0]
+        return embedding_backward
+    if form == "embedding_bag backward":
+        bags = sorted(rng.randrange(terms + 1) for _ in range(rng.randrange(1, 6)))
+        offsets = torch.tensor([0] + bags[1:], dtype=torch.int64)
+        grad = values(rng, case["data"], (len(offsets), width), dtype)
+        weights = values(rng, "plain", (terms,), dtype) if case["per_sample_weights"] else None
+
+        def embedding_bag_backward():
+            weight = target.detach().clone().requires_grad_()
+            out = torch.nn.functional.embedding_bag(
+                index, weight, offsets, mode=reduce, per_sample_weights=weights,
+                padding_idx=case["padding_idx"])
+            return torch.autograd.grad(out, weight, grad)[0]
+        return embedding_bag_backward
+    if form == "segment_reduce":
+        cuts = sorted(rng.randrange(terms + 1) for _ in range(rows - 1))
+        lengths = torch.tensor([b - a for a, b in zip([0] + cuts, cuts + [terms])])
+        data = 1 + source / 64 if reduce == "prod" else source
+        return lambda: torch.segment_reduce(data, reduce, lengths=lengths,
+                                            initial=case["initial"])
+    raise AssertionError(f"no call built for {form!r}")
+
+
+def explain(case: dict) -> None:
+    note(", ".join(f"{k}={v}" for k, v in case.items()))
+
+
+def outcome(call):
+    """(the call's result, None), or (None, the exception it raised)."""
+    try:
+        return call(), None
+    except Exception as error:  # noqa: BLE001 - compared with the other side's below
+        return None, error
+
+
+def assert_same_outcome(actual, expected) -> None:
+    """The same bits, or the same error (type and message): a call torch refuses is refused
+    under the switch in torch's own words."""
+    (got, got_error), (want, want_error) = actual, expected
+    if want_error is not None or got_error is not None:
+        assert type(got_error) is type(want_error), (got_error, want_error)
+        assert str(got_error) == str(want_error)
+        return
+    assert_same_bits(got, want)
+
+
+def on_one_thread(call):
+    """The call's outcome with torch on one thread. torch's own bits depend on its thread
+    count only where it counts per thread (``histc`` past the dtype's integers): the switch's
+    "autograd" mode gives its one-thread bits (docs/enable.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return outcome(call)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# torch 2.13's CPU scatter refuses an int32 index expanded with stride 0 over rows of 16
+# elements or more (its kernel for that form reads int64 only); the switch takes it
+# (docs/enable.md).
+TORCH_REFUSES_INT32 = "expected scalar type Long but found Int"
+
+
+def torchs_outcomes(case: dict, run) -> list:
+    """The outcomes the switch may give the call, torch's as ``run(build(case))`` gives it:
+    torch's one; for an int32 index that torch's kernel refuses (above), also its outcome for
+    the same index in int64, which the switch gives where it takes the call (where it leaves
+    the call to torch, torch's error)."""
+    result = run(build(case))
+    error = result[1]
+    if case["int32"] and isinstance(error, RuntimeError) and str(error) == TORCH_REFUSES_INT32:
+        return [result, run(build({**case, "int32": False}))]
+    return [result]
+
+
+def assert_one_of(actual, allowed: list) -> None:
+    """``assert_same_outcome(actual, e)`` for some ``e`` in ``allowed``."""
+    for expected in allowed[:-1]:
+        try:
+            assert_same_outcome(actual, expected)
+            return
+        except AssertionError:
+            pass
+    assert_same_outcome(actual, allowed[-1])
+
+
+@DIFFERENTIAL
+@given(case=switched_calls())
+@example(case=EVERY_BAG_EMPTY).via("an every-bag-empty max backward crashed the switch")
+def test_autograd_mode_gives_torchs_deterministic_bits(case):
+    explain(case)
+    with torch_deterministic():
+        allowed = torchs_outcomes(case, on_one_thread)
+    with detsum.deterministic("autograd"):
+        actual = outcome(build(case))
+    assert_one_of(actual, allowed)
+
+
+@DIFFERENTIAL
+@given(case=switched_calls(), mode=st.sampled_from(OTHER_MODES))
+@example(case=EVERY_BAG_EMPTY, mode="fp32").via("the same, in every mode")
+def test_other_modes_give_the_reference_backends_bits(case, mode):
+    explain(case)
+    note(f"mode={mode}")
+    call = build(case)
+    torchs = torchs_outcomes(case, outcome)
+    with detsum.deterministic(mode):
+        with detsum.backend("reference"):
+            expected = outcome(call)
+        actual = outcome(call)
+    assert_same_outcome(actual, expected)
+    # What torch refuses, the switch refuses in torch's words; what torch takes, it takes,
+    # into torch's shape and dtype.
+    got, got_error = actual
+    if got_error is not None:
+        assert any(type(error) is type(got_error) and str(error) == str(got_error)
+                   for _, error in torchs), (got_error, torchs)
+    else:
+        taken = [result for result, error in torchs if error is None]
+        assert taken, ("taken where torch refuses", torchs)
+        assert (got.shape, got.dtype) == (taken[-1].shape, taken[-1].dtype)
+
+
+def test_the_draw_reaches_every_form_on_both_sides_of_each_line():
+    """The draw itself: otherwise the tests above could silently stop reaching a path."""
+    seen = []
+
+    @differential_settings("ci", ci_examples=300)
+    @given(case=switched_calls())
+    def collect(case):
+        seen.append(case)
+
+    collect()
+    assert {c["form"] for c in seen} == set(FORMS)
+    assert {c["form"] for c in seen if c["terms"] in ONE_COLUMN_TERMS} == set(ONE_COLUMN_FORMS)
+    for terms in (0, CHUNK_TERMS - 1, CHUNK_TERMS, CHUNK_TERMS + 1, 32767, 32768):
+        assert any(c["terms"] == terms for c in seen), terms
+    # One row past a chunk (seven in ten terms on it): the short ways' line.
+    assert any(c["index"] == "hot" and c["terms"] * 0.7 > 1.2 * CHUNK_TERMS for c in seen)
+    # Past the small calls' limit with rows of several elements, not only one column.
+    assert any(c["width"] > 1 and (c["rows"] + c["terms"]) * c["width"] > SMALL_CALL_ELEMENTS
+               for c in seen)
+    assert {c["outer"] for c in seen} == {1, 3}
+    for key in ("int32", "include_self", "noncontiguous", "negative"):
+        assert {c[key] for c in seen} == {True, False}, key
+    assert {c["data"] for c in seen} == {"plain", "spread", "special_values"}
+    assert {c["dtype"] for c in seen} == set(DTYPES)

@@ -823,6 +823,8 @@ def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True
             return None
     elif reduce != "amax" and reduce != "amin":
         return None
+    elif _torch_breaks_zero_ties(mode, self, src, reduce, include_self):
+        return None
     shape, index_shape = self.shape, index.shape
     ndim = len(shape)
     if ndim == 0 or index_shape != src.shape or len(index_shape) != ndim or not (
@@ -1058,6 +1060,37 @@ def _index_add_out(mode, self, dim, index, source, *, alpha=1, out):
 
 # scatter_add, scatter_reduce --------------------------------------------------------------------
 
+def _torch_breaks_zero_ties(mode, self, src, reduce, include_self) -> bool:
+    """Whether an "autograd" amax or amin of CPU tensors is left to torch's kernel: where
+    zeros of both signs meet (in ``src``, or in ``self`` too with ``include_self``). torch's
+    CPU kernels keep the earlier of a +0.0/-0.0 tie in their scalar loops and the later in
+    their vector loops: ``index_reduce`` over rows as wide as the CPU's vector or wider (16
+    float32 elements on AVX-512, 8 on AVX2, the rest of a row in the scalar loop),
+    ``scatter_reduce``'s dim-0 path for an index expanded over 16 elements or more. So only
+    its own kernel gives its bits there, on every machine. detsum's amax and amin keep the
+    earlier everywhere; without zeros of both signs no tie has two answers."""
+    if mode != "autograd" or (reduce != "amax" and reduce != "amin") or not self.is_cpu:
+        return False
+    signs = _zero_signs(src)
+    if include_self and signs != {True, False}:
+        signs |= _zero_signs(self)
+    return signs == {True, False}
+
+
+def _zero_signs(values: torch.Tensor) -> set[bool]:
+    """The signs (``signbit``) of the zeros among ``values``."""
+    zeros = values == 0
+    if not bool(zeros.any()):
+        return set()
+    negative = torch.signbit(values) & zeros
+    signs = set()
+    if bool(negative.any()):
+        signs.add(True)
+    if not torch.equal(negative, zeros):
+        signs.add(False)
+    return signs
+
+
 def _scatter_terms(mode, self, dim, index, src, reduce, include_self):
     """(dim, src cut to index's shape) for the calls detsum takes, else None. torch's index
     may be smaller than src in any dim and than self in every dim but ``dim``; detsum takes
@@ -1066,6 +1099,8 @@ def _scatter_terms(mode, self, dim, index, src, reduce, include_self):
             and index.dim() == self.dim() == src.dim() and _plain(self, index, src)):
         return None
     if reduce not in _scatter_reduce_op.REDUCTIONS or (reduce == "prod" and mode == "exact"):
+        return None
+    if _torch_breaks_zero_ties(mode, self, src, reduce, include_self):
         return None
     # torch's CPU scatter sums float16/bfloat16 in an fp32 buffer on some layouts, not on
     # others (as index_add above): torch's kernel is the one source of those bits, its mean's
@@ -1211,6 +1246,8 @@ _INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
 def _index_reduce_dim(mode, self, dim, index, source, reduce, include_self) -> int | None:
     """``index_reduce`` is ``scatter_reduce`` with a 1-D row index: detsum's row form."""
     if reduce not in _INDEX_REDUCTIONS or (reduce == "prod" and mode == "exact"):
+        return None
+    if _torch_breaks_zero_ties(mode, self, source, reduce, include_self):
         return None
     # torch's CPU kernel rounds float16/bfloat16 products and means its own way here: it is the
     # one source of those bits. Its CUDA kernel (atomics) is refused in deterministic mode:

@@ -363,6 +363,61 @@ def test_autograd_mode_runs_detsum_where_it_reproduces_torch():
     assert all(ran.values()), ran
 
 
+def zero_tie_calls(dtype, width, include_self, signs):
+    """(operator, call) for each amax/amin form of scatter_reduce and index_reduce on rows of
+    ``width`` elements: 40 terms into 3 rows, zeros of the ``signs`` given (+0.0, -0.0 or
+    both) among negative values, so that a zero is each element's maximum and ties."""
+    generator = torch.Generator().manual_seed(width)
+    zeros = torch.tensor([0.0 if sign > 0 else -0.0 for sign in signs])
+    src = -torch.rand(40, width, generator=generator).to(dtype) - 1
+    src[::2] = zeros[torch.arange(20) % len(zeros)].view(-1, 1).to(dtype)
+    target = -torch.rand(3, width, generator=generator).to(dtype) - 1
+    target[0] = zeros[-1]
+    index = torch.arange(40) % 3
+    wide = index.view(-1, 1).expand(40, width)
+    calls = []
+    for reduce in ("amax", "amin"):
+        terms = src if reduce == "amax" else -src
+        base = target if reduce == "amax" else -target
+        calls += [
+            ("scatter_reduce.two", functools.partial(
+                torch.scatter_reduce, base, 0, wide, terms, reduce, include_self=include_self)),
+            ("scatter_reduce_.two", lambda b=base, t=terms, r=reduce: b.clone().scatter_reduce_(
+                0, wide, t, r, include_self=include_self)),
+            ("scatter_reduce.two_out", lambda b=base, t=terms, r=reduce: torch.scatter_reduce(
+                b, 0, wide, t, r, include_self=include_self, out=torch.empty_like(b))),
+            ("index_reduce", functools.partial(
+                torch.index_reduce, base, 0, index, terms, reduce, include_self=include_self)),
+            ("index_reduce_", lambda b=base, t=terms, r=reduce: b.clone().index_reduce_(
+                0, index, t, r, include_self=include_self)),
+            ("index_reduce.out", lambda b=base, t=terms, r=reduce: torch.index_reduce(
+                b, 0, index, t, r, include_self=include_self, out=torch.empty_like(b))),
+        ]
+    return calls
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("width", [1, 5, 16, 33])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_autograd_amax_and_amin_give_torchs_zero_ties(dtype, width, include_self):
+    """torch's CPU kernels keep the earlier of a +0.0/-0.0 tie in their scalar loops and the
+    later in their vector loops (index_reduce over rows of a vector's width or more, which
+    the machine's vector width sets; scatter_reduce's dim-0 path for an index expanded over 16
+    elements or more). "autograd" mode gives torch's bits by leaving a call whose values hold
+    zeros of both signs to torch's kernel, and runs the same calls with zeros of one sign on
+    detsum (no tie then has two answers)."""
+    for signs, on_detsum in (((1, -1), False), ((1,), True), ((-1,), True)):
+        for operator, call in zero_tie_calls(dtype, width, include_self, signs):
+            expected = call()
+            before = switch.counts.copy()
+            with detsum.deterministic("autograd"):
+                actual = call()
+            took = switch.counts - before
+            assert_same_bits(actual, expected)
+            assert took == {(operator, "detsum" if on_detsum else "torch"): 1}, (
+                operator, signs, took)
+
+
 # ---- the other modes -------------------------------------------------------------------------
 
 def primitive(mode, dtype, seed=0):
@@ -566,7 +621,8 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
     them, rows without terms among them; index_reduce_'s, index_put_'s and put_'s. It takes
     the sums and means of the rules it has (not "exact"'s); "autograd" gives it only what
     reproduces torch (no 16-bit float sums or means but index_put_'s and put_'s, which torch
-    rounds in the dtype after every add)."""
+    rounds in the dtype after every add; no amax or amin over zeros of both signs, whose
+    ties torch breaks its own way)."""
     generator = torch.Generator().manual_seed(8)
     index = torch.randperm(600, generator=generator) % 7
     torchs_sums = mode == "autograd" and dtype in (torch.bfloat16, torch.float16)
@@ -576,7 +632,11 @@ def test_small_in_place_reductions_take_one_call_with_the_primitives_bits(
             small_in_place_answers.clear()
             with detsum.deterministic(mode):
                 actual = switched()
-            if reduce in ("sum", "mean") and torchs_sums:
+            # The amax and amin over ``signed`` (named by include_self) compare zeros of both
+            # signs.
+            torchs_ties = (mode == "autograd" and reduce in ("amax", "amin")
+                           and "include_self=" in name)
+            if reduce in ("sum", "mean") and torchs_sums or torchs_ties:
                 assert small_in_place_answers == [], name
                 assert_same_bits(actual, switched())  # torch's own, the switch off
                 continue

@@ -438,10 +438,35 @@ bool reduce_rows_as(const at::Tensor& target, int64_t dim, const I* index_values
   return true;
 }
 
+// The signs of the zeros among n values, added to *positive and *negative.
+template <typename T>
+void zero_signs(const T* values, int64_t n, bool* positive, bool* negative) {
+  for (int64_t i = 0; i < n && !(*positive && *negative); ++i)
+    if (values[i] == T(0)) (std::signbit(values[i]) ? *negative : *positive) = true;
+}
+
+void zero_signs(const at::Tensor& t, bool* positive, bool* negative) {
+  if (t.scalar_type() == at::kFloat)
+    zero_signs(t.const_data_ptr<float>(), t.numel(), positive, negative);
+  else
+    zero_signs(t.const_data_ptr<double>(), t.numel(), positive, negative);
+}
+
+// Whether an amax or amin compares zeros of both signs (in source, or in target too with
+// include_base): in "autograd" mode torch's kernel breaks such ties its own way
+// (_torch_breaks_zero_ties), so the Python kernel hands the call to it.
+bool zero_ties(const at::Tensor& target, const at::Tensor& source, bool include_base) {
+  bool positive = false, negative = false;
+  zero_signs(source, &positive, &negative);
+  if (include_base) zero_signs(target, &positive, &negative);
+  return positive && negative;
+}
+
 // The checks every form shares (_short_plain, _changeable and small_reduce_in_place's): CPU
 // strided tensors without lazy negation, target and source of one dtype, float32 or float64,
 // an int32 or int64 index, all nonempty, a contiguous writable target and source, small, no
-// memory shared; then the reduction.
+// memory shared; in "autograd" mode an amax or amin without zeros of both signs to compare
+// (_torch_breaks_zero_ties: torch's kernel breaks such ties its own way); then the reduction.
 bool reduce_rows(const at::Tensor& target, int64_t dim, const at::Tensor& index,
                  int64_t index_stride, int64_t n, const at::Tensor& source, Reduce reduce,
                  bool include_base, double alpha) {
@@ -451,6 +476,9 @@ bool reduce_rows(const at::Tensor& target, int64_t dim, const at::Tensor& index,
       source.numel() == 0 || !writable_target(target) || !source.is_contiguous() ||
       source.numel() + target.numel() > g_max_elements.load(std::memory_order_relaxed) ||
       spans_meet(target, source) || spans_meet(target, index))
+    return false;
+  if (reduce != Reduce::kSum && g_autograd.load(std::memory_order_relaxed) &&
+      zero_ties(target, source, include_base))
     return false;
   if (index.scalar_type() == at::kLong)
     return reduce_rows_as(target, dim, index.const_data_ptr<int64_t>(), index_stride, n, source,

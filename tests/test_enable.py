@@ -375,24 +375,22 @@ def zero_tie_calls(dtype, width, include_self, signs):
     target[0] = zeros[-1]
     index = torch.arange(40) % 3
     wide = index.view(-1, 1).expand(40, width)
+    # Each op with its index, and its operators: out of place, in place, out=.
+    ops = (("scatter_reduce", wide,
+            ("scatter_reduce.two", "scatter_reduce_.two", "scatter_reduce.two_out")),
+           ("index_reduce", index, ("index_reduce", "index_reduce_", "index_reduce.out")))
     calls = []
     for reduce in ("amax", "amin"):
         terms = src if reduce == "amax" else -src
         base = target if reduce == "amax" else -target
-        calls += [
-            ("scatter_reduce.two", functools.partial(
-                torch.scatter_reduce, base, 0, wide, terms, reduce, include_self=include_self)),
-            ("scatter_reduce_.two", lambda b=base, t=terms, r=reduce: b.clone().scatter_reduce_(
-                0, wide, t, r, include_self=include_self)),
-            ("scatter_reduce.two_out", lambda b=base, t=terms, r=reduce: torch.scatter_reduce(
-                b, 0, wide, t, r, include_self=include_self, out=torch.empty_like(b))),
-            ("index_reduce", functools.partial(
-                torch.index_reduce, base, 0, index, terms, reduce, include_self=include_self)),
-            ("index_reduce_", lambda b=base, t=terms, r=reduce: b.clone().index_reduce_(
-                0, index, t, r, include_self=include_self)),
-            ("index_reduce.out", lambda b=base, t=terms, r=reduce: torch.index_reduce(
-                b, 0, index, t, r, include_self=include_self, out=torch.empty_like(b))),
-        ]
+        for op, rows, operators in ops:
+            args = (0, rows, terms, reduce)
+            calls += zip(operators, (
+                functools.partial(getattr(torch, op), base, *args, include_self=include_self),
+                lambda b=base, a=args, op=op: getattr(b.clone(), op + "_")(
+                    *a, include_self=include_self),
+                lambda b=base, a=args, op=op: getattr(torch, op)(
+                    b, *a, include_self=include_self, out=torch.empty_like(b))))
     return calls
 
 

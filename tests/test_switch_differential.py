@@ -174,6 +174,15 @@ def lay_out(x: torch.Tensor, noncontiguous: bool) -> torch.Tensor:
     return x.transpose(0, -1).contiguous().transpose(0, -1)
 
 
+def backward_of(function, weight, grad):
+    """A function of nothing: the gradient of ``function(weight)`` for ``grad``, with
+    respect to a fresh copy of ``weight`` (the call whose backward accumulates)."""
+    def backward():
+        leaf = weight.detach().clone().requires_grad_()
+        return torch.autograd.grad(function(leaf), leaf, grad)[0]
+    return backward
+
+
 def build(case: dict, *, torchs_strides: bool = False):
     """The call ``case`` names: a function of nothing that makes fresh tensors (so in-place
     forms start from the same values each time) and returns the call's result.
@@ -205,18 +214,12 @@ def build(case: dict, *, torchs_strides: bool = False):
         return lambda: torch.index_add(target, dim, index, source, alpha=case["alpha"],
                                        out=torch.full_like(target, float("nan")))
     if form == "index_select backward":
-        def index_select_backward():
-            weight = target.detach().clone().requires_grad_()
-            return torch.autograd.grad(weight.index_select(dim, index), weight, source)[0]
-        return index_select_backward
+        return backward_of(lambda weight: weight.index_select(dim, index), target, source)
     if form == "index_add_dim1":
         return lambda: target.t().clone().index_add_(1, index, source.t(), alpha=case["alpha"])
     wide = index.view(*(1 for _ in outer), -1, 1).expand(source.shape)
     if form == "gather backward":
-        def gather_backward():
-            weight = target.detach().clone().requires_grad_()
-            return torch.autograd.grad(weight.gather(dim, wide), weight, source)[0]
-        return gather_backward
+        return backward_of(lambda weight: weight.gather(dim, wide), target, source)
     if form == "scatter_reduce out":
         return lambda: torch.scatter_reduce(target, dim, wide, source, reduce,
                                             include_self=include_self,
@@ -248,19 +251,12 @@ def build(case: dict, *, torchs_strides: bool = False):
     if form == "index_put_":
         return lambda: target.clone().index_put_(at, source, accumulate=True)
     if form == "x[idx] backward":
-        def indexing_backward():
-            weight = target.detach().clone().requires_grad_()
-            return torch.autograd.grad(weight[at], weight, source)[0]
-        return indexing_backward
+        return backward_of(lambda weight: weight[at], target, source)
     if form == "x[idx2d] backward":
         # An index of two dims: its terms in row-major order, as torch flattens it.
         halves = (2, terms // 2) if terms % 2 == 0 else (1, terms)
-
-        def indexing_backward_2d():
-            weight = target.detach().clone().requires_grad_()
-            return torch.autograd.grad(weight[index.view(halves)], weight,
-                                       source.reshape(*halves, width))[0]
-        return indexing_backward_2d
+        return backward_of(lambda weight: weight[index.view(halves)], target,
+                           source.reshape(*halves, width))
     if form == "put_":
         flat = index_of(rng, case["index"], terms, rows * width)  # put_ takes int64 only
         if case["negative"]:
@@ -276,26 +272,17 @@ def build(case: dict, *, torchs_strides: bool = False):
         return lambda: torch.histc(source[:, 0], bins=rows, min=-2, max=2,
                                    out=torch.full((rows,), float("nan"), dtype=dtype))
     if form == "embedding backward":
-        def embedding_backward():
-            weight = target.detach().clone().requires_grad_()
-            out = torch.nn.functional.embedding(
-                index, weight, padding_idx=case["padding_idx"],
-                scale_grad_by_freq=case["scale_grad_by_freq"])
-            return torch.autograd.grad(out, weight, source)[0]
-        return embedding_backward
+        return backward_of(lambda weight: torch.nn.functional.embedding(
+            index, weight, padding_idx=case["padding_idx"],
+            scale_grad_by_freq=case["scale_grad_by_freq"]), target, source)
     if form == "embedding_bag backward":
         bags = sorted(rng.randrange(terms + 1) for _ in range(rng.randrange(1, 6)))
         offsets = torch.tensor([0] + bags[1:], dtype=torch.int64)
         grad = values(rng, case["data"], (len(offsets), width), dtype)
         weights = values(rng, "plain", (terms,), dtype) if case["per_sample_weights"] else None
-
-        def embedding_bag_backward():
-            weight = target.detach().clone().requires_grad_()
-            out = torch.nn.functional.embedding_bag(
-                index, weight, offsets, mode=reduce, per_sample_weights=weights,
-                padding_idx=case["padding_idx"])
-            return torch.autograd.grad(out, weight, grad)[0]
-        return embedding_bag_backward
+        return backward_of(lambda weight: torch.nn.functional.embedding_bag(
+            index, weight, offsets, mode=reduce, per_sample_weights=weights,
+            padding_idx=case["padding_idx"]), target, grad)
     if form == "segment_reduce":
         cuts = sorted(rng.randrange(terms + 1) for _ in range(rows - 1))
         lengths = torch.tensor([b - a for a, b in zip([0] + cuts, cuts + [terms])])

@@ -1068,8 +1068,11 @@ def _torch_breaks_zero_ties(mode, self, src, reduce, include_self) -> bool:
     float32 elements on AVX-512, 8 on AVX2, the rest of a row in the scalar loop),
     ``scatter_reduce``'s dim-0 path for an index expanded over 16 elements or more. So only
     its own kernel gives its bits there, on every machine. detsum's amax and amin keep the
-    earlier everywhere; without zeros of both signs no tie has two answers."""
-    if mode != "autograd" or (reduce != "amax" and reduce != "amin") or not self.is_cpu:
+    earlier everywhere; without zeros of both signs no tie has two answers. Not for CPU
+    tensors standing in for a GPU's (``_segments.GPU_CHECKS_ON_CPU``, in tests): a GPU's path
+    reads no value back."""
+    if (mode != "autograd" or (reduce != "amax" and reduce != "amin") or not self.is_cpu
+            or _segments.GPU_CHECKS_ON_CPU):
         return False
     signs = _zero_signs(src)
     if include_self and signs != {True, False}:

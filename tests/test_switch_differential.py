@@ -431,14 +431,15 @@ def test_a_gpus_path_gives_the_host_paths_bits(case, mode):
     """What a GPU's tensors take under the switch (the triton backend with a GPU's check
     levels: no value read back, padding rows, empty bags and values outside a histogram sent
     to a spare row), run on CPU tensors in Triton's interpreter, gives the bits of the host
-    path (the Numba backend, the C++ kernels and the short ways), or its error. ("autograd"
-    here is the CPU's rule: on CUDA some forms go to torch's CUDA kernels.)"""
+    path (the Numba backend, the C++ kernels and the short ways, with a GPU's check levels
+    too), or its error. ("autograd" here is detsum's own rule on both paths: on CUDA some
+    forms go to torch's CUDA kernels, and no zero tie goes to torch's CPU kernel.)"""
     explain(case)
     note(f"mode={mode}")
     call = build(case)
-    with detsum.deterministic(mode):
-        on_host = outcome(call)
-        with gpu_path():
+    with detsum.deterministic(mode), gpu_path("numba"):
+        on_host = outcome(call)  # the Numba backend checks on the host whatever it is asked
+        with detsum.backend("triton"):
             on_device = outcome(call)
     assert_same_outcome(on_device, on_host)
 

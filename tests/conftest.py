@@ -81,6 +81,8 @@ def differential_settings(profile: str, *, ci_examples: int | None = None
         max_examples=examples, deadline=None, derandomize=profile == "ci", database=None,
         suppress_health_check=[hypothesis.HealthCheck.too_slow,
                                hypothesis.HealthCheck.data_too_large])
+
+
 #: Whether the triton backend runs CPU tensors: only in Triton's interpreter, which is on where
 #: there is no GPU. On a GPU machine it is off (the kernels run on the GPU) and the tests marked
 #: ``interpreter`` skip: they run the triton backend on CPU tensors as a stand-in for a GPU's

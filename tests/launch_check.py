@@ -710,11 +710,14 @@ def _unplanned_calls():
 def _as_matched(again: list, whole: list, named: dict) -> bool:
     """Whether two calls' driver calls match: the same kernels, grids and integers, the call's
     own tensors (``named``: pointer -> name, each call's) in the same places, and every other
-    tensor (one the call made) in the same places as one other of the other call's."""
+    tensor (one the call made) in the same places as one other of the other call's, while it
+    is in use (from its first launch to its last)."""
     if len(again) != len(whole):
         return False
-    pairs = {}
-    for (launcher, args), (their_launcher, their_args) in zip(again, whole):
+    # Each pair of made tensors' addresses, with the first and last launch that passes it.
+    spans = {}
+    for launch_number, ((launcher, args), (their_launcher, their_args)) in enumerate(
+            zip(again, whole)):
         if launcher is not their_launcher or args[:_HEAD] != their_args[:_HEAD]:
             return False
         for ours, theirs in zip(args[_HEAD + 3:], their_args[_HEAD + 3:], strict=True):
@@ -722,9 +725,22 @@ def _as_matched(again: list, whole: list, named: dict) -> bool:
             if ours_name is not None or theirs_name is not None:
                 if ours_name != theirs_name:
                     return False
-            elif pairs.setdefault(ours, theirs) != theirs:
-                return False
-    return len(set(pairs.values())) == len(pairs)
+            else:
+                spans.setdefault((ours, theirs), [launch_number, launch_number])[1] = \
+                    launch_number
+    # A tensor the call made again passes (its tape's workspace, one place each) is one of
+    # the whole path's. An address of the whole path may stand for two of the call's in turn
+    # (its allocator giving a dead temporary's memory to a later one), never at once.
+    if len({ours for ours, _ in spans}) != len(spans):
+        return False
+    by_address = {}
+    for (_, theirs), span in spans.items():
+        by_address.setdefault(theirs, []).append(span)
+    for in_turn in by_address.values():
+        in_turn.sort()
+        if any(earlier[1] >= later[0] for earlier, later in zip(in_turn, in_turn[1:])):
+            return False
+    return True
 
 
 def check_calls_made_again() -> dict:

@@ -143,7 +143,9 @@ ZERO_TIES = {
 
 
 def values(rng: random.Random, kind: str, shape, dtype) -> torch.Tensor:
-    """Data of ``shape``: plain normal, ``spread`` over many binades, or with specials."""
+    """Data of ``shape``: plain normal, ``spread`` over many binades, or with specials. (Like
+    ``test_differential.draw_values``, but drawn otherwise: the examples pinned above were
+    found with this draw, and hold their cases only through it.)"""
     x = make_data(shape, dtype, seed=rng.randrange(2**31), spread=kind == "spread")
     if kind == "special_values" and x.numel():
         g = torch.Generator().manual_seed(rng.randrange(2**31))

@@ -823,8 +823,6 @@ def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True
             return None
     elif reduce != "amax" and reduce != "amin":
         return None
-    elif _torch_breaks_zero_ties(mode, self, src, reduce, include_self):
-        return None
     shape, index_shape = self.shape, index.shape
     ndim = len(shape)
     if ndim == 0 or index_shape != src.shape or len(index_shape) != ndim or not (
@@ -835,8 +833,15 @@ def _scatter_short(mode, self, dim, index, src, reduce="sum", include_self=True
             index_shape[:dim] != shape[:dim] or index_shape[dim + 1:] != shape[dim + 1:])):
         return None
     rows = _scatter_reduce_op.stride_zero_rows(index, dim)
-    return self if rows is not None and _changeable(self) and _small_in_place(
-        mode, self, dim, rows, src, reduce, include_self) else None
+    if rows is None or not _changeable(self):
+        return None
+    # A call past the one small call's size goes to the body, which looks for zero ties
+    # itself: looked for here too, they would cost such a call a second pass over src.
+    if reduce in ("amax", "amin") and (
+            self.numel() + src.numel() > _small_elements()
+            or _torch_breaks_zero_ties(mode, self, src, reduce, include_self)):
+        return None
+    return self if _small_in_place(mode, self, dim, rows, src, reduce, include_self) else None
 
 
 def _scatter_add_short(mode, self, dim, index, src) -> torch.Tensor | None:
